@@ -1,0 +1,48 @@
+"""QuantMLA: low-bit MLA KV caches and decode attention on packed pages.
+
+Quick start::
+
+    import quantmla_core as qm
+    fmt = qm.PackFormat.parse("C4R4")
+    cache = qm.MLACache.allocate(fmt, num_pages, max_seqs, device="cuda")
+    qm.write(cache, latent, k_rope, slot_mapping=..., seq_ids=..., positions=..., seq_lens=...)
+    out, lse = qm.attention(q_latent, q_rope, cache, block_table=..., seq_lens=..., seq_ids=...,
+                            softmax_scale=tau)
+"""
+
+from .api import attention, write
+from .cache import MLACache, compression_ratio, memory_bytes
+from .dispatch import (
+    Backend,
+    Capabilities,
+    DeviceInfo,
+    NoBackendError,
+    Problem,
+    available_backends,
+    get_backend,
+    registered_backends,
+    select_backend,
+)
+from .formats import PackFormat
+from .paged import PagedMLACache
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PackFormat",
+    "MLACache",
+    "PagedMLACache",
+    "write",
+    "attention",
+    "memory_bytes",
+    "compression_ratio",
+    "Backend",
+    "Capabilities",
+    "DeviceInfo",
+    "Problem",
+    "NoBackendError",
+    "available_backends",
+    "get_backend",
+    "registered_backends",
+    "select_backend",
+]

@@ -1,0 +1,240 @@
+"""Backend declarations and selection (DESIGN.md §5).
+
+Each backend declares, as data, what it serves (:class:`Capabilities`) and can add reasons
+of its own. ``backend="auto"`` walks a priority list for the hardware of the inputs and
+takes the first backend with no reason against it; when none fits, :class:`NoBackendError`
+lists every backend's reasons. Selection has no side effects.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import torch
+
+from .formats import PackFormat
+
+ENV_OVERRIDE = "QUANTMLA_BACKEND"
+
+#: auto priority per device kind
+PRIORITY: dict[str, tuple[str, ...]] = {
+    "cuda": ("triton", "cupy", "torch"),
+    "rocm": ("triton", "torch"),
+    "cpu": ("numba", "torch", "reference"),
+    "numpy": ("numba", "reference"),
+}
+
+
+class NoBackendError(RuntimeError):
+    """No backend (or not the requested one) can serve a call; ``reasons`` maps name -> reasons."""
+
+    def __init__(self, message: str, reasons: dict[str, list[str]]):
+        lines = [message] + [f"  {name}: {'; '.join(r)}" for name, r in reasons.items()]
+        super().__init__("\n".join(lines))
+        self.reasons = reasons
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """The hardware a call runs on. ``kind`` is "cuda", "rocm", "cpu", "numpy" or another torch
+    device type ("mps", "xpu", ...). Tests build fakes directly."""
+
+    kind: str
+    name: str = ""
+    capability: tuple[int, int] | None = None
+    sm_count: int | None = None
+
+    @classmethod
+    def of(cls, x: Any) -> "DeviceInfo":
+        """DeviceInfo of an array (NumPy -> "numpy") or a torch tensor/device."""
+        if isinstance(x, np.ndarray):
+            return cls("numpy", "numpy")
+        dev = x.device if isinstance(x, torch.Tensor) else torch.device(x)
+        if dev.type == "cuda":
+            return _cuda_info(dev.index if dev.index is not None else torch.cuda.current_device())
+        return cls(dev.type, dev.type)
+
+
+@lru_cache(maxsize=None)
+def _cuda_info(index: int) -> DeviceInfo:
+    props = torch.cuda.get_device_properties(index)
+    kind = "rocm" if getattr(torch.version, "hip", None) else "cuda"
+    return DeviceInfo(kind, props.name, (props.major, props.minor), props.multi_processor_count)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What a call needs: op ("write" or "attention"), format, device and value dtype."""
+
+    op: str
+    format: PackFormat
+    device: DeviceInfo
+    dtype: str = "float32"
+    protect_dtype: str = "bfloat16"
+    num_heads: int = 1
+    q_len: int = 1
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend serves, declared as data."""
+
+    devices: frozenset[str]
+    content_bits: frozenset[int] = frozenset({2, 4, 8, 16})
+    rope_bits: frozenset[int] = frozenset({2, 4, 8, 16})
+    latent_dims: frozenset[int] | None = None  # None: any the format allows
+    rope_dims: frozenset[int] | None = None
+    page_sizes: frozenset[int] = frozenset({16, 32, 64, 128})
+    group_sizes: frozenset[int] = frozenset({32, 64, 128})
+    dtypes: frozenset[str] = frozenset({"float32", "bfloat16"})
+    protect_dtypes: frozenset[str] = frozenset({"float32", "bfloat16"})
+    versions: frozenset[int] = frozenset({1})
+    max_heads: int = 1 << 30
+    max_q_len: int = 1 << 30
+    min_capability: tuple[int, int] | None = None
+    ops: frozenset[str] = frozenset({"write", "attention"})
+
+
+class Backend:
+    """Base class: subclasses set ``name``, ``capabilities``, ``requires`` (import names) and
+    implement :meth:`write` and :meth:`attention` (arguments already validated by the API;
+    queries always 4-D ``[B, S_q, H, d]``)."""
+
+    name: str = ""
+    capabilities: Capabilities = Capabilities(devices=frozenset())
+    requires: tuple[str, ...] = ()
+
+    def unavailable_reason(self) -> str | None:
+        """Why the backend cannot run in this process at all (missing package, ...), or None."""
+        return _import_reason(self.requires)
+
+    def extra_reasons(self, problem: Problem) -> list[str]:
+        """Backend-specific reasons beyond the declared capabilities."""
+        return []
+
+    def not_supported_reasons(self, problem: Problem) -> list[str]:
+        why = self.unavailable_reason()
+        if why:
+            return [why]
+        return declared_reasons(self.capabilities, problem) + self.extra_reasons(problem)
+
+    def write(self, cache, latent, k_rope, slot_mapping, seq_ids, positions, seq_lens) -> None:
+        raise NotImplementedError
+
+    def attention(self, q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale: float):
+        raise NotImplementedError
+
+
+@lru_cache(maxsize=None)
+def _import_reason(modules: tuple[str, ...]) -> str | None:
+    for mod in modules:
+        try:
+            importlib.import_module(mod)
+        except Exception as exc:  # ImportError, or a broken install raising something else
+            return f"package {mod!r} not importable ({type(exc).__name__}: {exc})".strip()
+    return None
+
+
+def declared_reasons(cap: Capabilities, p: Problem) -> list[str]:
+    """Reasons a backend's declared capabilities exclude a problem."""
+    f = p.format
+    checks: list[tuple[bool, str]] = [
+        (p.op in cap.ops, f"does not implement op {p.op!r}"),
+        (p.device.kind in cap.devices, f"device {p.device.kind!r} not in {sorted(cap.devices)}"),
+        (f.content_bits in cap.content_bits, f"content bits {f.content_bits} not in {sorted(cap.content_bits)}"),
+        (f.rope_bits in cap.rope_bits, f"rope bits {f.rope_bits} not in {sorted(cap.rope_bits)}"),
+        (cap.latent_dims is None or f.latent_dim in cap.latent_dims, f"latent_dim {f.latent_dim} not in {sorted(cap.latent_dims or ())}"),
+        (cap.rope_dims is None or f.rope_dim in cap.rope_dims, f"rope_dim {f.rope_dim} not in {sorted(cap.rope_dims or ())}"),
+        (f.page_size in cap.page_sizes, f"page_size {f.page_size} not in {sorted(cap.page_sizes)}"),
+        (not f.quantized or f.group_size in cap.group_sizes, f"group_size {f.group_size} not in {sorted(cap.group_sizes)}"),
+        (f.version in cap.versions, f"layout version {f.version} not in {sorted(cap.versions)}"),
+        (p.dtype in cap.dtypes, f"dtype {p.dtype} not in {sorted(cap.dtypes)}"),
+        (p.protect_dtype in cap.protect_dtypes, f"protection dtype {p.protect_dtype} not in {sorted(cap.protect_dtypes)}"),
+        (p.num_heads <= cap.max_heads, f"{p.num_heads} heads > max {cap.max_heads}"),
+        (p.q_len <= cap.max_q_len, f"S_q={p.q_len} > max {cap.max_q_len}"),
+    ]
+    if cap.min_capability is not None and p.device.capability is not None:
+        checks.append(
+            (p.device.capability >= cap.min_capability, f"compute capability {p.device.capability} < {cap.min_capability}")
+        )
+    return [msg for ok, msg in checks if not ok]
+
+
+# ---------------------------------------------------------------------- registry
+#: name -> "module:Class"; modules are imported lazily and must not import optional packages at import time
+_REGISTRY: dict[str, str] = {
+    "triton": "quantmla_core.backends.triton:TritonBackend",
+    "cupy": "quantmla_core.backends.cupy:CupyBackend",
+    "numba": "quantmla_core.backends.numba:NumbaBackend",
+    "torch": "quantmla_core.backends.torch:TorchBackend",
+    "reference": "quantmla_core.backends.reference:ReferenceBackend",
+}
+
+
+def registered_backends() -> list[str]:
+    return list(_REGISTRY)
+
+
+class _MissingBackend(Backend):
+    def __init__(self, name: str, reason: str):
+        self.name, self._reason = name, reason
+
+    def unavailable_reason(self) -> str | None:
+        return self._reason
+
+
+@lru_cache(maxsize=None)
+def get_backend(name: str) -> Backend:
+    """The backend instance registered as ``name`` (a stand-in with a reason if its module is absent)."""
+    if name not in _REGISTRY:
+        raise ValueError(f"backend: expected 'auto' or one of {registered_backends()}, got {name!r}")
+    module, cls = _REGISTRY[name].split(":")
+    try:
+        return getattr(importlib.import_module(module), cls)()
+    except ImportError as exc:
+        return _MissingBackend(name, f"backend module not importable ({exc})")
+
+
+def select_backend(problem: Problem, backend: str = "auto", env: dict[str, str] | None = None) -> Backend:
+    """Choose a backend for ``problem``; ``QUANTMLA_BACKEND`` (in ``env``, default os.environ)
+    replaces "auto". Raises :class:`NoBackendError` with every candidate's reasons."""
+    env = os.environ if env is None else env
+    if not isinstance(backend, str):
+        raise TypeError(f"backend: expected a str, got {type(backend).__name__}")
+    if backend == "auto" and env.get(ENV_OVERRIDE):
+        backend = env[ENV_OVERRIDE]
+    if backend != "auto":
+        chosen = get_backend(backend)
+        reasons = chosen.not_supported_reasons(problem)
+        if reasons:
+            raise NoBackendError(f"backend {backend!r} cannot serve {problem.op} ({problem.format}):", {backend: reasons})
+        return chosen
+    order = PRIORITY.get(problem.device.kind, ("torch",))
+    collected: dict[str, list[str]] = {}
+    for name in order:
+        candidate = get_backend(name)
+        reasons = candidate.not_supported_reasons(problem)
+        if not reasons:
+            return candidate
+        collected[name] = reasons
+    raise NoBackendError(
+        f"no backend can serve {problem.op} ({problem.format}) on device {problem.device.kind!r}:", collected
+    )
+
+
+def available_backends(device: DeviceInfo | None = None) -> dict[str, str | None]:
+    """``{name: None if usable else reason}`` for every registered backend (optionally for a device)."""
+    out: dict[str, str | None] = {}
+    for name in registered_backends():
+        b = get_backend(name)
+        reason = b.unavailable_reason()
+        if reason is None and device is not None and device.kind not in b.capabilities.devices:
+            reason = f"does not serve device {device.kind!r}"
+        out[name] = reason
+    return out
+

@@ -1,0 +1,178 @@
+"""``PagedMLACache``: a page allocator and per-request lengths on top of :class:`MLACache`.
+
+For users without a serving engine (the Hugging Face integration and the benchmarks use
+it). It is deliberately simple: a free list of pages, one protection-buffer row per live
+request, page tables rebuilt on demand.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from .api import attention as _attention
+from .api import write as _write
+from .cache import MLACache
+from .formats import PackFormat
+
+
+class OutOfPagesError(RuntimeError):
+    """Raised when an append needs more pages (or request rows) than are free."""
+
+
+class PagedMLACache:
+    """Allocator-managed MLA cache of one layer.
+
+    Request ids are the protection-buffer rows (``0 .. max_seqs-1``). Arrays follow the
+    cache's kind: torch tensors on ``device``, or NumPy with ``device="numpy"``.
+    """
+
+    def __init__(
+        self,
+        fmt: PackFormat | str,
+        num_pages: int,
+        max_seqs: int,
+        sink: int = 4,
+        local: int = 128,
+        device: str | torch.device = "cpu",
+        protect_dtype: Any = None,
+        backend: str = "auto",
+    ):
+        fmt = PackFormat.parse(fmt) if isinstance(fmt, str) else fmt
+        self.cache = MLACache.allocate(fmt, num_pages, max_seqs, sink, local, device, protect_dtype)
+        self.backend = backend
+        self._free_pages: list[int] = list(range(num_pages - 1, -1, -1))
+        self._free_rows: list[int] = list(range(max_seqs - 1, -1, -1))
+        self._pages: dict[int, list[int]] = {}
+        self._lens: dict[int, int] = {}
+
+    # ------------------------------------------------------------------ bookkeeping
+    @property
+    def format(self) -> PackFormat:
+        return self.cache.format
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free_pages)
+
+    @property
+    def active_requests(self) -> list[int]:
+        return sorted(self._lens)
+
+    def seq_len(self, seq_id: int) -> int:
+        return self._lens[self._check_live(seq_id)]
+
+    def pages_needed(self, seq_id: int | None, new_tokens: int) -> int:
+        """Pages an append of ``new_tokens`` would take from the free list."""
+        have = 0 if seq_id is None else len(self._pages[seq_id])
+        length = 0 if seq_id is None else self._lens[seq_id]
+        return max(0, -(-(length + new_tokens) // self.format.page_size) - have)
+
+    def add_request(self) -> int:
+        """Reserve a request row; returns its id."""
+        if not self._free_rows:
+            raise OutOfPagesError(f"max_seqs: all {self.cache.max_seqs} request rows are in use")
+        seq_id = self._free_rows.pop()
+        self._pages[seq_id], self._lens[seq_id] = [], 0
+        return seq_id
+
+    def free(self, seq_id: int) -> None:
+        """Release a request's pages and row."""
+        self._check_live(seq_id)
+        self._free_pages.extend(reversed(self._pages.pop(seq_id)))
+        del self._lens[seq_id]
+        self._free_rows.append(seq_id)
+
+    def fork(self, seq_id: int) -> int:
+        """New request holding a copy of ``seq_id``'s tokens (pages and protection rows copied)."""
+        self._check_live(seq_id)
+        src = self._pages[seq_id]
+        if len(src) > len(self._free_pages):
+            raise OutOfPagesError(f"fork: needs {len(src)} pages, {len(self._free_pages)} free")
+        new = self.add_request()
+        dst = [self._free_pages.pop() for _ in src]
+        c = self.cache
+        for a, b in zip(src, dst):
+            c.pages[b] = c.pages[a]
+        c.sink_buf[new] = c.sink_buf[seq_id]
+        c.local_buf[new] = c.local_buf[seq_id]
+        self._pages[new], self._lens[new] = dst, self._lens[seq_id]
+        return new
+
+    def _check_live(self, seq_id: int) -> int:
+        if seq_id not in self._lens:
+            raise ValueError(f"seq_id: expected a live request id in {self.active_requests}, got {seq_id}")
+        return seq_id
+
+    # ------------------------------------------------------------------ arrays
+    def _index_array(self, values: Sequence[int] | np.ndarray, dtype=np.int64):
+        arr = np.asarray(values, dtype=dtype)
+        return arr if self.cache.is_numpy else torch.from_numpy(arr).to(self.cache.pages.device)
+
+    def block_table(self, seq_ids: Sequence[int]):
+        """int32 ``[B, max_pages]`` page table (padded with 0) of the given requests."""
+        width = max([len(self._pages[self._check_live(s)]) for s in seq_ids] + [1])
+        table = np.zeros((len(seq_ids), width), dtype=np.int32)
+        for i, s in enumerate(seq_ids):
+            table[i, : len(self._pages[s])] = self._pages[s]
+        return self._index_array(table, np.int32)
+
+    def seq_lens(self, seq_ids: Sequence[int]):
+        return self._index_array([self._lens[self._check_live(s)] for s in seq_ids], np.int32)
+
+    # ------------------------------------------------------------------ ops
+    def append(self, seq_id: int, latent: Any, k_rope: Any) -> None:
+        """Append ``latent [n, d_c]``, ``k_rope [n, d_r]`` to one request (one writer call)."""
+        self.append_many([(seq_id, latent, k_rope)])
+
+    def append_many(self, items: Sequence[tuple[int, Any, Any]]) -> None:
+        """Append tokens to several requests with a single writer call."""
+        need = sum(self.pages_needed(self._check_live(s), int(x.shape[0])) for s, x, _ in items)
+        if need > len(self._free_pages):
+            raise OutOfPagesError(f"append: needs {need} pages, {len(self._free_pages)} free")
+        slots, seqs, positions = [], [], []
+        p = self.format.page_size
+        for seq_id, latent, _ in items:
+            n, start = int(latent.shape[0]), self._lens[seq_id]
+            for _ in range(self.pages_needed(seq_id, n)):
+                self._pages[seq_id].append(self._free_pages.pop())
+            pos = np.arange(start, start + n)
+            table = np.asarray(self._pages[seq_id])
+            slots.append(table[pos // p] * p + pos % p)
+            seqs.append(np.full(n, seq_id))
+            positions.append(pos)
+            self._lens[seq_id] = start + n
+        lens = np.zeros(self.cache.max_seqs, dtype=np.int64)
+        for s, length in self._lens.items():
+            lens[s] = length
+        cat = np.concatenate if self.cache.is_numpy else torch.cat
+        _write(
+            self.cache,
+            cat([x for _, x, _ in items]),
+            cat([r for _, _, r in items]),
+            slot_mapping=self._index_array(np.concatenate(slots)),
+            seq_ids=self._index_array(np.concatenate(seqs)),
+            positions=self._index_array(np.concatenate(positions)),
+            seq_lens=self._index_array(lens),
+            backend=self.backend,
+        )
+
+    def attention(self, q_latent: Any, q_rope: Any, seq_ids: Sequence[int], softmax_scale: float, **kwargs):
+        """Decode attention for ``seq_ids`` (one per row of q); see ``quantmla_core.attention``."""
+        kwargs.setdefault("backend", self.backend)
+        return _attention(
+            q_latent,
+            q_rope,
+            self.cache,
+            block_table=self.block_table(seq_ids),
+            seq_lens=self.seq_lens(seq_ids),
+            seq_ids=self._index_array(list(seq_ids)),
+            softmax_scale=softmax_scale,
+            **kwargs,
+        )
+
+    def allocated_bytes(self) -> int:
+        """Bytes allocated for pages and protection buffers."""
+        return self.cache.nbytes()

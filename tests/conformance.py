@@ -1,0 +1,77 @@
+"""Conformance helpers every backend's tests call: writer vs reference, attention vs reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import quantmla_core as qm
+from quantmla_core import reference as ref
+from quantmla_core.testing import Case, allocate, build, check_attention
+
+
+def _pages_np(cache) -> np.ndarray:
+    return cache.pages if isinstance(cache.pages, np.ndarray) else cache.pages.cpu().numpy()
+
+
+def assert_pages_match(fmt: qm.PackFormat, got: np.ndarray, want: np.ndarray, written_pages: np.ndarray) -> None:
+    """Codes may differ by ±1 only where the reference's x/s sits on a .5 boundary (DESIGN §3.1);
+    scales, zeros and BF16 values must be identical. Checked per section on written pages."""
+    for name, (off, size) in fmt.sections.items():
+        g = got[written_pages, off : off + size]
+        w = want[written_pages, off : off + size]
+        if name.endswith("codes") and fmt.quantized:
+            bits = fmt.content_bits if name.startswith("content") else fmt.rope_bits
+            gu, wu = ref.unpack(g, bits).astype(int), ref.unpack(w, bits).astype(int)
+            diff = np.abs(gu - wu)
+            assert diff.max() <= 1, f"{name}: code differs by {diff.max()}"
+            assert (diff > 0).mean() < 1e-3, f"{name}: {(diff > 0).mean():.2%} codes differ by 1"
+        else:
+            assert np.array_equal(g, w), f"{name}: bytes differ in {(g != w).sum()} places"
+
+
+def write_both(case: Case, backend: str, device: str, dtype: str = "float32"):
+    """Write a case with ``backend`` on ``device`` and with the reference on NumPy-compatible CPU."""
+    batch = build(case)
+    args = batch.to(device, dtype)
+    cache = allocate(case, batch, device)
+    qm.write(cache, args["latent"], args["k_rope"], slot_mapping=args["slot_mapping"], seq_ids=args["seq_ids"],
+             positions=args["positions"], seq_lens=args["seq_lens"], backend=backend)
+    host_args = batch.to("cpu", dtype)
+    want = allocate(case, batch, "cpu", protect_dtype=cache.sink_buf.dtype if not isinstance(cache.sink_buf, np.ndarray) else torch.float32)
+    ref.write(want, host_args["latent"], host_args["k_rope"], batch.slot_mapping, batch.seq_ids, batch.positions, batch.seq_lens)
+    return batch, cache, want
+
+
+def check_writer(case: Case, backend: str, device: str, dtype: str = "float32") -> None:
+    batch, cache, want = write_both(case, backend, device, dtype)
+    written = np.unique(batch.slot_mapping[batch.slot_mapping >= 0] // case.fmt.page_size)
+    assert_pages_match(case.fmt, _pages_np(cache), want.pages.numpy(), written)
+    for buf in ("sink_buf", "local_buf"):
+        got, exp = getattr(cache, buf), getattr(want, buf)
+        got = torch.as_tensor(got).cpu().float()
+        assert torch.equal(got, exp.float()), f"{buf} differs"
+
+
+def check_attention_case(case: Case, write_backend: str, attn_backend: str, device: str, dtype: str = "float32"):
+    """Write with one backend, attend with another; compare with the reference on the same cache."""
+    batch = build(case)
+    args = batch.to(device, dtype)
+    cache = allocate(case, batch, device)
+    qm.write(cache, args["latent"], args["k_rope"], slot_mapping=args["slot_mapping"], seq_ids=args["seq_ids"],
+             positions=args["positions"], seq_lens=args["seq_lens"], backend=write_backend)
+    out, lse = qm.attention(args["q_latent"], args["q_rope"], cache, block_table=args["block_table"],
+                            seq_lens=args["attn_seq_lens"], seq_ids=args["attn_seq_ids"],
+                            softmax_scale=batch.softmax_scale, backend=attn_backend)
+    host_cache = cache if device in ("cpu", "numpy") else _to_cpu(cache)
+    q = args["q_latent"] if device == "numpy" else args["q_latent"].cpu()
+    r = args["q_rope"] if device == "numpy" else args["q_rope"].cpu()
+    ref_out, ref_lse = ref.decode_attention(q, r, host_cache, batch.block_table, batch.attn_seq_lens,
+                                            batch.attn_seq_ids, batch.softmax_scale)
+    assert str(out.dtype).endswith(dtype), f"out dtype {out.dtype}, expected {dtype}"
+    return check_attention(out, lse, ref_out, ref_lse, dtype)
+
+
+def _to_cpu(cache):
+    return qm.MLACache(cache.format, cache.pages.cpu(), cache.sink_buf.cpu(), cache.local_buf.cpu(),
+                       cache.max_seqs, cache.sink, cache.local)
