@@ -74,7 +74,13 @@ def encode_token(fmt, page: np.ndarray, slot: int, c: np.ndarray, kr: np.ndarray
 
 
 def decode_page(fmt, page: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """All P tokens of one page row -> float64 ``c [P, d_c]``, ``kr [P, d_r]``."""
+    """All P tokens of one page row -> float64 ``c [P, d_c]``, ``kr [P, d_r]`` (slots never
+    written decode to whatever their bytes say, NaN included; callers slice them away)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return _decode_page(fmt, page)
+
+
+def _decode_page(fmt, page: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if not fmt.quantized:
         c = bits_to_bf16(_section(page, fmt, "content_codes", fmt.content_code_bytes).copy().view("<u2"))
         kr = bits_to_bf16(_section(page, fmt, "rope_codes", fmt.rope_code_bytes).copy().view("<u2"))

@@ -1,0 +1,117 @@
+"""Dispatcher: declarations, reasons, auto priority per hardware, override, no side effects."""
+
+import subprocess
+import sys
+
+import pytest
+
+import quantmla_core as qm
+from quantmla_core.dispatch import Backend, Capabilities, DeviceInfo, Problem, declared_reasons, select_backend
+
+C4R4 = qm.PackFormat.parse("C4R4")
+CUDA = DeviceInfo("cuda", "NVIDIA H200", (9, 0), 132)
+ROCM = DeviceInfo("rocm", "AMD Instinct MI300X", (9, 4), 304)
+CPU = DeviceInfo("cpu", "cpu")
+NUMPY = DeviceInfo("numpy", "numpy")
+
+
+def _problem(device, fmt=C4R4, **kw):
+    return Problem("attention", fmt, device, **kw)
+
+
+def _usable(name, problem):
+    return not qm.get_backend(name).not_supported_reasons(problem)
+
+
+@pytest.mark.parametrize("device,order", [(CUDA, ["triton", "cupy", "torch"]), (ROCM, ["triton", "torch"]),
+                                          (CPU, ["numba", "torch", "reference"]), (NUMPY, ["numba", "reference"])])
+def test_auto_picks_first_usable_in_priority(device, order):
+    problem = _problem(device)
+    expected = next(n for n in order if _usable(n, problem))
+    assert select_backend(problem, env={}).name == expected
+
+
+def test_cuda_falls_back_to_torch_without_gpu_packages():
+    """On this CPU-only machine's view of a fake GPU, torch is always usable for CUDA."""
+    problem = _problem(CUDA)
+    assert _usable("torch", problem)
+    assert select_backend(problem, env={}).name in ("triton", "cupy", "torch")
+
+
+def test_numpy_never_goes_to_torch():
+    assert "numpy" not in qm.get_backend("torch").capabilities.devices
+    reasons = qm.get_backend("torch").not_supported_reasons(_problem(NUMPY))
+    assert any("device 'numpy'" in r for r in reasons)
+
+
+def test_env_override_and_explicit_errors():
+    problem = _problem(CPU)
+    assert select_backend(problem, env={"QUANTMLA_BACKEND": "reference"}).name == "reference"
+    with pytest.raises(qm.NoBackendError) as err:
+        select_backend(_problem(NUMPY), backend="torch", env={})
+    assert "torch" in err.value.reasons and "device 'numpy'" in str(err.value)
+    with pytest.raises(ValueError, match="backend: expected 'auto' or one of"):
+        select_backend(problem, backend="bogus", env={})
+
+
+def test_auto_error_lists_every_candidate():
+    exotic = DeviceInfo("npu", "some accelerator")
+    with pytest.raises(qm.NoBackendError) as err:
+        select_backend(_problem(exotic), env={})
+    assert set(err.value.reasons) == {"torch"}
+    assert "device 'npu'" in err.value.reasons["torch"][0]
+
+
+def test_declared_reasons_are_specific():
+    cap = Capabilities(devices=frozenset({"cuda"}), content_bits=frozenset({4}), rope_bits=frozenset({4}),
+                       latent_dims=frozenset({512}), page_sizes=frozenset({64}), dtypes=frozenset({"bfloat16"}),
+                       max_heads=64, max_q_len=4, min_capability=(9, 0))
+    fmt = qm.PackFormat.parse("C2R8", latent_dim=256, page_size=16)
+    p = Problem("attention", fmt, DeviceInfo("cuda", "A100", (8, 0), 108), "float32", "bfloat16", 128, 8)
+    reasons = declared_reasons(cap, p)
+    for fragment in ["content bits 2", "rope bits 8", "latent_dim 256", "page_size 16", "dtype float32",
+                     "128 heads", "S_q=8", "compute capability (8, 0)"]:
+        assert any(fragment in r for r in reasons), fragment
+    assert declared_reasons(cap, Problem("attention", C4R4, CUDA, "bfloat16", "bfloat16", 16, 1)) == []
+
+
+def test_unavailable_backend_reports_missing_package():
+    class Ghost(Backend):
+        name = "ghost"
+        capabilities = Capabilities(devices=frozenset({"cpu"}))
+        requires = ("a_package_that_does_not_exist_xyz",)
+
+    reasons = Ghost().not_supported_reasons(_problem(CPU))
+    assert len(reasons) == 1 and "a_package_that_does_not_exist_xyz" in reasons[0]
+
+
+def test_selection_has_no_side_effects():
+    before = dict(qm.dispatch.PRIORITY), dict(qm.dispatch._REGISTRY)
+    for dev in (CUDA, ROCM, CPU, NUMPY):
+        try:
+            select_backend(_problem(dev), env={})
+        except qm.NoBackendError:
+            pass
+    assert (dict(qm.dispatch.PRIORITY), dict(qm.dispatch._REGISTRY)) == before
+
+
+def test_available_backends_lists_all_with_reasons():
+    avail = qm.available_backends()
+    assert set(avail) == {"triton", "cupy", "numba", "torch", "reference"}
+    assert avail["torch"] is None and avail["reference"] is None
+    assert all(v is None or isinstance(v, str) and v for v in avail.values())
+
+
+def test_info_command_lists_every_backend():
+    out = subprocess.run([sys.executable, "-m", "quantmla_core.info"], capture_output=True, text=True, check=True).stdout
+    for name in ("triton", "cupy", "numba", "torch", "reference"):
+        assert name in out
+    assert "available" in out
+
+
+def test_device_info_of_arrays():
+    import numpy as np
+    import torch
+
+    assert DeviceInfo.of(np.zeros(1)).kind == "numpy"
+    assert DeviceInfo.of(torch.zeros(1)).kind == "cpu"
