@@ -142,3 +142,14 @@ def test_allocate_rejects_bad_arguments():
         qm.MLACache.allocate(fmt, 1, 1, device="numpy", protect_dtype="bfloat16")
     with pytest.raises(ValueError, match="protect_dtype"):
         qm.MLACache.allocate(fmt, 1, 1, device="cpu", protect_dtype=torch.float16)
+
+
+def test_torch_backend_checks_indices_without_validation(setup):
+    """validate=False skips the API's syncing checks; the torch backend still refuses bad pages."""
+    batch, args, cache = setup
+    with pytest.raises(ValueError, match=r"block_table\[0\]: expected page indices"):
+        _attend(cache, args, batch, block_table=args["block_table"] + 1000, validate=False)
+    with pytest.raises(ValueError, match=r"seq_ids\[0\]"):
+        _attend(cache, args, batch, seq_ids=args["attn_seq_ids"] + 9, validate=False)
+    with pytest.raises(ValueError, match=r"seq_lens\[0\]: expected 1..192"):
+        _attend(cache, args, batch, seq_lens=args["attn_seq_lens"] * 100, validate=False)

@@ -7,11 +7,25 @@ import torch
 from .layout import decode_pages
 
 
-def _gather(cache, table_row: torch.Tensor, length: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _pages_of(cache, table_row: torch.Tensor, length: int, row: int, seq_id: int) -> torch.Tensor:
+    """Page indices of one request, checked (this backend syncs anyway, so the check is free)."""
+    p = cache.format.page_size
+    n_pages = (length + p - 1) // p
+    if length < 1 or n_pages > table_row.shape[0]:
+        raise ValueError(f"seq_lens[{row}]: expected 1..{table_row.shape[0] * p} (block_table width * P), got {length}")
+    if not 0 <= seq_id < cache.max_seqs:
+        raise ValueError(f"seq_ids[{row}]: expected a protection-buffer row in [0, {cache.max_seqs}), got {seq_id}")
+    pages = table_row[:n_pages].long()
+    bad = (pages < 0) | (pages >= cache.num_pages)
+    if bool(bad.any()):
+        raise ValueError(f"block_table[{row}]: expected page indices in [0, {cache.num_pages}), got {pages[bad][0].item()}")
+    return pages
+
+
+def _gather(cache, pages: torch.Tensor, length: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 ``c [L, d_c]``, ``kr [L, d_r]`` with protected tokens taken from the buffers."""
     fmt = cache.format
-    n_pages = (length + fmt.page_size - 1) // fmt.page_size
-    c, kr = decode_pages(fmt, cache.pages[table_row[:n_pages].long()])
+    c, kr = decode_pages(fmt, cache.pages[pages])
     c, kr = c[:length], kr[:length]
     dc = fmt.latent_dim
     n_sink = min(cache.sink, length)
@@ -34,7 +48,8 @@ def attention(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_s
     lens, ids = seq_lens.tolist(), seq_ids.tolist()
     for i in range(b):
         length = int(lens[i])
-        c, kr = _gather(cache, block_table[i], length, int(ids[i]))
+        pages = _pages_of(cache, block_table[i], length, i, int(ids[i]))
+        c, kr = _gather(cache, pages, length, int(ids[i]))
         scores = softmax_scale * (q_latent[i].float() @ c.T + q_rope[i].float() @ kr.T)  # [S_q, H, L]
         limit = length - s_q + 1 + torch.arange(s_q, device=c.device)
         hidden = torch.arange(length, device=c.device)[None, :] >= limit[:, None]
