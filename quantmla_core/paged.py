@@ -7,6 +7,7 @@ request, page tables rebuilt on demand.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -22,11 +23,25 @@ class OutOfPagesError(RuntimeError):
     """Raised when an append needs more pages (or request rows) than are free."""
 
 
+@dataclass(frozen=True)
+class WritePlan:
+    """Where the tokens of one :meth:`PagedMLACache.reserve` call go: the index arrays of
+    ``quantmla_core.write`` (on the cache's device), shared by every layer."""
+
+    slot_mapping: Any
+    seq_ids: Any
+    positions: Any
+    seq_lens: Any
+    num_tokens: int
+
+
 class PagedMLACache:
-    """Allocator-managed MLA cache of one layer.
+    """Allocator-managed MLA cache of one or more layers that share one page table.
 
     Request ids are the protection-buffer rows (``0 .. max_seqs-1``). Arrays follow the
-    cache's kind: torch tensors on ``device``, or NumPy with ``device="numpy"``.
+    cache's kind: torch tensors on ``device``, or NumPy with ``device="numpy"``. With
+    ``num_layers > 1`` every layer has its own pages and buffers but the same page ids, so one
+    :meth:`reserve` (bookkeeping) is followed by one :meth:`write` per layer.
     """
 
     def __init__(
@@ -39,9 +54,15 @@ class PagedMLACache:
         device: str | torch.device = "cpu",
         protect_dtype: Any = None,
         backend: str = "auto",
+        num_layers: int = 1,
     ):
         fmt = PackFormat.parse(fmt) if isinstance(fmt, str) else fmt
+        if not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"num_layers: expected an integer >= 1, got {num_layers!r}")
         self.cache = MLACache.allocate(fmt, num_pages, max_seqs, sink, local, device, protect_dtype)
+        self._more_layers = [
+            MLACache.allocate(fmt, num_pages, max_seqs, sink, local, device, protect_dtype) for _ in range(num_layers - 1)
+        ]
         self.backend = backend
         self._free_pages: list[int] = list(range(num_pages - 1, -1, -1))
         self._free_rows: list[int] = list(range(max_seqs - 1, -1, -1))
@@ -52,6 +73,16 @@ class PagedMLACache:
     @property
     def format(self) -> PackFormat:
         return self.cache.format
+
+    @property
+    def num_layers(self) -> int:
+        return 1 + len(self._more_layers)
+
+    def layer(self, index: int) -> MLACache:
+        """The :class:`MLACache` of one layer (layer 0 is ``self.cache``)."""
+        if not 0 <= index < self.num_layers:
+            raise ValueError(f"layer: expected 0 <= layer < {self.num_layers}, got {index}")
+        return self.cache if index == 0 else self._more_layers[index - 1]
 
     @property
     def num_free_pages(self) -> int:
@@ -93,11 +124,11 @@ class PagedMLACache:
             raise OutOfPagesError(f"fork: needs {len(src)} pages, {len(self._free_pages)} free")
         new = self.add_request()
         dst = [self._free_pages.pop() for _ in src]
-        c = self.cache
-        for a, b in zip(src, dst):
-            c.pages[b] = c.pages[a]
-        c.sink_buf[new] = c.sink_buf[seq_id]
-        c.local_buf[new] = c.local_buf[seq_id]
+        for c in (self.layer(i) for i in range(self.num_layers)):
+            for a, b in zip(src, dst):
+                c.pages[b] = c.pages[a]
+            c.sink_buf[new] = c.sink_buf[seq_id]
+            c.local_buf[new] = c.local_buf[seq_id]
         self._pages[new], self._lens[new] = dst, self._lens[seq_id]
         return new
 
@@ -128,18 +159,27 @@ class PagedMLACache:
         self.append_many([(seq_id, latent, k_rope)])
 
     def append_many(self, items: Sequence[tuple[int, Any, Any]]) -> None:
-        """Append tokens to several requests with a single writer call."""
-        need = sum(self.pages_needed(self._check_live(s), int(x.shape[0])) for s, x, _ in items)
+        """Append tokens to several requests with a single writer call (single-layer caches)."""
+        if self.num_layers != 1:
+            raise ValueError(f"append_many: this cache has {self.num_layers} layers; use reserve() then write(plan, ..., layer=i)")
+        plan = self.reserve([(s, int(x.shape[0])) for s, x, _ in items])
+        cat = np.concatenate if self.cache.is_numpy else torch.cat
+        self.write(plan, cat([x for _, x, _ in items]), cat([r for _, _, r in items]))
+
+    def reserve(self, items: Sequence[tuple[int, int]]) -> WritePlan:
+        """Give ``n`` more tokens to each ``(seq_id, n)``: allocate pages, advance lengths, and
+        return the slots for :meth:`write` (tokens in item order). All-or-nothing."""
+        need = sum(self.pages_needed(self._check_live(s), int(n)) for s, n in items)
         if need > len(self._free_pages):
             raise OutOfPagesError(f"append: needs {need} pages, {len(self._free_pages)} free")
         slots, seqs, positions = [], [], []
         p = self.format.page_size
-        for seq_id, latent, _ in items:
-            n, start = int(latent.shape[0]), self._lens[seq_id]
+        for seq_id, n in items:
+            n, start = int(n), self._lens[seq_id]
             for _ in range(self.pages_needed(seq_id, n)):
                 self._pages[seq_id].append(self._free_pages.pop())
             pos = np.arange(start, start + n)
-            table = np.asarray(self._pages[seq_id])
+            table = np.asarray(self._pages[seq_id], dtype=np.int64)
             slots.append(table[pos // p] * p + pos % p)
             seqs.append(np.full(n, seq_id))
             positions.append(pos)
@@ -147,25 +187,34 @@ class PagedMLACache:
         lens = np.zeros(self.cache.max_seqs, dtype=np.int64)
         for s, length in self._lens.items():
             lens[s] = length
-        cat = np.concatenate if self.cache.is_numpy else torch.cat
+        return WritePlan(
+            self._index_array(np.concatenate(slots)),
+            self._index_array(np.concatenate(seqs)),
+            self._index_array(np.concatenate(positions)),
+            self._index_array(lens),
+            int(sum(len(x) for x in slots)),
+        )
+
+    def write(self, plan: WritePlan, latent: Any, k_rope: Any, layer: int = 0) -> None:
+        """Write the planned tokens ``latent [n, d_c]``, ``k_rope [n, d_r]`` into one layer."""
         _write(
-            self.cache,
-            cat([x for _, x, _ in items]),
-            cat([r for _, _, r in items]),
-            slot_mapping=self._index_array(np.concatenate(slots)),
-            seq_ids=self._index_array(np.concatenate(seqs)),
-            positions=self._index_array(np.concatenate(positions)),
-            seq_lens=self._index_array(lens),
+            self.layer(layer),
+            latent,
+            k_rope,
+            slot_mapping=plan.slot_mapping,
+            seq_ids=plan.seq_ids,
+            positions=plan.positions,
+            seq_lens=plan.seq_lens,
             backend=self.backend,
         )
 
-    def attention(self, q_latent: Any, q_rope: Any, seq_ids: Sequence[int], softmax_scale: float, **kwargs):
+    def attention(self, q_latent: Any, q_rope: Any, seq_ids: Sequence[int], softmax_scale: float, layer: int = 0, **kwargs):
         """Decode attention for ``seq_ids`` (one per row of q); see ``quantmla_core.attention``."""
         kwargs.setdefault("backend", self.backend)
         return _attention(
             q_latent,
             q_rope,
-            self.cache,
+            self.layer(layer),
             block_table=self.block_table(seq_ids),
             seq_lens=self.seq_lens(seq_ids),
             seq_ids=self._index_array(list(seq_ids)),
@@ -174,5 +223,5 @@ class PagedMLACache:
         )
 
     def allocated_bytes(self) -> int:
-        """Bytes allocated for pages and protection buffers."""
-        return self.cache.nbytes()
+        """Bytes allocated for pages and protection buffers of every layer."""
+        return sum(self.layer(i).nbytes() for i in range(self.num_layers))

@@ -78,3 +78,25 @@ def test_allocated_bytes_match_design_accounting():
     fmt = qm.PackFormat.parse("C4R4")
     pc = qm.PagedMLACache(fmt, num_pages=2048, max_seqs=1, device="cpu")
     assert pc.allocated_bytes() == qm.memory_bytes(fmt, 2048 * 64)
+
+
+def test_multi_layer_cache_shares_page_table():
+    pc = qm.PagedMLACache(FMT, num_pages=6, max_seqs=2, sink=1, local=3, device="cpu", backend="torch", num_layers=3)
+    a, b = pc.add_request(), pc.add_request()
+    data = [_tokens(25, 20 + i) for i in range(3)]
+    plan = pc.reserve([(a, 20), (b, 5)])
+    assert plan.num_tokens == 25 and pc.seq_len(a) == 20
+    for i, (c, r) in enumerate(data):
+        pc.write(plan, c, r, layer=i)
+    with pytest.raises(ValueError, match="append_many: this cache has 3 layers"):
+        pc.append_many([(a, data[0][0][:1], data[0][1][:1])])
+    q, qr = torch.randn(2, 2, 256), torch.randn(2, 2, 32)
+    outs = [pc.attention(q, qr, [a, b], 0.1, layer=i, return_lse=False) for i in range(3)]
+    single = qm.PagedMLACache(FMT, num_pages=6, max_seqs=2, sink=1, local=3, device="cpu", backend="torch")
+    sa, sb = single.add_request(), single.add_request()
+    single.append_many([(sa, data[2][0][:20], data[2][1][:20]), (sb, data[2][0][20:], data[2][1][20:])])
+    assert torch.equal(outs[2], single.attention(q, qr, [sa, sb], 0.1, return_lse=False))
+    assert not torch.equal(outs[0], outs[2])
+    assert pc.allocated_bytes() == 3 * single.allocated_bytes()
+    with pytest.raises(ValueError, match="layer: expected 0 <= layer < 3"):
+        pc.layer(3)
