@@ -1,0 +1,182 @@
+"""CuPy backend: raw CUDA C++ kernels compiled at run time by CuPy (NVRTC).
+
+The kernels (``kernels/*.cu``) take every layout constant as a ``-D`` define computed here
+from :class:`~quantmla_core.formats.PackFormat` (:func:`format_defines`), so the page layout
+is written down once. Compiled modules are cached per (kernel, defines, device). Torch CUDA
+tensors (and CuPy arrays) are passed by device pointer, without copies, and kernels launch on
+torch's current stream.
+
+CuPy is imported lazily: importing this module never imports CuPy, and a missing CuPy makes
+the backend unavailable with a reason.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from ...dispatch import Backend, Capabilities, Problem, _import_reason
+from ...formats import PackFormat
+
+KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
+#: warps per block of the writer (one warp per token)
+WRITER_WARPS = 4
+#: tokens per attention tile and warps per attention block (fixed in attention.cu)
+ATTN_TILE = 32
+ATTN_WARPS = 4
+
+
+def format_defines(fmt: PackFormat) -> dict[str, int]:
+    """Layout constants of ``fmt`` as ``-D`` defines (``QMLA_*``) for the CUDA sources."""
+    d = {
+        "QMLA_DC": fmt.latent_dim,
+        "QMLA_DR": fmt.rope_dim,
+        "QMLA_CBITS": fmt.content_bits,
+        "QMLA_RBITS": fmt.rope_bits,
+        "QMLA_P": fmt.page_size,
+        "QMLA_PAGE_BYTES": fmt.page_bytes,
+        "QMLA_CB": fmt.content_code_bytes,
+        "QMLA_RB": fmt.rope_code_bytes,
+        "QMLA_OFF_CC": fmt.content_codes_offset,
+        "QMLA_OFF_RC": fmt.rope_codes_offset,
+        "QMLA_QUANT": int(fmt.quantized),
+    }
+    if fmt.quantized:
+        d.update(
+            QMLA_GC=fmt.content_group_size,
+            QMLA_GR=fmt.rope_group_size,
+            QMLA_OFF_CS=fmt.content_scales_offset,
+            QMLA_OFF_CZ=fmt.content_zeros_offset,
+            QMLA_OFF_RS=fmt.rope_scales_offset,
+            QMLA_OFF_RZ=fmt.rope_zeros_offset,
+            QMLA_CSCALE_BF16=int(fmt.content_scale_dtype == "bfloat16"),
+            QMLA_RSCALE_BF16=int(fmt.rope_scale_dtype == "bfloat16"),
+        )
+    else:
+        d.update(QMLA_GC=fmt.latent_dim, QMLA_GR=fmt.rope_dim, QMLA_OFF_CS=0, QMLA_OFF_CZ=0, QMLA_OFF_RS=0,
+                 QMLA_OFF_RZ=0, QMLA_CSCALE_BF16=1, QMLA_RSCALE_BF16=0)
+    return d
+
+
+def define_options(defines: dict[str, int]) -> tuple[str, ...]:
+    """``-D`` options in a stable order (also the compile-cache key)."""
+    return tuple(f"-D{k}={int(v)}" for k, v in sorted(defines.items()))
+
+
+def kernel_source(name: str) -> str:
+    """Text of ``kernels/<name>``."""
+    return (KERNEL_DIR / name).read_text()
+
+
+_LOCK = threading.Lock()
+_MODULES: dict[tuple, Any] = {}
+
+
+def get_kernel(source: str, kernel: str, defines: dict[str, int], device_index: int, smem: int = 0):
+    """Compiled ``cupy.RawKernel`` ``kernel`` of ``kernels/<source>`` with ``defines``, cached.
+
+    ``smem``: dynamic shared memory the launches use (raises the kernel's limit above 48 KB).
+    """
+    import cupy
+
+    key = (source, kernel, define_options(defines), device_index)
+    with _LOCK:
+        fn = _MODULES.get(key)
+        if fn is None:
+            with cupy.cuda.Device(device_index):
+                options = ("--std=c++17", f"-I{KERNEL_DIR}") + define_options(defines)
+                module = cupy.RawModule(code=kernel_source(source), options=options)
+                fn = module.get_function(kernel)
+                if smem > 48 * 1024:
+                    fn.max_dynamic_shared_size_bytes = smem
+            _MODULES[key] = fn
+    return fn
+
+
+def device_pointer(x: Any) -> int:
+    """Device address of a torch CUDA tensor or a CuPy array (no copy)."""
+    if hasattr(x, "data_ptr"):
+        return int(x.data_ptr())
+    data = getattr(x, "data", None)
+    if data is not None and hasattr(data, "ptr"):
+        return int(data.ptr)
+    iface = getattr(x, "__cuda_array_interface__", None)
+    if iface is not None:
+        return int(iface["data"][0])
+    raise TypeError(f"expected a torch CUDA tensor or a CuPy array, got {type(x).__name__}")
+
+
+def launch(fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, device_index: int, smem: int = 0) -> None:
+    """Launch ``fn`` on torch's current stream of ``device_index``."""
+    import cupy
+    import torch
+
+    stream = torch.cuda.current_stream(device_index).cuda_stream
+    with cupy.cuda.Device(device_index), cupy.cuda.ExternalStream(stream, device_index):
+        fn(grid, block, args, shared_mem=smem)
+
+
+class CupyBackend(Backend):
+    """Raw CUDA C++ writer and split-KV decode attention (tensor-core MMA, sm_80+).
+
+    Serves d_c in {256, 512}, d_r in {32, 64}, group sizes 64 and 128 (a group never splits a
+    16-wide MMA k-step of a warp's channel slice), every page size, bits 2/4/8 and BF16,
+    float32/bfloat16 values and bfloat16 protection buffers.
+    """
+
+    name = "cupy"
+    requires = ("cupy",)
+    capabilities = Capabilities(
+        devices=frozenset({"cuda"}),
+        content_bits=frozenset({2, 4, 8, 16}),
+        rope_bits=frozenset({2, 4, 8, 16}),
+        latent_dims=frozenset({256, 512}),
+        rope_dims=frozenset({32, 64}),
+        group_sizes=frozenset({64, 128}),
+        protect_dtypes=frozenset({"bfloat16"}),
+        min_capability=(8, 0),
+    )
+
+    def unavailable_reason(self) -> str | None:
+        why = _import_reason(self.requires)
+        if why:
+            return why
+        return _cuda_reason()
+
+    def extra_reasons(self, problem: Problem) -> list[str]:
+        f = problem.format
+        reasons = []
+        if f.content_scale_dtype not in ("bfloat16", "float32") or f.rope_scale_dtype not in ("bfloat16", "float32"):
+            reasons.append("scale dtypes must be bfloat16 or float32")
+        return reasons
+
+    def write(self, cache, latent, k_rope, slot_mapping, seq_ids, positions, seq_lens) -> None:
+        from .writer import write
+
+        write(cache, latent, k_rope, slot_mapping, seq_ids, positions, seq_lens)
+
+    def attention(self, q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale):
+        from .attention import attention
+
+        return attention(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale)
+
+
+_CUDA_REASON: list = []
+
+
+def _cuda_reason() -> str | None:
+    """Why CuPy cannot run kernels here (no driver/GPU), or None; checked once."""
+    if not _CUDA_REASON:
+        reason = None
+        if os.environ.get("QUANTMLA_CUPY_SKIP_DEVICE_CHECK") != "1":
+            try:
+                import cupy
+
+                if cupy.cuda.runtime.getDeviceCount() < 1:
+                    reason = "cupy sees no CUDA device"
+            except Exception as exc:  # no driver, broken install
+                reason = f"cupy cannot reach a CUDA device ({type(exc).__name__}: {exc})"
+        _CUDA_REASON.append(reason)
+    return _CUDA_REASON[0]
