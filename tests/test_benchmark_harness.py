@@ -1,0 +1,71 @@
+"""Smoke runs of the benchmark harnesses at CPU scale (they check the harness, not timings)."""
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from benchmarks import memory, serving  # noqa: E402
+
+SMOKE = serving.Workload(layers=2, hidden=64, heads=4, d_c=64, d_r=32, d_nope=16, d_v=16, vocab=128,
+                         requests=3, prompt_len=60, output_len=20, budget_bytes=2 * 36_000, max_batch=3,
+                         page_size=16, sink=2, local=8)
+
+
+def test_memory_table_agrees_with_accounting():
+    rows = memory.memory_table(lengths=(4096, 131072), device="cpu")
+    for r in rows:
+        assert abs(r["agreement"] - 1) < 1e-3, r
+    at_128k = {r["format"]: r["compression_vs_bf16"] for r in rows if r["length"] == 131072}
+    assert at_128k["C4R4"] >= 3.6 and at_128k["C2R4"] >= 6.0
+
+
+def test_stack_runner_logits_match_model():
+    """Prefill + decode through the packed BF16-format cache reproduces the model's own logits."""
+    w = SMOKE
+    model = serving.build_model(w, "cpu", torch.float32)
+    runner = serving.MLAStackRunner(model, "BF16", 10**7, 2, backend="torch", page_size=16)
+    seq = [5, 9, 17, 3, 44, 2, 8, 19, 33, 7, 11, 13]
+    sid, _ = runner.prefill(seq[:9])
+    for t in seq[9:-1]:
+        runner.decode([sid], [t])
+    ids = torch.tensor([seq[-1]])[:, None]
+    pos = torch.tensor([[len(seq) - 1]])
+    plan = runner.cache.reserve([(sid, 1)])
+    got = runner._forward(ids, pos, plan, decode_ids=[sid])
+    want = model(torch.tensor([seq])).logits[:, -1]
+    assert torch.linalg.norm(got - want) / torch.linalg.norm(want) < 1e-2
+
+
+def test_serving_smoke_preempts_bf16_and_finishes(tmp_path):
+    rows = serving.run(SMOKE, ["BF16", "C4R4"], "cpu", "torch")
+    by = {r["format"]: r for r in rows}
+    for r in rows:
+        assert r["output_tokens"] == SMOKE.requests * SMOKE.output_len
+        assert r["tokens_per_s"] > 0
+    assert by["BF16"]["preemptions"] > 0 and by["BF16"]["recomputed_tokens"] > 0
+    assert by["C4R4"]["num_pages"] > 2 * by["BF16"]["num_pages"]
+    assert by["C4R4"]["max_running"] > by["BF16"]["max_running"]
+    json.dumps(rows)
+
+
+def test_report_writes_tables_between_markers(tmp_path):
+    from benchmarks import report
+
+    mem = tmp_path / "memory.json"
+    memory.main(["--device", "cpu", "--lengths", "4096,32768", "--out", str(mem)])
+    serv = tmp_path / "serving.json"
+    serving.main(["--tiny", "--backend", "torch", "--requests", "2", "--prompt-len", "30", "--output-len", "4",
+                  "--formats", "BF16,C4R4", "--out", str(serv)])
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Results\n\nhand-written text stays\n")
+    for _ in range(2):  # idempotent: the second run replaces, not appends
+        report.main(["--memory", str(mem), "--serving", str(serv), "--results", str(results)])
+    text = results.read_text()
+    assert "hand-written text stays" in text
+    assert text.count("<!-- report:memory -->") == 1 and text.count("<!-- report:serving -->") == 1
+    assert "| 32,768 | C4R4 |" in text
+    assert (tmp_path / "results" / "memory.png").stat().st_size > 1000
+    assert (tmp_path / "results" / "serving.png").stat().st_size > 1000

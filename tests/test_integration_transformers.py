@@ -1,0 +1,357 @@
+"""Hugging Face integration: ``generate()`` on a QuantMLACache with the absorbed decode path.
+
+Tiny random-weight DeepseekV2 / DeepseekV3 models (float32, CPU), built from their config
+classes. Protection is kept small (sink 4, local 16) so that most of the history is read from
+the packed pages. The backend is ``torch`` unless ``QUANTMLA_TEST_HF_BACKEND`` names another.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+import quantmla_core as qm  # noqa: E402
+from quantmla_core.integrations.transformers import (  # noqa: E402
+    QuantMLACache,
+    QuantMLAHandle,
+    enable_quantmla,
+)
+
+BACKEND = os.environ.get("QUANTMLA_TEST_HF_BACKEND", "torch")
+SINK, LOCAL = 4, 16
+GEN = dict(do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=2)
+
+
+# ------------------------------------------------------------------------------------- models
+def tiny_model(arch: str = "v3", *, q_lora: bool = True, yarn: bool = False, rope_interleave: bool = True,
+               attn: str = "eager", seed: int = 0) -> nn.Module:
+    """A float32 eval-mode 2-layer MLA CausalLM (layer 0 dense, layer 1 MoE), random weights.
+
+    d_c = 64, d_r = 32, 4 heads of (16 nope + 32 rope) / 16 v; attention projections re-drawn
+    with std fan_in^-0.5 so that attention is far from uniform.
+    """
+    torch.manual_seed(seed)
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    if yarn:
+        rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+                "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64,
+                  q_lora_rank=32 if q_lora else None, qk_nope_head_dim=16, qk_rope_head_dim=32, v_head_dim=16,
+                  n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                  max_position_embeddings=512, rope_parameters=rope, tie_word_embeddings=False,
+                  bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    if arch == "v2":
+        cfg = transformers.DeepseekV2Config(**common)
+        cls = transformers.DeepseekV2ForCausalLM
+    else:
+        cfg = transformers.DeepseekV3Config(**common, n_group=1, topk_group=1, rope_interleave=rope_interleave)
+        cls = transformers.DeepseekV3ForCausalLM
+    cfg._attn_implementation = attn
+    model = cls(cfg).float().eval()
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if isinstance(m, nn.Linear) and ".self_attn." in name:
+                nn.init.normal_(m.weight, std=m.weight.shape[1] ** -0.5)
+    return model
+
+
+def prompt(n: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 256, (1, n), generator=g)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def step_errors(out, ref) -> list[float]:
+    assert len(out.logits) == len(ref.logits)
+    return [rel(a, b) for a, b in zip(out.logits, ref.logits)]
+
+
+@torch.no_grad()
+def generate(model, ids, n, **kw):
+    return model.generate(ids, max_new_tokens=n, **GEN, **kw)
+
+
+# ------------------------------------------------------------------------------------- import guard
+def test_import_quantmla_core_does_not_import_transformers():
+    code = "import sys, quantmla_core, quantmla_core.integrations; assert 'transformers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_clear_import_error_without_transformers():
+    code = (
+        "import sys; sys.modules['transformers'] = None\n"
+        "try:\n"
+        "    import quantmla_core.integrations.transformers\n"
+        "except ImportError as e:\n"
+        "    assert 'pip install' in str(e) and 'transformers' in str(e), e\n"
+        "else:\n"
+        "    raise SystemExit('no ImportError')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ------------------------------------------------------------------------------------- accuracy
+MODELS = {
+    "v2": dict(arch="v2", q_lora=False),
+    "v3": dict(arch="v3"),
+    "v3-yarn-neox-sdpa": dict(arch="v3", q_lora=False, yarn=True, rope_interleave=False, attn="sdpa"),
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_bf16_format_matches_unmodified_model(name):
+    model = tiny_model(**MODELS[name])
+    ids = prompt(45)
+    ref = generate(model, ids, 24)
+    handle = enable_quantmla(model, "BF16", sink=SINK, local=LOCAL, backend=BACKEND)
+    assert isinstance(handle, QuantMLAHandle) and len(handle.specs) == 2
+    cache = QuantMLACache(model)
+    out = generate(model, ids, 24, cache=cache)
+    assert torch.equal(out.sequences, ref.sequences)
+    errs = step_errors(out, ref)
+    assert errs[0] < 1e-6  # prefill: the model's own full-precision attention
+    assert max(errs) < 1e-2, errs
+    assert cache.seq_lengths() == [45 + 23] * 1 and cache.get_seq_length() == 45 + 23
+    # the pages really hold the history: 68 tokens, 48 outside the protection buffers
+    assert cache.layers[0].paged.pages_in_use() == 2  # 64-token pages
+    handle.disable()
+    again = generate(model, ids, 24)
+    assert torch.equal(again.sequences, ref.sequences) and max(step_errors(again, ref)) == 0.0
+
+
+@pytest.mark.parametrize("arch", ["v2", "v3"])
+def test_c8r8_close_to_unmodified_model(arch):
+    model = tiny_model(arch)
+    ids = prompt(50, seed=2)
+    ref = generate(model, ids, 16)
+    with enable_quantmla(model, "C8R8", sink=SINK, local=LOCAL, backend=BACKEND):
+        out = generate(model, ids, 16, cache=QuantMLACache(model))
+    assert torch.equal(out.sequences, ref.sequences)
+    errs = step_errors(out, ref)
+    assert max(errs) < 3e-2, errs
+    assert max(errs[1:]) > 1e-4  # really quantized
+
+
+@pytest.mark.parametrize("fmt", ["C4R4", "C2R4"])
+def test_low_bit_generation_runs_and_reports_real_bytes(fmt):
+    model = tiny_model("v3")
+    ids = prompt(70, seed=3)
+    enable_quantmla(model, fmt, sink=SINK, local=LOCAL, backend=BACKEND)
+    cache = QuantMLACache(model)
+    with warnings.catch_warnings():  # the documented transformers-5 spelling is cache=; the old one still works
+        warnings.simplefilter("ignore", FutureWarning)
+        out = generate(model, ids, 12, past_key_values=cache)
+    assert out.sequences.shape == (1, 82)
+    assert all(torch.isfinite(x).all() for x in out.logits)
+    length = 70 + 11
+    pf = qm.PackFormat.parse(fmt, latent_dim=64, rope_dim=32)
+    assert cache.format == pf
+    # real allocation: every tensor of every layer
+    real = 0
+    for layer in cache.layers:
+        c = layer.paged.cache
+        real += sum(t.numel() * t.element_size() for t in (c.pages, c.sink_buf, c.local_buf))
+        assert c.pages.dtype == torch.uint8 and c.pages.shape[1] == pf.page_bytes
+    rep = cache.memory_report()
+    assert rep["allocated_bytes"] == cache.allocated_bytes() == real
+    # used bytes follow DESIGN.md 3.6 (bf16 protection rows) for one request per layer
+    assert cache.used_bytes() == 2 * qm.memory_bytes(pf, length, SINK, LOCAL) <= real
+    assert rep["bf16_bytes"] == 2 * length * (64 + 32) * 2
+    assert rep["tokens"] == length and rep["format"] == fmt
+    assert rep["compression"] == pytest.approx(rep["bf16_bytes"] / rep["used_bytes"])
+
+
+def test_bytes_shrink_with_bits():
+    model = tiny_model("v3")
+    ids = prompt(300, seed=4)
+    used = {}
+    for fmt in ("BF16", "C8R8", "C4R4", "C2R4"):
+        enable_quantmla(model, fmt, sink=SINK, local=LOCAL, backend=BACKEND)
+        cache = QuantMLACache(model)
+        generate(model, ids, 2, cache=cache)
+        used[fmt] = cache.used_bytes()
+    assert used["C2R4"] < used["C4R4"] < used["C8R8"] < used["BF16"], used
+
+
+# ------------------------------------------------------------------------------------- batching
+@pytest.mark.parametrize("arch,attn", [("v3", "eager"), ("v2", "sdpa")])
+def test_left_padded_batch_matches_one_at_a_time(arch, attn, monkeypatch):
+    model = tiny_model(arch, attn=attn)
+    lens = [37, 21, 50]
+    prompts = [prompt(n, seed=10 + i)[0] for i, n in enumerate(lens)]
+    width = max(lens)
+    ids = torch.full((3, width), 2)
+    mask = torch.zeros(3, width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+    enable_quantmla(model, "C4R4", sink=SINK, local=LOCAL, backend=BACKEND)
+
+    writes = []
+    import quantmla_core.paged as paged_mod
+
+    real_write = paged_mod._write
+    monkeypatch.setattr(paged_mod, "_write", lambda *a, **k: (writes.append(int(a[1].shape[0])), real_write(*a, **k)))
+    cache = QuantMLACache(model)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, cache=cache)  # prefill alone: one writer call per layer, no padding
+    assert writes == [sum(lens)] * 2
+    assert cache.seq_lengths() == lens and cache.get_seq_length() == width
+    monkeypatch.setattr(paged_mod, "_write", real_write)
+
+    n = 10
+    cache = QuantMLACache(model)
+    batch = generate(model, ids, n, attention_mask=mask, cache=cache)
+    assert cache.seq_lengths() == [x + n - 1 for x in lens]
+    for i, p in enumerate(prompts):
+        one = generate(model, p[None], n, cache=QuantMLACache(model))
+        assert torch.equal(one.sequences[0, len(p):], batch.sequences[i, width:]), i
+        errs = [rel(b[i], a[0]) for a, b in zip(one.logits, batch.logits)]
+        assert max(errs) < 1e-3, (i, errs)
+
+
+def test_beam_search_and_multiple_samples_match_unmodified():
+    model = tiny_model("v3")
+    ids = prompt(30, seed=5)
+    kw = dict(max_new_tokens=8, num_beams=3, num_return_sequences=2, do_sample=False, pad_token_id=2)
+    with torch.no_grad():
+        ref_beam = model.generate(ids, **kw)
+        torch.manual_seed(7)
+        ref_sample = model.generate(ids, max_new_tokens=8, do_sample=True, num_return_sequences=3, pad_token_id=2)
+        with enable_quantmla(model, "BF16", sink=SINK, local=LOCAL, backend=BACKEND):
+            beam = model.generate(ids, cache=QuantMLACache(model), **kw)
+            torch.manual_seed(7)
+            cache = QuantMLACache(model)
+            sample = model.generate(ids, max_new_tokens=8, do_sample=True, num_return_sequences=3, pad_token_id=2, cache=cache)
+    assert torch.equal(beam, ref_beam)
+    assert torch.equal(sample, ref_sample)
+    assert cache.seq_lengths() == [37, 37, 37]
+
+
+def test_continuation_long_chunk_and_page_growth():
+    """A second generate() on the same cache feeds 25 tokens at once (chunks of 16 on the packed
+    path); 16-token pages grow by doubling."""
+    model = tiny_model("v3", attn="sdpa")
+    ids = prompt(30, seed=6)
+    ref_cache = transformers.DynamicCache(config=model.config)
+    r1 = generate(model, ids, 6, cache=ref_cache)
+    ext = torch.cat([r1.sequences, prompt(25, seed=8)], dim=1)
+    r2 = generate(model, ext, 6, cache=ref_cache)
+    enable_quantmla(model, "BF16", sink=2, local=8, backend=BACKEND, page_size=16)
+    cache = QuantMLACache(model)
+    q1 = generate(model, ids, 6, cache=cache)
+    pages_first = cache.layers[0].paged.cache.num_pages
+    q2 = generate(model, ext, 6, cache=cache)
+    assert torch.equal(q1.sequences, r1.sequences) and torch.equal(q2.sequences, r2.sequences)
+    assert max(step_errors(q2, r2)) < 1e-2
+    assert cache.seq_lengths() == [ext.shape[1] + 5]
+    assert cache.layers[0].paged.cache.num_pages > pages_first
+
+
+def test_max_length_reserves_pages_up_front():
+    model = tiny_model("v2", q_lora=False)
+    enable_quantmla(model, "C4R4", sink=SINK, local=LOCAL, backend=BACKEND, page_size=16)
+    cache = QuantMLACache(model, max_length=64)
+    generate(model, prompt(40), 10, cache=cache)
+    assert [layer.paged.cache.num_pages for layer in cache.layers] == [4, 4]
+
+
+def _family_model(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    dims = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, kv_lora_rank=64, q_lora_rank=32,
+                qk_nope_head_dim=16, qk_rope_head_dim=32, v_head_dim=16, n_routed_experts=4,
+                max_position_embeddings=512, pad_token_id=2)
+    if kind == "glm4_moe_lite":
+        cfg = transformers.Glm4MoeLiteConfig(**dims, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                                             num_key_value_heads=4, num_experts_per_tok=2, n_shared_experts=1,
+                                             first_k_dense_replace=1, n_group=1, topk_group=1)
+        cls = transformers.Glm4MoeLiteForCausalLM
+    else:  # two MLA blocks per layer, latent and query multipliers
+        cfg = transformers.LongcatFlashConfig(**dims, ffn_hidden_size=128, expert_ffn_hidden_size=32, num_layers=2,
+                                              moe_topk=2, zero_expert_num=1, head_dim=32)
+        cls = transformers.LongcatFlashForCausalLM
+    cfg._attn_implementation = "eager"
+    model = cls(cfg).float().eval()
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if isinstance(m, nn.Linear) and ".self_attn." in name:
+                nn.init.normal_(m.weight, std=m.weight.shape[1] ** -0.5)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["glm4_moe_lite", "longcat_flash"])
+def test_other_mla_families_through_the_adapter(kind):
+    if not hasattr(transformers, {"glm4_moe_lite": "Glm4MoeLiteConfig", "longcat_flash": "LongcatFlashConfig"}[kind]):
+        pytest.skip(f"transformers {transformers.__version__} has no {kind}")
+    model = _family_model(kind)
+    ids = prompt(30, seed=12)
+    ref = generate(model, ids, 8)
+    with enable_quantmla(model, "BF16", sink=SINK, local=8, backend=BACKEND):
+        out = generate(model, ids, 8, cache=QuantMLACache(model))
+    assert torch.equal(out.sequences, ref.sequences)
+    assert max(step_errors(out, ref)) < 1e-2
+
+
+# ------------------------------------------------------------------------------------- transforms
+def test_fused_transforms_keep_the_model_function():
+    from quantmla_core.calibration.adapters import find_mla_layers
+    from quantmla_core.transforms import ContentTransform, RopeTransform
+
+    model = tiny_model("v3")
+    ids = prompt(40, seed=9)
+    ref = generate(model, ids, 12)
+    g = torch.Generator().manual_seed(3)
+    content, rope = {}, {}
+    for s in find_mla_layers(model):
+        ct = ContentTransform(s.d_c, gamma=s.kv_a_layernorm.weight.detach(), log_scale=0.5 * torch.randn(s.d_c, generator=g))
+        with torch.no_grad():
+            ct.A.copy_(0.3 * torch.randn(s.d_c, s.d_c, generator=g))
+        content[s.layer_idx] = ct
+        rope[s.layer_idx] = RopeTransform(s.d_r, layout=s.rope_layout, cache_layout=s.cache_rope_layout,
+                                          log_scale=0.5 * torch.randn(s.d_r // 2, generator=g),
+                                          angle=6.28 * torch.rand(s.d_r // 2, generator=g))
+    handle = enable_quantmla(model, "BF16", sink=SINK, local=LOCAL, backend=BACKEND, transforms=(content, rope))
+    assert handle.fused_transforms
+    out = generate(model, ids, 12, cache=QuantMLACache(model))
+    assert torch.equal(out.sequences, ref.sequences)
+    assert max(step_errors(out, ref)) < 1e-2
+    # a fused model is served as is (transforms=None)
+    handle.disable()
+    enable_quantmla(model, "C8R8", sink=SINK, local=LOCAL, backend=BACKEND)
+    out8 = generate(model, ids, 12, cache=QuantMLACache(model))
+    assert max(step_errors(out8, ref)[:3]) < 3e-2
+
+
+# ------------------------------------------------------------------------------------- plumbing
+def test_other_caches_pass_through_and_errors():
+    model = tiny_model("v3")
+    ids = prompt(20)
+    ref = generate(model, ids, 4)
+    handle = enable_quantmla(model, "C4R4", backend=BACKEND)
+    plain = generate(model, ids, 4)  # default DynamicCache: the module runs unmodified
+    assert max(step_errors(plain, ref)) == 0.0
+    c = QuantMLACache(model)
+    assert (c.format.name, c.sink, c.local, c.backend) == ("C4R4", 4, 128, BACKEND)
+    c2 = QuantMLACache(config=model.config, format="C2R4", sink=0, local=0)
+    assert c2.format.name == "C2R4" and len(c2.layers) == 2
+    handle.disable()
+    # decoding on a QuantMLACache without enable_quantmla fails loudly
+    with pytest.raises(RuntimeError, match="enable_quantmla"):
+        generate(model, ids, 3, cache=QuantMLACache(model, backend=BACKEND))
+    with pytest.raises(ValueError, match="format"):
+        enable_quantmla(model, "C3R4")
+    with pytest.raises(ValueError, match="no MLA|adapter"):
+        enable_quantmla(nn.Sequential(nn.Linear(2, 2)))
+    with pytest.raises(ValueError, match="model or a config"):
+        QuantMLACache()
