@@ -95,6 +95,11 @@ class PackFormat:
                 f"content_bits/rope_bits: BF16 must apply to both paths, got content_bits={self.content_bits}, "
                 f"rope_bits={self.rope_bits}"
             )
+        if (self.content_scale_dtype, self.rope_scale_dtype) != ("bfloat16", "float32"):
+            raise ValueError(
+                "content_scale_dtype/rope_scale_dtype: layout version 1 stores bfloat16 content scales and float32 "
+                f"RoPE scales, got {self.content_scale_dtype!r}/{self.rope_scale_dtype!r}"
+            )
         if self.version not in LAYOUT_VERSIONS:
             raise ValueError(f"version: expected one of {LAYOUT_VERSIONS}, got {self.version}")
         if self.page_size not in VALID_PAGE_SIZES:

@@ -132,6 +132,36 @@ class PagedMLACache:
         self._pages[new], self._lens[new] = dst, self._lens[seq_id]
         return new
 
+    @property
+    def pages_in_use(self) -> int:
+        return self.cache.num_pages - len(self._free_pages)
+
+    def grow(self, min_free_pages: int = 0, min_free_rows: int = 0, double: bool = True) -> None:
+        """Ensure at least ``min_free_pages`` free pages and ``min_free_rows`` free request rows.
+
+        Allocates bigger caches for every layer and copies pages and protection rows; page ids,
+        request ids and contents are kept. With ``double`` the page count at least doubles when
+        it grows (amortised growth). Arrays are replaced: re-read ``layer(i)`` afterwards.
+        """
+        need_p = max(0, min_free_pages - len(self._free_pages))
+        need_r = max(0, min_free_rows - len(self._free_rows))
+        if not need_p and not need_r:
+            return
+        old = self.cache
+        add_p = max(need_p, old.num_pages if (double and need_p) else 0)
+        grown = []
+        for i in range(self.num_layers):
+            src = self.layer(i)
+            dst = MLACache.allocate(src.format, src.num_pages + add_p, src.max_seqs + need_r, src.sink, src.local,
+                                    src.device, None if src.is_numpy else src.sink_buf.dtype)
+            dst.pages[: src.num_pages] = src.pages
+            dst.sink_buf[: src.max_seqs] = src.sink_buf
+            dst.local_buf[: src.max_seqs] = src.local_buf
+            grown.append(dst)
+        self.cache, self._more_layers = grown[0], grown[1:]
+        self._free_pages = list(range(old.num_pages + add_p - 1, old.num_pages - 1, -1)) + self._free_pages
+        self._free_rows = list(range(old.max_seqs + need_r - 1, old.max_seqs - 1, -1)) + self._free_rows
+
     def _check_live(self, seq_id: int) -> int:
         if seq_id not in self._lens:
             raise ValueError(f"seq_id: expected a live request id in {self.active_requests}, got {seq_id}")

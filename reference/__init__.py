@@ -8,7 +8,7 @@ shared.
 
 from .quantize import bf16_round, quantize_groups, dequantize_groups
 from .packing import pack, unpack
-from .pages import write, read_token, gather_request
+from .pages import decode_page, encode_token, gather_request, read_token, write
 from .attention import decode_attention, mla_attention
 
 __all__ = [
@@ -18,6 +18,8 @@ __all__ = [
     "pack",
     "unpack",
     "write",
+    "encode_token",
+    "decode_page",
     "read_token",
     "gather_request",
     "decode_attention",

@@ -90,3 +90,8 @@ def test_memory_accounting_matches_design():
     assert memory_bytes(c4, 65) == 2 * 20352 + 132 * 1152
     with pytest.raises(ValueError, match="seq_len"):
         memory_bytes(c4, -1)
+
+
+def test_scale_dtypes_are_fixed_by_layout_version_1():
+    with pytest.raises(ValueError, match="content_scale_dtype/rope_scale_dtype"):
+        PackFormat(4, 4, content_scale_dtype="float32")

@@ -125,7 +125,7 @@ def test_bf16_format_matches_unmodified_model(name):
     assert max(errs) < 1e-2, errs
     assert cache.seq_lengths() == [45 + 23] * 1 and cache.get_seq_length() == 45 + 23
     # the pages really hold the history: 68 tokens, 48 outside the protection buffers
-    assert cache.layers[0].paged.pages_in_use() == 2  # 64-token pages
+    assert cache.layers[0].paged.pages_in_use == 2  # 64-token pages
     handle.disable()
     again = generate(model, ids, 24)
     assert torch.equal(again.sequences, ref.sequences) and max(step_errors(again, ref)) == 0.0

@@ -100,3 +100,25 @@ def test_multi_layer_cache_shares_page_table():
     assert pc.allocated_bytes() == 3 * single.allocated_bytes()
     with pytest.raises(ValueError, match="layer: expected 0 <= layer < 3"):
         pc.layer(3)
+
+
+@pytest.mark.parametrize("device", ["cpu", "numpy"])
+def test_grow_keeps_pages_rows_and_contents(device):
+    pc = qm.PagedMLACache(FMT, num_pages=2, max_seqs=1, sink=1, local=4, device=device, backend="reference", num_layers=2)
+    a = pc.add_request()
+    c, r = _tokens(20, 5)
+    conv = (lambda t: t.numpy()) if device == "numpy" else (lambda t: t)
+    plan = pc.reserve([(a, 20)])
+    for i in range(2):
+        pc.write(plan, conv(c), conv(r), layer=i)
+    q, qr = torch.randn(1, 2, 256), torch.randn(1, 2, 32)
+    before = np.asarray(pc.attention(conv(q), conv(qr), [a], 0.1, layer=1, return_lse=False))
+    pc.grow(min_free_pages=3, min_free_rows=2)
+    assert pc.num_free_pages == 3 and pc.layer(1).num_pages == 5 and pc.cache.max_seqs == 3  # 2 + max(3 needed, 2 doubling)
+    after = np.asarray(pc.attention(conv(q), conv(qr), [a], 0.1, layer=1, return_lse=False))
+    assert np.array_equal(before, after)
+    b = pc.add_request()
+    plan = pc.reserve([(b, 40)])
+    assert pc.pages_in_use == 2 + 3
+    pc.grow(0, 0)  # nothing needed: no change
+    assert pc.layer(0).num_pages == 5

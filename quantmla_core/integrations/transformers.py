@@ -98,40 +98,6 @@ def _value_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 # ---------------------------------------------------------------------------------------------
-# page allocator that can grow
-# ---------------------------------------------------------------------------------------------
-class _GrowablePagedCache(PagedMLACache):
-    """A :class:`PagedMLACache` whose pages and request rows can be enlarged in place.
-
-    Growing allocates a bigger :class:`MLACache`, copies pages and protection rows, and extends
-    the free lists; page ids, request ids and their contents are kept. (It reads the parent's
-    allocator lists ``_free_pages`` / ``_free_rows``; see the integration notes.)
-    """
-
-    def grow(self, min_free_pages: int = 0, min_free_rows: int = 0, double: bool = True) -> None:
-        """Ensure at least ``min_free_pages`` free pages and ``min_free_rows`` free request rows."""
-        old = self.cache
-        need_p = max(0, min_free_pages - len(self._free_pages))
-        need_r = max(0, min_free_rows - len(self._free_rows))
-        if not need_p and not need_r:
-            return
-        add_p = max(need_p, old.num_pages if (double and need_p) else 0)
-        add_r = need_r
-        new = MLACache.allocate(
-            old.format, old.num_pages + add_p, old.max_seqs + add_r, old.sink, old.local, old.device, old.sink_buf.dtype
-        )
-        new.pages[: old.num_pages].copy_(old.pages)
-        new.sink_buf[: old.max_seqs].copy_(old.sink_buf)
-        new.local_buf[: old.max_seqs].copy_(old.local_buf)
-        self.cache = new
-        self._free_pages = list(range(new.num_pages - 1, old.num_pages - 1, -1)) + self._free_pages
-        self._free_rows = list(range(new.max_seqs - 1, old.max_seqs - 1, -1)) + self._free_rows
-
-    def pages_in_use(self) -> int:
-        return self.cache.num_pages - self.num_free_pages
-
-
-# ---------------------------------------------------------------------------------------------
 # the cache
 # ---------------------------------------------------------------------------------------------
 class QuantMLALayer(CacheLayerMixin):
@@ -161,7 +127,7 @@ class QuantMLALayer(CacheLayerMixin):
         self.sink, self.local, self.backend = int(sink), int(local), backend
         self.protect_dtype = protect_dtype
         self.max_length = max_length
-        self.paged: _GrowablePagedCache | None = None
+        self.paged: PagedMLACache | None = None
         self.rows: list[int] = []
         self.hf_len = 0
         self.device: torch.device | None = None
@@ -261,7 +227,7 @@ class QuantMLALayer(CacheLayerMixin):
         assert self.device is not None
         if self.max_length:
             pages = max(pages, batch * -(-int(self.max_length) // self.format.page_size))
-        self.paged = _GrowablePagedCache(
+        self.paged = PagedMLACache(
             self.format, max(1, pages), max(1, batch), self.sink, self.local, self.device, self.protect_dtype, self.backend
         )
         self.rows = [self.paged.add_request() for _ in range(batch)]
@@ -351,7 +317,7 @@ class QuantMLALayer(CacheLayerMixin):
             return 0
         c = self.paged.cache
         row = int(c.sink_buf[0].numel() * c.sink_buf.element_size() + c.local_buf[0].numel() * c.local_buf.element_size())
-        return self.paged.pages_in_use() * self.format.page_bytes + len(self.rows) * row
+        return self.paged.pages_in_use * self.format.page_bytes + len(self.rows) * row
 
 
 class QuantMLACache(Cache):
