@@ -1,0 +1,85 @@
+"""Triton backend: fused writer and split-KV decode attention on packed pages.
+
+Serves CUDA and ROCm GPUs; on a CPU only under ``TRITON_INTERPRET=1`` (the Triton interpreter,
+used by CI without a GPU). Nothing here imports ``triton`` at module import time: the ops
+(``writer.py``, ``attention.py``) are imported lazily on first use.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ...dispatch import Backend, Capabilities, Problem
+
+#: smallest K of a ``tl.dot``; a packed slice (see ``attention.py``) must be at least this wide
+MIN_DOT_K = 16
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in the interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def slice_width(dim: int, bits: int, group: int) -> int:
+    """Width of one unpacked slice of a ``dim``-wide vector at ``bits`` (16: BF16).
+
+    Split-half packing puts element ``j + i*dim/k`` in plane ``i`` of byte ``j`` (k = 8/bits),
+    so a slice of ``min(group, dim/k)`` consecutive elements comes from one plane of one run of
+    consecutive bytes and lies inside one quantization group.
+    """
+    if bits == 16:
+        return min(64, dim)
+    return min(group, dim * bits // 8)
+
+
+def _capabilities(devices: frozenset[str]) -> Capabilities:
+    return Capabilities(
+        devices=frozenset(devices),
+        content_bits=frozenset({2, 4, 8, 16}),
+        rope_bits=frozenset({2, 4, 8, 16}),
+        latent_dims=frozenset({128, 256, 512, 1024}),  # powers of two (tl.arange extents)
+        rope_dims=frozenset({32, 64, 128}),
+        max_heads=1024,
+        max_q_len=64,
+    )
+
+
+class TritonBackend(Backend):
+    """Portable Triton kernels (no inline PTX, TMA or warp specialisation)."""
+
+    name = "triton"
+    _DEVICES = frozenset({"cuda", "rocm"})
+
+    @property
+    def capabilities(self) -> Capabilities:  # type: ignore[override]
+        """Declared capabilities; "cpu" is served only under ``TRITON_INTERPRET=1``."""
+        return _capabilities(self._DEVICES | ({"cpu"} if interpreting() else set()))
+
+    requires = ("triton",)
+
+    def extra_reasons(self, problem: Problem) -> list[str]:
+        reasons: list[str] = []
+        if problem.device.kind == "cpu" and not interpreting():
+            reasons.append("CPU tensors need TRITON_INTERPRET=1 (the Triton interpreter)")
+        f = problem.format
+        if problem.op == "attention":
+            gc = f.content_group_size if f.quantized else 64
+            gr = f.rope_group_size if f.quantized else 64
+            for what, dim, bits, g in (("content", f.latent_dim, f.content_bits, gc), ("rope", f.rope_dim, f.rope_bits, gr)):
+                w = slice_width(dim, bits, g)
+                if w < MIN_DOT_K:
+                    reasons.append(
+                        f"{what} slices of {w} elements ({dim} dims at {bits} bits) are narrower than a tl.dot "
+                        f"(K >= {MIN_DOT_K})"
+                    )
+        return reasons
+
+    def write(self, cache, latent, k_rope, slot_mapping, seq_ids, positions, seq_lens) -> None:
+        from .writer import write
+
+        write(cache, latent, k_rope, slot_mapping, seq_ids, positions, seq_lens)
+
+    def attention(self, q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale: float):
+        from .attention import attention
+
+        return attention(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale)

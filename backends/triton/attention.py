@@ -1,0 +1,90 @@
+"""Triton decode attention: split-KV kernel over packed pages + protected-token/combine kernel.
+
+See ``attention_kernel.py`` for the math and ``heuristics.py`` for the launch rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from . import interpreting, slice_width
+from .attention_kernel import protect_combine_kernel, split_kernel
+from .common import launch_dims, ptr_or_dummy
+from .heuristics import INTERPRETER_SM_COUNT, AttentionPlan, plan
+
+
+#: compiled-kernel handles of the last launch (``n_regs``, ``n_spills``) for probes
+LAST_LAUNCH: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return INTERPRETER_SM_COUNT
+
+
+def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: torch.Tensor,
+              seq_lens: torch.Tensor, seq_ids: torch.Tensor, softmax_scale: float,
+              num_splits: int | None = None, overrides: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_latent ``[B, S_q, H, d_c]``, q_rope ``[B, S_q, H, d_r]`` (float32/bfloat16) ->
+    out ``[B, S_q, H, d_c]`` (q's dtype), lse ``[B, S_q, H]`` float32 (natural log).
+
+    ``num_splits`` overrides the heuristic (tests use it to cover several splits);
+    ``overrides`` replaces fields of the heuristic plan (benchmark probes)."""
+    fmt = cache.format
+    b, s_q, h, dc = q_latent.shape
+    dr = fmt.rope_dim
+    rows = s_q * h
+    dev = q_latent.device
+    q = q_latent.contiguous().view(b, rows, dc)
+    qr = q_rope.contiguous().view(b, rows, dr)
+    q_bf16 = q.dtype == torch.bfloat16
+    interp = interpreting()
+    dot_bf16 = q_bf16 and not interp  # the interpreter's bfloat16 math is wrong: float32 there
+    pl: AttentionPlan = plan(b, rows, dc, fmt.page_size, int(block_table.shape[1]) * fmt.page_size,
+                             _sm_count(dev), interp, num_splits, fp32_dot=not dot_bf16)
+    probe_skip_pv = False
+    if overrides:
+        overrides = dict(overrides)
+        probe_skip_pv = bool(overrides.pop("skip_pv", False))
+        pl = dataclasses.replace(pl, **overrides)
+        if "block_r" in overrides:
+            pl = dataclasses.replace(pl, row_blocks=-(-rows // pl.block_r))
+    o_part = torch.empty((b, pl.num_splits, rows, dc), dtype=torch.float32, device=dev)
+    lse_part = torch.empty((b, pl.num_splits, rows), dtype=torch.float32, device=dev)
+    out = torch.empty((b, rows, dc), dtype=q.dtype, device=dev)
+    lse = torch.empty((b, rows), dtype=torch.float32, device=dev)
+    scale_log2 = float(softmax_scale) * math.log2(math.e)
+    quant = fmt.quantized
+    secs = fmt.sections
+    off = lambda name: secs[name][0] if name in secs else 0  # noqa: E731
+    cg = fmt.content_group_size if quant else 64
+    rg = fmt.rope_group_size if quant else 64
+    cbits, rbits = (fmt.content_bits, fmt.rope_bits) if quant else (16, 16)
+    LAST_LAUNCH["plan"] = pl
+    LAST_LAUNCH["split"] = split_kernel[(pl.num_splits, b, pl.row_blocks)](
+        q, qr, cache.pages, block_table, seq_lens, o_part, lse_part,
+        block_table.stride(0), cache.num_pages, scale_log2, rows, h, s_q, cache.sink, cache.local, pl.num_splits,
+        Q_BF16=q_bf16, DOT_BF16=dot_bf16, QUANT=quant, DC=dc, DR=dr, CBITS=cbits, RBITS=rbits,
+        CG=cg, RG=rg, CCW=slice_width(dc, cbits, cg), RCW=slice_width(dr, rbits, rg),
+        P=fmt.page_size, PAGE_BYTES=fmt.page_bytes,
+        C_CODES_OFF=off("content_codes"), R_CODES_OFF=off("rope_codes"),
+        C_SCALES_OFF=off("content_scales"), C_ZEROS_OFF=off("content_zeros"),
+        R_SCALES_OFF=off("rope_scales"), R_ZEROS_OFF=off("rope_zeros"),
+        C_SCALE_BF16=fmt.content_scale_dtype == "bfloat16", R_SCALE_BF16=fmt.rope_scale_dtype == "bfloat16",
+        BLOCK_N=pl.block_n, BLOCK_R=pl.block_r, PROBE_SKIP_PV=probe_skip_pv,
+        **launch_dims(pl.num_warps, pl.num_stages),
+    )
+    crb = pl.combine_block_r
+    LAST_LAUNCH["combine"] = protect_combine_kernel[(b, -(-rows // crb))](
+        q, qr, ptr_or_dummy(cache.sink_buf), ptr_or_dummy(cache.local_buf), seq_lens, seq_ids,
+        o_part, lse_part, out, lse, cache.max_seqs, scale_log2, rows, h, s_q, cache.sink, cache.local,
+        pl.num_splits,
+        Q_BF16=q_bf16, DOT_BF16=dot_bf16, PROT_BF16=cache.sink_buf.dtype == torch.bfloat16,
+        DC=dc, DR=dr, BLOCK_T=pl.combine_block_t, BLOCK_R=crb,
+        **launch_dims(pl.combine_warps),
+    )
+    return out.view(b, s_q, h, dc), lse.view(b, s_q, h)

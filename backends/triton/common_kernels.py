@@ -1,0 +1,58 @@
+"""Small ``@triton.jit`` helpers shared by the writer and attention kernels.
+
+bfloat16 values are moved as their uint16 bit patterns and widened/narrowed with integer
+ops, which is exact, portable, and also right in the Triton interpreter (whose bfloat16
+arithmetic is not).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+#: largest finite bfloat16 (stored scales are clamped to it, DESIGN.md §3.1)
+BF16_MAX: tl.constexpr = tl.constexpr(3.3895313892515355e38)
+FLOAT32_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)
+
+
+@triton.jit
+def bf16_bits_to_f32(bits):
+    """uint16/int bfloat16 bit patterns -> float32 values (exact)."""
+    return (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def f32_to_bf16_bits(x):
+    """float32 -> uint16 bit pattern of the nearest bfloat16 (round half to even)."""
+    b = x.to(tl.uint32, bitcast=True)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    return b.to(tl.uint16)
+
+
+@triton.jit
+def load_f32(ptr, offs, mask, IS_BF16: tl.constexpr):
+    """Load float32 or bfloat16 values (``ptr`` typed as stored) as float32; masked lanes read 0."""
+    if IS_BF16:
+        p16 = ptr.to(tl.pointer_type(tl.uint16))
+        return bf16_bits_to_f32(tl.load(p16 + offs, mask=mask, other=0))
+    else:
+        return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_f32(ptr, offs, x, mask, IS_BF16: tl.constexpr):
+    """Store float32 ``x`` as float32, or as bfloat16 rounded half to even."""
+    if IS_BF16:
+        p16 = ptr.to(tl.pointer_type(tl.uint16))
+        tl.store(p16 + offs, f32_to_bf16_bits(x), mask=mask)
+    else:
+        tl.store(ptr + offs, x, mask=mask)
+
+
+@triton.jit
+def rint(x):
+    """Round half to even for |x| < 2**22 (codes and zero points are far below that)."""
+    r = tl.floor(x + 0.5)
+    tie = (r - x) == 0.5
+    odd = (r - 2.0 * tl.floor(r * 0.5)) == 1.0
+    return tl.where(tie & odd, r - 1.0, r)

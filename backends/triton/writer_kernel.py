@@ -1,0 +1,140 @@
+"""Writer kernel: quantize, split-half pack, slot-mapped page write and protection-buffer
+update of BLOCK_T tokens per program, in one launch (DESIGN.md §3.1–3.5)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common_kernels import BF16_MAX, FLOAT32_MAX, f32_to_bf16_bits, load_f32, rint, store_f32
+
+
+@triton.jit
+def _quantize_store(
+    x,  # [T, NG, G] float32, non-finite values already replaced by 0
+    page_ptr,  # [T] uint8 pointers to the tokens' pages
+    t,  # [T] token offsets inside the pages
+    ok,  # [T] the slot is valid
+    BITS: tl.constexpr,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    NG: tl.constexpr,
+    CODES_OFF: tl.constexpr,
+    SCALES_OFF: tl.constexpr,
+    ZEROS_OFF: tl.constexpr,
+    SCALE_BF16: tl.constexpr,
+):
+    """Quantize T tokens' ``D``-wide vectors in groups of ``G``; store codes, scales, zeros."""
+    M: tl.constexpr = (1 << BITS) - 1
+    K: tl.constexpr = 8 // BITS  # elements per byte
+    T: tl.constexpr = x.shape[0]
+    lo = tl.minimum(tl.min(x, axis=2), 0.0)  # [T, NG]
+    hi = tl.maximum(tl.max(x, axis=2), 0.0)
+    s = tl.math.div_rn(tl.maximum(hi - lo, 1e-8), tl.full([T, NG], M, tl.float32))
+    gi = tl.arange(0, NG)[None, :]
+    m2 = ok[:, None]
+    if SCALE_BF16:
+        sbits = f32_to_bf16_bits(tl.minimum(s, BF16_MAX))
+        s = (sbits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        sp = (page_ptr + SCALES_OFF).to(tl.pointer_type(tl.uint16))
+        tl.store(sp[:, None] + t[:, None] * NG + gi, sbits, mask=m2)
+    else:
+        s = tl.minimum(s, FLOAT32_MAX)
+        sp = (page_ptr + SCALES_OFF).to(tl.pointer_type(tl.float32))
+        tl.store(sp[:, None] + t[:, None] * NG + gi, s, mask=m2)
+    z = tl.minimum(tl.maximum(rint(tl.math.div_rn(-lo, s)), 0.0), M)
+    tl.store(page_ptr[:, None] + ZEROS_OFF + t[:, None] * NG + gi, z.to(tl.uint8), mask=m2)
+    q = rint(tl.math.div_rn(x, tl.broadcast_to(s[:, :, None], [T, NG, G]))) + z[:, :, None]
+    q = tl.minimum(tl.maximum(q, 0.0), M).to(tl.int32)
+    # split-half packing: byte j holds elements j + i*D/K in bits [i*BITS, (i+1)*BITS)
+    planes = tl.reshape(q, [T, K, D // K])
+    shift = (tl.arange(0, K) * BITS)[None, :, None]
+    packed = tl.sum(planes << shift, axis=1)  # [T, D // K]
+    jj = tl.arange(0, D // K)[None, :]
+    tl.store(page_ptr[:, None] + CODES_OFF + t[:, None] * (D // K) + jj, packed.to(tl.uint8), mask=m2)
+
+
+@triton.jit
+def write_kernel(
+    latent_ptr,  # [N, DC] float32 or bfloat16
+    rope_ptr,  # [N, DR]
+    slot_ptr,  # [N] int
+    seq_ptr,  # [N] int
+    pos_ptr,  # [N] int
+    lens_ptr,  # [max_seqs] int
+    pages_ptr,  # uint8 [num_pages, PAGE_BYTES]
+    sink_ptr,  # [max_seqs, SINK, DC + DR] protection dtype
+    local_ptr,  # [max_seqs, LOCAL, DC + DR]
+    stride_latent,
+    stride_rope,
+    N,
+    num_slots,  # num_pages * P
+    max_seqs,
+    SINK,
+    LOCAL,
+    IN_BF16: tl.constexpr,
+    PROT_BF16: tl.constexpr,
+    QUANT: tl.constexpr,
+    DC: tl.constexpr,
+    DR: tl.constexpr,
+    CBITS: tl.constexpr,
+    RBITS: tl.constexpr,
+    CG: tl.constexpr,
+    RG: tl.constexpr,
+    P: tl.constexpr,
+    PAGE_BYTES: tl.constexpr,
+    C_CODES_OFF: tl.constexpr,
+    R_CODES_OFF: tl.constexpr,
+    C_SCALES_OFF: tl.constexpr,
+    C_ZEROS_OFF: tl.constexpr,
+    R_SCALES_OFF: tl.constexpr,
+    R_ZEROS_OFF: tl.constexpr,
+    C_SCALE_BF16: tl.constexpr,
+    R_SCALE_BF16: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """BLOCK_T tokens per program. A slot outside ``[0, num_slots)`` (e.g. -1) skips the token;
+    a seq id outside ``[0, max_seqs)`` or a negative position skips its protection copy."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_range = i < N
+    slot = tl.load(slot_ptr + i, mask=in_range, other=-1).to(tl.int64)
+    ok = in_range & (slot >= 0) & (slot < num_slots)
+    slot_c = tl.where(ok, slot, 0)
+    page_ptr = pages_ptr + (slot_c // P) * PAGE_BYTES  # [T]
+    t = slot_c % P
+
+    NGC: tl.constexpr = DC // CG
+    NGR: tl.constexpr = DR // RG
+    offs_c = (tl.arange(0, NGC)[:, None] * CG + tl.arange(0, CG)[None, :])[None, :, :]
+    offs_r = (tl.arange(0, NGR)[:, None] * RG + tl.arange(0, RG)[None, :])[None, :, :]
+    m3 = ok[:, None, None]
+    xc = load_f32(latent_ptr, i[:, None, None] * stride_latent + offs_c, m3, IN_BF16)  # [T, NGC, CG]
+    xr = load_f32(rope_ptr, i[:, None, None] * stride_rope + offs_r, m3, IN_BF16)  # [T, NGR, RG]
+
+    if QUANT:
+        zc = tl.where(tl.abs(xc) < float("inf"), xc, 0.0)  # non-finite counts as 0
+        zr = tl.where(tl.abs(xr) < float("inf"), xr, 0.0)
+        _quantize_store(zc, page_ptr, t, ok, CBITS, DC, CG, NGC, C_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF, C_SCALE_BF16)
+        _quantize_store(zr, page_ptr, t, ok, RBITS, DR, RG, NGR, R_CODES_OFF, R_SCALES_OFF, R_ZEROS_OFF, R_SCALE_BF16)
+    else:
+        store_f32(page_ptr[:, None, None] + C_CODES_OFF, t[:, None, None] * DC + offs_c, xc, m3, True)
+        store_f32(page_ptr[:, None, None] + R_CODES_OFF, t[:, None, None] * DR + offs_r, xr, m3, True)
+
+    # protection buffers (pre-quantization values)
+    seq = tl.load(seq_ptr + i, mask=ok, other=-1).to(tl.int64)
+    pos = tl.load(pos_ptr + i, mask=ok, other=-1).to(tl.int64)
+    live = ok & (seq >= 0) & (seq < max_seqs) & (pos >= 0)
+    seq_c = tl.where(live, seq, 0)
+    W: tl.constexpr = DC + DR
+    to_sink = live & (pos < SINK)
+    base_s = ((seq_c * SINK + tl.where(to_sink, pos, 0)) * W)[:, None, None]
+    ms = to_sink[:, None, None]
+    store_f32(sink_ptr, base_s + offs_c, xc, ms, PROT_BF16)
+    store_f32(sink_ptr, base_s + DC + offs_r, xr, ms, PROT_BF16)
+    length = tl.load(lens_ptr + seq_c, mask=live, other=0).to(tl.int64)
+    to_local = live & (LOCAL > 0) & (pos >= length - LOCAL)
+    ring = tl.where(to_local, pos % tl.maximum(LOCAL, 1), 0)
+    base_l = ((seq_c * LOCAL + ring) * W)[:, None, None]
+    ml = to_local[:, None, None]
+    store_f32(local_ptr, base_l + offs_c, xc, ml, PROT_BF16)
+    store_f32(local_ptr, base_l + DC + offs_r, xr, ml, PROT_BF16)

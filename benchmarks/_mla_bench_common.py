@@ -1,0 +1,142 @@
+"""Shared set-up for the Triton attention benchmarks (probe script and pytest-benchmark file).
+
+Builds large paged caches on the GPU with the Triton writer, the FlashInfer BF16 anchor
+(``BatchMLAPagedAttentionWrapper``, fa3, when installed) and a plain-PyTorch BF16 baseline.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+
+import torch
+
+import quantmla_core as qm
+from quantmla_core import PackFormat
+
+PAGE = 64
+SINK, LOCAL = 4, 128
+BF16_TOKEN_BYTES = 1152
+FLOP_PER_TOKEN_HEAD = 2 * 576 + 2 * 512
+
+
+def gpu_info() -> dict:
+    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except Exception:  # pragma: no cover
+        pass
+    try:
+        info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                        capture_output=True, text=True, timeout=20).stdout.strip()
+    except Exception:
+        info["driver"] = "?"
+    return info
+
+
+class Workload:
+    """B requests of L tokens each (same page table shape for every format)."""
+
+    def __init__(self, batch: int, length: int, seed: int = 0):
+        self.batch, self.length = batch, length
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        self.pages_per = math.ceil(length / PAGE)
+        self.num_pages = batch * self.pages_per
+        self.table = torch.randperm(self.num_pages, device="cuda", generator=g).view(batch, self.pages_per).int()
+        self.seq_lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+        self.seq_ids = torch.arange(batch, dtype=torch.int32, device="cuda")
+        self.chan = torch.exp(torch.randn(512, device="cuda", generator=g) * 0.7)
+        self.seed = seed
+
+    def tokens(self, start: int, stop: int):
+        """Random latent/rope for global token indices [start, stop) (request-major), bf16."""
+        g = torch.Generator(device="cuda").manual_seed(self.seed * 1000003 + start)
+        n = stop - start
+        latent = (torch.randn(n, 512, device="cuda", generator=g) * self.chan).to(torch.bfloat16)
+        rope = (torch.randn(n, 64, device="cuda", generator=g) * 2).to(torch.bfloat16)
+        return latent, rope
+
+    def slots(self, start: int, stop: int):
+        idx = torch.arange(start, stop, device="cuda")
+        b, pos = idx // self.length, idx % self.length
+        slot = self.table[b, pos // PAGE].long() * PAGE + pos % PAGE
+        return slot, b, pos
+
+    def build(self, fmt_name: str, chunk: int = 1 << 20) -> qm.MLACache:
+        fmt = PackFormat.parse(fmt_name)
+        cache = qm.MLACache.allocate(fmt, self.num_pages, self.batch, SINK, LOCAL, "cuda")
+        total = self.batch * self.length
+        lens = torch.full((self.batch,), self.length, dtype=torch.int64, device="cuda")
+        for s in range(0, total, chunk):
+            e = min(total, s + chunk)
+            latent, rope = self.tokens(s, e)
+            slot, b, pos = self.slots(s, e)
+            qm.write(cache, latent, rope, slot_mapping=slot, seq_ids=b, positions=pos, seq_lens=lens,
+                     backend="triton", validate=False)
+        return cache
+
+    def queries(self, heads: int, s_q: int = 1, seed: int = 1):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        q = (torch.randn(self.batch, s_q, heads, 512, device="cuda", generator=g) / self.chan.sqrt()).to(torch.bfloat16)
+        r = torch.randn(self.batch, s_q, heads, 64, device="cuda", generator=g).to(torch.bfloat16)
+        return q, r
+
+    def bf16_dense(self):
+        """Contiguous BF16 [B, L, 576] of the same tokens (for the PyTorch and FlashInfer baselines)."""
+        kv = torch.empty(self.batch, self.length, 576, dtype=torch.bfloat16, device="cuda")
+        flat = kv.view(-1, 576)
+        for s in range(0, self.batch * self.length, 1 << 20):
+            e = min(self.batch * self.length, s + (1 << 20))
+            latent, rope = self.tokens(s, e)
+            flat[s:e, :512], flat[s:e, 512:] = latent, rope
+        return kv
+
+
+def torch_bf16_attention(q, r, kv, scale):
+    """Plain PyTorch BF16 MLA decode (bmm + softmax), S_q = 1: q [B,H,512], r [B,H,64], kv [B,L,576]."""
+    qq = torch.cat([q, r], dim=-1)  # [B, H, 576]
+    s = torch.bmm(qq, kv.transpose(1, 2)).float() * scale  # [B, H, L]
+    p = torch.softmax(s, dim=-1).to(torch.bfloat16)
+    return torch.bmm(p, kv[:, :, :512])
+
+
+class FlashInferMLA:
+    """FlashInfer BF16 anchor over a paged copy of the dense cache; ``None`` when not installed."""
+
+    @staticmethod
+    def available() -> str | None:
+        try:
+            import flashinfer  # noqa: F401
+
+            return None
+        except Exception as exc:
+            return f"flashinfer not importable ({type(exc).__name__}: {exc})"
+
+    def __init__(self, work: Workload, kv: torch.Tensor, heads: int, scale: float):
+        import flashinfer
+
+        b, length = work.batch, work.length
+        pages = work.num_pages
+        # paged copy in the same page order as the quantized caches
+        ckv = torch.empty(pages, PAGE, 512, dtype=torch.bfloat16, device="cuda")
+        kpe = torch.empty(pages, PAGE, 64, dtype=torch.bfloat16, device="cuda")
+        padded = torch.zeros(b, work.pages_per * PAGE, 576, dtype=torch.bfloat16, device="cuda")
+        padded[:, :length] = kv
+        padded = padded.view(b, work.pages_per, PAGE, 576)
+        ckv[work.table.long()] = padded[..., :512]
+        kpe[work.table.long()] = padded[..., 512:]
+        del padded
+        self.ckv, self.kpe = ckv, kpe
+        self.ws = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+        self.w = flashinfer.mla.BatchMLAPagedAttentionWrapper(self.ws, backend="fa3")
+        qo_indptr = torch.arange(b + 1, dtype=torch.int32, device="cuda")
+        kv_indptr = torch.arange(b + 1, dtype=torch.int32, device="cuda") * work.pages_per
+        kv_indices = work.table.reshape(-1).int()
+        kv_lens = work.seq_lens.int()
+        self.w.plan(qo_indptr, kv_indptr, kv_indices, kv_lens, heads, 512, 64, PAGE, False, scale,
+                    torch.bfloat16, torch.bfloat16)
+
+    def run(self, q, r):
+        return self.w.run(q, r, self.ckv, self.kpe)
