@@ -23,7 +23,7 @@ def _usable(name, problem):
     return not qm.get_backend(name).not_supported_reasons(problem)
 
 
-@pytest.mark.parametrize("device,order", [(CUDA, ["triton", "cupy", "torch"]), (ROCM, ["triton", "torch"]),
+@pytest.mark.parametrize("device,order", [(CUDA, ["cupy", "triton", "torch"]), (ROCM, ["triton", "torch"]),
                                           (CPU, ["numba", "torch", "reference"]), (NUMPY, ["numba", "reference"])])
 def test_auto_picks_first_usable_in_priority(device, order):
     problem = _problem(device)
