@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device call on the H200: install, GPU checks, demo, memory table, HF generate, serving.
+# Usage (device tool): bash benchmarks/run_h200.sh   -- results land in $OUT.
+set -u
+REPO=$(pwd)
+OUT=${OUT:-/tmp/qm_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+# the package as pip lays it out (backends/, reference/, calibration/ under quantmla_core/)
+if ! python3 -m pip install -q --no-build-isolation --no-deps --no-compile --target /tmp/qm "$REPO" > "$OUT/install.log" 2>&1; then
+  echo "pip install failed (see install.log); copying the package layout by hand"
+  mkdir -p /tmp/qm && cp -r quantmla_core /tmp/qm/ && cp -r backends /tmp/qm/quantmla_core/backends \
+    && cp -r reference /tmp/qm/quantmla_core/reference && cp -r calibration /tmp/qm/quantmla_core/calibration
+fi
+export PYTHONPATH=/tmp/qm:$REPO
+PY="python3 -P"
+stage() { echo; echo "=== $1 ($(date +%T))"; }
+stage gpu; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+stage info; $PY -m quantmla_core.info | tee "$OUT/info.txt"
+stage torch-backend-on-cuda
+timeout ${T_TESTS:-90} $PY -m pytest -q -x -p no:cacheprovider --import-mode=importlib tests/test_torch_backend.py -k cuda 2>&1 | tail -3
+stage demo; timeout 90 $PY -m quantmla_core.demo 2>&1 | tee "$OUT/demo.txt"
+stage memory; timeout 90 $PY -m benchmarks.memory --out "$OUT/memory.json" 2>&1 | tail -18
+stage hf_generate
+timeout ${T_HF:-150} $PY benchmarks/hf_generate.py --out "$OUT/hf_generate.json" --formats C4R4,C2R4 2>&1 | tail -12
+stage serving
+timeout ${T_SERVE:-240} $PY -m benchmarks.serving --out "$OUT/serving.json" --requests ${REQ:-48} --prompt-len ${PROMPT:-4096} \
+  --output-len ${OUTLEN:-512} --budget-gib ${BUDGET:-0.25} 2>&1 | tail -8
+stage done
