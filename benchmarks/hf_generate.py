@@ -24,6 +24,7 @@ Not collected by pytest. Usage::
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import platform
@@ -111,9 +112,11 @@ def run_generate(model, ids: torch.Tensor, new_tokens: int, cache: Any, logits: 
     device = ids.device
     sync(device)
     t0 = time.perf_counter()
+    # transformers >= 5.2x names the keyword ``cache``; earlier releases only know ``past_key_values``
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     out = model.generate(
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-        do_sample=False, cache=cache, return_dict_in_generate=True, output_logits=logits, pad_token_id=0,
+        do_sample=False, return_dict_in_generate=True, output_logits=logits, pad_token_id=0, **{key: cache},
     )
     sync(device)
     return out, time.perf_counter() - t0

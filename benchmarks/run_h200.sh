@@ -18,12 +18,15 @@ stage() { echo; echo "=== $1 ($(date +%T))"; }
 stage gpu; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 stage info; $PY -m quantmla_core.info | tee "$OUT/info.txt"
 stage torch-backend-on-cuda
-timeout ${T_TESTS:-90} $PY -m pytest -q -x -p no:cacheprovider --import-mode=importlib tests/test_torch_backend.py -k cuda 2>&1 | tail -3
-stage demo; timeout 90 $PY -m quantmla_core.demo 2>&1 | tee "$OUT/demo.txt"
-stage memory; timeout 90 $PY -m benchmarks.memory --out "$OUT/memory.json" 2>&1 | tail -18
+timeout ${T_TESTS:-90} $PY -m pytest -q -x -p no:cacheprovider tests/test_torch_backend.py -k cuda 2>&1 | tail -3
+[[ " ${SKIP:-} " == *" demo "* ]] || { stage demo; timeout 90 $PY -m quantmla_core.demo 2>&1 | tee "$OUT/demo.txt"; }
+[[ " ${SKIP:-} " == *" memory "* ]] || { stage memory; timeout 90 $PY -m benchmarks.memory --out "$OUT/memory.json" 2>&1 | tail -18; }
+[[ " ${SKIP:-} " == *" checks "* ]] || { stage gpu_checks; timeout 60 $PY -m benchmarks.gpu_checks 2>&1 | tee "$OUT/gpu_checks.txt"; }
+[[ " ${SKIP:-} " == *" hf "* ]] || {
 stage hf_generate
-timeout ${T_HF:-150} $PY benchmarks/hf_generate.py --out "$OUT/hf_generate.json" --formats C4R4,C2R4 2>&1 | tail -12
+timeout ${T_HF:-150} $PY benchmarks/hf_generate.py --out "$OUT/hf_generate.json" ${HF_ARGS:---formats C4R4,C2R4} 2>&1 | tail -12; }
+[[ " ${SKIP:-} " == *" serving "* ]] || {
 stage serving
 timeout ${T_SERVE:-240} $PY -m benchmarks.serving --out "$OUT/serving.json" --requests ${REQ:-48} --prompt-len ${PROMPT:-4096} \
-  --output-len ${OUTLEN:-512} --budget-gib ${BUDGET:-0.25} 2>&1 | tail -8
+  --output-len ${OUTLEN:-512} --budget-gib ${BUDGET:-0.25} 2>&1 | tail -8; }
 stage done
