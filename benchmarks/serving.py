@@ -24,7 +24,6 @@ import random
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 
 import quantmla_core as qm

@@ -1,6 +1,5 @@
 """Invalid inputs: every case raises ValueError/TypeError naming the argument (DESIGN.md §4)."""
 
-import numpy as np
 import pytest
 import torch
 

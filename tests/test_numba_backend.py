@@ -255,8 +255,6 @@ def test_unsupported_problems_name_the_reason():
     gpu = Problem("attention", C4R4, DeviceInfo("cuda", "fake", (9, 0), 132))
     with pytest.raises(NoBackendError, match="device 'cuda'"):
         select_backend(gpu, "numba", env={})
-    odd = qm.PackFormat(4, 4, content_scale_dtype="float32")
-    assert any("scale dtypes" in r for r in NumbaBackend().not_supported_reasons(Problem("write", odd, DeviceInfo("cpu"))))
 
 
 # ---------------------------------------------------------------------- masked writes

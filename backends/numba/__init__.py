@@ -7,7 +7,7 @@ disk (``cache=True``), so only the first process on a machine pays the compile t
 
 from __future__ import annotations
 
-from ...dispatch import Backend, Capabilities, Problem
+from ...dispatch import Backend, Capabilities
 
 
 class NumbaBackend(Backend):
@@ -17,15 +17,6 @@ class NumbaBackend(Backend):
     name = "numba"
     capabilities = Capabilities(devices=frozenset({"cpu", "numpy"}))
     requires = ("numba",)
-
-    def extra_reasons(self, problem: Problem) -> list[str]:
-        f = problem.format
-        if f.quantized and (f.content_scale_dtype, f.rope_scale_dtype) != ("bfloat16", "float32"):
-            return [
-                f"scale dtypes (content {f.content_scale_dtype}, rope {f.rope_scale_dtype}) not "
-                "(bfloat16, float32), the only ones the layout sizes"
-            ]
-        return []
 
     def write(self, cache, latent, k_rope, slot_mapping, seq_ids, positions, seq_lens) -> None:
         from .writer import write

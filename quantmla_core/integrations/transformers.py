@@ -72,7 +72,6 @@ except ImportError as _exc:  # pragma: no cover - old transformers
     ) from _exc
 
 from .. import api as _api
-from ..cache import MLACache
 from ..formats import PackFormat
 from ..paged import PagedMLACache
 
