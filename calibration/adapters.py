@@ -55,6 +55,8 @@ from typing import Any, Callable, Literal
 import torch
 from torch import nn
 
+from ..transforms import rope_pair_indices
+
 RopeLayout = Literal["interleaved", "half"]
 
 __all__ = [
@@ -70,21 +72,6 @@ __all__ = [
 ]
 
 ROLES = ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
-
-
-def rope_pair_indices(dim: int, layout: str, device: torch.device | str | None = None) -> torch.Tensor:
-    """Channel indices of RoPE pair i: ``[dim/2, 2]`` int64, row i = (first, second) channel.
-
-    ``"interleaved"``: (2i, 2i+1); ``"half"``: (i, i + dim/2).
-    """
-    if dim % 2:
-        raise ValueError(f"dim: expected an even RoPE dimension, got {dim}")
-    i = torch.arange(dim // 2, device=device)
-    if layout == "interleaved":
-        return torch.stack([2 * i, 2 * i + 1], dim=1)
-    if layout == "half":
-        return torch.stack([i, i + dim // 2], dim=1)
-    raise ValueError(f"layout: expected 'interleaved' or 'half', got {layout!r}")
 
 
 @dataclass

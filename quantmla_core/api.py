@@ -97,6 +97,12 @@ def attention(
     the S_q query tokens, already written); seq_ids ``[B]``. Query i of S_q sees tokens
     ``< L - S_q + i + 1``. Returns ``out`` shaped and typed like q_latent and, with
     ``return_lse``, ``lse [B, (S_q,) H]`` float32 (natural log of the scaled-score sums).
+
+    ``seq_lens`` must be the lengths the cache was last written with: the local ring holds the
+    last ``local`` tokens of that length, so attending with a shorter length reads ring slots that
+    newer tokens have overwritten (write and attend in chunks instead). Each length must be at
+    least S_q; on GPU (``validate`` off by default) this is not checked and a shorter request
+    returns -inf in its lse rows.
     """
     cache = v.check_cache(cache)
     fmt = cache.format
