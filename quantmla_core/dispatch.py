@@ -144,28 +144,30 @@ def _import_reason(modules: tuple[str, ...]) -> str | None:
 
 
 def declared_reasons(cap: Capabilities, p: Problem) -> list[str]:
-    """Reasons a backend's declared capabilities exclude a problem."""
+    """Reasons a backend's declared capabilities exclude a problem (messages built only on failure)."""
     f = p.format
-    checks: list[tuple[bool, str]] = [
-        (p.op in cap.ops, f"does not implement op {p.op!r}"),
-        (p.device.kind in cap.devices, f"device {p.device.kind!r} not in {sorted(cap.devices)}"),
-        (f.content_bits in cap.content_bits, f"content bits {f.content_bits} not in {sorted(cap.content_bits)}"),
-        (f.rope_bits in cap.rope_bits, f"rope bits {f.rope_bits} not in {sorted(cap.rope_bits)}"),
-        (cap.latent_dims is None or f.latent_dim in cap.latent_dims, f"latent_dim {f.latent_dim} not in {sorted(cap.latent_dims or ())}"),
-        (cap.rope_dims is None or f.rope_dim in cap.rope_dims, f"rope_dim {f.rope_dim} not in {sorted(cap.rope_dims or ())}"),
-        (f.page_size in cap.page_sizes, f"page_size {f.page_size} not in {sorted(cap.page_sizes)}"),
-        (not f.quantized or f.group_size in cap.group_sizes, f"group_size {f.group_size} not in {sorted(cap.group_sizes)}"),
-        (f.version in cap.versions, f"layout version {f.version} not in {sorted(cap.versions)}"),
-        (p.dtype in cap.dtypes, f"dtype {p.dtype} not in {sorted(cap.dtypes)}"),
-        (p.protect_dtype in cap.protect_dtypes, f"protection dtype {p.protect_dtype} not in {sorted(cap.protect_dtypes)}"),
-        (p.num_heads <= cap.max_heads, f"{p.num_heads} heads > max {cap.max_heads}"),
-        (p.q_len <= cap.max_q_len, f"S_q={p.q_len} > max {cap.max_q_len}"),
+    checks: list[tuple[bool, Any]] = [
+        (p.op in cap.ops, lambda: f"does not implement op {p.op!r}"),
+        (p.device.kind in cap.devices, lambda: f"device {p.device.kind!r} not in {sorted(cap.devices)}"),
+        (f.content_bits in cap.content_bits, lambda: f"content bits {f.content_bits} not in {sorted(cap.content_bits)}"),
+        (f.rope_bits in cap.rope_bits, lambda: f"rope bits {f.rope_bits} not in {sorted(cap.rope_bits)}"),
+        (cap.latent_dims is None or f.latent_dim in cap.latent_dims,
+         lambda: f"latent_dim {f.latent_dim} not in {sorted(cap.latent_dims or ())}"),
+        (cap.rope_dims is None or f.rope_dim in cap.rope_dims, lambda: f"rope_dim {f.rope_dim} not in {sorted(cap.rope_dims or ())}"),
+        (f.page_size in cap.page_sizes, lambda: f"page_size {f.page_size} not in {sorted(cap.page_sizes)}"),
+        (not f.quantized or f.group_size in cap.group_sizes, lambda: f"group_size {f.group_size} not in {sorted(cap.group_sizes)}"),
+        (f.version in cap.versions, lambda: f"layout version {f.version} not in {sorted(cap.versions)}"),
+        (p.dtype in cap.dtypes, lambda: f"dtype {p.dtype} not in {sorted(cap.dtypes)}"),
+        (p.protect_dtype in cap.protect_dtypes, lambda: f"protection dtype {p.protect_dtype} not in {sorted(cap.protect_dtypes)}"),
+        (p.num_heads <= cap.max_heads, lambda: f"{p.num_heads} heads > max {cap.max_heads}"),
+        (p.q_len <= cap.max_q_len, lambda: f"S_q={p.q_len} > max {cap.max_q_len}"),
     ]
     if cap.min_capability is not None and p.device.capability is not None:
         checks.append(
-            (p.device.capability >= cap.min_capability, f"compute capability {p.device.capability} < {cap.min_capability}")
+            (p.device.capability >= cap.min_capability,
+             lambda: f"compute capability {p.device.capability} < {cap.min_capability}")
         )
-    return [msg for ok, msg in checks if not ok]
+    return [msg() for ok, msg in checks if not ok]
 
 
 # ---------------------------------------------------------------------- registry
@@ -205,12 +207,20 @@ def get_backend(name: str) -> Backend:
 
 def select_backend(problem: Problem, backend: str = "auto", env: dict[str, str] | None = None) -> Backend:
     """Choose a backend for ``problem``; ``QUANTMLA_BACKEND`` (in ``env``, default os.environ)
-    replaces "auto". Raises :class:`NoBackendError` with every candidate's reasons."""
+    replaces "auto". Raises :class:`NoBackendError` with every candidate's reasons.
+
+    Decisions are memoised per (problem, request): a decode loop asks the same question for
+    every layer and step, and answering it costs more than a small kernel launch."""
     env = os.environ if env is None else env
     if not isinstance(backend, str):
         raise TypeError(f"backend: expected a str, got {type(backend).__name__}")
     if backend == "auto" and env.get(ENV_OVERRIDE):
         backend = env[ENV_OVERRIDE]
+    return _select(problem, backend)
+
+
+@lru_cache(maxsize=4096)
+def _select(problem: Problem, backend: str) -> Backend:
     if backend != "auto":
         chosen = get_backend(backend)
         reasons = chosen.not_supported_reasons(problem)
