@@ -28,5 +28,5 @@ timeout ${T_HF:-150} $PY benchmarks/hf_generate.py --out "$OUT/hf_generate.json"
 [[ " ${SKIP:-} " == *" serving "* ]] || {
 stage serving
 timeout ${T_SERVE:-240} $PY -m benchmarks.serving --out "$OUT/serving.json" --requests ${REQ:-48} --prompt-len ${PROMPT:-4096} \
-  --output-len ${OUTLEN:-512} --budget-gib ${BUDGET:-0.25} 2>&1 | tail -8; }
+  --output-len ${OUTLEN:-512} --budget-gib ${BUDGET:-0.25} ${SERVE_ARGS:-} 2>&1 | tail -8; }
 stage done

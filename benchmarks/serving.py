@@ -52,6 +52,7 @@ class Workload:
     page_size: int = 64
     sink: int = 4
     local: int = 128
+    dense_mlp: bool = False  # True: every layer dense (no MoE routing loop), a flatter step time
     seed: int = 0
 
 
@@ -72,6 +73,8 @@ def build_model(w: Workload, device: str, dtype: torch.dtype) -> torch.nn.Module
     torch.manual_seed(w.seed)
     cfg = tiny_config("v3", q_lora=False, hidden=w.hidden, heads=w.heads, d_c=w.d_c, d_r=w.d_r, d_nope=w.d_nope,
                       d_v=w.d_v, layers=w.layers, vocab=w.vocab, max_pos=max(4096, 2 * (w.prompt_len + w.output_len)))
+    if w.dense_mlp:
+        cfg.first_k_dense_replace = w.layers
     model = DeepseekV3ForCausalLM(cfg).to(device=device, dtype=dtype).eval()
     return model
 
@@ -223,12 +226,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--output-len", type=int, default=None)
     ap.add_argument("--budget-gib", type=float, default=None)
+    ap.add_argument("--dense-mlp", action="store_true", help="dense MLP in every layer instead of MoE after the first")
     ap.add_argument("--out", default=None, help="write JSON here")
     args = ap.parse_args(argv)
     w = TINY if args.tiny else H200
     over = {k: v for k, v in dict(requests=args.requests, prompt_len=args.prompt_len, output_len=args.output_len).items() if v}
     if args.budget_gib:
         over["budget_bytes"] = int(args.budget_gib * 2**30)
+    if args.dense_mlp:
+        over["dense_mlp"] = True
     w = Workload(**{**w.__dict__, **over})
     rows = run(w, args.formats.split(","), args.device, args.backend)
     print(f"serving: {w.requests} requests x ({w.prompt_len} prompt + {w.output_len} out), {w.layers} layers, "
