@@ -24,7 +24,7 @@ from .dispatch import (
     select_backend,
 )
 from .formats import PackFormat
-from .paged import PagedMLACache
+from .paged import OutOfPagesError, PagedMLACache, WritePlan
 
 __version__ = "0.1.0"
 
@@ -32,6 +32,8 @@ __all__ = [
     "PackFormat",
     "MLACache",
     "PagedMLACache",
+    "WritePlan",
+    "OutOfPagesError",
     "write",
     "attention",
     "memory_bytes",
