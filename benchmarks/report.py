@@ -80,7 +80,7 @@ def attention_rows(doc: dict) -> list[dict]:
     rows = []
     for b in doc.get("benchmarks", []):
         e, p = b.get("extra_info", {}), b.get("params") or {}
-        if not {"H", "B", "L"} <= set(e):
+        if not {"H", "B", "L"} <= set(e) or e.get("op", "attention") != "attention":
             continue
         name = b.get("name", "")
         impl = e.get("impl") or p.get("backend") or ("flashinfer" if "flashinfer" in name else "torch-bmm" if "torch" in name else name)

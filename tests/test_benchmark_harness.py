@@ -69,3 +69,23 @@ def test_report_writes_tables_between_markers(tmp_path):
     assert "| 32,768 | C4R4 |" in text
     assert (tmp_path / "results" / "memory.png").stat().st_size > 1000
     assert (tmp_path / "results" / "serving.png").stat().st_size > 1000
+
+
+def test_backend_benchmark_suite_smoke(tmp_path):
+    """The pytest-benchmark suite runs at tiny scale (one round) and its JSON feeds the report."""
+    import os
+    import subprocess
+    import sys
+
+    from benchmarks import report
+
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, QUANTMLA_BENCH_SCALE="tiny", QUANTMLA_BENCH_ROUNDS="1")
+    env.pop("TRITON_INTERPRET", None)
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "benchmark", "--benchmark-enable", "-p", "no:cacheprovider",
+                    f"--benchmark-json={out}", "benchmarks/test_backends.py"], check=True, env=env,
+                   cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    rows = report.attention_rows(json.loads(out.read_text()))
+    impls = {(r["impl"], r["format"]) for r in rows}
+    assert ("torch", "C4R4") in impls and any(i == "torch-bmm" for i, _ in impls)
+    assert all(r["us"] > 0 and r["gbps"] > 0 for r in rows)
