@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# One device call on the H200: install, GPU checks, demo, memory table, HF generate, serving.
-# Usage (device tool): bash benchmarks/run_h200.sh   -- results land in $OUT.
+# One device call on the H200: install, GPU checks, demo, memory table, backend benchmarks
+# (with FlashInfer when carried), HF generate, serving. Results land in $OUT.
+# Usage (device tool, carry .whl for FlashInfer): bash benchmarks/run_h200.sh
+# Stages can be skipped with SKIP="demo memory checks bench hf serving"; time limits T_*.
 set -u
 REPO=$(pwd)
 OUT=${OUT:-/tmp/qm_out}
@@ -13,6 +15,11 @@ if ! python3 -m pip install -q --no-build-isolation --no-deps --no-compile --tar
     && cp -r reference /tmp/qm/quantmla_core/reference && cp -r calibration /tmp/qm/quantmla_core/calibration
 fi
 export PYTHONPATH=/tmp/qm:$REPO
+# FlashInfer (the BF16 anchor) when its wheels were carried in .whl/ (see PERFORMANCE.md)
+if ls .whl/flashinfer_python-*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl > "$OUT/flashinfer_install.log" 2>&1 \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE=/tmp
+fi
 PY="python3 -P"
 stage() { echo; echo "=== $1 ($(date +%T))"; }
 stage gpu; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -22,6 +29,9 @@ timeout ${T_TESTS:-90} $PY -m pytest -q -x -p no:cacheprovider tests/test_torch_
 [[ " ${SKIP:-} " == *" demo "* ]] || { stage demo; timeout 90 $PY -m quantmla_core.demo 2>&1 | tee "$OUT/demo.txt"; }
 [[ " ${SKIP:-} " == *" memory "* ]] || { stage memory; timeout 90 $PY -m benchmarks.memory --out "$OUT/memory.json" 2>&1 | tail -18; }
 [[ " ${SKIP:-} " == *" checks "* ]] || { stage gpu_checks; timeout 60 $PY -m benchmarks.gpu_checks 2>&1 | tee "$OUT/gpu_checks.txt"; }
+[[ " ${SKIP:-} " == *" bench "* ]] || { stage backend-benchmarks
+  timeout ${T_BENCH:-240} $PY -m pytest -q -p no:cacheprovider --import-mode=importlib -m benchmark --benchmark-enable \
+    --benchmark-json="$OUT/backends.json" benchmarks/test_backends.py benchmarks/test_attention_gpu.py ${BENCH_ARGS:-} 2>&1 | tail -15; }
 [[ " ${SKIP:-} " == *" hf "* ]] || {
 stage hf_generate
 timeout ${T_HF:-150} $PY benchmarks/hf_generate.py --out "$OUT/hf_generate.json" ${HF_ARGS:---formats C4R4,C2R4} 2>&1 | tail -12; }

@@ -25,7 +25,7 @@ from quantmla_core import reference as ref
 from quantmla_core.dispatch import DeviceInfo, Problem
 from quantmla_core.testing import Case, allocate, build, check_attention
 
-from .machine import command_line, machine_info
+from benchmarks.machine import command_line, machine_info
 
 pytestmark = pytest.mark.benchmark
 
