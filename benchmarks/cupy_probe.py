@@ -6,23 +6,32 @@ CuPy attention for C4R4, C2R4 and the in-library BF16 format with CUDA-event med
 (``triton.testing.do_bench`` when available). Also times the writer on a long prompt.
 Ratios use the FlashInfer BF16 anchors of shared/PERFORMANCE.md (measured 2026-11-30).
 
-    python benchmarks/cupy_probe.py [--quick] [--json OUT.json]
+    python benchmarks/cupy_probe.py [--quick] [--variant v1|v2|both] [--json OUT.json]
+
+``--variant`` picks the attention kernel through ``QUANTMLA_CUPY_ATTENTION`` (``both``: each
+configuration is checked and timed with v1 and then v2 in the same process, side by side;
+``kernel`` in each result says what actually ran -- v2 falls back to v1 for formats it does
+not serve, e.g. the BF16 format). ``--shapes 16x8x4096,128x32x32768`` (HxBxL) overrides
+the shape list; ``--formats C4R4,C2R4`` the formats.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import statistics
 import sys
 import time
 
 import torch
-
-import quantmla_core as qm
+from quantmla_core.backends.cupy.attention import VARIANT_ENV, select_variant
 from quantmla_core.backends.cupy.attention import attention as cupy_attention
 from quantmla_core.backends.torch.attention import attention as torch_attention
+
+import quantmla_core as qm
 
 #: FlashInfer 0.6.18.post1 BF16 latency (us) on an H200, PERFORMANCE.md anchors: (H, B, L) -> us
 ANCHORS = {(16, 8, 4096): 28.1, (16, 8, 32768): 91.5, (16, 32, 32768): 291.0, (16, 32, 131072): 1251.0,
@@ -84,34 +93,62 @@ def size_of(fmt, name):
     return fmt.sections[name][1]
 
 
-def probe_attention(name: str, heads: int, batch: int, length: int, s_q: int = 1, check: bool = True) -> dict:
+@contextlib.contextmanager
+def kernel_variant(variant: str):
+    """Set ``QUANTMLA_CUPY_ATTENTION`` for the duration (the launcher reads it per call)."""
+    old = os.environ.get(VARIANT_ENV)
+    os.environ[VARIANT_ENV] = variant
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(VARIANT_ENV, None)
+        else:
+            os.environ[VARIANT_ENV] = old
+
+
+def probe_attention(name: str, heads: int, batch: int, length: int, s_q: int = 1, check: bool = True,
+                    variants: tuple[str, ...] = ("v1",)) -> list[dict]:
+    """Check then time each kernel variant on the same cache and queries; one result per variant."""
     fmt = qm.PackFormat.parse(name)
     cache, table, lens, ids = random_cache(fmt, batch, length)
     g = torch.Generator(device="cuda").manual_seed(1)
     q = torch.randn((batch, s_q, heads, fmt.latent_dim), device="cuda", generator=g).to(torch.bfloat16)
     r = torch.randn((batch, s_q, heads, fmt.rope_dim), device="cuda", generator=g).to(torch.bfloat16)
     scale = 1.0 / math.sqrt(576)
-    out, lse = cupy_attention(q, r, cache, table, lens, ids, scale)
-    torch.cuda.synchronize()
-    rel = lse_err = float("nan")
+    ref = None
     if check:
         nb = min(batch, 4)
-        ro, rl = torch_attention(q[:nb].float(), r[:nb].float(), cache, table[:nb], lens[:nb], ids[:nb], scale)
-        rel = float((out[:nb].float() - ro).norm() / ro.norm())
-        lse_err = float((lse[:nb] - rl).abs().max())
-        assert rel < 1e-2 and lse_err < 2e-2, f"{name} H{heads} B{batch} L{length}: rel {rel}, lse {lse_err}"
-    us = bench(lambda: cupy_attention(q, r, cache, table, lens, ids, scale))
-    bytes_moved = batch * math.ceil(length / fmt.page_size) * fmt.page_bytes
-    res = {"format": name, "H": heads, "B": batch, "L": length, "S_q": s_q, "us": us, "rel_err": rel,
-           "lse_err": lse_err, "page_GBps": bytes_moved / us / 1e3,
-           "tflops": 2176 * heads * s_q * batch * length / us / 1e6}
-    anchor = ANCHORS.get((heads, batch, length))
-    if anchor and s_q == 1:
-        res["flashinfer_bf16_us"] = anchor
-        res["ratio_vs_flashinfer_bf16"] = us / anchor
+        ref = torch_attention(q[:nb].float(), r[:nb].float(), cache, table[:nb], lens[:nb], ids[:nb], scale)
+    results = []
+    for variant in variants:
+        with kernel_variant(variant):
+            ran, why = select_variant(fmt, "bfloat16", torch.cuda.get_device_capability())
+            t = time.time()
+            out, lse = cupy_attention(q, r, cache, table, lens, ids, scale)
+            torch.cuda.synchronize()
+            first_call_s = time.time() - t  # includes NVRTC compilation on a cold cache
+            rel = lse_err = float("nan")
+            if ref is not None:
+                nb = min(batch, 4)
+                ro, rl = ref
+                rel = float((out[:nb].float() - ro).norm() / ro.norm())
+                lse_err = float((lse[:nb] - rl).abs().max())
+                assert rel < 1e-2 and lse_err < 2e-2, f"{variant} {name} H{heads} B{batch} L{length}: rel {rel}, lse {lse_err}"
+            us = bench(lambda c=cache: cupy_attention(q, r, c, table, lens, ids, scale))
+        bytes_moved = batch * math.ceil(length / fmt.page_size) * fmt.page_bytes
+        res = {"variant": variant, "kernel": ran, "fallback_reason": why, "format": name, "H": heads, "B": batch,
+               "L": length, "S_q": s_q, "us": us, "rel_err": rel, "lse_err": lse_err,
+               "page_GBps": bytes_moved / us / 1e3, "tflops": 2176 * heads * s_q * batch * length / us / 1e6,
+               "first_call_s": round(first_call_s, 2)}
+        anchor = ANCHORS.get((heads, batch, length))
+        if anchor and s_q == 1:
+            res["flashinfer_bf16_us"] = anchor
+            res["ratio_vs_flashinfer_bf16"] = us / anchor
+        results.append(res)
     del cache
     torch.cuda.empty_cache()
-    return res
+    return results
 
 
 def probe_writer(name: str, tokens: int) -> dict:
@@ -133,35 +170,50 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--variant", choices=("v1", "v2", "both"), default="v1",
+                    help="attention kernel(s) to time (both: v1 then v2 on the same inputs)")
+    ap.add_argument("--shapes", default=None, help="comma-separated HxBxL, e.g. 16x32x32768,128x32x32768")
+    ap.add_argument("--formats", default="C4R4,C2R4,BF16")
+    ap.add_argument("--no-writer", action="store_true", help="skip the writer timing")
     args = ap.parse_args()
+    variants = ("v1", "v2") if args.variant == "both" else (args.variant,)
     import cupy
 
     info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cupy": cupy.__version__,
             "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(), "driver": cupy.cuda.runtime.driverGetVersion()}
     print(json.dumps(info))
     shapes = [(16, 8, 4096), (16, 32, 32768), (16, 128, 32768), (128, 32, 32768), (16, 8, 32768), (16, 32, 131072)]
-    if args.quick:
+    if args.shapes:
+        shapes = [tuple(int(x) for x in sh.lower().split("x")) for sh in args.shapes.split(",")]
+    elif args.quick:
         shapes = shapes[:3]
     results = []
     for heads, batch, length in shapes:
-        for name in ("C4R4", "C2R4", "BF16"):
+        for name in args.formats.split(","):
             t = time.time()
             try:
-                res = probe_attention(name, heads, batch, length, check=(length * batch <= 32 * 32768))
+                rs = probe_attention(name, heads, batch, length, check=(length * batch <= 32 * 32768), variants=variants)
             except Exception as exc:  # keep probing other shapes
-                res = {"format": name, "H": heads, "B": batch, "L": length, "error": repr(exc)[:300]}
-            res["wall_s"] = round(time.time() - t, 1)
+                rs = [{"variant": args.variant, "format": name, "H": heads, "B": batch, "L": length, "error": repr(exc)[:300]}]
+            for res in rs:
+                res["wall_s"] = round(time.time() - t, 1)
+                results.append(res)
+                print(json.dumps(res), flush=True)
+    if not args.no_writer:
+        for name in ("C4R4", "BF16"):
+            res = probe_writer(name, 131072)
             results.append(res)
             print(json.dumps(res), flush=True)
-    for name in ("C4R4", "BF16"):
-        res = probe_writer(name, 131072)
-        results.append(res)
-        print(json.dumps(res), flush=True)
-    print("\nformat  H   B     L      us      GB/s(pages)  x FlashInfer-BF16")
+    print("\nvariant(kernel) format  H   B     L      us      GB/s(pages)  x FlashInfer-BF16  v2/v1")
+    v1_us = {(r["format"], r["H"], r["B"], r["L"]): r["us"] for r in results if r.get("variant") == "v1" and "us" in r}
     for r in results:
         if "us" in r and "H" in r:
-            print(f"{r['format']:5} {r['H']:4} {r['B']:4} {r['L']:7} {r['us']:9.1f} {r['page_GBps']:9.0f}   "
-                  f"{r.get('ratio_vs_flashinfer_bf16', float('nan')):.3f}")
+            base = v1_us.get((r["format"], r["H"], r["B"], r["L"]))
+            speed = f"{r['us'] / base:.3f}" if base and r["variant"] == "v2" else ""
+            print(f"{r['variant']}({r['kernel']})  {r['format']:5} {r['H']:4} {r['B']:4} {r['L']:7} {r['us']:9.1f} "
+                  f"{r['page_GBps']:9.0f}   {r.get('ratio_vs_flashinfer_bf16', float('nan')):.3f}   {speed}")
+        elif "error" in r:
+            print(f"{r.get('variant')} {r['format']} H{r['H']} B{r['B']} L{r['L']}: ERROR {r['error']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"info": info, "results": results}, f, indent=1)

@@ -13,16 +13,22 @@ from functools import lru_cache
 import numpy as np
 import pytest
 import torch
+from conformance import check_attention_case, check_writer
+from quantmla_core.backends.cupy import KERNEL_DIR, CupyBackend, define_options
+from quantmla_core.backends.cupy.attention import (
+    VARIANT_ENV,
+    attention_defines,
+    select_variant,
+    v2_defines,
+    v2_smem_bytes,
+    v2_unsupported_reasons,
+)
+from quantmla_core.backends.cupy.writer import writer_defines
 
 import quantmla_core as qm
 from quantmla_core import get_backend
-from quantmla_core.backends.cupy import KERNEL_DIR, CupyBackend, define_options
-from quantmla_core.backends.cupy.attention import attention_defines
-from quantmla_core.backends.cupy.writer import writer_defines
 from quantmla_core.dispatch import DeviceInfo, Problem, _import_reason
 from quantmla_core.testing import Case, allocate, build, generate_cases
-
-from conformance import check_attention_case, check_writer
 
 NVCC = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if os.path.exists("/usr/local/bin/nvcc") else None)
 CAP = CupyBackend.capabilities
@@ -87,13 +93,105 @@ def test_sources_take_layout_from_packformat():
     import re
 
     fmt = qm.PackFormat.parse("C4R4")
-    given = set(writer_defines(fmt, "float32")) | set(attention_defines(fmt, "float32"))
+    given = set(writer_defines(fmt, "float32")) | set(attention_defines(fmt, "float32")) | set(v2_defines(fmt, 2))
     sources = list(KERNEL_DIR.glob("*.cu*"))
     defined_in_sources = {d for src in sources for d in re.findall(r"#define\s+(QMLA_[A-Z0-9_]+)", src.read_text())}
     for src in sources:
         used = set(re.findall(r"\bQMLA_[A-Z0-9_]+\b", src.read_text()))
         missing = used - given - defined_in_sources
         assert not missing, f"{src.name} uses {sorted(missing)} that no launcher passes"
+
+
+# ------------------------------------------------------------------ CPU: attention v2 compiles, registers, no spills
+#: (arch, format, d_c, d_r, group size, page size, row groups per CTA): a representative subset
+#: (the CPU test budget); the fragment model (tests/test_cupy_fragments.py) covers every v2
+#: format x dims x group size and page sizes 16..128 on the CPU.
+V2_VARIANTS = [
+    ("sm_90", "C4R4", 512, 64, 64, 64, 1),
+    ("sm_90", "C4R4", 512, 64, 64, 64, 2),
+    ("sm_90", "C2R4", 512, 64, 64, 64, 1),
+    ("sm_90", "C2R4", 512, 64, 128, 128, 2),
+    ("sm_90", "C4R4", 256, 32, 128, 64, 1),
+    ("sm_90", "C2R4", 256, 32, 64, 16, 2),
+    ("sm_90", "C4R4", 512, 64, 64, 16, 1),
+    ("sm_80", "C4R4", 512, 64, 64, 64, 1),
+    ("sm_80", "C2R4", 256, 32, 64, 32, 1),
+]
+
+
+def _compile_v2(v: tuple) -> tuple[int, str]:
+    arch, name, dc, dr, gs, page, rg = v
+    fmt = qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr, group_size=gs, page_size=page)
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [NVCC, "-cubin", f"-arch={arch}", "--std=c++17", "-Xptxas", "-v", f"-I{KERNEL_DIR}",
+               *define_options(v2_defines(fmt, rg)), "-o", os.path.join(tmp, "k.cubin"),
+               str(KERNEL_DIR / "attention_v2.cu")]
+        r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    return r.returncode, r.stderr + r.stdout
+
+
+@lru_cache(maxsize=1)
+def _compiled_v2() -> dict:
+    with ThreadPoolExecutor(max_workers=2 * (os.cpu_count() or 2)) as pool:
+        return dict(zip(V2_VARIANTS, pool.map(_compile_v2, V2_VARIANTS)))
+
+
+def ptxas_usage(text: str) -> dict:
+    """registers, spill stores/loads (bytes) and stack frame of the one entry ptxas reports."""
+    import re
+
+    regs = re.search(r"Used (\d+) registers", text)
+    spill = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    assert regs and spill, f"no ptxas -v report in:\n{text[-2000:]}"
+    return {"registers": int(regs.group(1)), "stack": int(spill.group(1)), "spill_stores": int(spill.group(2)),
+            "spill_loads": int(spill.group(3))}
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
+@pytest.mark.parametrize("variant", V2_VARIANTS, ids=lambda v: "-".join(map(str, v)))
+def test_v2_compiles_without_spills(variant):
+    rc, text = _compiled_v2()[variant]
+    assert rc == 0, f"nvcc failed for v2 {variant}:\n{text[-4000:]}"
+    assert "qmla_attn_v2" in text
+    use = ptxas_usage(text)
+    print(f"v2 {variant}: {use}")
+    assert use["spill_stores"] == 0 and use["spill_loads"] == 0 and use["stack"] == 0, f"v2 {variant} spills: {use}"
+    assert use["registers"] <= 255
+
+
+def test_v2_selection_is_per_call_and_falls_back(monkeypatch):
+    c4, c8, bf = qm.PackFormat.parse("C4R4"), qm.PackFormat.parse("C8R8"), qm.PackFormat.parse("BF16")
+    monkeypatch.delenv(VARIANT_ENV, raising=False)
+    assert select_variant(c4, "bfloat16") == ("v1", None)
+    monkeypatch.setenv(VARIANT_ENV, "v2")
+    assert select_variant(c4, "bfloat16") == ("v2", None)
+    assert select_variant(qm.PackFormat.parse("C2R4", 256, 32, group_size=128), "bfloat16") == ("v2", None)
+    for fmt, dtype in ((c4, "float32"), (c8, "bfloat16"), (bf, "bfloat16"), (qm.PackFormat.parse("C4R8"), "bfloat16")):
+        v, why = select_variant(fmt, dtype)
+        assert v == "v1" and why, (fmt, dtype)
+        assert v2_unsupported_reasons(fmt, dtype)
+    assert select_variant(c4, "bfloat16", (7, 5))[0] == "v1"
+    monkeypatch.setenv(VARIANT_ENV, "V1")
+    assert select_variant(c4, "bfloat16") == ("v1", None)
+    monkeypatch.setenv(VARIANT_ENV, "v3")
+    with pytest.raises(ValueError, match=VARIANT_ENV):
+        select_variant(c4, "bfloat16")
+
+
+def test_v2_plan_and_smem():
+    from quantmla_core.backends.cupy.attention import (
+        V2_MIN_TILES_PER_SPLIT,
+        plan_splits_v2,
+    )
+
+    for batch, chunks, tokens in ((8, 1, 4096), (32, 1, 32768), (1, 4, 1 << 20), (128, 4, 32768), (1, 1, 1)):
+        splits, per = plan_splits_v2(batch, chunks, tokens, 132, 4)
+        tiles = -(-tokens // 32)
+        assert splits * per >= tiles and (splits - 1) * per < tiles
+        assert splits == 1 or per >= V2_MIN_TILES_PER_SPLIT
+    assert plan_splits_v2(8, 1, 4096, 132, 4)[0] <= 16  # B=8 L=4K: no splits of a few tiles
+    # 4 stages of one tile's raw page sections (32 x 317 B) and flags (32 B), + the score exchange
+    assert v2_smem_bytes(qm.PackFormat.parse("C4R4"), 1) == 4 * 32 * (317 + 1) + 16384
 
 
 # ------------------------------------------------------------------ registration
@@ -160,26 +258,78 @@ def test_writer_bf16_inputs(case):
     check_writer(case, "cupy", "cuda", "bfloat16")
 
 
+ATTN_VARIANTS = ("v1", "v2")
+#: extra cases for the v2 kernel (bf16 queries, C4R4/C2R4): page sizes, group 128, RoPE 32,
+#: H=128 (two row groups per CTA), odd row-group counts, S_q=16, splits with protected tokens
+#: in the middle of a split, no protection, one long request.
+V2_CASES = [
+    Case(qm.PackFormat.parse("C2R4", page_size=16), (17, 31, 100), heads=16, s_q=1, sink=4, local=16, seed=950),
+    Case(qm.PackFormat.parse("C2R4", page_size=128), (129, 300), heads=8, s_q=2, sink=4, local=128, seed=951),
+    Case(qm.PackFormat.parse("C2R4", group_size=128), (513, 70), heads=16, s_q=1, sink=4, local=128, seed=952),
+    Case(qm.PackFormat.parse("C4R4", 256, 32, group_size=128), (300, 1), heads=32, s_q=1, sink=4, local=128, seed=953),
+    Case(qm.PackFormat.parse("C2R4", 256, 32), (257, 65), heads=48, s_q=1, sink=4, local=128, seed=954),
+    Case(qm.PackFormat.parse("C4R4"), (2049, 33, 700), heads=128, s_q=1, sink=4, local=128, seed=955),
+    Case(qm.PackFormat.parse("C4R4"), (900, 16), heads=16, s_q=16, sink=4, local=128, seed=956),
+    Case(qm.PackFormat.parse("C2R4"), (5000,), heads=16, s_q=1, sink=0, local=0, seed=957),
+    Case(qm.PackFormat.parse("C4R4", page_size=32), (40, 33), heads=1, s_q=3, sink=36, local=0, seed=958),
+]
+
+
+def _use_variant(monkeypatch, variant: str) -> None:
+    monkeypatch.setenv(VARIANT_ENV, variant)
+
+
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("variant", ATTN_VARIANTS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("case", CASES + BIG, ids=str)
-def test_attention_matches_reference(case, dtype):
+def test_attention_matches_reference(case, dtype, variant, monkeypatch):
+    _use_variant(monkeypatch, variant)
     check_attention_case(case, "cupy", "cupy", "cuda", dtype)
 
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("case", CASES[::3], ids=str)
-def test_cupy_write_torch_read_and_reverse(case):
-    check_attention_case(case, "cupy", "torch", "cuda")
-    check_attention_case(case, "torch", "cupy", "cuda")
+@pytest.mark.parametrize("rg", ["", "1", "2"])
+@pytest.mark.parametrize("case", V2_CASES + BIG[:3], ids=str)
+def test_attention_v2_matches_reference(case, rg, monkeypatch):
+    """v2 must really run here (bf16 queries, a v2 format), at both row-group settings."""
+    _use_variant(monkeypatch, "v2")
+    if rg:
+        monkeypatch.setenv("QUANTMLA_CUPY_V2_RG", rg)
+    assert select_variant(case.fmt, "bfloat16", torch.cuda.get_device_capability()) == ("v2", None)
+    check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
 
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("case", V2_CASES[5:7] + BIG[:1], ids=str)
+def test_attention_v2_min_blocks_3(case, monkeypatch):
+    """The 168-register build (``__launch_bounds__(128, 3)``, spills) stays correct."""
+    _use_variant(monkeypatch, "v2")
+    monkeypatch.setenv("QUANTMLA_CUPY_V2_MINB", "3")
+    monkeypatch.setenv("QUANTMLA_CUPY_V2_RG", "1")
+    check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("variant", ATTN_VARIANTS)
+@pytest.mark.parametrize("case", CASES[::3], ids=str)
+def test_cupy_write_torch_read_and_reverse(case, variant, monkeypatch):
+    _use_variant(monkeypatch, variant)
+    check_attention_case(case, "cupy", "torch", "cuda")
+    check_attention_case(case, "torch", "cupy", "cuda")
+    check_attention_case(case, "torch", "cupy", "cuda", "bfloat16")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("variant", ATTN_VARIANTS)
 @pytest.mark.parametrize("case", CASES[::2], ids=str)
-def test_cross_with_triton(case):
+def test_cross_with_triton(case, variant, monkeypatch):
+    _use_variant(monkeypatch, variant)
     why = _triton_reason()
     if why is not None:
         pytest.skip(f"triton backend unavailable: {why}")
@@ -212,3 +362,113 @@ def test_bad_slots_are_masked():
     touched = np.zeros(cache.num_pages, bool)
     touched[good // case.fmt.page_size] = True
     assert (pages[~touched] == 0xA5).all(), "a masked token wrote into a page it does not own"
+
+
+# ------------------------------------------------------------------ CPU: the v2 launch matches the kernel's signature
+def _kernel_params(source: str, kernel: str) -> list[str]:
+    import re
+
+    text = (KERNEL_DIR / source).read_text()
+    m = re.search(kernel + r"\((.*?)\)\s*\{", text, re.DOTALL)
+    assert m, f"{kernel} not found in {source}"
+    return [" ".join(p.split()) for p in m.group(1).split(",")]
+
+
+@pytest.mark.parametrize("h,s_q,rg_env", [(16, 1, ""), (128, 1, ""), (20, 16, "1"), (3, 2, "")])
+def test_v2_launch_arguments_match_kernel_signature(monkeypatch, h, s_q, rg_env):
+    """Run the v2 launcher on the CPU with the CUDA calls stubbed: the argument list must match
+    qmla_attn_v2's parameters in number and type, and the grid/block/shared sizes the plan."""
+    from quantmla_core.backends.cupy import attention as A
+
+    launches, kernels = [], []
+
+    class Fn:
+        def __init__(self, source, kernel, defines, smem):
+            self.source, self.kernel, self.defines, self.smem = source, kernel, defines, smem
+
+    def fake_get_kernel(source, kernel, defines, dev, smem=0):
+        kernels.append((source, kernel))
+        return Fn(source, kernel, defines, smem)
+
+    def fake_launch(fn, grid, block, args, dev, smem=0, stream=None):
+        launches.append((fn, grid, block, args, smem))
+
+    monkeypatch.setenv(VARIANT_ENV, "v2")
+    if rg_env:
+        monkeypatch.setenv("QUANTMLA_CUPY_V2_RG", rg_env)
+    monkeypatch.setattr(A, "get_kernel", fake_get_kernel)
+    monkeypatch.setattr(A, "launch", fake_launch)
+    monkeypatch.setattr(A, "external_stream", lambda dev: None)
+    monkeypatch.setattr(A, "_device_info", lambda dev: (132, (9, 0)))
+    monkeypatch.setattr(A, "_workspace", lambda dev, n: torch.empty(n, dtype=torch.float32))
+    monkeypatch.setattr(A, "_FNS", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    fmt = qm.PackFormat.parse("C4R4")
+    b, pages_per = 3, 5
+
+    class Cache:
+        format = fmt
+        pages = torch.zeros((b * pages_per, fmt.page_bytes), dtype=torch.uint8)
+        sink_buf = torch.zeros((b, 4, 576), dtype=torch.bfloat16)
+        local_buf = torch.zeros((b, 128, 576), dtype=torch.bfloat16)
+        num_pages, max_seqs, sink, local = b * pages_per, b, 4, 128
+
+    q = torch.zeros((b, s_q, h, 512), dtype=torch.bfloat16)
+    r = torch.zeros((b, s_q, h, 64), dtype=torch.bfloat16)
+    table = torch.arange(b * pages_per, dtype=torch.int32).view(b, pages_per)
+    out, lse = A.attention(q, r, Cache, table, torch.full((b,), 300), torch.arange(b), 0.05)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16 and lse.shape == (b, s_q, h)
+    assert [k for k in kernels] == [("attention_v2.cu", "qmla_attn_v2"), ("attention.cu", "qmla_combine")]
+    (attn, grid, block, args, smem), (_comb, cgrid, _cblock, cargs, _) = launches
+    params = _kernel_params("attention_v2.cu", "qmla_attn_v2")
+    assert len(args) == len(params), (len(args), params)
+    for a, p in zip(args, params):
+        if "*" in p:
+            assert isinstance(a, np.uint64), p
+        elif p.startswith("int "):
+            assert isinstance(a, np.int32), p
+        elif p.startswith("float "):
+            assert isinstance(a, np.float32), p
+        else:
+            raise AssertionError(f"unexpected parameter {p}")
+    rows = s_q * h
+    rg = attn.defines["QMLA_V2_RG"]
+    assert rg == (int(rg_env) if rg_env else (2 if ((rows + 15) // 16) % 2 == 0 else 1))
+    chunks = -(-rows // (16 * rg))
+    assert grid[0] == b * chunks and block == (128 * rg,)
+    assert smem == attn.smem == v2_smem_bytes(fmt, rg) and attn.defines["QMLA_V2_SMEM"] == smem
+    splits = int(args[params.index("int num_splits")])
+    per = int(args[params.index("int tiles_per_split")])
+    assert grid[1] == splits and splits * per * 32 >= pages_per * fmt.page_size
+    assert len(cargs) == len(_kernel_params("attention.cu", "qmla_combine")) and cgrid == (b * rows,)
+    assert int(cargs[-1]) == splits
+
+
+@pytest.mark.parametrize("variant,dtype", [("v1", torch.bfloat16), ("v1", torch.float32), ("v2", torch.float32)])
+def test_v1_launch_arguments_match_kernel_signature(monkeypatch, variant, dtype):
+    """v1 (and v2's float32 fallback) through the same stubs: v1's kernel and argument list."""
+    from quantmla_core.backends.cupy import attention as A
+
+    launches = []
+    monkeypatch.setenv(VARIANT_ENV, variant)
+    monkeypatch.setattr(A, "get_kernel", lambda source, kernel, defines, dev, smem=0: (source, kernel))
+    monkeypatch.setattr(A, "launch", lambda fn, grid, block, args, dev, smem=0, stream=None: launches.append((fn, grid, block, args)))
+    monkeypatch.setattr(A, "external_stream", lambda dev: None)
+    monkeypatch.setattr(A, "_device_info", lambda dev: (132, (9, 0)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch, "empty", lambda *a, device=None, **k: torch.zeros(*a, **k))
+    fmt = qm.PackFormat.parse("C4R4")
+
+    class Cache:
+        format = fmt
+        pages = torch.zeros((4, fmt.page_bytes), dtype=torch.uint8)
+        sink_buf = torch.zeros((2, 4, 576), dtype=torch.bfloat16)
+        local_buf = torch.zeros((2, 128, 576), dtype=torch.bfloat16)
+        num_pages, max_seqs, sink, local = 4, 2, 4, 128
+
+    q, r = torch.zeros((2, 1, 16, 512), dtype=dtype), torch.zeros((2, 1, 16, 64), dtype=dtype)
+    A.attention(q, r, Cache, torch.zeros((2, 2), dtype=torch.int32), torch.full((2,), 100), torch.arange(2), 0.05)
+    (fn, _grid, block, args), (cfn, _, _, _cargs) = launches
+    assert fn == ("attention.cu", "qmla_attn") and cfn == ("attention.cu", "qmla_combine")
+    assert len(args) == len(_kernel_params("attention.cu", "qmla_attn")) and block == (128,)

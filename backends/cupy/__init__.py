@@ -108,14 +108,41 @@ def device_pointer(x: Any) -> int:
     raise TypeError(f"expected a torch CUDA tensor or a CuPy array, got {type(x).__name__}")
 
 
-def launch(fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, device_index: int, smem: int = 0) -> None:
-    """Launch ``fn`` on torch's current stream of ``device_index``."""
+_STREAMS: dict[tuple[int, int], Any] = {}
+
+
+def external_stream(device_index: int):
+    """``cupy.cuda.ExternalStream`` wrapping torch's current stream of ``device_index``.
+
+    Cached per (device, stream handle): the wrapper owns nothing, so reusing it for a handle
+    is safe, and it saves building one per launch (host overhead of small decode calls)."""
     import cupy
     import torch
 
-    stream = torch.cuda.current_stream(device_index).cuda_stream
-    with cupy.cuda.Device(device_index), cupy.cuda.ExternalStream(stream, device_index):
-        fn(grid, block, args, shared_mem=smem)
+    ptr = torch.cuda.current_stream(device_index).cuda_stream
+    key = (device_index, ptr)
+    s = _STREAMS.get(key)
+    if s is None:
+        s = cupy.cuda.ExternalStream(ptr, device_index)
+        with _LOCK:
+            _STREAMS[key] = s
+    return s
+
+
+def launch(fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, device_index: int, smem: int = 0,
+           stream=None) -> None:
+    """Launch ``fn`` on torch's current stream of ``device_index`` (or on ``stream``, a
+    CuPy stream object from :func:`external_stream`)."""
+    import cupy
+
+    if stream is None:
+        stream = external_stream(device_index)
+    if cupy.cuda.runtime.getDevice() == device_index:
+        with stream:
+            fn(grid, block, args, shared_mem=smem)
+    else:
+        with cupy.cuda.Device(device_index), stream:
+            fn(grid, block, args, shared_mem=smem)
 
 
 class CupyBackend(Backend):

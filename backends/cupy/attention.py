@@ -1,14 +1,50 @@
-"""CuPy decode-attention launcher: split-KV tensor-core kernel plus a log-sum-exp combine."""
+"""CuPy decode-attention launcher: split-KV tensor-core kernel plus a log-sum-exp combine.
+
+Two attention kernels share the partials layout and the combine kernel:
+
+* ``v1`` (``kernels/attention.cu``, the default): dequantizes each tile to bf16 in shared
+  memory, 16 query rows per CTA; serves every format and float32/bfloat16 queries.
+* ``v2`` (``kernels/attention_v2.cu``): dequantizes straight into ``mma.sync`` fragments, one
+  block barrier per tile, up to 2 row groups per CTA sharing one staged tile. Serves bfloat16
+  queries with 2/4-bit content and 4-bit RoPE codes (C4R4, C2R4); other problems run v1.
+
+``QUANTMLA_CUPY_ATTENTION`` (``v1`` or ``v2``; read on every call, nothing global is rewritten)
+picks the kernel. ``QUANTMLA_CUPY_V2_RG`` (1 or 2 row groups per CTA; default 2 when the
+row-group count is even), ``QUANTMLA_CUPY_V2_STAGES`` (cp.async ring depth 3-5, default 4)
+and ``QUANTMLA_CUPY_V2_MINB`` (minimum blocks per SM given to ``__launch_bounds__``, default 1)
+are tuning knobs for measurements, also read per call.
+:func:`select_variant` says which kernel a call will run, and why.
+"""
 
 from __future__ import annotations
 
 import math
+import os
+import threading
 
 import numpy as np
 import torch
 
 from ...formats import PackFormat
-from . import ATTN_TILE, ATTN_WARPS, device_pointer, format_defines, get_kernel, launch
+from . import (
+    ATTN_TILE,
+    ATTN_WARPS,
+    device_pointer,
+    external_stream,
+    format_defines,
+    get_kernel,
+    launch,
+)
+
+#: environment variable that selects the attention kernel (read per call)
+VARIANT_ENV = "QUANTMLA_CUPY_ATTENTION"
+VARIANTS = ("v1", "v2")
+#: v2: tokens per tile and warps per row group (fixed in attention_v2.cu)
+V2_TILE = 32
+V2_WARPS = 4
+V2_STAGES = 4  # default of QMLA_V2_STAGES (cp.async ring depth; copies run NSTAGE-1 tiles ahead)
+#: v2 split heuristic: never create splits shorter than this many tiles (256 tokens)
+V2_MIN_TILES_PER_SPLIT = 8
 
 LOG2E = 1.4426950408889634
 #: CTAs per SM the split heuristic aims for (the kernel fits 2-3 per SM)
@@ -50,14 +86,197 @@ def plan_splits(batch: int, row_groups: int, max_tokens: int, sm_count: int) -> 
     return math.ceil(tiles / per), per
 
 
+def requested_variant() -> str:
+    """The kernel ``QUANTMLA_CUPY_ATTENTION`` asks for (``v1`` when unset), read now."""
+    v = os.environ.get(VARIANT_ENV, "").strip().lower() or "v1"
+    if v not in VARIANTS:
+        raise ValueError(f"{VARIANT_ENV}: expected one of {VARIANTS}, got {v!r}")
+    return v
+
+
+def v2_unsupported_reasons(fmt: PackFormat, dtype: str) -> list[str]:
+    """Why kernel v2 cannot serve ``fmt`` with ``dtype`` queries (empty: it can)."""
+    reasons = []
+    if dtype != "bfloat16":
+        reasons.append(f"v2 serves bfloat16 queries (got {dtype})")
+    if not fmt.quantized or fmt.content_bits not in (2, 4) or fmt.rope_bits != 4:
+        reasons.append(f"v2 serves 2/4-bit content with 4-bit RoPE codes (got {fmt.name})")
+    if fmt.latent_dim not in (256, 512) or fmt.rope_dim not in (32, 64):
+        reasons.append(f"v2 serves d_c/d_r 512/64 and 256/32 (got {fmt.latent_dim}/{fmt.rope_dim})")
+    elif fmt.quantized and fmt.content_bits in (2, 4):
+        cbw = fmt.content_code_bytes // V2_WARPS  # channels of one warp slice per nibble slice
+        if fmt.content_group_size % cbw:
+            reasons.append(f"v2 needs the content group size to be a multiple of {cbw}")
+        if fmt.rope_group_size != fmt.rope_dim:
+            reasons.append("v2 needs one RoPE group per token")
+    return reasons
+
+
+def select_variant(fmt: PackFormat, dtype: str, capability: tuple[int, int] | None = None) -> tuple[str, str | None]:
+    """(kernel a call runs, reason it is not the requested one or None). No side effects."""
+    want = requested_variant()
+    if want == "v1":
+        return "v1", None
+    why = v2_unsupported_reasons(fmt, dtype)
+    if capability is not None and tuple(capability) < (8, 0):
+        why.append(f"v2 needs compute capability 8.0+ (got {capability[0]}.{capability[1]})")
+    if why:
+        return "v1", "; ".join(why)
+    return "v2", None
+
+
+def v2_defines(fmt: PackFormat, row_groups: int = 1, min_blocks: int = 1, stages: int = V2_STAGES) -> dict[str, int]:
+    """``-D`` defines of ``kernels/attention_v2.cu`` (bfloat16 queries)."""
+    d = attention_defines(fmt, "bfloat16")
+    d.update(QMLA_V2_RG=int(row_groups), QMLA_V2_MINB=int(min_blocks), QMLA_V2_STAGES=int(stages),
+             QMLA_V2_SMEM=v2_smem_bytes(fmt, row_groups, stages))
+    return d
+
+
+def v2_smem_bytes(fmt: PackFormat, row_groups: int = 1, stages: int = 4) -> int:
+    """Dynamic shared memory of one v2 block (mirrors SMEM_TOTAL in attention_v2.cu)."""
+    t, ngc = V2_TILE, fmt.content_groups
+    csz = 2 if fmt.content_scale_dtype == "bfloat16" else 4
+    rsz = 2 if fmt.rope_scale_dtype == "bfloat16" else 4
+    # codes, RoPE codes, content scales, content zeros, RoPE scale, RoPE zero, token flag
+    stage = t * (fmt.content_code_bytes + fmt.rope_code_bytes + ngc * csz + ngc + rsz + 1 + 1)
+    stage = (stage + 15) // 16 * 16
+    xchg = 2 * row_groups * V2_WARPS * (t // 8) * 32 * 16
+    return stages * stage + xchg
+
+
+def plan_splits_v2(batch: int, chunks: int, max_tokens: int, sm_count: int, ctas_per_sm: int) -> tuple[int, int]:
+    """(num_splits, tiles_per_split) for v2: fill ``ctas_per_sm * sm_count`` CTAs, but never
+    split below :data:`V2_MIN_TILES_PER_SPLIT` tiles (small batches were paying for many tiny
+    splits plus a combine that reads them all)."""
+    tiles = max(1, math.ceil(max_tokens / V2_TILE))
+    base = max(1, batch * chunks)
+    want = max(1, math.ceil(ctas_per_sm * sm_count / base))
+    cap = max(1, tiles // V2_MIN_TILES_PER_SPLIT)
+    splits = min(want, cap)
+    per = math.ceil(tiles / splits)
+    return math.ceil(tiles / per), per
+
+
+_CACHE_LOCK = threading.Lock()
+_SM_COUNT: dict[int, tuple[int, tuple[int, int]]] = {}
+_FNS: dict[tuple, tuple] = {}
+_WORKSPACE: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _device_info(dev: int) -> tuple[int, tuple[int, int]]:
+    """(SM count, compute capability) of device ``dev``, queried once."""
+    info = _SM_COUNT.get(dev)
+    if info is None:
+        props = torch.cuda.get_device_properties(dev)
+        info = (int(props.multi_processor_count), (int(props.major), int(props.minor)))
+        with _CACHE_LOCK:
+            _SM_COUNT[dev] = info
+    return info
+
+
+def _env_int(name: str, default: int, allowed: tuple[int, ...]) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        v = int(raw)
+    except ValueError:
+        v = None
+    if v not in allowed:
+        raise ValueError(f"{name}: expected one of {allowed}, got {raw!r}")
+    return v
+
+
+def _workspace(dev: int, numel: int) -> torch.Tensor:
+    """float32 scratch of at least ``numel`` elements for the split partials, reused per
+    (device, current stream) so steady-state decode allocates nothing but its outputs.
+    Calls on one stream are ordered, so the next call's kernels write only after this call's
+    combine has read. While a CUDA graph is being captured a fresh tensor is used instead
+    (a graph must own its memory)."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.empty(numel, dtype=torch.float32, device=torch.device("cuda", dev))
+    key = (dev, torch.cuda.current_stream(dev).cuda_stream)
+    buf = _WORKSPACE.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(max(numel, 1 << 16), dtype=torch.float32, device=torch.device("cuda", dev))
+        with _CACHE_LOCK:
+            _WORKSPACE[key] = buf
+    return buf
+
+
 def attention(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale: float):
     """q ``[B, S_q, H, d_c]`` / ``[B, S_q, H, d_r]`` (float32 or bfloat16, CUDA) -> out
-    ``[B, S_q, H, d_c]`` in q's dtype and lse ``[B, S_q, H]`` float32."""
+    ``[B, S_q, H, d_c]`` in q's dtype and lse ``[B, S_q, H]`` float32.
+
+    Runs kernel v1 or v2 (see the module docstring and :func:`select_variant`)."""
+    fmt = cache.format
+    dtype = "bfloat16" if q_latent.dtype == torch.bfloat16 else "float32"
+    device = q_latent.device
+    dev = device.index if device.index is not None else torch.cuda.current_device()
+    sm_count, capability = _device_info(dev)
+    variant, _ = select_variant(fmt, dtype, capability)
+    if variant == "v2":
+        return _attention_v2(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale, dev, sm_count)
+    return _attention_v1(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale, dev, sm_count)
+
+
+def _v2_kernels(fmt: PackFormat, dev: int, rg: int, minb: int, stages: int):
+    key = (fmt, dev, rg, minb, stages)
+    fns = _FNS.get(key)
+    if fns is None:
+        smem = v2_smem_bytes(fmt, rg, stages)
+        attn = get_kernel("attention_v2.cu", "qmla_attn_v2", v2_defines(fmt, rg, minb, stages), dev, smem)
+        combine = get_kernel("attention.cu", "qmla_combine", attention_defines(fmt, "bfloat16"), dev)
+        fns = (attn, combine, smem)
+        with _CACHE_LOCK:
+            _FNS[key] = fns
+    return fns
+
+
+def _attention_v2(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale, dev, sm_count):
+    fmt = cache.format
+    b, s_q, h, dc = (int(x) for x in q_latent.shape)
+    rows = s_q * h
+    row_groups = (rows + 15) // 16
+    rg = _env_int("QUANTMLA_CUPY_V2_RG", 2 if row_groups % 2 == 0 else 1, (1, 2))
+    minb = _env_int("QUANTMLA_CUPY_V2_MINB", 1, (1, 2, 3, 4))
+    stages = _env_int("QUANTMLA_CUPY_V2_STAGES", V2_STAGES, (3, 4, 5))
+    chunks = (rows + 16 * rg - 1) // (16 * rg)
+    attn, combine, smem = _v2_kernels(fmt, dev, rg, minb, stages)
+    table = block_table if (block_table.dtype == torch.int32 and block_table.is_contiguous()) else block_table.to(torch.int32).contiguous()
+    lens = seq_lens if (seq_lens.dtype == torch.int64 and seq_lens.is_contiguous()) else seq_lens.to(torch.int64).contiguous()
+    ids = seq_ids if (seq_ids.dtype == torch.int64 and seq_ids.is_contiguous()) else seq_ids.to(torch.int64).contiguous()
+    q, r = q_latent.contiguous(), q_rope.contiguous()
+    max_pages = int(table.shape[1])
+    ctas = max(1, 4 // rg)
+    splits, per = plan_splits_v2(b, chunks, max(1, max_pages) * fmt.page_size, sm_count, ctas)
+
+    n_o = b * rows * splits * dc
+    ws = _workspace(dev, n_o + b * rows * splits * 2)
+    o_part = ws[:n_o]
+    ml_part = ws[n_o : n_o + b * rows * splits * 2]
+    out = torch.empty((b, s_q, h, dc), dtype=q_latent.dtype, device=q_latent.device)
+    lse = torch.empty((b, s_q, h), dtype=torch.float32, device=q_latent.device)
+
+    p = lambda x: np.uint64(device_pointer(x))  # noqa: E731
+    args = (
+        p(q), p(r), p(cache.pages), p(cache.sink_buf), p(cache.local_buf), p(table), p(lens), p(ids),
+        p(o_part), p(ml_part), np.int32(s_q), np.int32(h), np.int32(max_pages), np.int32(table.stride(0)),
+        np.int32(cache.num_pages), np.int32(cache.max_seqs), np.int32(cache.sink), np.int32(cache.local),
+        np.int32(per), np.int32(splits), np.float32(softmax_scale * LOG2E),
+    )
+    stream = external_stream(dev)
+    launch(attn, (b * chunks, splits), (V2_WARPS * 32 * rg,), args, dev, smem, stream=stream)
+    launch(combine, (b * rows,), (128,), (p(o_part), p(ml_part), p(out), p(lse), np.int32(splits)), dev, stream=stream)
+    return out, lse
+
+
+def _attention_v1(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale, dev, sm_count):
     fmt = cache.format
     b, s_q, h, dc = (int(x) for x in q_latent.shape)
     dtype = "bfloat16" if q_latent.dtype == torch.bfloat16 else "float32"
     device = q_latent.device
-    dev = device.index if device.index is not None else torch.cuda.current_device()
     rows = s_q * h
     row_groups = (rows + 15) // 16
     table = block_table.to(torch.int32).contiguous()
@@ -65,7 +284,6 @@ def attention(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_s
     ids = seq_ids.to(torch.int64).contiguous()
     q, r = q_latent.contiguous(), q_rope.contiguous()
     max_pages = int(table.shape[1])
-    sm_count = torch.cuda.get_device_properties(dev).multi_processor_count
     splits, per = plan_splits(b, row_groups, max(1, max_pages) * fmt.page_size, sm_count)
 
     smem = attention_smem_bytes(fmt)
@@ -85,6 +303,7 @@ def attention(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_s
         np.int32(cache.num_pages), np.int32(cache.max_seqs), np.int32(cache.sink), np.int32(cache.local),
         np.int32(per), np.int32(splits), np.float32(softmax_scale * LOG2E),
     )
-    launch(attn, (b * row_groups, splits), (ATTN_WARPS * 32,), args, dev, smem)
-    launch(combine, (b * rows,), (128,), (p(o_part), p(ml_part), p(out), p(lse), np.int32(splits)), dev)
+    stream = external_stream(dev)
+    launch(attn, (b * row_groups, splits), (ATTN_WARPS * 32,), args, dev, smem, stream=stream)
+    launch(combine, (b * rows,), (128,), (p(o_part), p(ml_part), p(out), p(lse), np.int32(splits)), dev, stream=stream)
     return out, lse
