@@ -7,17 +7,39 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import torch
 
 from . import interpreting, slice_width
 from .attention_kernel import protect_combine_kernel, split_kernel
+from .attention_v2_kernel import split_kernel_v2
 from .common import launch_dims, ptr_or_dummy
-from .heuristics import INTERPRETER_SM_COUNT, AttentionPlan, plan
+from .heuristics import (INTERPRETER_SM_COUNT, V2_FLOAT32_ON_GPU, V2_HOLD_RAW, V2_ZSUB, AttentionPlan, plan,
+                         plan_v2)
+
+#: environment variable choosing the split kernel ("v1" default, "v2"); read on every call
+VARIANT_ENV = "QUANTMLA_TRITON_ATTENTION"
+VARIANTS = ("v1", "v2")
 
 
 #: compiled-kernel handles of the last launch (``n_regs``, ``n_spills``) for probes
 LAST_LAUNCH: dict = {}
+
+
+def v2_constexprs(quant: bool, cbits: int, rbits: int, dot_bf16: bool, pv_form: int = 0,
+                  hold_raw: bool = V2_HOLD_RAW, code_bias: int | None = None, zsub: bool = V2_ZSUB) -> dict:
+    """Kernel-v2 switches. ``code_bias`` 128 turns codes into ``128 + code`` (the bfloat16 bit trick;
+    on by default for bfloat16 dots and codes below 8 bits). Tests force 128 with float32 dots
+    in the interpreter, where the bit trick itself cannot run, to check the bias algebra."""
+    def bias(bits: int) -> int:
+        if not quant or bits >= 8:
+            return 0
+        if code_bias is not None:
+            return int(code_bias)
+        return 128 if dot_bf16 else 0
+
+    return dict(CBIAS=bias(cbits), RBIAS=bias(rbits), PV_FORM=int(pv_form), HOLD_RAW=bool(hold_raw), ZSUB=bool(zsub))
 
 
 def _sm_count(device: torch.device) -> int:
@@ -28,12 +50,20 @@ def _sm_count(device: torch.device) -> int:
 
 def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: torch.Tensor,
               seq_lens: torch.Tensor, seq_ids: torch.Tensor, softmax_scale: float,
-              num_splits: int | None = None, overrides: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              num_splits: int | None = None, overrides: dict | None = None,
+              variant: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q_latent ``[B, S_q, H, d_c]``, q_rope ``[B, S_q, H, d_r]`` (float32/bfloat16) ->
     out ``[B, S_q, H, d_c]`` (q's dtype), lse ``[B, S_q, H]`` float32 (natural log).
 
     ``num_splits`` overrides the heuristic (tests use it to cover several splits);
-    ``overrides`` replaces fields of the heuristic plan (benchmark probes)."""
+    ``overrides`` replaces fields of the heuristic plan (benchmark probes; v2 also takes the
+    kernel switches ``pv_form``, ``hold_raw``, ``code_bias``, ``zsub``; both take ``maxnreg``).
+    ``variant`` ("v1"/"v2") overrides ``$QUANTMLA_TRITON_ATTENTION`` (read per call; default
+    "v1"). v2 on a GPU with float32 queries runs v1 (``heuristics.V2_FLOAT32_ON_GPU``);
+    ``LAST_LAUNCH["variant"]`` names the kernel that ran."""
+    variant = variant or os.environ.get(VARIANT_ENV, "").strip().lower() or "v1"
+    if variant not in VARIANTS:
+        raise ValueError(f"{VARIANT_ENV}: expected one of {VARIANTS}, got {variant!r}")
     fmt = cache.format
     b, s_q, h, dc = q_latent.shape
     dr = fmt.rope_dim
@@ -44,12 +74,23 @@ def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: 
     q_bf16 = q.dtype == torch.bfloat16
     interp = interpreting()
     dot_bf16 = q_bf16 and not interp  # the interpreter's bfloat16 math is wrong: float32 there
-    pl: AttentionPlan = plan(b, rows, dc, fmt.page_size, int(block_table.shape[1]) * fmt.page_size,
-                             _sm_count(dev), interp, num_splits, fp32_dot=not dot_bf16)
+    if variant == "v2" and not q_bf16 and not interp and not V2_FLOAT32_ON_GPU:
+        variant = "v1"  # float32 queries on a GPU: see heuristics.V2_FLOAT32_ON_GPU
+    LAST_LAUNCH["variant"] = variant
+    planner = plan_v2 if variant == "v2" else plan
+    pl: AttentionPlan = planner(b, rows, dc, fmt.page_size, int(block_table.shape[1]) * fmt.page_size,
+                                _sm_count(dev), interp, num_splits, fp32_dot=not dot_bf16)
     probe_skip_pv = False
+    v2_switches: dict = {}
+    extra_launch: dict = {}
     if overrides:
         overrides = dict(overrides)
         probe_skip_pv = bool(overrides.pop("skip_pv", False))
+        for key in ("pv_form", "hold_raw", "code_bias", "zsub"):
+            if key in overrides:
+                v2_switches[key] = overrides.pop(key)
+        if "maxnreg" in overrides:  # CUDA only (ptx .maxnreg); probes
+            extra_launch["maxnreg"] = int(overrides.pop("maxnreg"))
         pl = dataclasses.replace(pl, **overrides)
         if "block_r" in overrides:
             pl = dataclasses.replace(pl, row_blocks=-(-rows // pl.block_r))
@@ -65,19 +106,26 @@ def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: 
     rg = fmt.rope_group_size if quant else 64
     cbits, rbits = (fmt.content_bits, fmt.rope_bits) if quant else (16, 16)
     LAST_LAUNCH["plan"] = pl
-    LAST_LAUNCH["split"] = split_kernel[(pl.num_splits, b, pl.row_blocks)](
-        q, qr, cache.pages, block_table, seq_lens, o_part, lse_part,
-        block_table.stride(0), cache.num_pages, scale_log2, rows, h, s_q, cache.sink, cache.local, pl.num_splits,
+    ccw, rcw = slice_width(dc, cbits, cg), slice_width(dr, rbits, rg)
+    args = (q, qr, cache.pages, block_table, seq_lens, o_part, lse_part,
+            block_table.stride(0), cache.num_pages, scale_log2, rows, h, s_q, cache.sink, cache.local, pl.num_splits)
+    consts = dict(
         Q_BF16=q_bf16, DOT_BF16=dot_bf16, QUANT=quant, DC=dc, DR=dr, CBITS=cbits, RBITS=rbits,
-        CG=cg, RG=rg, CCW=slice_width(dc, cbits, cg), RCW=slice_width(dr, rbits, rg),
-        P=fmt.page_size, PAGE_BYTES=fmt.page_bytes,
+        CG=cg, RG=rg, CCW=ccw, RCW=rcw, P=fmt.page_size, PAGE_BYTES=fmt.page_bytes,
         C_CODES_OFF=off("content_codes"), R_CODES_OFF=off("rope_codes"),
         C_SCALES_OFF=off("content_scales"), C_ZEROS_OFF=off("content_zeros"),
         R_SCALES_OFF=off("rope_scales"), R_ZEROS_OFF=off("rope_zeros"),
         C_SCALE_BF16=fmt.content_scale_dtype == "bfloat16", R_SCALE_BF16=fmt.rope_scale_dtype == "bfloat16",
         BLOCK_N=pl.block_n, BLOCK_R=pl.block_r, PROBE_SKIP_PV=probe_skip_pv,
-        **launch_dims(pl.num_warps, pl.num_stages),
     )
+    grid = (pl.num_splits, b, pl.row_blocks)
+    if variant == "v2":
+        consts.update(v2_constexprs(quant, cbits, rbits, dot_bf16, **v2_switches))
+        dims = {**launch_dims(pl.num_warps, pl.num_stages), **({} if interp else extra_launch)}
+        LAST_LAUNCH["split"] = split_kernel_v2[grid](*args, **consts, **dims)
+    else:
+        dims = {**launch_dims(pl.num_warps, pl.num_stages), **({} if interp else extra_launch)}
+        LAST_LAUNCH["split"] = split_kernel[grid](*args, **consts, **dims)
     crb = pl.combine_block_r
     LAST_LAUNCH["combine"] = protect_combine_kernel[(b, -(-rows // crb))](
         q, qr, ptr_or_dummy(cache.sink_buf), ptr_or_dummy(cache.local_buf), seq_lens, seq_ids,

@@ -80,3 +80,59 @@ def plan(batch: int, rows: int, latent_dim: int, page_size: int, max_tokens: int
     return AttentionPlan(block_n, block_r, row_blocks, int(num_splits), num_warps,
                          FP32_NUM_STAGES if gpu_fp32 else 2, combine_block_r, 4,
                          FP32_PROTECT_BLOCK_T if gpu_fp32 else PROTECT_BLOCK_T)
+
+
+# ------------------------------------------------------------------ attention kernel v2
+# (attention_v2_kernel.py; selected with QUANTMLA_TRITON_ATTENTION=v2). The register numbers
+# below come from compiling the kernel offline for sm_90a (triton 3.7.1's own ptxas, 16-byte
+# aligned pointers as the runtime specialises them), C4R4, d_c = 512, bf16 queries:
+#   64-token tile, 16 rows, 4 warps, 1 stage, bytes re-loaded for PV: 255 regs, 76 B spilled
+#     (2 stages: 844 B; bytes held in registers for PV: 736 B; PV as P^T @ codes: 1,048 B)
+#   32 rows, 4 warps: 1,812 B; 32 rows, 8 warps: 804 B; 64 rows, 8 warps: 3,560 B
+#   d_c = 256: 16 rows 207 regs, no spill; 32 rows, 4 warps: 255 regs, 68 B
+#   float32 queries (IEEE float32 dots, no tensor cores): 37,926 B spilled
+#: tokens per tile = the M dimension of every v2 product: 64 is the row count of one Hopper
+#: wgmma of a 4-warp warpgroup (the compiled kernel issues wgmma m64n16k16 for QK and PV).
+#: Pages of 16/32 tokens make a tile span pages (one table lookup per token, not per tile).
+V2_BLOCK_N = 64
+#: float32 output state (DC x BLOCK_R over the program's threads). 64 registers per thread is
+#: what the measured no-/low-spill kernels hold (d_c = 512 at 16 rows, d_c = 256 at 32 rows,
+#: 4 warps); more rows per program spill (table above), so H = 128 still runs 8 row blocks
+#: at d_c = 512 until an H200 run shows wider blocks pay (probe knobs block_r 32/64, 8 warps).
+V2_ACC_REGS_PER_THREAD = 64
+V2_NUM_WARPS = 4
+#: a split costs one BLOCK_R x DC float32 partial written and read back: keep >= 128 tokens
+#: (2 tiles) per split, as v1 (4 tiles of 32)
+V2_MIN_TILES_PER_SPLIT = 2
+#: one stage: a second one (software-pipelined loads) raised spills from 76 B to 844 B
+V2_NUM_STAGES = 1
+#: PV re-loads the tile's bytes (L1/L2 hits) instead of keeping them in registers (spills above)
+V2_HOLD_RAW = False
+#: zero points applied on the operand (``code - zero`` by one ``sub.bf16x2`` per element pair)
+#: instead of the correction terms (query sums in QK, a cross-warp token reduction per slice in
+#: PV). Offline: C4R4 spills 4 B instead of 76, C2R4 148 B instead of 264. Off until the H200
+#: times both (probe column ``v2z``).
+V2_ZSUB = False
+#: float32 queries on a GPU run v1: v2's IEEE float32 dots spill ~37 KB (table above). The
+#: interpreter runs v2 in float32 (that is how its math is checked without a GPU).
+V2_FLOAT32_ON_GPU = False
+
+
+def plan_v2(batch: int, rows: int, latent_dim: int, page_size: int, max_tokens: int, sm_count: int,
+            interpreter: bool = False, num_splits: int | None = None, fp32_dot: bool = False) -> AttentionPlan:
+    """Launch plan of attention kernel v2 (same fields and split rule as :func:`plan`)."""
+    gpu_fp32 = fp32_dot and not interpreter
+    block_n = V2_BLOCK_N
+    num_warps = V2_NUM_WARPS
+    threads = num_warps * THREADS_PER_WARP
+    cap = max(MIN_DOT_N, V2_ACC_REGS_PER_THREAD * threads // latent_dim)
+    cap = 1 << (cap.bit_length() - 1)  # a power of two (tl.arange extent)
+    block_r = max(MIN_DOT_N, min(_pow2_at_least(rows), cap))
+    row_blocks = -(-rows // block_r)
+    tiles = max(1, -(-max_tokens // block_n))
+    if num_splits is None:
+        min_tiles = MIN_TILES_PER_SPLIT_INTERPRETER if interpreter else V2_MIN_TILES_PER_SPLIT
+        want = -(-WAVES * sm_count // (batch * row_blocks))
+        num_splits = max(1, min(want, -(-tiles // min_tiles), MAX_SPLITS))
+    return AttentionPlan(block_n, block_r, row_blocks, int(num_splits), num_warps, V2_NUM_STAGES, MIN_DOT_N, 4,
+                         FP32_PROTECT_BLOCK_T if gpu_fp32 else PROTECT_BLOCK_T)

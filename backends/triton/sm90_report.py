@@ -1,0 +1,137 @@
+"""Offline register / spill report of the split kernels for sm_90a — no GPU needed.
+
+Compiles ``split_kernel`` (v1) or ``split_kernel_v2`` through Triton's own pipeline for an
+sm_90 target (pointers assumed 16-byte aligned, as the runtime specialises torch tensors),
+runs the ``ptxas`` bundled with Triton on the PTX with ``-v``, and reports registers, spill
+bytes, shared memory and how many ``wgmma`` the TTGIR holds. Numbers track the H200's
+``n_regs`` (v1 C4R4: 255 here and there); spill *bytes* here, not the driver's count.
+
+    python -m quantmla_core.backends.triton.sm90_report            # the default matrix
+    python -m quantmla_core.backends.triton.sm90_report v2 C4R4 block_r=32 num_warps=8
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+from . import slice_width
+
+
+def _consts(variant: str, fmt, block_n: int, block_r: int, bf16: bool, **switches) -> dict:
+    secs = fmt.sections
+    quant = fmt.quantized
+    off = lambda n: secs[n][0] if n in secs else 0  # noqa: E731
+    cb, rb = (fmt.content_bits, fmt.rope_bits) if quant else (16, 16)
+    cg = fmt.content_group_size if quant else 64
+    rg = fmt.rope_group_size if quant else 64
+    c = dict(Q_BF16=bf16, DOT_BF16=bf16, QUANT=quant, DC=fmt.latent_dim, DR=fmt.rope_dim, CBITS=cb, RBITS=rb, CG=cg,
+             RG=rg, CCW=slice_width(fmt.latent_dim, cb, cg), RCW=slice_width(fmt.rope_dim, rb, rg), P=fmt.page_size,
+             PAGE_BYTES=fmt.page_bytes, C_CODES_OFF=off("content_codes"), R_CODES_OFF=off("rope_codes"),
+             C_SCALES_OFF=off("content_scales"), C_ZEROS_OFF=off("content_zeros"), R_SCALES_OFF=off("rope_scales"),
+             R_ZEROS_OFF=off("rope_zeros"), C_SCALE_BF16=fmt.content_scale_dtype == "bfloat16",
+             R_SCALE_BF16=fmt.rope_scale_dtype == "bfloat16", BLOCK_N=block_n, BLOCK_R=block_r,
+             PROBE_SKIP_PV=bool(switches.pop("skip_pv", False)))
+    if variant == "v2":
+        from .attention import v2_constexprs
+
+        c.update(v2_constexprs(quant, cb, rb, bf16, **switches))
+    return c
+
+
+def compile_report(variant: str = "v2", fmt_name: str = "C4R4", latent_dim: int = 512, rope_dim: int = 64,
+                   page_size: int = 64, group_size: int = 64, bf16: bool = True, block_n: int | None = None,
+                   block_r: int = 16, num_warps: int | None = None, num_stages: int | None = None,
+                   maxnreg: int | None = None, **switches) -> dict:
+    """Compile one split kernel for sm_90a and return its resources (see the module docstring)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from quantmla_core import PackFormat
+
+    from . import heuristics as hz
+    from .attention_kernel import split_kernel
+    from .attention_v2_kernel import split_kernel_v2
+
+    fmt = PackFormat.parse(fmt_name, latent_dim=latent_dim, rope_dim=rope_dim, page_size=page_size,
+                           group_size=group_size)
+    fn = split_kernel_v2 if variant == "v2" else split_kernel
+    if block_n is None:
+        block_n = hz.V2_BLOCK_N if variant == "v2" else min(page_size, hz.MAX_BLOCK_N)
+    if num_warps is None:
+        num_warps = hz.V2_NUM_WARPS if variant == "v2" else 4
+    if num_stages is None:
+        num_stages = hz.V2_NUM_STAGES if variant == "v2" else 2
+    consts = _consts(variant, fmt, block_n, block_r, bf16, **switches)
+    qt = "*bf16" if bf16 else "*fp32"
+    types = dict(q_ptr=qt, qr_ptr=qt, pages_ptr="*u8", table_ptr="*i32", lens_ptr="*i32", o_part_ptr="*fp32",
+                 lse_part_ptr="*fp32", stride_table="i32", num_pages="i32", sm_scale_log2="fp32", R="i32", H="i32",
+                 S_Q="i32", SINK="i32", LOCAL="i32", NSPLIT="i32")
+    params = list(inspect.signature(fn.fn).parameters)
+    sig = {p: ("constexpr" if p in consts else types[p]) for p in params if p in consts or p in types}
+    cex = {(params.index(k),): v for k, v in consts.items()}
+    attrs = {(params.index(p),): [["tt.divisibility", 16]] for p in types
+             if types[p].startswith("*") or p in ("stride_table", "R")}
+    opts = {"num_warps": num_warps, "num_stages": num_stages}
+    if maxnreg:
+        opts["maxnreg"] = maxnreg
+    k = triton.compile(ASTSource(fn, sig, constexprs=cex, attrs=attrs), target=GPUTarget("cuda", 90, 32), options=opts)
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(k.asm["ptx"])
+    try:
+        r = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True, text=True)
+    finally:
+        os.unlink(f.name)
+    txt = r.stderr + r.stdout
+    regs = re.search(r"Used (\d+) registers", txt)
+    spill = re.search(r"(\d+) bytes spill stores", txt)
+    ttgir = k.asm["ttgir"]
+    return {"variant": variant, "fmt": fmt.name, "dc": latent_dim, "P": page_size, "G": group_size, "bf16": bf16,
+            "block_n": block_n, "block_r": block_r, "num_warps": num_warps, "num_stages": num_stages, **switches,
+            "regs": int(regs.group(1)) if regs else None, "spill_bytes": int(spill.group(1)) if spill else None,
+            "smem": k.metadata.shared, "wgmma": len(re.findall(r"warp_group_dot ", ttgir)),
+            "mma_sync": len(re.findall(r"tt\.dot ", ttgir))}
+
+
+DEFAULT_MATRIX = [
+    ("v1", "C4R4", {}),
+    ("v2", "C4R4", {}),
+    ("v2", "C2R4", {}),
+    ("v2", "BF16", {}),
+    ("v2", "C4R4", {"latent_dim": 256, "rope_dim": 32}),
+    ("v2", "C4R4", {"block_r": 32}),
+    ("v2", "C4R4", {"hold_raw": True}),
+    ("v2", "C4R4", {"pv_form": 1}),
+]
+
+
+def _parse(v: str):
+    for cast in (int,):
+        try:
+            return cast(v)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(v.lower(), v)
+
+
+def main(argv: list[str]) -> None:
+    if argv:
+        variant, fmt_name, *rest = argv
+        runs = [(variant, fmt_name, {k: _parse(v) for k, v in (a.split("=", 1) for a in rest)})]
+    else:
+        runs = DEFAULT_MATRIX
+    for variant, fmt_name, kw in runs:
+        try:
+            print(compile_report(variant, fmt_name, **kw), flush=True)
+        except Exception as exc:  # report, keep going
+            print({"variant": variant, "fmt": fmt_name, **kw, "err": f"{type(exc).__name__}: {exc}"[:400]}, flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
