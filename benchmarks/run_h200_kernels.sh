@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Kernel-variant runs on the H200 (carry .whl for FlashInfer). Two calls, each under 10 minutes:
+#   bash benchmarks/run_h200_kernels.sh check   # v2 conformance (CuPy, Triton) + compute-sanitizer
+#   bash benchmarks/run_h200_kernels.sh time    # v1 vs v2 side by side (with FlashInfer BF16)
+# Results land in $OUT. The v2 kernels stay opt-in (QUANTMLA_*_ATTENTION=v2) until these pass.
+set -u
+MODE=${1:-check}
+OUT=${OUT:-/tmp/qm_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-build-isolation --no-deps --no-compile --target /tmp/qm . > "$OUT/install.log" 2>&1 || {
+  mkdir -p /tmp/qm && cp -r quantmla_core /tmp/qm/ && cp -r backends /tmp/qm/quantmla_core/backends \
+    && cp -r reference /tmp/qm/quantmla_core/reference && cp -r calibration /tmp/qm/quantmla_core/calibration; }
+export PYTHONPATH=/tmp/qm:$PWD
+if ls .whl/flashinfer_python-*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl > /dev/null 2>&1 \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE=/tmp
+fi
+T="python3 -P -m pytest -q -p no:cacheprovider"
+if [ "$MODE" = check ]; then
+  echo "=== cupy v2 conformance"; timeout 200 $T tests/test_cupy_backend.py -x -k v2 2>&1 | tail -6 | tee "$OUT/cupy_v2.txt"
+  echo "=== cupy v2 racecheck"; timeout 80 compute-sanitizer --tool racecheck $T tests/test_cupy_backend.py -x -k "v2_matches and (L17_31_100 or L900_16)" 2>&1 | tail -4
+  echo "=== cupy v2 memcheck"; timeout 80 compute-sanitizer --tool memcheck $T tests/test_cupy_backend.py -x -k "v2_matches and (L17_31_100 or L40_33)" 2>&1 | tail -4
+  echo "=== triton v2 conformance"; timeout 180 $T tests/test_triton_backend.py -x -k "v2 or variant" 2>&1 | tail -6 | tee "$OUT/triton_v2.txt"
+else
+  echo "=== cupy v1 vs v2"; timeout 240 python3 -P benchmarks/cupy_probe.py --variant both --no-writer --json "$OUT/cupy_v1_v2.json" 2>&1 | tail -30
+  echo "=== triton v1 vs v2"; PROBE_VARIANTS=v1,v2,v2z PROBE_PAIRS=32x32768,8x4096,128x32768 PROBE_BUDGET_S=250 PROBE_SKIP_WRITER=1 \
+    timeout 300 python3 -P benchmarks/triton_probe.py 2>&1 | grep -v '^check' | tail -60
+fi
