@@ -22,6 +22,9 @@ for top in ("backends", "reference", "calibration"):
 names = [m.name for m in pkgutil.walk_packages(quantmla_core.backends.__path__, "quantmla_core.backends.") if m.ispkg]
 for name in names:
     importlib.import_module(name)  # backend packages import without their optional dependencies
+from importlib.resources import files
+assert files("quantmla_core.backends.cupy").joinpath("kernels", "attention.cu").is_file(), "CUDA sources not installed"
+assert files("quantmla_core.calibration").joinpath("data", "default.txt").is_file(), "calibration text not installed"
 print("OK", quantmla_core.__file__, sorted(names))
 """
 
