@@ -148,8 +148,10 @@ def _validate_attention_values(cache, q_latent, q_rope, block_table, seq_lens, s
     p = cache.format.page_size
     v.check_range("seq_lens", lens, s_q, table.shape[1] * p + 1, f"a length >= S_q={s_q} and <= max_pages * P")
     v.check_range("seq_ids", ids, 0, cache.max_seqs, "a protection-buffer row")
-    for i, length in enumerate(lens):
-        used = table[i, : (int(length) + p - 1) // p]
-        v.check_range(f"block_table[{i}]", used, 0, cache.num_pages, "a page index")
+    used = np.arange(table.shape[1])[None, :] < ((lens.astype(np.int64) + p - 1) // p)[:, None]
+    bad = used & ((table < 0) | (table >= cache.num_pages))
+    if bad.any():
+        i, j = (int(x) for x in np.argwhere(bad)[0])
+        raise ValueError(f"block_table[{i}]: expected a page index in [0, {cache.num_pages}), got {int(table[i, j])} at index {j}")
     v.check_finite("q_latent", q_latent)
     v.check_finite("q_rope", q_rope)
