@@ -39,3 +39,14 @@ def test_torch_write_reference_read(case):
 @pytest.mark.parametrize("case", CASES[::3], ids=str)
 def test_reference_write_torch_read(case):
     check_attention_case(case, "reference", "torch", "cpu")
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 100, 257])
+@pytest.mark.parametrize("case", CASES[::4], ids=str)
+def test_attention_in_many_chunks(case, chunk_tokens, monkeypatch):
+    """Tiny chunk budgets force the online softmax across many page chunks (and chunks past the
+    end of shorter requests)."""
+    from quantmla_core.backends.torch import attention as torch_attention
+
+    monkeypatch.setattr(torch_attention, "CHUNK_TOKENS", chunk_tokens)
+    check_attention_case(case, "torch", "torch", "cpu")
