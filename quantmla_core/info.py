@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import platform
 
 import numpy as np
@@ -11,9 +12,19 @@ from . import __version__
 from .dispatch import PRIORITY, DeviceInfo, available_backends, get_backend
 
 
+def _installed(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "-"
+
+
 def report() -> str:
+    optional = {n: _installed(d) for n, d in (("triton", "triton"), ("numba", "numba"), ("transformers", "transformers"))}
+    cupy = next((v for v in (_installed(d) for d in ("cupy-cuda13x", "cupy-cuda12x", "cupy")) if v != "-"), "-")
     lines = [
         f"quantmla_core {__version__}  python {platform.python_version()}  torch {torch.__version__}  numpy {np.__version__}",
+        "optional: " + "  ".join(f"{k} {v}" for k, v in {**optional, "cupy": cupy}.items()),
     ]
     devices = ["cpu", "numpy"]
     if torch.cuda.is_available():
