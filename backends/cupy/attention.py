@@ -259,16 +259,8 @@ def _attention_v2(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softm
     out = torch.empty((b, s_q, h, dc), dtype=q_latent.dtype, device=q_latent.device)
     lse = torch.empty((b, s_q, h), dtype=torch.float32, device=q_latent.device)
 
-    p = lambda x: np.uint64(device_pointer(x))  # noqa: E731
-    args = (
-        p(q), p(r), p(cache.pages), p(cache.sink_buf), p(cache.local_buf), p(table), p(lens), p(ids),
-        p(o_part), p(ml_part), np.int32(s_q), np.int32(h), np.int32(max_pages), np.int32(table.stride(0)),
-        np.int32(cache.num_pages), np.int32(cache.max_seqs), np.int32(cache.sink), np.int32(cache.local),
-        np.int32(per), np.int32(splits), np.float32(softmax_scale * LOG2E),
-    )
-    stream = external_stream(dev)
-    launch(attn, (b * chunks, splits), (V2_WARPS * 32 * rg,), args, dev, smem, stream=stream)
-    launch(combine, (b * rows,), (128,), (p(o_part), p(ml_part), p(out), p(lse), np.int32(splits)), dev, stream=stream)
+    _launch_split_and_combine(attn, combine, (b * chunks, splits), (V2_WARPS * 32 * rg,), smem, dev, q, r, cache, table,
+                              lens, ids, o_part, ml_part, out, lse, s_q, h, per, splits, softmax_scale)
     return out, lse
 
 
@@ -296,14 +288,23 @@ def _attention_v1(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softm
     out = torch.empty((b, s_q, h, dc), dtype=q_latent.dtype, device=device)
     lse = torch.empty((b, s_q, h), dtype=torch.float32, device=device)
 
+    _launch_split_and_combine(attn, combine, (b * row_groups, splits), (ATTN_WARPS * 32,), smem, dev, q, r, cache, table,
+                              lens, ids, o_part, ml_part, out, lse, s_q, h, per, splits, softmax_scale)
+    return out, lse
+
+
+def _launch_split_and_combine(attn, combine, grid, block, smem, dev, q, r, cache, table, lens, ids, o_part, ml_part,
+                              out, lse, s_q, h, per, splits, softmax_scale) -> None:
+    """Launch a split kernel (v1 and v2 share the argument list) and the LSE combine on torch's stream."""
     p = lambda x: np.uint64(device_pointer(x))  # noqa: E731
     args = (
         p(q), p(r), p(cache.pages), p(cache.sink_buf), p(cache.local_buf), p(table), p(lens), p(ids),
-        p(o_part), p(ml_part), np.int32(s_q), np.int32(h), np.int32(max_pages), np.int32(table.stride(0)),
+        p(o_part), p(ml_part), np.int32(s_q), np.int32(h), np.int32(table.shape[1]), np.int32(table.stride(0)),
         np.int32(cache.num_pages), np.int32(cache.max_seqs), np.int32(cache.sink), np.int32(cache.local),
         np.int32(per), np.int32(splits), np.float32(softmax_scale * LOG2E),
     )
     stream = external_stream(dev)
-    launch(attn, (b * row_groups, splits), (ATTN_WARPS * 32,), args, dev, smem, stream=stream)
-    launch(combine, (b * rows,), (128,), (p(o_part), p(ml_part), p(out), p(lse), np.int32(splits)), dev, stream=stream)
-    return out, lse
+    launch(attn, grid, block, args, dev, smem, stream=stream)
+    rows = int(out.shape[1]) * int(out.shape[2])
+    launch(combine, (int(out.shape[0]) * rows,), (128,), (p(o_part), p(ml_part), p(out), p(lse), np.int32(splits)), dev,
+           stream=stream)
