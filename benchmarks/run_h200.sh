@@ -2,7 +2,8 @@
 # One device call on the H200: install, GPU checks, demo, memory table, backend benchmarks
 # (with FlashInfer when carried), HF generate, serving. Results land in $OUT.
 # Usage (device tool, carry .whl for FlashInfer): bash benchmarks/run_h200.sh
-# Stages can be skipped with SKIP="demo memory checks bench hf serving"; time limits T_*.
+# Stages can be skipped with SKIP="demo memory checks bench hf serving"; time limits T_*;
+# BENCH_K selects benchmarks (pytest -k expression).
 set -u
 REPO=$(pwd)
 OUT=${OUT:-/tmp/qm_out}
@@ -31,7 +32,7 @@ timeout ${T_TESTS:-90} $PY -m pytest -q -x -p no:cacheprovider tests/test_torch_
 [[ " ${SKIP:-} " == *" checks "* ]] || { stage gpu_checks; timeout 60 $PY -m benchmarks.gpu_checks 2>&1 | tee "$OUT/gpu_checks.txt"; }
 [[ " ${SKIP:-} " == *" bench "* ]] || { stage backend-benchmarks
   timeout ${T_BENCH:-240} $PY -m pytest -q -p no:cacheprovider --import-mode=importlib -m benchmark --benchmark-enable \
-    --benchmark-json="$OUT/backends.json" benchmarks/test_backends.py benchmarks/test_attention_gpu.py ${BENCH_ARGS:-} 2>&1 | tail -15; }
+    --benchmark-json="$OUT/backends.json" benchmarks/test_backends.py benchmarks/test_attention_gpu.py ${BENCH_K:+-k "$BENCH_K"} 2>&1 | tail -15; }
 [[ " ${SKIP:-} " == *" hf "* ]] || {
 stage hf_generate
 timeout ${T_HF:-150} $PY benchmarks/hf_generate.py --out "$OUT/hf_generate.json" ${HF_ARGS:---formats C4R4,C2R4} 2>&1 | tail -12; }

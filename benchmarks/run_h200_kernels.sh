@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Kernel-variant runs on the H200 (carry .whl for FlashInfer). Two calls, each under 10 minutes:
-#   bash benchmarks/run_h200_kernels.sh check   # v2 conformance (CuPy, Triton) + compute-sanitizer
-#   bash benchmarks/run_h200_kernels.sh time    # v1 vs v2 side by side (with FlashInfer BF16)
-# Results land in $OUT. The v2 kernels stay opt-in (QUANTMLA_*_ATTENTION=v2) until these pass.
+# Kernel-variant runs on the H200 (carry .whl for FlashInfer). Each mode runs under 10 minutes:
+#   bash benchmarks/run_h200_kernels.sh check    # v2 conformance (CuPy, Triton) + compute-sanitizer
+#   bash benchmarks/run_h200_kernels.sh time     # v1 vs v2 side by side (with FlashInfer BF16)
+#   bash benchmarks/run_h200_kernels.sh profile  # Nsight Compute: what limits the v2 kernels (C4R4 H=16 B=32 L=32K)
+#   bash benchmarks/run_h200_kernels.sh sweep    # CuPy v2 knobs (registers/CTAs per SM, copy stages, row groups)
+# Results land in $OUT.
 set -u
 MODE=${1:-check}
 OUT=${OUT:-/tmp/qm_out}
@@ -22,6 +24,20 @@ if [ "$MODE" = check ]; then
   echo "=== cupy v2 racecheck"; timeout 80 compute-sanitizer --tool racecheck $T tests/test_cupy_backend.py -x -k "v2_matches and (L17_31_100 or L900_16)" 2>&1 | tail -4
   echo "=== cupy v2 memcheck"; timeout 80 compute-sanitizer --tool memcheck $T tests/test_cupy_backend.py -x -k "v2_matches and (L17_31_100 or L40_33)" 2>&1 | tail -4
   echo "=== triton v2 conformance"; timeout 180 $T tests/test_triton_backend.py -x -k "v2 or variant" 2>&1 | tail -6 | tee "$OUT/triton_v2.txt"
+elif [ "$MODE" = profile ]; then
+  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+  SECS="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis"
+  echo "=== ncu cupy v2"; timeout 150 $NCU -k regex:qmla_attn_v2 -s 2 -c 1 $SECS python3 -P benchmarks/cupy_probe.py --variant v2 \
+    --shapes 16x32x32768 --formats C4R4 --no-writer > "$OUT/ncu_cupy_v2.txt" 2>&1; grep -v "^==PROF==" "$OUT/ncu_cupy_v2.txt" | tail -90
+  echo "=== ncu triton v2"; PROBE_VARIANTS=v2 PROBE_PAIRS=32x32768 PROBE_KNOBS=0 PROBE_SKIP_WRITER=1 PROBE_BUDGET_S=60 \
+    timeout 150 $NCU -k regex:split_kernel_v2 -s 2 -c 1 $SECS python3 -P benchmarks/triton_probe.py > "$OUT/ncu_triton_v2.txt" 2>&1
+  grep -v "^==PROF==" "$OUT/ncu_triton_v2.txt" | grep -A200 "split_kernel_v2" | head -90
+elif [ "$MODE" = sweep ]; then
+  for knobs in ${SWEEP_KNOBS:-QUANTMLA_CUPY_V2_MINB=1 QUANTMLA_CUPY_V2_MINB=3 QUANTMLA_CUPY_V2_STAGES=5}; do
+    echo "=== cupy v2 $knobs"; env $knobs timeout 90 python3 -P benchmarks/cupy_probe.py --variant v2 --shapes 16x32x32768,16x128x32768 \
+      --formats C4R4 --no-writer 2>&1 | grep -E "^v2" ; done
+  for rg in ${SWEEP_RG:-}; do echo "=== cupy v2 H=128 RG=$rg"; QUANTMLA_CUPY_V2_RG=$rg timeout 90 python3 -P benchmarks/cupy_probe.py --variant v2 \
+      --shapes 128x32x32768 --formats C4R4 --no-writer 2>&1 | grep -E "^v2"; done
 else
   echo "=== cupy v1 vs v2"; timeout 240 python3 -P benchmarks/cupy_probe.py --variant both --no-writer --json "$OUT/cupy_v1_v2.json" 2>&1 | tail -30
   echo "=== triton v1 vs v2"; PROBE_VARIANTS=v1,v2,v2z PROBE_PAIRS=32x32768,8x4096,128x32768 PROBE_BUDGET_S=250 PROBE_SKIP_WRITER=1 \

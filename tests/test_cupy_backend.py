@@ -161,8 +161,10 @@ def test_v2_compiles_without_spills(variant):
 
 def test_v2_selection_is_per_call_and_falls_back(monkeypatch):
     c4, c8, bf = qm.PackFormat.parse("C4R4"), qm.PackFormat.parse("C8R8"), qm.PackFormat.parse("BF16")
-    monkeypatch.delenv(VARIANT_ENV, raising=False)
-    assert select_variant(c4, "bfloat16") == ("v1", None)
+    monkeypatch.delenv(VARIANT_ENV, raising=False)  # auto: v2 where it serves, v1 with the reason
+    assert select_variant(c4, "bfloat16") == ("v2", None)
+    v, why = select_variant(c8, "bfloat16")
+    assert v == "v1" and "C8R8" in why
     monkeypatch.setenv(VARIANT_ENV, "v2")
     assert select_variant(c4, "bfloat16") == ("v2", None)
     assert select_variant(qm.PackFormat.parse("C2R4", 256, 32, group_size=128), "bfloat16") == ("v2", None)
@@ -185,13 +187,25 @@ def test_v2_plan_and_smem():
     )
 
     for batch, chunks, tokens in ((8, 1, 4096), (32, 1, 32768), (1, 4, 1 << 20), (128, 4, 32768), (1, 1, 1)):
-        splits, per = plan_splits_v2(batch, chunks, tokens, 132, 4)
+        splits, per = plan_splits_v2(batch, chunks, tokens, 264)
         tiles = -(-tokens // 32)
         assert splits * per >= tiles and (splits - 1) * per < tiles
         assert splits == 1 or per >= V2_MIN_TILES_PER_SPLIT
-    assert plan_splits_v2(8, 1, 4096, 132, 4)[0] <= 16  # B=8 L=4K: no splits of a few tiles
+    assert plan_splits_v2(8, 1, 4096, 264)[0] <= 16  # B=8 L=4K: no splits of a few tiles
+    # H=16 B=32 L=32K on 2 CTAs/SM x 132: one full round (the old "4 CTAs/SM" rule gave 544 CTAs, 3 rounds)
+    assert plan_splits_v2(32, 1, 32768, 264) == (8, 128)
     # 4 stages of one tile's raw page sections (32 x 317 B) and flags (32 B), + the score exchange
     assert v2_smem_bytes(qm.PackFormat.parse("C4R4"), 1) == 4 * 32 * (317 + 1) + 16384
+
+
+def test_occupancy_from_resources():
+    from quantmla_core.backends.cupy import occupancy_from_resources
+
+    assert occupancy_from_resources(255, 128, 57088) == 2  # v2 C4R4 RG=1: register-bound
+    assert occupancy_from_resources(255, 256, 73472) == 1  # RG=2
+    assert occupancy_from_resources(168, 128, 57088) == 3  # __launch_bounds__(128, 3)
+    assert occupancy_from_resources(32, 128, 100 * 1024) == 2  # shared-memory-bound
+    assert occupancy_from_resources(16, 1024, 0) == 2  # thread-bound
 
 
 # ------------------------------------------------------------------ registration
@@ -400,6 +414,7 @@ def test_v2_launch_arguments_match_kernel_signature(monkeypatch, h, s_q, rg_env)
     monkeypatch.setattr(A, "launch", fake_launch)
     monkeypatch.setattr(A, "external_stream", lambda dev: None)
     monkeypatch.setattr(A, "_device_info", lambda dev: (132, (9, 0)))
+    monkeypatch.setattr(A, "resident_ctas", lambda fn, threads, smem, dev, sms: 2 * sms)
     monkeypatch.setattr(A, "_workspace", lambda dev, n: torch.empty(n, dtype=torch.float32))
     monkeypatch.setattr(A, "_FNS", {})
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -456,6 +471,7 @@ def test_v1_launch_arguments_match_kernel_signature(monkeypatch, variant, dtype)
     monkeypatch.setattr(A, "launch", lambda fn, grid, block, args, dev, smem=0, stream=None: launches.append((fn, grid, block, args)))
     monkeypatch.setattr(A, "external_stream", lambda dev: None)
     monkeypatch.setattr(A, "_device_info", lambda dev: (132, (9, 0)))
+    monkeypatch.setattr(A, "resident_ctas", lambda fn, threads, smem, dev, sms: 2 * sms)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch, "empty", lambda *a, device=None, **k: torch.zeros(*a, **k))
     fmt = qm.PackFormat.parse("C4R4")

@@ -164,6 +164,11 @@ def test_variant_env_is_read_per_call(monkeypatch):
         monkeypatch.setenv("QUANTMLA_TRITON_ATTENTION", v)
         check_attention_case(case, "torch", "triton", DEVICE, "bfloat16")
         assert LAST_LAUNCH["variant"] == v
+    monkeypatch.delenv("QUANTMLA_TRITON_ATTENTION")  # auto: v2 for packed pages + bf16 queries
+    check_attention_case(case, "torch", "triton", DEVICE, "bfloat16")
+    assert LAST_LAUNCH["variant"] == "v2"
+    check_attention_case(Case(PackFormat.parse("BF16"), (70,), heads=2, seed=5), "torch", "triton", DEVICE, "bfloat16")
+    assert LAST_LAUNCH["variant"] == "v1"
     monkeypatch.setenv("QUANTMLA_TRITON_ATTENTION", "v3")
     with pytest.raises(ValueError, match="QUANTMLA_TRITON_ATTENTION"):
         check_attention_case(case, "torch", "triton", DEVICE, "bfloat16")

@@ -108,6 +108,45 @@ def device_pointer(x: Any) -> int:
     raise TypeError(f"expected a torch CUDA tensor or a CuPy array, got {type(x).__name__}")
 
 
+_RESIDENT: dict[tuple, int] = {}
+#: sm_90 limits used when the driver's occupancy query is unavailable
+_REGS_PER_SM = 65536
+_REG_ALLOC_UNIT = 256  # registers per warp are allocated in units of 256
+_SMEM_PER_SM = 228 * 1024
+_SMEM_RESERVED_PER_CTA = 1024
+_THREADS_PER_SM = 2048
+
+
+def resident_ctas(fn, threads: int, smem: int, device_index: int, sm_count: int) -> int:
+    """CTAs of ``fn`` (``threads`` per CTA, ``smem`` dynamic shared bytes) the whole GPU runs at
+    once: the driver's occupancy per SM times ``sm_count``, cached per kernel and launch shape.
+    Falls back to the sm_90 register/shared-memory arithmetic when the query is unavailable."""
+    key = (id(fn), threads, smem, device_index)
+    got = _RESIDENT.get(key)
+    if got is None:
+        import cupy
+
+        try:
+            with cupy.cuda.Device(device_index):
+                per_sm = int(cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, threads, smem))
+        except Exception:
+            per_sm = occupancy_from_resources(int(fn.num_regs), threads, smem + int(fn.shared_size_bytes))
+        got = max(1, per_sm) * sm_count
+        with _LOCK:
+            _RESIDENT[key] = got
+    return got
+
+
+def occupancy_from_resources(regs_per_thread: int, threads: int, smem_bytes: int) -> int:
+    """CTAs per SM allowed by registers, shared memory and threads (sm_90 limits), at least 1."""
+    warps = -(-threads // 32)
+    regs_per_warp = -(-regs_per_thread * 32 // _REG_ALLOC_UNIT) * _REG_ALLOC_UNIT
+    by_regs = (_REGS_PER_SM // max(1, regs_per_warp)) // warps
+    by_smem = _SMEM_PER_SM // (smem_bytes + _SMEM_RESERVED_PER_CTA)
+    by_threads = _THREADS_PER_SM // threads
+    return max(1, min(by_regs, by_smem, by_threads))
+
+
 _STREAMS: dict[tuple[int, int], Any] = {}
 
 

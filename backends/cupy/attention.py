@@ -2,14 +2,15 @@
 
 Two attention kernels share the partials layout and the combine kernel:
 
-* ``v1`` (``kernels/attention.cu``, the default): dequantizes each tile to bf16 in shared
-  memory, 16 query rows per CTA; serves every format and float32/bfloat16 queries.
+* ``v1`` (``kernels/attention.cu``): dequantizes each tile to bf16 in shared memory, 16 query
+  rows per CTA; serves every format and float32/bfloat16 queries.
 * ``v2`` (``kernels/attention_v2.cu``): dequantizes straight into ``mma.sync`` fragments, one
   block barrier per tile, up to 2 row groups per CTA sharing one staged tile. Serves bfloat16
-  queries with 2/4-bit content and 4-bit RoPE codes (C4R4, C2R4); other problems run v1.
+  queries with 2/4-bit content and 4-bit RoPE codes (C4R4, C2R4). On the H200 it takes
+  0.63-0.83x of v1's time at every measured shape (benchmarks/RESULTS.md).
 
-``QUANTMLA_CUPY_ATTENTION`` (``v1`` or ``v2``; read on every call, nothing global is rewritten)
-picks the kernel. ``QUANTMLA_CUPY_V2_RG`` (1 or 2 row groups per CTA; default 2 when the
+``QUANTMLA_CUPY_ATTENTION`` (``auto``, the default: v2 where it serves, else v1; or ``v1`` /
+``v2``; read on every call, nothing global is rewritten) picks the kernel. ``QUANTMLA_CUPY_V2_RG`` (1 or 2 row groups per CTA; default 2 when the
 row-group count is even), ``QUANTMLA_CUPY_V2_STAGES`` (cp.async ring depth 3-5, default 4)
 and ``QUANTMLA_CUPY_V2_MINB`` (minimum blocks per SM given to ``__launch_bounds__``, default 1)
 are tuning knobs for measurements, also read per call.
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from ...formats import PackFormat
+from ..splits import plan_kv_splits
 from . import (
     ATTN_TILE,
     ATTN_WARPS,
@@ -34,11 +36,12 @@ from . import (
     format_defines,
     get_kernel,
     launch,
+    resident_ctas,
 )
 
 #: environment variable that selects the attention kernel (read per call)
 VARIANT_ENV = "QUANTMLA_CUPY_ATTENTION"
-VARIANTS = ("v1", "v2")
+VARIANTS = ("auto", "v1", "v2")
 #: v2: tokens per tile and warps per row group (fixed in attention_v2.cu)
 V2_TILE = 32
 V2_WARPS = 4
@@ -47,8 +50,6 @@ V2_STAGES = 4  # default of QMLA_V2_STAGES (cp.async ring depth; copies run NSTA
 V2_MIN_TILES_PER_SPLIT = 8
 
 LOG2E = 1.4426950408889634
-#: CTAs per SM the split heuristic aims for (the kernel fits 2-3 per SM)
-TARGET_CTAS_PER_SM = 4
 
 
 def attention_defines(fmt: PackFormat, dtype: str) -> dict[str, int]:
@@ -74,21 +75,17 @@ def attention_smem_bytes(fmt: PackFormat) -> int:
     return kv + scl + xchg + staging
 
 
-def plan_splits(batch: int, row_groups: int, max_tokens: int, sm_count: int) -> tuple[int, int]:
-    """(num_splits, tiles_per_split) so that batch * row_groups * num_splits fills the GPU.
+def plan_splits(batch: int, row_groups: int, max_tokens: int, resident: int) -> tuple[int, int]:
+    """(num_splits, tiles_per_split) for v1: ``batch * row_groups * num_splits`` CTAs in whole
+    rounds of the ``resident`` CTAs the GPU holds at once (``backends/splits.py``).
 
     ``max_tokens`` is the block table's capacity (max_pages * P), so planning needs no sync."""
-    tiles = max(1, math.ceil(max_tokens / ATTN_TILE))
-    base = batch * row_groups
-    want = max(1, math.ceil(TARGET_CTAS_PER_SM * sm_count / base))
-    splits = min(want, tiles)
-    per = math.ceil(tiles / splits)
-    return math.ceil(tiles / per), per
+    return plan_kv_splits(batch * row_groups, math.ceil(max(1, max_tokens) / ATTN_TILE), resident)
 
 
 def requested_variant() -> str:
-    """The kernel ``QUANTMLA_CUPY_ATTENTION`` asks for (``v1`` when unset), read now."""
-    v = os.environ.get(VARIANT_ENV, "").strip().lower() or "v1"
+    """The kernel ``QUANTMLA_CUPY_ATTENTION`` asks for (``auto`` when unset), read now."""
+    v = os.environ.get(VARIANT_ENV, "").strip().lower() or "auto"
     if v not in VARIANTS:
         raise ValueError(f"{VARIANT_ENV}: expected one of {VARIANTS}, got {v!r}")
     return v
@@ -113,7 +110,9 @@ def v2_unsupported_reasons(fmt: PackFormat, dtype: str) -> list[str]:
 
 
 def select_variant(fmt: PackFormat, dtype: str, capability: tuple[int, int] | None = None) -> tuple[str, str | None]:
-    """(kernel a call runs, reason it is not the requested one or None). No side effects."""
+    """(kernel a call runs, reason v2 does not run or None). No side effects.
+
+    ``auto`` runs v2 wherever it serves the problem and v1 otherwise, with the reason."""
     want = requested_variant()
     if want == "v1":
         return "v1", None
@@ -145,17 +144,12 @@ def v2_smem_bytes(fmt: PackFormat, row_groups: int = 1, stages: int = 4) -> int:
     return stages * stage + xchg
 
 
-def plan_splits_v2(batch: int, chunks: int, max_tokens: int, sm_count: int, ctas_per_sm: int) -> tuple[int, int]:
-    """(num_splits, tiles_per_split) for v2: fill ``ctas_per_sm * sm_count`` CTAs, but never
-    split below :data:`V2_MIN_TILES_PER_SPLIT` tiles (small batches were paying for many tiny
-    splits plus a combine that reads them all)."""
-    tiles = max(1, math.ceil(max_tokens / V2_TILE))
-    base = max(1, batch * chunks)
-    want = max(1, math.ceil(ctas_per_sm * sm_count / base))
-    cap = max(1, tiles // V2_MIN_TILES_PER_SPLIT)
-    splits = min(want, cap)
-    per = math.ceil(tiles / splits)
-    return math.ceil(tiles / per), per
+def plan_splits_v2(batch: int, chunks: int, max_tokens: int, resident: int) -> tuple[int, int]:
+    """(num_splits, tiles_per_split) for v2, as :func:`plan_splits`, but never splitting below
+    :data:`V2_MIN_TILES_PER_SPLIT` tiles (small batches were paying for many tiny splits plus
+    a combine that reads them all)."""
+    tiles = math.ceil(max(1, max_tokens) / V2_TILE)
+    return plan_kv_splits(batch * chunks, tiles, resident, V2_MIN_TILES_PER_SPLIT)
 
 
 _CACHE_LOCK = threading.Lock()
@@ -249,8 +243,8 @@ def _attention_v2(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softm
     ids = seq_ids if (seq_ids.dtype == torch.int64 and seq_ids.is_contiguous()) else seq_ids.to(torch.int64).contiguous()
     q, r = q_latent.contiguous(), q_rope.contiguous()
     max_pages = int(table.shape[1])
-    ctas = max(1, 4 // rg)
-    splits, per = plan_splits_v2(b, chunks, max(1, max_pages) * fmt.page_size, sm_count, ctas)
+    resident = resident_ctas(attn, V2_WARPS * 32 * rg, smem, dev, sm_count)
+    splits, per = plan_splits_v2(b, chunks, max(1, max_pages) * fmt.page_size, resident)
 
     n_o = b * rows * splits * dc
     ws = _workspace(dev, n_o + b * rows * splits * 2)
@@ -276,12 +270,12 @@ def _attention_v1(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softm
     ids = seq_ids.to(torch.int64).contiguous()
     q, r = q_latent.contiguous(), q_rope.contiguous()
     max_pages = int(table.shape[1])
-    splits, per = plan_splits(b, row_groups, max(1, max_pages) * fmt.page_size, sm_count)
-
     smem = attention_smem_bytes(fmt)
     defines = attention_defines(fmt, dtype)
     attn = get_kernel("attention.cu", "qmla_attn", defines, dev, smem)
     combine = get_kernel("attention.cu", "qmla_combine", defines, dev)
+    resident = resident_ctas(attn, ATTN_WARPS * 32, smem, dev, sm_count)
+    splits, per = plan_splits(b, row_groups, max(1, max_pages) * fmt.page_size, resident)
 
     o_part = torch.empty((b * rows, splits, dc), dtype=torch.float32, device=device)
     ml_part = torch.empty((b * rows, splits, 2), dtype=torch.float32, device=device)

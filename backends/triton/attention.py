@@ -18,9 +18,16 @@ from .common import launch_dims, ptr_or_dummy
 from .heuristics import (INTERPRETER_SM_COUNT, V2_FLOAT32_ON_GPU, V2_HOLD_RAW, V2_ZSUB, AttentionPlan, plan,
                          plan_v2)
 
-#: environment variable choosing the split kernel ("v1" default, "v2"); read on every call
+#: environment variable choosing the split kernel ("auto" default, "v1", "v2"); read on every call
 VARIANT_ENV = "QUANTMLA_TRITON_ATTENTION"
-VARIANTS = ("v1", "v2")
+VARIANTS = ("auto", "v1", "v2")
+
+
+def auto_variant(quantized: bool, q_bf16: bool) -> str:
+    """The kernel ``auto`` runs: v2 for packed formats with bfloat16 queries (on the H200 it takes
+    0.55-0.6x of v1's time there, benchmarks/RESULTS.md), v1 for BF16 pages (v1 is faster on
+    them) and float32 queries (v2 keeps float32 queries for the interpreter)."""
+    return "v2" if quantized and q_bf16 else "v1"
 
 
 #: compiled-kernel handles of the last launch (``n_regs``, ``n_spills``) for probes
@@ -58,13 +65,15 @@ def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: 
     ``num_splits`` overrides the heuristic (tests use it to cover several splits);
     ``overrides`` replaces fields of the heuristic plan (benchmark probes; v2 also takes the
     kernel switches ``pv_form``, ``hold_raw``, ``code_bias``, ``zsub``; both take ``maxnreg``).
-    ``variant`` ("v1"/"v2") overrides ``$QUANTMLA_TRITON_ATTENTION`` (read per call; default
-    "v1"). v2 on a GPU with float32 queries runs v1 (``heuristics.V2_FLOAT32_ON_GPU``);
+    ``variant`` ("auto"/"v1"/"v2") overrides ``$QUANTMLA_TRITON_ATTENTION`` (read per call;
+    default "auto", see :func:`auto_variant`). v2 on a GPU with float32 queries runs v1 (``heuristics.V2_FLOAT32_ON_GPU``);
     ``LAST_LAUNCH["variant"]`` names the kernel that ran."""
-    variant = variant or os.environ.get(VARIANT_ENV, "").strip().lower() or "v1"
+    variant = variant or os.environ.get(VARIANT_ENV, "").strip().lower() or "auto"
     if variant not in VARIANTS:
         raise ValueError(f"{VARIANT_ENV}: expected one of {VARIANTS}, got {variant!r}")
     fmt = cache.format
+    if variant == "auto":
+        variant = auto_variant(fmt.quantized, q_latent.dtype == torch.bfloat16)
     b, s_q, h, dc = q_latent.shape
     dr = fmt.rope_dim
     rows = s_q * h

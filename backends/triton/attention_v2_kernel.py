@@ -1,7 +1,8 @@
 """Split-KV decode attention, kernel v2: 2-D ``tl.dot`` per quantization group, 64-token tiles.
 
-Selected with ``QUANTMLA_TRITON_ATTENTION=v2`` (read per call, ``attention.py``); v1 stays the
-default until the H200 measures v2 faster. The protected-token + log-sum-exp combine kernel is
+Runs by default for packed formats with bfloat16 queries (``attention.auto_variant``; forced
+with ``QUANTMLA_TRITON_ATTENTION=v2``, read per call); the H200 measured it 1.6-1.9x faster
+than v1 there. The protected-token + log-sum-exp combine kernel is
 v1's (``attention_kernel.protect_combine_kernel``): v2 writes the same partials. Float32 queries
 on a GPU run v1 (``heuristics.V2_FLOAT32_ON_GPU``); the interpreter runs v2 in float32.
 

@@ -8,9 +8,10 @@ run in the interpreter (CPU) with ``sm_count`` = :data:`INTERPRETER_SM_COUNT`.
 * ``BLOCK_R`` (query rows per program, rows = S_q x H): at least :data:`MIN_DOT_N` (the
   smallest ``tl.dot`` extent) and at most what keeps the float32 accumulator
   (``BLOCK_R x d_c``) within :data:`ACC_REGS_PER_THREAD` registers per thread.
-* ``num_splits``: flash-decoding. Programs without splitting = B x row_blocks; we split each
-  request's packed range until the grid has :data:`WAVES` x ``sm_count`` programs, but never
-  into shares shorter than :data:`MIN_TILES_PER_SPLIT` tiles (each split costs one partial
+* ``num_splits``: flash-decoding. Programs without splitting = B x row_blocks; the split count
+  is the cheapest under the wave model of ``backends/splits.py`` (whole rounds of the
+  :data:`CTAS_PER_SM` x ``sm_count`` programs the GPU holds at once), but never into shares
+  shorter than :data:`MIN_TILES_PER_SPLIT` tiles (each split costs one partial
   ``BLOCK_R x d_c`` float32 write and read back in the combine kernel) and never more than
   :data:`MAX_SPLITS`. The longest possible request (``max_pages x P`` from the block
   table's width) bounds the tile count, so no device sync is needed.
@@ -20,12 +21,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..splits import plan_kv_splits
+
 #: measured on an H200 (C4R4, H=16, B=32, L=32K): 64-token tiles spill (255 regs, 2.09 ms), 32 do not (1.65 ms)
 MAX_BLOCK_N = 32
 MIN_DOT_N = 16
 ACC_REGS_PER_THREAD = 64
 THREADS_PER_WARP = 32
-WAVES = 2
+#: programs resident per SM: both split kernels compile to 240-255 registers at 4 warps on sm_90
+#: (H200, n_regs printed by benchmarks/triton_probe.py), so 65,536 / (255 x 128) -> 2
+CTAS_PER_SM = 2
 MIN_TILES_PER_SPLIT = 4
 MIN_TILES_PER_SPLIT_INTERPRETER = 1  # small CI shapes must still exercise several splits
 MAX_SPLITS = 64
@@ -74,8 +79,7 @@ def plan(batch: int, rows: int, latent_dim: int, page_size: int, max_tokens: int
     tiles = max(1, -(-max_tokens // block_n))
     if num_splits is None:
         min_tiles = MIN_TILES_PER_SPLIT_INTERPRETER if interpreter else MIN_TILES_PER_SPLIT
-        want = -(-WAVES * sm_count // (batch * row_blocks))
-        num_splits = max(1, min(want, -(-tiles // min_tiles), MAX_SPLITS))
+        num_splits = plan_kv_splits(batch * row_blocks, tiles, CTAS_PER_SM * sm_count, min_tiles, MAX_SPLITS)[0]
     combine_block_r = MIN_DOT_N
     return AttentionPlan(block_n, block_r, row_blocks, int(num_splits), num_warps,
                          FP32_NUM_STAGES if gpu_fp32 else 2, combine_block_r, 4,
@@ -132,7 +136,6 @@ def plan_v2(batch: int, rows: int, latent_dim: int, page_size: int, max_tokens: 
     tiles = max(1, -(-max_tokens // block_n))
     if num_splits is None:
         min_tiles = MIN_TILES_PER_SPLIT_INTERPRETER if interpreter else V2_MIN_TILES_PER_SPLIT
-        want = -(-WAVES * sm_count // (batch * row_blocks))
-        num_splits = max(1, min(want, -(-tiles // min_tiles), MAX_SPLITS))
+        num_splits = plan_kv_splits(batch * row_blocks, tiles, CTAS_PER_SM * sm_count, min_tiles, MAX_SPLITS)[0]
     return AttentionPlan(block_n, block_r, row_blocks, int(num_splits), num_warps, V2_NUM_STAGES, MIN_DOT_N, 4,
                          FP32_PROTECT_BLOCK_T if gpu_fp32 else PROTECT_BLOCK_T)
