@@ -1,6 +1,6 @@
 // QuantMLA CuPy backend: decode attention v2 (register-direct dequantization).
 //
-// Selected by the launcher when QUANTMLA_CUPY_ATTENTION=v2 (read per call); served for
+// The launcher's default (QUANTMLA_CUPY_ATTENTION=auto, read per call) wherever it serves:
 // bfloat16 queries and formats with 2- or 4-bit content codes and 4-bit RoPE codes
 // (C4R4, C2R4) at d_c/d_r = 512/64 and 256/32, group sizes 64/128, every page size.
 // Everything else (float32 queries, C8R8, C4R8, C2R2, BF16) runs v1 (attention.cu).
@@ -66,6 +66,10 @@
 //     partials workspace, splits of >= 8 tiles. B=8 L=4K expected ~315 -> 40-70 us
 //     (if the regression is host overhead, most of the gain comes from here; the kernel
 //     itself at 4K x 8 requests is ~15 us of bandwidth).
+// Measured (H200, C4R4 H=16 B=32 L=32K): 0.83x of v1's time with the old split rule, 443 us
+// (1.5x FlashInfer BF16) with the wave-aware one; ncu: 54% issue-slot use, ~200 warp-instructions
+// per token (the pure-tile loop is 1,933 SASS instructions per warp per tile, 68 of them MMAs;
+// ~600 integer/address ops), so instruction count, not bytes, is the limit (benchmarks/RESULTS.md).
 // Next steps (not in v2): (a) fold (128 + z) into a per-(token, group) correction instead of
 // the fma (QK: subtract s*(128+z)*sum(q_g) at the flush; PV: subtract sum_t(p s (128+z)) per
 // group at the end; ~0.5 op/value, predicted 1.15-1.25x; the 128 offset amplifies fp32
