@@ -27,6 +27,7 @@ import quantmla_core as qm
 
 T = 32  # tokens per tile
 NW = 4  # warps (channel quarters) per row group
+NTH = 32 * NW  # threads of a CTA with one row group
 
 
 # ------------------------------------------------------------------ bit helpers
@@ -146,15 +147,19 @@ class K:
 
 
 def issue_copy(k: K, pages: np.ndarray, table: np.ndarray, tt: int, L: int, prot: np.ndarray, stage: np.ndarray):
-    """The kernel's issue_copy for tile ``tt`` (every chunk of every thread) into ``stage``;
-    ``prot[t]``: token tt+t is read from the protected buffers."""
+    """The kernel's issue_copy for tile ``tt`` into ``stage``, thread by thread: per page segment,
+    the content-code chunks (``NCT`` per token, swizzled), then one chunk of the small sections
+    per thread, the scale chunks zero-filled past L (cp.async src-size); ``prot[t]``: token tt+t
+    is read from the protected buffers."""
     f = k.fmt
-    sec_src = [f.content_codes_offset, f.rope_codes_offset, f.content_scales_offset, f.content_zeros_offset,
-               f.rope_scales_offset, f.rope_zeros_offset]
-    sec_dst = [0, k.SO_R, k.SO_CS, k.SO_CZ, k.SO_RS, k.SO_RZ]
-    sec_bpt = [k.CB, k.RB, k.NGC * k.CSZ, k.NGC, k.RSZ, 1]
-    for idx in range(k.NSEG * k.CH_SEG):
-        seg, r = divmod(idx, k.CH_SEG)
+    sec_src = [f.rope_codes_offset, f.content_scales_offset, f.content_zeros_offset, f.rope_scales_offset,
+               f.rope_zeros_offset]
+    sec_dst = [k.SO_R, k.SO_CS, k.SO_CZ, k.SO_RS, k.SO_RZ]
+    sec_bpt = [k.RB, k.NGC * k.CSZ, k.NGC, k.RSZ, 1]
+    zero_filled = [False, True, False, True, False]
+    small = k.CH[1:]
+    written = np.zeros(k.STAGE_BYTES, int)
+    for seg in range(k.NSEG):
         n0 = tt + seg * k.SEGT
         pg = -1
         if n0 < L and n0 // k.P < table.shape[0]:
@@ -164,34 +169,48 @@ def issue_copy(k: K, pages: np.ndarray, table: np.ndarray, tt: int, L: int, prot
         if pg < 0:
             continue
         slot0, t0s = n0 % k.P, seg * k.SEGT
-        sec = 0
-        while r >= k.CH[sec]:
-            r -= k.CH[sec]
-            sec += 1
-        src = sec_src[sec] + slot0 * sec_bpt[sec] + 16 * r
-        if sec == 0:
-            t, u = t0s + (16 * r) // k.CB, ((16 * r) % k.CB) // 16
-            dst = t * k.CB + ((u ^ k.swz(t)) << 4)
-        else:
-            dst = sec_dst[sec] + t0s * sec_bpt[sec] + 16 * r
-        stage[dst : dst + 16] = pages[pg, src : src + 16]
+        for tid in range(NTH):
+            for kk in range(-(-k.CH[0] // NTH)):
+                r = tid + kk * NTH
+                if r < k.CH[0]:
+                    t, u = t0s + r // k.NCT, r % k.NCT
+                    dst = t * k.CB + ((u ^ k.swz(t)) << 4)
+                    src = f.content_codes_offset + slot0 * k.CB + 16 * r
+                    stage[dst : dst + 16] = pages[pg, src : src + 16]
+                    written[dst : dst + 16] += 1
+            for kk in range(-(-sum(small) // NTH)):
+                r = tid + kk * NTH
+                if r >= sum(small):
+                    continue
+                sec = 0
+                while r >= small[sec]:
+                    r -= small[sec]
+                    sec += 1
+                dst = sec_dst[sec] + t0s * sec_bpt[sec] + 16 * r
+                src = sec_src[sec] + slot0 * sec_bpt[sec] + 16 * r
+                nbytes = min(max((L - n0) * sec_bpt[sec] - 16 * r, 0), 16) if zero_filled[sec] else 16
+                stage[dst : dst + 16] = 0
+                stage[dst : dst + nbytes] = pages[pg, src : src + nbytes]
+                written[dst : dst + 16] += 1
+    assert written.max() <= 1, "a stage byte is copied twice"
+    assert (written[: k.SO_FL] == 1).all() or k.NSEG > 1 or L <= tt, "a staged byte is never copied"
     for t in range(T):
         stage[k.SO_FL + t] = 2 if tt + t >= L else (1 if prot[t] else 0)
 
 
-def cscale(k: K, stage: np.ndarray, t: int, grp: int) -> float:
-    """v2_cscale: raw staged scale selected by the token flag."""
+def cscale(k: K, stage: np.ndarray, t: int, grp: int, flags: bool = True) -> float:
+    """v2_cscale<FLAGS>: raw staged scale, selected by the token flag in tiles with protected tokens."""
     fl = stage[k.SO_FL + t]
-    if fl != 0:
+    if flags and fl != 0:
         return 1.0 if fl == 1 else 0.0
     off = k.SO_CS + (t * k.NGC + grp) * k.CSZ
     raw = stage[off : off + k.CSZ].view(np.uint16 if k.CSZ == 2 else np.float32)[0]
     return float(bf16_to_f32(raw)) if k.CSZ == 2 else float(raw)
 
 
-def rscale(k: K, stage: np.ndarray, t: int) -> float:
+def rscale(k: K, stage: np.ndarray, t: int, flags: bool = True) -> float:
     fl = stage[k.SO_FL + t]
-    if fl != 0:
+    if flags and fl != 0:
         return 1.0 if fl == 1 else 0.0
     off = k.SO_RS + t * k.RSZ
     raw = stage[off : off + k.RSZ].view(np.uint16 if k.RSZ == 2 else np.float32)[0]
@@ -228,8 +247,11 @@ V2_MODEL_CASES = [v + (64,) for v in V2_FORMATS] + [
     ("C4R4", 512, 64, 64, 16), ("C2R4", 256, 32, 128, 16), ("C4R4", 256, 32, 64, 32), ("C2R4", 512, 64, 64, 128)]
 
 
+@pytest.mark.parametrize("pure", [False, True], ids=["protected-tile", "pure-tile"])
 @pytest.mark.parametrize("name,dc,dr,gs,page", V2_MODEL_CASES, ids=lambda v: str(v))
-def test_v2_fragments_reproduce_dequantized_matmul(name, dc, dr, gs, page):
+def test_v2_fragments_reproduce_dequantized_matmul(name, dc, dr, gs, page, pure):
+    """``pure``: a tile without protected tokens, which the kernel runs without the flag selects
+    (its scales past L must come out of the copy as zeros)."""
     fmt = qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr, group_size=gs, page_size=page)
     k = K(fmt)
     rng = np.random.default_rng(abs(hash((name, dc, dr, gs, page))) % 2**32)
@@ -241,7 +263,9 @@ def test_v2_fragments_reproduce_dequantized_matmul(name, dc, dr, gs, page):
     sc = bf16_to_f32(f32_to_bf16(rng.uniform(0.01, 0.1, (T, k.NGC)).astype(np.float32)))
     sr = rng.uniform(0.01, 0.1, (T,)).astype(np.float32)
     prot = np.zeros(T, bool)
-    prot[rng.choice(T, 5, replace=False)] = True  # sink/local tokens read from bf16 buffers
+    if not pure:
+        prot[rng.choice(T, 5, replace=False)] = True  # sink/local tokens read from bf16 buffers
+    flags = not pure
     pvals_bits = f32_to_bf16(rng.standard_normal((T, dc + dr)).astype(np.float32))
     pvals = bf16_to_f32(pvals_bits).astype(np.float64)
 
@@ -335,7 +359,7 @@ def test_v2_fragments_reproduce_dequantized_matmul(name, dc, dr, gs, page):
                 for lane in range(32):
                     q = lane & 3
                     tc = 8 * j + 2 * q
-                    s0, s1 = cscale(k, stage, tc, grp), cscale(k, stage, tc + 1, grp)
+                    s0, s1 = cscale(k, stage, tc, grp, flags), cscale(k, stage, tc + 1, grp, flags)
                     S4[lane][0] += tmp[lane][0] * s0
                     S4[lane][1] += tmp[lane][1] * s1
                     S4[lane][2] += tmp[lane][2] * s0
@@ -358,7 +382,7 @@ def test_v2_fragments_reproduce_dequantized_matmul(name, dc, dr, gs, page):
                 for lane in range(32):
                     q = lane & 3
                     tc = 8 * j + 2 * q
-                    s0, s1 = rscale(k, stage, tc), rscale(k, stage, tc + 1)
+                    s0, s1 = rscale(k, stage, tc, flags), rscale(k, stage, tc + 1, flags)
                     S4[lane][0] += tmp[lane][0] * s0
                     S4[lane][1] += tmp[lane][1] * s1
                     S4[lane][2] += tmp[lane][2] * s0
@@ -394,8 +418,8 @@ def test_v2_fragments_reproduce_dequantized_matmul(name, dc, dr, gs, page):
                     # S[2kt] holds C-layout probs of tokens ta, ta+1; S[2kt+1] of ta+8, ta+9
                     pa = [P[g, ta], P[g, ta + 1], P[g + 8, ta], P[g + 8, ta + 1]]
                     pb = [P[g, ta + 8], P[g, ta + 9], P[g + 8, ta + 8], P[g + 8, ta + 9]]
-                    sa = (cscale(k, stage, ta, grp), cscale(k, stage, ta + 1, grp))
-                    sb = (cscale(k, stage, ta + 8, grp), cscale(k, stage, ta + 9, grp))
+                    sa = (cscale(k, stage, ta, grp, flags), cscale(k, stage, ta + 1, grp, flags))
+                    sb = (cscale(k, stage, ta + 8, grp, flags), cscale(k, stage, ta + 9, grp, flags))
                     afr.append([pack_pair(pa[0] * sa[0], pa[1] * sa[1]), pack_pair(pa[2] * sa[0], pa[3] * sa[1]),
                                 pack_pair(pb[0] * sb[0], pb[1] * sb[1]), pack_pair(pb[2] * sb[0], pb[3] * sb[1])])
                 for wd in range(k.NPW):
@@ -433,7 +457,7 @@ def test_v2_fragments_reproduce_dequantized_matmul(name, dc, dr, gs, page):
     # reference with the same bf16 rounding of p * s as the kernel's A operand
     ps = np.zeros((16, T, k.NGC))
     for gi in range(k.NGC):
-        s_t = np.array([cscale(k, stage, t, gi) for t in range(T)], np.float32)
+        s_t = np.array([cscale(k, stage, t, gi, flags) for t in range(T)], np.float32)
         assert (s_t[prot & valid] == 1.0).all() and (s_t[~valid] == 0.0).all()
         ps[:, :, gi] = bf16_to_f32(f32_to_bf16((P * s_t[None, :]).astype(np.float32)))
     Vc = np.where(prot[:, None], pvals[:, :dc], codes - zc[:, grp_of])  # unscaled values
@@ -512,7 +536,13 @@ def test_model_matches_kernel_source():
         "return fma_bf16x2(__byte_perm(cv, 0x43u, 0x4342u), 0x3f803f80u, negz2);",
         "const u32 nz = 0xc300u | z;",
         "return fl == 0u ? s : (fl == 1u ? 1.0f : 0.0f);",
-        "dst = base + t * CB + ((u ^ v2_swz(t)) << 4);",
+        "if (!FLAGS) return s;",
+        "v2_cscale<PROT>(stg_c, tc, grp)",
+        "const int t = t0s + r / NCT, u = r % NCT;",
+        "cp_async16(base + t * CB + ((u ^ v2_swz(t)) << 4), page + QMLA_OFF_CC + slot0 * CB + 16 * r);",
+        "bytes = min(max((L - n0) * (NGC * CSZ) - 16 * r, 0), 16);",
+        "bytes = min(max((L - n0) * RSZ - 16 * r, 0), 16);",
+        "cp_async16_zfill(dst, src, bytes);",
         "base[SO_FL + tid] = (u8)(n >= L ? 2 : (prot_row(n) != nullptr ? 1 : 0));",
     ):
         assert expr in src, f"attention_v2.cu no longer contains: {expr}"

@@ -460,59 +460,8 @@ extern "C" __global__ void __launch_bounds__(NW * 32, QMLA_MIN_BLOCKS) qmla_attn
                 xchg[(w * NTQ + j) * 32 + lane] = make_float4(S[j][0], S[j][1], S[j][2], S[j][3]);
             }
             __syncthreads();  // S2: partial scores of all warps visible
-#pragma unroll
-            for (int j = 0; j < NTQ; ++j) {
-                float4 a = xchg[(0 * NTQ + j) * 32 + lane];
-#pragma unroll
-                for (int ww = 1; ww < NW; ++ww) {
-                    const float4 v = xchg[(ww * NTQ + j) * 32 + lane];
-                    a.x += v.x;
-                    a.y += v.y;
-                    a.z += v.z;
-                    a.w += v.w;
-                }
-                // scale to base 2 and mask (causal limit and end of request)
-                const i64 n = t0 + 8 * j + 2 * q4;
-                S[j][0] = (n < lim0) ? a.x * scale_log2 : -QMLA_INF;
-                S[j][1] = (n + 1 < lim0) ? a.y * scale_log2 : -QMLA_INF;
-                S[j][2] = (n < lim1) ? a.z * scale_log2 : -QMLA_INF;
-                S[j][3] = (n + 1 < lim1) ? a.w * scale_log2 : -QMLA_INF;
-            }
-            // ------------------------------------------------------ online softmax (same in every warp)
-            float mx0 = m0, mx1 = m1;
-#pragma unroll
-            for (int j = 0; j < NTQ; ++j) {
-                mx0 = fmaxf(mx0, fmaxf(S[j][0], S[j][1]));
-                mx1 = fmaxf(mx1, fmaxf(S[j][2], S[j][3]));
-            }
-#pragma unroll
-            for (int o = 1; o <= 2; o <<= 1) {
-                mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
-                mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
-            }
-            const float u0 = (mx0 == -QMLA_INF) ? 0.0f : mx0;
-            const float u1 = (mx1 == -QMLA_INF) ? 0.0f : mx1;
-            const float al0 = exp2f(m0 - u0), al1 = exp2f(m1 - u1);
-            m0 = mx0;
-            m1 = mx1;
-            l0 *= al0;
-            l1 *= al1;
-#pragma unroll
-            for (int j = 0; j < NTQ; ++j) {
-                S[j][0] = exp2f(S[j][0] - u0);
-                S[j][1] = exp2f(S[j][1] - u0);
-                S[j][2] = exp2f(S[j][2] - u1);
-                S[j][3] = exp2f(S[j][3] - u1);
-                l0 += S[j][0] + S[j][1];
-                l1 += S[j][2] + S[j][3];
-            }
-#pragma unroll
-            for (int i = 0; i < NTP; ++i) {
-                acc[i][0] *= al0;
-                acc[i][1] *= al0;
-                acc[i][2] *= al1;
-                acc[i][3] *= al1;
-            }
+            qmla_sum_partials<NTQ, NW>(xchg, lane, (i64)t0, q4, lim0, lim1, scale_log2, S);
+            qmla_online_softmax<NTQ, NTP>(S, m0, m1, l0, l1, acc);  // (same in every warp)
             // ------------------------------------------------------ PV over this warp's channels
 #pragma unroll
             for (int kt = 0; kt < T / 16; ++kt) {

@@ -151,8 +151,7 @@ static_assert(NTP * 8 * NW == DC, "PV n-tiles must cover the latent");
 #define CH_CZ (SEGT * NGC / 16)
 #define CH_RS (SEGT * RSZ / 16)
 #define CH_RZ (SEGT / 16)
-#define CH_SEG (CH_C + CH_R + CH_CS + CH_CZ + CH_RS + CH_RZ)
-#define NCHUNK (NSEG * CH_SEG)
+#define CH_SMALL (CH_R + CH_CS + CH_CZ + CH_RS + CH_RZ)
 static_assert(T % SEGT == 0 && SEGT % 16 == 0, "page size must be a multiple of 16");
 static_assert((SEGT * NGC) % 16 == 0, "zero-point run of a segment must be 16-byte chunks");
 static_assert(QMLA_OFF_CC % 16 == 0 && QMLA_OFF_RC % 16 == 0 && QMLA_OFF_CS % 16 == 0 && QMLA_OFF_CZ % 16 == 0 &&
@@ -188,23 +187,30 @@ __device__ __forceinline__ void v2_wait_group() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// per-(token, group) scale from the staged raw bytes, selected by the token flag (a select, so
-// whatever bytes a masked token has -- even NaN patterns -- never reach the arithmetic)
+// per-(token, group) scale from the staged raw bytes. FLAGS (tiles with protected tokens): selected
+// by the token flag, so whatever bytes a protected or missing token has -- even NaN patterns --
+// never reach the arithmetic. Pure tiles read the scale as staged: the copy zero-fills the scales
+// of tokens past L (the only flagged tokens a pure tile can hold), and every other staged scale
+// is a written token's or a zero from the prologue.
+template <bool FLAGS>
 __device__ __forceinline__ float v2_cscale(const u8* st, int t, int grp) {
 #if QMLA_CSCALE_BF16
     const float s = bf16_bits_to_f32(((const u16*)(st + SO_CS))[t * NGC + grp]);
 #else
     const float s = ((const float*)(st + SO_CS))[t * NGC + grp];
 #endif
+    if (!FLAGS) return s;
     const u32 fl = st[SO_FL + t];
     return fl == 0u ? s : (fl == 1u ? 1.0f : 0.0f);
 }
+template <bool FLAGS>
 __device__ __forceinline__ float v2_rscale(const u8* st, int t) {
 #if QMLA_RSCALE_BF16
     const float s = bf16_bits_to_f32(((const u16*)(st + SO_RS))[t]);
 #else
     const float s = ((const float*)(st + SO_RS))[t];
 #endif
+    if (!FLAGS) return s;
     const u32 fl = st[SO_FL + t];
     return fl == 0u ? s : (fl == 1u ? 1.0f : 0.0f);
 }
@@ -311,42 +317,51 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V2_MINB) qmla_attn_v2(
         auto issue_copy = [&](int tt, int st, const int (&pgs)[NSEG]) {
             u8* base = smem + st * STAGE_BYTES;
 #pragma unroll
-            for (int k = 0; k < (NCHUNK + NTH - 1) / NTH; ++k) {
-                const int idx = tid + k * NTH;
-                if (NCHUNK % NTH == 0 || idx < NCHUNK) {
-                    const int seg = idx / CH_SEG;
-                    int r = idx % CH_SEG;
-                    const int n0 = tt + seg * SEGT;
-                    int pg = pgs[0];  // (no dynamic indexing: keeps pgs in registers)
+            for (int sg = 0; sg < NSEG; ++sg) {
+                const int pg = pgs[sg];  // the same in every thread: a uniform branch
+                if (pg >= 0) {
+                    const int n0 = tt + sg * SEGT;  // first token of the segment
+                    const int t0s = sg * SEGT;      // ... and its row in the stage
+                    const u8* page = pages + (i64)pg * QMLA_PAGE_BYTES;
+                    const int slot0 = n0 % QMLA_P;
+                    // content codes: NCT chunks per token, a whole number per thread (shifts only)
 #pragma unroll
-                    for (int sg = 1; sg < NSEG; ++sg) pg = (seg == sg) ? pgs[sg] : pg;
-                    if (pg >= 0) {
-                        const u8* src = pages + (i64)pg * QMLA_PAGE_BYTES;
-                        const int slot0 = n0 % QMLA_P;
-                        const int t0s = seg * SEGT;  // first token of the segment in the tile
-                        u8* dst;
-                        if (r < CH_C) {
-                            const int t = t0s + (16 * r) / CB, u = ((16 * r) % CB) / 16;
-                            dst = base + t * CB + ((u ^ v2_swz(t)) << 4);
-                            src += QMLA_OFF_CC + slot0 * CB + 16 * r;
-                        } else if ((r -= CH_C) < CH_R) {
-                            dst = base + SO_R + t0s * RB + 16 * r;
-                            src += QMLA_OFF_RC + slot0 * RB + 16 * r;
-                        } else if ((r -= CH_R) < CH_CS) {
-                            dst = base + SO_CS + t0s * NGC * CSZ + 16 * r;
-                            src += QMLA_OFF_CS + slot0 * NGC * CSZ + 16 * r;
-                        } else if ((r -= CH_CS) < CH_CZ) {
-                            dst = base + SO_CZ + t0s * NGC + 16 * r;
-                            src += QMLA_OFF_CZ + slot0 * NGC + 16 * r;
-                        } else if ((r -= CH_CZ) < CH_RS) {
-                            dst = base + SO_RS + t0s * RSZ + 16 * r;
-                            src += QMLA_OFF_RS + slot0 * RSZ + 16 * r;
-                        } else {
-                            r -= CH_RS;
-                            dst = base + SO_RZ + t0s + 16 * r;
-                            src += QMLA_OFF_RZ + slot0 + 16 * r;
+                    for (int k = 0; k < (CH_C + NTH - 1) / NTH; ++k) {
+                        const int r = tid + k * NTH;
+                        if (CH_C % NTH == 0 || r < CH_C) {
+                            const int t = t0s + r / NCT, u = r % NCT;
+                            cp_async16(base + t * CB + ((u ^ v2_swz(t)) << 4), page + QMLA_OFF_CC + slot0 * CB + 16 * r);
                         }
-                        cp_async16(dst, src);
+                    }
+                    // the small sections (RoPE codes, scales, zero points): one chunk per thread
+#pragma unroll
+                    for (int k = 0; k < (CH_SMALL + NTH - 1) / NTH; ++k) {
+                        int r = tid + k * NTH;
+                        if (r < CH_SMALL) {
+                            u8* dst;
+                            const u8* src = page;
+                            int bytes = 16;  // copied; the rest of the chunk is zero-filled
+                            if (r < CH_R) {
+                                dst = base + SO_R + t0s * RB + 16 * r;
+                                src += QMLA_OFF_RC + slot0 * RB + 16 * r;
+                            } else if ((r -= CH_R) < CH_CS) {
+                                dst = base + SO_CS + t0s * NGC * CSZ + 16 * r;
+                                src += QMLA_OFF_CS + slot0 * NGC * CSZ + 16 * r;
+                                bytes = min(max((L - n0) * (NGC * CSZ) - 16 * r, 0), 16);  // scales past L read 0
+                            } else if ((r -= CH_CS) < CH_CZ) {
+                                dst = base + SO_CZ + t0s * NGC + 16 * r;
+                                src += QMLA_OFF_CZ + slot0 * NGC + 16 * r;
+                            } else if ((r -= CH_CZ) < CH_RS) {
+                                dst = base + SO_RS + t0s * RSZ + 16 * r;
+                                src += QMLA_OFF_RS + slot0 * RSZ + 16 * r;
+                                bytes = min(max((L - n0) * RSZ - 16 * r, 0), 16);
+                            } else {
+                                r -= CH_RS;
+                                dst = base + SO_RZ + t0s + 16 * r;
+                                src += QMLA_OFF_RZ + slot0 + 16 * r;
+                            }
+                            cp_async16_zfill(dst, src, bytes);
+                        }
                     }
                 }
             }
@@ -426,7 +441,7 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V2_MINB) qmla_attn_v2(
                             }
                             mma_bf16(tmp, qa[c * NE + e], b0, b1);
                         }
-                        const float2 sc = make_float2(v2_cscale(stg_c, tc, grp), v2_cscale(stg_c, tc + 1, grp));
+                        const float2 sc = make_float2(v2_cscale<PROT>(stg_c, tc, grp), v2_cscale<PROT>(stg_c, tc + 1, grp));
                         S4[0] += tmp[0] * sc.x;
                         S4[1] += tmp[1] * sc.y;
                         S4[2] += tmp[2] * sc.x;
@@ -445,7 +460,7 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V2_MINB) qmla_attn_v2(
                         }
                         float tmp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                         mma_bf16(tmp, qa[KSC], b0, b1);
-                        const float2 sc = make_float2(v2_rscale(stg_c, tc), v2_rscale(stg_c, tc + 1));
+                        const float2 sc = make_float2(v2_rscale<PROT>(stg_c, tc), v2_rscale<PROT>(stg_c, tc + 1));
                         S4[0] += tmp[0] * sc.x;
                         S4[1] += tmp[1] * sc.y;
                         S4[2] += tmp[2] * sc.x;
@@ -468,57 +483,8 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V2_MINB) qmla_attn_v2(
 
             // -------------------------------------------------------- sum partials, mask, online softmax
             float S[NTQ][4];
-#pragma unroll
-            for (int j = 0; j < NTQ; ++j) {
-                float4 a = xw[(0 * NTQ + j) * 32 + lane];
-#pragma unroll
-                for (int ww = 1; ww < NW; ++ww) {
-                    const float4 v = xw[(ww * NTQ + j) * 32 + lane];
-                    a.x += v.x;
-                    a.y += v.y;
-                    a.z += v.z;
-                    a.w += v.w;
-                }
-                const int n = t0 + 8 * j + 2 * q4;
-                S[j][0] = (n < lim0) ? a.x * scale_log2 : -QMLA_INF;
-                S[j][1] = (n + 1 < lim0) ? a.y * scale_log2 : -QMLA_INF;
-                S[j][2] = (n < lim1) ? a.z * scale_log2 : -QMLA_INF;
-                S[j][3] = (n + 1 < lim1) ? a.w * scale_log2 : -QMLA_INF;
-            }
-            float mx0 = m0, mx1 = m1;
-#pragma unroll
-            for (int j = 0; j < NTQ; ++j) {
-                mx0 = fmaxf(mx0, fmaxf(S[j][0], S[j][1]));
-                mx1 = fmaxf(mx1, fmaxf(S[j][2], S[j][3]));
-            }
-#pragma unroll
-            for (int o = 1; o <= 2; o <<= 1) {
-                mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
-                mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
-            }
-            const float u0 = (mx0 == -QMLA_INF) ? 0.0f : mx0;
-            const float u1 = (mx1 == -QMLA_INF) ? 0.0f : mx1;
-            const float al0 = exp2f(m0 - u0), al1 = exp2f(m1 - u1);
-            m0 = mx0;
-            m1 = mx1;
-            l0 *= al0;
-            l1 *= al1;
-#pragma unroll
-            for (int j = 0; j < NTQ; ++j) {
-                S[j][0] = exp2f(S[j][0] - u0);
-                S[j][1] = exp2f(S[j][1] - u0);
-                S[j][2] = exp2f(S[j][2] - u1);
-                S[j][3] = exp2f(S[j][3] - u1);
-                l0 += S[j][0] + S[j][1];
-                l1 += S[j][2] + S[j][3];
-            }
-#pragma unroll
-            for (int n = 0; n < NTP; ++n) {
-                acc[n][0] *= al0;
-                acc[n][1] *= al0;
-                acc[n][2] *= al1;
-                acc[n][3] *= al1;
-            }
+            qmla_sum_partials<NTQ, NW>(xw, lane, t0, q4, lim0, lim1, scale_log2, S);
+            qmla_online_softmax<NTQ, NTP>(S, m0, m1, l0, l1, acc);
 
             auto pv_tile = [&](auto prot_c) {
                 constexpr bool PROT = decltype(prot_c)::value;
@@ -548,8 +514,8 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V2_MINB) qmla_attn_v2(
 #pragma unroll
                     for (int c = 0; c < KCH; ++c) {
                         const int grp = (CBW * wc + CB * c) / QMLA_GC;
-                        const float2 sa = make_float2(v2_cscale(stg_c, ta, grp), v2_cscale(stg_c, ta + 1, grp));
-                        const float2 sb = make_float2(v2_cscale(stg_c, ta + 8, grp), v2_cscale(stg_c, ta + 9, grp));
+                        const float2 sa = make_float2(v2_cscale<PROT>(stg_c, ta, grp), v2_cscale<PROT>(stg_c, ta + 1, grp));
+                        const float2 sb = make_float2(v2_cscale<PROT>(stg_c, ta + 8, grp), v2_cscale<PROT>(stg_c, ta + 9, grp));
                         u32 a[4];
                         a[0] = pack_bf16x2(pa[0] * sa.x, pa[1] * sa.y);
                         a[1] = pack_bf16x2(pa[2] * sa.x, pa[3] * sa.y);

@@ -84,6 +84,12 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
                  :: "r"(smem_addr(dst)), "l"(src) : "memory");
 }
 
+// copies the first src_bytes (0..16) of the chunk and zero-fills the rest (src_bytes 0 reads nothing)
+__device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, int src_bytes) {
+    asm volatile("{ .reg .u64 g; cvta.to.global.u64 g, %1; cp.async.cg.shared.global [%0], [g], 16, %2; }"
+                 :: "r"(smem_addr(dst)), "l"(src), "r"(src_bytes) : "memory");
+}
+
 __device__ __forceinline__ void cp_async8(void* dst, const void* src) {
     asm volatile("{ .reg .u64 g; cvta.to.global.u64 g, %1; cp.async.ca.shared.global [%0], [g], 8; }"
                  :: "r"(smem_addr(dst)), "l"(src) : "memory");
@@ -92,3 +98,73 @@ __device__ __forceinline__ void cp_async8(void* dst, const void* src) {
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// ---------------------------------------------------------------- split-KV softmax steps
+// Shared by attention.cu and attention_v2.cu. Scores of one 16-row x (8 * NTQ_)-token tile live
+// in mma C-fragment order: lane (g, q) holds rows g and g + 8, tokens 8j + 2q and 8j + 2q + 1.
+
+// Sum the NW_ warps' partial scores from the exchange buffer xw[(warp * NTQ_ + j) * 32 + lane],
+// scale them to base 2 and mask tokens at or past each row's limit (causal limit / end of request).
+template <int NTQ_, int NW_, typename I>
+__device__ __forceinline__ void qmla_sum_partials(const float4* xw, int lane, I t0, int q4, I lim0, I lim1,
+                                                  float scale_log2, float (&S)[NTQ_][4]) {
+#pragma unroll
+    for (int j = 0; j < NTQ_; ++j) {
+        float4 a = xw[(0 * NTQ_ + j) * 32 + lane];
+#pragma unroll
+        for (int ww = 1; ww < NW_; ++ww) {
+            const float4 v = xw[(ww * NTQ_ + j) * 32 + lane];
+            a.x += v.x;
+            a.y += v.y;
+            a.z += v.z;
+            a.w += v.w;
+        }
+        const I n = t0 + 8 * j + 2 * q4;
+        S[j][0] = (n < lim0) ? a.x * scale_log2 : -QMLA_INF;
+        S[j][1] = (n + 1 < lim0) ? a.y * scale_log2 : -QMLA_INF;
+        S[j][2] = (n < lim1) ? a.z * scale_log2 : -QMLA_INF;
+        S[j][3] = (n + 1 < lim1) ? a.w * scale_log2 : -QMLA_INF;
+    }
+}
+
+// One online-softmax step (base 2) for the lane's two rows: running maxima m0/m1 and sums l0/l1
+// are updated, S becomes the unnormalised probabilities and the output accumulators are rescaled.
+// A row whose scores are all -inf so far keeps max -inf and contributes zeros (never NaN).
+template <int NTQ_, int NTP_>
+__device__ __forceinline__ void qmla_online_softmax(float (&S)[NTQ_][4], float& m0, float& m1, float& l0, float& l1,
+                                                    float (&acc)[NTP_][4]) {
+    float mx0 = m0, mx1 = m1;
+#pragma unroll
+    for (int j = 0; j < NTQ_; ++j) {
+        mx0 = fmaxf(mx0, fmaxf(S[j][0], S[j][1]));
+        mx1 = fmaxf(mx1, fmaxf(S[j][2], S[j][3]));
+    }
+#pragma unroll
+    for (int o = 1; o <= 2; o <<= 1) {
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o));
+    }
+    const float u0 = (mx0 == -QMLA_INF) ? 0.0f : mx0;
+    const float u1 = (mx1 == -QMLA_INF) ? 0.0f : mx1;
+    const float al0 = exp2f(m0 - u0), al1 = exp2f(m1 - u1);
+    m0 = mx0;
+    m1 = mx1;
+    l0 *= al0;
+    l1 *= al1;
+#pragma unroll
+    for (int j = 0; j < NTQ_; ++j) {
+        S[j][0] = exp2f(S[j][0] - u0);
+        S[j][1] = exp2f(S[j][1] - u0);
+        S[j][2] = exp2f(S[j][2] - u1);
+        S[j][3] = exp2f(S[j][3] - u1);
+        l0 += S[j][0] + S[j][1];
+        l1 += S[j][2] + S[j][3];
+    }
+#pragma unroll
+    for (int i = 0; i < NTP_; ++i) {
+        acc[i][0] *= al0;
+        acc[i][1] *= al0;
+        acc[i][2] *= al1;
+        acc[i][3] *= al1;
+    }
+}
