@@ -68,8 +68,10 @@
 //     itself at 4K x 8 requests is ~15 us of bandwidth).
 // Measured (H200, C4R4 H=16 B=32 L=32K): 0.83x of v1's time with the old split rule, 443 us
 // (1.5x FlashInfer BF16) with the wave-aware one; ncu: 54% issue-slot use, ~200 warp-instructions
-// per token (the pure-tile loop is 1,933 SASS instructions per warp per tile, 68 of them MMAs;
-// ~600 integer/address ops), so instruction count, not bytes, is the limit (benchmarks/RESULTS.md).
+// per token (the pure-tile loop was 1,933 SASS instructions per warp per tile, 68 of them MMAs;
+// ~600 integer/address ops), so instruction count, not bytes, is the limit. The per-section copy
+// plan and flag-free scales in pure tiles cut the loop to 1,414 instructions: 375 us
+// (benchmarks/RESULTS.md).
 // Next steps (not in v2): (a) fold (128 + z) into a per-(token, group) correction instead of
 // the fma (QK: subtract s*(128+z)*sum(q_g) at the flush; PV: subtract sum_t(p s (128+z)) per
 // group at the end; ~0.5 op/value, predicted 1.15-1.25x; the 128 offset amplifies fp32
