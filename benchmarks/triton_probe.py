@@ -52,7 +52,7 @@ def check(out, want, what):
     return rel
 
 
-VARIANTS = [v.strip() for v in os.environ.get("PROBE_VARIANTS", "v1").split(",") if v.strip()]
+VARIANTS = [v.strip() for v in os.environ.get("PROBE_VARIANTS", "auto").split(",") if v.strip()]
 FORMATS = ("C4R4", "C2R4", "BF16")
 
 
@@ -64,7 +64,7 @@ def col(name: str, variant: str) -> str:
 PRESETS = {"v2z": ("v2", {"zsub": True})}
 
 
-def run_triton(q, r, cache, work, overrides=None, variant="v1"):
+def run_triton(q, r, cache, work, overrides=None, variant="auto"):
     variant, preset = PRESETS.get(variant, (variant, {}))
     ov = {**preset, **(overrides or {})} or None
     return tatt.attention(q, r, cache, work.table, work.seq_lens, work.seq_ids, SCALE, overrides=ov,

@@ -87,7 +87,7 @@ def plan(batch: int, rows: int, latent_dim: int, page_size: int, max_tokens: int
 
 
 # ------------------------------------------------------------------ attention kernel v2
-# (attention_v2_kernel.py; selected with QUANTMLA_TRITON_ATTENTION=v2). The register numbers
+# (attention_v2_kernel.py; the default for packed formats with bfloat16 queries, see attention.auto_variant). The register numbers
 # below come from compiling the kernel offline for sm_90a (triton 3.7.1's own ptxas, 16-byte
 # aligned pointers as the runtime specialises them), C4R4, d_c = 512, bf16 queries:
 #   64-token tile, 16 rows, 4 warps, 1 stage, bytes re-loaded for PV: 255 regs, 76 B spilled
