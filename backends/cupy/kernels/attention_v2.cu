@@ -88,6 +88,9 @@
 #ifndef QMLA_V2_MINB
 #define QMLA_V2_MINB 1
 #endif
+#ifndef QMLA_V2_ANALYZE_PURE_PATH
+#define QMLA_V2_ANALYZE_PURE_PATH 0
+#endif
 
 #define DC QMLA_DC
 #define DR QMLA_DR
@@ -400,7 +403,11 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V2_MINB) qmla_attn_v2(
             float4* xw = xchg + (((i & 1) * RG + rg) * NW) * NTQ * 32;
 
             // tiles with no sink/local token take the specialization without per-lane branches
+#if QMLA_V2_ANALYZE_PURE_PATH
+            const bool pure = true;  // static-analysis builds only (sass_report.py); never launched
+#else
             const bool pure = !sid_ok || (t0 >= sink && (local <= 0 || min(t0 + T, L) <= L - local));
+#endif
             auto qk_tile = [&](auto prot_c) {
                 constexpr bool PROT = decltype(prot_c)::value;
                 // -------------------------------------------------------- QK partial over this warp's channels

@@ -1,0 +1,132 @@
+"""Offline instruction report of the CuPy attention kernel v2 for sm_90 -- no GPU needed.
+
+Compiles ``kernels/attention_v2.cu`` with the machine's ``nvcc`` for sm_90 (the defines the
+launcher would use), disassembles the cubin with ``cuobjdump -sass`` and counts the SASS
+instructions of the tile loop (the largest backward branch), by opcode. With ``pure_path`` the
+kernel is built with ``QMLA_V2_ANALYZE_PURE_PATH`` so the loop holds only the specialization
+that tiles without protected tokens run (the hot path; such a build is never launched).
+
+This is the static side of "what limits the kernel": on the H200 the loop issues close to these
+counts per tile and warp (benchmarks/RESULTS.md compares them with Nsight Compute).
+
+    python -m quantmla_core.backends.cupy.sass_report                 # C4R4 and C2R4, 512/64
+    python -m quantmla_core.backends.cupy.sass_report C4R4 256 32
+
+Needs ``nvcc`` (CUDA 12.4+) and ``cuobjdump`` + ``nvdisasm`` on PATH or from the
+``nvidia-cuda-cuobjdump`` / ``nvidia-cuda-nvdisasm`` wheels (the ``dev`` extra on x86-64 Linux).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...formats import PackFormat
+from . import KERNEL_DIR, define_options
+from .attention import v2_defines
+
+_INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*(.*?);")
+
+
+@dataclass(frozen=True)
+class LoopReport:
+    """Opcode histogram of one loop (``start``/``end``: SASS byte addresses)."""
+
+    start: int
+    end: int
+    opcodes: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.opcodes.values())
+
+    def count(self, *names: str) -> int:
+        return sum(self.opcodes.get(n, 0) for n in names)
+
+
+def find_tool(name: str) -> str | None:
+    """Path of a CUDA binary: PATH, then the ``nvidia/cu*/bin`` folders of pip's CUDA wheels."""
+    found = shutil.which(name)
+    if found:
+        return found
+    for site in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}:
+        for cand in sorted(Path(site).glob(f"nvidia/cu*/bin/{name}")) + sorted(Path(site).glob(f"nvidia/*/bin/{name}")):
+            if cand.is_file():
+                if not os.access(cand, os.X_OK):
+                    try:
+                        cand.chmod(cand.stat().st_mode | 0o111)  # some wheel installs drop the exec bit
+                    except OSError:
+                        continue
+                return str(cand)
+    return None
+
+
+def missing_tools() -> list[str]:
+    """Tools this report needs and cannot find (empty: it can run)."""
+    return [t for t in ("nvcc", "cuobjdump", "nvdisasm") if find_tool(t) is None]
+
+
+def compile_sass(fmt: PackFormat, pure_path: bool = True, row_groups: int = 1, stages: int = 4) -> tuple[str, str]:
+    """(SASS text, ptxas -v output) of ``qmla_attn_v2`` for ``fmt`` on sm_90."""
+    missing = missing_tools()
+    if missing:
+        raise RuntimeError(f"sass_report needs {', '.join(missing)} (see the module docstring)")
+    defines = v2_defines(fmt, row_groups, 1, stages)
+    defines["QMLA_V2_ANALYZE_PURE_PATH"] = int(pure_path)
+    env = dict(os.environ, PATH=os.pathsep.join([str(Path(find_tool("nvdisasm")).parent), os.environ.get("PATH", "")]))
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        cmd = [find_tool("nvcc"), "-cubin", "-arch=sm_90", "--std=c++17", "-Xptxas", "-v", f"-I{KERNEL_DIR}",
+               *define_options(defines), "-o", cubin, str(KERNEL_DIR / "attention_v2.cu")]
+        built = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if built.returncode:
+            raise RuntimeError(f"nvcc failed:\n{built.stderr[-3000:]}")
+        dis = subprocess.run([find_tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True, env=env, timeout=120)
+        if dis.returncode:
+            raise RuntimeError(f"cuobjdump failed:\n{dis.stderr[-2000:]}")
+    return dis.stdout, built.stderr + built.stdout
+
+
+def loops(sass: str) -> list[LoopReport]:
+    """Every loop (a backward branch and the instructions it spans), largest first."""
+    ins = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in map(_INSTR.match, sass.splitlines()) if m]
+    index = {addr: i for i, (addr, _, _) in enumerate(ins)}
+    found = []
+    for i, (addr, op, args) in enumerate(ins):
+        target = re.search(r"0x([0-9a-f]+)", args) if op.startswith("BRA") else None
+        if target and int(target.group(1), 16) < addr and int(target.group(1), 16) in index:
+            s = index[int(target.group(1), 16)]
+            hist = collections.Counter(o.split(".")[0] for _, o, _ in ins[s : i + 1])
+            found.append(LoopReport(ins[s][0], addr, dict(hist)))
+    return sorted(found, key=lambda r: r.total, reverse=True)
+
+
+def tile_loop(fmt: PackFormat, pure_path: bool = True) -> LoopReport:
+    """The tile loop of ``qmla_attn_v2`` (the largest loop) for ``fmt``."""
+    return loops(compile_sass(fmt, pure_path)[0])[0]
+
+
+def main(argv: list[str]) -> None:
+    cases = [(argv[0], int(argv[1]), int(argv[2]))] if argv else [("C4R4", 512, 64), ("C2R4", 512, 64)]
+    for name, dc, dr in cases:
+        fmt = PackFormat.parse(name, latent_dim=dc, rope_dim=dr)
+        for pure in (True, False):
+            sass, ptxas = compile_sass(fmt, pure)
+            regs = re.search(r"Used (\d+) registers", ptxas)
+            loop = loops(sass)[0]
+            top = ", ".join(f"{k} {v}" for k, v in sorted(loop.opcodes.items(), key=lambda kv: -kv[1])[:14])
+            path = "pure-tile path" if pure else "whole loop (both specializations)"
+            print(f"{name} {dc}/{dr} {path}: {loop.total} instructions per warp per tile, "
+                  f"{loop.count('HMMA')} HMMA, {regs.group(1) if regs else '?'} registers\n    {top}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,47 @@
+"""Instruction budget of the CuPy kernel v2's hot loop, from its sm_90 SASS (no GPU needed).
+
+On the H200 the kernel is limited by instructions per cached token, not by bytes
+(benchmarks/RESULTS.md: ncu, ~54 % issue-slot use). These tests pin the tile loop of the
+pure-tile path (tiles without sink/local tokens: all but a few per request) so a change that
+adds work there fails here, before any GPU run. Budgets are the measured counts plus ~6 %.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import quantmla_core as qm
+from quantmla_core.backends.cupy.sass_report import missing_tools, tile_loop
+
+pytestmark = pytest.mark.skipif(bool(missing_tools()), reason=f"needs {', '.join(missing_tools())} (nvcc + CUDA binutils)")
+
+#: (format, d_c, d_r) -> (MMAs per warp per tile, cp.async per thread per tile, instruction budget;
+#: measured 2026-11-30: 1,414 / 1,661 instructions). cp.async: the content-code chunks
+#: (T x CB / 16 over 128 threads: 4 for C4, 2 for C2) + one chunk of the small sections.
+BUDGETS = {("C4R4", 512, 64): (68, 5, 1500), ("C2R4", 512, 64): (68, 3, 1760)}
+
+
+@pytest.mark.parametrize("name,dc,dr", list(BUDGETS), ids=lambda v: str(v))
+def test_pure_tile_loop_within_budget(name, dc, dr):
+    loop = tile_loop(qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr))
+    mmas, copies, budget = BUDGETS[(name, dc, dr)]
+    # QK: 8 content k-steps x 4 token groups + 4 RoPE; PV: 16 n-tiles x 2 k-steps (per warp, 32 tokens)
+    assert loop.count("HMMA") == mmas, loop.opcodes
+    assert loop.total <= budget, f"{name}: {loop.total} instructions per warp per tile (budget {budget}): {loop.opcodes}"
+    assert loop.count("LDGSTS") == copies, loop.opcodes
+    assert loop.count("LDL", "STL") == 0, "local-memory traffic (spills) in the tile loop"
+
+
+def test_loop_finder_on_a_known_snippet():
+    from quantmla_core.backends.cupy.sass_report import loops
+
+    sass = "\n".join([
+        "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
+        "        /*0010*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;",
+        "        /*0020*/                   IADD3 R2, R2, 0x1, RZ ;",
+        "        /*0030*/               @P0 BRA 0x10 ;",
+        "        /*0040*/                   EXIT ;",
+    ])
+    (loop,) = loops(sass)
+    assert (loop.start, loop.end, loop.total) == (0x10, 0x30, 3)
+    assert loop.count("HMMA") == 1 and loop.count("BRA") == 1
