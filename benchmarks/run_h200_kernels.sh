@@ -23,6 +23,8 @@ if [ "$MODE" = check ]; then
   echo "=== cupy v2 conformance"; timeout 200 $T tests/test_cupy_backend.py -x -k v2 2>&1 | tail -6 | tee "$OUT/cupy_v2.txt"
   echo "=== cupy v2 racecheck"; timeout 80 compute-sanitizer --tool racecheck $T tests/test_cupy_backend.py -x -k "v2_matches and (L17_31_100 or L900_16)" 2>&1 | tail -4
   echo "=== cupy v2 memcheck"; timeout 80 compute-sanitizer --tool memcheck $T tests/test_cupy_backend.py -x -k "v2_matches and (L17_31_100 or L40_33)" 2>&1 | tail -4
+  echo "=== cupy v2 lazy rescale conformance"; QUANTMLA_CUPY_V2_LAZY_RESCALE=1 timeout 120 $T tests/test_cupy_backend.py -x \
+    -k "attention_v2_matches_reference and float32-]" 2>&1 | tail -3
   echo "=== triton v2 conformance"; timeout 180 $T tests/test_triton_backend.py -x -k "v2 or variant" 2>&1 | tail -6 | tee "$OUT/triton_v2.txt"
 elif [ "$MODE" = profile ]; then
   NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
@@ -33,7 +35,7 @@ elif [ "$MODE" = profile ]; then
     timeout 150 $NCU -k regex:split_kernel_v2 -s 2 -c 1 $SECS python3 -P benchmarks/triton_probe.py > "$OUT/ncu_triton_v2.txt" 2>&1
   grep -v "^==PROF==" "$OUT/ncu_triton_v2.txt" | grep -A200 "split_kernel_v2" | head -90
 elif [ "$MODE" = sweep ]; then
-  for knobs in ${SWEEP_KNOBS:-QUANTMLA_CUPY_V2_MINB=1 QUANTMLA_CUPY_V2_MINB=3 QUANTMLA_CUPY_V2_STAGES=5}; do
+  for knobs in ${SWEEP_KNOBS:-QUANTMLA_CUPY_V2_LAZY_RESCALE=0 QUANTMLA_CUPY_V2_LAZY_RESCALE=1}; do
     echo "=== cupy v2 $knobs"; env $knobs timeout 90 python3 -P benchmarks/cupy_probe.py --variant v2 --shapes 16x32x32768,16x128x32768 \
       --formats C4R4 --no-writer 2>&1 | grep -E "^v2" ; done
   for rg in ${SWEEP_RG:-}; do echo "=== cupy v2 H=128 RG=$rg"; QUANTMLA_CUPY_V2_RG=$rg timeout 90 python3 -P benchmarks/cupy_probe.py --variant v2 \

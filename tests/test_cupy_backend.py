@@ -198,6 +198,15 @@ def test_v2_plan_and_smem():
     assert v2_smem_bytes(qm.PackFormat.parse("C4R4"), 1) == 4 * 32 * (317 + 1) + 16384
 
 
+def test_v2_tuning_knobs_reach_the_defines(monkeypatch):
+    from quantmla_core.backends.cupy.attention import v2_defines
+
+    fmt = qm.PackFormat.parse("C4R4")
+    assert v2_defines(fmt)["QMLA_V2_LAZY_RESCALE"] == 0
+    assert v2_defines(fmt, lazy_rescale=True)["QMLA_V2_LAZY_RESCALE"] == 1
+    assert v2_defines(fmt, 2, 3, 5)["QMLA_V2_RG"] == 2 and v2_defines(fmt, 2, 3, 5)["QMLA_V2_STAGES"] == 5
+
+
 def test_occupancy_from_resources():
     from quantmla_core.backends.cupy import occupancy_from_resources
 
@@ -410,6 +419,7 @@ def test_v2_launch_arguments_match_kernel_signature(monkeypatch, h, s_q, rg_env)
     monkeypatch.setenv(VARIANT_ENV, "v2")
     if rg_env:
         monkeypatch.setenv("QUANTMLA_CUPY_V2_RG", rg_env)
+        monkeypatch.setenv("QUANTMLA_CUPY_V2_LAZY_RESCALE", "1")  # the knob reaches the compile defines
     monkeypatch.setattr(A, "get_kernel", fake_get_kernel)
     monkeypatch.setattr(A, "launch", fake_launch)
     monkeypatch.setattr(A, "external_stream", lambda dev: None)
@@ -450,6 +460,7 @@ def test_v2_launch_arguments_match_kernel_signature(monkeypatch, h, s_q, rg_env)
     rows = s_q * h
     rg = attn.defines["QMLA_V2_RG"]
     assert rg == (int(rg_env) if rg_env else (2 if ((rows + 15) // 16) % 2 == 0 else 1))
+    assert attn.defines["QMLA_V2_LAZY_RESCALE"] == (1 if rg_env else 0)
     chunks = -(-rows // (16 * rg))
     assert grid[0] == b * chunks and block == (128 * rg,)
     assert smem == attn.smem == v2_smem_bytes(fmt, rg) and attn.defines["QMLA_V2_SMEM"] == smem

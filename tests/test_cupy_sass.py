@@ -45,3 +45,15 @@ def test_loop_finder_on_a_known_snippet():
     (loop,) = loops(sass)
     assert (loop.start, loop.end, loop.total) == (0x10, 0x30, 3)
     assert loop.count("HMMA") == 1 and loop.count("BRA") == 1
+
+
+def test_lazy_rescale_only_adds_the_warp_vote():
+    """``QUANTMLA_CUPY_V2_LAZY_RESCALE=1`` wraps the 64 accumulator multiplies in a warp-uniform
+    branch: the loop keeps them (skipped at run time while no row's maximum moves) and gains
+    only the vote and the branch."""
+    fmt = qm.PackFormat.parse("C4R4")
+    base, lazy = tile_loop(fmt), tile_loop(fmt, lazy_rescale=True)
+    assert lazy.count("VOTE") >= 1 and base.count("VOTE") == 0
+    assert lazy.count("FMUL") == base.count("FMUL") and lazy.count("HMMA") == base.count("HMMA")
+    assert lazy.total - base.total <= 16, (base.total, lazy.total)
+    assert lazy.count("LDL", "STL") == 0

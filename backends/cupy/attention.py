@@ -11,9 +11,11 @@ Two attention kernels share the partials layout and the combine kernel:
 
 ``QUANTMLA_CUPY_ATTENTION`` (``auto``, the default: v2 where it serves, else v1; or ``v1`` /
 ``v2``; read on every call, nothing global is rewritten) picks the kernel. ``QUANTMLA_CUPY_V2_RG`` (1 or 2 row groups per CTA; default 2 when the
-row-group count is even), ``QUANTMLA_CUPY_V2_STAGES`` (cp.async ring depth 3-5, default 4)
-and ``QUANTMLA_CUPY_V2_MINB`` (minimum blocks per SM given to ``__launch_bounds__``, default 1)
-are tuning knobs for measurements, also read per call.
+row-group count is even), ``QUANTMLA_CUPY_V2_STAGES`` (cp.async ring depth 3-5, default 4),
+``QUANTMLA_CUPY_V2_MINB`` (minimum blocks per SM given to ``__launch_bounds__``, default 1) and
+``QUANTMLA_CUPY_V2_LAZY_RESCALE`` (1: skip the output rescale while no row's running maximum
+moves; bit-identical, not yet timed on a GPU, default 0) are tuning knobs for measurements, also
+read per call.
 :func:`select_variant` says which kernel a call will run, and why.
 """
 
@@ -124,11 +126,12 @@ def select_variant(fmt: PackFormat, dtype: str, capability: tuple[int, int] | No
     return "v2", None
 
 
-def v2_defines(fmt: PackFormat, row_groups: int = 1, min_blocks: int = 1, stages: int = V2_STAGES) -> dict[str, int]:
+def v2_defines(fmt: PackFormat, row_groups: int = 1, min_blocks: int = 1, stages: int = V2_STAGES,
+               lazy_rescale: bool = False) -> dict[str, int]:
     """``-D`` defines of ``kernels/attention_v2.cu`` (bfloat16 queries)."""
     d = attention_defines(fmt, "bfloat16")
     d.update(QMLA_V2_RG=int(row_groups), QMLA_V2_MINB=int(min_blocks), QMLA_V2_STAGES=int(stages),
-             QMLA_V2_SMEM=v2_smem_bytes(fmt, row_groups, stages))
+             QMLA_V2_SMEM=v2_smem_bytes(fmt, row_groups, stages), QMLA_V2_LAZY_RESCALE=int(lazy_rescale))
     return d
 
 
@@ -215,12 +218,12 @@ def attention(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_s
     return _attention_v1(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale, dev, sm_count)
 
 
-def _v2_kernels(fmt: PackFormat, dev: int, rg: int, minb: int, stages: int):
-    key = (fmt, dev, rg, minb, stages)
+def _v2_kernels(fmt: PackFormat, dev: int, rg: int, minb: int, stages: int, lazy: bool = False):
+    key = (fmt, dev, rg, minb, stages, lazy)
     fns = _FNS.get(key)
     if fns is None:
         smem = v2_smem_bytes(fmt, rg, stages)
-        attn = get_kernel("attention_v2.cu", "qmla_attn_v2", v2_defines(fmt, rg, minb, stages), dev, smem)
+        attn = get_kernel("attention_v2.cu", "qmla_attn_v2", v2_defines(fmt, rg, minb, stages, lazy), dev, smem)
         combine = get_kernel("attention.cu", "qmla_combine", attention_defines(fmt, "bfloat16"), dev)
         fns = (attn, combine, smem)
         with _CACHE_LOCK:
@@ -236,8 +239,9 @@ def _attention_v2(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softm
     rg = _env_int("QUANTMLA_CUPY_V2_RG", 2 if row_groups % 2 == 0 else 1, (1, 2))
     minb = _env_int("QUANTMLA_CUPY_V2_MINB", 1, (1, 2, 3, 4))
     stages = _env_int("QUANTMLA_CUPY_V2_STAGES", V2_STAGES, (3, 4, 5))
+    lazy = bool(_env_int("QUANTMLA_CUPY_V2_LAZY_RESCALE", 0, (0, 1)))
     chunks = (rows + 16 * rg - 1) // (16 * rg)
-    attn, combine, smem = _v2_kernels(fmt, dev, rg, minb, stages)
+    attn, combine, smem = _v2_kernels(fmt, dev, rg, minb, stages, lazy)
     table = block_table if (block_table.dtype == torch.int32 and block_table.is_contiguous()) else block_table.to(torch.int32).contiguous()
     lens = seq_lens if (seq_lens.dtype == torch.int64 and seq_lens.is_contiguous()) else seq_lens.to(torch.int64).contiguous()
     ids = seq_ids if (seq_ids.dtype == torch.int64 and seq_ids.is_contiguous()) else seq_ids.to(torch.int64).contiguous()

@@ -74,12 +74,13 @@ def missing_tools() -> list[str]:
     return [t for t in ("nvcc", "cuobjdump", "nvdisasm") if find_tool(t) is None]
 
 
-def compile_sass(fmt: PackFormat, pure_path: bool = True, row_groups: int = 1, stages: int = 4) -> tuple[str, str]:
+def compile_sass(fmt: PackFormat, pure_path: bool = True, row_groups: int = 1, stages: int = 4,
+                 lazy_rescale: bool = False) -> tuple[str, str]:
     """(SASS text, ptxas -v output) of ``qmla_attn_v2`` for ``fmt`` on sm_90."""
     missing = missing_tools()
     if missing:
         raise RuntimeError(f"sass_report needs {', '.join(missing)} (see the module docstring)")
-    defines = v2_defines(fmt, row_groups, 1, stages)
+    defines = v2_defines(fmt, row_groups, 1, stages, lazy_rescale)
     defines["QMLA_V2_ANALYZE_PURE_PATH"] = int(pure_path)
     env = dict(os.environ, PATH=os.pathsep.join([str(Path(find_tool("nvdisasm")).parent), os.environ.get("PATH", "")]))
     with tempfile.TemporaryDirectory() as tmp:
@@ -109,21 +110,22 @@ def loops(sass: str) -> list[LoopReport]:
     return sorted(found, key=lambda r: r.total, reverse=True)
 
 
-def tile_loop(fmt: PackFormat, pure_path: bool = True) -> LoopReport:
+def tile_loop(fmt: PackFormat, pure_path: bool = True, lazy_rescale: bool = False) -> LoopReport:
     """The tile loop of ``qmla_attn_v2`` (the largest loop) for ``fmt``."""
-    return loops(compile_sass(fmt, pure_path)[0])[0]
+    return loops(compile_sass(fmt, pure_path, lazy_rescale=lazy_rescale)[0])[0]
 
 
 def main(argv: list[str]) -> None:
     cases = [(argv[0], int(argv[1]), int(argv[2]))] if argv else [("C4R4", 512, 64), ("C2R4", 512, 64)]
     for name, dc, dr in cases:
         fmt = PackFormat.parse(name, latent_dim=dc, rope_dim=dr)
-        for pure in (True, False):
-            sass, ptxas = compile_sass(fmt, pure)
+        for pure, lazy in ((True, False), (True, True), (False, False)):
+            sass, ptxas = compile_sass(fmt, pure, lazy_rescale=lazy)
             regs = re.search(r"Used (\d+) registers", ptxas)
             loop = loops(sass)[0]
             top = ", ".join(f"{k} {v}" for k, v in sorted(loop.opcodes.items(), key=lambda kv: -kv[1])[:14])
             path = "pure-tile path" if pure else "whole loop (both specializations)"
+            path += ", lazy rescale (its skip branch included)" if lazy else ""
             print(f"{name} {dc}/{dr} {path}: {loop.total} instructions per warp per tile, "
                   f"{loop.count('HMMA')} HMMA, {regs.group(1) if regs else '?'} registers\n    {top}")
 

@@ -88,6 +88,9 @@
 #ifndef QMLA_V2_MINB
 #define QMLA_V2_MINB 1
 #endif
+#ifndef QMLA_V2_LAZY_RESCALE
+#define QMLA_V2_LAZY_RESCALE 0  // 1: skip the accumulator rescale while no row's maximum moves (opt-in until timed)
+#endif
 #ifndef QMLA_V2_ANALYZE_PURE_PATH
 #define QMLA_V2_ANALYZE_PURE_PATH 0
 #endif
@@ -493,7 +496,7 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V2_MINB) qmla_attn_v2(
             // -------------------------------------------------------- sum partials, mask, online softmax
             float S[NTQ][4];
             qmla_sum_partials<NTQ, NW>(xw, lane, t0, q4, lim0, lim1, scale_log2, S);
-            qmla_online_softmax<NTQ, NTP>(S, m0, m1, l0, l1, acc);
+            qmla_online_softmax<NTQ, NTP, (bool)QMLA_V2_LAZY_RESCALE>(S, m0, m1, l0, l1, acc);
 
             auto pv_tile = [&](auto prot_c) {
                 constexpr bool PROT = decltype(prot_c)::value;

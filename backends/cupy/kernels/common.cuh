@@ -130,7 +130,9 @@ __device__ __forceinline__ void qmla_sum_partials(const float4* xw, int lane, I 
 // One online-softmax step (base 2) for the lane's two rows: running maxima m0/m1 and sums l0/l1
 // are updated, S becomes the unnormalised probabilities and the output accumulators are rescaled.
 // A row whose scores are all -inf so far keeps max -inf and contributes zeros (never NaN).
-template <int NTQ_, int NTP_>
+// LAZY skips the accumulator rescale when no row of the warp changed its maximum (every factor is
+// exactly 1.0 then, so the result is bit-identical); all 32 lanes must be active.
+template <int NTQ_, int NTP_, bool LAZY = false>
 __device__ __forceinline__ void qmla_online_softmax(float (&S)[NTQ_][4], float& m0, float& m1, float& l0, float& l1,
                                                     float (&acc)[NTP_][4]) {
     float mx0 = m0, mx1 = m1;
@@ -160,11 +162,13 @@ __device__ __forceinline__ void qmla_online_softmax(float (&S)[NTQ_][4], float& 
         l0 += S[j][0] + S[j][1];
         l1 += S[j][2] + S[j][3];
     }
+    if (!LAZY || __any_sync(0xffffffffu, al0 != 1.0f || al1 != 1.0f)) {
 #pragma unroll
-    for (int i = 0; i < NTP_; ++i) {
-        acc[i][0] *= al0;
-        acc[i][1] *= al0;
-        acc[i][2] *= al1;
-        acc[i][3] *= al1;
+        for (int i = 0; i < NTP_; ++i) {
+            acc[i][0] *= al0;
+            acc[i][1] *= al0;
+            acc[i][2] *= al1;
+            acc[i][3] *= al1;
+        }
     }
 }
