@@ -108,10 +108,11 @@ def kernel_variant(variant: str):
 
 
 def probe_attention(name: str, heads: int, batch: int, length: int, s_q: int = 1, check: bool = True,
-                    variants: tuple[str, ...] = ("v1",)) -> list[dict]:
-    """Check then time each kernel variant on the same cache and queries; one result per variant."""
+                    variants: tuple[str, ...] = ("v1",), protection: tuple[int, int] = (4, 128)) -> list[dict]:
+    """Check then time each kernel variant on the same cache and queries; one result per variant.
+    ``protection``: (sink, local) of the cache; (0, 0) runs the build without the protected path."""
     fmt = qm.PackFormat.parse(name)
-    cache, table, lens, ids = random_cache(fmt, batch, length)
+    cache, table, lens, ids = random_cache(fmt, batch, length, *protection)
     g = torch.Generator(device="cuda").manual_seed(1)
     q = torch.randn((batch, s_q, heads, fmt.latent_dim), device="cuda", generator=g).to(torch.bfloat16)
     r = torch.randn((batch, s_q, heads, fmt.rope_dim), device="cuda", generator=g).to(torch.bfloat16)
@@ -138,7 +139,7 @@ def probe_attention(name: str, heads: int, batch: int, length: int, s_q: int = 1
             us = bench(lambda c=cache: cupy_attention(q, r, c, table, lens, ids, scale))
         bytes_moved = batch * math.ceil(length / fmt.page_size) * fmt.page_bytes
         res = {"variant": variant, "kernel": ran, "fallback_reason": why, "format": name, "H": heads, "B": batch,
-               "L": length, "S_q": s_q, "us": us, "rel_err": rel, "lse_err": lse_err,
+               "L": length, "S_q": s_q, "sink": protection[0], "local": protection[1], "us": us, "rel_err": rel, "lse_err": lse_err,
                "page_GBps": bytes_moved / us / 1e3, "tflops": 2176 * heads * s_q * batch * length / us / 1e6,
                "first_call_s": round(first_call_s, 2)}
         anchor = ANCHORS.get((heads, batch, length))
@@ -174,9 +175,11 @@ def main() -> None:
                     help="attention kernel(s) to time (both: v1 then v2 on the same inputs)")
     ap.add_argument("--shapes", default=None, help="comma-separated HxBxL, e.g. 16x32x32768,128x32x32768")
     ap.add_argument("--formats", default="C4R4,C2R4,BF16")
+    ap.add_argument("--protection", default="4,128", help="sink,local of the probed caches (0,0: none)")
     ap.add_argument("--no-writer", action="store_true", help="skip the writer timing")
     args = ap.parse_args()
     variants = ("v1", "v2") if args.variant == "both" else (args.variant,)
+    protection = tuple(int(x) for x in args.protection.split(","))
     import cupy
 
     info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cupy": cupy.__version__,
@@ -192,7 +195,8 @@ def main() -> None:
         for name in args.formats.split(","):
             t = time.time()
             try:
-                rs = probe_attention(name, heads, batch, length, check=(length * batch <= 32 * 32768), variants=variants)
+                rs = probe_attention(name, heads, batch, length, check=(length * batch <= 32 * 32768), variants=variants,
+                                     protection=protection)
             except Exception as exc:  # keep probing other shapes
                 rs = [{"variant": args.variant, "format": name, "H": heads, "B": batch, "L": length, "error": repr(exc)[:300]}]
             for res in rs:

@@ -38,6 +38,11 @@ elif [ "$MODE" = sweep ]; then
   for knobs in ${SWEEP_KNOBS:-QUANTMLA_CUPY_V2_LAZY_RESCALE=0 QUANTMLA_CUPY_V2_LAZY_RESCALE=1}; do
     echo "=== cupy v2 $knobs"; env $knobs timeout 90 python3 -P benchmarks/cupy_probe.py --variant v2 --shapes 16x32x32768,16x128x32768 \
       --formats C4R4 --no-writer 2>&1 | grep -E "^v2" ; done
+  # caches without sink/local run the build without the protected path (225 instead of 253 registers):
+  # what splitting the protected tokens out of the split kernel would give, and whether 3 CTAs/SM pay there
+  for minb in ${SWEEP_NOPROT_MINB:-1 3}; do echo "=== cupy v2 no protection MINB=$minb"; QUANTMLA_CUPY_V2_MINB=$minb timeout 90 \
+      python3 -P benchmarks/cupy_probe.py --variant v2 --protection 0,0 --shapes 16x32x32768,16x128x32768 --formats C4R4 \
+      --no-writer 2>&1 | grep -E "^v2"; done
   for rg in ${SWEEP_RG:-}; do echo "=== cupy v2 H=128 RG=$rg"; QUANTMLA_CUPY_V2_RG=$rg timeout 90 python3 -P benchmarks/cupy_probe.py --variant v2 \
       --shapes 128x32x32768 --formats C4R4 --no-writer 2>&1 | grep -E "^v2"; done
 else

@@ -107,6 +107,7 @@ def test_sources_take_layout_from_packformat():
 #: (the CPU test budget); the fragment model (tests/test_cupy_fragments.py) covers every v2
 #: format x dims x group size and page sizes 16..128 on the CPU.
 V2_VARIANTS = [
+    # (arch, format, d_c, d_r, group, page, row groups[, "noprot": the build for caches without sink/local])
     ("sm_90", "C4R4", 512, 64, 64, 64, 1),
     ("sm_90", "C4R4", 512, 64, 64, 64, 2),
     ("sm_90", "C2R4", 512, 64, 64, 64, 1),
@@ -116,15 +117,18 @@ V2_VARIANTS = [
     ("sm_90", "C4R4", 512, 64, 64, 16, 1),
     ("sm_80", "C4R4", 512, 64, 64, 64, 1),
     ("sm_80", "C2R4", 256, 32, 64, 32, 1),
+    ("sm_90", "C4R4", 512, 64, 64, 64, 1, "noprot"),
+    ("sm_90", "C2R4", 256, 32, 64, 16, 2, "noprot"),
 ]
 
 
 def _compile_v2(v: tuple) -> tuple[int, str]:
-    arch, name, dc, dr, gs, page, rg = v
+    arch, name, dc, dr, gs, page, rg = v[:7]
     fmt = qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr, group_size=gs, page_size=page)
+    defines = v2_defines(fmt, rg, no_protection="noprot" in v[7:])
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [NVCC, "-cubin", f"-arch={arch}", "--std=c++17", "-Xptxas", "-v", f"-I{KERNEL_DIR}",
-               *define_options(v2_defines(fmt, rg)), "-o", os.path.join(tmp, "k.cubin"),
+               *define_options(defines), "-o", os.path.join(tmp, "k.cubin"),
                str(KERNEL_DIR / "attention_v2.cu")]
         r = subprocess.run(cmd, capture_output=True, text=True, check=False)
     return r.returncode, r.stderr + r.stdout
@@ -205,6 +209,7 @@ def test_v2_tuning_knobs_reach_the_defines(monkeypatch):
     assert v2_defines(fmt)["QMLA_V2_LAZY_RESCALE"] == 0
     assert v2_defines(fmt, lazy_rescale=True)["QMLA_V2_LAZY_RESCALE"] == 1
     assert v2_defines(fmt, 2, 3, 5)["QMLA_V2_RG"] == 2 and v2_defines(fmt, 2, 3, 5)["QMLA_V2_STAGES"] == 5
+    assert v2_defines(fmt)["QMLA_V2_NO_PROTECTION"] == 0 and v2_defines(fmt, no_protection=True)["QMLA_V2_NO_PROTECTION"] == 1
 
 
 def test_occupancy_from_resources():
@@ -397,8 +402,8 @@ def _kernel_params(source: str, kernel: str) -> list[str]:
     return [" ".join(p.split()) for p in m.group(1).split(",")]
 
 
-@pytest.mark.parametrize("h,s_q,rg_env", [(16, 1, ""), (128, 1, ""), (20, 16, "1"), (3, 2, "")])
-def test_v2_launch_arguments_match_kernel_signature(monkeypatch, h, s_q, rg_env):
+@pytest.mark.parametrize("h,s_q,rg_env,prot", [(16, 1, "", True), (128, 1, "", True), (20, 16, "1", True), (3, 2, "", False)])
+def test_v2_launch_arguments_match_kernel_signature(monkeypatch, h, s_q, rg_env, prot):
     """Run the v2 launcher on the CPU with the CUDA calls stubbed: the argument list must match
     qmla_attn_v2's parameters in number and type, and the grid/block/shared sizes the plan."""
     from quantmla_core.backends.cupy import attention as A
@@ -432,12 +437,14 @@ def test_v2_launch_arguments_match_kernel_signature(monkeypatch, h, s_q, rg_env)
     fmt = qm.PackFormat.parse("C4R4")
     b, pages_per = 3, 5
 
+    n_sink, n_local = (4, 128) if prot else (0, 0)
+
     class Cache:
         format = fmt
         pages = torch.zeros((b * pages_per, fmt.page_bytes), dtype=torch.uint8)
-        sink_buf = torch.zeros((b, 4, 576), dtype=torch.bfloat16)
-        local_buf = torch.zeros((b, 128, 576), dtype=torch.bfloat16)
-        num_pages, max_seqs, sink, local = b * pages_per, b, 4, 128
+        sink_buf = torch.zeros((b, n_sink, 576), dtype=torch.bfloat16)
+        local_buf = torch.zeros((b, n_local, 576), dtype=torch.bfloat16)
+        num_pages, max_seqs, sink, local = b * pages_per, b, n_sink, n_local
 
     q = torch.zeros((b, s_q, h, 512), dtype=torch.bfloat16)
     r = torch.zeros((b, s_q, h, 64), dtype=torch.bfloat16)
@@ -461,6 +468,8 @@ def test_v2_launch_arguments_match_kernel_signature(monkeypatch, h, s_q, rg_env)
     rg = attn.defines["QMLA_V2_RG"]
     assert rg == (int(rg_env) if rg_env else (2 if ((rows + 15) // 16) % 2 == 0 else 1))
     assert attn.defines["QMLA_V2_LAZY_RESCALE"] == (1 if rg_env else 0)
+    # a cache without sink/local tokens gets the build without the protected-tile path
+    assert attn.defines["QMLA_V2_NO_PROTECTION"] == (0 if prot else 1)
     chunks = -(-rows // (16 * rg))
     assert grid[0] == b * chunks and block == (128 * rg,)
     assert smem == attn.smem == v2_smem_bytes(fmt, rg) and attn.defines["QMLA_V2_SMEM"] == smem

@@ -127,11 +127,14 @@ def select_variant(fmt: PackFormat, dtype: str, capability: tuple[int, int] | No
 
 
 def v2_defines(fmt: PackFormat, row_groups: int = 1, min_blocks: int = 1, stages: int = V2_STAGES,
-               lazy_rescale: bool = False) -> dict[str, int]:
-    """``-D`` defines of ``kernels/attention_v2.cu`` (bfloat16 queries)."""
+               lazy_rescale: bool = False, no_protection: bool = False) -> dict[str, int]:
+    """``-D`` defines of ``kernels/attention_v2.cu`` (bfloat16 queries). ``no_protection``: the
+    cache keeps no sink/local tokens, so only the pure-tile path is compiled (fewer registers,
+    half the loop code)."""
     d = attention_defines(fmt, "bfloat16")
     d.update(QMLA_V2_RG=int(row_groups), QMLA_V2_MINB=int(min_blocks), QMLA_V2_STAGES=int(stages),
-             QMLA_V2_SMEM=v2_smem_bytes(fmt, row_groups, stages), QMLA_V2_LAZY_RESCALE=int(lazy_rescale))
+             QMLA_V2_SMEM=v2_smem_bytes(fmt, row_groups, stages), QMLA_V2_LAZY_RESCALE=int(lazy_rescale),
+             QMLA_V2_NO_PROTECTION=int(no_protection))
     return d
 
 
@@ -218,12 +221,13 @@ def attention(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_s
     return _attention_v1(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale, dev, sm_count)
 
 
-def _v2_kernels(fmt: PackFormat, dev: int, rg: int, minb: int, stages: int, lazy: bool = False):
-    key = (fmt, dev, rg, minb, stages, lazy)
+def _v2_kernels(fmt: PackFormat, dev: int, rg: int, minb: int, stages: int, lazy: bool = False,
+                no_prot: bool = False):
+    key = (fmt, dev, rg, minb, stages, lazy, no_prot)
     fns = _FNS.get(key)
     if fns is None:
         smem = v2_smem_bytes(fmt, rg, stages)
-        attn = get_kernel("attention_v2.cu", "qmla_attn_v2", v2_defines(fmt, rg, minb, stages, lazy), dev, smem)
+        attn = get_kernel("attention_v2.cu", "qmla_attn_v2", v2_defines(fmt, rg, minb, stages, lazy, no_prot), dev, smem)
         combine = get_kernel("attention.cu", "qmla_combine", attention_defines(fmt, "bfloat16"), dev)
         fns = (attn, combine, smem)
         with _CACHE_LOCK:
@@ -241,7 +245,8 @@ def _attention_v2(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softm
     stages = _env_int("QUANTMLA_CUPY_V2_STAGES", V2_STAGES, (3, 4, 5))
     lazy = bool(_env_int("QUANTMLA_CUPY_V2_LAZY_RESCALE", 0, (0, 1)))
     chunks = (rows + 16 * rg - 1) // (16 * rg)
-    attn, combine, smem = _v2_kernels(fmt, dev, rg, minb, stages, lazy)
+    no_prot = int(cache.sink) == 0 and int(cache.local) == 0
+    attn, combine, smem = _v2_kernels(fmt, dev, rg, minb, stages, lazy, no_prot)
     table = block_table if (block_table.dtype == torch.int32 and block_table.is_contiguous()) else block_table.to(torch.int32).contiguous()
     lens = seq_lens if (seq_lens.dtype == torch.int64 and seq_lens.is_contiguous()) else seq_lens.to(torch.int64).contiguous()
     ids = seq_ids if (seq_ids.dtype == torch.int64 and seq_ids.is_contiguous()) else seq_ids.to(torch.int64).contiguous()

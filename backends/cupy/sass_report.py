@@ -3,8 +3,9 @@
 Compiles ``kernels/attention_v2.cu`` with the machine's ``nvcc`` for sm_90 (the defines the
 launcher would use), disassembles the cubin with ``cuobjdump -sass`` and counts the SASS
 instructions of the tile loop (the largest backward branch), by opcode. With ``pure_path`` the
-kernel is built with ``QMLA_V2_ANALYZE_PURE_PATH`` so the loop holds only the specialization
-that tiles without protected tokens run (the hot path; such a build is never launched).
+kernel is built with ``QMLA_V2_NO_PROTECTION`` (what the launcher compiles for caches without
+sink/local tokens), so the loop holds only the code that tiles without protected tokens run --
+the hot path of every cache.
 
 This is the static side of "what limits the kernel": on the H200 the loop issues close to these
 counts per tile and warp (benchmarks/RESULTS.md compares them with Nsight Compute).
@@ -75,13 +76,12 @@ def missing_tools() -> list[str]:
 
 
 def compile_sass(fmt: PackFormat, pure_path: bool = True, row_groups: int = 1, stages: int = 4,
-                 lazy_rescale: bool = False) -> tuple[str, str]:
+                 lazy_rescale: bool = False, min_blocks: int = 1) -> tuple[str, str]:
     """(SASS text, ptxas -v output) of ``qmla_attn_v2`` for ``fmt`` on sm_90."""
     missing = missing_tools()
     if missing:
         raise RuntimeError(f"sass_report needs {', '.join(missing)} (see the module docstring)")
-    defines = v2_defines(fmt, row_groups, 1, stages, lazy_rescale)
-    defines["QMLA_V2_ANALYZE_PURE_PATH"] = int(pure_path)
+    defines = v2_defines(fmt, row_groups, min_blocks, stages, lazy_rescale, no_protection=pure_path)
     env = dict(os.environ, PATH=os.pathsep.join([str(Path(find_tool("nvdisasm")).parent), os.environ.get("PATH", "")]))
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
@@ -119,15 +119,18 @@ def main(argv: list[str]) -> None:
     cases = [(argv[0], int(argv[1]), int(argv[2]))] if argv else [("C4R4", 512, 64), ("C2R4", 512, 64)]
     for name, dc, dr in cases:
         fmt = PackFormat.parse(name, latent_dim=dc, rope_dim=dr)
-        for pure, lazy in ((True, False), (True, True), (False, False)):
-            sass, ptxas = compile_sass(fmt, pure, lazy_rescale=lazy)
+        for pure, lazy, minb in ((True, False, 1), (True, True, 1), (True, False, 3), (False, False, 1), (False, False, 3)):
+            sass, ptxas = compile_sass(fmt, pure, lazy_rescale=lazy, min_blocks=minb)
             regs = re.search(r"Used (\d+) registers", ptxas)
+            spills = re.search(r"(\d+) bytes spill stores", ptxas)
             loop = loops(sass)[0]
             top = ", ".join(f"{k} {v}" for k, v in sorted(loop.opcodes.items(), key=lambda kv: -kv[1])[:14])
             path = "pure-tile path" if pure else "whole loop (both specializations)"
             path += ", lazy rescale (its skip branch included)" if lazy else ""
+            path += ", __launch_bounds__(128, 3)" if minb == 3 else ""
             print(f"{name} {dc}/{dr} {path}: {loop.total} instructions per warp per tile, "
-                  f"{loop.count('HMMA')} HMMA, {regs.group(1) if regs else '?'} registers\n    {top}")
+                  f"{loop.count('HMMA')} HMMA, {regs.group(1) if regs else '?'} registers, "
+                  f"{spills.group(1) if spills else '?'} B spilled, {loop.count('LDL', 'STL')} local loads/stores in the loop\n    {top}")
 
 
 if __name__ == "__main__":

@@ -91,8 +91,8 @@
 #ifndef QMLA_V2_LAZY_RESCALE
 #define QMLA_V2_LAZY_RESCALE 0  // 1: skip the accumulator rescale while no row's maximum moves (opt-in until timed)
 #endif
-#ifndef QMLA_V2_ANALYZE_PURE_PATH
-#define QMLA_V2_ANALYZE_PURE_PATH 0
+#ifndef QMLA_V2_NO_PROTECTION
+#define QMLA_V2_NO_PROTECTION 0  // 1: the cache keeps no protected tokens (sink = local = 0)
 #endif
 
 #define DC QMLA_DC
@@ -406,8 +406,8 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V2_MINB) qmla_attn_v2(
             float4* xw = xchg + (((i & 1) * RG + rg) * NW) * NTQ * 32;
 
             // tiles with no sink/local token take the specialization without per-lane branches
-#if QMLA_V2_ANALYZE_PURE_PATH
-            const bool pure = true;  // static-analysis builds only (sass_report.py); never launched
+#if QMLA_V2_NO_PROTECTION
+            const bool pure = true;  // sink = local = 0: every tile is pure; the protected path is not compiled
 #else
             const bool pure = !sid_ok || (t0 >= sink && (local <= 0 || min(t0 + T, L) <= L - local));
 #endif
