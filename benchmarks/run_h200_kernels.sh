@@ -25,6 +25,8 @@ if [ "$MODE" = check ]; then
   echo "=== cupy v2 memcheck"; timeout 80 compute-sanitizer --tool memcheck $T tests/test_cupy_backend.py -x -k "v2_matches and (L17_31_100 or L40_33)" 2>&1 | tail -4
   echo "=== cupy v2 lazy rescale conformance"; QUANTMLA_CUPY_V2_LAZY_RESCALE=1 timeout 120 $T tests/test_cupy_backend.py -x \
     -k "attention_v2_matches_reference and float32-]" 2>&1 | tail -3
+  echo "=== cupy v2 separate protected conformance"; QUANTMLA_CUPY_V2_PROTECTED=separate timeout 120 $T tests/test_cupy_backend.py -x \
+    -k "attention_v2_matches_reference and float32-]" 2>&1 | tail -3
   echo "=== triton v2 conformance"; timeout 180 $T tests/test_triton_backend.py -x -k "v2 or variant" 2>&1 | tail -6 | tee "$OUT/triton_v2.txt"
 elif [ "$MODE" = profile ]; then
   NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
@@ -43,6 +45,10 @@ elif [ "$MODE" = sweep ]; then
   for minb in ${SWEEP_NOPROT_MINB:-1 3}; do echo "=== cupy v2 no protection MINB=$minb"; QUANTMLA_CUPY_V2_MINB=$minb timeout 90 \
       python3 -P benchmarks/cupy_probe.py --variant v2 --protection 0,0 --shapes 16x32x32768,16x128x32768 --formats C4R4 \
       --no-writer 2>&1 | grep -E "^v2"; done
+  # the same split on every cache: packed-only split kernel + a protected-only launch (QUANTMLA_CUPY_V2_PROTECTED=separate)
+  for minb in ${SWEEP_SEPARATE_MINB:-1 3}; do echo "=== cupy v2 separate protected MINB=$minb"; QUANTMLA_CUPY_V2_PROTECTED=separate \
+      QUANTMLA_CUPY_V2_MINB=$minb timeout 90 python3 -P benchmarks/cupy_probe.py --variant v2 --shapes 16x32x32768,16x128x32768,16x8x4096 \
+      --formats C4R4 --no-writer 2>&1 | grep -E "^v2"; done
   for rg in ${SWEEP_RG:-}; do echo "=== cupy v2 H=128 RG=$rg"; QUANTMLA_CUPY_V2_RG=$rg timeout 90 python3 -P benchmarks/cupy_probe.py --variant v2 \
       --shapes 128x32x32768 --formats C4R4 --no-writer 2>&1 | grep -E "^v2"; done
 else

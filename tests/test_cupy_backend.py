@@ -119,13 +119,19 @@ V2_VARIANTS = [
     ("sm_80", "C2R4", 256, 32, 64, 32, 1),
     ("sm_90", "C4R4", 512, 64, 64, 64, 1, "noprot"),
     ("sm_90", "C2R4", 256, 32, 64, 16, 2, "noprot"),
+    # QUANTMLA_CUPY_V2_PROTECTED=separate: packed-only (mode 1) and protected-only (mode 2) builds
+    ("sm_90", "C4R4", 512, 64, 64, 64, 1, "mode1"),
+    ("sm_90", "C4R4", 512, 64, 64, 64, 1, "mode2"),
+    ("sm_90", "C2R4", 256, 32, 64, 16, 2, "mode1"),
+    ("sm_80", "C4R4", 512, 64, 64, 32, 1, "mode2"),
 ]
 
 
 def _compile_v2(v: tuple) -> tuple[int, str]:
     arch, name, dc, dr, gs, page, rg = v[:7]
     fmt = qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr, group_size=gs, page_size=page)
-    defines = v2_defines(fmt, rg, no_protection="noprot" in v[7:])
+    mode = 1 if "mode1" in v[7:] else 2 if "mode2" in v[7:] else 0
+    defines = v2_defines(fmt, rg, no_protection="noprot" in v[7:], prot_mode=mode)
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [NVCC, "-cubin", f"-arch={arch}", "--std=c++17", "-Xptxas", "-v", f"-I{KERNEL_DIR}",
                *define_options(defines), "-o", os.path.join(tmp, "k.cubin"),
@@ -402,10 +408,9 @@ def _kernel_params(source: str, kernel: str) -> list[str]:
     return [" ".join(p.split()) for p in m.group(1).split(",")]
 
 
-@pytest.mark.parametrize("h,s_q,rg_env,prot", [(16, 1, "", True), (128, 1, "", True), (20, 16, "1", True), (3, 2, "", False)])
-def test_v2_launch_arguments_match_kernel_signature(monkeypatch, h, s_q, rg_env, prot):
-    """Run the v2 launcher on the CPU with the CUDA calls stubbed: the argument list must match
-    qmla_attn_v2's parameters in number and type, and the grid/block/shared sizes the plan."""
+def _run_v2_stubbed(monkeypatch, h: int, s_q: int, prot: bool, env: dict[str, str]):
+    """One v2 attention call on the CPU with compilation and launches stubbed. Returns the
+    launches (kernel, grid, block, args, shared bytes), the kernels asked for, the format and B."""
     from quantmla_core.backends.cupy import attention as A
 
     launches, kernels = [], []
@@ -422,9 +427,8 @@ def test_v2_launch_arguments_match_kernel_signature(monkeypatch, h, s_q, rg_env,
         launches.append((fn, grid, block, args, smem))
 
     monkeypatch.setenv(VARIANT_ENV, "v2")
-    if rg_env:
-        monkeypatch.setenv("QUANTMLA_CUPY_V2_RG", rg_env)
-        monkeypatch.setenv("QUANTMLA_CUPY_V2_LAZY_RESCALE", "1")  # the knob reaches the compile defines
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
     monkeypatch.setattr(A, "get_kernel", fake_get_kernel)
     monkeypatch.setattr(A, "launch", fake_launch)
     monkeypatch.setattr(A, "external_stream", lambda dev: None)
@@ -436,7 +440,6 @@ def test_v2_launch_arguments_match_kernel_signature(monkeypatch, h, s_q, rg_env,
 
     fmt = qm.PackFormat.parse("C4R4")
     b, pages_per = 3, 5
-
     n_sink, n_local = (4, 128) if prot else (0, 0)
 
     class Cache:
@@ -451,6 +454,16 @@ def test_v2_launch_arguments_match_kernel_signature(monkeypatch, h, s_q, rg_env,
     table = torch.arange(b * pages_per, dtype=torch.int32).view(b, pages_per)
     out, lse = A.attention(q, r, Cache, table, torch.full((b,), 300), torch.arange(b), 0.05)
     assert out.shape == q.shape and out.dtype == torch.bfloat16 and lse.shape == (b, s_q, h)
+    return launches, kernels, fmt, b
+
+
+@pytest.mark.parametrize("h,s_q,rg_env,prot", [(16, 1, "", True), (128, 1, "", True), (20, 16, "1", True), (3, 2, "", False)])
+def test_v2_launch_arguments_match_kernel_signature(monkeypatch, h, s_q, rg_env, prot):
+    """Run the v2 launcher on the CPU with the CUDA calls stubbed: the argument list must match
+    qmla_attn_v2's parameters in number and type, and the grid/block/shared sizes the plan."""
+    # with rg_env the lazy-rescale knob is set too: it must reach the compile defines
+    env = {"QUANTMLA_CUPY_V2_RG": rg_env, "QUANTMLA_CUPY_V2_LAZY_RESCALE": "1"} if rg_env else {}
+    launches, kernels, fmt, b = _run_v2_stubbed(monkeypatch, h, s_q, prot, env)
     assert [k for k in kernels] == [("attention_v2.cu", "qmla_attn_v2"), ("attention.cu", "qmla_combine")]
     (attn, grid, block, args, smem), (_comb, cgrid, _cblock, cargs, _) = launches
     params = _kernel_params("attention_v2.cu", "qmla_attn_v2")
@@ -475,9 +488,30 @@ def test_v2_launch_arguments_match_kernel_signature(monkeypatch, h, s_q, rg_env,
     assert smem == attn.smem == v2_smem_bytes(fmt, rg) and attn.defines["QMLA_V2_SMEM"] == smem
     splits = int(args[params.index("int num_splits")])
     per = int(args[params.index("int tiles_per_split")])
-    assert grid[1] == splits and splits * per * 32 >= pages_per * fmt.page_size
+    assert grid[1] == splits and splits * per * 32 >= 5 * fmt.page_size  # 5 pages per request (_run_v2_stubbed)
     assert len(cargs) == len(_kernel_params("attention.cu", "qmla_combine")) and cgrid == (b * rows,)
     assert int(cargs[-1]) == splits
+
+
+@pytest.mark.parametrize("prot", [True, False])
+def test_v2_separate_protected_launches(monkeypatch, prot):
+    """QUANTMLA_CUPY_V2_PROTECTED=separate: a packed-only split kernel (mode 1), a protected-only
+    kernel with two CTAs per row chunk (mode 2, the last two partials), and one combine over
+    splits + 2 partials. A cache without sink/local tokens ignores it (one split kernel)."""
+    launches, kernels, fmt, b = _run_v2_stubbed(monkeypatch, 16, 1, prot, {"QUANTMLA_CUPY_V2_PROTECTED": "separate",
+                                                                          "QUANTMLA_CUPY_V2_MINB": "3"})
+    params = _kernel_params("attention_v2.cu", "qmla_attn_v2")
+    if not prot:
+        assert len(launches) == 2 and launches[0][0].defines["QMLA_V2_PROT_MODE"] == 0
+        return
+    (packed, pgrid, _, pargs, _), (protk, qgrid, _, qargs, _), (_c, cgrid, _, cargs, _) = launches
+    assert packed.defines["QMLA_V2_PROT_MODE"] == 1 and protk.defines["QMLA_V2_PROT_MODE"] == 2
+    assert packed.defines["QMLA_V2_MINB"] == 3 and protk.defines["QMLA_V2_MINB"] == 1  # the protected path needs registers
+    splits = pgrid[1]
+    assert qgrid == (pgrid[0], 2)
+    slots = int(pargs[params.index("int num_splits")])
+    assert slots == splits + 2 and int(qargs[params.index("int num_splits")]) == slots and int(cargs[-1]) == slots
+    assert pargs == qargs  # one argument list for both split kernels
 
 
 @pytest.mark.parametrize("variant,dtype", [("v1", torch.bfloat16), ("v1", torch.float32), ("v2", torch.float32)])

@@ -14,8 +14,11 @@ Two attention kernels share the partials layout and the combine kernel:
 row-group count is even), ``QUANTMLA_CUPY_V2_STAGES`` (cp.async ring depth 3-5, default 4),
 ``QUANTMLA_CUPY_V2_MINB`` (minimum blocks per SM given to ``__launch_bounds__``, default 1) and
 ``QUANTMLA_CUPY_V2_LAZY_RESCALE`` (1: skip the output rescale while no row's running maximum
-moves; bit-identical, not yet timed on a GPU, default 0) are tuning knobs for measurements, also
-read per call.
+moves; bit-identical, not yet timed on a GPU, default 0) and ``QUANTMLA_CUPY_V2_PROTECTED``
+(``inline``, the default: sink/local tokens inside the split kernel; ``separate``: the split
+kernel reads packed tokens only, without the protected path, and a second small launch adds
+the sink and local tokens as two more partials; not yet run on a GPU) are tuning knobs for
+measurements, also read per call.
 :func:`select_variant` says which kernel a call will run, and why.
 """
 
@@ -127,14 +130,15 @@ def select_variant(fmt: PackFormat, dtype: str, capability: tuple[int, int] | No
 
 
 def v2_defines(fmt: PackFormat, row_groups: int = 1, min_blocks: int = 1, stages: int = V2_STAGES,
-               lazy_rescale: bool = False, no_protection: bool = False) -> dict[str, int]:
+               lazy_rescale: bool = False, no_protection: bool = False, prot_mode: int = 0) -> dict[str, int]:
     """``-D`` defines of ``kernels/attention_v2.cu`` (bfloat16 queries). ``no_protection``: the
     cache keeps no sink/local tokens, so only the pure-tile path is compiled (fewer registers,
-    half the loop code)."""
+    half the loop code). ``prot_mode``: 0 protected tokens inline; 1 packed tokens only; 2
+    protected tokens only (1 and 2 run as a pair, see ``QUANTMLA_CUPY_V2_PROTECTED``)."""
     d = attention_defines(fmt, "bfloat16")
     d.update(QMLA_V2_RG=int(row_groups), QMLA_V2_MINB=int(min_blocks), QMLA_V2_STAGES=int(stages),
              QMLA_V2_SMEM=v2_smem_bytes(fmt, row_groups, stages), QMLA_V2_LAZY_RESCALE=int(lazy_rescale),
-             QMLA_V2_NO_PROTECTION=int(no_protection))
+             QMLA_V2_NO_PROTECTION=int(no_protection), QMLA_V2_PROT_MODE=int(prot_mode))
     return d
 
 
@@ -160,7 +164,7 @@ def plan_splits_v2(batch: int, chunks: int, max_tokens: int, resident: int) -> t
 
 _CACHE_LOCK = threading.Lock()
 _SM_COUNT: dict[int, tuple[int, tuple[int, int]]] = {}
-_FNS: dict[tuple, tuple] = {}
+_FNS: dict[tuple, object] = {}
 _WORKSPACE: dict[tuple[int, int], torch.Tensor] = {}
 
 
@@ -186,6 +190,15 @@ def _env_int(name: str, default: int, allowed: tuple[int, ...]) -> int:
     if v not in allowed:
         raise ValueError(f"{name}: expected one of {allowed}, got {raw!r}")
     return v
+
+
+def _env_choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw not in allowed:
+        raise ValueError(f"{name}: expected one of {allowed}, got {raw!r}")
+    return raw
 
 
 def _workspace(dev: int, numel: int) -> torch.Tensor:
@@ -221,18 +234,27 @@ def attention(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_s
     return _attention_v1(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale, dev, sm_count)
 
 
-def _v2_kernels(fmt: PackFormat, dev: int, rg: int, minb: int, stages: int, lazy: bool = False,
-                no_prot: bool = False):
-    key = (fmt, dev, rg, minb, stages, lazy, no_prot)
-    fns = _FNS.get(key)
-    if fns is None:
+def _v2_kernel(fmt: PackFormat, dev: int, rg: int, minb: int, stages: int, lazy: bool, no_prot: bool, mode: int):
+    """Compiled ``qmla_attn_v2`` for one set of defines (cached) and its dynamic shared memory."""
+    key = ("v2", fmt, dev, rg, minb, stages, lazy, no_prot, mode)
+    fn = _FNS.get(key)
+    if fn is None:
         smem = v2_smem_bytes(fmt, rg, stages)
-        attn = get_kernel("attention_v2.cu", "qmla_attn_v2", v2_defines(fmt, rg, minb, stages, lazy, no_prot), dev, smem)
-        combine = get_kernel("attention.cu", "qmla_combine", attention_defines(fmt, "bfloat16"), dev)
-        fns = (attn, combine, smem)
+        fn = (get_kernel("attention_v2.cu", "qmla_attn_v2", v2_defines(fmt, rg, minb, stages, lazy, no_prot, mode), dev,
+                         smem), smem)
         with _CACHE_LOCK:
-            _FNS[key] = fns
-    return fns
+            _FNS[key] = fn
+    return fn
+
+
+def _combine_kernel(fmt: PackFormat, dev: int):
+    key = ("combine", fmt, dev)
+    fn = _FNS.get(key)
+    if fn is None:
+        fn = get_kernel("attention.cu", "qmla_combine", attention_defines(fmt, "bfloat16"), dev)
+        with _CACHE_LOCK:
+            _FNS[key] = fn
+    return fn
 
 
 def _attention_v2(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale, dev, sm_count):
@@ -244,26 +266,35 @@ def _attention_v2(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softm
     minb = _env_int("QUANTMLA_CUPY_V2_MINB", 1, (1, 2, 3, 4))
     stages = _env_int("QUANTMLA_CUPY_V2_STAGES", V2_STAGES, (3, 4, 5))
     lazy = bool(_env_int("QUANTMLA_CUPY_V2_LAZY_RESCALE", 0, (0, 1)))
+    separate = _env_choice("QUANTMLA_CUPY_V2_PROTECTED", "inline", ("inline", "separate")) == "separate"
     chunks = (rows + 16 * rg - 1) // (16 * rg)
     no_prot = int(cache.sink) == 0 and int(cache.local) == 0
-    attn, combine, smem = _v2_kernels(fmt, dev, rg, minb, stages, lazy, no_prot)
+    separate = separate and not no_prot
+    attn, smem = _v2_kernel(fmt, dev, rg, minb, stages, lazy, no_prot, 1 if separate else 0)
     table = block_table if (block_table.dtype == torch.int32 and block_table.is_contiguous()) else block_table.to(torch.int32).contiguous()
     lens = seq_lens if (seq_lens.dtype == torch.int64 and seq_lens.is_contiguous()) else seq_lens.to(torch.int64).contiguous()
     ids = seq_ids if (seq_ids.dtype == torch.int64 and seq_ids.is_contiguous()) else seq_ids.to(torch.int64).contiguous()
     q, r = q_latent.contiguous(), q_rope.contiguous()
     max_pages = int(table.shape[1])
-    resident = resident_ctas(attn, V2_WARPS * 32 * rg, smem, dev, sm_count)
+    block = (V2_WARPS * 32 * rg,)
+    resident = resident_ctas(attn, block[0], smem, dev, sm_count)
     splits, per = plan_splits_v2(b, chunks, max(1, max_pages) * fmt.page_size, resident)
+    launches = [(attn, (b * chunks, splits), block, smem)]
+    slots = splits
+    if separate:  # the sink and local tokens as two more partials, from a protected-only build
+        prot, psmem = _v2_kernel(fmt, dev, rg, 1, stages, lazy, False, 2)
+        launches.append((prot, (b * chunks, 2), block, psmem))
+        slots = splits + 2
 
-    n_o = b * rows * splits * dc
-    ws = _workspace(dev, n_o + b * rows * splits * 2)
+    n_o = b * rows * slots * dc
+    ws = _workspace(dev, n_o + b * rows * slots * 2)
     o_part = ws[:n_o]
-    ml_part = ws[n_o : n_o + b * rows * splits * 2]
+    ml_part = ws[n_o : n_o + b * rows * slots * 2]
     out = torch.empty((b, s_q, h, dc), dtype=q_latent.dtype, device=q_latent.device)
     lse = torch.empty((b, s_q, h), dtype=torch.float32, device=q_latent.device)
 
-    _launch_split_and_combine(attn, combine, (b * chunks, splits), (V2_WARPS * 32 * rg,), smem, dev, q, r, cache, table,
-                              lens, ids, o_part, ml_part, out, lse, s_q, h, per, splits, softmax_scale)
+    _launch_split_and_combine(launches, _combine_kernel(fmt, dev), dev, q, r, cache, table, lens, ids, o_part,
+                              ml_part, out, lse, s_q, h, per, slots, softmax_scale)
     return out, lse
 
 
@@ -291,14 +322,15 @@ def _attention_v1(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softm
     out = torch.empty((b, s_q, h, dc), dtype=q_latent.dtype, device=device)
     lse = torch.empty((b, s_q, h), dtype=torch.float32, device=device)
 
-    _launch_split_and_combine(attn, combine, (b * row_groups, splits), (ATTN_WARPS * 32,), smem, dev, q, r, cache, table,
-                              lens, ids, o_part, ml_part, out, lse, s_q, h, per, splits, softmax_scale)
+    _launch_split_and_combine([(attn, (b * row_groups, splits), (ATTN_WARPS * 32,), smem)], combine, dev, q, r, cache,
+                              table, lens, ids, o_part, ml_part, out, lse, s_q, h, per, splits, softmax_scale)
     return out, lse
 
 
-def _launch_split_and_combine(attn, combine, grid, block, smem, dev, q, r, cache, table, lens, ids, o_part, ml_part,
+def _launch_split_and_combine(launches, combine, dev, q, r, cache, table, lens, ids, o_part, ml_part,
                               out, lse, s_q, h, per, splits, softmax_scale) -> None:
-    """Launch a split kernel (v1 and v2 share the argument list) and the LSE combine on torch's stream."""
+    """Launch the split kernels (``launches``: (kernel, grid, block, shared bytes); v1 and v2 share
+    the argument list) and the LSE combine over ``splits`` partials per row, on torch's stream."""
     p = lambda x: np.uint64(device_pointer(x))  # noqa: E731
     args = (
         p(q), p(r), p(cache.pages), p(cache.sink_buf), p(cache.local_buf), p(table), p(lens), p(ids),
@@ -307,7 +339,8 @@ def _launch_split_and_combine(attn, combine, grid, block, smem, dev, q, r, cache
         np.int32(per), np.int32(splits), np.float32(softmax_scale * LOG2E),
     )
     stream = external_stream(dev)
-    launch(attn, grid, block, args, dev, smem, stream=stream)
+    for fn, grid, block, smem in launches:
+        launch(fn, grid, block, args, dev, smem, stream=stream)
     rows = int(out.shape[1]) * int(out.shape[2])
     launch(combine, (int(out.shape[0]) * rows,), (128,), (p(o_part), p(ml_part), p(out), p(lse), np.int32(splits)), dev,
            stream=stream)

@@ -76,12 +76,14 @@ def missing_tools() -> list[str]:
 
 
 def compile_sass(fmt: PackFormat, pure_path: bool = True, row_groups: int = 1, stages: int = 4,
-                 lazy_rescale: bool = False, min_blocks: int = 1) -> tuple[str, str]:
-    """(SASS text, ptxas -v output) of ``qmla_attn_v2`` for ``fmt`` on sm_90."""
+                 lazy_rescale: bool = False, min_blocks: int = 1, prot_mode: int = 0) -> tuple[str, str]:
+    """(SASS text, ptxas -v output) of ``qmla_attn_v2`` for ``fmt`` on sm_90 (``prot_mode`` 1: the
+    packed-only split kernel of ``QUANTMLA_CUPY_V2_PROTECTED=separate``; ``pure_path`` is then moot)."""
     missing = missing_tools()
     if missing:
         raise RuntimeError(f"sass_report needs {', '.join(missing)} (see the module docstring)")
-    defines = v2_defines(fmt, row_groups, min_blocks, stages, lazy_rescale, no_protection=pure_path)
+    defines = v2_defines(fmt, row_groups, min_blocks, stages, lazy_rescale, no_protection=pure_path and not prot_mode,
+                         prot_mode=prot_mode)
     env = dict(os.environ, PATH=os.pathsep.join([str(Path(find_tool("nvdisasm")).parent), os.environ.get("PATH", "")]))
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
@@ -119,13 +121,15 @@ def main(argv: list[str]) -> None:
     cases = [(argv[0], int(argv[1]), int(argv[2]))] if argv else [("C4R4", 512, 64), ("C2R4", 512, 64)]
     for name, dc, dr in cases:
         fmt = PackFormat.parse(name, latent_dim=dc, rope_dim=dr)
-        for pure, lazy, minb in ((True, False, 1), (True, True, 1), (True, False, 3), (False, False, 1), (False, False, 3)):
-            sass, ptxas = compile_sass(fmt, pure, lazy_rescale=lazy, min_blocks=minb)
+        for pure, lazy, minb, mode in ((True, False, 1, 0), (True, True, 1, 0), (True, False, 3, 0), (False, False, 1, 0),
+                                       (False, False, 3, 0), (False, False, 1, 1), (False, False, 3, 1)):
+            sass, ptxas = compile_sass(fmt, pure, lazy_rescale=lazy, min_blocks=minb, prot_mode=mode)
             regs = re.search(r"Used (\d+) registers", ptxas)
             spills = re.search(r"(\d+) bytes spill stores", ptxas)
             loop = loops(sass)[0]
             top = ", ".join(f"{k} {v}" for k, v in sorted(loop.opcodes.items(), key=lambda kv: -kv[1])[:14])
             path = "pure-tile path" if pure else "whole loop (both specializations)"
+            path = "packed-only split kernel (PROTECTED=separate)" if mode == 1 else path
             path += ", lazy rescale (its skip branch included)" if lazy else ""
             path += ", __launch_bounds__(128, 3)" if minb == 3 else ""
             print(f"{name} {dc}/{dr} {path}: {loop.total} instructions per warp per tile, "

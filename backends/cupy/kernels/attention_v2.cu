@@ -94,6 +94,11 @@
 #ifndef QMLA_V2_NO_PROTECTION
 #define QMLA_V2_NO_PROTECTION 0  // 1: the cache keeps no protected tokens (sink = local = 0)
 #endif
+#ifndef QMLA_V2_PROT_MODE
+// 0: protected (sink/local) tokens inline, from the bf16 buffers; 1: packed tokens only, protected
+// ones masked; 2: protected tokens only. Modes 1 + 2 are two launches whose partials one combine merges.
+#define QMLA_V2_PROT_MODE 0
+#endif
 
 #define DC QMLA_DC
 #define DR QMLA_DR
@@ -252,15 +257,38 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V2_MINB) qmla_attn_v2(
     const int R = S_q * H;
     const int NCHK = (R + 16 * RG - 1) / (16 * RG);
     const int b = blockIdx.x / NCHK, chk = blockIdx.x % NCHK;
-    const int split = blockIdx.y;
     const int L = (int)seq_lens[b];  // lengths < 2^31 (DESIGN: context up to 1M tokens)
     const i64 sid = seq_ids[b];
     const bool sid_ok = sid >= 0 && sid < max_seqs;
     const int r0 = (chk * RG + rg) * 16 + g8, r1 = r0 + 8;
+    // The tokens this CTA attends to are [keep_lo, keep_hi). Mode 0: all of [0, L), protected ones
+    // read from the bf16 buffers inline. Mode 1: the packed ones between the sink and the local
+    // window. Mode 2: y = 0 the sink tokens, y = 1 the local window, written as the last two
+    // partials (num_splits counts them).
+    const int sink_end = sid_ok ? min(sink, L) : 0;
+    const int local_start = (sid_ok && local > 0) ? max(sink_end, L - local) : L;
+#if QMLA_V2_PROT_MODE == 1
+    const int keep_lo = sink_end, keep_hi = local_start;
+    const int split = blockIdx.y;
+    const int t_end = min(keep_hi, (split + 1) * tiles_per_split * T);
+    const int t_begin = max(split * tiles_per_split * T, keep_lo / T * T);
+#elif QMLA_V2_PROT_MODE == 2
+    const int keep_lo = blockIdx.y == 0 ? 0 : local_start;
+    const int keep_hi = blockIdx.y == 0 ? sink_end : L;
+    const int split = num_splits - 2 + (int)blockIdx.y;
+    const int t_begin = keep_lo / T * T, t_end = keep_hi;
+#else
+    const int keep_lo = 0, keep_hi = L;
+    const int split = blockIdx.y;
     const int t_begin = split * tiles_per_split * T;
     const int t_end = min(L, t_begin + tiles_per_split * T);
-    const int lim0 = min(L, L - S_q + r0 / H + 1);
-    const int lim1 = min(L, L - S_q + r1 / H + 1);
+#endif
+    const int lim0 = min(keep_hi, L - S_q + r0 / H + 1);
+    const int lim1 = min(keep_hi, L - S_q + r1 / H + 1);
+#if QMLA_V2_PROT_MODE != 0
+    __shared__ int keep_lo_s;  // read back for the first tile only: keeps a register free in the loop
+    if (tid == 0) keep_lo_s = keep_lo;  // visible after the prologue's __syncthreads
+#endif
 
     // protected-buffer row of token n (nullptr: read the packed copy)
     auto prot_row = [&](int n) -> const u16* {
@@ -406,8 +434,10 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V2_MINB) qmla_attn_v2(
             float4* xw = xchg + (((i & 1) * RG + rg) * NW) * NTQ * 32;
 
             // tiles with no sink/local token take the specialization without per-lane branches
-#if QMLA_V2_NO_PROTECTION
-            const bool pure = true;  // sink = local = 0: every tile is pure; the protected path is not compiled
+#if QMLA_V2_NO_PROTECTION || QMLA_V2_PROT_MODE == 1
+            // sink = local = 0, or mode 1 (protected tokens masked, never read): every tile takes the
+            // pure path and the protected path is not compiled
+            const bool pure = true;
 #else
             const bool pure = !sid_ok || (t0 >= sink && (local <= 0 || min(t0 + T, L) <= L - local));
 #endif
@@ -496,6 +526,17 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V2_MINB) qmla_attn_v2(
             // -------------------------------------------------------- sum partials, mask, online softmax
             float S[NTQ][4];
             qmla_sum_partials<NTQ, NW>(xw, lane, t0, q4, lim0, lim1, scale_log2, S);
+#if QMLA_V2_PROT_MODE != 0
+            if (i == 0) {  // only the first tile can start before this CTA's tokens (t_begin = keep_lo / T * T)
+                const int klo = keep_lo_s;
+#pragma unroll
+                for (int j = 0; j < NTQ; ++j) {
+                    const int n = t0 + 8 * j + 2 * q4;
+                    if (n < klo) S[j][0] = S[j][2] = -QMLA_INF;
+                    if (n + 1 < klo) S[j][1] = S[j][3] = -QMLA_INF;
+                }
+            }
+#endif
             qmla_online_softmax<NTQ, NTP, (bool)QMLA_V2_LAZY_RESCALE>(S, m0, m1, l0, l1, acc);
 
             auto pv_tile = [&](auto prot_c) {
