@@ -9,7 +9,6 @@ lists every backend's reasons. Selection has no side effects.
 from __future__ import annotations
 
 import importlib
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .envvars import getenv
 from .formats import PackFormat
 
 ENV_OVERRIDE = "QUANTMLA_BACKEND"
@@ -211,11 +211,12 @@ def select_backend(problem: Problem, backend: str = "auto", env: dict[str, str] 
 
     Decisions are memoised per (problem, request): a decode loop asks the same question for
     every layer and step, and answering it costs more than a small kernel launch."""
-    env = os.environ if env is None else env
     if not isinstance(backend, str):
         raise TypeError(f"backend: expected a str, got {type(backend).__name__}")
-    if backend == "auto" and env.get(ENV_OVERRIDE):
-        backend = env[ENV_OVERRIDE]
+    if backend == "auto":
+        override = getenv(ENV_OVERRIDE) if env is None else env.get(ENV_OVERRIDE)
+        if override:
+            backend = override
     return _select(problem, backend)
 
 

@@ -436,6 +436,7 @@ def _run_v2_stubbed(monkeypatch, h: int, s_q: int, prot: bool, env: dict[str, st
     monkeypatch.setattr(A, "resident_ctas", lambda fn, threads, smem, dev, sms: 2 * sms)
     monkeypatch.setattr(A, "_workspace", lambda dev, n: torch.empty(n, dtype=torch.float32))
     monkeypatch.setattr(A, "_FNS", {})
+    monkeypatch.setattr(A, "_PLANS", {})
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
 
     fmt = qm.PackFormat.parse("C4R4")

@@ -25,18 +25,18 @@ measurements, also read per call.
 from __future__ import annotations
 
 import math
-import os
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from ...envvars import getenv
 from ...formats import PackFormat
 from ..splits import plan_kv_splits
 from . import (
     ATTN_TILE,
     ATTN_WARPS,
-    device_pointer,
     external_stream,
     format_defines,
     get_kernel,
@@ -90,7 +90,7 @@ def plan_splits(batch: int, row_groups: int, max_tokens: int, resident: int) -> 
 
 def requested_variant() -> str:
     """The kernel ``QUANTMLA_CUPY_ATTENTION`` asks for (``auto`` when unset), read now."""
-    v = os.environ.get(VARIANT_ENV, "").strip().lower() or "auto"
+    v = getenv(VARIANT_ENV, "").strip().lower() or "auto"
     if v not in VARIANTS:
         raise ValueError(f"{VARIANT_ENV}: expected one of {VARIANTS}, got {v!r}")
     return v
@@ -165,6 +165,7 @@ def plan_splits_v2(batch: int, chunks: int, max_tokens: int, resident: int) -> t
 _CACHE_LOCK = threading.Lock()
 _SM_COUNT: dict[int, tuple[int, tuple[int, int]]] = {}
 _FNS: dict[tuple, object] = {}
+_PLANS: dict[tuple, object] = {}
 _WORKSPACE: dict[tuple[int, int], torch.Tensor] = {}
 
 
@@ -180,7 +181,7 @@ def _device_info(dev: int) -> tuple[int, tuple[int, int]]:
 
 
 def _env_int(name: str, default: int, allowed: tuple[int, ...]) -> int:
-    raw = os.environ.get(name, "").strip()
+    raw = getenv(name, "").strip()
     if not raw:
         return default
     try:
@@ -193,7 +194,7 @@ def _env_int(name: str, default: int, allowed: tuple[int, ...]) -> int:
 
 
 def _env_choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
-    raw = os.environ.get(name, "").strip().lower()
+    raw = getenv(name, "").strip().lower()
     if not raw:
         return default
     if raw not in allowed:
@@ -257,44 +258,76 @@ def _combine_kernel(fmt: PackFormat, dev: int):
     return fn
 
 
+@dataclass(frozen=True)
+class V2Knobs:
+    """The ``QUANTMLA_CUPY_V2_*`` tuning variables of one call (``rg`` None: the default rule)."""
+
+    rg: int | None
+    minb: int
+    stages: int
+    lazy: bool
+    separate: bool
+
+    @staticmethod
+    def from_env() -> "V2Knobs":
+        rg = _env_int("QUANTMLA_CUPY_V2_RG", 0, (1, 2)) or None
+        return V2Knobs(rg, _env_int("QUANTMLA_CUPY_V2_MINB", 1, (1, 2, 3, 4)),
+                       _env_int("QUANTMLA_CUPY_V2_STAGES", V2_STAGES, (3, 4, 5)),
+                       bool(_env_int("QUANTMLA_CUPY_V2_LAZY_RESCALE", 0, (0, 1))),
+                       _env_choice("QUANTMLA_CUPY_V2_PROTECTED", "inline", ("inline", "separate")) == "separate")
+
+
+@dataclass(frozen=True)
+class V2Plan:
+    """Everything a v2 call launches for one problem shape: split kernels (kernel, grid, block,
+    shared bytes), the combine, tiles per split and partial slots per row."""
+
+    launches: tuple
+    combine: object
+    per: int
+    slots: int
+
+
+def v2_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool,
+            knobs: V2Knobs) -> V2Plan:
+    """The launch plan of kernel v2 (cached per shape and knobs: steady-state decode reuses it)."""
+    key = (fmt, dev, sm_count, batch, rows, max_pages, no_prot, knobs)
+    plan = _PLANS.get(key)
+    if plan is None:
+        row_groups = (rows + 15) // 16
+        rg = knobs.rg or (2 if row_groups % 2 == 0 else 1)
+        chunks = (rows + 16 * rg - 1) // (16 * rg)
+        separate = knobs.separate and not no_prot
+        attn, smem = _v2_kernel(fmt, dev, rg, knobs.minb, knobs.stages, knobs.lazy, no_prot, 1 if separate else 0)
+        block = (V2_WARPS * 32 * rg,)
+        resident = resident_ctas(attn, block[0], smem, dev, sm_count)
+        splits, per = plan_splits_v2(batch, chunks, max(1, max_pages) * fmt.page_size, resident)
+        launches = [(attn, (batch * chunks, splits), block, smem)]
+        if separate:  # the sink and local tokens as two more partials, from a protected-only build
+            prot, psmem = _v2_kernel(fmt, dev, rg, 1, knobs.stages, knobs.lazy, False, 2)
+            launches.append((prot, (batch * chunks, 2), block, psmem))
+        plan = V2Plan(tuple(launches), _combine_kernel(fmt, dev), per, splits + (2 if separate else 0))
+        with _CACHE_LOCK:
+            _PLANS[key] = plan
+    return plan
+
+
 def _attention_v2(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale, dev, sm_count):
     fmt = cache.format
-    b, s_q, h, dc = (int(x) for x in q_latent.shape)
+    b, s_q, h, dc = q_latent.shape
     rows = s_q * h
-    row_groups = (rows + 15) // 16
-    rg = _env_int("QUANTMLA_CUPY_V2_RG", 2 if row_groups % 2 == 0 else 1, (1, 2))
-    minb = _env_int("QUANTMLA_CUPY_V2_MINB", 1, (1, 2, 3, 4))
-    stages = _env_int("QUANTMLA_CUPY_V2_STAGES", V2_STAGES, (3, 4, 5))
-    lazy = bool(_env_int("QUANTMLA_CUPY_V2_LAZY_RESCALE", 0, (0, 1)))
-    separate = _env_choice("QUANTMLA_CUPY_V2_PROTECTED", "inline", ("inline", "separate")) == "separate"
-    chunks = (rows + 16 * rg - 1) // (16 * rg)
-    no_prot = int(cache.sink) == 0 and int(cache.local) == 0
-    separate = separate and not no_prot
-    attn, smem = _v2_kernel(fmt, dev, rg, minb, stages, lazy, no_prot, 1 if separate else 0)
+    no_prot = cache.sink == 0 and cache.local == 0
+    plan = v2_plan(fmt, dev, sm_count, b, rows, block_table.shape[1], no_prot, V2Knobs.from_env())
     table = block_table if (block_table.dtype == torch.int32 and block_table.is_contiguous()) else block_table.to(torch.int32).contiguous()
     lens = seq_lens if (seq_lens.dtype == torch.int64 and seq_lens.is_contiguous()) else seq_lens.to(torch.int64).contiguous()
     ids = seq_ids if (seq_ids.dtype == torch.int64 and seq_ids.is_contiguous()) else seq_ids.to(torch.int64).contiguous()
-    q, r = q_latent.contiguous(), q_rope.contiguous()
-    max_pages = int(table.shape[1])
-    block = (V2_WARPS * 32 * rg,)
-    resident = resident_ctas(attn, block[0], smem, dev, sm_count)
-    splits, per = plan_splits_v2(b, chunks, max(1, max_pages) * fmt.page_size, resident)
-    launches = [(attn, (b * chunks, splits), block, smem)]
-    slots = splits
-    if separate:  # the sink and local tokens as two more partials, from a protected-only build
-        prot, psmem = _v2_kernel(fmt, dev, rg, 1, stages, lazy, False, 2)
-        launches.append((prot, (b * chunks, 2), block, psmem))
-        slots = splits + 2
-
-    n_o = b * rows * slots * dc
-    ws = _workspace(dev, n_o + b * rows * slots * 2)
-    o_part = ws[:n_o]
-    ml_part = ws[n_o : n_o + b * rows * slots * 2]
+    n_o = b * rows * plan.slots * dc
+    ws = _workspace(dev, n_o + b * rows * plan.slots * 2)
     out = torch.empty((b, s_q, h, dc), dtype=q_latent.dtype, device=q_latent.device)
     lse = torch.empty((b, s_q, h), dtype=torch.float32, device=q_latent.device)
-
-    _launch_split_and_combine(launches, _combine_kernel(fmt, dev), dev, q, r, cache, table, lens, ids, o_part,
-                              ml_part, out, lse, s_q, h, per, slots, softmax_scale)
+    _launch_split_and_combine(plan.launches, plan.combine, dev, q_latent.contiguous(), q_rope.contiguous(), cache, table,
+                              lens, ids, ws, ws.data_ptr() + 4 * n_o, out, lse, s_q, h, plan.per, plan.slots,
+                              softmax_scale)
     return out, lse
 
 
@@ -330,17 +363,21 @@ def _attention_v1(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softm
 def _launch_split_and_combine(launches, combine, dev, q, r, cache, table, lens, ids, o_part, ml_part,
                               out, lse, s_q, h, per, splits, softmax_scale) -> None:
     """Launch the split kernels (``launches``: (kernel, grid, block, shared bytes); v1 and v2 share
-    the argument list) and the LSE combine over ``splits`` partials per row, on torch's stream."""
-    p = lambda x: np.uint64(device_pointer(x))  # noqa: E731
+    the argument list) and the LSE combine over ``splits`` partials per row, on torch's stream.
+    ``o_part`` / ``ml_part``: tensors or raw device addresses."""
+    u64 = np.uint64
+    o_ptr = u64(o_part if isinstance(o_part, int) else o_part.data_ptr())
+    ml_ptr = u64(ml_part if isinstance(ml_part, int) else ml_part.data_ptr())
     args = (
-        p(q), p(r), p(cache.pages), p(cache.sink_buf), p(cache.local_buf), p(table), p(lens), p(ids),
-        p(o_part), p(ml_part), np.int32(s_q), np.int32(h), np.int32(table.shape[1]), np.int32(table.stride(0)),
+        u64(q.data_ptr()), u64(r.data_ptr()), u64(cache.pages.data_ptr()), u64(cache.sink_buf.data_ptr()),
+        u64(cache.local_buf.data_ptr()), u64(table.data_ptr()), u64(lens.data_ptr()), u64(ids.data_ptr()),
+        o_ptr, ml_ptr, np.int32(s_q), np.int32(h), np.int32(table.shape[1]), np.int32(table.stride(0)),
         np.int32(cache.num_pages), np.int32(cache.max_seqs), np.int32(cache.sink), np.int32(cache.local),
         np.int32(per), np.int32(splits), np.float32(softmax_scale * LOG2E),
     )
     stream = external_stream(dev)
     for fn, grid, block, smem in launches:
         launch(fn, grid, block, args, dev, smem, stream=stream)
-    rows = int(out.shape[1]) * int(out.shape[2])
-    launch(combine, (int(out.shape[0]) * rows,), (128,), (p(o_part), p(ml_part), p(out), p(lse), np.int32(splits)), dev,
-           stream=stream)
+    rows = out.shape[1] * out.shape[2]
+    launch(combine, (out.shape[0] * rows,), (128,), (o_ptr, ml_ptr, u64(out.data_ptr()), u64(lse.data_ptr()),
+                                                     np.int32(splits)), dev, stream=stream)

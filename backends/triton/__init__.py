@@ -7,9 +7,8 @@ used by CI without a GPU). Nothing here imports ``triton`` at module import time
 
 from __future__ import annotations
 
-import os
-
 from ...dispatch import Backend, Capabilities, Problem
+from ...envvars import getenv
 
 #: smallest K of a ``tl.dot``; a packed slice (see ``attention.py``) must be at least this wide
 MIN_DOT_K = 16
@@ -17,7 +16,7 @@ MIN_DOT_K = 16
 
 def interpreting() -> bool:
     """True when Triton kernels run in the interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return getenv("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def slice_width(dim: int, bits: int, group: int) -> int:

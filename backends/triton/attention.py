@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import torch
 
+from ...envvars import getenv
 from . import interpreting, slice_width
 from .attention_kernel import protect_combine_kernel, split_kernel
 from .attention_v2_kernel import split_kernel_v2
@@ -68,7 +68,7 @@ def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: 
     ``variant`` ("auto"/"v1"/"v2") overrides ``$QUANTMLA_TRITON_ATTENTION`` (read per call;
     default "auto", see :func:`auto_variant`). v2 on a GPU with float32 queries runs v1 (``heuristics.V2_FLOAT32_ON_GPU``);
     ``LAST_LAUNCH["variant"]`` names the kernel that ran."""
-    variant = variant or os.environ.get(VARIANT_ENV, "").strip().lower() or "auto"
+    variant = variant or getenv(VARIANT_ENV, "").strip().lower() or "auto"
     if variant not in VARIANTS:
         raise ValueError(f"{VARIANT_ENV}: expected one of {VARIANTS}, got {variant!r}")
     fmt = cache.format

@@ -1,0 +1,83 @@
+"""Host (Python) time of one decode-attention call, on the CPU, with the CUDA work stubbed out.
+
+A decode step calls attention once per layer; when the GPU work of a call is tens of
+microseconds (B = 8, L = 4K), the host time decides the step time unless the caller captures a
+CUDA graph. Two numbers, at H = 16, B = 8, 64 pages per request:
+
+* ``cupy_launcher``: ``quantmla_core.backends.cupy.attention.attention`` with kernel compilation
+  and launches replaced by no-ops (plan lookup, argument packing, workspace, outputs);
+* ``api_front_end``: ``quantmla_core.attention(..., validate=False)`` with the backend replaced
+  by one that returns preallocated outputs (argument checks, dispatch, reshapes).
+
+    python -m pytest benchmarks/test_host_overhead.py -m benchmark --benchmark-enable
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import quantmla_core as qm
+
+pytestmark = pytest.mark.benchmark
+B, H, PAGES = 8, 16, 64
+
+
+@pytest.fixture
+def stubbed_cupy(monkeypatch):
+    from quantmla_core.backends.cupy import attention as A
+
+    class Fn:
+        def __init__(self, defines):
+            self.defines = defines
+
+    monkeypatch.setattr(A, "get_kernel", lambda source, kernel, defines, dev, smem=0: Fn(defines))
+    monkeypatch.setattr(A, "launch", lambda fn, grid, block, args, dev, smem=0, stream=None: None)
+    monkeypatch.setattr(A, "external_stream", lambda dev: None)
+    monkeypatch.setattr(A, "_device_info", lambda dev: (132, (9, 0)))
+    monkeypatch.setattr(A, "resident_ctas", lambda fn, threads, smem, dev, sms: 2 * sms)
+    monkeypatch.setattr(A, "_workspace", lambda dev, n: torch.empty(n, dtype=torch.float32))
+    monkeypatch.setattr(A, "_FNS", {})
+    monkeypatch.setattr(A, "_PLANS", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    return A
+
+
+def _cache():
+    return qm.MLACache.allocate(qm.PackFormat.parse("C4R4"), B * PAGES, B, 4, 128, device="cpu")
+
+
+def _inputs():
+    q = torch.randn((B, 1, H, 512)).to(torch.bfloat16)
+    r = torch.randn((B, 1, H, 64)).to(torch.bfloat16)
+    table = torch.arange(B * PAGES, dtype=torch.int32).view(B, PAGES)
+    return q, r, table, torch.full((B,), 4096), torch.arange(B)
+
+
+def test_cupy_launcher(benchmark, stubbed_cupy):
+    cache = _cache()
+    q, r, table, lens, ids = _inputs()
+    out, lse = stubbed_cupy.attention(q, r, cache, table, lens, ids, 0.05)
+    assert out.shape == q.shape and lse.shape == (B, 1, H)
+    benchmark.extra_info.update({"what": "cupy launcher host path, CUDA stubbed", "B": B, "H": H})
+    benchmark(stubbed_cupy.attention, q, r, cache, table, lens, ids, 0.05)
+
+
+def test_api_front_end(benchmark, monkeypatch):
+    import quantmla_core.api as api
+
+    cache = _cache()
+    q, r, table, lens, ids = _inputs()
+    out4, lse4 = torch.zeros_like(q), torch.zeros((B, 1, H))
+
+    class Impl:
+        @staticmethod
+        def attention(*args):
+            return out4, lse4
+
+    monkeypatch.setattr(api, "select_backend", lambda problem, backend: Impl)
+    kw = dict(block_table=table, seq_lens=lens, seq_ids=ids, softmax_scale=0.05, backend="cupy", validate=False)
+    out, lse = qm.attention(q[:, 0], r[:, 0], cache, **kw)
+    assert out.shape == (B, H, 512) and lse.shape == (B, H)
+    benchmark.extra_info.update({"what": "qm.attention front end, backend stubbed", "B": B, "H": H})
+    benchmark(qm.attention, q[:, 0], r[:, 0], cache, **kw)
