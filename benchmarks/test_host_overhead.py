@@ -37,6 +37,7 @@ def stubbed_cupy(monkeypatch):
     monkeypatch.setattr(A, "_device_info", lambda dev: (132, (9, 0)))
     monkeypatch.setattr(A, "resident_ctas", lambda fn, threads, smem, dev, sms: 2 * sms)
     monkeypatch.setattr(A, "_workspace", lambda dev, n: torch.empty(n, dtype=torch.float32))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(A, "_FNS", {})
     monkeypatch.setattr(A, "_PLANS", {})
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)

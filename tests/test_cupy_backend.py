@@ -218,6 +218,37 @@ def test_v2_tuning_knobs_reach_the_defines(monkeypatch):
     assert v2_defines(fmt)["QMLA_V2_NO_PROTECTION"] == 0 and v2_defines(fmt, no_protection=True)["QMLA_V2_NO_PROTECTION"] == 1
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_capture_outputs_share_one_allocation(dtype):
+    """While a CUDA graph is captured, out, lse and the partials are views of one allocation, so
+    the partials the graph's kernels write on every replay live as long as the outputs."""
+    from quantmla_core.backends.cupy.attention import outputs_and_partials
+
+    shape, floats = (3, 2, 16, 512), 3 * 2 * 16 * 5 * 514
+    out, lse, ws = outputs_and_partials(shape, dtype, floats, torch.device("cpu"), 0, capturing=True)
+    assert out.shape == shape and out.dtype == dtype and lse.shape == shape[:-1] and lse.dtype == torch.float32
+    assert ws.dtype == torch.float32 and ws.numel() >= floats
+    base = out.untyped_storage().data_ptr()
+    assert lse.untyped_storage().data_ptr() == base and ws.untyped_storage().data_ptr() == base
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in (out, lse, ws))
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "views overlap"
+    assert all(t.data_ptr() % 256 == base % 256 for t in (out, lse, ws))  # 256-byte aligned offsets
+    out.fill_(1.0), lse.fill_(2.0), ws.fill_(3.0)  # writable, disjoint
+    assert (out == 1).all() and (lse == 2).all() and (ws[:floats] == 3).all()
+
+
+def test_kernel_inputs_are_not_copied_under_capture():
+    from quantmla_core.backends.cupy.attention import _kernel_input
+
+    t32 = torch.arange(6, dtype=torch.int32)
+    assert _kernel_input("block_table", t32, torch.int32, capturing=True) is t32  # no copy
+    assert _kernel_input("seq_lens", t32, torch.int64, capturing=False).dtype == torch.int64
+    with pytest.raises(ValueError, match="seq_lens: under CUDA-graph capture .* torch.int64 .* got torch.int32"):
+        _kernel_input("seq_lens", t32, torch.int64, capturing=True)
+    with pytest.raises(ValueError, match="block_table: .*non-contiguous"):
+        _kernel_input("block_table", torch.zeros((4, 4), dtype=torch.int32).t(), torch.int32, capturing=True)
+
+
 def test_occupancy_from_resources():
     from quantmla_core.backends.cupy import occupancy_from_resources
 
@@ -435,6 +466,7 @@ def _run_v2_stubbed(monkeypatch, h: int, s_q: int, prot: bool, env: dict[str, st
     monkeypatch.setattr(A, "_device_info", lambda dev: (132, (9, 0)))
     monkeypatch.setattr(A, "resident_ctas", lambda fn, threads, smem, dev, sms: 2 * sms)
     monkeypatch.setattr(A, "_workspace", lambda dev, n: torch.empty(n, dtype=torch.float32))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(A, "_FNS", {})
     monkeypatch.setattr(A, "_PLANS", {})
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -529,6 +561,8 @@ def test_v1_launch_arguments_match_kernel_signature(monkeypatch, variant, dtype)
     monkeypatch.setattr(A, "resident_ctas", lambda fn, threads, smem, dev, sms: 2 * sms)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch, "empty", lambda *a, device=None, **k: torch.zeros(*a, **k))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(A, "_workspace", lambda dev, n: torch.zeros(n, dtype=torch.float32))
     fmt = qm.PackFormat.parse("C4R4")
 
     class Cache:
@@ -543,3 +577,45 @@ def test_v1_launch_arguments_match_kernel_signature(monkeypatch, variant, dtype)
     (fn, _grid, block, args), (cfn, _, _, _cargs) = launches
     assert fn == ("attention.cu", "qmla_attn") and cfn == ("attention.cu", "qmla_combine")
     assert len(args) == len(_kernel_params("attention.cu", "qmla_attn")) and block == (128,)
+
+
+# ------------------------------------------------------------------ CUDA graphs (GPU)
+@gpu
+@pytest.mark.parametrize("name,dtype", [("C4R4", "bfloat16"), ("C8R8", "float32")], ids=["v2", "v1"])
+def test_cuda_graph_capture_and_replay(name, dtype):
+    """A captured attention call replays bit-identically to the eager call, also after the memory
+    the capture freed has been reused, and follows new queries copied into its static inputs."""
+    case = Case(qm.PackFormat.parse(name), (300, 1000, 77), heads=16, seed=23)
+    batch = build(case)
+    args = batch.to("cuda", dtype)
+    cache = allocate(case, batch, "cuda")
+    qm.write(cache, args["latent"], args["k_rope"], slot_mapping=args["slot_mapping"], seq_ids=args["seq_ids"],
+             positions=args["positions"], seq_lens=args["seq_lens"], backend="cupy")
+    # index arrays in the kernels' own dtypes: a converted copy could not outlive the capture
+    kw = dict(block_table=args["block_table"].to(torch.int32).contiguous(),
+              seq_lens=args["attn_seq_lens"].to(torch.int64).contiguous(),
+              seq_ids=args["attn_seq_ids"].to(torch.int64).contiguous(),
+              softmax_scale=batch.softmax_scale, backend="cupy", validate=False)
+    q, r = args["q_latent"].clone(), args["q_rope"].clone()
+    want, want_lse = qm.attention(q, r, cache, **kw)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream (compiles, plans)
+        for _ in range(2):
+            qm.attention(q, r, cache, **kw)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = qm.attention(q, r, cache, **kw)
+    junk = [torch.full((1 << 20,), float("nan"), device="cuda") for _ in range(8)]  # reuse freed memory
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    q.mul_(0.5)
+    r.mul_(0.5)
+    graph.replay()
+    want2, want2_lse = qm.attention(q, r, cache, **kw)
+    torch.cuda.synchronize()
+    assert torch.equal(out, want2) and torch.equal(lse, want2_lse)
+    assert not torch.equal(want2, want)
+    del junk

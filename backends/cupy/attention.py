@@ -206,10 +206,7 @@ def _workspace(dev: int, numel: int) -> torch.Tensor:
     """float32 scratch of at least ``numel`` elements for the split partials, reused per
     (device, current stream) so steady-state decode allocates nothing but its outputs.
     Calls on one stream are ordered, so the next call's kernels write only after this call's
-    combine has read. While a CUDA graph is being captured a fresh tensor is used instead
-    (a graph must own its memory)."""
-    if torch.cuda.is_current_stream_capturing():
-        return torch.empty(numel, dtype=torch.float32, device=torch.device("cuda", dev))
+    combine has read. Not for CUDA-graph capture (see :func:`outputs_and_partials`)."""
     key = (dev, torch.cuda.current_stream(dev).cuda_stream)
     buf = _WORKSPACE.get(key)
     if buf is None or buf.numel() < numel:
@@ -217,6 +214,35 @@ def _workspace(dev: int, numel: int) -> torch.Tensor:
         with _CACHE_LOCK:
             _WORKSPACE[key] = buf
     return buf
+
+
+def outputs_and_partials(shape: tuple[int, ...], dtype: torch.dtype, partial_floats: int, device: torch.device,
+                         dev: int, capturing: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``out`` (``shape`` = [B, S_q, H, d_c], ``dtype``), ``lse`` ([B, S_q, H] float32) and a float32
+    scratch of ``partial_floats`` for the split partials.
+
+    Eagerly the scratch is the reused per-stream workspace. While a CUDA graph is being captured
+    all three are views of ONE new allocation: the graph's kernels write the scratch on every
+    replay, so its memory must live as long as the outputs the caller keeps (a scratch freed at
+    the end of the call could be handed to a later allocation of the same capture)."""
+    if capturing is None:
+        capturing = torch.cuda.is_current_stream_capturing()
+    lse_shape = shape[:-1]
+    if not capturing:
+        ws = _workspace(dev, partial_floats)
+        return torch.empty(shape, dtype=dtype, device=device), torch.empty(lse_shape, dtype=torch.float32, device=device), ws
+
+    def aligned(nbytes: int) -> int:
+        return -(-nbytes // 256) * 256
+
+    n_out, n_lse = math.prod(shape), math.prod(lse_shape)
+    out_bytes = aligned(n_out * (torch.finfo(dtype).bits // 8))
+    lse_bytes = aligned(4 * n_lse)
+    buf = torch.empty(out_bytes + lse_bytes + 4 * partial_floats, dtype=torch.uint8, device=device)
+    out = buf[:out_bytes].view(dtype)[:n_out].view(shape)
+    lse = buf[out_bytes : out_bytes + lse_bytes].view(torch.float32)[:n_lse].view(lse_shape)
+    ws = buf[out_bytes + lse_bytes :].view(torch.float32)
+    return out, lse, ws
 
 
 def attention(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale: float):
@@ -318,30 +344,45 @@ def _attention_v2(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softm
     rows = s_q * h
     no_prot = cache.sink == 0 and cache.local == 0
     plan = v2_plan(fmt, dev, sm_count, b, rows, block_table.shape[1], no_prot, V2Knobs.from_env())
-    table = block_table if (block_table.dtype == torch.int32 and block_table.is_contiguous()) else block_table.to(torch.int32).contiguous()
-    lens = seq_lens if (seq_lens.dtype == torch.int64 and seq_lens.is_contiguous()) else seq_lens.to(torch.int64).contiguous()
-    ids = seq_ids if (seq_ids.dtype == torch.int64 and seq_ids.is_contiguous()) else seq_ids.to(torch.int64).contiguous()
+    capturing = torch.cuda.is_current_stream_capturing()
+    table = _kernel_input("block_table", block_table, torch.int32, capturing)
+    lens = _kernel_input("seq_lens", seq_lens, torch.int64, capturing)
+    ids = _kernel_input("seq_ids", seq_ids, torch.int64, capturing)
+    q = _kernel_input("q_latent", q_latent, q_latent.dtype, capturing)
+    r = _kernel_input("q_rope", q_rope, q_rope.dtype, capturing)
     n_o = b * rows * plan.slots * dc
-    ws = _workspace(dev, n_o + b * rows * plan.slots * 2)
-    out = torch.empty((b, s_q, h, dc), dtype=q_latent.dtype, device=q_latent.device)
-    lse = torch.empty((b, s_q, h), dtype=torch.float32, device=q_latent.device)
-    _launch_split_and_combine(plan.launches, plan.combine, dev, q_latent.contiguous(), q_rope.contiguous(), cache, table,
-                              lens, ids, ws, ws.data_ptr() + 4 * n_o, out, lse, s_q, h, plan.per, plan.slots,
-                              softmax_scale)
+    out, lse, ws = outputs_and_partials((b, s_q, h, dc), q_latent.dtype, n_o + b * rows * plan.slots * 2,
+                                        q_latent.device, dev, capturing)
+    _launch_split_and_combine(plan.launches, plan.combine, dev, q, r, cache, table, lens, ids, ws,
+                              ws.data_ptr() + 4 * n_o, out, lse, s_q, h, plan.per, plan.slots, softmax_scale)
     return out, lse
+
+
+def _kernel_input(name: str, x: torch.Tensor, dtype: torch.dtype, capturing: bool) -> torch.Tensor:
+    """``x`` as a contiguous ``dtype`` tensor, without a copy when it already is one. Under CUDA-graph
+    capture a copy would be freed when the call returns while the graph keeps reading it, so
+    there the caller must pass the right dtype and layout."""
+    if x.dtype == dtype and x.is_contiguous():
+        return x
+    if capturing:
+        raise ValueError(f"{name}: under CUDA-graph capture the CuPy backend needs a contiguous {dtype} tensor "
+                         f"(a converted copy would not outlive the capture), got {x.dtype}"
+                         f"{'' if x.is_contiguous() else ', non-contiguous'}")
+    return x.to(dtype).contiguous()
 
 
 def _attention_v1(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale, dev, sm_count):
     fmt = cache.format
     b, s_q, h, dc = (int(x) for x in q_latent.shape)
     dtype = "bfloat16" if q_latent.dtype == torch.bfloat16 else "float32"
-    device = q_latent.device
     rows = s_q * h
     row_groups = (rows + 15) // 16
-    table = block_table.to(torch.int32).contiguous()
-    lens = seq_lens.to(torch.int64).contiguous()
-    ids = seq_ids.to(torch.int64).contiguous()
-    q, r = q_latent.contiguous(), q_rope.contiguous()
+    capturing = torch.cuda.is_current_stream_capturing()
+    table = _kernel_input("block_table", block_table, torch.int32, capturing)
+    lens = _kernel_input("seq_lens", seq_lens, torch.int64, capturing)
+    ids = _kernel_input("seq_ids", seq_ids, torch.int64, capturing)
+    q = _kernel_input("q_latent", q_latent, q_latent.dtype, capturing)
+    r = _kernel_input("q_rope", q_rope, q_rope.dtype, capturing)
     max_pages = int(table.shape[1])
     smem = attention_smem_bytes(fmt)
     defines = attention_defines(fmt, dtype)
@@ -350,10 +391,10 @@ def _attention_v1(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softm
     resident = resident_ctas(attn, ATTN_WARPS * 32, smem, dev, sm_count)
     splits, per = plan_splits(b, row_groups, max(1, max_pages) * fmt.page_size, resident)
 
-    o_part = torch.empty((b * rows, splits, dc), dtype=torch.float32, device=device)
-    ml_part = torch.empty((b * rows, splits, 2), dtype=torch.float32, device=device)
-    out = torch.empty((b, s_q, h, dc), dtype=q_latent.dtype, device=device)
-    lse = torch.empty((b, s_q, h), dtype=torch.float32, device=device)
+    n_o = b * rows * splits * dc
+    out, lse, ws = outputs_and_partials((b, s_q, h, dc), q_latent.dtype, n_o + b * rows * splits * 2,
+                                        q_latent.device, dev, capturing)
+    o_part, ml_part = ws, ws.data_ptr() + 4 * n_o
 
     _launch_split_and_combine([(attn, (b * row_groups, splits), (ATTN_WARPS * 32,), smem)], combine, dev, q, r, cache,
                               table, lens, ids, o_part, ml_part, out, lse, s_q, h, per, splits, softmax_scale)
