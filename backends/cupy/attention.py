@@ -33,6 +33,8 @@ import torch
 
 from ...envvars import getenv
 from ...formats import PackFormat
+from ..buffers import capturing as graph_capturing
+from ..buffers import carve
 from ..splits import plan_kv_splits
 from . import (
     ATTN_TILE,
@@ -226,22 +228,14 @@ def outputs_and_partials(shape: tuple[int, ...], dtype: torch.dtype, partial_flo
     replay, so its memory must live as long as the outputs the caller keeps (a scratch freed at
     the end of the call could be handed to a later allocation of the same capture)."""
     if capturing is None:
-        capturing = torch.cuda.is_current_stream_capturing()
+        capturing = graph_capturing()
     lse_shape = shape[:-1]
     if not capturing:
         ws = _workspace(dev, partial_floats)
         return torch.empty(shape, dtype=dtype, device=device), torch.empty(lse_shape, dtype=torch.float32, device=device), ws
 
-    def aligned(nbytes: int) -> int:
-        return -(-nbytes // 256) * 256
-
-    n_out, n_lse = math.prod(shape), math.prod(lse_shape)
-    out_bytes = aligned(n_out * (torch.finfo(dtype).bits // 8))
-    lse_bytes = aligned(4 * n_lse)
-    buf = torch.empty(out_bytes + lse_bytes + 4 * partial_floats, dtype=torch.uint8, device=device)
-    out = buf[:out_bytes].view(dtype)[:n_out].view(shape)
-    lse = buf[out_bytes : out_bytes + lse_bytes].view(torch.float32)[:n_lse].view(lse_shape)
-    ws = buf[out_bytes + lse_bytes :].view(torch.float32)
+    out, lse, ws = carve([(tuple(shape), dtype), (tuple(lse_shape), torch.float32), ((partial_floats,), torch.float32)],
+                         device)
     return out, lse, ws
 
 
@@ -344,7 +338,7 @@ def _attention_v2(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softm
     rows = s_q * h
     no_prot = cache.sink == 0 and cache.local == 0
     plan = v2_plan(fmt, dev, sm_count, b, rows, block_table.shape[1], no_prot, V2Knobs.from_env())
-    capturing = torch.cuda.is_current_stream_capturing()
+    capturing = graph_capturing()
     table = _kernel_input("block_table", block_table, torch.int32, capturing)
     lens = _kernel_input("seq_lens", seq_lens, torch.int64, capturing)
     ids = _kernel_input("seq_ids", seq_ids, torch.int64, capturing)
@@ -377,7 +371,7 @@ def _attention_v1(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softm
     dtype = "bfloat16" if q_latent.dtype == torch.bfloat16 else "float32"
     rows = s_q * h
     row_groups = (rows + 15) // 16
-    capturing = torch.cuda.is_current_stream_capturing()
+    capturing = graph_capturing()
     table = _kernel_input("block_table", block_table, torch.int32, capturing)
     lens = _kernel_input("seq_lens", seq_lens, torch.int64, capturing)
     ids = _kernel_input("seq_ids", seq_ids, torch.int64, capturing)

@@ -11,6 +11,8 @@ import math
 import torch
 
 from ...envvars import getenv
+from ..buffers import capturing as graph_capturing
+from ..buffers import carve
 from . import interpreting, slice_width
 from .attention_kernel import protect_combine_kernel, split_kernel
 from .attention_v2_kernel import split_kernel_v2
@@ -103,10 +105,12 @@ def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: 
         pl = dataclasses.replace(pl, **overrides)
         if "block_r" in overrides:
             pl = dataclasses.replace(pl, row_blocks=-(-rows // pl.block_r))
-    o_part = torch.empty((b, pl.num_splits, rows, dc), dtype=torch.float32, device=dev)
-    lse_part = torch.empty((b, pl.num_splits, rows), dtype=torch.float32, device=dev)
-    out = torch.empty((b, rows, dc), dtype=q.dtype, device=dev)
-    lse = torch.empty((b, rows), dtype=torch.float32, device=dev)
+    specs = [((b, pl.num_splits, rows, dc), torch.float32), ((b, pl.num_splits, rows), torch.float32),
+             ((b, rows, dc), q.dtype), ((b, rows), torch.float32)]
+    if graph_capturing():  # one allocation: the partials live as long as the outputs (backends/buffers.py)
+        o_part, lse_part, out, lse = carve(specs, dev)
+    else:
+        o_part, lse_part, out, lse = (torch.empty(shape, dtype=dt, device=dev) for shape, dt in specs)
     scale_log2 = float(softmax_scale) * math.log2(math.e)
     quant = fmt.quantized
     secs = fmt.sections

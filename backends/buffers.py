@@ -1,0 +1,41 @@
+"""Buffers that stay valid under CUDA-graph capture, shared by the GPU launchers.
+
+A captured graph replays its kernels into the addresses they had at capture time. A temporary
+allocated and freed inside the captured call (split partials, say) can be handed by the caching
+allocator to a later allocation of the same capture, and every replay would then scribble over
+it. :func:`carve` makes all the buffers of a call views of ONE allocation: they live as long as
+any of them -- in practice as long as the outputs the caller keeps.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+#: byte alignment of every view (covers vector loads and cp.async of 16 bytes, and cache lines)
+ALIGN = 256
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size() if not dtype.is_floating_point else torch.finfo(dtype).bits // 8
+
+
+def carve(specs: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> list[torch.Tensor]:
+    """One allocation holding a tensor per (shape, dtype) in ``specs``, each starting at a multiple
+    of :data:`ALIGN` bytes; returned as views (uninitialised, like ``torch.empty``)."""
+    sizes = [math.prod(shape) * _itemsize(dtype) for shape, dtype in specs]
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += -(-n // ALIGN) * ALIGN
+    buf = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
+    return [buf[o : o + n].view(dtype).view(shape) for (shape, dtype), o, n in zip(specs, offsets, sizes)]
+
+
+def capturing() -> bool:
+    """True while the current CUDA stream is being captured into a graph (False without CUDA)."""
+    try:
+        return bool(torch.cuda.is_current_stream_capturing())
+    except (RuntimeError, AssertionError):  # CPU-only builds
+        return False
