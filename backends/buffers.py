@@ -17,14 +17,10 @@ import torch
 ALIGN = 256
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size() if not dtype.is_floating_point else torch.finfo(dtype).bits // 8
-
-
 def carve(specs: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> list[torch.Tensor]:
     """One allocation holding a tensor per (shape, dtype) in ``specs``, each starting at a multiple
     of :data:`ALIGN` bytes; returned as views (uninitialised, like ``torch.empty``)."""
-    sizes = [math.prod(shape) * _itemsize(dtype) for shape, dtype in specs]
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
     offsets, total = [], 0
     for n in sizes:
         offsets.append(total)

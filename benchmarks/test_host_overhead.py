@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import quantmla_core as qm
+from quantmla_core.testing import stub_cupy_launcher
 
 pytestmark = pytest.mark.benchmark
 B, H, PAGES = 8, 16, 64
@@ -27,20 +28,7 @@ B, H, PAGES = 8, 16, 64
 def stubbed_cupy(monkeypatch):
     from quantmla_core.backends.cupy import attention as A
 
-    class Fn:
-        def __init__(self, defines):
-            self.defines = defines
-
-    monkeypatch.setattr(A, "get_kernel", lambda source, kernel, defines, dev, smem=0: Fn(defines))
-    monkeypatch.setattr(A, "launch", lambda fn, grid, block, args, dev, smem=0, stream=None: None)
-    monkeypatch.setattr(A, "external_stream", lambda dev: None)
-    monkeypatch.setattr(A, "_device_info", lambda dev: (132, (9, 0)))
-    monkeypatch.setattr(A, "resident_ctas", lambda fn, threads, smem, dev, sms: 2 * sms)
-    monkeypatch.setattr(A, "_workspace", lambda dev, n: torch.empty(n, dtype=torch.float32))
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(A, "_FNS", {})
-    monkeypatch.setattr(A, "_PLANS", {})
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    stub_cupy_launcher(monkeypatch)
     return A
 
 

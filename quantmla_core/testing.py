@@ -185,3 +185,42 @@ def generate_cases(cap: Capabilities, quick: bool = True, dtype: str = "float32"
 def _fmt_ok(cap: Capabilities, name: str) -> bool:
     f = PackFormat.parse(name)
     return f.content_bits in cap.content_bits and f.rope_bits in cap.rope_bits
+
+
+# ---------------------------------------------------------------------- CuPy launcher on the CPU
+@dataclass
+class StubKernel:
+    """What the CuPy launcher asked to compile: ``kernels/<source>`` entry ``kernel`` with ``defines``."""
+
+    source: str
+    kernel: str
+    defines: dict
+    smem: int = 0
+
+
+def stub_cupy_launcher(monkeypatch: Any, sm_count: int = 132) -> tuple[list, list]:
+    """Let ``quantmla_core.backends.cupy.attention`` run its host logic without a GPU: compilation
+    returns :class:`StubKernel`, launches are recorded, the device is an sm_90 with ``sm_count``
+    SMs holding 2 CTAs each, and scratch lives on the CPU. ``monkeypatch``: pytest's fixture.
+    Returns (kernels asked for, launches as (kernel, grid, block, args, shared bytes))."""
+    from .backends.cupy import attention as A
+
+    kernels: list = []
+    launches: list = []
+
+    def get_kernel(source, kernel, defines, dev, smem=0):
+        kernels.append((source, kernel))
+        return StubKernel(source, kernel, defines, smem)
+
+    monkeypatch.setattr(A, "get_kernel", get_kernel)
+    monkeypatch.setattr(A, "launch", lambda fn, grid, block, args, dev, smem=0, stream=None:
+                        launches.append((fn, grid, block, args, smem)))
+    monkeypatch.setattr(A, "external_stream", lambda dev: None)
+    monkeypatch.setattr(A, "_device_info", lambda dev: (sm_count, (9, 0)))
+    monkeypatch.setattr(A, "resident_ctas", lambda fn, threads, smem, dev, sms: 2 * sms)
+    monkeypatch.setattr(A, "_workspace", lambda dev, n: torch.empty(n, dtype=torch.float32))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(A, "_FNS", {})
+    monkeypatch.setattr(A, "_PLANS", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    return kernels, launches

@@ -28,7 +28,7 @@ from quantmla_core.backends.cupy.writer import writer_defines
 import quantmla_core as qm
 from quantmla_core import get_backend
 from quantmla_core.dispatch import DeviceInfo, Problem, _import_reason
-from quantmla_core.testing import Case, allocate, build, generate_cases
+from quantmla_core.testing import Case, allocate, build, generate_cases, stub_cupy_launcher
 
 NVCC = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if os.path.exists("/usr/local/bin/nvcc") else None)
 CAP = CupyBackend.capabilities
@@ -444,32 +444,10 @@ def _run_v2_stubbed(monkeypatch, h: int, s_q: int, prot: bool, env: dict[str, st
     launches (kernel, grid, block, args, shared bytes), the kernels asked for, the format and B."""
     from quantmla_core.backends.cupy import attention as A
 
-    launches, kernels = [], []
-
-    class Fn:
-        def __init__(self, source, kernel, defines, smem):
-            self.source, self.kernel, self.defines, self.smem = source, kernel, defines, smem
-
-    def fake_get_kernel(source, kernel, defines, dev, smem=0):
-        kernels.append((source, kernel))
-        return Fn(source, kernel, defines, smem)
-
-    def fake_launch(fn, grid, block, args, dev, smem=0, stream=None):
-        launches.append((fn, grid, block, args, smem))
-
+    kernels, launches = stub_cupy_launcher(monkeypatch)
     monkeypatch.setenv(VARIANT_ENV, "v2")
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr(A, "get_kernel", fake_get_kernel)
-    monkeypatch.setattr(A, "launch", fake_launch)
-    monkeypatch.setattr(A, "external_stream", lambda dev: None)
-    monkeypatch.setattr(A, "_device_info", lambda dev: (132, (9, 0)))
-    monkeypatch.setattr(A, "resident_ctas", lambda fn, threads, smem, dev, sms: 2 * sms)
-    monkeypatch.setattr(A, "_workspace", lambda dev, n: torch.empty(n, dtype=torch.float32))
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(A, "_FNS", {})
-    monkeypatch.setattr(A, "_PLANS", {})
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
 
     fmt = qm.PackFormat.parse("C4R4")
     b, pages_per = 3, 5

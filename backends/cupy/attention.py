@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -119,8 +120,13 @@ def v2_unsupported_reasons(fmt: PackFormat, dtype: str) -> list[str]:
 def select_variant(fmt: PackFormat, dtype: str, capability: tuple[int, int] | None = None) -> tuple[str, str | None]:
     """(kernel a call runs, reason v2 does not run or None). No side effects.
 
-    ``auto`` runs v2 wherever it serves the problem and v1 otherwise, with the reason."""
-    want = requested_variant()
+    ``auto`` runs v2 wherever it serves the problem and v1 otherwise, with the reason. Only the
+    environment variable is read per call; the decision is memoised per (format, dtype, GPU)."""
+    return _decide_variant(requested_variant(), fmt, dtype, None if capability is None else tuple(capability))
+
+
+@lru_cache(maxsize=1024)
+def _decide_variant(want: str, fmt: PackFormat, dtype: str, capability: tuple[int, int] | None) -> tuple[str, str | None]:
     if want == "v1":
         return "v1", None
     why = v2_unsupported_reasons(fmt, dtype)
@@ -234,8 +240,7 @@ def outputs_and_partials(shape: tuple[int, ...], dtype: torch.dtype, partial_flo
         ws = _workspace(dev, partial_floats)
         return torch.empty(shape, dtype=dtype, device=device), torch.empty(lse_shape, dtype=torch.float32, device=device), ws
 
-    out, lse, ws = carve([(tuple(shape), dtype), (tuple(lse_shape), torch.float32), ((partial_floats,), torch.float32)],
-                         device)
+    out, lse, ws = carve([(shape, dtype), (lse_shape, torch.float32), ((partial_floats,), torch.float32)], device)
     return out, lse, ws
 
 
@@ -333,23 +338,11 @@ def v2_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
 
 
 def _attention_v2(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale, dev, sm_count):
-    fmt = cache.format
-    b, s_q, h, dc = q_latent.shape
-    rows = s_q * h
+    b, s_q, h, _ = q_latent.shape
     no_prot = cache.sink == 0 and cache.local == 0
-    plan = v2_plan(fmt, dev, sm_count, b, rows, block_table.shape[1], no_prot, V2Knobs.from_env())
-    capturing = graph_capturing()
-    table = _kernel_input("block_table", block_table, torch.int32, capturing)
-    lens = _kernel_input("seq_lens", seq_lens, torch.int64, capturing)
-    ids = _kernel_input("seq_ids", seq_ids, torch.int64, capturing)
-    q = _kernel_input("q_latent", q_latent, q_latent.dtype, capturing)
-    r = _kernel_input("q_rope", q_rope, q_rope.dtype, capturing)
-    n_o = b * rows * plan.slots * dc
-    out, lse, ws = outputs_and_partials((b, s_q, h, dc), q_latent.dtype, n_o + b * rows * plan.slots * 2,
-                                        q_latent.device, dev, capturing)
-    _launch_split_and_combine(plan.launches, plan.combine, dev, q, r, cache, table, lens, ids, ws,
-                              ws.data_ptr() + 4 * n_o, out, lse, s_q, h, plan.per, plan.slots, softmax_scale)
-    return out, lse
+    plan = v2_plan(cache.format, dev, sm_count, b, s_q * h, block_table.shape[1], no_prot, V2Knobs.from_env())
+    return _run_split_kernels(plan.launches, plan.combine, plan.per, plan.slots, q_latent, q_rope, cache, block_table,
+                              seq_lens, seq_ids, softmax_scale, dev)
 
 
 def _kernel_input(name: str, x: torch.Tensor, dtype: torch.dtype, capturing: bool) -> torch.Tensor:
@@ -367,52 +360,48 @@ def _kernel_input(name: str, x: torch.Tensor, dtype: torch.dtype, capturing: boo
 
 def _attention_v1(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale, dev, sm_count):
     fmt = cache.format
-    b, s_q, h, dc = (int(x) for x in q_latent.shape)
+    b, s_q, h, _ = q_latent.shape
     dtype = "bfloat16" if q_latent.dtype == torch.bfloat16 else "float32"
-    rows = s_q * h
-    row_groups = (rows + 15) // 16
+    row_groups = (s_q * h + 15) // 16
+    smem = attention_smem_bytes(fmt)
+    defines = attention_defines(fmt, dtype)
+    attn = get_kernel("attention.cu", "qmla_attn", defines, dev, smem)
+    combine = get_kernel("attention.cu", "qmla_combine", defines, dev)
+    resident = resident_ctas(attn, ATTN_WARPS * 32, smem, dev, sm_count)
+    splits, per = plan_splits(b, row_groups, max(1, int(block_table.shape[1])) * fmt.page_size, resident)
+    launches = [(attn, (b * row_groups, splits), (ATTN_WARPS * 32,), smem)]
+    return _run_split_kernels(launches, combine, per, splits, q_latent, q_rope, cache, block_table, seq_lens, seq_ids,
+                              softmax_scale, dev)
+
+
+def _run_split_kernels(launches, combine, per: int, slots: int, q_latent, q_rope, cache, block_table, seq_lens,
+                       seq_ids, softmax_scale: float, dev: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs in the kernels' dtypes, outputs and partials, then the split kernels (``launches``:
+    (kernel, grid, block, shared bytes); v1 and v2 share the argument list) and the LSE combine
+    over ``slots`` partials per row, all on torch's current stream."""
     capturing = graph_capturing()
     table = _kernel_input("block_table", block_table, torch.int32, capturing)
     lens = _kernel_input("seq_lens", seq_lens, torch.int64, capturing)
     ids = _kernel_input("seq_ids", seq_ids, torch.int64, capturing)
     q = _kernel_input("q_latent", q_latent, q_latent.dtype, capturing)
     r = _kernel_input("q_rope", q_rope, q_rope.dtype, capturing)
-    max_pages = int(table.shape[1])
-    smem = attention_smem_bytes(fmt)
-    defines = attention_defines(fmt, dtype)
-    attn = get_kernel("attention.cu", "qmla_attn", defines, dev, smem)
-    combine = get_kernel("attention.cu", "qmla_combine", defines, dev)
-    resident = resident_ctas(attn, ATTN_WARPS * 32, smem, dev, sm_count)
-    splits, per = plan_splits(b, row_groups, max(1, max_pages) * fmt.page_size, resident)
-
-    n_o = b * rows * splits * dc
-    out, lse, ws = outputs_and_partials((b, s_q, h, dc), q_latent.dtype, n_o + b * rows * splits * 2,
-                                        q_latent.device, dev, capturing)
-    o_part, ml_part = ws, ws.data_ptr() + 4 * n_o
-
-    _launch_split_and_combine([(attn, (b * row_groups, splits), (ATTN_WARPS * 32,), smem)], combine, dev, q, r, cache,
-                              table, lens, ids, o_part, ml_part, out, lse, s_q, h, per, splits, softmax_scale)
-    return out, lse
-
-
-def _launch_split_and_combine(launches, combine, dev, q, r, cache, table, lens, ids, o_part, ml_part,
-                              out, lse, s_q, h, per, splits, softmax_scale) -> None:
-    """Launch the split kernels (``launches``: (kernel, grid, block, shared bytes); v1 and v2 share
-    the argument list) and the LSE combine over ``splits`` partials per row, on torch's stream.
-    ``o_part`` / ``ml_part``: tensors or raw device addresses."""
+    b, s_q, h, dc = q_latent.shape
+    rows = s_q * h
+    n_o = b * rows * slots * dc
+    out, lse, ws = outputs_and_partials((b, s_q, h, dc), q_latent.dtype, n_o + b * rows * slots * 2, q_latent.device,
+                                        dev, capturing)
     u64 = np.uint64
-    o_ptr = u64(o_part if isinstance(o_part, int) else o_part.data_ptr())
-    ml_ptr = u64(ml_part if isinstance(ml_part, int) else ml_part.data_ptr())
+    o_ptr, ml_ptr = u64(ws.data_ptr()), u64(ws.data_ptr() + 4 * n_o)
     args = (
         u64(q.data_ptr()), u64(r.data_ptr()), u64(cache.pages.data_ptr()), u64(cache.sink_buf.data_ptr()),
         u64(cache.local_buf.data_ptr()), u64(table.data_ptr()), u64(lens.data_ptr()), u64(ids.data_ptr()),
         o_ptr, ml_ptr, np.int32(s_q), np.int32(h), np.int32(table.shape[1]), np.int32(table.stride(0)),
         np.int32(cache.num_pages), np.int32(cache.max_seqs), np.int32(cache.sink), np.int32(cache.local),
-        np.int32(per), np.int32(splits), np.float32(softmax_scale * LOG2E),
+        np.int32(per), np.int32(slots), np.float32(softmax_scale * LOG2E),
     )
     stream = external_stream(dev)
     for fn, grid, block, smem in launches:
         launch(fn, grid, block, args, dev, smem, stream=stream)
-    rows = out.shape[1] * out.shape[2]
-    launch(combine, (out.shape[0] * rows,), (128,), (o_ptr, ml_ptr, u64(out.data_ptr()), u64(lse.data_ptr()),
-                                                     np.int32(splits)), dev, stream=stream)
+    launch(combine, (b * rows,), (128,), (o_ptr, ml_ptr, u64(out.data_ptr()), u64(lse.data_ptr()), np.int32(slots)), dev,
+           stream=stream)
+    return out, lse

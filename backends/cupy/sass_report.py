@@ -59,7 +59,7 @@ def find_tool(name: str) -> str | None:
     if found:
         return found
     for site in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}:
-        for cand in sorted(Path(site).glob(f"nvidia/cu*/bin/{name}")) + sorted(Path(site).glob(f"nvidia/*/bin/{name}")):
+        for cand in sorted(Path(site).glob(f"nvidia/*/bin/{name}")):
             if cand.is_file():
                 if not os.access(cand, os.X_OK):
                     try:

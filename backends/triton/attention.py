@@ -16,7 +16,7 @@ from ..buffers import carve
 from . import interpreting, slice_width
 from .attention_kernel import protect_combine_kernel, split_kernel
 from .attention_v2_kernel import split_kernel_v2
-from .common import launch_dims, ptr_or_dummy
+from .common import launch_dims, page_layout_constexprs, ptr_or_dummy
 from .heuristics import (INTERPRETER_SM_COUNT, V2_FLOAT32_ON_GPU, V2_HOLD_RAW, V2_ZSUB, AttentionPlan, plan,
                          plan_v2)
 
@@ -113,8 +113,6 @@ def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: 
         o_part, lse_part, out, lse = (torch.empty(shape, dtype=dt, device=dev) for shape, dt in specs)
     scale_log2 = float(softmax_scale) * math.log2(math.e)
     quant = fmt.quantized
-    secs = fmt.sections
-    off = lambda name: secs[name][0] if name in secs else 0  # noqa: E731
     cg = fmt.content_group_size if quant else 64
     rg = fmt.rope_group_size if quant else 64
     cbits, rbits = (fmt.content_bits, fmt.rope_bits) if quant else (16, 16)
@@ -124,11 +122,7 @@ def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: 
             block_table.stride(0), cache.num_pages, scale_log2, rows, h, s_q, cache.sink, cache.local, pl.num_splits)
     consts = dict(
         Q_BF16=q_bf16, DOT_BF16=dot_bf16, QUANT=quant, DC=dc, DR=dr, CBITS=cbits, RBITS=rbits,
-        CG=cg, RG=rg, CCW=ccw, RCW=rcw, P=fmt.page_size, PAGE_BYTES=fmt.page_bytes,
-        C_CODES_OFF=off("content_codes"), R_CODES_OFF=off("rope_codes"),
-        C_SCALES_OFF=off("content_scales"), C_ZEROS_OFF=off("content_zeros"),
-        R_SCALES_OFF=off("rope_scales"), R_ZEROS_OFF=off("rope_zeros"),
-        C_SCALE_BF16=fmt.content_scale_dtype == "bfloat16", R_SCALE_BF16=fmt.rope_scale_dtype == "bfloat16",
+        CG=cg, RG=rg, CCW=ccw, RCW=rcw, **page_layout_constexprs(fmt),
         BLOCK_N=pl.block_n, BLOCK_R=pl.block_r, PROBE_SKIP_PV=probe_skip_pv,
     )
     grid = (pl.num_splits, b, pl.row_blocks)

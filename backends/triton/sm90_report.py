@@ -20,21 +20,17 @@ import sys
 import tempfile
 
 from . import slice_width
+from .common import page_layout_constexprs
 
 
 def _consts(variant: str, fmt, block_n: int, block_r: int, bf16: bool, **switches) -> dict:
-    secs = fmt.sections
     quant = fmt.quantized
-    off = lambda n: secs[n][0] if n in secs else 0  # noqa: E731
     cb, rb = (fmt.content_bits, fmt.rope_bits) if quant else (16, 16)
     cg = fmt.content_group_size if quant else 64
     rg = fmt.rope_group_size if quant else 64
     c = dict(Q_BF16=bf16, DOT_BF16=bf16, QUANT=quant, DC=fmt.latent_dim, DR=fmt.rope_dim, CBITS=cb, RBITS=rb, CG=cg,
-             RG=rg, CCW=slice_width(fmt.latent_dim, cb, cg), RCW=slice_width(fmt.rope_dim, rb, rg), P=fmt.page_size,
-             PAGE_BYTES=fmt.page_bytes, C_CODES_OFF=off("content_codes"), R_CODES_OFF=off("rope_codes"),
-             C_SCALES_OFF=off("content_scales"), C_ZEROS_OFF=off("content_zeros"), R_SCALES_OFF=off("rope_scales"),
-             R_ZEROS_OFF=off("rope_zeros"), C_SCALE_BF16=fmt.content_scale_dtype == "bfloat16",
-             R_SCALE_BF16=fmt.rope_scale_dtype == "bfloat16", BLOCK_N=block_n, BLOCK_R=block_r,
+             RG=rg, CCW=slice_width(fmt.latent_dim, cb, cg), RCW=slice_width(fmt.rope_dim, rb, rg),
+             **page_layout_constexprs(fmt), BLOCK_N=block_n, BLOCK_R=block_r,
              PROBE_SKIP_PV=bool(switches.pop("skip_pv", False)))
     if variant == "v2":
         from .attention import v2_constexprs

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import interpreting
-from .common import launch_dims, ptr_or_dummy
+from .common import launch_dims, page_layout_constexprs, ptr_or_dummy
 from .heuristics import WRITER_BLOCK_T, WRITER_BLOCK_T_INTERPRETER
 from .writer_kernel import write_kernel
 
@@ -25,8 +25,6 @@ def write(cache, latent: torch.Tensor, k_rope: torch.Tensor, slot_mapping: torch
     in_bf16 = latent.dtype == torch.bfloat16
     prot_bf16 = cache.sink_buf.dtype == torch.bfloat16
     quant = fmt.quantized
-    secs = fmt.sections
-    off = lambda name: secs[name][0] if name in secs else 0  # noqa: E731
     if block_t is None:
         block_t = WRITER_BLOCK_T_INTERPRETER if interpreting() else WRITER_BLOCK_T
     write_kernel[(-(-n // block_t),)](
@@ -39,11 +37,7 @@ def write(cache, latent: torch.Tensor, k_rope: torch.Tensor, slot_mapping: torch
         CBITS=fmt.content_bits if quant else 16, RBITS=fmt.rope_bits if quant else 16,
         CG=fmt.content_group_size if quant else min(64, fmt.latent_dim),
         RG=fmt.rope_group_size if quant else min(64, fmt.rope_dim),
-        P=fmt.page_size, PAGE_BYTES=fmt.page_bytes,
-        C_CODES_OFF=off("content_codes"), R_CODES_OFF=off("rope_codes"),
-        C_SCALES_OFF=off("content_scales"), C_ZEROS_OFF=off("content_zeros"),
-        R_SCALES_OFF=off("rope_scales"), R_ZEROS_OFF=off("rope_zeros"),
-        C_SCALE_BF16=fmt.content_scale_dtype == "bfloat16", R_SCALE_BF16=fmt.rope_scale_dtype == "bfloat16",
+        **page_layout_constexprs(fmt),
         BLOCK_T=block_t,
         **launch_dims(num_warps=4),
     )
