@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Kernel-variant runs on the H200 (carry .whl for FlashInfer). Each mode runs under 10 minutes:
-#   bash benchmarks/run_h200_kernels.sh check    # v2 conformance (CuPy, Triton) + compute-sanitizer
+#   bash benchmarks/run_h200_kernels.sh check    # CuPy v2 conformance (+ lazy, separate builds), CUDA graphs, compute-sanitizer
+#   bash benchmarks/run_h200_kernels.sh check_triton  # Triton v2 conformance
 #   bash benchmarks/run_h200_kernels.sh time     # v1 vs v2 side by side (with FlashInfer BF16)
 #   bash benchmarks/run_h200_kernels.sh profile  # Nsight Compute: what limits the v2 kernels (C4R4 H=16 B=32 L=32K)
 #   bash benchmarks/run_h200_kernels.sh sweep    # CuPy v2 knobs (registers/CTAs per SM, copy stages, row groups)
@@ -20,14 +21,16 @@ if ls .whl/flashinfer_python-*.whl > /dev/null 2>&1; then
 fi
 T="python3 -P -m pytest -q -p no:cacheprovider"
 if [ "$MODE" = check ]; then
-  echo "=== cupy v2 conformance"; timeout 200 $T tests/test_cupy_backend.py -x -k v2 2>&1 | tail -6 | tee "$OUT/cupy_v2.txt"
-  echo "=== cupy v2 racecheck"; timeout 80 compute-sanitizer --tool racecheck $T tests/test_cupy_backend.py -x -k "v2_matches and (L17_31_100 or L900_16)" 2>&1 | tail -4
-  echo "=== cupy v2 memcheck"; timeout 80 compute-sanitizer --tool memcheck $T tests/test_cupy_backend.py -x -k "v2_matches and (L17_31_100 or L40_33)" 2>&1 | tail -4
-  echo "=== cupy v2 lazy rescale conformance"; QUANTMLA_CUPY_V2_LAZY_RESCALE=1 timeout 120 $T tests/test_cupy_backend.py -x \
+  echo "=== cupy v2 conformance"; timeout 190 $T tests/test_cupy_backend.py -x -k v2 2>&1 | tail -6 | tee "$OUT/cupy_v2.txt"
+  echo "=== cuda graph capture"; timeout 90 $T tests/test_cupy_backend.py -k cuda_graph 2>&1 | tail -4
+  echo "=== cupy v2 lazy rescale conformance"; QUANTMLA_CUPY_V2_LAZY_RESCALE=1 timeout 90 $T tests/test_cupy_backend.py -x \
     -k "attention_v2_matches_reference and float32-]" 2>&1 | tail -3
-  echo "=== cupy v2 separate protected conformance"; QUANTMLA_CUPY_V2_PROTECTED=separate timeout 120 $T tests/test_cupy_backend.py -x \
+  echo "=== cupy v2 separate protected conformance"; QUANTMLA_CUPY_V2_PROTECTED=separate timeout 90 $T tests/test_cupy_backend.py -x \
     -k "attention_v2_matches_reference and float32-]" 2>&1 | tail -3
-  echo "=== triton v2 conformance"; timeout 180 $T tests/test_triton_backend.py -x -k "v2 or variant" 2>&1 | tail -6 | tee "$OUT/triton_v2.txt"
+  echo "=== cupy v2 racecheck"; timeout 60 compute-sanitizer --tool racecheck $T tests/test_cupy_backend.py -x -k "v2_matches and (L17_31_100 or L900_16)" 2>&1 | tail -4
+  echo "=== cupy v2 memcheck"; timeout 60 compute-sanitizer --tool memcheck $T tests/test_cupy_backend.py -x -k "v2_matches and (L17_31_100 or L40_33)" 2>&1 | tail -4
+elif [ "$MODE" = check_triton ]; then
+  echo "=== triton v2 conformance"; timeout 560 $T tests/test_triton_backend.py -x -k "v2 or variant" 2>&1 | tail -6 | tee "$OUT/triton_v2.txt"
 elif [ "$MODE" = profile ]; then
   NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
   SECS="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis"

@@ -49,6 +49,11 @@ class Request:
         return self.prompt + self.generated
 
     @property
+    def context_len(self) -> int:
+        """``len(self.context)`` without building the list (the scheduler asks every step)."""
+        return len(self.prompt) + len(self.generated)
+
+    @property
     def done(self) -> bool:
         return len(self.generated) >= self.max_new
 
@@ -87,15 +92,15 @@ def serve(runner: Runner, requests: Sequence[Request], max_batch: int, sync=lamb
         # admission: FIFO, while the whole context (+1 decode slot) fits in free pages
         while waiting and len(running) < max_batch and runner.free_rows() > 0:
             req = waiting[0]
-            need = _pages_for(len(req.context) + 1, p)
+            need = _pages_for(req.context_len + 1, p)
             if need > runner.free_pages():
                 if not running:
                     raise RuntimeError(f"request {req.rid} needs {need} pages; the whole budget has {runner.free_pages()}")
                 break
             waiting.popleft()
             if req.generated:
-                stats.recomputed_tokens += len(req.context)
-            stats.prefill_tokens += len(req.context)
+                stats.recomputed_tokens += req.context_len
+            stats.prefill_tokens += req.context_len
             req.seq_id, nxt = runner.prefill(req.context)
             req.generated.append(nxt)
             req.admitted_at = step
@@ -108,7 +113,7 @@ def serve(runner: Runner, requests: Sequence[Request], max_batch: int, sync=lamb
             continue
         # make room for this step's tokens: a request whose next token opens a new page needs one
         while True:
-            need = sum(1 for r in running if (len(r.context) - 1) % p == 0)
+            need = sum(1 for r in running if (r.context_len - 1) % p == 0)
             if need <= runner.free_pages():
                 break
             victim = max(running, key=lambda r: (r.admitted_at, r.rid))

@@ -202,27 +202,31 @@ class PagedMLACache:
         need = sum(self.pages_needed(self._check_live(s), int(n)) for s, n in items)
         if need > len(self._free_pages):
             raise OutOfPagesError(f"append: needs {need} pages, {len(self._free_pages)} free")
-        slots, seqs, positions = [], [], []
+        slots: list[int] = []
+        seqs: list[int] = []
+        positions: list[int] = []
         p = self.format.page_size
         for seq_id, n in items:
             n, start = int(n), self._lens[seq_id]
+            pages = self._pages[seq_id]
             for _ in range(self.pages_needed(seq_id, n)):
-                self._pages[seq_id].append(self._free_pages.pop())
-            pos = np.arange(start, start + n)
-            table = np.asarray(self._pages[seq_id], dtype=np.int64)
-            slots.append(table[pos // p] * p + pos % p)
-            seqs.append(np.full(n, seq_id))
-            positions.append(pos)
+                pages.append(self._free_pages.pop())
+            if n == 1:  # a decode step: plain integers, no per-request arrays
+                slots.append(pages[start // p] * p + start % p)
+            else:
+                pos = np.arange(start, start + n)
+                slots.extend((np.asarray(pages, dtype=np.int64)[pos // p] * p + pos % p).tolist())
+            seqs.extend([seq_id] * n)
+            positions.extend(range(start, start + n))
             self._lens[seq_id] = start + n
         lens = np.zeros(self.cache.max_seqs, dtype=np.int64)
-        for s, length in self._lens.items():
-            lens[s] = length
+        lens[list(self._lens)] = list(self._lens.values())
         return WritePlan(
-            self._index_array(np.concatenate(slots)),
-            self._index_array(np.concatenate(seqs)),
-            self._index_array(np.concatenate(positions)),
+            self._index_array(slots),
+            self._index_array(seqs),
+            self._index_array(positions),
             self._index_array(lens),
-            int(sum(len(x) for x in slots)),
+            len(slots),
         )
 
     def write(self, plan: WritePlan, latent: Any, k_rope: Any, layer: int = 0) -> None:

@@ -559,8 +559,9 @@ def test_v1_launch_arguments_match_kernel_signature(monkeypatch, variant, dtype)
 
 # ------------------------------------------------------------------ CUDA graphs (GPU)
 @gpu
-@pytest.mark.parametrize("name,dtype", [("C4R4", "bfloat16"), ("C8R8", "float32")], ids=["v2", "v1"])
-def test_cuda_graph_capture_and_replay(name, dtype):
+@pytest.mark.parametrize("backend,name,dtype", [("cupy", "C4R4", "bfloat16"), ("cupy", "C8R8", "float32"),
+                                                ("triton", "C4R4", "bfloat16")], ids=["cupy-v2", "cupy-v1", "triton-v2"])
+def test_cuda_graph_capture_and_replay(backend, name, dtype):
     """A captured attention call replays bit-identically to the eager call, also after the memory
     the capture freed has been reused, and follows new queries copied into its static inputs."""
     case = Case(qm.PackFormat.parse(name), (300, 1000, 77), heads=16, seed=23)
@@ -568,12 +569,12 @@ def test_cuda_graph_capture_and_replay(name, dtype):
     args = batch.to("cuda", dtype)
     cache = allocate(case, batch, "cuda")
     qm.write(cache, args["latent"], args["k_rope"], slot_mapping=args["slot_mapping"], seq_ids=args["seq_ids"],
-             positions=args["positions"], seq_lens=args["seq_lens"], backend="cupy")
+             positions=args["positions"], seq_lens=args["seq_lens"], backend=backend)
     # index arrays in the kernels' own dtypes: a converted copy could not outlive the capture
     kw = dict(block_table=args["block_table"].to(torch.int32).contiguous(),
               seq_lens=args["attn_seq_lens"].to(torch.int64).contiguous(),
               seq_ids=args["attn_seq_ids"].to(torch.int64).contiguous(),
-              softmax_scale=batch.softmax_scale, backend="cupy", validate=False)
+              softmax_scale=batch.softmax_scale, backend=backend, validate=False)
     q, r = args["q_latent"].clone(), args["q_rope"].clone()
     want, want_lse = qm.attention(q, r, cache, **kw)
     side = torch.cuda.Stream()
