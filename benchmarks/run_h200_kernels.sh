@@ -5,6 +5,7 @@
 #   bash benchmarks/run_h200_kernels.sh time     # v1 vs v2 side by side (with FlashInfer BF16)
 #   bash benchmarks/run_h200_kernels.sh profile  # Nsight Compute: what limits the v2 kernels (C4R4 H=16 B=32 L=32K)
 #   bash benchmarks/run_h200_kernels.sh sweep    # CuPy v2 knobs (registers/CTAs per SM, copy stages, row groups)
+#   bash benchmarks/run_h200_kernels.sh writer   # writers on a 128K prompt: Triton (tokens/program x warps), CuPy, ncu
 # Results land in $OUT.
 set -u
 MODE=${1:-check}
@@ -31,6 +32,12 @@ if [ "$MODE" = check ]; then
   echo "=== cupy v2 memcheck"; timeout 60 compute-sanitizer --tool memcheck $T tests/test_cupy_backend.py -x -k "v2_matches and (L17_31_100 or L40_33)" 2>&1 | tail -4
 elif [ "$MODE" = check_triton ]; then
   echo "=== triton v2 conformance"; timeout 560 $T tests/test_triton_backend.py -x -k "v2 or variant" 2>&1 | tail -6 | tee "$OUT/triton_v2.txt"
+elif [ "$MODE" = writer ]; then
+  echo "=== writer probe"; timeout 240 python3 -P benchmarks/writer_probe.py --json "$OUT/writer_probe.json" ${WRITER_ARGS:-} 2>&1 | tail -40
+  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+  echo "=== ncu triton writer"; timeout 120 $NCU -k regex:write_kernel -s 3 -c 1 --section SpeedOfLight --section Occupancy \
+    --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis --section LaunchStats \
+    python3 -P benchmarks/writer_probe.py --configs 4x4 > "$OUT/ncu_writer.txt" 2>&1; grep -v "^==PROF==" "$OUT/ncu_writer.txt" | grep -A120 "write_kernel" | head -120
 elif [ "$MODE" = profile ]; then
   NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
   SECS="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis"

@@ -89,3 +89,20 @@ def test_backend_benchmark_suite_smoke(tmp_path):
     impls = {(r["impl"], r["format"]) for r in rows}
     assert ("torch", "C4R4") in impls and any(i == "torch-bmm" for i, _ in impls)
     assert all(r["us"] > 0 and r["gbps"] > 0 for r in rows)
+
+
+def test_step_profile_smoke_on_cpu():
+    """The step profiler runs the serving stack at a fixed batch and reports a positive step time."""
+    from benchmarks import step_profile
+
+    w = serving.Workload(**{**SMOKE.__dict__, "prompt_len": 40})
+    row = step_profile.profile(w, "C4R4", 2, steps=2, prof_steps=1, device="cpu")
+    assert row["format"] == "C4R4" and row["batch"] == 2 and row["step_ms"] > 0
+
+
+def test_request_context_len_matches_context():
+    from benchmarks.scheduler import Request
+
+    r = Request(0, [5, 6, 7], 4)
+    r.generated += [1, 2]
+    assert r.context_len == len(r.context) == 5

@@ -122,3 +122,17 @@ def test_grow_keeps_pages_rows_and_contents(device):
     assert pc.pages_in_use == 2 + 3
     pc.grow(0, 0)  # nothing needed: no change
     assert pc.layer(0).num_pages == 5
+
+
+def test_decode_reserve_slots_match_prefill_layout():
+    """One-token appends (the decode fast path) land where a multi-token append would put them,
+    across page boundaries, and advance the lengths the same way."""
+    a = qm.PagedMLACache("C4R4", 16, 2, 0, 0, device="numpy")
+    b = qm.PagedMLACache("C4R4", 16, 2, 0, 0, device="numpy")
+    sa, sb = a.add_request(), b.add_request()
+    p = a.format.page_size
+    bulk = a.reserve([(sa, p + 3)])
+    singles = [b.reserve([(sb, 1)]) for _ in range(p + 3)]
+    assert np.array_equal(np.concatenate([s.slot_mapping for s in singles]), bulk.slot_mapping)
+    assert np.array_equal(np.concatenate([s.positions for s in singles]), bulk.positions)
+    assert np.array_equal(singles[-1].seq_lens, bulk.seq_lens) and b.seq_len(sb) == p + 3

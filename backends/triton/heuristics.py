@@ -35,8 +35,12 @@ MIN_TILES_PER_SPLIT = 4
 MIN_TILES_PER_SPLIT_INTERPRETER = 1  # small CI shapes must still exercise several splits
 MAX_SPLITS = 64
 INTERPRETER_SM_COUNT = 4
-#: writer: tokens per program (GPU: enough bytes in flight per CTA; interpreter: fewer, wider numpy ops)
-WRITER_BLOCK_T = 4
+#: writer: one token per one-warp program on a GPU (H200, 128K-token bf16 prompt,
+#: benchmarks/writer_probe.py: C4R4 134 us vs 159 us at 4 tokens x 4 warps, C2R4 139 vs 270 us;
+#: more tokens per warp only added instructions, more warps per token added cross-warp reductions);
+#: the interpreter takes more tokens per program (fewer, wider numpy ops)
+WRITER_BLOCK_T = 1
+WRITER_NUM_WARPS = 1
 WRITER_BLOCK_T_INTERPRETER = 32
 PROTECT_BLOCK_T = 32
 #: float32 queries use IEEE float32 dots (operands twice as wide, no tensor cores); measured on

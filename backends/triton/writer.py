@@ -6,16 +6,17 @@ import torch
 
 from . import interpreting
 from .common import launch_dims, page_layout_constexprs, ptr_or_dummy
-from .heuristics import WRITER_BLOCK_T, WRITER_BLOCK_T_INTERPRETER
+from .heuristics import WRITER_BLOCK_T, WRITER_BLOCK_T_INTERPRETER, WRITER_NUM_WARPS
 from .writer_kernel import write_kernel
 
 
 def write(cache, latent: torch.Tensor, k_rope: torch.Tensor, slot_mapping: torch.Tensor, seq_ids: torch.Tensor,
-          positions: torch.Tensor, seq_lens: torch.Tensor, block_t: int | None = None) -> None:
+          positions: torch.Tensor, seq_lens: torch.Tensor, block_t: int | None = None,
+          num_warps: int | None = None) -> None:
     """Quantize and store ``latent [N, d_c]``, ``k_rope [N, d_r]`` (float32/bfloat16) into
     ``cache`` at ``slot_mapping [N]`` and update the sink/local buffers. Arguments are already
     validated by ``quantmla_core.write``; bad slots are masked in the kernel. ``block_t``
-    (tokens per program) overrides the heuristic."""
+    (tokens per program) and ``num_warps`` override the heuristics."""
     fmt = cache.format
     n = int(latent.shape[0])
     if n == 0:
@@ -39,5 +40,5 @@ def write(cache, latent: torch.Tensor, k_rope: torch.Tensor, slot_mapping: torch
         RG=fmt.rope_group_size if quant else min(64, fmt.rope_dim),
         **page_layout_constexprs(fmt),
         BLOCK_T=block_t,
-        **launch_dims(num_warps=4),
+        **launch_dims(num_warps=num_warps or WRITER_NUM_WARPS),
     )

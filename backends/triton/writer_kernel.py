@@ -129,12 +129,14 @@ def write_kernel(
     to_sink = live & (pos < SINK)
     base_s = ((seq_c * SINK + tl.where(to_sink, pos, 0)) * W)[:, None, None]
     ms = to_sink[:, None, None]
-    store_f32(sink_ptr, base_s + offs_c, xc, ms, PROT_BF16)
-    store_f32(sink_ptr, base_s + DC + offs_r, xr, ms, PROT_BF16)
+    if tl.max(to_sink.to(tl.int32), axis=0) > 0:  # a uniform branch: most blocks of a prompt hold no sink token
+        store_f32(sink_ptr, base_s + offs_c, xc, ms, PROT_BF16)
+        store_f32(sink_ptr, base_s + DC + offs_r, xr, ms, PROT_BF16)
     length = tl.load(lens_ptr + seq_c, mask=live, other=0).to(tl.int64)
     to_local = live & (LOCAL > 0) & (pos >= length - LOCAL)
     ring = tl.where(to_local, pos % tl.maximum(LOCAL, 1), 0)
     base_l = ((seq_c * LOCAL + ring) * W)[:, None, None]
     ml = to_local[:, None, None]
-    store_f32(local_ptr, base_l + offs_c, xc, ml, PROT_BF16)
-    store_f32(local_ptr, base_l + DC + offs_r, xr, ml, PROT_BF16)
+    if tl.max(to_local.to(tl.int32), axis=0) > 0:  # ... nor a token of the local window
+        store_f32(local_ptr, base_l + offs_c, xc, ml, PROT_BF16)
+        store_f32(local_ptr, base_l + DC + offs_r, xr, ml, PROT_BF16)

@@ -1,0 +1,83 @@
+"""Eager vs CUDA-graph replay of one attention call (H200): how much of a short call is host time.
+
+For each shape and backend it times ``quantmla_core.attention`` eagerly (CUDA events around
+back-to-back calls, so host time shows when it exceeds the GPU's) and as a replayed CUDA graph
+of the same call (GPU time only), beside FlashInfer BF16 eagerly when it is installed.
+
+    PYTHONPATH=. python -P benchmarks/graph_probe.py [--shapes 16x8x4096,...] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.dirname(__file__))
+import quantmla_core as qm  # noqa: E402
+from _mla_bench_common import FlashInferMLA, Workload, gpu_info  # noqa: E402
+
+SCALE = 1.0 / 576 ** 0.5
+
+
+def bench(fn) -> float:
+    return do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3  # µs
+
+
+def graphed(fn):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="16x8x4096,16x32x4096,16x32x32768,128x8x4096")
+    ap.add_argument("--formats", default="C4R4")
+    ap.add_argument("--backends", default="cupy,triton")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    rows = []
+    for shape in args.shapes.split(","):
+        h, b, l = (int(x) for x in shape.split("x"))
+        work = Workload(b, l)
+        q, r = work.queries(h)
+        kw = dict(block_table=work.table.to(torch.int32).contiguous(), seq_lens=work.seq_lens.to(torch.int64),
+                  seq_ids=work.seq_ids.to(torch.int64), softmax_scale=SCALE, validate=False)
+        fi_us = None
+        if not FlashInferMLA.available():
+            kv = work.bf16_dense()
+            fi = FlashInferMLA(work, kv, h, SCALE)
+            fi_us = bench(lambda: fi.run(q[:, 0], r[:, 0]))
+            del fi, kv
+        for name in args.formats.split(","):
+            cache = work.build(name)
+            for backend in args.backends.split(","):
+                call = lambda: qm.attention(q, r, cache, backend=backend, **kw)  # noqa: E731
+                eager = bench(call)
+                graph = bench(graphed(call))
+                row = {"H": h, "B": b, "L": l, "format": name, "backend": backend, "eager_us": eager, "graph_us": graph,
+                       "flashinfer_us": fi_us}
+                rows.append(row)
+                fi_txt = f"  FI {fi_us:7.1f} us: eager {eager / fi_us:5.2f}x graph {graph / fi_us:5.2f}x" if fi_us else ""
+                print(f"H{h} B{b} L{l} {name} {backend:<6} eager {eager:8.1f} us  graph {graph:8.1f} us{fi_txt}", flush=True)
+            del cache
+            torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"info": gpu_info(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
