@@ -46,8 +46,11 @@ def main(argv=None) -> None:
     ap.add_argument("--shapes", default="16x8x4096,16x32x4096,16x32x32768,128x8x4096")
     ap.add_argument("--formats", default="C4R4")
     ap.add_argument("--backends", default="cupy,triton")
+    ap.add_argument("--sweep", default=None,
+                    help="NAME=V1,V2,...: an environment variable to sweep (read per call by the launchers)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    var, settings = (args.sweep.split("=", 1)[0], args.sweep.split("=", 1)[1].split(",")) if args.sweep else ("", [""])
     rows = []
     for shape in args.shapes.split(","):
         h, b, l = (int(x) for x in shape.split("x"))
@@ -64,14 +67,20 @@ def main(argv=None) -> None:
         for name in args.formats.split(","):
             cache = work.build(name)
             for backend in args.backends.split(","):
-                call = lambda: qm.attention(q, r, cache, backend=backend, **kw)  # noqa: E731
-                eager = bench(call)
-                graph = bench(graphed(call))
-                row = {"H": h, "B": b, "L": l, "format": name, "backend": backend, "eager_us": eager, "graph_us": graph,
-                       "flashinfer_us": fi_us}
-                rows.append(row)
-                fi_txt = f"  FI {fi_us:7.1f} us: eager {eager / fi_us:5.2f}x graph {graph / fi_us:5.2f}x" if fi_us else ""
-                print(f"H{h} B{b} L{l} {name} {backend:<6} eager {eager:8.1f} us  graph {graph:8.1f} us{fi_txt}", flush=True)
+                for setting in settings:
+                    if setting:
+                        os.environ[var] = setting
+                    call = lambda: qm.attention(q, r, cache, backend=backend, **kw)  # noqa: E731
+                    eager = bench(call)
+                    graph = bench(graphed(call))
+                    if var:
+                        os.environ.pop(var, None)
+                    row = {"H": h, "B": b, "L": l, "format": name, "backend": backend, "eager_us": eager,
+                           "graph_us": graph, "flashinfer_us": fi_us, "setting": f"{var}={setting}" if setting else ""}
+                    rows.append(row)
+                    fi_txt = f"  FI {fi_us:7.1f} us: eager {eager / fi_us:5.2f}x graph {graph / fi_us:5.2f}x" if fi_us else ""
+                    print(f"H{h} B{b} L{l} {name} {backend:<6} {row['setting']:<32} eager {eager:8.1f} us  "
+                          f"graph {graph:8.1f} us{fi_txt}", flush=True)
             del cache
             torch.cuda.empty_cache()
     if args.json:

@@ -208,6 +208,22 @@ def test_v2_plan_and_smem():
     assert v2_smem_bytes(qm.PackFormat.parse("C4R4"), 1) == 4 * 32 * (317 + 1) + 16384
 
 
+def test_v2_min_tiles_knob_reaches_the_split_plan(monkeypatch):
+    from quantmla_core.backends.cupy.attention import V2_MIN_TILES_PER_SPLIT, V2Knobs, plan_splits_v2
+
+    monkeypatch.delenv("QUANTMLA_CUPY_V2_MIN_TILES", raising=False)
+    assert V2Knobs.from_env().min_tiles == V2_MIN_TILES_PER_SPLIT
+    monkeypatch.setenv("QUANTMLA_CUPY_V2_MIN_TILES", "2")
+    assert V2Knobs.from_env().min_tiles == 2
+    # B=8 L=4K: 16 splits of 8 tiles by default, more and shorter ones when allowed
+    assert plan_splits_v2(8, 1, 4096, 264) == (16, 8)
+    splits, per = plan_splits_v2(8, 1, 4096, 264, min_tiles=2)
+    assert splits > 16 and per < 8
+    monkeypatch.setenv("QUANTMLA_CUPY_V2_MIN_TILES", "3")
+    with pytest.raises(ValueError, match="QUANTMLA_CUPY_V2_MIN_TILES"):
+        V2Knobs.from_env()
+
+
 def test_v2_tuning_knobs_reach_the_defines(monkeypatch):
     from quantmla_core.backends.cupy.attention import v2_defines
 

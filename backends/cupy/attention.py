@@ -162,12 +162,13 @@ def v2_smem_bytes(fmt: PackFormat, row_groups: int = 1, stages: int = 4) -> int:
     return stages * stage + xchg
 
 
-def plan_splits_v2(batch: int, chunks: int, max_tokens: int, resident: int) -> tuple[int, int]:
+def plan_splits_v2(batch: int, chunks: int, max_tokens: int, resident: int,
+                   min_tiles: int = V2_MIN_TILES_PER_SPLIT) -> tuple[int, int]:
     """(num_splits, tiles_per_split) for v2, as :func:`plan_splits`, but never splitting below
     :data:`V2_MIN_TILES_PER_SPLIT` tiles (small batches were paying for many tiny splits plus
     a combine that reads them all)."""
     tiles = math.ceil(max(1, max_tokens) / V2_TILE)
-    return plan_kv_splits(batch * chunks, tiles, resident, V2_MIN_TILES_PER_SPLIT)
+    return plan_kv_splits(batch * chunks, tiles, resident, min_tiles)
 
 
 _CACHE_LOCK = threading.Lock()
@@ -292,6 +293,7 @@ class V2Knobs:
     stages: int
     lazy: bool
     separate: bool
+    min_tiles: int = V2_MIN_TILES_PER_SPLIT
 
     @staticmethod
     def from_env() -> "V2Knobs":
@@ -299,7 +301,8 @@ class V2Knobs:
         return V2Knobs(rg, _env_int("QUANTMLA_CUPY_V2_MINB", 1, (1, 2, 3, 4)),
                        _env_int("QUANTMLA_CUPY_V2_STAGES", V2_STAGES, (3, 4, 5)),
                        bool(_env_int("QUANTMLA_CUPY_V2_LAZY_RESCALE", 0, (0, 1))),
-                       _env_choice("QUANTMLA_CUPY_V2_PROTECTED", "inline", ("inline", "separate")) == "separate")
+                       _env_choice("QUANTMLA_CUPY_V2_PROTECTED", "inline", ("inline", "separate")) == "separate",
+                       _env_int("QUANTMLA_CUPY_V2_MIN_TILES", V2_MIN_TILES_PER_SPLIT, (1, 2, 4, 8, 16)))
 
 
 @dataclass(frozen=True)
@@ -326,7 +329,7 @@ def v2_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
         attn, smem = _v2_kernel(fmt, dev, rg, knobs.minb, knobs.stages, knobs.lazy, no_prot, 1 if separate else 0)
         block = (V2_WARPS * 32 * rg,)
         resident = resident_ctas(attn, block[0], smem, dev, sm_count)
-        splits, per = plan_splits_v2(batch, chunks, max(1, max_pages) * fmt.page_size, resident)
+        splits, per = plan_splits_v2(batch, chunks, max(1, max_pages) * fmt.page_size, resident, knobs.min_tiles)
         launches = [(attn, (batch * chunks, splits), block, smem)]
         if separate:  # the sink and local tokens as two more partials, from a protected-only build
             prot, psmem = _v2_kernel(fmt, dev, rg, 1, knobs.stages, knobs.lazy, False, 2)

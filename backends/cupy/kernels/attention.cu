@@ -541,11 +541,25 @@ extern "C" __global__ void __launch_bounds__(NW * 32, QMLA_MIN_BLOCKS) qmla_attn
 }
 
 // Merge the splits of each query row: out = sum_i 2^(m_i - M) O_i / sum_i 2^(m_i - M) l_i,
-// lse = ln 2 * (M + log2(sum_i 2^(m_i - M) l_i)). One block per row.
+// lse = ln 2 * (M + log2(sum_i 2^(m_i - M) l_i)). One block per row; a thread owns 4 adjacent
+// channels (one 16-byte load per split) and keeps 4 splits' loads in flight, so a row with many
+// splits is not a chain of dependent loads. Sums run over i in order (bit-identical to one
+// split at a time); splits that saw no token (m_i = -inf) are skipped.
+__device__ __forceinline__ void qmla_combine_add(float4& a, float2 v, float M, float4 o) {
+    if (v.x != -QMLA_INF) {
+        const float w = exp2f(v.x - M);
+        a.x += w * o.x;
+        a.y += w * o.y;
+        a.z += w * o.z;
+        a.w += w * o.w;
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(128) qmla_combine(const float* __restrict__ o_part,
                                                                const float2* __restrict__ ml_part,
                                                                void* __restrict__ out, float* __restrict__ lse,
                                                                int num_splits) {
+    static_assert(DC % 4 == 0, "4 channels per thread");
     const i64 row = blockIdx.x;
     const float2* ml = ml_part + row * num_splits;
     float M = -QMLA_INF;
@@ -556,17 +570,29 @@ extern "C" __global__ void __launch_bounds__(128) qmla_combine(const float* __re
         if (v.x != -QMLA_INF) den += exp2f(v.x - M) * v.y;
     }
     const float inv = den > 0.0f ? 1.0f / den : 0.0f;
-    for (int ch = threadIdx.x; ch < DC; ch += blockDim.x) {
-        float a = 0.0f;
-        for (int i = 0; i < num_splits; ++i) {
-            const float2 v = ml[i];
-            if (v.x != -QMLA_INF) a += exp2f(v.x - M) * o_part[(row * num_splits + i) * DC + ch];
+    const float4* op = (const float4*)(o_part + row * num_splits * DC);
+    for (int c4 = threadIdx.x; c4 < DC / 4; c4 += blockDim.x) {
+        float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        int i = 0;
+        for (; i + 4 <= num_splits; i += 4) {
+            const float4 o0 = op[(i + 0) * (DC / 4) + c4], o1 = op[(i + 1) * (DC / 4) + c4];
+            const float4 o2 = op[(i + 2) * (DC / 4) + c4], o3 = op[(i + 3) * (DC / 4) + c4];
+            qmla_combine_add(a, ml[i + 0], M, o0);
+            qmla_combine_add(a, ml[i + 1], M, o1);
+            qmla_combine_add(a, ml[i + 2], M, o2);
+            qmla_combine_add(a, ml[i + 3], M, o3);
         }
-        a *= inv;
+        for (; i < num_splits; ++i) qmla_combine_add(a, ml[i], M, op[i * (DC / 4) + c4]);
+        a.x *= inv;
+        a.y *= inv;
+        a.z *= inv;
+        a.w *= inv;
 #if QMLA_IN_BF16
-        ((u16*)out)[row * DC + ch] = f32_to_bf16_bits(a);
+        const u32 lo = (u32)f32_to_bf16_bits(a.x) | ((u32)f32_to_bf16_bits(a.y) << 16);
+        const u32 hi = (u32)f32_to_bf16_bits(a.z) | ((u32)f32_to_bf16_bits(a.w) << 16);
+        ((uint2*)out)[row * (DC / 4) + c4] = make_uint2(lo, hi);
 #else
-        ((float*)out)[row * DC + ch] = a;
+        ((float4*)out)[row * (DC / 4) + c4] = a;
 #endif
     }
     if (threadIdx.x == 0) lse[row] = den > 0.0f ? 0.69314718055994531f * (M + log2f(den)) : -QMLA_INF;
