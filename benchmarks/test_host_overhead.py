@@ -6,6 +6,9 @@ CUDA graph. Two numbers, at H = 16, B = 8, 64 pages per request:
 
 * ``cupy_launcher``: ``quantmla_core.backends.cupy.attention.attention`` with kernel compilation
   and launches replaced by no-ops (plan lookup, argument packing, workspace, outputs);
+* ``triton_launcher``: ``quantmla_core.backends.triton.attention.attention`` with the three
+  kernels replaced by recorders (plan, constexprs, outputs, argument lists; Triton's own launch
+  time is not included);
 * ``api_front_end``: ``quantmla_core.attention(..., validate=False)`` with the backend replaced
   by one that returns preallocated outputs (argument checks, dispatch, reshapes).
 
@@ -18,7 +21,7 @@ import pytest
 import torch
 
 import quantmla_core as qm
-from quantmla_core.testing import stub_cupy_launcher
+from quantmla_core.testing import stub_cupy_launcher, stub_triton_launcher
 
 pytestmark = pytest.mark.benchmark
 B, H, PAGES = 8, 16, 64
@@ -50,6 +53,18 @@ def test_cupy_launcher(benchmark, stubbed_cupy):
     assert out.shape == q.shape and lse.shape == (B, 1, H)
     benchmark.extra_info.update({"what": "cupy launcher host path, CUDA stubbed", "B": B, "H": H})
     benchmark(stubbed_cupy.attention, q, r, cache, table, lens, ids, 0.05)
+
+
+def test_triton_launcher(benchmark, monkeypatch):
+    from quantmla_core.backends.triton import attention as A
+
+    stub_triton_launcher(monkeypatch)
+    cache = _cache()
+    q, r, table, lens, ids = _inputs()
+    out, lse = A.attention(q, r, cache, table, lens, ids, 0.05)
+    assert out.shape == q.shape and lse.shape == (B, 1, H)
+    benchmark.extra_info.update({"what": "triton launcher host path, kernels stubbed", "B": B, "H": H})
+    benchmark(A.attention, q, r, cache, table, lens, ids, 0.05)
 
 
 def test_api_front_end(benchmark, monkeypatch):

@@ -224,3 +224,28 @@ def stub_cupy_launcher(monkeypatch: Any, sm_count: int = 132) -> tuple[list, lis
     monkeypatch.setattr(A, "_PLANS", {})
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     return kernels, launches
+
+
+def stub_triton_launcher(monkeypatch: Any, sm_count: int = 132) -> list:
+    """Let ``quantmla_core.backends.triton.attention`` run its host logic as on a GPU without one:
+    the three kernels record their launches (grid, positional args, keyword args) instead of
+    compiling, and the device has ``sm_count`` SMs. ``monkeypatch``: pytest's fixture.
+    Returns the launch records, as (kernel name, grid, args, kwargs)."""
+    from .backends.triton import attention as A
+    from .backends.triton import common as C
+
+    launches: list = []
+
+    class Kernel:
+        def __init__(self, name: str):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.name, grid, args, kwargs))
+
+    for name in ("split_kernel", "split_kernel_v2", "protect_combine_kernel"):
+        monkeypatch.setattr(A, name, Kernel(name))
+    monkeypatch.setattr(A, "interpreting", lambda: False)
+    monkeypatch.setattr(A, "_sm_count", lambda dev: sm_count)
+    monkeypatch.setattr(C, "interpreting", lambda: False)
+    return launches

@@ -174,6 +174,32 @@ def test_variant_env_is_read_per_call(monkeypatch):
         check_attention_case(case, "torch", "triton", DEVICE, "bfloat16")
 
 
+@pytest.mark.parametrize("name,variant", [("C4R4", "v2"), ("C2R4", "v2"), ("C4R4", "v1"), ("BF16", "v1")])
+def test_cached_launch_constants_match_a_fresh_build(monkeypatch, name, variant):
+    """The launcher caches its plan and constexprs per shape; a probe call (which builds them
+    afresh) must launch with the same arguments apart from its own switch, on GPU settings."""
+    from quantmla_core.backends.triton import attention as A
+    from quantmla_core.testing import stub_triton_launcher
+
+    launches = stub_triton_launcher(monkeypatch)
+    fmt = PackFormat.parse(name)
+    cache = qm.MLACache.allocate(fmt, 64, 4, 4, 128, device="cpu")
+    q, r = torch.randn((4, 1, 16, 512)).to(torch.bfloat16), torch.randn((4, 1, 16, 64)).to(torch.bfloat16)
+    args = (q, r, cache, torch.arange(64, dtype=torch.int32).view(4, 16), torch.full((4,), 1000), torch.arange(4), 0.05)
+    A.attention(*args, variant=variant)
+    A.attention(*args, variant=variant)  # from the caches
+    A.attention(*args, variant=variant, overrides={"skip_pv": True})  # built afresh
+    splits = [rec for rec in launches if rec[0].startswith("split_kernel")]
+    assert len(splits) == 3 and splits[0][0] == ("split_kernel_v2" if variant == "v2" else "split_kernel")
+    fresh = dict(splits[2][3])
+    assert fresh.pop("PROBE_SKIP_PV") is True and splits[0][3]["PROBE_SKIP_PV"] is False
+    assert splits[0][3] == splits[1][3] and {k: v for k, v in splits[0][3].items() if k != "PROBE_SKIP_PV"} == fresh
+    assert splits[0][1] == splits[2][1]
+    kw = splits[0][3]
+    assert kw["DC"] == 512 and kw["PAGE_BYTES"] == fmt.page_bytes and kw["Q_BF16"] and kw["DOT_BF16"]
+    assert kw["C_CODES_OFF"] == fmt.sections.get("content_codes", (0, 0))[0]
+
+
 @pytest.mark.parametrize("case", FMT_CASES[::3], ids=str)
 def test_triton_write_triton_read(case):
     check_attention_case(case, "triton", "triton", DEVICE)

@@ -6,7 +6,10 @@ See ``attention_kernel.py`` for the math and ``heuristics.py`` for the launch ru
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from types import MappingProxyType
+from typing import Mapping
 
 import torch
 
@@ -55,6 +58,30 @@ def _sm_count(device: torch.device) -> int:
     if device.type == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_properties(device).multi_processor_count
     return INTERPRETER_SM_COUNT
+
+
+def _v2_bits(fmt) -> tuple[bool, int, int]:
+    """(quantized, content bits, RoPE bits) as the kernels take them (16 for BF16 pages)."""
+    return (fmt.quantized, *((fmt.content_bits, fmt.rope_bits) if fmt.quantized else (16, 16)))
+
+
+@functools.lru_cache(maxsize=256)
+def _split_constexprs(fmt, variant: str, q_bf16: bool, dot_bf16: bool, block_n: int,
+                      block_r: int) -> Mapping[str, int | bool]:
+    """Constexprs of one split-kernel launch without probe switches; cached, since a decode step
+    asks for the same ones on every layer (read-only)."""
+    quant, cbits, rbits = _v2_bits(fmt)
+    cg = fmt.content_group_size if quant else 64
+    rg = fmt.rope_group_size if quant else 64
+    dc, dr = fmt.latent_dim, fmt.rope_dim
+    consts = dict(
+        Q_BF16=q_bf16, DOT_BF16=dot_bf16, QUANT=quant, DC=dc, DR=dr, CBITS=cbits, RBITS=rbits,
+        CG=cg, RG=rg, CCW=slice_width(dc, cbits, cg), RCW=slice_width(dr, rbits, rg), **page_layout_constexprs(fmt),
+        BLOCK_N=block_n, BLOCK_R=block_r, PROBE_SKIP_PV=False,
+    )
+    if variant == "v2":
+        consts.update(v2_constexprs(quant, cbits, rbits, dot_bf16))
+    return MappingProxyType(consts)
 
 
 def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: torch.Tensor,
@@ -112,27 +139,20 @@ def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: 
     else:
         o_part, lse_part, out, lse = (torch.empty(shape, dtype=dt, device=dev) for shape, dt in specs)
     scale_log2 = float(softmax_scale) * math.log2(math.e)
-    quant = fmt.quantized
-    cg = fmt.content_group_size if quant else 64
-    rg = fmt.rope_group_size if quant else 64
-    cbits, rbits = (fmt.content_bits, fmt.rope_bits) if quant else (16, 16)
     LAST_LAUNCH["plan"] = pl
-    ccw, rcw = slice_width(dc, cbits, cg), slice_width(dr, rbits, rg)
     args = (q, qr, cache.pages, block_table, seq_lens, o_part, lse_part,
             block_table.stride(0), cache.num_pages, scale_log2, rows, h, s_q, cache.sink, cache.local, pl.num_splits)
-    consts = dict(
-        Q_BF16=q_bf16, DOT_BF16=dot_bf16, QUANT=quant, DC=dc, DR=dr, CBITS=cbits, RBITS=rbits,
-        CG=cg, RG=rg, CCW=ccw, RCW=rcw, **page_layout_constexprs(fmt),
-        BLOCK_N=pl.block_n, BLOCK_R=pl.block_r, PROBE_SKIP_PV=probe_skip_pv,
-    )
-    grid = (pl.num_splits, b, pl.row_blocks)
-    if variant == "v2":
-        consts.update(v2_constexprs(quant, cbits, rbits, dot_bf16, **v2_switches))
-        dims = {**launch_dims(pl.num_warps, pl.num_stages), **({} if interp else extra_launch)}
-        LAST_LAUNCH["split"] = split_kernel_v2[grid](*args, **consts, **dims)
+    if probe_skip_pv or v2_switches:  # probes: built per call
+        consts = dict(_split_constexprs(fmt, variant, q_bf16, dot_bf16, pl.block_n, pl.block_r))
+        consts["PROBE_SKIP_PV"] = probe_skip_pv
+        if variant == "v2":
+            consts.update(v2_constexprs(*_v2_bits(fmt), dot_bf16, **v2_switches))
     else:
-        dims = {**launch_dims(pl.num_warps, pl.num_stages), **({} if interp else extra_launch)}
-        LAST_LAUNCH["split"] = split_kernel[grid](*args, **consts, **dims)
+        consts = _split_constexprs(fmt, variant, q_bf16, dot_bf16, pl.block_n, pl.block_r)
+    grid = (pl.num_splits, b, pl.row_blocks)
+    dims = {**launch_dims(pl.num_warps, pl.num_stages), **({} if interp else extra_launch)}
+    kernel = split_kernel_v2 if variant == "v2" else split_kernel
+    LAST_LAUNCH["split"] = kernel[grid](*args, **consts, **dims)
     crb = pl.combine_block_r
     LAST_LAUNCH["combine"] = protect_combine_kernel[(b, -(-rows // crb))](
         q, qr, ptr_or_dummy(cache.sink_buf), ptr_or_dummy(cache.local_buf), seq_lens, seq_ids,

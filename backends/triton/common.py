@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+from types import MappingProxyType
+from typing import Mapping
+
 import torch
 
 from . import interpreting
@@ -13,21 +17,23 @@ def ptr_or_dummy(t: torch.Tensor) -> torch.Tensor:
     return t if t.numel() > 0 else torch.zeros(1, dtype=t.dtype, device=t.device)
 
 
-def page_layout_constexprs(fmt) -> dict:
+@functools.lru_cache(maxsize=64)
+def page_layout_constexprs(fmt) -> Mapping[str, int | bool]:
     """Kernel constexprs of the page layout, all from ``fmt`` (a :class:`PackFormat`): page size
-    and bytes, section offsets (0 for sections the format lacks) and the scale dtypes."""
+    and bytes, section offsets (0 for sections the format lacks) and the scale dtypes. Cached
+    per format (read-only: launchers unpack it on every call)."""
     secs = fmt.sections
 
     def off(name: str) -> int:
         return secs[name][0] if name in secs else 0
 
-    return dict(
+    return MappingProxyType(dict(
         P=fmt.page_size, PAGE_BYTES=fmt.page_bytes,
         C_CODES_OFF=off("content_codes"), R_CODES_OFF=off("rope_codes"),
         C_SCALES_OFF=off("content_scales"), C_ZEROS_OFF=off("content_zeros"),
         R_SCALES_OFF=off("rope_scales"), R_ZEROS_OFF=off("rope_zeros"),
         C_SCALE_BF16=fmt.content_scale_dtype == "bfloat16", R_SCALE_BF16=fmt.rope_scale_dtype == "bfloat16",
-    )
+    ))
 
 
 def launch_dims(num_warps: int, num_stages: int | None = None) -> dict:

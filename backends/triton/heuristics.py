@@ -19,6 +19,7 @@ run in the interpreter (CPU) with ``sm_count`` = :data:`INTERPRETER_SM_COUNT`.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from ..splits import plan_kv_splits
@@ -68,6 +69,7 @@ def _pow2_at_least(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
+@functools.lru_cache(maxsize=4096)  # pure; a decode step asks for the same plan on every layer
 def plan(batch: int, rows: int, latent_dim: int, page_size: int, max_tokens: int, sm_count: int,
          interpreter: bool = False, num_splits: int | None = None, fp32_dot: bool = False) -> AttentionPlan:
     """Block sizes and split count for ``batch`` requests of ``rows`` = S_q x H query rows,
@@ -126,6 +128,7 @@ V2_ZSUB = False
 V2_FLOAT32_ON_GPU = False
 
 
+@functools.lru_cache(maxsize=4096)
 def plan_v2(batch: int, rows: int, latent_dim: int, page_size: int, max_tokens: int, sm_count: int,
             interpreter: bool = False, num_splits: int | None = None, fp32_dot: bool = False) -> AttentionPlan:
     """Launch plan of attention kernel v2 (same fields and split rule as :func:`plan`)."""
