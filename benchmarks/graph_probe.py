@@ -41,6 +41,41 @@ def graphed(fn):
     return g.replay
 
 
+def _probe_shape(h: int, b: int, l: int, args, var: str, settings: list[str]) -> list[dict]:
+    """Every format x backend x setting at one shape (one workload and query set)."""
+    work = Workload(b, l)
+    q, r = work.queries(h)
+    kw = {"block_table": work.table.to(torch.int32).contiguous(), "seq_lens": work.seq_lens.to(torch.int64),
+          "seq_ids": work.seq_ids.to(torch.int64), "softmax_scale": SCALE, "validate": False}
+    fi_us = None
+    if not FlashInferMLA.available():
+        kv = work.bf16_dense()
+        fi = FlashInferMLA(work, kv, h, SCALE)
+        fi_us = bench(lambda: fi.run(q[:, 0], r[:, 0]))
+    rows = []
+    for name in args.formats.split(","):
+        cache = work.build(name)
+        for backend in args.backends.split(","):
+            for setting in settings:
+                if setting:
+                    os.environ[var] = setting
+
+                def call(backend=backend, cache=cache):
+                    return qm.attention(q, r, cache, backend=backend, **kw)
+
+                eager = bench(call)
+                graph = bench(graphed(call))
+                if var:
+                    os.environ.pop(var, None)
+                row = {"H": h, "B": b, "L": l, "format": name, "backend": backend, "eager_us": eager,
+                       "graph_us": graph, "flashinfer_us": fi_us, "setting": f"{var}={setting}" if setting else ""}
+                rows.append(row)
+                fi_txt = f"  FI {fi_us:7.1f} us: eager {eager / fi_us:5.2f}x graph {graph / fi_us:5.2f}x" if fi_us else ""
+                print(f"H{h} B{b} L{l} {name} {backend:<6} {row['setting']:<32} eager {eager:8.1f} us  "
+                      f"graph {graph:8.1f} us{fi_txt}", flush=True)
+    return rows
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="16x8x4096,16x32x4096,16x32x32768,128x8x4096")
@@ -54,35 +89,8 @@ def main(argv=None) -> None:
     rows = []
     for shape in args.shapes.split(","):
         h, b, l = (int(x) for x in shape.split("x"))
-        work = Workload(b, l)
-        q, r = work.queries(h)
-        kw = dict(block_table=work.table.to(torch.int32).contiguous(), seq_lens=work.seq_lens.to(torch.int64),
-                  seq_ids=work.seq_ids.to(torch.int64), softmax_scale=SCALE, validate=False)
-        fi_us = None
-        if not FlashInferMLA.available():
-            kv = work.bf16_dense()
-            fi = FlashInferMLA(work, kv, h, SCALE)
-            fi_us = bench(lambda: fi.run(q[:, 0], r[:, 0]))
-            del fi, kv
-        for name in args.formats.split(","):
-            cache = work.build(name)
-            for backend in args.backends.split(","):
-                for setting in settings:
-                    if setting:
-                        os.environ[var] = setting
-                    call = lambda: qm.attention(q, r, cache, backend=backend, **kw)  # noqa: E731
-                    eager = bench(call)
-                    graph = bench(graphed(call))
-                    if var:
-                        os.environ.pop(var, None)
-                    row = {"H": h, "B": b, "L": l, "format": name, "backend": backend, "eager_us": eager,
-                           "graph_us": graph, "flashinfer_us": fi_us, "setting": f"{var}={setting}" if setting else ""}
-                    rows.append(row)
-                    fi_txt = f"  FI {fi_us:7.1f} us: eager {eager / fi_us:5.2f}x graph {graph / fi_us:5.2f}x" if fi_us else ""
-                    print(f"H{h} B{b} L{l} {name} {backend:<6} {row['setting']:<32} eager {eager:8.1f} us  "
-                          f"graph {graph:8.1f} us{fi_txt}", flush=True)
-            del cache
-            torch.cuda.empty_cache()
+        rows += _probe_shape(h, b, l, args, var, settings)
+        torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"info": gpu_info(), "rows": rows}, f, indent=1)
