@@ -24,6 +24,7 @@ T="python3 -P -m pytest -q -p no:cacheprovider"
 if [ "$MODE" = check ]; then
   echo "=== cupy v2 conformance"; timeout 190 $T tests/test_cupy_backend.py -x -k v2 2>&1 | tail -6 | tee "$OUT/cupy_v2.txt"
   echo "=== cuda graph capture"; timeout 90 $T tests/test_cupy_backend.py -k cuda_graph 2>&1 | tail -4
+  echo "=== cupy v2 64-token tiles conformance"; timeout 120 $T tests/test_cupy_backend.py -x -k tile64 2>&1 | tail -3
   echo "=== cupy v2 lazy rescale conformance"; QUANTMLA_CUPY_V2_LAZY_RESCALE=1 timeout 90 $T tests/test_cupy_backend.py -x \
     -k "attention_v2_matches_reference and float32-]" 2>&1 | tail -3
   echo "=== cupy v2 separate protected conformance"; QUANTMLA_CUPY_V2_PROTECTED=separate timeout 90 $T tests/test_cupy_backend.py -x \
@@ -47,6 +48,10 @@ elif [ "$MODE" = profile ]; then
     timeout 150 $NCU -k regex:split_kernel_v2 -s 2 -c 1 $SECS python3 -P benchmarks/triton_probe.py > "$OUT/ncu_triton_v2.txt" 2>&1
   grep -v "^==PROF==" "$OUT/ncu_triton_v2.txt" | grep -A200 "split_kernel_v2" | head -90
 elif [ "$MODE" = sweep ]; then
+  # tokens per tile (QUANTMLA_CUPY_V2_TILE): 64 halves the per-tile work per token (offline SASS -10 %)
+  for tile in ${SWEEP_TILE:-32 64}; do echo "=== cupy v2 tile $tile"; QUANTMLA_CUPY_V2_TILE=$tile timeout 120 \
+      python3 -P benchmarks/cupy_probe.py --variant v2 --shapes 16x32x32768,16x128x32768,16x32x131072,16x8x4096,128x32x32768 \
+      --formats C4R4,C2R4 --no-writer 2>&1 | grep -E "^v2"; done
   for knobs in ${SWEEP_KNOBS:-QUANTMLA_CUPY_V2_LAZY_RESCALE=0 QUANTMLA_CUPY_V2_LAZY_RESCALE=1}; do
     echo "=== cupy v2 $knobs"; env $knobs timeout 90 python3 -P benchmarks/cupy_probe.py --variant v2 --shapes 16x32x32768,16x128x32768 \
       --formats C4R4 --no-writer 2>&1 | grep -E "^v2" ; done

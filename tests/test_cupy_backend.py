@@ -19,6 +19,7 @@ from quantmla_core.backends.cupy.attention import (
     VARIANT_ENV,
     attention_defines,
     select_variant,
+    v2_default_stages,
     v2_defines,
     v2_smem_bytes,
     v2_unsupported_reasons,
@@ -124,6 +125,12 @@ V2_VARIANTS = [
     ("sm_90", "C4R4", 512, 64, 64, 64, 1, "mode2"),
     ("sm_90", "C2R4", 256, 32, 64, 16, 2, "mode1"),
     ("sm_80", "C4R4", 512, 64, 64, 32, 1, "mode2"),
+    # QUANTMLA_CUPY_V2_TILE=64 (3 copy stages)
+    ("sm_90", "C4R4", 512, 64, 64, 64, 1, "t64"),
+    ("sm_90", "C4R4", 512, 64, 64, 64, 2, "t64"),
+    ("sm_90", "C2R4", 512, 64, 64, 16, 1, "t64"),
+    ("sm_90", "C4R4", 512, 64, 64, 128, 1, "t64", "noprot"),
+    ("sm_80", "C2R4", 256, 32, 128, 64, 1, "t64"),
 ]
 
 
@@ -131,7 +138,9 @@ def _compile_v2(v: tuple) -> tuple[int, str]:
     arch, name, dc, dr, gs, page, rg = v[:7]
     fmt = qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr, group_size=gs, page_size=page)
     mode = 1 if "mode1" in v[7:] else 2 if "mode2" in v[7:] else 0
-    defines = v2_defines(fmt, rg, no_protection="noprot" in v[7:], prot_mode=mode)
+    tile = 64 if "t64" in v[7:] else 32
+    defines = v2_defines(fmt, rg, stages=v2_default_stages(tile), no_protection="noprot" in v[7:], prot_mode=mode,
+                         tile=tile)
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [NVCC, "-cubin", f"-arch={arch}", "--std=c++17", "-Xptxas", "-v", f"-I{KERNEL_DIR}",
                *define_options(defines), "-o", os.path.join(tmp, "k.cubin"),
@@ -385,6 +394,19 @@ def test_attention_v2_matches_reference(case, rg, monkeypatch):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("rg", ["", "2"])
+@pytest.mark.parametrize("case", V2_CASES + BIG[:3], ids=str)
+def test_attention_v2_tile64_matches_reference(case, rg, monkeypatch):
+    """64-token tiles (``QUANTMLA_CUPY_V2_TILE=64``, 3 copy stages) on every v2 case."""
+    _use_variant(monkeypatch, "v2")
+    monkeypatch.setenv("QUANTMLA_CUPY_V2_TILE", "64")
+    if rg:
+        monkeypatch.setenv("QUANTMLA_CUPY_V2_RG", rg)
+    check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("case", V2_CASES[5:7] + BIG[:1], ids=str)
 def test_attention_v2_min_blocks_3(case, monkeypatch):
     """The 168-register build (``__launch_bounds__(128, 3)``, spills) stays correct."""
@@ -518,6 +540,24 @@ def test_v2_launch_arguments_match_kernel_signature(monkeypatch, h, s_q, rg_env,
     assert grid[1] == splits and splits * per * 32 >= 5 * fmt.page_size  # 5 pages per request (_run_v2_stubbed)
     assert len(cargs) == len(_kernel_params("attention.cu", "qmla_combine")) and cgrid == (b * rows,)
     assert int(cargs[-1]) == splits
+
+
+@pytest.mark.parametrize("h", [16, 128])
+def test_v2_tile_knob_reaches_defines_smem_and_splits(monkeypatch, h):
+    """QUANTMLA_CUPY_V2_TILE=64: the kernel is built for 64-token tiles with 3 copy stages, the
+    launch asks for that build's shared memory, and the splits count 64-token tiles."""
+    launches, _kernels, fmt, _b = _run_v2_stubbed(monkeypatch, h, 1, True, {"QUANTMLA_CUPY_V2_TILE": "64"})
+    (attn, _grid, _block, args, smem), _ = launches
+    params = _kernel_params("attention_v2.cu", "qmla_attn_v2")
+    rg = attn.defines["QMLA_V2_RG"]
+    assert attn.defines["QMLA_V2_T"] == 64 and attn.defines["QMLA_V2_STAGES"] == v2_default_stages(64) == 3
+    assert smem == v2_smem_bytes(fmt, rg, 3, 64) == attn.defines["QMLA_V2_SMEM"]
+    assert smem < v2_smem_bytes(fmt, rg, 4, 64)  # 4 stages of 64 tokens would not leave room for 2 CTAs per SM
+    splits, per = int(args[params.index("int num_splits")]), int(args[params.index("int tiles_per_split")])
+    assert splits * per * 64 >= 5 * fmt.page_size and (splits - 1) * per * 64 < 5 * fmt.page_size
+    monkeypatch.setenv("QUANTMLA_CUPY_V2_TILE", "48")
+    with pytest.raises(ValueError, match="QUANTMLA_CUPY_V2_TILE"):
+        _run_v2_stubbed(monkeypatch, h, 1, True, {})
 
 
 @pytest.mark.parametrize("prot", [True, False])

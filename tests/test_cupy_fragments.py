@@ -25,7 +25,7 @@ import pytest
 
 import quantmla_core as qm
 
-T = 32  # tokens per tile
+TILES = (32, 64)  # tokens per tile (QMLA_V2_T)
 NW = 4  # warps (channel quarters) per row group
 NTH = 32 * NW  # threads of a CTA with one row group
 
@@ -102,7 +102,8 @@ def mma(c_frag, a_frag, b0, b1):
 
 # ------------------------------------------------------------------ the kernel's constants and layout
 class K:
-    def __init__(self, fmt: qm.PackFormat):
+    def __init__(self, fmt: qm.PackFormat, tile: int = 32):
+        self.T = T = tile
         self.DC, self.DR = fmt.latent_dim, fmt.rope_dim
         self.CBITS = fmt.content_bits
         self.KCH = 8 // self.CBITS
@@ -151,6 +152,7 @@ def issue_copy(k: K, pages: np.ndarray, table: np.ndarray, tt: int, L: int, prot
     the content-code chunks (``NCT`` per token, swizzled), then one chunk of the small sections
     per thread, the scale chunks zero-filled past L (cp.async src-size); ``prot[t]``: token tt+t
     is read from the protected buffers."""
+    T = k.T
     f = k.fmt
     sec_src = [f.rope_codes_offset, f.content_scales_offset, f.content_zeros_offset, f.rope_scales_offset,
                f.rope_zeros_offset]
@@ -247,13 +249,20 @@ V2_MODEL_CASES = [v + (64,) for v in V2_FORMATS] + [
     ("C4R4", 512, 64, 64, 16), ("C2R4", 256, 32, 128, 16), ("C4R4", 256, 32, 64, 32), ("C2R4", 512, 64, 64, 128)]
 
 
+#: 64-token tiles (QUANTMLA_CUPY_V2_TILE=64) for both content widths and the page sizes around 64
+V2_MODEL_CASES_T64 = [("C4R4", 512, 64, 64, 64), ("C2R4", 512, 64, 64, 16), ("C4R4", 256, 32, 128, 32),
+                      ("C2R4", 256, 32, 64, 128)]
+
+
 @pytest.mark.parametrize("pure", [False, True], ids=["protected-tile", "pure-tile"])
-@pytest.mark.parametrize("name,dc,dr,gs,page", V2_MODEL_CASES, ids=lambda v: str(v))
-def test_v2_fragments_reproduce_dequantized_matmul(name, dc, dr, gs, page, pure):
+@pytest.mark.parametrize("name,dc,dr,gs,page,tile", [v + (32,) for v in V2_MODEL_CASES] +
+                         [v + (64,) for v in V2_MODEL_CASES_T64], ids=lambda v: str(v))
+def test_v2_fragments_reproduce_dequantized_matmul(name, dc, dr, gs, page, tile, pure):
     """``pure``: a tile without protected tokens, which the kernel runs without the flag selects
     (its scales past L must come out of the copy as zeros)."""
     fmt = qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr, group_size=gs, page_size=page)
-    k = K(fmt)
+    k = K(fmt, tile)
+    T = k.T
     rng = np.random.default_rng(abs(hash((name, dc, dr, gs, page))) % 2**32)
     cm, rm = (1 << k.CBITS) - 1, 15
     codes = rng.integers(0, cm + 1, (T, dc))
@@ -484,9 +493,11 @@ def _banks_conflict_free(addrs: list[int], width: int) -> bool:
     return True
 
 
+@pytest.mark.parametrize("tile", TILES)
 @pytest.mark.parametrize("name,dc,dr,gs", [v for v in V2_FORMATS if v[3] == 64], ids=lambda v: str(v))
-def test_v2_swizzle_is_bank_conflict_free(name, dc, dr, gs):
-    k = K(qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr, group_size=gs))
+def test_v2_swizzle_is_bank_conflict_free(name, dc, dr, gs, tile):
+    k = K(qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr, group_size=gs), tile)
+    T = k.T
     for wc in range(NW):
         for j in range(T // 8):  # QK: lane token 8j+g, LB bytes at CBW*wc + LB*q
             addrs = [k.coff(8 * j + (ln >> 2), k.CBW * wc + k.LB * (ln & 3)) for ln in range(32)]

@@ -52,6 +52,7 @@ VARIANT_ENV = "QUANTMLA_CUPY_ATTENTION"
 VARIANTS = ("auto", "v1", "v2")
 #: v2: tokens per tile and warps per row group (fixed in attention_v2.cu)
 V2_TILE = 32
+V2_TILES = (32, 64)  # QUANTMLA_CUPY_V2_TILE: 64 halves the per-tile work per token (offline SASS: 177 -> 159 per token)
 V2_WARPS = 4
 V2_STAGES = 4  # default of QMLA_V2_STAGES (cp.async ring depth; copies run NSTAGE-1 tiles ahead)
 #: v2 split heuristic: never create splits shorter than this many tiles (256 tokens)
@@ -138,21 +139,29 @@ def _decide_variant(want: str, fmt: PackFormat, dtype: str, capability: tuple[in
 
 
 def v2_defines(fmt: PackFormat, row_groups: int = 1, min_blocks: int = 1, stages: int = V2_STAGES,
-               lazy_rescale: bool = False, no_protection: bool = False, prot_mode: int = 0) -> dict[str, int]:
+               lazy_rescale: bool = False, no_protection: bool = False, prot_mode: int = 0,
+               tile: int = V2_TILE) -> dict[str, int]:
     """``-D`` defines of ``kernels/attention_v2.cu`` (bfloat16 queries). ``no_protection``: the
     cache keeps no sink/local tokens, so only the pure-tile path is compiled (fewer registers,
     half the loop code). ``prot_mode``: 0 protected tokens inline; 1 packed tokens only; 2
-    protected tokens only (1 and 2 run as a pair, see ``QUANTMLA_CUPY_V2_PROTECTED``)."""
+    protected tokens only (1 and 2 run as a pair, see ``QUANTMLA_CUPY_V2_PROTECTED``). ``tile``:
+    tokens per tile, 32 or 64 (``QUANTMLA_CUPY_V2_TILE``)."""
     d = attention_defines(fmt, "bfloat16")
     d.update(QMLA_V2_RG=int(row_groups), QMLA_V2_MINB=int(min_blocks), QMLA_V2_STAGES=int(stages),
-             QMLA_V2_SMEM=v2_smem_bytes(fmt, row_groups, stages), QMLA_V2_LAZY_RESCALE=int(lazy_rescale),
-             QMLA_V2_NO_PROTECTION=int(no_protection), QMLA_V2_PROT_MODE=int(prot_mode))
+             QMLA_V2_SMEM=v2_smem_bytes(fmt, row_groups, stages, tile), QMLA_V2_LAZY_RESCALE=int(lazy_rescale),
+             QMLA_V2_NO_PROTECTION=int(no_protection), QMLA_V2_PROT_MODE=int(prot_mode), QMLA_V2_T=int(tile))
     return d
 
 
-def v2_smem_bytes(fmt: PackFormat, row_groups: int = 1, stages: int = 4) -> int:
+def v2_default_stages(tile: int) -> int:
+    """Copy stages for ``tile``-token tiles: 4 x 32 tokens, or 3 x 64 (4 x 64 = 81 KB of stages
+    plus the score exchange would leave room for one CTA per SM instead of two)."""
+    return V2_STAGES if tile == V2_TILE else 3
+
+
+def v2_smem_bytes(fmt: PackFormat, row_groups: int = 1, stages: int = 4, tile: int = V2_TILE) -> int:
     """Dynamic shared memory of one v2 block (mirrors SMEM_TOTAL in attention_v2.cu)."""
-    t, ngc = V2_TILE, fmt.content_groups
+    t, ngc = tile, fmt.content_groups
     csz = 2 if fmt.content_scale_dtype == "bfloat16" else 4
     rsz = 2 if fmt.rope_scale_dtype == "bfloat16" else 4
     # codes, RoPE codes, content scales, content zeros, RoPE scale, RoPE zero, token flag
@@ -163,12 +172,13 @@ def v2_smem_bytes(fmt: PackFormat, row_groups: int = 1, stages: int = 4) -> int:
 
 
 def plan_splits_v2(batch: int, chunks: int, max_tokens: int, resident: int,
-                   min_tiles: int = V2_MIN_TILES_PER_SPLIT) -> tuple[int, int]:
+                   min_tiles: int = V2_MIN_TILES_PER_SPLIT, tile: int = V2_TILE) -> tuple[int, int]:
     """(num_splits, tiles_per_split) for v2, as :func:`plan_splits`, but never splitting below
-    :data:`V2_MIN_TILES_PER_SPLIT` tiles (small batches were paying for many tiny splits plus
-    a combine that reads them all)."""
-    tiles = math.ceil(max(1, max_tokens) / V2_TILE)
-    return plan_kv_splits(batch * chunks, tiles, resident, min_tiles)
+    ``min_tiles`` 32-token tiles (:data:`V2_MIN_TILES_PER_SPLIT`: small batches were paying for
+    many tiny splits plus a combine that reads them all). ``tile``: the kernel's tokens per tile;
+    the result counts those tiles."""
+    tiles = math.ceil(max(1, max_tokens) / tile)
+    return plan_kv_splits(batch * chunks, tiles, resident, max(1, min_tiles * V2_TILE // tile))
 
 
 _CACHE_LOCK = threading.Lock()
@@ -261,14 +271,15 @@ def attention(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_s
     return _attention_v1(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale, dev, sm_count)
 
 
-def _v2_kernel(fmt: PackFormat, dev: int, rg: int, minb: int, stages: int, lazy: bool, no_prot: bool, mode: int):
+def _v2_kernel(fmt: PackFormat, dev: int, rg: int, minb: int, stages: int, lazy: bool, no_prot: bool, mode: int,
+               tile: int = V2_TILE):
     """Compiled ``qmla_attn_v2`` for one set of defines (cached) and its dynamic shared memory."""
-    key = ("v2", fmt, dev, rg, minb, stages, lazy, no_prot, mode)
+    key = ("v2", fmt, dev, rg, minb, stages, lazy, no_prot, mode, tile)
     fn = _FNS.get(key)
     if fn is None:
-        smem = v2_smem_bytes(fmt, rg, stages)
-        fn = (get_kernel("attention_v2.cu", "qmla_attn_v2", v2_defines(fmt, rg, minb, stages, lazy, no_prot, mode), dev,
-                         smem), smem)
+        smem = v2_smem_bytes(fmt, rg, stages, tile)
+        defines = v2_defines(fmt, rg, minb, stages, lazy, no_prot, mode, tile)
+        fn = (get_kernel("attention_v2.cu", "qmla_attn_v2", defines, dev, smem), smem)
         with _CACHE_LOCK:
             _FNS[key] = fn
     return fn
@@ -294,15 +305,17 @@ class V2Knobs:
     lazy: bool
     separate: bool
     min_tiles: int = V2_MIN_TILES_PER_SPLIT
+    tile: int = V2_TILE
 
     @staticmethod
     def from_env() -> "V2Knobs":
         rg = _env_int("QUANTMLA_CUPY_V2_RG", 0, (1, 2)) or None
+        tile = _env_int("QUANTMLA_CUPY_V2_TILE", V2_TILE, V2_TILES)
         return V2Knobs(rg, _env_int("QUANTMLA_CUPY_V2_MINB", 1, (1, 2, 3, 4)),
-                       _env_int("QUANTMLA_CUPY_V2_STAGES", V2_STAGES, (3, 4, 5)),
+                       _env_int("QUANTMLA_CUPY_V2_STAGES", v2_default_stages(tile), (3, 4, 5)),
                        bool(_env_int("QUANTMLA_CUPY_V2_LAZY_RESCALE", 0, (0, 1))),
                        _env_choice("QUANTMLA_CUPY_V2_PROTECTED", "inline", ("inline", "separate")) == "separate",
-                       _env_int("QUANTMLA_CUPY_V2_MIN_TILES", V2_MIN_TILES_PER_SPLIT, (1, 2, 4, 8, 16)))
+                       _env_int("QUANTMLA_CUPY_V2_MIN_TILES", V2_MIN_TILES_PER_SPLIT, (1, 2, 4, 8, 16)), tile)
 
 
 @dataclass(frozen=True)
@@ -326,13 +339,15 @@ def v2_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
         rg = knobs.rg or (2 if row_groups % 2 == 0 else 1)
         chunks = (rows + 16 * rg - 1) // (16 * rg)
         separate = knobs.separate and not no_prot
-        attn, smem = _v2_kernel(fmt, dev, rg, knobs.minb, knobs.stages, knobs.lazy, no_prot, 1 if separate else 0)
+        attn, smem = _v2_kernel(fmt, dev, rg, knobs.minb, knobs.stages, knobs.lazy, no_prot, 1 if separate else 0,
+                                knobs.tile)
         block = (V2_WARPS * 32 * rg,)
         resident = resident_ctas(attn, block[0], smem, dev, sm_count)
-        splits, per = plan_splits_v2(batch, chunks, max(1, max_pages) * fmt.page_size, resident, knobs.min_tiles)
+        splits, per = plan_splits_v2(batch, chunks, max(1, max_pages) * fmt.page_size, resident, knobs.min_tiles,
+                                     knobs.tile)
         launches = [(attn, (batch * chunks, splits), block, smem)]
         if separate:  # the sink and local tokens as two more partials, from a protected-only build
-            prot, psmem = _v2_kernel(fmt, dev, rg, 1, knobs.stages, knobs.lazy, False, 2)
+            prot, psmem = _v2_kernel(fmt, dev, rg, 1, knobs.stages, knobs.lazy, False, 2, knobs.tile)
             launches.append((prot, (batch * chunks, 2), block, psmem))
         plan = V2Plan(tuple(launches), _combine_kernel(fmt, dev), per, splits + (2 if separate else 0))
         with _CACHE_LOCK:

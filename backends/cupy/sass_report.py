@@ -32,7 +32,7 @@ from pathlib import Path
 
 from ...formats import PackFormat
 from . import KERNEL_DIR, define_options
-from .attention import v2_defines
+from .attention import v2_default_stages, v2_defines
 
 _INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*(.*?);")
 
@@ -75,15 +75,16 @@ def missing_tools() -> list[str]:
     return [t for t in ("nvcc", "cuobjdump", "nvdisasm") if find_tool(t) is None]
 
 
-def compile_sass(fmt: PackFormat, pure_path: bool = True, row_groups: int = 1, stages: int = 4,
-                 lazy_rescale: bool = False, min_blocks: int = 1, prot_mode: int = 0) -> tuple[str, str]:
+def compile_sass(fmt: PackFormat, pure_path: bool = True, row_groups: int = 1, stages: int | None = None,
+                 lazy_rescale: bool = False, min_blocks: int = 1, prot_mode: int = 0, tile: int = 32) -> tuple[str, str]:
     """(SASS text, ptxas -v output) of ``qmla_attn_v2`` for ``fmt`` on sm_90 (``prot_mode`` 1: the
     packed-only split kernel of ``QUANTMLA_CUPY_V2_PROTECTED=separate``; ``pure_path`` is then moot)."""
     missing = missing_tools()
     if missing:
         raise RuntimeError(f"sass_report needs {', '.join(missing)} (see the module docstring)")
+    stages = v2_default_stages(tile) if stages is None else stages
     defines = v2_defines(fmt, row_groups, min_blocks, stages, lazy_rescale, no_protection=pure_path and not prot_mode,
-                         prot_mode=prot_mode)
+                         prot_mode=prot_mode, tile=tile)
     env = dict(os.environ, PATH=os.pathsep.join([str(Path(find_tool("nvdisasm")).parent), os.environ.get("PATH", "")]))
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
@@ -112,18 +113,19 @@ def loops(sass: str) -> list[LoopReport]:
     return sorted(found, key=lambda r: r.total, reverse=True)
 
 
-def tile_loop(fmt: PackFormat, pure_path: bool = True, lazy_rescale: bool = False) -> LoopReport:
-    """The tile loop of ``qmla_attn_v2`` (the largest loop) for ``fmt``."""
-    return loops(compile_sass(fmt, pure_path, lazy_rescale=lazy_rescale)[0])[0]
+def tile_loop(fmt: PackFormat, pure_path: bool = True, lazy_rescale: bool = False, tile: int = 32) -> LoopReport:
+    """The tile loop of ``qmla_attn_v2`` (the largest loop) for ``fmt`` with ``tile``-token tiles."""
+    return loops(compile_sass(fmt, pure_path, lazy_rescale=lazy_rescale, tile=tile)[0])[0]
 
 
 def main(argv: list[str]) -> None:
     cases = [(argv[0], int(argv[1]), int(argv[2]))] if argv else [("C4R4", 512, 64), ("C2R4", 512, 64)]
     for name, dc, dr in cases:
         fmt = PackFormat.parse(name, latent_dim=dc, rope_dim=dr)
-        for pure, lazy, minb, mode in ((True, False, 1, 0), (True, True, 1, 0), (True, False, 3, 0), (False, False, 1, 0),
-                                       (False, False, 3, 0), (False, False, 1, 1), (False, False, 3, 1)):
-            sass, ptxas = compile_sass(fmt, pure, lazy_rescale=lazy, min_blocks=minb, prot_mode=mode)
+        for pure, lazy, minb, mode, tile in ((True, False, 1, 0, 32), (True, True, 1, 0, 32), (True, False, 3, 0, 32),
+                                             (False, False, 1, 0, 32), (False, False, 3, 0, 32), (False, False, 1, 1, 32),
+                                             (False, False, 3, 1, 32), (True, False, 1, 0, 64), (False, False, 1, 0, 64)):
+            sass, ptxas = compile_sass(fmt, pure, lazy_rescale=lazy, min_blocks=minb, prot_mode=mode, tile=tile)
             regs = re.search(r"Used (\d+) registers", ptxas)
             spills = re.search(r"(\d+) bytes spill stores", ptxas)
             loop = loops(sass)[0]
@@ -132,7 +134,9 @@ def main(argv: list[str]) -> None:
             path = "packed-only split kernel (PROTECTED=separate)" if mode == 1 else path
             path += ", lazy rescale (its skip branch included)" if lazy else ""
             path += ", __launch_bounds__(128, 3)" if minb == 3 else ""
-            print(f"{name} {dc}/{dr} {path}: {loop.total} instructions per warp per tile, "
+            path += ", 64-token tiles" if tile == 64 else ""
+            print(f"{name} {dc}/{dr} {path}: {loop.total} instructions per warp per tile ({loop.total * 4 / tile:.0f} "
+                  "per token), "
                   f"{loop.count('HMMA')} HMMA, {regs.group(1) if regs else '?'} registers, "
                   f"{spills.group(1) if spills else '?'} B spilled, {loop.count('LDL', 'STL')} local loads/stores in the loop\n    {top}")
 

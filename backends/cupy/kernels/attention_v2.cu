@@ -103,7 +103,10 @@
 #define DC QMLA_DC
 #define DR QMLA_DR
 #define DT (QMLA_DC + QMLA_DR)
-#define T 32
+#ifndef QMLA_V2_T
+#define QMLA_V2_T 32  // tokens per tile: 32 or 64 (QUANTMLA_CUPY_V2_TILE)
+#endif
+#define T QMLA_V2_T
 #define NW 4
 #define RG QMLA_V2_RG
 #define NTH (NW * 32 * RG)
@@ -165,6 +168,7 @@ static_assert(NTP * 8 * NW == DC, "PV n-tiles must cover the latent");
 #define CH_RS (SEGT * RSZ / 16)
 #define CH_RZ (SEGT / 16)
 #define CH_SMALL (CH_R + CH_CS + CH_CZ + CH_RS + CH_RZ)
+static_assert(T == 32 || T == 64, "tiles of 32 or 64 tokens");
 static_assert(T % SEGT == 0 && SEGT % 16 == 0, "page size must be a multiple of 16");
 static_assert((SEGT * NGC) % 16 == 0, "zero-point run of a segment must be 16-byte chunks");
 static_assert(QMLA_OFF_CC % 16 == 0 && QMLA_OFF_RC % 16 == 0 && QMLA_OFF_CS % 16 == 0 && QMLA_OFF_CZ % 16 == 0 &&
