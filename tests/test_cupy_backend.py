@@ -131,6 +131,7 @@ V2_VARIANTS = [
     ("sm_90", "C2R4", 512, 64, 64, 16, 1, "t64"),
     ("sm_90", "C4R4", 512, 64, 64, 128, 1, "t64", "noprot"),
     ("sm_80", "C2R4", 256, 32, 128, 64, 1, "t64"),
+    ("sm_90", "C4R4", 512, 64, 64, 64, 1, "t64", "mode1"),
 ]
 
 
@@ -560,13 +561,16 @@ def test_v2_tile_knob_reaches_defines_smem_and_splits(monkeypatch, h):
         _run_v2_stubbed(monkeypatch, h, 1, True, {})
 
 
+@pytest.mark.parametrize("tile", ["32", "64"])
 @pytest.mark.parametrize("prot", [True, False])
-def test_v2_separate_protected_launches(monkeypatch, prot):
+def test_v2_separate_protected_launches(monkeypatch, prot, tile):
     """QUANTMLA_CUPY_V2_PROTECTED=separate: a packed-only split kernel (mode 1), a protected-only
     kernel with two CTAs per row chunk (mode 2, the last two partials), and one combine over
-    splits + 2 partials. A cache without sink/local tokens ignores it (one split kernel)."""
+    splits + 2 partials. A cache without sink/local tokens ignores it (one split kernel). The
+    protected-only kernel keeps 32-token tiles (it spills at 64)."""
     launches, kernels, fmt, b = _run_v2_stubbed(monkeypatch, 16, 1, prot, {"QUANTMLA_CUPY_V2_PROTECTED": "separate",
-                                                                          "QUANTMLA_CUPY_V2_MINB": "3"})
+                                                                          "QUANTMLA_CUPY_V2_MINB": "3",
+                                                                          "QUANTMLA_CUPY_V2_TILE": tile})
     params = _kernel_params("attention_v2.cu", "qmla_attn_v2")
     if not prot:
         assert len(launches) == 2 and launches[0][0].defines["QMLA_V2_PROT_MODE"] == 0
@@ -574,6 +578,7 @@ def test_v2_separate_protected_launches(monkeypatch, prot):
     (packed, pgrid, _, pargs, _), (protk, qgrid, _, qargs, _), (_c, cgrid, _, cargs, _) = launches
     assert packed.defines["QMLA_V2_PROT_MODE"] == 1 and protk.defines["QMLA_V2_PROT_MODE"] == 2
     assert packed.defines["QMLA_V2_MINB"] == 3 and protk.defines["QMLA_V2_MINB"] == 1  # the protected path needs registers
+    assert packed.defines["QMLA_V2_T"] == int(tile) and protk.defines["QMLA_V2_T"] == 32
     splits = pgrid[1]
     assert qgrid == (pgrid[0], 2)
     slots = int(pargs[params.index("int num_splits")])

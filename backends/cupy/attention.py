@@ -347,7 +347,9 @@ def v2_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
                                      knobs.tile)
         launches = [(attn, (batch * chunks, splits), block, smem)]
         if separate:  # the sink and local tokens as two more partials, from a protected-only build
-            prot, psmem = _v2_kernel(fmt, dev, rg, 1, knobs.stages, knobs.lazy, False, 2, knobs.tile)
+            # 32-token tiles whatever knobs.tile says: this launch covers ~132 tokens per request, and
+            # its all-protected build spills at 64 (12 B)
+            prot, psmem = _v2_kernel(fmt, dev, rg, 1, v2_default_stages(V2_TILE), knobs.lazy, False, 2, V2_TILE)
             launches.append((prot, (batch * chunks, 2), block, psmem))
         plan = V2Plan(tuple(launches), _combine_kernel(fmt, dev), per, splits + (2 if separate else 0))
         with _CACHE_LOCK:
