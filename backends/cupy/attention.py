@@ -50,9 +50,11 @@ from . import (
 #: environment variable that selects the attention kernel (read per call)
 VARIANT_ENV = "QUANTMLA_CUPY_ATTENTION"
 VARIANTS = ("auto", "v1", "v2")
-#: v2: tokens per tile and warps per row group (fixed in attention_v2.cu)
+#: v2: default tokens per tile (QMLA_V2_T) and the sizes QUANTMLA_CUPY_V2_TILE may ask for (64 spreads
+#: the per-tile work over twice the tokens: offline SASS 177 -> 159 instructions per token, not yet timed)
 V2_TILE = 32
-V2_TILES = (32, 64)  # QUANTMLA_CUPY_V2_TILE: 64 halves the per-tile work per token (offline SASS: 177 -> 159 per token)
+V2_TILES = (32, 64)
+#: v2: warps per row group (fixed in attention_v2.cu)
 V2_WARPS = 4
 V2_STAGES = 4  # default of QMLA_V2_STAGES (cp.async ring depth; copies run NSTAGE-1 tiles ahead)
 #: v2 split heuristic: never create splits shorter than this many tiles (256 tokens)
