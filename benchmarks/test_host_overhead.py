@@ -46,25 +46,25 @@ def _inputs():
     return q, r, table, torch.full((B,), 4096), torch.arange(B)
 
 
-def test_cupy_launcher(benchmark, stubbed_cupy):
+def _bench_launcher(benchmark, attention, what: str) -> None:
+    """One checked call of a stubbed launcher's ``attention``, then its benchmark."""
     cache = _cache()
     q, r, table, lens, ids = _inputs()
-    out, lse = stubbed_cupy.attention(q, r, cache, table, lens, ids, 0.05)
+    out, lse = attention(q, r, cache, table, lens, ids, 0.05)
     assert out.shape == q.shape and lse.shape == (B, 1, H)
-    benchmark.extra_info.update({"what": "cupy launcher host path, CUDA stubbed", "B": B, "H": H})
-    benchmark(stubbed_cupy.attention, q, r, cache, table, lens, ids, 0.05)
+    benchmark.extra_info.update({"what": what, "B": B, "H": H})
+    benchmark(attention, q, r, cache, table, lens, ids, 0.05)
+
+
+def test_cupy_launcher(benchmark, stubbed_cupy):
+    _bench_launcher(benchmark, stubbed_cupy.attention, "cupy launcher host path, CUDA stubbed")
 
 
 def test_triton_launcher(benchmark, monkeypatch):
     from quantmla_core.backends.triton import attention as A
 
     stub_triton_launcher(monkeypatch)
-    cache = _cache()
-    q, r, table, lens, ids = _inputs()
-    out, lse = A.attention(q, r, cache, table, lens, ids, 0.05)
-    assert out.shape == q.shape and lse.shape == (B, 1, H)
-    benchmark.extra_info.update({"what": "triton launcher host path, kernels stubbed", "B": B, "H": H})
-    benchmark(A.attention, q, r, cache, table, lens, ids, 0.05)
+    _bench_launcher(benchmark, A.attention, "triton launcher host path, kernels stubbed")
 
 
 def test_api_front_end(benchmark, monkeypatch):

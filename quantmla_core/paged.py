@@ -202,23 +202,29 @@ class PagedMLACache:
         need = sum(self.pages_needed(self._check_live(s), int(n)) for s, n in items)
         if need > len(self._free_pages):
             raise OutOfPagesError(f"append: needs {need} pages, {len(self._free_pages)} free")
-        slots: list[int] = []
-        seqs: list[int] = []
-        positions: list[int] = []
         p = self.format.page_size
+        parts: list[tuple[np.ndarray, ...]] = []  # (slots, seq ids, positions) per item or run of items
+        run: list[tuple[int, int, int]] = []  # consecutive one-token items (a decode step) as plain integers
+
+        def close_run() -> None:
+            if run:
+                parts.append(tuple(np.array(col, dtype=np.int64) for col in zip(*run)))
+                run.clear()
+
         for seq_id, n in items:
             n, start = int(n), self._lens[seq_id]
             pages = self._pages[seq_id]
             for _ in range(self.pages_needed(seq_id, n)):
                 pages.append(self._free_pages.pop())
-            if n == 1:  # a decode step: plain integers, no per-request arrays
-                slots.append(pages[start // p] * p + start % p)
+            if n == 1:
+                run.append((pages[start // p] * p + start % p, seq_id, start))
             else:
+                close_run()
                 pos = np.arange(start, start + n)
-                slots.extend((np.asarray(pages, dtype=np.int64)[pos // p] * p + pos % p).tolist())
-            seqs.extend([seq_id] * n)
-            positions.extend(range(start, start + n))
+                parts.append((np.asarray(pages, dtype=np.int64)[pos // p] * p + pos % p, np.full(n, seq_id), pos))
             self._lens[seq_id] = start + n
+        close_run()
+        slots, seqs, positions = (np.concatenate(col) for col in zip(*parts))
         lens = np.zeros(self.cache.max_seqs, dtype=np.int64)
         lens[list(self._lens)] = list(self._lens.values())
         return WritePlan(
@@ -226,7 +232,7 @@ class PagedMLACache:
             self._index_array(seqs),
             self._index_array(positions),
             self._index_array(lens),
-            len(slots),
+            int(slots.shape[0]),
         )
 
     def write(self, plan: WritePlan, latent: Any, k_rope: Any, layer: int = 0) -> None:

@@ -60,7 +60,7 @@ def _sm_count(device: torch.device) -> int:
     return INTERPRETER_SM_COUNT
 
 
-def _v2_bits(fmt) -> tuple[bool, int, int]:
+def _code_bits(fmt) -> tuple[bool, int, int]:
     """(quantized, content bits, RoPE bits) as the kernels take them (16 for BF16 pages)."""
     return (fmt.quantized, *((fmt.content_bits, fmt.rope_bits) if fmt.quantized else (16, 16)))
 
@@ -70,7 +70,7 @@ def _split_constexprs(fmt, variant: str, q_bf16: bool, dot_bf16: bool, block_n: 
                       block_r: int) -> Mapping[str, int | bool]:
     """Constexprs of one split-kernel launch without probe switches; cached, since a decode step
     asks for the same ones on every layer (read-only)."""
-    quant, cbits, rbits = _v2_bits(fmt)
+    quant, cbits, rbits = _code_bits(fmt)
     cg = fmt.content_group_size if quant else 64
     rg = fmt.rope_group_size if quant else 64
     dc, dr = fmt.latent_dim, fmt.rope_dim
@@ -146,7 +146,7 @@ def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: 
         consts = dict(_split_constexprs(fmt, variant, q_bf16, dot_bf16, pl.block_n, pl.block_r))
         consts["PROBE_SKIP_PV"] = probe_skip_pv
         if variant == "v2":
-            consts.update(v2_constexprs(*_v2_bits(fmt), dot_bf16, **v2_switches))
+            consts.update(v2_constexprs(*_code_bits(fmt), dot_bf16, **v2_switches))
     else:
         consts = _split_constexprs(fmt, variant, q_bf16, dot_bf16, pl.block_n, pl.block_r)
     grid = (pl.num_splits, b, pl.row_blocks)

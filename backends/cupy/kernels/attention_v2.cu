@@ -9,7 +9,8 @@
 // ================================================================ design note
 // Grid: x = B * ceil(R / (16 * RG)) (R = S_q * H query rows of one request), y = KV splits.
 // Block: RG row groups x 4 warps (RG = QMLA_V2_RG, 1 or 2). Warp w: row group rg = w / 4
-// (16 query rows, the MMA M dimension), channel quarter wc = w % 4. Tiles of T = 32 tokens.
+// (16 query rows, the MMA M dimension), channel quarter wc = w % 4. Tiles of T = 32 tokens
+// (QMLA_V2_T = 64 with QUANTMLA_CUPY_V2_TILE=64: the same mappings repeated over 8 n-tiles / 4 k-steps).
 //
 // Per tile, for the whole block:
 //  * cp.async copies the tile's *raw page sections* (content and RoPE codes, scales, zero
