@@ -49,7 +49,7 @@ from . import (
 
 #: environment variable that selects the attention kernel (read per call)
 VARIANT_ENV = "QUANTMLA_CUPY_ATTENTION"
-VARIANTS = ("auto", "v1", "v2")
+VARIANTS = ("auto", "v1", "v2", "v3")
 #: v2: default tokens per tile (QMLA_V2_T) and the sizes QUANTMLA_CUPY_V2_TILE may ask for (64 spreads
 #: the per-tile work over twice the tokens: offline SASS 177 -> 159 instructions per token, not yet timed)
 V2_TILE = 32
@@ -59,6 +59,10 @@ V2_WARPS = 4
 V2_STAGES = 4  # default of QMLA_V2_STAGES (cp.async ring depth; copies run NSTAGE-1 tiles ahead)
 #: v2 split heuristic: never create splits shorter than this many tiles (256 tokens)
 V2_MIN_TILES_PER_SPLIT = 8
+#: v3 (``kernels/attention_v3.cu``): tokens per tile, warps per CTA, default copy stages
+V3_TILE = 64
+V3_WARPS = 4
+V3_STAGES = 3
 
 LOG2E = 1.4426950408889634
 
@@ -137,7 +141,40 @@ def _decide_variant(want: str, fmt: PackFormat, dtype: str, capability: tuple[in
         why.append(f"v2 needs compute capability 8.0+ (got {capability[0]}.{capability[1]})")
     if why:
         return "v1", "; ".join(why)
+    if want == "v3":
+        why3 = v3_unsupported_reasons(fmt)
+        if why3:
+            return "v2", "; ".join(why3)
+        return "v3", None
     return "v2", None
+
+
+def v3_unsupported_reasons(fmt: PackFormat) -> list[str]:
+    """Why kernel v3 cannot serve ``fmt`` where v2 can (empty: it can): its QK flushes scales
+    per 64-channel sub-group, so content groups must be whole multiples of 64 channels."""
+    if fmt.content_group_size % 64:
+        return [f"v3 needs the content group size to be a multiple of 64 (got {fmt.content_group_size})"]
+    return []
+
+
+def v3_smem_bytes(fmt: PackFormat, stages: int = V3_STAGES) -> int:
+    """Dynamic shared memory of one v3 block (mirrors SMEM_TOTAL in attention_v3.cu): the staged
+    tiles, the permuted query, its sub-group sums, P * s per content group and the row maxima."""
+    t, ngc = V3_TILE, fmt.content_groups
+    csz = 2 if fmt.content_scale_dtype == "bfloat16" else 4
+    rsz = 2 if fmt.rope_scale_dtype == "bfloat16" else 4
+    stage = t * (fmt.content_code_bytes + fmt.rope_code_bytes + ngc * csz + ngc + rsz + 1)
+    stage = (stage + 15) // 16 * 16
+    ksteps = (fmt.latent_dim + fmt.rope_dim) // 16
+    sub_groups = fmt.latent_dim // 64 + 1
+    return stages * stage + ksteps * 512 + sub_groups * 64 + ngc * (t // 8) * 256 + V3_WARPS * 64
+
+
+def v3_defines(fmt: PackFormat, stages: int = V3_STAGES, min_blocks: int = 1) -> dict[str, int]:
+    """``-D`` defines of ``kernels/attention_v3.cu`` (bfloat16 queries)."""
+    d = attention_defines(fmt, "bfloat16")
+    d.update(QMLA_V3_STAGES=int(stages), QMLA_V3_MINB=int(min_blocks), QMLA_V3_SMEM=v3_smem_bytes(fmt, stages))
+    return d
 
 
 def v2_defines(fmt: PackFormat, row_groups: int = 1, min_blocks: int = 1, stages: int = V2_STAGES,
@@ -268,6 +305,8 @@ def attention(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_s
     dev = device.index if device.index is not None else torch.cuda.current_device()
     sm_count, capability = _device_info(dev)
     variant, _ = select_variant(fmt, dtype, capability)
+    if variant == "v3":
+        return _attention_v3(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale, dev, sm_count)
     if variant == "v2":
         return _attention_v2(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale, dev, sm_count)
     return _attention_v1(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale, dev, sm_count)
@@ -363,6 +402,65 @@ def _attention_v2(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softm
     b, s_q, h, _ = q_latent.shape
     no_prot = cache.sink == 0 and cache.local == 0
     plan = v2_plan(cache.format, dev, sm_count, b, s_q * h, block_table.shape[1], no_prot, V2Knobs.from_env())
+    return _run_split_kernels(plan.launches, plan.combine, plan.per, plan.slots, q_latent, q_rope, cache, block_table,
+                              seq_lens, seq_ids, softmax_scale, dev)
+
+
+def _v3_kernel(fmt: PackFormat, dev: int, stages: int, minb: int):
+    """Compiled ``qmla_attn_v3`` (cached) and its dynamic shared memory."""
+    key = ("v3", fmt, dev, stages, minb)
+    fn = _FNS.get(key)
+    if fn is None:
+        smem = v3_smem_bytes(fmt, stages)
+        fn = (get_kernel("attention_v3.cu", "qmla_attn_v3", v3_defines(fmt, stages, minb), dev, smem), smem)
+        with _CACHE_LOCK:
+            _FNS[key] = fn
+    return fn
+
+
+@dataclass(frozen=True)
+class V3Knobs:
+    """The ``QUANTMLA_CUPY_V3_*`` tuning variables of one call (stages: copy ring depth; minb:
+    ``__launch_bounds__`` minimum blocks per SM) and v2's split floor and protected-launch knobs."""
+
+    stages: int
+    minb: int
+    min_tiles: int = V2_MIN_TILES_PER_SPLIT
+
+    @staticmethod
+    def from_env() -> "V3Knobs":
+        return V3Knobs(_env_int("QUANTMLA_CUPY_V3_STAGES", V3_STAGES, (3, 4)),
+                       _env_int("QUANTMLA_CUPY_V3_MINB", 1, (1, 2, 3)),
+                       _env_int("QUANTMLA_CUPY_V2_MIN_TILES", V2_MIN_TILES_PER_SPLIT, (1, 2, 4, 8, 16)))
+
+
+def v3_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool,
+            knobs: V3Knobs) -> V2Plan:
+    """The launch plan of kernel v3: its split kernel over packed tokens and, when the cache keeps
+    sink/local tokens, v2's protected-only launch adding them as two more partials per row."""
+    key = ("v3", fmt, dev, sm_count, batch, rows, max_pages, no_prot, knobs)
+    plan = _PLANS.get(key)
+    if plan is None:
+        chunks = (rows + 15) // 16
+        attn, smem = _v3_kernel(fmt, dev, knobs.stages, knobs.minb)
+        block = (V3_WARPS * 32,)
+        resident = resident_ctas(attn, block[0], smem, dev, sm_count)
+        splits, per = plan_splits_v2(batch, chunks, max(1, max_pages) * fmt.page_size, resident, knobs.min_tiles,
+                                     V3_TILE)
+        launches = [(attn, (batch * chunks, splits), block, smem)]
+        if not no_prot:
+            prot, psmem = _v2_kernel(fmt, dev, 1, 1, V2_STAGES, False, False, 2, V2_TILE)
+            launches.append((prot, (batch * chunks, 2), (V2_WARPS * 32,), psmem))
+        plan = V2Plan(tuple(launches), _combine_kernel(fmt, dev), per, splits + (0 if no_prot else 2))
+        with _CACHE_LOCK:
+            _PLANS[key] = plan
+    return plan
+
+
+def _attention_v3(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale, dev, sm_count):
+    b, s_q, h, _ = q_latent.shape
+    no_prot = cache.sink == 0 and cache.local == 0
+    plan = v3_plan(cache.format, dev, sm_count, b, s_q * h, block_table.shape[1], no_prot, V3Knobs.from_env())
     return _run_split_kernels(plan.launches, plan.combine, plan.per, plan.slots, q_latent, q_rope, cache, block_table,
                               seq_lens, seq_ids, softmax_scale, dev)
 

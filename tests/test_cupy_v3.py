@@ -1,0 +1,177 @@
+"""CuPy attention kernel v3 (tokens as the QK MMA M dimension, ``kernels/attention_v3.cu``).
+
+CPU: the kernel compiles for sm_90 and sm_80 without spills at every served format, dims,
+group and page size; its launcher picks it only when asked and says why it cannot serve; the
+stubbed launch matches the kernel's signature and adds v2's protected-only launch for caches
+with sink/local tokens. GPU: conformance against the reference on the v2 cases."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+
+import numpy as np
+import pytest
+import torch
+from conformance import check_attention_case
+from quantmla_core.backends.cupy import KERNEL_DIR, define_options
+from quantmla_core.backends.cupy.attention import VARIANT_ENV, select_variant, v3_defines, v3_smem_bytes
+from test_cupy_backend import BIG, NVCC, V2_CASES, _kernel_params, gpu, ptxas_usage
+
+import quantmla_core as qm
+from quantmla_core.testing import stub_cupy_launcher
+
+#: (arch, format, d_c, d_r, group size, page size[, stages])
+V3_BUILDS = [
+    ("sm_90", "C4R4", 512, 64, 64, 64),
+    ("sm_90", "C2R4", 512, 64, 64, 64),
+    ("sm_90", "C4R4", 512, 64, 128, 16),
+    ("sm_90", "C2R4", 512, 64, 128, 128),
+    ("sm_90", "C4R4", 256, 32, 64, 32),
+    ("sm_90", "C2R4", 256, 32, 128, 64),
+    ("sm_90", "C4R4", 512, 64, 64, 64, 4),
+    ("sm_80", "C4R4", 512, 64, 64, 64),
+    ("sm_80", "C2R4", 256, 32, 64, 16),
+]
+
+
+def _compile_v3(v: tuple) -> tuple[int, str, str]:
+    arch, name, dc, dr, gs, page = v[:6]
+    stages = v[6] if len(v) > 6 else 3
+    fmt = qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr, group_size=gs, page_size=page)
+    with tempfile.TemporaryDirectory() as tmp:
+        base = [NVCC, f"-arch={arch}", "--std=c++17", f"-I{KERNEL_DIR}", *define_options(v3_defines(fmt, stages))]
+        src = str(KERNEL_DIR / "attention_v3.cu")
+        r = subprocess.run([*base, "-cubin", "-Xptxas", "-v", "-o", os.path.join(tmp, "k.cubin"), src],
+                           capture_output=True, text=True, check=False)
+        p = subprocess.run([*base, "-ptx", "-o", os.path.join(tmp, "k.ptx"), src], capture_output=True, text=True,
+                           check=False)
+        ptx = open(os.path.join(tmp, "k.ptx")).read() if p.returncode == 0 else ""
+    return r.returncode, r.stderr + r.stdout, ptx
+
+
+@lru_cache(maxsize=1)
+def _compiled_v3() -> dict:
+    with ThreadPoolExecutor(max_workers=2 * (os.cpu_count() or 2)) as pool:
+        return dict(zip(V3_BUILDS, pool.map(_compile_v3, V3_BUILDS)))
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
+@pytest.mark.parametrize("build", V3_BUILDS, ids=lambda v: "-".join(map(str, v)))
+def test_v3_compiles_without_spills(build):
+    rc, text, ptx = _compiled_v3()[build]
+    assert rc == 0, f"nvcc failed for v3 {build}:\n{text[-4000:]}"
+    use = ptxas_usage(text)
+    print(f"v3 {build}: {use}")
+    assert use["spill_stores"] == 0 and use["spill_loads"] == 0 and use["stack"] == 0, f"v3 {build} spills: {use}"
+    # P * s is stored transposed by stmatrix on sm_90 and by movmatrix + 32-bit stores before
+    assert ("stmatrix.sync.aligned.m8n8.x4.trans" in ptx) == (build[0] == "sm_90")
+    assert ("movmatrix.sync.aligned.m8n8.trans" in ptx) == (build[0] != "sm_90")
+    assert ptx.count("mma.sync.aligned.m16n8k16") >= 3 and "ldmatrix.sync.aligned.m8n8.x4" in ptx
+
+
+def test_v3_smem_fits_two_ctas_per_sm():
+    # 3 stages of 64 x 317 B (float32 RoPE scale), the permuted query (36 k-steps x 512 B), 9 query sums x 16 rows,
+    # P * s for 8 groups (8 x 2 KB) and 4 x 16 row maxima
+    fmt = qm.PackFormat.parse("C4R4")
+    assert v3_smem_bytes(fmt) == 3 * 64 * 317 + 36 * 512 + 9 * 64 + 8 * 2048 + 256
+    assert 2 * (v3_smem_bytes(fmt) + 1024) <= 228 * 1024
+    assert v3_smem_bytes(fmt, 4) > v3_smem_bytes(fmt)
+
+
+def test_v3_selection(monkeypatch):
+    c4 = qm.PackFormat.parse("C4R4")
+    monkeypatch.delenv(VARIANT_ENV, raising=False)
+    assert select_variant(c4, "bfloat16")[0] == "v2"  # auto stays on v2 until v3 is measured
+    monkeypatch.setenv(VARIANT_ENV, "v3")
+    assert select_variant(c4, "bfloat16") == ("v3", None)
+    assert select_variant(qm.PackFormat.parse("C2R4", 256, 32, group_size=128), "bfloat16") == ("v3", None)
+    # group 32 at d_c 256 C2R4 is served by v2 but not by v3 (64-channel QK sub-groups): v2, with the reason
+    v, why = select_variant(qm.PackFormat.parse("C2R4", 256, 32, group_size=32), "bfloat16")
+    assert v == "v2" and "multiple of 64" in why
+    # what v2 cannot serve falls back to v1, with v2's reason
+    v, why = select_variant(qm.PackFormat.parse("C8R8"), "bfloat16")
+    assert v == "v1" and "C8R8" in why
+    assert select_variant(c4, "float32")[0] == "v1"
+
+
+def _run_v3_stubbed(monkeypatch, h: int, s_q: int, prot: bool):
+    from quantmla_core.backends.cupy import attention as A
+
+    kernels, launches = stub_cupy_launcher(monkeypatch)
+    monkeypatch.setenv(VARIANT_ENV, "v3")
+    fmt = qm.PackFormat.parse("C4R4")
+    b, pages_per = 3, 9
+    n_sink, n_local = (4, 128) if prot else (0, 0)
+
+    class Cache:
+        format = fmt
+        pages = torch.zeros((b * pages_per, fmt.page_bytes), dtype=torch.uint8)
+        sink_buf = torch.zeros((b, n_sink, 576), dtype=torch.bfloat16)
+        local_buf = torch.zeros((b, n_local, 576), dtype=torch.bfloat16)
+        num_pages, max_seqs, sink, local = b * pages_per, b, n_sink, n_local
+
+    q = torch.zeros((b, s_q, h, 512), dtype=torch.bfloat16)
+    r = torch.zeros((b, s_q, h, 64), dtype=torch.bfloat16)
+    table = torch.arange(b * pages_per, dtype=torch.int32).view(b, pages_per)
+    out, lse = A.attention(q, r, Cache, table, torch.full((b,), 500), torch.arange(b), 0.05)
+    assert out.shape == q.shape and lse.shape == (b, s_q, h)
+    return launches, kernels, fmt, b
+
+
+@pytest.mark.parametrize("h,s_q,prot", [(16, 1, True), (128, 1, True), (20, 3, False)])
+def test_v3_launches_match_kernel_signatures(monkeypatch, h, s_q, prot):
+    launches, kernels, fmt, b = _run_v3_stubbed(monkeypatch, h, s_q, prot)
+    params = _kernel_params("attention_v3.cu", "qmla_attn_v3")
+    assert params == _kernel_params("attention_v2.cu", "qmla_attn_v2")  # one argument list for both
+    attn, grid, block, args, smem = launches[0]
+    assert (attn.source, attn.kernel) == ("attention_v3.cu", "qmla_attn_v3")
+    assert len(args) == len(params)
+    for a, p in zip(args, params):
+        assert isinstance(a, np.uint64 if "*" in p else np.int32 if p.startswith("int ") else np.float32), p
+    rows = s_q * h
+    assert grid[0] == b * (-(-rows // 16)) and block == (128,)
+    assert smem == v3_smem_bytes(fmt) == attn.defines["QMLA_V3_SMEM"]
+    splits, per = grid[1], int(args[params.index("int tiles_per_split")])
+    assert splits * per * 64 >= 9 * fmt.page_size and (splits - 1) * per * 64 < 9 * fmt.page_size
+    slots = int(args[params.index("int num_splits")])
+    if prot:  # v2's protected-only build adds the sink and the local window as the last two partials
+        prot_k, pgrid, pblock, pargs, _ = launches[1]
+        assert prot_k.kernel == "qmla_attn_v2" and prot_k.defines["QMLA_V2_PROT_MODE"] == 2
+        assert pgrid == (grid[0], 2) and pblock == (128,) and pargs == args and slots == splits + 2
+    else:
+        assert len(launches) == 2 and slots == splits
+    combine = launches[-1]
+    assert combine[0].kernel == "qmla_combine" and int(combine[3][-1]) == slots
+
+
+def test_v3_knobs(monkeypatch):
+    from quantmla_core.backends.cupy.attention import V3Knobs
+
+    monkeypatch.setenv("QUANTMLA_CUPY_V3_STAGES", "4")
+    assert V3Knobs.from_env().stages == 4
+    monkeypatch.setenv("QUANTMLA_CUPY_V3_STAGES", "2")
+    with pytest.raises(ValueError, match="QUANTMLA_CUPY_V3_STAGES"):
+        V3Knobs.from_env()
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", V2_CASES + BIG[:3], ids=str)
+def test_attention_v3_matches_reference(case, monkeypatch):
+    monkeypatch.setenv(VARIANT_ENV, "v3")
+    assert select_variant(case.fmt, "bfloat16", torch.cuda.get_device_capability()) == ("v3", None)
+    check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", V2_CASES[5:8] + BIG[:1], ids=str)
+def test_attention_v3_four_stages(case, monkeypatch):
+    monkeypatch.setenv(VARIANT_ENV, "v3")
+    monkeypatch.setenv("QUANTMLA_CUPY_V3_STAGES", "4")
+    check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
