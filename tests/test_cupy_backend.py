@@ -23,6 +23,7 @@ from quantmla_core.backends.cupy.attention import (
     v2_defines,
     v2_smem_bytes,
     v2_unsupported_reasons,
+    v3_defines,
 )
 from quantmla_core.backends.cupy.writer import writer_defines
 
@@ -94,7 +95,8 @@ def test_sources_take_layout_from_packformat():
     import re
 
     fmt = qm.PackFormat.parse("C4R4")
-    given = set(writer_defines(fmt, "float32")) | set(attention_defines(fmt, "float32")) | set(v2_defines(fmt, 2))
+    given = (set(writer_defines(fmt, "float32")) | set(attention_defines(fmt, "float32")) | set(v2_defines(fmt, 2))
+             | set(v3_defines(fmt)))
     sources = list(KERNEL_DIR.glob("*.cu*"))
     defined_in_sources = {d for src in sources for d in re.findall(r"#define\s+(QMLA_[A-Z0-9_]+)", src.read_text())}
     for src in sources:
