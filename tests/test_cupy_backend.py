@@ -275,6 +275,14 @@ def test_kernel_inputs_are_not_copied_under_capture():
         _kernel_input("seq_lens", t32, torch.int64, capturing=True)
     with pytest.raises(ValueError, match="block_table: .*non-contiguous"):
         _kernel_input("block_table", torch.zeros((4, 4), dtype=torch.int32).t(), torch.int32, capturing=True)
+    # rows are read with 16-byte loads: a contiguous view 2 bytes into its storage is copied (eagerly)
+    # or refused (under capture)
+    q = torch.randn(2 * 576 + 1).to(torch.bfloat16)[1:].view(2, 576)
+    assert q.is_contiguous() and q.data_ptr() % 16
+    got = _kernel_input("q_latent", q, torch.bfloat16, capturing=False)
+    assert got.data_ptr() % 16 == 0 and torch.equal(got, q)
+    with pytest.raises(ValueError, match="q_latent: .*misaligned"):
+        _kernel_input("q_latent", q, torch.bfloat16, capturing=True)
 
 
 def test_occupancy_from_resources():

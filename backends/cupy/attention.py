@@ -466,16 +466,18 @@ def _attention_v3(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softm
 
 
 def _kernel_input(name: str, x: torch.Tensor, dtype: torch.dtype, capturing: bool) -> torch.Tensor:
-    """``x`` as a contiguous ``dtype`` tensor, without a copy when it already is one. Under CUDA-graph
-    capture a copy would be freed when the call returns while the graph keeps reading it, so
-    there the caller must pass the right dtype and layout."""
-    if x.dtype == dtype and x.is_contiguous():
+    """``x`` as a contiguous, 16-byte aligned ``dtype`` tensor (the kernels read rows with 16-byte
+    loads), without a copy when it already is one. Under CUDA-graph capture a copy would be freed
+    when the call returns while the graph keeps reading it, so there the caller must pass the
+    right dtype and layout."""
+    aligned = x.data_ptr() % 16 == 0
+    if x.dtype == dtype and x.is_contiguous() and aligned:
         return x
     if capturing:
-        raise ValueError(f"{name}: under CUDA-graph capture the CuPy backend needs a contiguous {dtype} tensor "
-                         f"(a converted copy would not outlive the capture), got {x.dtype}"
-                         f"{'' if x.is_contiguous() else ', non-contiguous'}")
-    return x.to(dtype).contiguous()
+        raise ValueError(f"{name}: under CUDA-graph capture the CuPy backend needs a contiguous, 16-byte aligned "
+                         f"{dtype} tensor (a converted copy would not outlive the capture), got {x.dtype}"
+                         f"{'' if x.is_contiguous() else ', non-contiguous'}{'' if aligned else ', misaligned'}")
+    return x.to(dtype).contiguous() if x.dtype != dtype or not x.is_contiguous() else x.clone()
 
 
 def _attention_v1(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale, dev, sm_count):

@@ -46,6 +46,7 @@
 
 #define DC QMLA_DC
 #define DR QMLA_DR
+#define DT (QMLA_DC + QMLA_DR)
 #define T 64
 #define NW 4
 #define NTH (NW * 32)
@@ -81,6 +82,7 @@ static_assert(QMLA_GR == DR, "one RoPE group per token");
 static_assert(LBP == 2 || LBP == 4 || LBP == 8, "PV lane load of 2, 4 or 8 bytes");
 static_assert(NTP * 8 * NW == DC, "PV n-tiles must cover the latent");
 static_assert(NSTAGE == 3 || NSTAGE == 4, "3 or 4 stages");
+static_assert(16 * DT / 8 * 4 <= NGC * (T / 8) * 256, "query-sum partials must fit in the P * s area");
 
 // ---------------------------------------------------------------- shared memory layout
 #define SO_R (T * CB)                  // RoPE codes [T][RB]
@@ -235,37 +237,62 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V3_MINB) qmla_attn_v3(
 
     if (t_begin < t_end) {
         // ------------------------------------------------------------ query in permuted K order, query sums
-        for (int idx = tid; idx < KS * 256; idx += NTH) {
-            const int ks = idx >> 8, row = (idx >> 4) & 15, k = idx & 15;
-            const int qq = (k & 7) >> 1, byte = ((k & 1) << 1) + (k >> 3);
-            u16 v = 0;
-            if (rbase + row < R) {
-                const i64 qrow = (i64)b * R + rbase + row;
-                if (ks < KSC) {
-                    const int sg = ks >> 2, e = ks & 3;
-                    const int ch = 64 * (sg / KCH) + 16 * qq + 4 * e + byte + CB * (sg % KCH);
-                    v = q_lat[qrow * DC + ch];
-                } else {
-                    const int r = ks - KSC, c = r / NWR, e = r % NWR;
-                    v = q_rope[qrow * DR + RLB * qq + 4 * e + byte + RB * c];
+        // one 16-byte load per (row, 8 channels); the 8 channels share a sub-group, whose sum is
+        // formed from per-chunk partials in a fixed order (deterministic, no atomics)
+        float* part = (float*)(smem + PS_OFF);  // [16 rows][DT / 8 chunks], before P * s needs the space
+        {
+            constexpr int NCK = (DC + DR) / 8;
+            uint4 v[(16 * NCK + NTH - 1) / NTH];
+#pragma unroll
+            for (int k = 0; k < (16 * NCK + NTH - 1) / NTH; ++k) {
+                const int idx = tid + k * NTH, row = idx / NCK, ck = idx % NCK;
+                v[k] = make_uint4(0u, 0u, 0u, 0u);
+                if (idx < 16 * NCK && rbase + row < R) {
+                    const i64 qrow = (i64)b * R + rbase + row;
+                    v[k] = ck < DC / 8 ? *(const uint4*)(q_lat + qrow * DC + 8 * ck)
+                                       : *(const uint4*)(q_rope + qrow * DR + 8 * (ck - DC / 8));
                 }
             }
-            qs[((ks * 2 + (k >> 3)) * 16 + row) * 8 + (k & 7)] = v;
-        }
-        {
+#pragma unroll
+            for (int k = 0; k < (16 * NCK + NTH - 1) / NTH; ++k) {
+                const int idx = tid + k * NTH, row = idx / NCK, ck = idx % NCK;
+                if (idx < 16 * NCK) {
+                    const u32 wv[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
+                    float sum = 0.0f;
+#pragma unroll
+                    for (int x = 0; x < 8; ++x) {
+                        const u32 h = (wv[x >> 1] >> (16 * (x & 1))) & 0xffffu;
+                        sum += bf16_bits_to_f32(h);
+                        int ks, rem;
+                        if (ck < DC / 8) {
+                            const int ch = 8 * ck + x, c = ch / CB;
+                            rem = ch % 64;
+                            ks = 4 * ((ch % CB) / 64 * KCH + c) + (rem % 16) / 4;
+                        } else {
+                            const int ch = 8 * (ck - DC / 8) + x, c = ch / RB;
+                            rem = (ch % RB) % RLB + 16 * ((ch % RB) / RLB);
+                            ks = KSC + c * NWR + (rem % 16) / 4;
+                        }
+                        // lane q = rem / 16, byte = rem % 4 -> column 8 (byte & 1) + 2q + (byte >> 1)
+                        const int byte = rem & 3, kk = 8 * (byte & 1) + 2 * (rem >> 4) + (byte >> 1);
+                        qs[((ks * 2 + (kk >> 3)) * 16 + row) * 8 + (kk & 7)] = (u16)h;
+                    }
+                    part[row * NCK + ck] = sum;
+                }
+            }
             // zero the stages once: bytes never copied (missing pages) stay finite codes/scales
             uint4* z4 = (uint4*)smem;
             for (int k = tid; k < NSTAGE * STAGE_BYTES / 16; k += NTH) z4[k] = make_uint4(0u, 0u, 0u, 0u);
-        }
-        __syncthreads();
-        for (int idx = tid; idx < (NSG + 1) * 16; idx += NTH) {
-            const int sgi = idx >> 4, row = idx & 15;
-            const int k0 = sgi < NSG ? 4 * sgi : KSC, nk = sgi < NSG ? 4 : KSR;
-            float s = 0.0f;
-            for (int ks = k0; ks < k0 + nk; ++ks)
-                for (int kh = 0; kh < 2; ++kh)
-                    for (int k = 0; k < 8; ++k) s += bf16_bits_to_f32(qs[((ks * 2 + kh) * 16 + row) * 8 + k]);
-            sq[idx] = s;
+            __syncthreads();
+            for (int idx = tid; idx < (NSG + 1) * 16; idx += NTH) {
+                const int sgi = idx >> 4, row = idx & 15;
+                // content sub-group (block bl, slice c): channels CB c + 64 bl + [0, 64); RoPE: all DR
+                const int ck0 = sgi < NSG ? (CB * (sgi % KCH) + 64 * (sgi / KCH)) / 8 : DC / 8;
+                const int nck = sgi < NSG ? 8 : DR / 8;
+                float s = 0.0f;
+                for (int k = 0; k < nck; ++k) s += part[row * NCK + ck0 + k];
+                sq[idx] = s;
+            }
         }
 
         // ------------------------------------------------------------ staging (as v2, without token flags)
@@ -332,7 +359,7 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V3_MINB) qmla_attn_v3(
             }
         };
 
-        __syncthreads();  // stages zeroed before any copy lands; query sums visible
+        __syncthreads();  // query sums visible, partials consumed (P * s reuses their space)
         int pg_next[NSEG];
 #pragma unroll
         for (int s = 0; s < NSTAGE - 1; ++s) {
