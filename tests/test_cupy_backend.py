@@ -22,6 +22,7 @@ from quantmla_core.backends.cupy.attention import (
     v2_default_stages,
     v2_defines,
     v2_smem_bytes,
+    protected_ctas,
     v2_unsupported_reasons,
     v3_defines,
 )
@@ -575,8 +576,8 @@ def test_v2_tile_knob_reaches_defines_smem_and_splits(monkeypatch, h):
 @pytest.mark.parametrize("prot", [True, False])
 def test_v2_separate_protected_launches(monkeypatch, prot, tile):
     """QUANTMLA_CUPY_V2_PROTECTED=separate: a packed-only split kernel (mode 1), a protected-only
-    kernel with two CTAs per row chunk (mode 2, the last two partials), and one combine over
-    splits + 2 partials. A cache without sink/local tokens ignores it (one split kernel). The
+    kernel with a sink CTA and one CTA per local-window tile per row chunk (mode 2, the last
+    partials), and one combine over all of them. A cache without sink/local tokens ignores it (one split kernel). The
     protected-only kernel keeps 32-token tiles (it spills at 64)."""
     launches, kernels, fmt, b = _run_v2_stubbed(monkeypatch, 16, 1, prot, {"QUANTMLA_CUPY_V2_PROTECTED": "separate",
                                                                           "QUANTMLA_CUPY_V2_MINB": "3",
@@ -590,9 +591,13 @@ def test_v2_separate_protected_launches(monkeypatch, prot, tile):
     assert packed.defines["QMLA_V2_MINB"] == 3 and protk.defines["QMLA_V2_MINB"] == 1  # the protected path needs registers
     assert packed.defines["QMLA_V2_T"] == int(tile) and protk.defines["QMLA_V2_T"] == 32
     splits = pgrid[1]
-    assert qgrid == (pgrid[0], 2)
+    # the sink CTA and one CTA per 32-token tile a 128-token local window can touch (5)
+    assert qgrid == (pgrid[0], 6) and protected_ctas(4, 128) == 6 and protected_ctas(4, 0) == 1
+    assert protected_ctas(36, 16) == 2 + 2 and protected_ctas(0, 0) == 0
+    # one 32-token tile of bf16 rows (32 x 576 x 2 B) in the protected-only build's shared memory
+    assert protk.smem == v2_smem_bytes(fmt, protk.defines["QMLA_V2_RG"], 4, 32) + 36864 == protk.defines["QMLA_V2_SMEM"]
     slots = int(pargs[params.index("int num_splits")])
-    assert slots == splits + 2 and int(qargs[params.index("int num_splits")]) == slots and int(cargs[-1]) == slots
+    assert slots == splits + 6 and int(qargs[params.index("int num_splits")]) == slots and int(cargs[-1]) == slots
     assert pargs == qargs  # one argument list for both split kernels
 
 

@@ -187,7 +187,8 @@ def v2_defines(fmt: PackFormat, row_groups: int = 1, min_blocks: int = 1, stages
     tokens per tile, 32 or 64 (``QUANTMLA_CUPY_V2_TILE``)."""
     d = attention_defines(fmt, "bfloat16")
     d.update(QMLA_V2_RG=int(row_groups), QMLA_V2_MINB=int(min_blocks), QMLA_V2_STAGES=int(stages),
-             QMLA_V2_SMEM=v2_smem_bytes(fmt, row_groups, stages, tile), QMLA_V2_LAZY_RESCALE=int(lazy_rescale),
+             QMLA_V2_SMEM=v2_smem_bytes(fmt, row_groups, stages, tile, prot_mode),
+             QMLA_V2_LAZY_RESCALE=int(lazy_rescale),
              QMLA_V2_NO_PROTECTION=int(no_protection), QMLA_V2_PROT_MODE=int(prot_mode), QMLA_V2_T=int(tile))
     return d
 
@@ -198,8 +199,10 @@ def v2_default_stages(tile: int) -> int:
     return V2_STAGES if tile == V2_TILE else 3
 
 
-def v2_smem_bytes(fmt: PackFormat, row_groups: int = 1, stages: int = 4, tile: int = V2_TILE) -> int:
-    """Dynamic shared memory of one v2 block (mirrors SMEM_TOTAL in attention_v2.cu)."""
+def v2_smem_bytes(fmt: PackFormat, row_groups: int = 1, stages: int = 4, tile: int = V2_TILE,
+                  prot_mode: int = 0) -> int:
+    """Dynamic shared memory of one v2 block (mirrors SMEM_TOTAL in attention_v2.cu); the
+    protected-only build (``prot_mode`` 2) also holds its tile's bf16 rows."""
     t, ngc = tile, fmt.content_groups
     csz = 2 if fmt.content_scale_dtype == "bfloat16" else 4
     rsz = 2 if fmt.rope_scale_dtype == "bfloat16" else 4
@@ -207,7 +210,16 @@ def v2_smem_bytes(fmt: PackFormat, row_groups: int = 1, stages: int = 4, tile: i
     stage = t * (fmt.content_code_bytes + fmt.rope_code_bytes + ngc * csz + ngc + rsz + 1 + 1)
     stage = (stage + 15) // 16 * 16
     xchg = 2 * row_groups * V2_WARPS * (t // 8) * 32 * 16
-    return stages * stage + xchg
+    prot_rows = t * (fmt.latent_dim + fmt.rope_dim) * 2 if prot_mode == 2 else 0
+    return stages * stage + xchg + prot_rows
+
+
+def protected_ctas(sink: int, local: int) -> int:
+    """CTAs per row chunk of the protected-only v2 launch (``QMLA_V2_PROT_MODE`` 2), one 32-token
+    tile each: the tiles of the ``sink`` first tokens and every tile the local window of ``local``
+    tokens can touch (it need not start on a tile boundary). Each writes one partial, the last
+    ones of a row's slots."""
+    return -(-sink // V2_TILE) + (-(-local // V2_TILE) + 1 if local > 0 else 0)
 
 
 def plan_splits_v2(batch: int, chunks: int, max_tokens: int, resident: int,
@@ -318,7 +330,7 @@ def _v2_kernel(fmt: PackFormat, dev: int, rg: int, minb: int, stages: int, lazy:
     key = ("v2", fmt, dev, rg, minb, stages, lazy, no_prot, mode, tile)
     fn = _FNS.get(key)
     if fn is None:
-        smem = v2_smem_bytes(fmt, rg, stages, tile)
+        smem = v2_smem_bytes(fmt, rg, stages, tile, mode)
         defines = v2_defines(fmt, rg, minb, stages, lazy, no_prot, mode, tile)
         fn = (get_kernel("attention_v2.cu", "qmla_attn_v2", defines, dev, smem), smem)
         with _CACHE_LOCK:
@@ -371,9 +383,10 @@ class V2Plan:
 
 
 def v2_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool,
-            knobs: V2Knobs) -> V2Plan:
-    """The launch plan of kernel v2 (cached per shape and knobs: steady-state decode reuses it)."""
-    key = (fmt, dev, sm_count, batch, rows, max_pages, no_prot, knobs)
+            knobs: V2Knobs, sink: int = 0, local: int = 0) -> V2Plan:
+    """The launch plan of kernel v2 (cached per shape and knobs: steady-state decode reuses it).
+    ``sink``/``local``: the cache's protected tokens (size the separate mode's protected launch)."""
+    key = (fmt, dev, sm_count, batch, rows, max_pages, no_prot, knobs, sink, local)
     plan = _PLANS.get(key)
     if plan is None:
         row_groups = (rows + 15) // 16
@@ -387,12 +400,13 @@ def v2_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
         splits, per = plan_splits_v2(batch, chunks, max(1, max_pages) * fmt.page_size, resident, knobs.min_tiles,
                                      knobs.tile)
         launches = [(attn, (batch * chunks, splits), block, smem)]
-        if separate:  # the sink and local tokens as two more partials, from a protected-only build
+        nprot = protected_ctas(sink, local) if separate else 0
+        if separate:  # the sink and local tokens as more partials, from a protected-only build
             # 32-token tiles whatever knobs.tile says: this launch covers ~132 tokens per request, and
             # its all-protected build spills at 64 (12 B)
             prot, psmem = _v2_kernel(fmt, dev, rg, 1, v2_default_stages(V2_TILE), knobs.lazy, False, 2, V2_TILE)
-            launches.append((prot, (batch * chunks, 2), block, psmem))
-        plan = V2Plan(tuple(launches), _combine_kernel(fmt, dev), per, splits + (2 if separate else 0))
+            launches.append((prot, (batch * chunks, nprot), block, psmem))
+        plan = V2Plan(tuple(launches), _combine_kernel(fmt, dev), per, splits + nprot)
         with _CACHE_LOCK:
             _PLANS[key] = plan
     return plan
@@ -401,7 +415,8 @@ def v2_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
 def _attention_v2(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale, dev, sm_count):
     b, s_q, h, _ = q_latent.shape
     no_prot = cache.sink == 0 and cache.local == 0
-    plan = v2_plan(cache.format, dev, sm_count, b, s_q * h, block_table.shape[1], no_prot, V2Knobs.from_env())
+    plan = v2_plan(cache.format, dev, sm_count, b, s_q * h, block_table.shape[1], no_prot, V2Knobs.from_env(),
+                   cache.sink, cache.local)
     return _run_split_kernels(plan.launches, plan.combine, plan.per, plan.slots, q_latent, q_rope, cache, block_table,
                               seq_lens, seq_ids, softmax_scale, dev)
 
@@ -435,10 +450,10 @@ class V3Knobs:
 
 
 def v3_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool,
-            knobs: V3Knobs) -> V2Plan:
+            knobs: V3Knobs, sink: int = 0, local: int = 0) -> V2Plan:
     """The launch plan of kernel v3: its split kernel over packed tokens and, when the cache keeps
-    sink/local tokens, v2's protected-only launch adding them as two more partials per row."""
-    key = ("v3", fmt, dev, sm_count, batch, rows, max_pages, no_prot, knobs)
+    sink/local tokens, v2's protected-only launch adding them as more partials per row."""
+    key = ("v3", fmt, dev, sm_count, batch, rows, max_pages, no_prot, knobs, sink, local)
     plan = _PLANS.get(key)
     if plan is None:
         chunks = (rows + 15) // 16
@@ -448,10 +463,11 @@ def v3_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
         splits, per = plan_splits_v2(batch, chunks, max(1, max_pages) * fmt.page_size, resident, knobs.min_tiles,
                                      V3_TILE)
         launches = [(attn, (batch * chunks, splits), block, smem)]
-        if not no_prot:
+        nprot = 0 if no_prot else protected_ctas(sink, local)
+        if nprot:
             prot, psmem = _v2_kernel(fmt, dev, 1, 1, V2_STAGES, False, False, 2, V2_TILE)
-            launches.append((prot, (batch * chunks, 2), (V2_WARPS * 32,), psmem))
-        plan = V2Plan(tuple(launches), _combine_kernel(fmt, dev), per, splits + (0 if no_prot else 2))
+            launches.append((prot, (batch * chunks, nprot), (V2_WARPS * 32,), psmem))
+        plan = V2Plan(tuple(launches), _combine_kernel(fmt, dev), per, splits + nprot)
         with _CACHE_LOCK:
             _PLANS[key] = plan
     return plan
@@ -460,7 +476,8 @@ def v3_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
 def _attention_v3(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale, dev, sm_count):
     b, s_q, h, _ = q_latent.shape
     no_prot = cache.sink == 0 and cache.local == 0
-    plan = v3_plan(cache.format, dev, sm_count, b, s_q * h, block_table.shape[1], no_prot, V3Knobs.from_env())
+    plan = v3_plan(cache.format, dev, sm_count, b, s_q * h, block_table.shape[1], no_prot, V3Knobs.from_env(),
+                   cache.sink, cache.local)
     return _run_split_kernels(plan.launches, plan.combine, plan.per, plan.slots, q_latent, q_rope, cache, block_table,
                               seq_lens, seq_ids, softmax_scale, dev)
 

@@ -158,7 +158,14 @@ static_assert(NTP * 8 * NW == DC, "PV n-tiles must cover the latent");
 #define SO_FL (SO_RZ + T)              // token flag [T]: 0 packed, 1 protected (bf16 buffers), 2 past L
 #define STAGE_BYTES ((SO_FL + T + 15) / 16 * 16)
 #define XCHG_BYTES (2 * RG * NW * NTQ * 32 * 16)
-#define SMEM_TOTAL (NSTAGE * STAGE_BYTES + XCHG_BYTES)
+#if QMLA_V2_PROT_MODE == 2
+// the CTA's one tile of protected rows, bf16 [T][DT], copied once: read from shared memory, the
+// fragment loops' per-lane row loads no longer wait on global memory one after another
+#define PROT_ROWS_BYTES (T * DT * 2)
+#else
+#define PROT_ROWS_BYTES 0
+#endif
+#define SMEM_TOTAL (NSTAGE * STAGE_BYTES + XCHG_BYTES + PROT_ROWS_BYTES)
 // copies go by page segment: SEGT consecutive tokens of a tile share one page
 #define SEGT ((QMLA_P < T) ? QMLA_P : T)
 #define NSEG (T / SEGT)
@@ -268,8 +275,8 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V2_MINB) qmla_attn_v2(
     const int r0 = (chk * RG + rg) * 16 + g8, r1 = r0 + 8;
     // The tokens this CTA attends to are [keep_lo, keep_hi). Mode 0: all of [0, L), protected ones
     // read from the bf16 buffers inline. Mode 1: the packed ones between the sink and the local
-    // window. Mode 2: y = 0 the sink tokens, y = 1 the local window, written as the last two
-    // partials (num_splits counts them).
+    // window. Mode 2: y = 0 the sink tokens, y >= 1 one tile of the local window each, written as
+    // the last gridDim.y partials (num_splits counts them; see protected_ctas() in attention.py).
     const int sink_end = sid_ok ? min(sink, L) : 0;
     const int local_start = (sid_ok && local > 0) ? max(sink_end, L - local) : L;
 #if QMLA_V2_PROT_MODE == 1
@@ -278,10 +285,21 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V2_MINB) qmla_attn_v2(
     const int t_end = min(keep_hi, (split + 1) * tiles_per_split * T);
     const int t_begin = max(split * tiles_per_split * T, keep_lo / T * T);
 #elif QMLA_V2_PROT_MODE == 2
-    const int keep_lo = blockIdx.y == 0 ? 0 : local_start;
-    const int keep_hi = blockIdx.y == 0 ? sink_end : L;
-    const int split = num_splits - 2 + (int)blockIdx.y;
-    const int t_begin = keep_lo / T * T, t_end = keep_hi;
+    // One tile per CTA (the protected rows of the tile are copied to shared memory once): y <
+    // ceil(sink / T) covers sink tile y, the rest tile y - ceil(sink / T) of the local window. The
+    // last gridDim.y partials of a row (protected_ctas() in attention.py).
+    const int nsink = (sink + T - 1) / T;
+    int keep_lo, keep_hi;
+    if ((int)blockIdx.y < nsink) {
+        keep_lo = min((int)blockIdx.y * T, sink_end);
+        keep_hi = min(keep_lo + T, sink_end);
+    } else {
+        const int tt = (local_start / T + (int)blockIdx.y - nsink) * T;
+        keep_lo = max(local_start, tt);
+        keep_hi = max(keep_lo, min(L, tt + T));
+    }
+    const int split = num_splits - (int)gridDim.y + (int)blockIdx.y;
+    const int t_begin = keep_lo / T * T, t_end = keep_hi > keep_lo ? keep_hi : t_begin;
 #else
     const int keep_lo = 0, keep_hi = L;
     const int split = blockIdx.y;
@@ -302,6 +320,15 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V2_MINB) qmla_attn_v2(
         if (local > 0 && n >= L - local) return local_buf + (sid * local + n % local) * DT;
         return nullptr;
     };
+#if QMLA_V2_PROT_MODE == 2
+    // the row the fragment loops read: the shared copy for this CTA's tokens, else the packed copy
+    const u16* prot_rows = (const u16*)(smem + NSTAGE * STAGE_BYTES + XCHG_BYTES);
+    auto prot_src = [&](int n) -> const u16* {
+        return (n >= keep_lo && n < keep_hi) ? prot_rows + (n - t_begin) * DT : nullptr;
+    };
+#else
+    auto prot_src = prot_row;
+#endif
 
 
     float m0 = -QMLA_INF, m1 = -QMLA_INF, l0 = 0.0f, l1 = 0.0f;
@@ -419,6 +446,14 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V2_MINB) qmla_attn_v2(
             for (int k = tid; k < NSTAGE * STAGE_BYTES / 16; k += NTH) z4[k] = make_uint4(0u, 0u, 0u, 0u);
         }
         __syncthreads();
+#if QMLA_V2_PROT_MODE == 2
+        // the tile's protected rows, in the first copy group (waited for with tile 0's stage)
+        for (int r = tid; r < T * (DT / 8); r += NTH) {
+            const int n = t_begin + r / (DT / 8), u = r % (DT / 8);
+            const u16* src = (n >= keep_lo && n < keep_hi) ? prot_row(n) : nullptr;
+            if (src != nullptr) cp_async16(smem + NSTAGE * STAGE_BYTES + XCHG_BYTES + 16 * r, src + 8 * u);
+        }
+#endif
         int pg_next[NSEG];
 #pragma unroll
         for (int s = 0; s < NSTAGE - 1; ++s) {
@@ -452,7 +487,7 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V2_MINB) qmla_attn_v2(
 #pragma unroll
                 for (int j = 0; j < NTQ; ++j) {
                     const int tq = 8 * j + g8;  // this lane's B-operand token
-                    const u16* prow = PROT ? prot_row(t0 + tq) : nullptr;
+                    const u16* prow = PROT ? prot_src(t0 + tq) : nullptr;
                     u32 W[NE];
 #if LB == 16
                     {
@@ -555,7 +590,7 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V2_MINB) qmla_attn_v2(
                     u32 Wp[4][NPW];
 #pragma unroll
                     for (int k = 0; k < 4; ++k) {
-                        prow[k] = PROT ? prot_row(t0 + tk[k]) : nullptr;
+                        prow[k] = PROT ? prot_src(t0 + tk[k]) : nullptr;
                         const u8* src = stg_c + v2_coff(tk[k], CBW * wc + LBP * g8);
 #if LBP == 8
                         const uint2 v = *(const uint2*)src;
