@@ -84,9 +84,20 @@ def test_v3_smem_fits_two_ctas_per_sm():
 
 
 def test_v3_selection(monkeypatch):
+    from quantmla_core.backends.cupy.attention import V3_MIN_TOKENS
+
     c4 = qm.PackFormat.parse("C4R4")
     monkeypatch.delenv(VARIANT_ENV, raising=False)
-    assert select_variant(c4, "bfloat16")[0] == "v2"  # auto stays on v2 until v3 is measured
+    # auto: v3 from V3_MIN_TOKENS of block-table capacity, v2 below (its fixed cost is lower), with the reason
+    assert select_variant(c4, "bfloat16", (9, 0), V3_MIN_TOKENS) == ("v3", None)
+    v, why = select_variant(c4, "bfloat16", (9, 0), V3_MIN_TOKENS - 64)
+    assert v == "v2" and str(V3_MIN_TOKENS) in why
+    assert select_variant(c4, "bfloat16")[0] == "v2"  # capacity unknown: the short-context choice
+    assert select_variant(c4, "float32", (9, 0), 1 << 20)[0] == "v1"
+    v, why = select_variant(qm.PackFormat.parse("C2R4", 256, 32, group_size=32), "bfloat16", (9, 0), 1 << 20)
+    assert v == "v2" and "multiple of 64" in why
+    monkeypatch.setenv(VARIANT_ENV, "v2")
+    assert select_variant(c4, "bfloat16", (9, 0), 1 << 20) == ("v2", None)
     monkeypatch.setenv(VARIANT_ENV, "v3")
     assert select_variant(c4, "bfloat16") == ("v3", None)
     assert select_variant(qm.PackFormat.parse("C2R4", 256, 32, group_size=128), "bfloat16") == ("v3", None)

@@ -1,24 +1,30 @@
-"""CuPy decode-attention launcher: split-KV tensor-core kernel plus a log-sum-exp combine.
+"""CuPy decode-attention launcher: split-KV tensor-core kernels plus a log-sum-exp combine.
 
-Two attention kernels share the partials layout and the combine kernel:
+Three attention kernels share the partials layout and the combine kernel:
 
 * ``v1`` (``kernels/attention.cu``): dequantizes each tile to bf16 in shared memory, 16 query
   rows per CTA; serves every format and float32/bfloat16 queries.
-* ``v2`` (``kernels/attention_v2.cu``): dequantizes straight into ``mma.sync`` fragments, one
-  block barrier per tile, up to 2 row groups per CTA sharing one staged tile. Serves bfloat16
-  queries with 2/4-bit content and 4-bit RoPE codes (C4R4, C2R4). On the H200 it takes
-  0.63-0.83x of v1's time at every measured shape (benchmarks/RESULTS.md).
+* ``v2`` (``kernels/attention_v2.cu``): dequantizes straight into ``mma.sync`` fragments (heads
+  as the MMA M dimension), one block barrier per tile, up to 2 row groups per CTA sharing one
+  staged tile. Serves bfloat16 queries with 2/4-bit content and 4-bit RoPE codes (C4R4, C2R4).
+* ``v3`` (``kernels/attention_v3.cu``): tokens as the QK M dimension over all channels, P * s
+  through shared memory, zero points by a correction MMA; 64-token tiles. Serves what v2 serves
+  with content groups of 64k channels, packed tokens only: the sink and local-window tokens come
+  from v2's protected-only build (one tile per CTA) as extra partials. On the H200 it takes
+  0.62-0.86x of v2's time from 32K tokens on, but has more fixed cost per call.
 
-``QUANTMLA_CUPY_ATTENTION`` (``auto``, the default: v2 where it serves, else v1; or ``v1`` /
-``v2``; read on every call, nothing global is rewritten) picks the kernel. ``QUANTMLA_CUPY_V2_RG`` (1 or 2 row groups per CTA; default 2 when the
+``QUANTMLA_CUPY_ATTENTION`` (``auto``, the default: v3 where it serves and the block table holds
+at least :data:`V3_MIN_TOKENS` tokens, else v2 where it serves, else v1; or ``v1`` / ``v2`` /
+``v3``; read on every call, nothing global is rewritten) picks the kernel.
+``QUANTMLA_CUPY_V2_RG`` (1 or 2 row groups per CTA; default 2 when the
 row-group count is even), ``QUANTMLA_CUPY_V2_STAGES`` (cp.async ring depth 3-5, default 4),
-``QUANTMLA_CUPY_V2_MINB`` (minimum blocks per SM given to ``__launch_bounds__``, default 1) and
+``QUANTMLA_CUPY_V2_MINB`` (minimum blocks per SM given to ``__launch_bounds__``, default 1),
 ``QUANTMLA_CUPY_V2_LAZY_RESCALE`` (1: skip the output rescale while no row's running maximum
-moves; bit-identical, not yet timed on a GPU, default 0) and ``QUANTMLA_CUPY_V2_PROTECTED``
+moves; bit-identical, default 0), ``QUANTMLA_CUPY_V2_PROTECTED``
 (``inline``, the default: sink/local tokens inside the split kernel; ``separate``: the split
 kernel reads packed tokens only, without the protected path, and a second small launch adds
-the sink and local tokens as two more partials; not yet run on a GPU) are tuning knobs for
-measurements, also read per call.
+the sink and local tokens as more partials), ``QUANTMLA_CUPY_V3_STAGES`` (3 or 4) and
+``QUANTMLA_CUPY_V3_MINB`` are tuning knobs for measurements, also read per call.
 :func:`select_variant` says which kernel a call will run, and why.
 """
 
@@ -63,6 +69,10 @@ V2_MIN_TILES_PER_SPLIT = 8
 V3_TILE = 64
 V3_WARPS = 4
 V3_STAGES = 3
+#: auto picks v3 when the block table holds at least this many tokens per request. Measured on the
+#: H200 (CUDA graphs, C4R4 H16 B32): v3 costs ~6.9 ns per token and request against v2's ~9.8 but
+#: ~90 us of fixed cost against ~48 us, so it wins from ~14K tokens (benchmarks/RESULTS.md)
+V3_MIN_TOKENS = 16384
 
 LOG2E = 1.4426950408889634
 
@@ -124,16 +134,21 @@ def v2_unsupported_reasons(fmt: PackFormat, dtype: str) -> list[str]:
     return reasons
 
 
-def select_variant(fmt: PackFormat, dtype: str, capability: tuple[int, int] | None = None) -> tuple[str, str | None]:
-    """(kernel a call runs, reason v2 does not run or None). No side effects.
+def select_variant(fmt: PackFormat, dtype: str, capability: tuple[int, int] | None = None,
+                   max_tokens: int | None = None) -> tuple[str, str | None]:
+    """(kernel a call runs, why a faster kernel does not run, or None). No side effects.
 
-    ``auto`` runs v2 wherever it serves the problem and v1 otherwise, with the reason. Only the
-    environment variable is read per call; the decision is memoised per (format, dtype, GPU)."""
-    return _decide_variant(requested_variant(), fmt, dtype, None if capability is None else tuple(capability))
+    ``auto`` runs v3 where it serves the problem and the block table can hold at least
+    :data:`V3_MIN_TOKENS` tokens per request (``max_tokens``; None: unknown, treated as short),
+    else v2 where it serves, else v1, each time with the reason. Only the environment variable
+    is read per call; the decision is memoised per (format, dtype, GPU, long or short)."""
+    long_ctx = max_tokens is not None and max_tokens >= V3_MIN_TOKENS
+    return _decide_variant(requested_variant(), fmt, dtype, None if capability is None else tuple(capability), long_ctx)
 
 
 @lru_cache(maxsize=1024)
-def _decide_variant(want: str, fmt: PackFormat, dtype: str, capability: tuple[int, int] | None) -> tuple[str, str | None]:
+def _decide_variant(want: str, fmt: PackFormat, dtype: str, capability: tuple[int, int] | None,
+                    long_ctx: bool = False) -> tuple[str, str | None]:
     if want == "v1":
         return "v1", None
     why = v2_unsupported_reasons(fmt, dtype)
@@ -141,12 +156,14 @@ def _decide_variant(want: str, fmt: PackFormat, dtype: str, capability: tuple[in
         why.append(f"v2 needs compute capability 8.0+ (got {capability[0]}.{capability[1]})")
     if why:
         return "v1", "; ".join(why)
-    if want == "v3":
-        why3 = v3_unsupported_reasons(fmt)
-        if why3:
-            return "v2", "; ".join(why3)
-        return "v3", None
-    return "v2", None
+    if want == "v2":
+        return "v2", None
+    why3 = v3_unsupported_reasons(fmt)
+    if want == "auto" and not why3 and not long_ctx:
+        why3 = [f"auto runs v3 from {V3_MIN_TOKENS} tokens of block-table capacity (shorter: v2 is faster)"]
+    if why3:
+        return "v2", "; ".join(why3)
+    return "v3", None
 
 
 def v3_unsupported_reasons(fmt: PackFormat) -> list[str]:
@@ -316,7 +333,7 @@ def attention(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_s
     device = q_latent.device
     dev = device.index if device.index is not None else torch.cuda.current_device()
     sm_count, capability = _device_info(dev)
-    variant, _ = select_variant(fmt, dtype, capability)
+    variant, _ = select_variant(fmt, dtype, capability, int(block_table.shape[1]) * fmt.page_size)
     if variant == "v3":
         return _attention_v3(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale, dev, sm_count)
     if variant == "v2":
