@@ -1,4 +1,4 @@
-"""Instruction budget of the CuPy kernel v2's hot loop, from its sm_90 SASS (no GPU needed).
+"""Instruction budget of the CuPy kernels v2 and v3 hot loops, from its sm_90 SASS (no GPU needed).
 
 On the H200 the kernel is limited by instructions per cached token, not by bytes
 (benchmarks/RESULTS.md: ncu, ~54 % issue-slot use). These tests pin the tile loop of the
@@ -59,3 +59,21 @@ def test_lazy_rescale_only_adds_the_warp_vote():
     assert lazy.count("FMUL") == base.count("FMUL") and lazy.count("HMMA") == base.count("HMMA")
     assert lazy.total - base.total <= 16, (base.total, lazy.total)
     assert lazy.count("LDL", "STL") == 0
+
+
+#: kernel v3, per warp per 64-token tile: (MMAs, cp.async per thread, instruction budget; measured
+#: 2026-11-30: C4R4 1,660, C2R4 1,762). MMAs: QK 36 k-steps x 2 row n-tiles; PV 16 n-tiles x 4
+#: k-steps + one zero-point correction per (k-step, nibble slice).
+V3_BUDGETS = {("C4R4", 512, 64): (72 + 64 + 8, 10, 1760), ("C2R4", 512, 64): (72 + 64 + 16, 6, 1870)}
+
+
+@pytest.mark.parametrize("name,dc,dr", list(V3_BUDGETS), ids=lambda v: str(v))
+def test_v3_tile_loop_within_budget(name, dc, dr):
+    from quantmla_core.backends.cupy.sass_report import tile_loop_v3
+
+    loop = tile_loop_v3(qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr))
+    mmas, copies, budget = V3_BUDGETS[(name, dc, dr)]
+    assert loop.count("HMMA") == mmas, loop.opcodes
+    assert loop.count("LDGSTS") == copies, loop.opcodes
+    assert loop.total <= budget, f"{name}: {loop.total} instructions per warp per tile (budget {budget})"
+    assert loop.count("LDL", "STL") == 0, "local-memory traffic (spills) in the tile loop"

@@ -24,7 +24,7 @@ moves; bit-identical, default 0), ``QUANTMLA_CUPY_V2_PROTECTED``
 (``inline``, the default: sink/local tokens inside the split kernel; ``separate``: the split
 kernel reads packed tokens only, without the protected path, and a second small launch adds
 the sink and local tokens as more partials), ``QUANTMLA_CUPY_V3_STAGES`` (3 or 4) and
-``QUANTMLA_CUPY_V3_MINB`` are tuning knobs for measurements, also read per call.
+``QUANTMLA_CUPY_V3_MINB`` / ``QUANTMLA_CUPY_V3_LAZY_RESCALE`` are tuning knobs for measurements, also read per call.
 :func:`select_variant` says which kernel a call will run, and why.
 """
 
@@ -187,10 +187,12 @@ def v3_smem_bytes(fmt: PackFormat, stages: int = V3_STAGES) -> int:
     return stages * stage + ksteps * 512 + sub_groups * 64 + ngc * (t // 8) * 256 + V3_WARPS * 64
 
 
-def v3_defines(fmt: PackFormat, stages: int = V3_STAGES, min_blocks: int = 1) -> dict[str, int]:
+def v3_defines(fmt: PackFormat, stages: int = V3_STAGES, min_blocks: int = 1, lazy_rescale: bool = False
+               ) -> dict[str, int]:
     """``-D`` defines of ``kernels/attention_v3.cu`` (bfloat16 queries)."""
     d = attention_defines(fmt, "bfloat16")
-    d.update(QMLA_V3_STAGES=int(stages), QMLA_V3_MINB=int(min_blocks), QMLA_V3_SMEM=v3_smem_bytes(fmt, stages))
+    d.update(QMLA_V3_STAGES=int(stages), QMLA_V3_MINB=int(min_blocks), QMLA_V3_SMEM=v3_smem_bytes(fmt, stages),
+             QMLA_V3_LAZY_RESCALE=int(lazy_rescale))
     return d
 
 
@@ -438,13 +440,13 @@ def _attention_v2(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softm
                               seq_lens, seq_ids, softmax_scale, dev)
 
 
-def _v3_kernel(fmt: PackFormat, dev: int, stages: int, minb: int):
+def _v3_kernel(fmt: PackFormat, dev: int, stages: int, minb: int, lazy: bool = False):
     """Compiled ``qmla_attn_v3`` (cached) and its dynamic shared memory."""
-    key = ("v3", fmt, dev, stages, minb)
+    key = ("v3", fmt, dev, stages, minb, lazy)
     fn = _FNS.get(key)
     if fn is None:
         smem = v3_smem_bytes(fmt, stages)
-        fn = (get_kernel("attention_v3.cu", "qmla_attn_v3", v3_defines(fmt, stages, minb), dev, smem), smem)
+        fn = (get_kernel("attention_v3.cu", "qmla_attn_v3", v3_defines(fmt, stages, minb, lazy), dev, smem), smem)
         with _CACHE_LOCK:
             _FNS[key] = fn
     return fn
@@ -458,12 +460,14 @@ class V3Knobs:
     stages: int
     minb: int
     min_tiles: int = V2_MIN_TILES_PER_SPLIT
+    lazy: bool = False
 
     @staticmethod
     def from_env() -> "V3Knobs":
         return V3Knobs(_env_int("QUANTMLA_CUPY_V3_STAGES", V3_STAGES, (3, 4)),
                        _env_int("QUANTMLA_CUPY_V3_MINB", 1, (1, 2, 3)),
-                       _env_int("QUANTMLA_CUPY_V2_MIN_TILES", V2_MIN_TILES_PER_SPLIT, (1, 2, 4, 8, 16)))
+                       _env_int("QUANTMLA_CUPY_V2_MIN_TILES", V2_MIN_TILES_PER_SPLIT, (1, 2, 4, 8, 16)),
+                       bool(_env_int("QUANTMLA_CUPY_V3_LAZY_RESCALE", 0, (0, 1))))
 
 
 def v3_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool,
@@ -474,7 +478,7 @@ def v3_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
     plan = _PLANS.get(key)
     if plan is None:
         chunks = (rows + 15) // 16
-        attn, smem = _v3_kernel(fmt, dev, knobs.stages, knobs.minb)
+        attn, smem = _v3_kernel(fmt, dev, knobs.stages, knobs.minb, knobs.lazy)
         block = (V3_WARPS * 32,)
         resident = resident_ctas(attn, block[0], smem, dev, sm_count)
         splits, per = plan_splits_v2(batch, chunks, max(1, max_pages) * fmt.page_size, resident, knobs.min_tiles,

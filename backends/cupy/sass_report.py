@@ -1,4 +1,4 @@
-"""Offline instruction report of the CuPy attention kernel v2 for sm_90 -- no GPU needed.
+"""Offline instruction report of the CuPy attention kernels v2 and v3 for sm_90 -- no GPU needed.
 
 Compiles ``kernels/attention_v2.cu`` with the machine's ``nvcc`` for sm_90 (the defines the
 launcher would use), disassembles the cubin with ``cuobjdump -sass`` and counts the SASS
@@ -32,7 +32,7 @@ from pathlib import Path
 
 from ...formats import PackFormat
 from . import KERNEL_DIR, define_options
-from .attention import v2_default_stages, v2_defines
+from .attention import V3_STAGES, v2_default_stages, v2_defines, v3_defines
 
 _INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*(.*?);")
 
@@ -79,17 +79,26 @@ def compile_sass(fmt: PackFormat, pure_path: bool = True, row_groups: int = 1, s
                  lazy_rescale: bool = False, min_blocks: int = 1, prot_mode: int = 0, tile: int = 32) -> tuple[str, str]:
     """(SASS text, ptxas -v output) of ``qmla_attn_v2`` for ``fmt`` on sm_90 (``prot_mode`` 1: the
     packed-only split kernel of ``QUANTMLA_CUPY_V2_PROTECTED=separate``; ``pure_path`` is then moot)."""
-    missing = missing_tools()
-    if missing:
-        raise RuntimeError(f"sass_report needs {', '.join(missing)} (see the module docstring)")
     stages = v2_default_stages(tile) if stages is None else stages
     defines = v2_defines(fmt, row_groups, min_blocks, stages, lazy_rescale, no_protection=pure_path and not prot_mode,
                          prot_mode=prot_mode, tile=tile)
+    return _build_sass("attention_v2.cu", defines)
+
+
+def compile_sass_v3(fmt: PackFormat, stages: int = V3_STAGES, lazy_rescale: bool = False) -> tuple[str, str]:
+    """(SASS text, ptxas -v output) of ``qmla_attn_v3`` for ``fmt`` on sm_90."""
+    return _build_sass("attention_v3.cu", v3_defines(fmt, stages, lazy_rescale=lazy_rescale))
+
+
+def _build_sass(source: str, defines: dict[str, int]) -> tuple[str, str]:
+    missing = missing_tools()
+    if missing:
+        raise RuntimeError(f"sass_report needs {', '.join(missing)} (see the module docstring)")
     env = dict(os.environ, PATH=os.pathsep.join([str(Path(find_tool("nvdisasm")).parent), os.environ.get("PATH", "")]))
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
         cmd = [find_tool("nvcc"), "-cubin", "-arch=sm_90", "--std=c++17", "-Xptxas", "-v", f"-I{KERNEL_DIR}",
-               *define_options(defines), "-o", cubin, str(KERNEL_DIR / "attention_v2.cu")]
+               *define_options(defines), "-o", cubin, str(KERNEL_DIR / source)]
         built = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if built.returncode:
             raise RuntimeError(f"nvcc failed:\n{built.stderr[-3000:]}")
@@ -118,6 +127,11 @@ def tile_loop(fmt: PackFormat, pure_path: bool = True, lazy_rescale: bool = Fals
     return loops(compile_sass(fmt, pure_path, lazy_rescale=lazy_rescale, tile=tile)[0])[0]
 
 
+def tile_loop_v3(fmt: PackFormat, lazy_rescale: bool = False) -> LoopReport:
+    """The 64-token tile loop of ``qmla_attn_v3`` (the largest loop) for ``fmt``."""
+    return loops(compile_sass_v3(fmt, lazy_rescale=lazy_rescale)[0])[0]
+
+
 def main(argv: list[str]) -> None:
     cases = [(argv[0], int(argv[1]), int(argv[2]))] if argv else [("C4R4", 512, 64), ("C2R4", 512, 64)]
     for name, dc, dr in cases:
@@ -139,6 +153,13 @@ def main(argv: list[str]) -> None:
                   "per token), "
                   f"{loop.count('HMMA')} HMMA, {regs.group(1) if regs else '?'} registers, "
                   f"{spills.group(1) if spills else '?'} B spilled, {loop.count('LDL', 'STL')} local loads/stores in the loop\n    {top}")
+        sass, ptxas = compile_sass_v3(fmt)
+        regs = re.search(r"Used (\d+) registers", ptxas)
+        loop = loops(sass)[0]
+        top = ", ".join(f"{k} {v}" for k, v in sorted(loop.opcodes.items(), key=lambda kv: -kv[1])[:14])
+        print(f"{name} {dc}/{dr} kernel v3 (64-token tiles): {loop.total} instructions per warp per tile "
+              f"({loop.total * 4 / 64:.0f} per token), {loop.count('HMMA')} HMMA, {regs.group(1) if regs else '?'} "
+              f"registers\n    {top}")
 
 
 if __name__ == "__main__":

@@ -555,13 +555,23 @@ __device__ __forceinline__ void qmla_combine_add(float4& a, float2 v, float M, f
     }
 }
 
+// Partials per row read through shared memory (larger counts read them from global memory):
+// one round trip for every split's (m, l) instead of one per loop trip.
+#define QMLA_COMBINE_SMEM_SPLITS 512
+
 extern "C" __global__ void __launch_bounds__(128) qmla_combine(const float* __restrict__ o_part,
                                                                const float2* __restrict__ ml_part,
                                                                void* __restrict__ out, float* __restrict__ lse,
                                                                int num_splits) {
     static_assert(DC % 4 == 0, "4 channels per thread");
+    __shared__ float2 ml_s[QMLA_COMBINE_SMEM_SPLITS];
     const i64 row = blockIdx.x;
     const float2* ml = ml_part + row * num_splits;
+    if (num_splits <= QMLA_COMBINE_SMEM_SPLITS) {
+        for (int i = threadIdx.x; i < num_splits; i += blockDim.x) ml_s[i] = ml[i];
+        __syncthreads();
+        ml = ml_s;
+    }
     float M = -QMLA_INF;
     for (int i = 0; i < num_splits; ++i) M = fmaxf(M, ml[i].x);
     float den = 0.0f;
@@ -574,6 +584,14 @@ extern "C" __global__ void __launch_bounds__(128) qmla_combine(const float* __re
     for (int c4 = threadIdx.x; c4 < DC / 4; c4 += blockDim.x) {
         float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         int i = 0;
+        // 8 partials' loads in flight, summed in split order
+        for (; i + 8 <= num_splits; i += 8) {
+            float4 o[8];
+#pragma unroll
+            for (int k = 0; k < 8; ++k) o[k] = op[(i + k) * (DC / 4) + c4];
+#pragma unroll
+            for (int k = 0; k < 8; ++k) qmla_combine_add(a, ml[i + k], M, o[k]);
+        }
         for (; i + 4 <= num_splits; i += 4) {
             const float4 o0 = op[(i + 0) * (DC / 4) + c4], o1 = op[(i + 1) * (DC / 4) + c4];
             const float4 o2 = op[(i + 2) * (DC / 4) + c4], o3 = op[(i + 3) * (DC / 4) + c4];

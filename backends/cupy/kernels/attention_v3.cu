@@ -43,6 +43,9 @@
 #ifndef QMLA_V3_MINB
 #define QMLA_V3_MINB 1
 #endif
+#ifndef QMLA_V3_LAZY_RESCALE
+#define QMLA_V3_LAZY_RESCALE 0  // 1: skip the output rescale while no row's maximum moves (bit-identical)
+#endif
 
 #define DC QMLA_DC
 #define DR QMLA_DR
@@ -82,6 +85,7 @@ static_assert(QMLA_GR == DR, "one RoPE group per token");
 static_assert(LBP == 2 || LBP == 4 || LBP == 8, "PV lane load of 2, 4 or 8 bytes");
 static_assert(NTP * 8 * NW == DC, "PV n-tiles must cover the latent");
 static_assert(NSTAGE == 3 || NSTAGE == 4, "3 or 4 stages");
+static_assert(NGC % 4 == 0 || NGC == 2, "zero points are read 4 per word (or one pair)");
 static_assert(16 * DT / 8 * 4 <= NGC * (T / 8) * 256, "query-sum partials must fit in the P * s area");
 
 // ---------------------------------------------------------------- shared memory layout
@@ -162,6 +166,29 @@ __device__ __forceinline__ void v3_flush(float* S, const float* acc, float s0, f
     S[1] = fmaf(-c0, sq.y, fmaf(s0, acc[1], S[1]));
     S[2] = fmaf(-c1, sq.x, fmaf(s1, acc[2], S[2]));
     S[3] = fmaf(-c1, sq.y, fmaf(s1, acc[3], S[3]));
+}
+
+// the NGC content scales of token t as floats (one or two 16-byte loads)
+__device__ __forceinline__ void v3_token_scales(const u8* st, int t, float (&sc)[NGC]) {
+#if QMLA_CSCALE_BF16
+    static_assert(NGC % 2 == 0, "bf16 scales are read in pairs");
+    const u32* p = (const u32*)(st + SO_CS + t * NGC * 2);
+#pragma unroll
+    for (int k = 0; k < NGC / 2; ++k) {
+        const u32 w = p[k];
+        sc[2 * k] = __uint_as_float(w << 16);
+        sc[2 * k + 1] = __uint_as_float(w & 0xffff0000u);
+    }
+#else
+    const float* p = (const float*)(st + SO_CS + t * NGC * 4);
+#pragma unroll
+    for (int k = 0; k < NGC; ++k) sc[k] = p[k];
+#endif
+}
+
+// 128 + z as a float for byte k of a word of zero points: bf16 bits 0x43zz in the high half
+__device__ __forceinline__ float v3_off_zb(u32 zw, int k) {
+    return __uint_as_float(__byte_perm(zw, 0x43u, 0x4055u | (k << 8)));
 }
 
 // 128 + z as a float (z < 128)
@@ -384,6 +411,20 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V3_MINB) qmla_attn_v3(
 
             // -------------------------------------------------------- QK: 16 tokens x 16 rows per warp
             float S[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+            float sc0[NGC], sc1[NGC];  // this lane's two tokens' content scales (QK flush and P * s)
+            v3_token_scales(stg, tq0, sc0);
+            v3_token_scales(stg, tq1, sc1);
+            u32 zw0[(NGC + 3) / 4], zw1[(NGC + 3) / 4];  // ... and zero points, 4 per word
+#pragma unroll
+            for (int k = 0; k < (NGC + 3) / 4; ++k) {
+                if (NGC >= 4) {
+                    zw0[k] = *(const u32*)(stg + SO_CZ + tq0 * NGC + 4 * k);
+                    zw1[k] = *(const u32*)(stg + SO_CZ + tq1 * NGC + 4 * k);
+                } else {
+                    zw0[k] = *(const u16*)(stg + SO_CZ + tq0 * NGC);
+                    zw1[k] = *(const u16*)(stg + SO_CZ + tq1 * NGC);
+                }
+            }
 #pragma unroll
             for (int bl = 0; bl < NBLK; ++bl) {
                 const uint4 v0 = *(const uint4*)(stg + v3_coff(tq0, 64 * bl + 16 * q4));
@@ -403,9 +444,9 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V3_MINB) qmla_attn_v3(
                         mma_bf16(tmp[0], a, b00, b01);
                         mma_bf16(tmp[1], a, b10, b11);
                     }
-                    const float s0 = v3_scale(stg, tq0 * NGC + grp, true), s1 = v3_scale(stg, tq1 * NGC + grp, true);
-                    const float c0 = s0 * v3_off_z(stg[SO_CZ + tq0 * NGC + grp]);
-                    const float c1 = s1 * v3_off_z(stg[SO_CZ + tq1 * NGC + grp]);
+                    const float s0 = sc0[grp], s1 = sc1[grp];
+                    const float c0 = s0 * v3_off_zb(zw0[grp >> 2], grp & 3);
+                    const float c1 = s1 * v3_off_zb(zw1[grp >> 2], grp & 3);
                     const float2 sqa = *(const float2*)(sq + sgi * 16 + 2 * q4);
                     const float2 sqb = *(const float2*)(sq + sgi * 16 + 8 + 2 * q4);
 #pragma unroll
@@ -503,7 +544,7 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V3_MINB) qmla_attn_v3(
             // P * s per content group, stored transposed for the PV A operand
 #pragma unroll
             for (int grp = 0; grp < NGC; ++grp) {
-                const float s0 = v3_scale(stg, tq0 * NGC + grp, true), s1 = v3_scale(stg, tq1 * NGC + grp, true);
+                const float s0 = sc0[grp], s1 = sc1[grp];
                 v3_store_ps(ps_st + grp * (T / 8) * 256, pack_bf16x2(S[0][0] * s0, S[0][1] * s0),
                             pack_bf16x2(S[0][2] * s1, S[0][3] * s1), pack_bf16x2(S[1][0] * s0, S[1][1] * s0),
                             pack_bf16x2(S[1][2] * s1, S[1][3] * s1), lane);
@@ -518,19 +559,21 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V3_MINB) qmla_attn_v3(
             cp_async_commit();
 
             // -------------------------------------------------------- PV over this warp's channel slice
+            if (!QMLA_V3_LAZY_RESCALE || __any_sync(0xffffffffu, al0 != 1.0f || al1 != 1.0f)) {
 #pragma unroll
-            for (int nt = 0; nt < NTP; ++nt) {
-                acc[nt][0] *= al0;
-                acc[nt][1] *= al0;
-                acc[nt][2] *= al1;
-                acc[nt][3] *= al1;
-            }
+                for (int nt = 0; nt < NTP; ++nt) {
+                    acc[nt][0] *= al0;
+                    acc[nt][1] *= al0;
+                    acc[nt][2] *= al1;
+                    acc[nt][3] *= al1;
+                }
 #pragma unroll
-            for (int c = 0; c < KCH; ++c) {
-                corr[c][0] *= al0;
-                corr[c][1] *= al0;
-                corr[c][2] *= al1;
-                corr[c][3] *= al1;
+                for (int c = 0; c < KCH; ++c) {
+                    corr[c][0] *= al0;
+                    corr[c][1] *= al0;
+                    corr[c][2] *= al1;
+                    corr[c][3] *= al1;
+                }
             }
 #pragma unroll
             for (int kt = 0; kt < T / 16; ++kt) {
