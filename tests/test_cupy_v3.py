@@ -25,7 +25,7 @@ from test_cupy_backend import BIG, NVCC, V2_CASES, _kernel_params, gpu, ptxas_us
 import quantmla_core as qm
 from quantmla_core.testing import stub_cupy_launcher
 
-#: (arch, format, d_c, d_r, group size, page size[, stages])
+#: (arch, format, d_c, d_r, group size, page size[, stages[, warps]])
 V3_BUILDS = [
     ("sm_90", "C4R4", 512, 64, 64, 64),
     ("sm_90", "C2R4", 512, 64, 64, 64),
@@ -36,15 +36,21 @@ V3_BUILDS = [
     ("sm_90", "C4R4", 512, 64, 64, 64, 4),
     ("sm_80", "C4R4", 512, 64, 64, 64),
     ("sm_80", "C2R4", 256, 32, 64, 16),
+    ("sm_90", "C4R4", 512, 64, 64, 64, 3, 8),
+    ("sm_90", "C2R4", 512, 64, 128, 32, 3, 8),
+    ("sm_90", "C4R4", 256, 32, 64, 64, 3, 8),
+    ("sm_80", "C4R4", 512, 64, 128, 64, 3, 8),
 ]
 
 
 def _compile_v3(v: tuple) -> tuple[int, str, str]:
     arch, name, dc, dr, gs, page = v[:6]
     stages = v[6] if len(v) > 6 else 3
+    warps = v[7] if len(v) > 7 else 4
     fmt = qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr, group_size=gs, page_size=page)
     with tempfile.TemporaryDirectory() as tmp:
-        base = [NVCC, f"-arch={arch}", "--std=c++17", f"-I{KERNEL_DIR}", *define_options(v3_defines(fmt, stages))]
+        defines = v3_defines(fmt, stages, warps=warps)
+        base = [NVCC, f"-arch={arch}", "--std=c++17", f"-I{KERNEL_DIR}", *define_options(defines)]
         src = str(KERNEL_DIR / "attention_v3.cu")
         r = subprocess.run([*base, "-cubin", "-Xptxas", "-v", "-o", os.path.join(tmp, "k.cubin"), src],
                            capture_output=True, text=True, check=False)
@@ -67,7 +73,10 @@ def test_v3_compiles_without_spills(build):
     assert rc == 0, f"nvcc failed for v3 {build}:\n{text[-4000:]}"
     use = ptxas_usage(text)
     print(f"v3 {build}: {use}")
-    assert use["spill_stores"] == 0 and use["spill_loads"] == 0 and use["stack"] == 0, f"v3 {build} spills: {use}"
+    if len(build) > 7 and build[7] == 8:  # 8 warps: at most 128 registers (two CTAs per SM), a few spilled bytes
+        assert use["registers"] <= 128 and use["spill_stores"] <= 64, f"v3 {build}: {use}"
+    else:
+        assert use["spill_stores"] == 0 and use["spill_loads"] == 0 and use["stack"] == 0, f"v3 {build} spills: {use}"
     # P * s is stored transposed by stmatrix on sm_90 and by movmatrix + 32-bit stores before
     assert ("stmatrix.sync.aligned.m8n8.x4.trans" in ptx) == (build[0] == "sm_90")
     assert ("movmatrix.sync.aligned.m8n8.trans" in ptx) == (build[0] != "sm_90")
@@ -75,11 +84,12 @@ def test_v3_compiles_without_spills(build):
 
 
 def test_v3_smem_fits_two_ctas_per_sm():
-    # 3 stages of 64 x 317 B (float32 RoPE scale), the permuted query (36 k-steps x 512 B), 9 query sums x 16 rows,
-    # P * s for 8 groups (8 x 2 KB) and 4 x 16 row maxima
+    # 3 stages of 64 x 317 B (float32 RoPE scale), the permuted query (36 k-steps x 512 B), 8 + 2 query sums
+    # x 16 rows, P * s for 8 groups (8 x 2 KB) and 4 x 16 row maxima; 8 warps add 4 x 32 x 32 B of partial scores
     fmt = qm.PackFormat.parse("C4R4")
-    assert v3_smem_bytes(fmt) == 3 * 64 * 317 + 36 * 512 + 9 * 64 + 8 * 2048 + 256
-    assert 2 * (v3_smem_bytes(fmt) + 1024) <= 228 * 1024
+    assert v3_smem_bytes(fmt) == 3 * 64 * 317 + 36 * 512 + 10 * 64 + 8 * 2048 + 256
+    assert v3_smem_bytes(fmt, warps=8) == v3_smem_bytes(fmt) + 4096
+    assert 2 * (v3_smem_bytes(fmt, warps=8) + 1024) <= 228 * 1024
     assert v3_smem_bytes(fmt, 4) > v3_smem_bytes(fmt)
 
 
@@ -163,6 +173,14 @@ def test_v3_launches_match_kernel_signatures(monkeypatch, h, s_q, prot):
 def test_v3_knobs(monkeypatch):
     from quantmla_core.backends.cupy.attention import V3Knobs
 
+    knobs = V3Knobs.from_env()
+    assert (knobs.stages, knobs.minb, knobs.lazy, knobs.warps) == (3, None, True, 4)
+    assert v3_defines(qm.PackFormat.parse("C4R4"))["QMLA_V3_MINB"] == 1
+    assert v3_defines(qm.PackFormat.parse("C4R4"), warps=8)["QMLA_V3_MINB"] == 2  # <= 128 registers
+    monkeypatch.setenv("QUANTMLA_CUPY_V3_WARPS", "8")
+    monkeypatch.setenv("QUANTMLA_CUPY_V3_LAZY_RESCALE", "0")
+    knobs = V3Knobs.from_env()
+    assert knobs.warps == 8 and not knobs.lazy
     monkeypatch.setenv("QUANTMLA_CUPY_V3_STAGES", "4")
     assert V3Knobs.from_env().stages == 4
     monkeypatch.setenv("QUANTMLA_CUPY_V3_STAGES", "2")
@@ -176,6 +194,23 @@ def test_v3_knobs(monkeypatch):
 def test_attention_v3_matches_reference(case, monkeypatch):
     monkeypatch.setenv(VARIANT_ENV, "v3")
     assert select_variant(case.fmt, "bfloat16", torch.cuda.get_device_capability()) == ("v3", None)
+    check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
+
+
+def test_v3_eight_warps_launch(monkeypatch):
+    monkeypatch.setenv("QUANTMLA_CUPY_V3_WARPS", "8")
+    launches, _kernels, fmt, _b = _run_v3_stubbed(monkeypatch, 16, 1, True)
+    attn, _grid, block, _args, smem = launches[0]
+    assert block == (256,) and attn.defines["QMLA_V3_NW"] == 8 and smem == v3_smem_bytes(fmt, warps=8)
+    assert launches[1][2] == (128,)  # the protected-only v2 launch keeps its 4 warps
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", [c for c in V2_CASES + BIG[:3] if c.fmt.content_code_bytes >= 128], ids=str)
+def test_attention_v3_eight_warps(case, monkeypatch):
+    monkeypatch.setenv(VARIANT_ENV, "v3")
+    monkeypatch.setenv("QUANTMLA_CUPY_V3_WARPS", "8")
     check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
 
 

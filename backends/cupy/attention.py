@@ -24,7 +24,8 @@ moves; bit-identical, default 0), ``QUANTMLA_CUPY_V2_PROTECTED``
 (``inline``, the default: sink/local tokens inside the split kernel; ``separate``: the split
 kernel reads packed tokens only, without the protected path, and a second small launch adds
 the sink and local tokens as more partials), ``QUANTMLA_CUPY_V3_STAGES`` (3 or 4) and
-``QUANTMLA_CUPY_V3_MINB`` / ``QUANTMLA_CUPY_V3_LAZY_RESCALE`` are tuning knobs for measurements, also read per call.
+``QUANTMLA_CUPY_V3_MINB`` / ``QUANTMLA_CUPY_V3_LAZY_RESCALE`` (default 1: measured 1-2 % faster,
+bit-identical) / ``QUANTMLA_CUPY_V3_WARPS`` (4 or 8) are tuning knobs for measurements, also read per call.
 :func:`select_variant` says which kernel a call will run, and why.
 """
 
@@ -65,7 +66,8 @@ V2_WARPS = 4
 V2_STAGES = 4  # default of QMLA_V2_STAGES (cp.async ring depth; copies run NSTAGE-1 tiles ahead)
 #: v2 split heuristic: never create splits shorter than this many tiles (256 tokens)
 V2_MIN_TILES_PER_SPLIT = 8
-#: v3 (``kernels/attention_v3.cu``): tokens per tile, warps per CTA, default copy stages
+#: v3 (``kernels/attention_v3.cu``): tokens per tile, warps per CTA (4, or 8 with ``QUANTMLA_CUPY_V3_WARPS``),
+#: default copy stages
 V3_TILE = 64
 V3_WARPS = 4
 V3_STAGES = 3
@@ -174,25 +176,29 @@ def v3_unsupported_reasons(fmt: PackFormat) -> list[str]:
     return []
 
 
-def v3_smem_bytes(fmt: PackFormat, stages: int = V3_STAGES) -> int:
+def v3_smem_bytes(fmt: PackFormat, stages: int = V3_STAGES, warps: int = V3_WARPS) -> int:
     """Dynamic shared memory of one v3 block (mirrors SMEM_TOTAL in attention_v3.cu): the staged
-    tiles, the permuted query, its sub-group sums, P * s per content group and the row maxima."""
+    tiles, the permuted query, its sub-group sums, P * s per content group, the row maxima and,
+    with 8 warps, the exchange of partial scores."""
     t, ngc = V3_TILE, fmt.content_groups
     csz = 2 if fmt.content_scale_dtype == "bfloat16" else 4
     rsz = 2 if fmt.rope_scale_dtype == "bfloat16" else 4
     stage = t * (fmt.content_code_bytes + fmt.rope_code_bytes + ngc * csz + ngc + rsz + 1)
     stage = (stage + 15) // 16 * 16
     ksteps = (fmt.latent_dim + fmt.rope_dim) // 16
-    sub_groups = fmt.latent_dim // 64 + 1
-    return stages * stage + ksteps * 512 + sub_groups * 64 + ngc * (t // 8) * 256 + V3_WARPS * 64
+    sub_groups = fmt.latent_dim // 64 + 2
+    xchg = 4 * 32 * 32 if warps == 8 else 0
+    return stages * stage + ksteps * 512 + sub_groups * 64 + ngc * (t // 8) * 256 + 4 * 64 + xchg
 
 
-def v3_defines(fmt: PackFormat, stages: int = V3_STAGES, min_blocks: int = 1, lazy_rescale: bool = False
-               ) -> dict[str, int]:
-    """``-D`` defines of ``kernels/attention_v3.cu`` (bfloat16 queries)."""
+def v3_defines(fmt: PackFormat, stages: int = V3_STAGES, min_blocks: int | None = None, lazy_rescale: bool = True,
+               warps: int = V3_WARPS) -> dict[str, int]:
+    """``-D`` defines of ``kernels/attention_v3.cu`` (bfloat16 queries). ``min_blocks`` None: 2 at
+    8 warps (at most 128 registers, so two 8-warp CTAs fit an SM), else 1."""
+    minb = (2 if warps == 8 else 1) if min_blocks is None else min_blocks
     d = attention_defines(fmt, "bfloat16")
-    d.update(QMLA_V3_STAGES=int(stages), QMLA_V3_MINB=int(min_blocks), QMLA_V3_SMEM=v3_smem_bytes(fmt, stages),
-             QMLA_V3_LAZY_RESCALE=int(lazy_rescale))
+    d.update(QMLA_V3_STAGES=int(stages), QMLA_V3_MINB=int(minb), QMLA_V3_SMEM=v3_smem_bytes(fmt, stages, warps),
+             QMLA_V3_LAZY_RESCALE=int(lazy_rescale), QMLA_V3_NW=int(warps))
     return d
 
 
@@ -440,13 +446,14 @@ def _attention_v2(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softm
                               seq_lens, seq_ids, softmax_scale, dev)
 
 
-def _v3_kernel(fmt: PackFormat, dev: int, stages: int, minb: int, lazy: bool = False):
+def _v3_kernel(fmt: PackFormat, dev: int, stages: int, minb: int | None, lazy: bool = True, warps: int = V3_WARPS):
     """Compiled ``qmla_attn_v3`` (cached) and its dynamic shared memory."""
-    key = ("v3", fmt, dev, stages, minb, lazy)
+    key = ("v3", fmt, dev, stages, minb, lazy, warps)
     fn = _FNS.get(key)
     if fn is None:
-        smem = v3_smem_bytes(fmt, stages)
-        fn = (get_kernel("attention_v3.cu", "qmla_attn_v3", v3_defines(fmt, stages, minb, lazy), dev, smem), smem)
+        smem = v3_smem_bytes(fmt, stages, warps)
+        defines = v3_defines(fmt, stages, minb, lazy, warps)
+        fn = (get_kernel("attention_v3.cu", "qmla_attn_v3", defines, dev, smem), smem)
         with _CACHE_LOCK:
             _FNS[key] = fn
     return fn
@@ -455,19 +462,22 @@ def _v3_kernel(fmt: PackFormat, dev: int, stages: int, minb: int, lazy: bool = F
 @dataclass(frozen=True)
 class V3Knobs:
     """The ``QUANTMLA_CUPY_V3_*`` tuning variables of one call (stages: copy ring depth; minb:
-    ``__launch_bounds__`` minimum blocks per SM) and v2's split floor and protected-launch knobs."""
+    ``__launch_bounds__`` minimum blocks per SM, None: the build's default; lazy: skip the output
+    rescale while no row's maximum moves; warps: 4 or 8 per CTA) and v2's split floor."""
 
     stages: int
-    minb: int
+    minb: int | None
     min_tiles: int = V2_MIN_TILES_PER_SPLIT
-    lazy: bool = False
+    lazy: bool = True
+    warps: int = V3_WARPS
 
     @staticmethod
     def from_env() -> "V3Knobs":
         return V3Knobs(_env_int("QUANTMLA_CUPY_V3_STAGES", V3_STAGES, (3, 4)),
-                       _env_int("QUANTMLA_CUPY_V3_MINB", 1, (1, 2, 3)),
+                       _env_int("QUANTMLA_CUPY_V3_MINB", 0, (1, 2, 3)) or None,
                        _env_int("QUANTMLA_CUPY_V2_MIN_TILES", V2_MIN_TILES_PER_SPLIT, (1, 2, 4, 8, 16)),
-                       bool(_env_int("QUANTMLA_CUPY_V3_LAZY_RESCALE", 0, (0, 1))))
+                       bool(_env_int("QUANTMLA_CUPY_V3_LAZY_RESCALE", 1, (0, 1))),
+                       _env_int("QUANTMLA_CUPY_V3_WARPS", V3_WARPS, (4, 8)))
 
 
 def v3_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool,
@@ -478,8 +488,11 @@ def v3_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
     plan = _PLANS.get(key)
     if plan is None:
         chunks = (rows + 15) // 16
-        attn, smem = _v3_kernel(fmt, dev, knobs.stages, knobs.minb, knobs.lazy)
-        block = (V3_WARPS * 32,)
+        if knobs.warps == 8 and fmt.content_code_bytes < 128:
+            raise ValueError(f"QUANTMLA_CUPY_V3_WARPS: 8 warps need >= 128 content code bytes per token (16 per "
+                             f"warp slice), {fmt.name} d_c={fmt.latent_dim} has {fmt.content_code_bytes}; use 4")
+        attn, smem = _v3_kernel(fmt, dev, knobs.stages, knobs.minb, knobs.lazy, knobs.warps)
+        block = (knobs.warps * 32,)
         resident = resident_ctas(attn, block[0], smem, dev, sm_count)
         splits, per = plan_splits_v2(batch, chunks, max(1, max_pages) * fmt.page_size, resident, knobs.min_tiles,
                                      V3_TILE)

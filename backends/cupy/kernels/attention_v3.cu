@@ -43,6 +43,9 @@
 #ifndef QMLA_V3_MINB
 #define QMLA_V3_MINB 1
 #endif
+#ifndef QMLA_V3_NW
+#define QMLA_V3_NW 4  // warps per CTA: 4, or 8 (two warps per 16 tokens split the QK channels)
+#endif
 #ifndef QMLA_V3_LAZY_RESCALE
 #define QMLA_V3_LAZY_RESCALE 0  // 1: skip the output rescale while no row's maximum moves (bit-identical)
 #endif
@@ -51,7 +54,8 @@
 #define DR QMLA_DR
 #define DT (QMLA_DC + QMLA_DR)
 #define T 64
-#define NW 4
+#define NW QMLA_V3_NW
+#define NH (NW / 4)           // warps per 16-token group (QK channel halves)
 #define NTH (NW * 32)
 #define CBITS QMLA_CBITS
 #define KCH (8 / CBITS)
@@ -82,6 +86,8 @@ static_assert(CB % 64 == 0 && (RB == 16 || RB == 32), "d_c 256/512 and d_r 32/64
 static_assert(QMLA_GC % 64 == 0, "a QK sub-group (64 channels) must lie inside one scale group");
 static_assert(QMLA_GC % CBW == 0, "a warp's PV channel slice must lie inside one scale group");
 static_assert(QMLA_GR == DR, "one RoPE group per token");
+static_assert(NW == 4 || NW == 8, "4 or 8 warps");
+static_assert(NSG % NH == 0 && NGC % NH == 0, "the QK sub-groups and P * s groups split between a warp pair");
 static_assert(LBP == 2 || LBP == 4 || LBP == 8, "PV lane load of 2, 4 or 8 bytes");
 static_assert(NTP * 8 * NW == DC, "PV n-tiles must cover the latent");
 static_assert(NSTAGE == 3 || NSTAGE == 4, "3 or 4 stages");
@@ -96,10 +102,11 @@ static_assert(16 * DT / 8 * 4 <= NGC * (T / 8) * 256, "query-sum partials must f
 #define SO_RZ (SO_RS + T * RSZ)        // RoPE zero [T]
 #define STAGE_BYTES ((SO_RZ + T + 15) / 16 * 16)
 #define QS_OFF (NSTAGE * STAGE_BYTES)           // query, bf16 [KS][2 k-halves][16 rows][8]
-#define SQ_OFF (QS_OFF + KS * 2 * 16 * 16)      // query sums, float [NSG + 1][16 rows]
-#define PS_OFF (SQ_OFF + (NSG + 1) * 16 * 4)    // P * s, bf16 [NGC][T / 8][16 rows][8 tokens]
-#define RED_OFF (PS_OFF + NGC * (T / 8) * 16 * 16)  // per-warp row maxima / sums, float [NW][16]
-#define SMEM_TOTAL (RED_OFF + NW * 16 * 4)
+#define SQ_OFF (QS_OFF + KS * 2 * 16 * 16)      // query sums, float [NSG + 2 RoPE slices][16 rows]
+#define PS_OFF (SQ_OFF + (NSG + 2) * 16 * 4)    // P * s, bf16 [NGC][T / 8][16 rows][8 tokens]
+#define RED_OFF (PS_OFF + NGC * (T / 8) * 16 * 16)  // per-token-group row maxima / sums, float [4][16]
+#define XS_OFF (RED_OFF + 4 * 16 * 4)           // NW = 8: the second warp's partial scores, float [4][32][8]
+#define SMEM_TOTAL (XS_OFF + (NH - 1) * 4 * 32 * 32)
 #define SEGT ((QMLA_P < T) ? QMLA_P : T)
 #define NSEG (T / SEGT)
 #define CH_C (SEGT * CB / 16)
@@ -231,6 +238,8 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V3_MINB) qmla_attn_v3(
     const int tid = threadIdx.x;
     const int w = tid >> 5, lane = tid & 31;
     const int g8 = lane >> 2, q4 = lane & 3;
+    const int tg = w & 3;                      // this warp's 16-token group of each tile
+    const int hh = (NH == 1) ? 0 : (w >> 2);  // ... and its half of the QK sub-groups and P * s groups
     const int R = S_q * H;
     const int NCHK = (R + 15) / 16;
     const int b = blockIdx.x / NCHK, chk = blockIdx.x % NCHK;
@@ -311,11 +320,11 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V3_MINB) qmla_attn_v3(
             uint4* z4 = (uint4*)smem;
             for (int k = tid; k < NSTAGE * STAGE_BYTES / 16; k += NTH) z4[k] = make_uint4(0u, 0u, 0u, 0u);
             __syncthreads();
-            for (int idx = tid; idx < (NSG + 1) * 16; idx += NTH) {
+            for (int idx = tid; idx < (NSG + 2) * 16; idx += NTH) {
                 const int sgi = idx >> 4, row = idx & 15;
-                // content sub-group (block bl, slice c): channels CB c + 64 bl + [0, 64); RoPE: all DR
-                const int ck0 = sgi < NSG ? (CB * (sgi % KCH) + 64 * (sgi / KCH)) / 8 : DC / 8;
-                const int nck = sgi < NSG ? 8 : DR / 8;
+                // content sub-group (block bl, slice c): channels CB c + 64 bl + [0, 64); RoPE slice c: RB c + [0, RB)
+                const int ck0 = sgi < NSG ? (CB * (sgi % KCH) + 64 * (sgi / KCH)) / 8 : (DC + RB * (sgi - NSG)) / 8;
+                const int nck = sgi < NSG ? 8 : RB / 8;
                 float s = 0.0f;
                 for (int k = 0; k < nck; ++k) s += part[row * NCK + ck0 + k];
                 sq[idx] = s;
@@ -401,9 +410,9 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V3_MINB) qmla_attn_v3(
         const u32 qs_lane = smem_addr(qs) + (((lane >> 3) & 1) * 16 + 8 * (lane >> 4) + (lane & 7)) * 16;
         // P * s rows: stmatrix lane address (this warp's 16 tokens) and ldmatrix lane address (k-step 0)
         const u32 ps_base = smem_addr(smem + PS_OFF);
-        const u32 ps_st = ps_base + ((2 * w + ((lane >> 3) & 1)) * 16 + 8 * (lane >> 4) + (lane & 7)) * 16;
+        const u32 ps_st = ps_base + ((2 * tg + ((lane >> 3) & 1)) * 16 + 8 * (lane >> 4) + (lane & 7)) * 16;
         const u32 ps_ld = ps_base + ((lane >> 4) * 16 + 8 * ((lane >> 3) & 1) + (lane & 7)) * 16;
-        const int tq0 = 16 * w + g8, tq1 = tq0 + 8;
+        const int tq0 = 16 * tg + g8, tq1 = tq0 + 8;
 
         int i = 0;
         for (int t0 = t_begin; t0 < t_end; t0 += T, ++i) {
@@ -411,22 +420,35 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V3_MINB) qmla_attn_v3(
 
             // -------------------------------------------------------- QK: 16 tokens x 16 rows per warp
             float S[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-            float sc0[NGC], sc1[NGC];  // this lane's two tokens' content scales (QK flush and P * s)
-            v3_token_scales(stg, tq0, sc0);
-            v3_token_scales(stg, tq1, sc1);
-            u32 zw0[(NGC + 3) / 4], zw1[(NGC + 3) / 4];  // ... and zero points, 4 per word
+            // content scales and zero points of this lane's two tokens: with 4 warps (compile-time
+            // groups) read once per tile as vectors and kept for P * s; with 8, read where used
+            float sc0[NGC], sc1[NGC];
+            u32 zw0[(NGC + 3) / 4], zw1[(NGC + 3) / 4];
+            if constexpr (NH == 1) {
+                v3_token_scales(stg, tq0, sc0);
+                v3_token_scales(stg, tq1, sc1);
 #pragma unroll
-            for (int k = 0; k < (NGC + 3) / 4; ++k) {
-                if (NGC >= 4) {
-                    zw0[k] = *(const u32*)(stg + SO_CZ + tq0 * NGC + 4 * k);
-                    zw1[k] = *(const u32*)(stg + SO_CZ + tq1 * NGC + 4 * k);
-                } else {
-                    zw0[k] = *(const u16*)(stg + SO_CZ + tq0 * NGC);
-                    zw1[k] = *(const u16*)(stg + SO_CZ + tq1 * NGC);
+                for (int k = 0; k < (NGC + 3) / 4; ++k) {
+                    if (NGC >= 4) {
+                        zw0[k] = *(const u32*)(stg + SO_CZ + tq0 * NGC + 4 * k);
+                        zw1[k] = *(const u32*)(stg + SO_CZ + tq1 * NGC + 4 * k);
+                    } else {
+                        zw0[k] = *(const u16*)(stg + SO_CZ + tq0 * NGC);
+                        zw1[k] = *(const u16*)(stg + SO_CZ + tq1 * NGC);
+                    }
                 }
             }
+            auto cscale = [&](int t, const float (&sc)[NGC], int grp) -> float {
+                if constexpr (NH == 1) return sc[grp];
+                else return v3_scale(stg, t * NGC + grp, true);
+            };
+            auto czero = [&](int t, const u32 (&zw)[(NGC + 3) / 4], int grp) -> float {
+                if constexpr (NH == 1) return v3_off_zb(zw[grp >> 2], grp & 3);
+                else return v3_off_z(stg[SO_CZ + t * NGC + grp]);
+            };
 #pragma unroll
-            for (int bl = 0; bl < NBLK; ++bl) {
+            for (int bll = 0; bll < NBLK / NH; ++bll) {
+                const int bl = hh * (NBLK / NH) + bll;
                 const uint4 v0 = *(const uint4*)(stg + v3_coff(tq0, 64 * bl + 16 * q4));
                 const uint4 v1 = *(const uint4*)(stg + v3_coff(tq1, 64 * bl + 16 * q4));
                 const u32 W0[4] = {v0.x, v0.y, v0.z, v0.w}, W1[4] = {v1.x, v1.y, v1.z, v1.w};
@@ -444,19 +466,17 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V3_MINB) qmla_attn_v3(
                         mma_bf16(tmp[0], a, b00, b01);
                         mma_bf16(tmp[1], a, b10, b11);
                     }
-                    const float s0 = sc0[grp], s1 = sc1[grp];
-                    const float c0 = s0 * v3_off_zb(zw0[grp >> 2], grp & 3);
-                    const float c1 = s1 * v3_off_zb(zw1[grp >> 2], grp & 3);
+                    const float s0 = cscale(tq0, sc0, grp), s1 = cscale(tq1, sc1, grp);
+                    const float c0 = s0 * czero(tq0, zw0, grp), c1 = s1 * czero(tq1, zw1, grp);
                     const float2 sqa = *(const float2*)(sq + sgi * 16 + 2 * q4);
                     const float2 sqb = *(const float2*)(sq + sgi * 16 + 8 + 2 * q4);
 #pragma unroll
-                    for (int nt = 0; nt < 2; ++nt) {
-                        const float2 sqn = nt ? sqb : sqa;
-                        v3_flush(S[nt], tmp[nt], s0, s1, c0, c1, sqn);
-                    }
+                    for (int nt = 0; nt < 2; ++nt) v3_flush(S[nt], tmp[nt], s0, s1, c0, c1, nt ? sqb : sqa);
                 }
             }
             {
+                // RoPE: nibble slice c (channels RB c + [0, RB)) in k-steps KSC + c NWR + e; with 8 warps
+                // each half of a pair takes one slice
                 u32 R0[NWR], R1[NWR];
 #if RLB == 8
                 const uint2 r0 = *(const uint2*)(stg + SO_R + tq0 * RB + 8 * q4);
@@ -466,9 +486,12 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V3_MINB) qmla_attn_v3(
                 R0[0] = *(const u32*)(stg + SO_R + tq0 * RB + 4 * q4);
                 R1[0] = *(const u32*)(stg + SO_R + tq1 * RB + 4 * q4);
 #endif
-                float tmp[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+                const float s0 = v3_scale(stg, tq0, false), s1 = v3_scale(stg, tq1, false);
+                const float c0 = s0 * v3_off_z(stg[SO_RZ + tq0]), c1 = s1 * v3_off_z(stg[SO_RZ + tq1]);
 #pragma unroll
-                for (int c = 0; c < 2; ++c) {
+                for (int cc = 0; cc < 2 / NH; ++cc) {
+                    const int c = hh * (2 / NH) + cc;
+                    float tmp[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
 #pragma unroll
                     for (int e = 0; e < NWR; ++e) {
                         const u32 x0 = (R0[e] >> (4 * c)) & 0x0f0f0f0fu, x1 = (R1[e] >> (4 * c)) & 0x0f0f0f0fu;
@@ -478,19 +501,26 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V3_MINB) qmla_attn_v3(
                         mma_bf16(tmp[0], a, b00, b01);
                         mma_bf16(tmp[1], a, b10, b11);
                     }
-                }
-                const float s0 = v3_scale(stg, tq0, false), s1 = v3_scale(stg, tq1, false);
-                const float c0 = s0 * v3_off_z(stg[SO_RZ + tq0]), c1 = s1 * v3_off_z(stg[SO_RZ + tq1]);
-                const float2 sqa = *(const float2*)(sq + NSG * 16 + 2 * q4);
-                const float2 sqb = *(const float2*)(sq + NSG * 16 + 8 + 2 * q4);
+                    const float2 sqa = *(const float2*)(sq + (NSG + c) * 16 + 2 * q4);
+                    const float2 sqb = *(const float2*)(sq + (NSG + c) * 16 + 8 + 2 * q4);
 #pragma unroll
-                for (int nt = 0; nt < 2; ++nt) {
-                    const float2 sqn = nt ? sqb : sqa;
-                    v3_flush(S[nt], tmp[nt], s0, s1, c0, c1, sqn);
+                    for (int nt = 0; nt < 2; ++nt) v3_flush(S[nt], tmp[nt], s0, s1, c0, c1, nt ? sqb : sqa);
                 }
             }
+            if constexpr (NH == 2) {
+                // the pair's two partial score tiles meet in shared memory; both warps add them (a + b
+                // is exact-commutative, so both hold the same scores)
+                float4* xs = (float4*)(smem + XS_OFF);
+                xs[((tg * 2 + hh) * 32 + lane) * 2] = make_float4(S[0][0], S[0][1], S[0][2], S[0][3]);
+                xs[((tg * 2 + hh) * 32 + lane) * 2 + 1] = make_float4(S[1][0], S[1][1], S[1][2], S[1][3]);
+                __syncthreads();  // barrier 0: partial scores
+                const float4 o0 = xs[((tg * 2 + (hh ^ 1)) * 32 + lane) * 2];
+                const float4 o1 = xs[((tg * 2 + (hh ^ 1)) * 32 + lane) * 2 + 1];
+                S[0][0] += o0.x; S[0][1] += o0.y; S[0][2] += o0.z; S[0][3] += o0.w;
+                S[1][0] += o1.x; S[1][1] += o1.y; S[1][2] += o1.z; S[1][3] += o1.w;
+            }
 
-            // -------------------------------------------------------- mask, per-warp row maxima
+            // -------------------------------------------------------- mask, per-token-group row maxima
             const int n0 = t0 + tq0, n1 = t0 + tq1;
             float mx[4];
 #pragma unroll
@@ -509,17 +539,17 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V3_MINB) qmla_attn_v3(
 #pragma unroll
                 for (int k = 0; k < 4; ++k) mx[k] = fmaxf(mx[k], __shfl_xor_sync(0xffffffffu, mx[k], o));
             }
-            if (g8 == 0) {
-                *(float2*)(red + w * 16 + 2 * q4) = make_float2(mx[0], mx[1]);
-                *(float2*)(red + w * 16 + 8 + 2 * q4) = make_float2(mx[2], mx[3]);
+            if (g8 == 0 && hh == 0) {
+                *(float2*)(red + tg * 16 + 2 * q4) = make_float2(mx[0], mx[1]);
+                *(float2*)(red + tg * 16 + 8 + 2 * q4) = make_float2(mx[2], mx[3]);
             }
-            __syncthreads();  // barrier 1: row maxima of all warps
+            __syncthreads();  // barrier 1: row maxima of all token groups
 
             // -------------------------------------------------------- online softmax (every warp the same maxima)
             const int rr = lane & 15;
             float mt = m_run;
 #pragma unroll
-            for (int ww = 0; ww < NW; ++ww) mt = fmaxf(mt, red[ww * 16 + rr]);
+            for (int ww = 0; ww < 4; ++ww) mt = fmaxf(mt, red[ww * 16 + rr]);
             const float u = (mt == -QMLA_INF) ? 0.0f : mt;
             const float alpha = exp2f(m_run - u);
             m_run = mt;
@@ -541,10 +571,11 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V3_MINB) qmla_attn_v3(
                 const int nt = k >> 1, c = k & 1;
                 lq[k] = lq[k] * aq[k] + S[nt][c] + S[nt][c + 2];
             }
-            // P * s per content group, stored transposed for the PV A operand
+            // P * s per content group (this warp's half of them), stored transposed for the PV A operand
 #pragma unroll
-            for (int grp = 0; grp < NGC; ++grp) {
-                const float s0 = sc0[grp], s1 = sc1[grp];
+            for (int gl = 0; gl < NGC / NH; ++gl) {
+                const int grp = hh * (NGC / NH) + gl;
+                const float s0 = cscale(tq0, sc0, grp), s1 = cscale(tq1, sc1, grp);
                 v3_store_ps(ps_st + grp * (T / 8) * 256, pack_bf16x2(S[0][0] * s0, S[0][1] * s0),
                             pack_bf16x2(S[0][2] * s1, S[0][3] * s1), pack_bf16x2(S[1][0] * s0, S[1][1] * s0),
                             pack_bf16x2(S[1][2] * s1, S[1][3] * s1), lane);
@@ -623,15 +654,15 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V3_MINB) qmla_attn_v3(
         for (int k = 0; k < 4; ++k) lq[k] += __shfl_xor_sync(0xffffffffu, lq[k], o);
     }
     __syncthreads();  // every warp is past its last read of red[]
-    if (g8 == 0) {
-        *(float2*)(red + w * 16 + 2 * q4) = make_float2(lq[0], lq[1]);
-        *(float2*)(red + w * 16 + 8 + 2 * q4) = make_float2(lq[2], lq[3]);
+    if (g8 == 0 && hh == 0) {  // both warps of a pair hold the same sums
+        *(float2*)(red + tg * 16 + 2 * q4) = make_float2(lq[0], lq[1]);
+        *(float2*)(red + tg * 16 + 8 + 2 * q4) = make_float2(lq[2], lq[3]);
     }
     __syncthreads();
     if (w == 0 && lane < 16 && rbase + lane < R) {
         float l = 0.0f;
 #pragma unroll
-        for (int ww = 0; ww < NW; ++ww) l += red[ww * 16 + lane];
+        for (int ww = 0; ww < 4; ++ww) l += red[ww * 16 + lane];
         ml_part[((i64)b * R + rbase + lane) * num_splits + split] = make_float2(m_run, l);
     }
 #pragma unroll
