@@ -187,7 +187,7 @@ def v3_smem_bytes(fmt: PackFormat, stages: int = V3_STAGES, warps: int = V3_WARP
     stage = (stage + 15) // 16 * 16
     ksteps = (fmt.latent_dim + fmt.rope_dim) // 16
     sub_groups = fmt.latent_dim // 64 + 2
-    xchg = 4 * 32 * 32 if warps == 8 else 0
+    xchg = 4 * 2 * 32 * 32 if warps == 8 else 0  # [token group][pair half][lane][8 floats]
     return stages * stage + ksteps * 512 + sub_groups * 64 + ngc * (t // 8) * 256 + 4 * 64 + xchg
 
 

@@ -105,8 +105,8 @@ static_assert(16 * DT / 8 * 4 <= NGC * (T / 8) * 256, "query-sum partials must f
 #define SQ_OFF (QS_OFF + KS * 2 * 16 * 16)      // query sums, float [NSG + 2 RoPE slices][16 rows]
 #define PS_OFF (SQ_OFF + (NSG + 2) * 16 * 4)    // P * s, bf16 [NGC][T / 8][16 rows][8 tokens]
 #define RED_OFF (PS_OFF + NGC * (T / 8) * 16 * 16)  // per-token-group row maxima / sums, float [4][16]
-#define XS_OFF (RED_OFF + 4 * 16 * 4)           // NW = 8: the second warp's partial scores, float [4][32][8]
-#define SMEM_TOTAL (XS_OFF + (NH - 1) * 4 * 32 * 32)
+#define XS_OFF (RED_OFF + 4 * 16 * 4)           // NW = 8: both warps' partial scores, float [4][2][32][8]
+#define SMEM_TOTAL (XS_OFF + (NH - 1) * 4 * 2 * 32 * 32)
 #define SEGT ((QMLA_P < T) ? QMLA_P : T)
 #define NSEG (T / SEGT)
 #define CH_C (SEGT * CB / 16)
