@@ -32,9 +32,9 @@
 //    A = P * s of the slice's group by ldmatrix.x4; B = bf16x2 (128 + code) of two tokens from
 //    one prmt of their code words plus a shift and a lop3 per register. The offset and the zero
 //    point come out through one more MMA per (k-step, slice) with B = (128 + z) of the k-step's
-//    tokens, whose product is subtracted from the slice's channels at the end of the split (it
-//    uses the same bf16 A operand, so the subtraction is exact up to fp32 accumulation).
-// tests/test_cupy_fragments.py holds a NumPy model of these mappings.
+//    tokens, whose product is subtracted from the slice's channels at the end of every tile (it
+//    uses the same bf16 A operand; per tile, because the tensor cores' fp32 accumulation rounds
+//    toward zero and the offset makes the accumulated values ~100x the result for 2-bit codes).
 #include "common.cuh"
 
 #ifndef QMLA_V3_STAGES
@@ -598,13 +598,6 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V3_MINB) qmla_attn_v3(
                     acc[nt][2] *= al1;
                     acc[nt][3] *= al1;
                 }
-#pragma unroll
-                for (int c = 0; c < KCH; ++c) {
-                    corr[c][0] *= al0;
-                    corr[c][1] *= al0;
-                    corr[c][2] *= al1;
-                    corr[c][3] *= al1;
-                }
             }
 #pragma unroll
             for (int kt = 0; kt < T / 16; ++kt) {
@@ -644,6 +637,20 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V3_MINB) qmla_attn_v3(
                     }
                 }
             }
+            // Take the offsets and zero points out once per tile: the tensor cores accumulate
+            // (128 + code) products, ~100x the result for 2-bit codes, and round toward zero at
+            // every MMA, so over a whole split the error would grow with the split's length.
+#pragma unroll
+            for (int c = 0; c < KCH; ++c) {
+#pragma unroll
+                for (int j = 0; j < LBP; ++j) {
+                    acc[c * LBP + j][0] -= corr[c][0];
+                    acc[c * LBP + j][1] -= corr[c][0];
+                    acc[c * LBP + j][2] -= corr[c][2];
+                    acc[c * LBP + j][3] -= corr[c][2];
+                }
+                corr[c][0] = corr[c][1] = corr[c][2] = corr[c][3] = 0.0f;
+            }
         }
     }
 
@@ -672,12 +679,11 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V3_MINB) qmla_attn_v3(
             float* dst = o_part + (((i64)b * R + r) * num_splits + split) * DC;
 #pragma unroll
             for (int c = 0; c < KCH; ++c) {
-                const float cz = corr[c][2 * h];
 #pragma unroll
                 for (int j = 0; j < LBP; ++j) {
                     const int ch = CBW * w + LBP * (2 * q4) + j + CB * c;
-                    dst[ch] = acc[c * LBP + j][2 * h] - cz;
-                    dst[ch + LBP] = acc[c * LBP + j][2 * h + 1] - cz;
+                    dst[ch] = acc[c * LBP + j][2 * h];
+                    dst[ch + LBP] = acc[c * LBP + j][2 * h + 1];
                 }
             }
         }
