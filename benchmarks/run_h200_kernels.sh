@@ -6,6 +6,7 @@
 #   bash benchmarks/run_h200_kernels.sh profile  # Nsight Compute: what limits the v2 kernels (C4R4 H=16 B=32 L=32K)
 #   bash benchmarks/run_h200_kernels.sh sweep    # CuPy v2 knobs (registers/CTAs per SM, copy stages, row groups)
 #   bash benchmarks/run_h200_kernels.sh writer   # writers on a 128K prompt: Triton (tokens/program x warps), CuPy, ncu
+#   bash benchmarks/run_h200_kernels.sh v3       # CuPy v3: conformance (4 and 8 warps), sanitizers, v2 vs v3 graphed
 # Results land in $OUT.
 set -u
 MODE=${1:-check}
@@ -31,6 +32,12 @@ if [ "$MODE" = check ]; then
     -k "attention_v2_matches_reference and float32-]" 2>&1 | tail -3
   echo "=== cupy v2 racecheck"; timeout 60 compute-sanitizer --tool racecheck $T tests/test_cupy_backend.py -x -k "v2_matches and (L17_31_100 or L900_16)" 2>&1 | tail -4
   echo "=== cupy v2 memcheck"; timeout 60 compute-sanitizer --tool memcheck $T tests/test_cupy_backend.py -x -k "v2_matches and (L17_31_100 or L40_33)" 2>&1 | tail -4
+elif [ "$MODE" = v3 ]; then
+  echo "=== cupy v3 conformance"; timeout 120 $T tests/test_cupy_v3.py -k "v3_matches or eight_warps or four_stages" 2>&1 | tail -3 | tee "$OUT/cupy_v3.txt"
+  echo "=== cupy v3 racecheck"; timeout 90 compute-sanitizer --tool racecheck $T tests/test_cupy_v3.py -k "v3_matches and (L17_31_100 or L900_16)" 2>&1 | tail -2
+  echo "=== cupy v3 memcheck"; timeout 90 compute-sanitizer --tool memcheck $T tests/test_cupy_v3.py -k "v3_matches and (L17_31_100 or L40_33)" 2>&1 | tail -2
+  echo "=== v2 vs v3 (CUDA graphs)"; timeout 200 python3 -P benchmarks/graph_probe.py --backends cupy --sweep QUANTMLA_CUPY_ATTENTION=v2,v3 \
+    --shapes 16x8x4096,16x32x32768,16x128x32768,128x32x32768 --formats C4R4,C2R4 --json "$OUT/graph_v2_v3.json" 2>&1 | grep -v "^{" | tail -16
 elif [ "$MODE" = check_triton ]; then
   echo "=== triton v2 conformance"; timeout 560 $T tests/test_triton_backend.py -x -k "v2 or variant" 2>&1 | tail -6 | tee "$OUT/triton_v2.txt"
 elif [ "$MODE" = writer ]; then
