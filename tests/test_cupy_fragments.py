@@ -526,18 +526,18 @@ def test_model_matches_kernel_source():
     kernel's fragment mapping cannot pass here without updating the model."""
     from quantmla_core.backends.cupy import KERNEL_DIR
 
-    src = " ".join((KERNEL_DIR / "attention_v2.cu").read_text().split())
+    src = " ".join(((KERNEL_DIR / "attention_v2.cu").read_text() + (KERNEL_DIR / "stage.cuh").read_text()).split())
     for expr in (
         "return ((t & 1) << 2) ^ (t & 6);",  # swizzle, >= 8 chunks per token
         "return (t >> 1) & 3;",  # swizzle, 4 chunks per token
-        "return t * CB + ((((off >> 4) ^ v2_swz(t))) << 4) + (off & 15);",
+        "return t * CB + ((((off >> 4) ^ qmla_swz(t))) << 4) + (off & 15);",
         "const int ch = CBW * wc + LB * q4 + 4 * e + CB * c;",  # QK query k order
-        "v2_coff(tq, CBW * wc + LB * q4)",  # QK lane load
+        "qmla_coff(tq, CBW * wc + LB * q4)",  # QK lane load
         "const int ch = 8 * wc + 2 * q4;",  # RoPE query k order
         "b0 = v2_cvt_lo(x & 0x0f0fu, negz2); b1 = v2_cvt_lo((x >> 4) & 0x0f0fu, negz2);",
         "const u32 cv = (W[e] >> (CBITS * c)) & CMASK;",
         "const int tk[4] = {ta, ta + 1, ta + 8, ta + 9};",
-        "v2_coff(tk[k], CBW * wc + LBP * g8)",  # PV lane load
+        "qmla_coff(tk[k], CBW * wc + LBP * g8)",  # PV lane load
         "const int ch = CBW * wc + LBP * g8 + 4 * wd + CB * c;",
         "const u32 sel = (p & 1) ? 0x7632u : 0x5410u;",
         "mma_bf16(acc[(c * NPW + wd) * PB + p], a, b0, b1);",
@@ -550,10 +550,10 @@ def test_model_matches_kernel_source():
         "if (!FLAGS) return s;",
         "v2_cscale<PROT>(stg_c, tc, grp)",
         "const int t = t0s + r / NCT, u = r % NCT;",
-        "cp_async16(base + t * CB + ((u ^ v2_swz(t)) << 4), page + QMLA_OFF_CC + slot0 * CB + 16 * r);",
+        "cp_async16(base + t * CB + ((u ^ qmla_swz(t)) << 4), page + QMLA_OFF_CC + slot0 * CB + 16 * r);",
         "bytes = min(max((L - n0) * (NGC * CSZ) - 16 * r, 0), 16);",
         "bytes = min(max((L - n0) * RSZ - 16 * r, 0), 16);",
         "cp_async16_zfill(dst, src, bytes);",
         "base[SO_FL + tid] = (u8)(n >= L ? 2 : (prot_row(n) != nullptr ? 1 : 0));",
     ):
-        assert expr in src, f"attention_v2.cu no longer contains: {expr}"
+        assert expr in src, f"attention_v2.cu / stage.cuh no longer contain: {expr}"

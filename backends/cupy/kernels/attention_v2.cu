@@ -188,29 +188,12 @@ static_assert(SMEM_TOTAL == QMLA_V2_SMEM, "launcher's v2_smem_bytes() disagrees 
 #endif
 static_assert(SMEM_TOTAL <= 227 * 1024, "shared memory per block");
 
-// 16-byte chunk swizzle inside one token's content code row (see the design note).
-__device__ __forceinline__ int v2_swz(int t) {
-#if NCT >= 8
-    return ((t & 1) << 2) ^ (t & 6);
-#else
-    return (t >> 1) & 3;
-#endif
-}
-
-// byte offset of code byte `off` of token t in a stage's content area
-__device__ __forceinline__ int v2_coff(int t, int off) {
-    return t * CB + ((((off >> 4) ^ v2_swz(t))) << 4) + (off & 15);
-}
+#include "stage.cuh"
 
 template <bool B>
 struct BoolC {
     static constexpr bool value = B;
 };
-
-template <int N>
-__device__ __forceinline__ void v2_wait_group() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
 
 // per-(token, group) scale from the staged raw bytes. FLAGS (tiles with protected tokens): selected
 // by the token flag, so whatever bytes a protected or missing token has -- even NaN patterns --
@@ -368,71 +351,13 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V2_MINB) qmla_attn_v2(
         // ------------------------------------------------------------ staging
         // page ids of the NSEG page segments of tile tt (-1: none), loaded a tile ahead of use
         auto load_pages = [&](int tt, int (&pgs)[NSEG]) {
-#pragma unroll
-            for (int sg = 0; sg < NSEG; ++sg) {
-                const int n0 = tt + sg * SEGT;
-                int pg = -1;
-                if (n0 < L && n0 / QMLA_P < max_pages) {
-                    pg = block_table[(i64)b * bt_stride + n0 / QMLA_P];
-                    if (pg >= num_pages) pg = -1;
-                }
-                pgs[sg] = pg;
-            }
+            qmla_load_pages(tt, pgs, block_table + (i64)b * bt_stride, L, max_pages, num_pages);
         };
-        // Tile tt -> stage st: cp.async of every raw page section of the tile, by page segment
-        // (16-byte chunks; a segment whose page is missing or past L is skipped and its stale
-        // bytes are neutralized by the flags), and the token flags by plain stores.
+        // Tile tt -> stage st (stage.cuh; stale bytes of a skipped segment are neutralized by the
+        // flags), and the token flags by plain stores.
         auto issue_copy = [&](int tt, int st, const int (&pgs)[NSEG]) {
             u8* base = smem + st * STAGE_BYTES;
-#pragma unroll
-            for (int sg = 0; sg < NSEG; ++sg) {
-                const int pg = pgs[sg];  // the same in every thread: a uniform branch
-                if (pg >= 0) {
-                    const int n0 = tt + sg * SEGT;  // first token of the segment
-                    const int t0s = sg * SEGT;      // ... and its row in the stage
-                    const u8* page = pages + (i64)pg * QMLA_PAGE_BYTES;
-                    const int slot0 = n0 % QMLA_P;
-                    // content codes: NCT chunks per token, a whole number per thread (shifts only)
-#pragma unroll
-                    for (int k = 0; k < (CH_C + NTH - 1) / NTH; ++k) {
-                        const int r = tid + k * NTH;
-                        if (CH_C % NTH == 0 || r < CH_C) {
-                            const int t = t0s + r / NCT, u = r % NCT;
-                            cp_async16(base + t * CB + ((u ^ v2_swz(t)) << 4), page + QMLA_OFF_CC + slot0 * CB + 16 * r);
-                        }
-                    }
-                    // the small sections (RoPE codes, scales, zero points): one chunk per thread
-#pragma unroll
-                    for (int k = 0; k < (CH_SMALL + NTH - 1) / NTH; ++k) {
-                        int r = tid + k * NTH;
-                        if (r < CH_SMALL) {
-                            u8* dst;
-                            const u8* src = page;
-                            int bytes = 16;  // copied; the rest of the chunk is zero-filled
-                            if (r < CH_R) {
-                                dst = base + SO_R + t0s * RB + 16 * r;
-                                src += QMLA_OFF_RC + slot0 * RB + 16 * r;
-                            } else if ((r -= CH_R) < CH_CS) {
-                                dst = base + SO_CS + t0s * NGC * CSZ + 16 * r;
-                                src += QMLA_OFF_CS + slot0 * NGC * CSZ + 16 * r;
-                                bytes = min(max((L - n0) * (NGC * CSZ) - 16 * r, 0), 16);  // scales past L read 0
-                            } else if ((r -= CH_CS) < CH_CZ) {
-                                dst = base + SO_CZ + t0s * NGC + 16 * r;
-                                src += QMLA_OFF_CZ + slot0 * NGC + 16 * r;
-                            } else if ((r -= CH_CZ) < CH_RS) {
-                                dst = base + SO_RS + t0s * RSZ + 16 * r;
-                                src += QMLA_OFF_RS + slot0 * RSZ + 16 * r;
-                                bytes = min(max((L - n0) * RSZ - 16 * r, 0), 16);
-                            } else {
-                                r -= CH_RS;
-                                dst = base + SO_RZ + t0s + 16 * r;
-                                src += QMLA_OFF_RZ + slot0 + 16 * r;
-                            }
-                            cp_async16_zfill(dst, src, bytes);
-                        }
-                    }
-                }
-            }
+            qmla_issue_stage(base, pages, pgs, tt, L, tid);
             if (tid < T) {
                 const int n = tt + tid;
                 base[SO_FL + tid] = (u8)(n >= L ? 2 : (prot_row(n) != nullptr ? 1 : 0));
@@ -462,7 +387,7 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V2_MINB) qmla_attn_v2(
             cp_async_commit();
         }
         load_pages(t_begin + (NSTAGE - 1) * T, pg_next);
-        v2_wait_group<NSTAGE - 2>();  // this thread's copies of tile 0 landed
+        qmla_wait_group<NSTAGE - 2>();  // this thread's copies of tile 0 landed
         __syncthreads();
 
         int i = 0;
@@ -491,16 +416,16 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V2_MINB) qmla_attn_v2(
                     u32 W[NE];
 #if LB == 16
                     {
-                        const uint4 v = *(const uint4*)(stg_c + v2_coff(tq, CBW * wc + LB * q4));
+                        const uint4 v = *(const uint4*)(stg_c + qmla_coff(tq, CBW * wc + LB * q4));
                         W[0] = v.x; W[1] = v.y; W[2] = v.z; W[3] = v.w;
                     }
 #elif LB == 8
                     {
-                        const uint2 v = *(const uint2*)(stg_c + v2_coff(tq, CBW * wc + LB * q4));
+                        const uint2 v = *(const uint2*)(stg_c + qmla_coff(tq, CBW * wc + LB * q4));
                         W[0] = v.x; W[1] = v.y;
                     }
 #else
-                    W[0] = *(const u32*)(stg_c + v2_coff(tq, CBW * wc + LB * q4));
+                    W[0] = *(const u32*)(stg_c + qmla_coff(tq, CBW * wc + LB * q4));
 #endif
                     float S4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                     const int tc = 8 * j + 2 * q4;  // C-fragment tokens tc, tc + 1
@@ -554,7 +479,7 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V2_MINB) qmla_attn_v2(
             };
             if (pure) qk_tile(BoolC<false>()); else qk_tile(BoolC<true>());
 
-            v2_wait_group<NSTAGE - 3>();  // this thread's copies of tile i+1 landed
+            qmla_wait_group<NSTAGE - 3>();  // this thread's copies of tile i+1 landed
             __syncthreads();              // the only block barrier of the tile
             // refill the stage tile i-1 used (every warp is past its PV of tile i-1 now)
             if (t0 + (NSTAGE - 1) * T < t_end) {
@@ -591,7 +516,7 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V2_MINB) qmla_attn_v2(
 #pragma unroll
                     for (int k = 0; k < 4; ++k) {
                         prow[k] = PROT ? prot_src(t0 + tk[k]) : nullptr;
-                        const u8* src = stg_c + v2_coff(tk[k], CBW * wc + LBP * g8);
+                        const u8* src = stg_c + qmla_coff(tk[k], CBW * wc + LBP * g8);
 #if LBP == 8
                         const uint2 v = *(const uint2*)src;
                         Wp[k][0] = v.x;

@@ -125,24 +125,7 @@ static_assert(SMEM_TOTAL == QMLA_V3_SMEM, "launcher's v3_smem_bytes() disagrees 
 #endif
 static_assert(SMEM_TOTAL <= 227 * 1024, "shared memory per block");
 
-// 16-byte chunk swizzle of a content code row: conflict-free for both read patterns (QK: tokens
-// t, t+1 side by side; PV: tokens 2q of four lanes), the same function as v2's.
-__device__ __forceinline__ int v3_swz(int t) {
-#if NCT >= 8
-    return ((t & 1) << 2) ^ (t & 6);
-#else
-    return (t >> 1) & 3;
-#endif
-}
-
-__device__ __forceinline__ int v3_coff(int t, int off) {
-    return t * CB + ((((off >> 4) ^ v3_swz(t))) << 4) + (off & 15);
-}
-
-template <int N>
-__device__ __forceinline__ void v3_wait_group() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
+#include "stage.cuh"
 
 // Codes of slice c (bits [CBITS c, CBITS c + CBITS) of every byte) of x, one per byte
 __device__ __forceinline__ u32 v3_slice(u32 x, int c) { return (x >> (CBITS * c)) & CMASK4; }
@@ -333,66 +316,10 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V3_MINB) qmla_attn_v3(
 
         // ------------------------------------------------------------ staging (as v2, without token flags)
         auto load_pages = [&](int tt, int (&pgs)[NSEG]) {
-#pragma unroll
-            for (int sg = 0; sg < NSEG; ++sg) {
-                const int n0 = tt + sg * SEGT;
-                int pg = -1;
-                if (n0 < L && n0 / QMLA_P < max_pages) {
-                    pg = block_table[(i64)b * bt_stride + n0 / QMLA_P];
-                    if (pg >= num_pages) pg = -1;
-                }
-                pgs[sg] = pg;
-            }
+            qmla_load_pages(tt, pgs, block_table + (i64)b * bt_stride, L, max_pages, num_pages);
         };
         auto issue_copy = [&](int tt, int st, const int (&pgs)[NSEG]) {
-            u8* base = smem + st * STAGE_BYTES;
-#pragma unroll
-            for (int sg = 0; sg < NSEG; ++sg) {
-                const int pg = pgs[sg];
-                if (pg >= 0) {
-                    const int n0 = tt + sg * SEGT;
-                    const int t0s = sg * SEGT;
-                    const u8* page = pages + (i64)pg * QMLA_PAGE_BYTES;
-                    const int slot0 = n0 % QMLA_P;
-#pragma unroll
-                    for (int k = 0; k < (CH_C + NTH - 1) / NTH; ++k) {
-                        const int r = tid + k * NTH;
-                        if (CH_C % NTH == 0 || r < CH_C) {
-                            const int t = t0s + r / NCT, u = r % NCT;
-                            cp_async16(base + t * CB + ((u ^ v3_swz(t)) << 4), page + QMLA_OFF_CC + slot0 * CB + 16 * r);
-                        }
-                    }
-#pragma unroll
-                    for (int k = 0; k < (CH_SMALL + NTH - 1) / NTH; ++k) {
-                        int r = tid + k * NTH;
-                        if (r < CH_SMALL) {
-                            u8* dst;
-                            const u8* src = page;
-                            int bytes = 16;
-                            if (r < CH_R) {
-                                dst = base + SO_R + t0s * RB + 16 * r;
-                                src += QMLA_OFF_RC + slot0 * RB + 16 * r;
-                            } else if ((r -= CH_R) < CH_CS) {
-                                dst = base + SO_CS + t0s * NGC * CSZ + 16 * r;
-                                src += QMLA_OFF_CS + slot0 * NGC * CSZ + 16 * r;
-                                bytes = min(max((L - n0) * (NGC * CSZ) - 16 * r, 0), 16);  // scales past L read 0
-                            } else if ((r -= CH_CS) < CH_CZ) {
-                                dst = base + SO_CZ + t0s * NGC + 16 * r;
-                                src += QMLA_OFF_CZ + slot0 * NGC + 16 * r;
-                            } else if ((r -= CH_CZ) < CH_RS) {
-                                dst = base + SO_RS + t0s * RSZ + 16 * r;
-                                src += QMLA_OFF_RS + slot0 * RSZ + 16 * r;
-                                bytes = min(max((L - n0) * RSZ - 16 * r, 0), 16);
-                            } else {
-                                r -= CH_RS;
-                                dst = base + SO_RZ + t0s + 16 * r;
-                                src += QMLA_OFF_RZ + slot0 + 16 * r;
-                            }
-                            cp_async16_zfill(dst, src, bytes);
-                        }
-                    }
-                }
-            }
+            qmla_issue_stage(smem + st * STAGE_BYTES, pages, pgs, tt, L, tid);
         };
 
         __syncthreads();  // query sums visible, partials consumed (P * s reuses their space)
@@ -404,7 +331,7 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V3_MINB) qmla_attn_v3(
             cp_async_commit();
         }
         load_pages(t_begin + (NSTAGE - 1) * T, pg_next);
-        v3_wait_group<NSTAGE - 2>();
+        qmla_wait_group<NSTAGE - 2>();
         __syncthreads();
 
         const u32 qs_lane = smem_addr(qs) + (((lane >> 3) & 1) * 16 + 8 * (lane >> 4) + (lane & 7)) * 16;
@@ -449,8 +376,8 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V3_MINB) qmla_attn_v3(
 #pragma unroll
             for (int bll = 0; bll < NBLK / NH; ++bll) {
                 const int bl = hh * (NBLK / NH) + bll;
-                const uint4 v0 = *(const uint4*)(stg + v3_coff(tq0, 64 * bl + 16 * q4));
-                const uint4 v1 = *(const uint4*)(stg + v3_coff(tq1, 64 * bl + 16 * q4));
+                const uint4 v0 = *(const uint4*)(stg + qmla_coff(tq0, 64 * bl + 16 * q4));
+                const uint4 v1 = *(const uint4*)(stg + qmla_coff(tq1, 64 * bl + 16 * q4));
                 const u32 W0[4] = {v0.x, v0.y, v0.z, v0.w}, W1[4] = {v1.x, v1.y, v1.z, v1.w};
 #pragma unroll
                 for (int c = 0; c < KCH; ++c) {
@@ -581,7 +508,7 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V3_MINB) qmla_attn_v3(
                             pack_bf16x2(S[1][2] * s1, S[1][3] * s1), lane);
             }
 
-            v3_wait_group<NSTAGE - 3>();  // this thread's copies of tile i+1 landed
+            qmla_wait_group<NSTAGE - 3>();  // this thread's copies of tile i+1 landed
             __syncthreads();              // barrier 2: P * s and the next staged tile visible
             if (t0 + (NSTAGE - 1) * T < t_end) {
                 issue_copy(t0 + (NSTAGE - 1) * T, (i + NSTAGE - 1) % NSTAGE, pg_next);
@@ -606,7 +533,7 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V3_MINB) qmla_attn_v3(
                 u32 Wp[4][(LBP + 3) / 4];
 #pragma unroll
                 for (int k = 0; k < 4; ++k) {
-                    const u8* src = stg + v3_coff(tk[k], CBW * w + LBP * g8);
+                    const u8* src = stg + qmla_coff(tk[k], CBW * w + LBP * g8);
 #if LBP == 8
                     const uint2 v = *(const uint2*)src;
                     Wp[k][0] = v.x;

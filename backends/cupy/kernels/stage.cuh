@@ -1,0 +1,103 @@
+// QuantMLA CuPy backend: staging of a tile's raw page sections, shared by attention_v2.cu and
+// attention_v3.cu.
+//
+// Included after the kernel has defined its tile and stage layout: T (tokens per tile), NTH
+// (threads per CTA), CB/RB (content/RoPE code bytes per token), NCT (16-byte chunks of a content
+// code row), NGC, CSZ, RSZ, the stage offsets SO_R, SO_CS, SO_CZ, SO_RS, SO_RZ, the page segment
+// SEGT/NSEG and the chunk counts CH_C, CH_R, CH_CS, CH_CZ, CH_RS, CH_SMALL.
+//
+// A stage holds a tile token-major like the page, content code rows chunk-swizzled per token.
+#pragma once
+
+// 16-byte chunk swizzle of a content code row: with >= 8 chunks per token, tokens t and t + 1
+// land in different 64-byte halves of a bank window and tokens 2q of four lanes in different
+// 32-byte quarters, so the kernels' fragment reads are conflict-free
+__device__ __forceinline__ int qmla_swz(int t) {
+#if NCT >= 8
+    return ((t & 1) << 2) ^ (t & 6);
+#else
+    return (t >> 1) & 3;
+#endif
+}
+
+// byte offset of code byte `off` of token t in a stage's content area
+__device__ __forceinline__ int qmla_coff(int t, int off) {
+    return t * CB + ((((off >> 4) ^ qmla_swz(t))) << 4) + (off & 15);
+}
+
+template <int N>
+__device__ __forceinline__ void qmla_wait_group() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Page ids of the NSEG page segments of tile tt (-1: none: past L, past the table, or a page id
+// past the pool). bt_row: the request's row of the block table.
+__device__ __forceinline__ void qmla_load_pages(int tt, int (&pgs)[NSEG], const int* __restrict__ bt_row, int L,
+                                                int max_pages, int num_pages) {
+#pragma unroll
+    for (int sg = 0; sg < NSEG; ++sg) {
+        const int n0 = tt + sg * SEGT;
+        int pg = -1;
+        if (n0 < L && n0 / QMLA_P < max_pages) {
+            pg = bt_row[n0 / QMLA_P];
+            if (pg >= num_pages) pg = -1;
+        }
+        pgs[sg] = pg;
+    }
+}
+
+// Tile tt -> stage `base`: cp.async of every raw page section of the tile, by page segment, in
+// 16-byte chunks. A segment whose page is missing is skipped (the caller keeps its stale bytes
+// harmless); the scales of tokens past L are zero-filled.
+__device__ __forceinline__ void qmla_issue_stage(u8* base, const u8* __restrict__ pages, const int (&pgs)[NSEG],
+                                                 int tt, int L, int tid) {
+#pragma unroll
+    for (int sg = 0; sg < NSEG; ++sg) {
+        const int pg = pgs[sg];  // the same in every thread: a uniform branch
+        if (pg >= 0) {
+            const int n0 = tt + sg * SEGT;  // first token of the segment
+            const int t0s = sg * SEGT;      // ... and its row in the stage
+            const u8* page = pages + (i64)pg * QMLA_PAGE_BYTES;
+            const int slot0 = n0 % QMLA_P;
+            // content codes: NCT chunks per token, a whole number per thread (shifts only)
+#pragma unroll
+            for (int k = 0; k < (CH_C + NTH - 1) / NTH; ++k) {
+                const int r = tid + k * NTH;
+                if (CH_C % NTH == 0 || r < CH_C) {
+                    const int t = t0s + r / NCT, u = r % NCT;
+                    cp_async16(base + t * CB + ((u ^ qmla_swz(t)) << 4), page + QMLA_OFF_CC + slot0 * CB + 16 * r);
+                }
+            }
+            // the small sections (RoPE codes, scales, zero points): one chunk per thread
+#pragma unroll
+            for (int k = 0; k < (CH_SMALL + NTH - 1) / NTH; ++k) {
+                int r = tid + k * NTH;
+                if (r < CH_SMALL) {
+                    u8* dst;
+                    const u8* src = page;
+                    int bytes = 16;  // copied; the rest of the chunk is zero-filled
+                    if (r < CH_R) {
+                        dst = base + SO_R + t0s * RB + 16 * r;
+                        src += QMLA_OFF_RC + slot0 * RB + 16 * r;
+                    } else if ((r -= CH_R) < CH_CS) {
+                        dst = base + SO_CS + t0s * NGC * CSZ + 16 * r;
+                        src += QMLA_OFF_CS + slot0 * NGC * CSZ + 16 * r;
+                        bytes = min(max((L - n0) * (NGC * CSZ) - 16 * r, 0), 16);  // scales past L read 0
+                    } else if ((r -= CH_CS) < CH_CZ) {
+                        dst = base + SO_CZ + t0s * NGC + 16 * r;
+                        src += QMLA_OFF_CZ + slot0 * NGC + 16 * r;
+                    } else if ((r -= CH_CZ) < CH_RS) {
+                        dst = base + SO_RS + t0s * RSZ + 16 * r;
+                        src += QMLA_OFF_RS + slot0 * RSZ + 16 * r;
+                        bytes = min(max((L - n0) * RSZ - 16 * r, 0), 16);
+                    } else {
+                        r -= CH_RS;
+                        dst = base + SO_RZ + t0s + 16 * r;
+                        src += QMLA_OFF_RZ + slot0 + 16 * r;
+                    }
+                    cp_async16_zfill(dst, src, bytes);
+                }
+            }
+        }
+    }
+}
