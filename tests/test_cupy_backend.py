@@ -489,18 +489,20 @@ def _kernel_params(source: str, kernel: str) -> list[str]:
     return [" ".join(p.split()) for p in m.group(1).split(",")]
 
 
-def _run_v2_stubbed(monkeypatch, h: int, s_q: int, prot: bool, env: dict[str, str]):
-    """One v2 attention call on the CPU with compilation and launches stubbed. Returns the
-    launches (kernel, grid, block, args, shared bytes), the kernels asked for, the format and B."""
+def _run_v2_stubbed(monkeypatch, h: int, s_q: int, prot: bool, env: dict[str, str], variant: str = "v2",
+                    pages_per: int = 5, length: int = 300):
+    """One v2 (or ``variant``) attention call on the CPU with compilation and launches stubbed, over
+    3 requests of ``length`` tokens and ``pages_per`` pages each. Returns the launches (kernel,
+    grid, block, args, shared bytes), the kernels asked for, the format and B."""
     from quantmla_core.backends.cupy import attention as A
 
     kernels, launches = stub_cupy_launcher(monkeypatch)
-    monkeypatch.setenv(VARIANT_ENV, "v2")
+    monkeypatch.setenv(VARIANT_ENV, variant)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
 
     fmt = qm.PackFormat.parse("C4R4")
-    b, pages_per = 3, 5
+    b = 3
     n_sink, n_local = (4, 128) if prot else (0, 0)
 
     class Cache:
@@ -513,7 +515,7 @@ def _run_v2_stubbed(monkeypatch, h: int, s_q: int, prot: bool, env: dict[str, st
     q = torch.zeros((b, s_q, h, 512), dtype=torch.bfloat16)
     r = torch.zeros((b, s_q, h, 64), dtype=torch.bfloat16)
     table = torch.arange(b * pages_per, dtype=torch.int32).view(b, pages_per)
-    out, lse = A.attention(q, r, Cache, table, torch.full((b,), 300), torch.arange(b), 0.05)
+    out, lse = A.attention(q, r, Cache, table, torch.full((b,), length), torch.arange(b), 0.05)
     assert out.shape == q.shape and out.dtype == torch.bfloat16 and lse.shape == (b, s_q, h)
     return launches, kernels, fmt, b
 

@@ -8,7 +8,6 @@ with sink/local tokens. GPU: conformance against the reference on the v2 cases."
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -19,11 +18,23 @@ import pytest
 import torch
 from conformance import check_attention_case
 from quantmla_core.backends.cupy import KERNEL_DIR, define_options
-from quantmla_core.backends.cupy.attention import VARIANT_ENV, select_variant, v3_defines, v3_smem_bytes
-from test_cupy_backend import BIG, NVCC, V2_CASES, _kernel_params, gpu, ptxas_usage
+from quantmla_core.backends.cupy.attention import (
+    VARIANT_ENV,
+    select_variant,
+    v3_defines,
+    v3_smem_bytes,
+)
+from test_cupy_backend import (
+    BIG,
+    NVCC,
+    V2_CASES,
+    _kernel_params,
+    _run_v2_stubbed,
+    gpu,
+    ptxas_usage,
+)
 
 import quantmla_core as qm
-from quantmla_core.testing import stub_cupy_launcher
 
 #: (arch, format, d_c, d_r, group size, page size[, stages[, warps]])
 V3_BUILDS = [
@@ -56,7 +67,10 @@ def _compile_v3(v: tuple) -> tuple[int, str, str]:
                            capture_output=True, text=True, check=False)
         p = subprocess.run([*base, "-ptx", "-o", os.path.join(tmp, "k.ptx"), src], capture_output=True, text=True,
                            check=False)
-        ptx = open(os.path.join(tmp, "k.ptx")).read() if p.returncode == 0 else ""
+        ptx = ""
+        if p.returncode == 0:
+            with open(os.path.join(tmp, "k.ptx")) as f:
+                ptx = f.read()
     return r.returncode, r.stderr + r.stdout, ptx
 
 
@@ -122,32 +136,13 @@ def test_v3_selection(monkeypatch):
 
 
 def _run_v3_stubbed(monkeypatch, h: int, s_q: int, prot: bool):
-    from quantmla_core.backends.cupy import attention as A
-
-    kernels, launches = stub_cupy_launcher(monkeypatch)
-    monkeypatch.setenv(VARIANT_ENV, "v3")
-    fmt = qm.PackFormat.parse("C4R4")
-    b, pages_per = 3, 9
-    n_sink, n_local = (4, 128) if prot else (0, 0)
-
-    class Cache:
-        format = fmt
-        pages = torch.zeros((b * pages_per, fmt.page_bytes), dtype=torch.uint8)
-        sink_buf = torch.zeros((b, n_sink, 576), dtype=torch.bfloat16)
-        local_buf = torch.zeros((b, n_local, 576), dtype=torch.bfloat16)
-        num_pages, max_seqs, sink, local = b * pages_per, b, n_sink, n_local
-
-    q = torch.zeros((b, s_q, h, 512), dtype=torch.bfloat16)
-    r = torch.zeros((b, s_q, h, 64), dtype=torch.bfloat16)
-    table = torch.arange(b * pages_per, dtype=torch.int32).view(b, pages_per)
-    out, lse = A.attention(q, r, Cache, table, torch.full((b,), 500), torch.arange(b), 0.05)
-    assert out.shape == q.shape and lse.shape == (b, s_q, h)
-    return launches, kernels, fmt, b
+    """A v3 call with the CUDA calls stubbed: 3 requests of 500 tokens over 9 pages each."""
+    return _run_v2_stubbed(monkeypatch, h, s_q, prot, {}, variant="v3", pages_per=9, length=500)
 
 
 @pytest.mark.parametrize("h,s_q,prot", [(16, 1, True), (128, 1, True), (20, 3, False)])
 def test_v3_launches_match_kernel_signatures(monkeypatch, h, s_q, prot):
-    launches, kernels, fmt, b = _run_v3_stubbed(monkeypatch, h, s_q, prot)
+    launches, _kernels, fmt, b = _run_v3_stubbed(monkeypatch, h, s_q, prot)
     params = _kernel_params("attention_v3.cu", "qmla_attn_v3")
     assert params == _kernel_params("attention_v2.cu", "qmla_attn_v2")  # one argument list for both
     attn, grid, block, args, smem = launches[0]

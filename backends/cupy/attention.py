@@ -342,10 +342,10 @@ def attention(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_s
     dev = device.index if device.index is not None else torch.cuda.current_device()
     sm_count, capability = _device_info(dev)
     variant, _ = select_variant(fmt, dtype, capability, int(block_table.shape[1]) * fmt.page_size)
-    if variant == "v3":
-        return _attention_v3(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale, dev, sm_count)
-    if variant == "v2":
-        return _attention_v2(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale, dev, sm_count)
+    if variant in ("v2", "v3"):
+        make_plan, knobs = (v2_plan, V2Knobs.from_env()) if variant == "v2" else (v3_plan, V3Knobs.from_env())
+        return _attention_planned(make_plan, knobs, q_latent, q_rope, cache, block_table, seq_lens, seq_ids,
+                                  softmax_scale, dev, sm_count)
     return _attention_v1(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale, dev, sm_count)
 
 
@@ -437,11 +437,13 @@ def v2_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
     return plan
 
 
-def _attention_v2(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale, dev, sm_count):
+def _attention_planned(make_plan, knobs, q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale, dev,
+                       sm_count):
+    """Kernel v2 or v3 (``make_plan``: :func:`v2_plan` / :func:`v3_plan`, with its ``knobs``)."""
     b, s_q, h, _ = q_latent.shape
     no_prot = cache.sink == 0 and cache.local == 0
-    plan = v2_plan(cache.format, dev, sm_count, b, s_q * h, block_table.shape[1], no_prot, V2Knobs.from_env(),
-                   cache.sink, cache.local)
+    plan = make_plan(cache.format, dev, sm_count, b, s_q * h, block_table.shape[1], no_prot, knobs, cache.sink,
+                     cache.local)
     return _run_split_kernels(plan.launches, plan.combine, plan.per, plan.slots, q_latent, q_rope, cache, block_table,
                               seq_lens, seq_ids, softmax_scale, dev)
 
@@ -505,15 +507,6 @@ def v3_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
         with _CACHE_LOCK:
             _PLANS[key] = plan
     return plan
-
-
-def _attention_v3(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale, dev, sm_count):
-    b, s_q, h, _ = q_latent.shape
-    no_prot = cache.sink == 0 and cache.local == 0
-    plan = v3_plan(cache.format, dev, sm_count, b, s_q * h, block_table.shape[1], no_prot, V3Knobs.from_env(),
-                   cache.sink, cache.local)
-    return _run_split_kernels(plan.launches, plan.combine, plan.per, plan.slots, q_latent, q_rope, cache, block_table,
-                              seq_lens, seq_ids, softmax_scale, dev)
 
 
 def _kernel_input(name: str, x: torch.Tensor, dtype: torch.dtype, capturing: bool) -> torch.Tensor:

@@ -166,22 +166,7 @@ static_assert(NTP * 8 * NW == DC, "PV n-tiles must cover the latent");
 #define PROT_ROWS_BYTES 0
 #endif
 #define SMEM_TOTAL (NSTAGE * STAGE_BYTES + XCHG_BYTES + PROT_ROWS_BYTES)
-// copies go by page segment: SEGT consecutive tokens of a tile share one page
-#define SEGT ((QMLA_P < T) ? QMLA_P : T)
-#define NSEG (T / SEGT)
-#define CH_C (SEGT * CB / 16)
-#define CH_R (SEGT * RB / 16)
-#define CH_CS (SEGT * NGC * CSZ / 16)
-#define CH_CZ (SEGT * NGC / 16)
-#define CH_RS (SEGT * RSZ / 16)
-#define CH_RZ (SEGT / 16)
-#define CH_SMALL (CH_R + CH_CS + CH_CZ + CH_RS + CH_RZ)
 static_assert(T == 32 || T == 64, "tiles of 32 or 64 tokens");
-static_assert(T % SEGT == 0 && SEGT % 16 == 0, "page size must be a multiple of 16");
-static_assert((SEGT * NGC) % 16 == 0, "zero-point run of a segment must be 16-byte chunks");
-static_assert(QMLA_OFF_CC % 16 == 0 && QMLA_OFF_RC % 16 == 0 && QMLA_OFF_CS % 16 == 0 && QMLA_OFF_CZ % 16 == 0 &&
-                  QMLA_OFF_RS % 16 == 0 && QMLA_OFF_RZ % 16 == 0 && QMLA_PAGE_BYTES % 16 == 0,
-              "page sections must be 16-byte aligned");
 static_assert(NSTAGE >= 3 && NSTAGE <= 5, "3..5 stages");
 #ifdef QMLA_V2_SMEM
 static_assert(SMEM_TOTAL == QMLA_V2_SMEM, "launcher's v2_smem_bytes() disagrees with the kernel's layout");
@@ -516,16 +501,7 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V2_MINB) qmla_attn_v2(
 #pragma unroll
                     for (int k = 0; k < 4; ++k) {
                         prow[k] = PROT ? prot_src(t0 + tk[k]) : nullptr;
-                        const u8* src = stg_c + qmla_coff(tk[k], CBW * wc + LBP * g8);
-#if LBP == 8
-                        const uint2 v = *(const uint2*)src;
-                        Wp[k][0] = v.x;
-                        Wp[k][1] = v.y;
-#elif LBP == 4
-                        Wp[k][0] = *(const u32*)src;
-#else
-                        Wp[k][0] = *(const u16*)src;
-#endif
+                        qmla_load_bytes<LBP>(stg_c + qmla_coff(tk[k], CBW * wc + LBP * g8), Wp[k]);
                     }
                     const float* pa = S[2 * kt];
                     const float* pb = S[2 * kt + 1];

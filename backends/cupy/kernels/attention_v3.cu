@@ -107,19 +107,6 @@ static_assert(16 * DT / 8 * 4 <= NGC * (T / 8) * 256, "query-sum partials must f
 #define RED_OFF (PS_OFF + NGC * (T / 8) * 16 * 16)  // per-token-group row maxima / sums, float [4][16]
 #define XS_OFF (RED_OFF + 4 * 16 * 4)           // NW = 8: both warps' partial scores, float [4][2][32][8]
 #define SMEM_TOTAL (XS_OFF + (NH - 1) * 4 * 2 * 32 * 32)
-#define SEGT ((QMLA_P < T) ? QMLA_P : T)
-#define NSEG (T / SEGT)
-#define CH_C (SEGT * CB / 16)
-#define CH_R (SEGT * RB / 16)
-#define CH_CS (SEGT * NGC * CSZ / 16)
-#define CH_CZ (SEGT * NGC / 16)
-#define CH_RS (SEGT * RSZ / 16)
-#define CH_RZ (SEGT / 16)
-#define CH_SMALL (CH_R + CH_CS + CH_CZ + CH_RS + CH_RZ)
-static_assert(T % SEGT == 0 && SEGT % 16 == 0, "page size must be a multiple of 16");
-static_assert(QMLA_OFF_CC % 16 == 0 && QMLA_OFF_RC % 16 == 0 && QMLA_OFF_CS % 16 == 0 && QMLA_OFF_CZ % 16 == 0 &&
-                  QMLA_OFF_RS % 16 == 0 && QMLA_OFF_RZ % 16 == 0 && QMLA_PAGE_BYTES % 16 == 0,
-              "page sections must be 16-byte aligned");
 #ifdef QMLA_V3_SMEM
 static_assert(SMEM_TOTAL == QMLA_V3_SMEM, "launcher's v3_smem_bytes() disagrees with the kernel's layout");
 #endif
@@ -533,16 +520,7 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V3_MINB) qmla_attn_v3(
                 u32 Wp[4][(LBP + 3) / 4];
 #pragma unroll
                 for (int k = 0; k < 4; ++k) {
-                    const u8* src = stg + qmla_coff(tk[k], CBW * w + LBP * g8);
-#if LBP == 8
-                    const uint2 v = *(const uint2*)src;
-                    Wp[k][0] = v.x;
-                    Wp[k][1] = v.y;
-#elif LBP == 4
-                    Wp[k][0] = *(const u32*)src;
-#else
-                    Wp[k][0] = *(const u16*)src;
-#endif
+                    qmla_load_bytes<LBP>(stg + qmla_coff(tk[k], CBW * w + LBP * g8), Wp[k]);
                 }
 #pragma unroll
                 for (int c = 0; c < KCH; ++c) {

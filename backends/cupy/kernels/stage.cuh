@@ -3,11 +3,27 @@
 //
 // Included after the kernel has defined its tile and stage layout: T (tokens per tile), NTH
 // (threads per CTA), CB/RB (content/RoPE code bytes per token), NCT (16-byte chunks of a content
-// code row), NGC, CSZ, RSZ, the stage offsets SO_R, SO_CS, SO_CZ, SO_RS, SO_RZ, the page segment
-// SEGT/NSEG and the chunk counts CH_C, CH_R, CH_CS, CH_CZ, CH_RS, CH_SMALL.
+// code row), NGC, CSZ, RSZ and the stage offsets SO_R, SO_CS, SO_CZ, SO_RS, SO_RZ.
 //
 // A stage holds a tile token-major like the page, content code rows chunk-swizzled per token.
 #pragma once
+
+// copies go by page segment: SEGT consecutive tokens of a tile share one page; CH_*: the
+// 16-byte chunks of each page section in one segment
+#define SEGT ((QMLA_P < T) ? QMLA_P : T)
+#define NSEG (T / SEGT)
+#define CH_C (SEGT * CB / 16)
+#define CH_R (SEGT * RB / 16)
+#define CH_CS (SEGT * NGC * CSZ / 16)
+#define CH_CZ (SEGT * NGC / 16)
+#define CH_RS (SEGT * RSZ / 16)
+#define CH_RZ (SEGT / 16)
+#define CH_SMALL (CH_R + CH_CS + CH_CZ + CH_RS + CH_RZ)
+static_assert(T % SEGT == 0 && SEGT % 16 == 0, "page size must be a multiple of 16");
+static_assert((SEGT * NGC) % 16 == 0, "zero-point run of a segment must be 16-byte chunks");
+static_assert(QMLA_OFF_CC % 16 == 0 && QMLA_OFF_RC % 16 == 0 && QMLA_OFF_CS % 16 == 0 && QMLA_OFF_CZ % 16 == 0 &&
+                  QMLA_OFF_RS % 16 == 0 && QMLA_OFF_RZ % 16 == 0 && QMLA_PAGE_BYTES % 16 == 0,
+              "page sections must be 16-byte aligned");
 
 // 16-byte chunk swizzle of a content code row: with >= 8 chunks per token, tokens t and t + 1
 // land in different 64-byte halves of a bank window and tokens 2q of four lanes in different
@@ -23,6 +39,21 @@ __device__ __forceinline__ int qmla_swz(int t) {
 // byte offset of code byte `off` of token t in a stage's content area
 __device__ __forceinline__ int qmla_coff(int t, int off) {
     return t * CB + ((((off >> 4) ^ qmla_swz(t))) << 4) + (off & 15);
+}
+
+// N = 2, 4 or 8 code bytes at src (one aligned load) as 32-bit words
+template <int N>
+__device__ __forceinline__ void qmla_load_bytes(const u8* src, u32 (&w)[(N + 3) / 4]) {
+    static_assert(N == 2 || N == 4 || N == 8, "2, 4 or 8 bytes");
+    if constexpr (N == 8) {
+        const uint2 v = *(const uint2*)src;
+        w[0] = v.x;
+        w[1] = v.y;
+    } else if constexpr (N == 4) {
+        w[0] = *(const u32*)src;
+    } else {
+        w[0] = *(const u16*)src;
+    }
 }
 
 template <int N>
