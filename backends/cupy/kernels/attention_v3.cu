@@ -35,6 +35,8 @@
 //    tokens, whose product is subtracted from the slice's channels at the end of every tile (it
 //    uses the same bf16 A operand; per tile, because the tensor cores' fp32 accumulation rounds
 //    toward zero and the offset makes the accumulated values ~100x the result for 2-bit codes).
+// tests/test_cupy_v3_fragments.py is a NumPy model of these mappings (4 and 8 warps) that
+// reproduces a float64 matmul of the dequantized tile.
 #include "common.cuh"
 
 #ifndef QMLA_V3_STAGES
