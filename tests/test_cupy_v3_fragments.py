@@ -20,7 +20,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_cupy_fragments import K, bf16_to_f32, byte_perm, f32_to_bf16, issue_copy, load_u32, mma, pack_split_half
+from test_cupy_fragments import (
+    K,
+    bf16_to_f32,
+    byte_perm,
+    f32_to_bf16,
+    issue_copy,
+    load_u32,
+    mma,
+    pack_split_half,
+)
 
 import quantmla_core as qm
 
