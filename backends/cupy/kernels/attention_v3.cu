@@ -2,13 +2,14 @@
 //
 // Serves what v2 serves (bf16 queries; 2/4-bit content and 4-bit RoPE codes; d_c/d_r 512/64 and
 // 256/32; content groups a multiple of 64 channels), packed tokens only: the sink and local
-// tokens of a cache with protection come from v2's protected-only launch (QMLA_V2_PROT_MODE 2)
-// as two more partials, merged by v1's qmla_combine with this kernel's (v1-layout) partials.
+// tokens of a cache with protection come from v2's protected-only launch (QMLA_V2_PROT_MODE 2,
+// one tile per CTA) as more partials, merged by v1's qmla_combine with this kernel's (v1-layout)
+// partials.
 //
 // ================================================================ design note
 // Grid: x = B * ceil(R / 16) (R = S_q * H query rows of one request), y = KV splits. Block: 4
-// warps. Tiles of T = 64 tokens; the raw page sections of a tile are staged by cp.async into an
-// NSTAGE-deep ring exactly as in v2 (content code rows 16-byte-chunk swizzled per token).
+// warps (QMLA_V3_NW = 8: two warps per 16 tokens, below). Tiles of T = 64 tokens; the raw page
+// sections of a tile are staged by cp.async into an NSTAGE-deep ring as in v2 (stage.cuh).
 //
 // Why: v2 splits QK by channels (heads = M, tokens = N), so every warp sums four partial score
 // tiles and runs the same softmax; its tile loop issues ~177 warp-instructions per token. Here:
@@ -17,8 +18,8 @@
 //    with one ldmatrix.x4 (the query is staged once per CTA in the permuted K order below).
 //    Lane (g, q) reads one 16-byte chunk of its tokens g and g+8 per 64-byte block of the code
 //    row; word e of the chunk gives k-step (block, slice c, e): bytes 0/2 of slice c are columns
-//    2q/2q+1, bytes 1/3 are columns 2q+8/2q+9. A register is ((code >> s) & 0x000f000f) |
-//    0x43004300 = bf16x2 (128 + code): one shift + one lop3 per two values, no zero-point math.
+//    2q/2q+1, bytes 1/3 are columns 2q+8/2q+9. A register is prmt((x >> CBITS c) & mask, 0x43)
+//    = bf16x2 (128 + code): a shift and a lop3 per four codes, a prmt per two; no zero points.
 //    Each 64-channel sub-group (one scale group, 4 k-steps) accumulates on its own and is
 //    flushed as  S += s * acc - s * (128 + z) * sumQ  (sumQ: the sub-group's query sum per row,
 //    computed once per CTA), so scale and zero point cost two FFMA per score per sub-group.
@@ -35,8 +36,16 @@
 //    tokens, whose product is subtracted from the slice's channels at the end of every tile (it
 //    uses the same bf16 A operand; per tile, because the tensor cores' fp32 accumulation rounds
 //    toward zero and the offset makes the accumulated values ~100x the result for 2-bit codes).
+//  * 8 warps (opt-in): warps w and w + 4 take the same 16 tokens and half of the QK sub-groups
+//    each; their partial scores meet in shared memory (one more barrier) and both hold the sum.
+//    P * s groups and PV channels split 8 ways, <= 128 registers, 16 warps per SM.
 // tests/test_cupy_v3_fragments.py is a NumPy model of these mappings (4 and 8 warps) that
 // reproduces a float64 matmul of the dequantized tile.
+//
+// Measured (H200, benchmarks/RESULTS.md "Stop 12"): 1,786 SASS instructions per warp per tile
+// (112 per token; v2: 177), 246-255 registers, 96.5 KB of shared memory, 2 CTAs/SM. C4R4 H16
+// B32 L32K 304 us against v2's 373 (FlashInfer BF16 ~300), B128 0.76-0.82x FlashInfer; ncu:
+// 0.47 IPC per scheduler, latency-bound. The 8-warp build is slower from 32K tokens on.
 #include "common.cuh"
 
 #ifndef QMLA_V3_STAGES
