@@ -71,6 +71,18 @@ def off_z(z: int) -> float:
     return float(bf16_to_f32(0x4300 | int(z)))
 
 
+def flush(S, tmp, lane: int, s0: float, s1: float, c0: float, c1: float, sq_row: np.ndarray) -> None:
+    """v3_flush on lane ``lane``'s fragments of both row n-tiles: S += s acc - s (128 + z) sumQ."""
+    q4 = lane & 3
+    for nt in range(2):
+        sqn = sq_row[8 * nt + 2 * q4 : 8 * nt + 2 * q4 + 2]
+        acc = tmp[nt][lane]
+        S[nt][lane][0] += s0 * acc[0] - c0 * sqn[0]
+        S[nt][lane][1] += s0 * acc[1] - c0 * sqn[1]
+        S[nt][lane][2] += s1 * acc[2] - c1 * sqn[0]
+        S[nt][lane][3] += s1 * acc[3] - c1 * sqn[1]
+
+
 def permuted_query(v: V3, q: np.ndarray, qr: np.ndarray) -> np.ndarray:
     """The prologue's scatter: qs[ks][khalf][row][8] (u16 bf16 bits) from the inverse mapping."""
     qs = np.full((v.KS, 2, 16, 8), -1, np.int64)
@@ -202,18 +214,11 @@ def test_v3_fragments_reproduce_dequantized_attention(name, dc, dr, gs, nw):
                         mma(tmp[0], a, [b[ln][0] for ln in range(32)], [b[ln][1] for ln in range(32)])
                         mma(tmp[1], a, [b[ln][2] for ln in range(32)], [b[ln][3] for ln in range(32)])
                     for lane in range(32):
-                        g8, q4 = lane >> 2, lane & 3
-                        t0, t1 = 16 * tg + g8, 16 * tg + g8 + 8
+                        t0, t1 = 16 * tg + (lane >> 2), 16 * tg + (lane >> 2) + 8
                         s0, s1 = scale(t0, grp), scale(t1, grp)
                         c0 = s0 * off_z(stage[k.SO_CZ + t0 * v.NGC + grp])
                         c1 = s1 * off_z(stage[k.SO_CZ + t1 * v.NGC + grp])
-                        for nt in range(2):
-                            sqn = sq[sgi, 8 * nt + 2 * q4 : 8 * nt + 2 * q4 + 2]
-                            acc = tmp[nt][lane]
-                            S[nt][lane][0] += s0 * acc[0] - c0 * sqn[0]
-                            S[nt][lane][1] += s0 * acc[1] - c0 * sqn[1]
-                            S[nt][lane][2] += s1 * acc[2] - c1 * sqn[0]
-                            S[nt][lane][3] += s1 * acc[3] - c1 * sqn[1]
+                        flush(S, tmp, lane, s0, s1, c0, c1, sq[sgi])
             for cc in range(2 // v.NH):  # RoPE slices
                 c = hh * (2 // v.NH) + cc
                 tmp = [[0.0] * 4 for _ in range(32)], [[0.0] * 4 for _ in range(32)]
@@ -229,17 +234,10 @@ def test_v3_fragments_reproduce_dequantized_attention(name, dc, dr, gs, nw):
                     mma(tmp[0], a, [b[ln][0] for ln in range(32)], [b[ln][1] for ln in range(32)])
                     mma(tmp[1], a, [b[ln][2] for ln in range(32)], [b[ln][3] for ln in range(32)])
                 for lane in range(32):
-                    g8, q4 = lane >> 2, lane & 3
-                    t0, t1 = 16 * tg + g8, 16 * tg + g8 + 8
+                    t0, t1 = 16 * tg + (lane >> 2), 16 * tg + (lane >> 2) + 8
                     s0, s1 = rscale(t0), rscale(t1)
                     c0, c1 = s0 * off_z(stage[k.SO_RZ + t0]), s1 * off_z(stage[k.SO_RZ + t1])
-                    for nt in range(2):
-                        sqn = sq[v.NSG + c, 8 * nt + 2 * q4 : 8 * nt + 2 * q4 + 2]
-                        acc = tmp[nt][lane]
-                        S[nt][lane][0] += s0 * acc[0] - c0 * sqn[0]
-                        S[nt][lane][1] += s0 * acc[1] - c0 * sqn[1]
-                        S[nt][lane][2] += s1 * acc[2] - c1 * sqn[0]
-                        S[nt][lane][3] += s1 * acc[3] - c1 * sqn[1]
+                    flush(S, tmp, lane, s0, s1, c0, c1, sq[v.NSG + c])
             S_half.append(S)
         S = S_half[0]
         for hh in range(1, v.NH):  # the pair's partial scores, added in the exchange

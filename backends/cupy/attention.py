@@ -176,15 +176,21 @@ def v3_unsupported_reasons(fmt: PackFormat) -> list[str]:
     return []
 
 
+def stage_bytes(fmt: PackFormat, tile: int, flags: bool) -> int:
+    """Bytes of one staged tile (the SO_* layout of kernels v2/v3, 16-byte rounded): content codes,
+    RoPE codes, content scales, content zeros, RoPE scale, RoPE zero, and v2's token flag."""
+    csz = 2 if fmt.content_scale_dtype == "bfloat16" else 4
+    rsz = 2 if fmt.rope_scale_dtype == "bfloat16" else 4
+    per_token = fmt.content_code_bytes + fmt.rope_code_bytes + fmt.content_groups * (csz + 1) + rsz + 1 + int(flags)
+    return (tile * per_token + 15) // 16 * 16
+
+
 def v3_smem_bytes(fmt: PackFormat, stages: int = V3_STAGES, warps: int = V3_WARPS) -> int:
     """Dynamic shared memory of one v3 block (mirrors SMEM_TOTAL in attention_v3.cu): the staged
     tiles, the permuted query, its sub-group sums, P * s per content group, the row maxima and,
     with 8 warps, the exchange of partial scores."""
     t, ngc = V3_TILE, fmt.content_groups
-    csz = 2 if fmt.content_scale_dtype == "bfloat16" else 4
-    rsz = 2 if fmt.rope_scale_dtype == "bfloat16" else 4
-    stage = t * (fmt.content_code_bytes + fmt.rope_code_bytes + ngc * csz + ngc + rsz + 1)
-    stage = (stage + 15) // 16 * 16
+    stage = stage_bytes(fmt, t, flags=False)
     ksteps = (fmt.latent_dim + fmt.rope_dim) // 16
     sub_groups = fmt.latent_dim // 64 + 2
     xchg = 4 * 2 * 32 * 32 if warps == 8 else 0  # [token group][pair half][lane][8 floats]
@@ -228,12 +234,8 @@ def v2_smem_bytes(fmt: PackFormat, row_groups: int = 1, stages: int = 4, tile: i
                   prot_mode: int = 0) -> int:
     """Dynamic shared memory of one v2 block (mirrors SMEM_TOTAL in attention_v2.cu); the
     protected-only build (``prot_mode`` 2) also holds its tile's bf16 rows."""
-    t, ngc = tile, fmt.content_groups
-    csz = 2 if fmt.content_scale_dtype == "bfloat16" else 4
-    rsz = 2 if fmt.rope_scale_dtype == "bfloat16" else 4
-    # codes, RoPE codes, content scales, content zeros, RoPE scale, RoPE zero, token flag
-    stage = t * (fmt.content_code_bytes + fmt.rope_code_bytes + ngc * csz + ngc + rsz + 1 + 1)
-    stage = (stage + 15) // 16 * 16
+    t = tile
+    stage = stage_bytes(fmt, t, flags=True)
     xchg = 2 * row_groups * V2_WARPS * (t // 8) * 32 * 16
     prot_rows = t * (fmt.latent_dim + fmt.rope_dim) * 2 if prot_mode == 2 else 0
     return stages * stage + xchg + prot_rows
@@ -397,9 +399,9 @@ class V2Knobs:
 
 
 @dataclass(frozen=True)
-class V2Plan:
-    """Everything a v2 call launches for one problem shape: split kernels (kernel, grid, block,
-    shared bytes), the combine, tiles per split and partial slots per row."""
+class SplitPlan:
+    """Everything a v2 or v3 call launches for one problem shape: split kernels (kernel, grid,
+    block, shared bytes), the combine, tiles per split and partial slots per row."""
 
     launches: tuple
     combine: object
@@ -408,7 +410,7 @@ class V2Plan:
 
 
 def v2_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool,
-            knobs: V2Knobs, sink: int = 0, local: int = 0) -> V2Plan:
+            knobs: V2Knobs, sink: int = 0, local: int = 0) -> SplitPlan:
     """The launch plan of kernel v2 (cached per shape and knobs: steady-state decode reuses it).
     ``sink``/``local``: the cache's protected tokens (size the separate mode's protected launch)."""
     key = (fmt, dev, sm_count, batch, rows, max_pages, no_prot, knobs, sink, local)
@@ -425,16 +427,22 @@ def v2_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
         splits, per = plan_splits_v2(batch, chunks, max(1, max_pages) * fmt.page_size, resident, knobs.min_tiles,
                                      knobs.tile)
         launches = [(attn, (batch * chunks, splits), block, smem)]
+        if separate:
+            launches.append(_protected_launch(fmt, dev, batch * chunks, rg, knobs.lazy, sink, local))
         nprot = protected_ctas(sink, local) if separate else 0
-        if separate:  # the sink and local tokens as more partials, from a protected-only build
-            # 32-token tiles whatever knobs.tile says: this launch covers ~132 tokens per request, and
-            # its all-protected build spills at 64 (12 B)
-            prot, psmem = _v2_kernel(fmt, dev, rg, 1, v2_default_stages(V2_TILE), knobs.lazy, False, 2, V2_TILE)
-            launches.append((prot, (batch * chunks, nprot), block, psmem))
-        plan = V2Plan(tuple(launches), _combine_kernel(fmt, dev), per, splits + nprot)
+        plan = SplitPlan(tuple(launches), _combine_kernel(fmt, dev), per, splits + nprot)
         with _CACHE_LOCK:
             _PLANS[key] = plan
     return plan
+
+
+def _protected_launch(fmt: PackFormat, dev: int, row_chunks: int, rg: int, lazy: bool, sink: int, local: int) -> tuple:
+    """(kernel, grid, block, shared bytes) of v2's protected-only build (``QMLA_V2_PROT_MODE`` 2):
+    the sink and local-window tokens as :func:`protected_ctas` more partials per row chunk, 32-token
+    tiles whatever the split kernel uses (it covers ~132 tokens per request, and its all-protected
+    build spills at 64: 12 B)."""
+    prot, psmem = _v2_kernel(fmt, dev, rg, 1, v2_default_stages(V2_TILE), lazy, False, 2, V2_TILE)
+    return prot, (row_chunks, protected_ctas(sink, local)), (V2_WARPS * 32 * rg,), psmem
 
 
 def _attention_planned(make_plan, knobs, q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale, dev,
@@ -483,7 +491,7 @@ class V3Knobs:
 
 
 def v3_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool,
-            knobs: V3Knobs, sink: int = 0, local: int = 0) -> V2Plan:
+            knobs: V3Knobs, sink: int = 0, local: int = 0) -> SplitPlan:
     """The launch plan of kernel v3: its split kernel over packed tokens and, when the cache keeps
     sink/local tokens, v2's protected-only launch adding them as more partials per row."""
     key = ("v3", fmt, dev, sm_count, batch, rows, max_pages, no_prot, knobs, sink, local)
@@ -499,11 +507,10 @@ def v3_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
         splits, per = plan_splits_v2(batch, chunks, max(1, max_pages) * fmt.page_size, resident, knobs.min_tiles,
                                      V3_TILE)
         launches = [(attn, (batch * chunks, splits), block, smem)]
+        if not no_prot:
+            launches.append(_protected_launch(fmt, dev, batch * chunks, 1, False, sink, local))
         nprot = 0 if no_prot else protected_ctas(sink, local)
-        if nprot:
-            prot, psmem = _v2_kernel(fmt, dev, 1, 1, V2_STAGES, False, False, 2, V2_TILE)
-            launches.append((prot, (batch * chunks, nprot), (V2_WARPS * 32,), psmem))
-        plan = V2Plan(tuple(launches), _combine_kernel(fmt, dev), per, splits + nprot)
+        plan = SplitPlan(tuple(launches), _combine_kernel(fmt, dev), per, splits + nprot)
         with _CACHE_LOCK:
             _PLANS[key] = plan
     return plan

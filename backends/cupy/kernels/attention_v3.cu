@@ -133,18 +133,19 @@ __device__ __forceinline__ u32 v3_code2(u32 cv) {
     return __byte_perm(cv, 0x43u, ODD ? 0x4341u : 0x4240u);
 }
 
-__device__ __forceinline__ float v3_scale(const u8* st, int off_elems, bool content) {
-    if (content) {
+// staged content scale number i ([T][NGC]) and RoPE scale of token t, as floats
+__device__ __forceinline__ float v3_cscale(const u8* st, int i) {
 #if QMLA_CSCALE_BF16
-        return bf16_bits_to_f32(((const u16*)(st + SO_CS))[off_elems]);
+    return bf16_bits_to_f32(((const u16*)(st + SO_CS))[i]);
 #else
-        return ((const float*)(st + SO_CS))[off_elems];
+    return ((const float*)(st + SO_CS))[i];
 #endif
-    }
+}
+__device__ __forceinline__ float v3_rscale(const u8* st, int t) {
 #if QMLA_RSCALE_BF16
-    return bf16_bits_to_f32(((const u16*)(st + SO_RS))[off_elems]);
+    return bf16_bits_to_f32(((const u16*)(st + SO_RS))[t]);
 #else
-    return ((const float*)(st + SO_RS))[off_elems];
+    return ((const float*)(st + SO_RS))[t];
 #endif
 }
 
@@ -365,7 +366,7 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V3_MINB) qmla_attn_v3(
             }
             auto cscale = [&](int t, const float (&sc)[NGC], int grp) -> float {
                 if constexpr (NH == 1) return sc[grp];
-                else return v3_scale(stg, t * NGC + grp, true);
+                else return v3_cscale(stg, t * NGC + grp);
             };
             auto czero = [&](int t, const u32 (&zw)[(NGC + 3) / 4], int grp) -> float {
                 if constexpr (NH == 1) return v3_off_zb(zw[grp >> 2], grp & 3);
@@ -411,7 +412,7 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V3_MINB) qmla_attn_v3(
                 R0[0] = *(const u32*)(stg + SO_R + tq0 * RB + 4 * q4);
                 R1[0] = *(const u32*)(stg + SO_R + tq1 * RB + 4 * q4);
 #endif
-                const float s0 = v3_scale(stg, tq0, false), s1 = v3_scale(stg, tq1, false);
+                const float s0 = v3_rscale(stg, tq0), s1 = v3_rscale(stg, tq1);
                 const float c0 = s0 * v3_off_z(stg[SO_RZ + tq0]), c1 = s1 * v3_off_z(stg[SO_RZ + tq1]);
 #pragma unroll
                 for (int cc = 0; cc < 2 / NH; ++cc) {
