@@ -30,6 +30,56 @@ def assert_pages_match(fmt: qm.PackFormat, got: np.ndarray, want: np.ndarray, wr
             assert np.array_equal(g, w), f"{name}: bytes differ in {(g != w).sum()} places"
 
 
+def _token_sections(fmt: qm.PackFormat, pages: np.ndarray, slots: np.ndarray, name: str) -> np.ndarray:
+    """Bytes of section ``name`` of each token at global ``slots`` -> ``[n, bytes per token]``."""
+    off, size = fmt.sections[name]
+    per_page = pages[slots // fmt.page_size, off : off + size]
+    rows = per_page.reshape(len(slots), fmt.page_size, size // fmt.page_size)
+    return rows[np.arange(len(slots)), slots % fmt.page_size]
+
+
+def _stored_scales(raw: np.ndarray, scale_dtype: str) -> np.ndarray:
+    """``[n, groups * bytes]`` stored scale bytes -> float64 ``[n, groups]``."""
+    if scale_dtype == "bfloat16":
+        return (raw.copy().view("<u2").astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return raw.copy().view("<f4").astype(np.float64)
+
+
+def assert_code_diffs_at_half(fmt: qm.PackFormat, got: np.ndarray, want: np.ndarray, latent: np.ndarray,
+                              k_rope: np.ndarray, slot_mapping: np.ndarray) -> None:
+    """DESIGN §3.1's ±1 rule, strictly: a code may differ from the reference's only where x/s
+    (s the stored scale) lies within float32 rounding of a .5 boundary, and only to the code on
+    the other side of it. ``latent [N, d_c]``, ``k_rope [N, d_r]``: the float32 values written at
+    ``slot_mapping [N]`` (the last write of a slot wins); ``got``/``want``: uint8 page arrays."""
+    if not fmt.quantized:
+        return
+    num_slots = got.shape[0] * fmt.page_size
+    last = {int(s): i for i, s in enumerate(slot_mapping) if 0 <= s < num_slots}
+    slots = np.fromiter(last.keys(), np.int64, len(last))
+    rows = np.fromiter(last.values(), np.int64, len(last))
+    for path, x_all, bits, group, scale_dtype in (
+        ("content", latent, fmt.content_bits, fmt.content_group_size, fmt.content_scale_dtype),
+        ("rope", k_rope, fmt.rope_bits, fmt.rope_group_size, fmt.rope_scale_dtype),
+    ):
+        codes_got = ref.unpack(_token_sections(fmt, got, slots, f"{path}_codes"), bits)
+        codes_want = ref.unpack(_token_sections(fmt, want, slots, f"{path}_codes"), bits)
+        differs = codes_got != codes_want
+        if not differs.any():
+            continue
+        x = np.asarray(x_all, np.float32)[rows].astype(np.float64)
+        x = np.where(np.isfinite(x), x, 0.0)
+        s = _stored_scales(_token_sections(fmt, want, slots, f"{path}_scales"), scale_dtype)
+        z = np.repeat(_token_sections(fmt, want, slots, f"{path}_zeros").astype(np.int64), group, axis=1)
+        quotient = x / np.repeat(s, group, axis=1)
+        near_half = np.abs(quotient - np.floor(quotient) - 0.5) <= 2.0**-19 * np.maximum(1.0, np.abs(quotient))
+        m = (1 << bits) - 1
+        below = np.clip(np.floor(quotient).astype(np.int64) + z, 0, m)  # the two codes either side of it
+        above = np.clip(below + 1, 0, m)
+        bad = differs & ~(near_half & ((codes_got == below) | (codes_got == above)))
+        assert not bad.any(), (f"{path} codes: {bad.sum()} differ from the reference other than across a .5 boundary "
+                               f"(x/s = {quotient[bad][:4]})")
+
+
 def write_both(case: Case, backend: str, device: str, dtype: str = "float32"):
     """Write a case with ``backend`` on ``device`` and with the reference on NumPy-compatible CPU."""
     batch = build(case)
@@ -46,7 +96,11 @@ def write_both(case: Case, backend: str, device: str, dtype: str = "float32"):
 def check_writer(case: Case, backend: str, device: str, dtype: str = "float32") -> None:
     batch, cache, want = write_both(case, backend, device, dtype)
     written = np.unique(batch.slot_mapping[batch.slot_mapping >= 0] // case.fmt.page_size)
-    assert_pages_match(case.fmt, _pages_np(cache), want.pages.numpy(), written)
+    got_pages = _pages_np(cache)
+    assert_pages_match(case.fmt, got_pages, want.pages.numpy(), written)
+    host = batch.to("cpu", dtype)
+    assert_code_diffs_at_half(case.fmt, got_pages, want.pages.numpy(), host["latent"].float().numpy(),
+                              host["k_rope"].float().numpy(), batch.slot_mapping)
     for buf in ("sink_buf", "local_buf"):
         got, exp = getattr(cache, buf), getattr(want, buf)
         got = torch.as_tensor(got).cpu().float()

@@ -13,6 +13,9 @@ import triton.language as tl
 #: largest finite bfloat16 (stored scales are clamped to it, DESIGN.md §3.1)
 BF16_MAX: tl.constexpr = tl.constexpr(3.3895313892515355e38)
 FLOAT32_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)
+#: 2^64 and 2^-64, exact in float32: the writer's pre-scaling of reciprocals and values
+TWO_POW_64: tl.constexpr = tl.constexpr(18446744073709551616.0)
+TWO_POW_M64: tl.constexpr = tl.constexpr(5.421010862427522e-20)
 
 
 @triton.jit

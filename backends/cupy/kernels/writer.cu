@@ -4,8 +4,9 @@
 // Inputs: latent [N, DC], k_rope [N, DR] (float32, or bfloat16 with QMLA_IN_BF16=1), index
 // arrays as int64. Tokens whose slot is outside [0, num_slots) are skipped entirely; the
 // protection copy is skipped when the seq id or position is out of range, so a bad index
-// never writes outside the cache. Quantizer math is float32 with IEEE division, matching the
-// reference's codes exactly (DESIGN.md 3.1).
+// never writes outside the cache. Quantizer math is float32. Scales and zero points use IEEE
+// division and match the reference exactly; codes multiply by a per-group reciprocal, so they may
+// differ by 1 where x/s lies within float32 rounding of a .5 boundary (DESIGN.md 3.1).
 #include "common.cuh"
 
 #define DC QMLA_DC
@@ -32,7 +33,7 @@ __device__ __forceinline__ float load_in(const void* p, i64 i) {
 #if QMLA_QUANT
 // Pack the codes of one path: element e of x[0..D) -> byte e % (D/K), bits (e / (D/K)) * BITS.
 template <int D, int BITS, int G>
-__device__ __forceinline__ void pack_path(const float* xs, const float* sg, const float* zg, u8* dst, int lane) {
+__device__ __forceinline__ void pack_path(const float* xs, const float* rg, const float* zg, u8* dst, int lane) {
     constexpr int K = 8 / BITS;
     constexpr int NB = D / K;        // bytes per token
     constexpr int NW4 = NB / 4;      // 32-bit words per token
@@ -49,7 +50,7 @@ __device__ __forceinline__ void pack_path(const float* xs, const float* sg, cons
                 float x = xs[e];
                 x = is_finite_f32(x) ? x : 0.0f;
                 const int g = e / G;
-                float q = rintf(__fdiv_rn(x, sg[g])) + zg[g];
+                float q = rintf((x * 0x1p-64f) * rg[g]) + zg[g];  // x / s, see rg in qmla_write
                 q = fminf(fmaxf(q, 0.0f), M);
                 byte |= ((u32)q) << (i * BITS);
             }
@@ -68,6 +69,7 @@ extern "C" __global__ void __launch_bounds__(NWARP * 32) qmla_write(
     __shared__ float xs_all[NWARP][DT];
     __shared__ float s_all[NWARP][NG];
     __shared__ float z_all[NWARP][NG];
+    __shared__ float r_all[NWARP][NG];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const i64 t = (i64)blockIdx.x * NWARP + warp;
     if (t >= n_tokens) return;
@@ -85,6 +87,7 @@ extern "C" __global__ void __launch_bounds__(NWARP * 32) qmla_write(
 #if QMLA_QUANT
     float* sg = s_all[warp];
     float* zg = z_all[warp];
+    float* rg = r_all[warp];
     // per-group range, scale and zero point (content groups, then RoPE groups)
     for (int g = 0; g < NG; ++g) {
         const bool content = g < NGC;
@@ -116,11 +119,14 @@ extern "C" __global__ void __launch_bounds__(NWARP * 32) qmla_write(
         if (lane == 0) {
             sg[g] = s;
             zg[g] = z;
+            // 2^64 / s: codes take (x * 2^-64) * rg, one division per group instead of one per
+            // element; the 2^64 keeps the reciprocal of a clamped huge scale a normal float
+            rg[g] = __fdiv_rn(0x1p64f, s);
         }
     }
     __syncwarp();
-    pack_path<DC, QMLA_CBITS, QMLA_GC>(xs, sg, zg, pg + QMLA_OFF_CC + (i64)off * QMLA_CB, lane);
-    pack_path<DR, QMLA_RBITS, QMLA_GR>(xs + DC, sg + NGC, zg + NGC, pg + QMLA_OFF_RC + (i64)off * QMLA_RB, lane);
+    pack_path<DC, QMLA_CBITS, QMLA_GC>(xs, rg, zg, pg + QMLA_OFF_CC + (i64)off * QMLA_CB, lane);
+    pack_path<DR, QMLA_RBITS, QMLA_GR>(xs + DC, rg + NGC, zg + NGC, pg + QMLA_OFF_RC + (i64)off * QMLA_RB, lane);
     if (lane < NGC) {
         u8* cs = pg + QMLA_OFF_CS;
 #if QMLA_CSCALE_BF16
