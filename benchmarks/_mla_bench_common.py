@@ -64,9 +64,10 @@ class Workload:
         slot = self.table[b, pos // PAGE].long() * PAGE + pos % PAGE
         return slot, b, pos
 
-    def build(self, fmt_name: str, chunk: int = 1 << 20) -> qm.MLACache:
+    def build(self, fmt_name: str, chunk: int = 1 << 20, sink: int = SINK, local: int = LOCAL) -> qm.MLACache:
+        """The workload's tokens written into a ``fmt_name`` cache keeping ``sink``/``local`` tokens."""
         fmt = PackFormat.parse(fmt_name)
-        cache = qm.MLACache.allocate(fmt, self.num_pages, self.batch, SINK, LOCAL, "cuda")
+        cache = qm.MLACache.allocate(fmt, self.num_pages, self.batch, sink, local, "cuda")
         total = self.batch * self.length
         lens = torch.full((self.batch,), self.length, dtype=torch.int64, device="cuda")
         for s in range(0, total, chunk):

@@ -41,7 +41,17 @@ def graphed(fn):
     return g.replay
 
 
-def _probe_shape(h: int, b: int, l: int, args, var: str, settings: list[str]) -> list[dict]:
+def _settings(args) -> list[dict[str, str]]:
+    """The environment settings to time: ``--sweep NAME=V1,V2`` or ``--settings "A=1 B=2;A=1"``."""
+    if args.settings:
+        return [dict(kv.split("=", 1) for kv in group.split()) for group in args.settings.split(";")]
+    if args.sweep:
+        var, values = args.sweep.split("=", 1)
+        return [{var: v} for v in values.split(",")]
+    return [{}]
+
+
+def _probe_shape(h: int, b: int, l: int, args, settings: list[dict[str, str]]) -> list[dict]:
     """Every format x backend x setting at one shape (one workload and query set)."""
     work = Workload(b, l)
     q, r = work.queries(h)
@@ -54,21 +64,21 @@ def _probe_shape(h: int, b: int, l: int, args, var: str, settings: list[str]) ->
         fi_us = bench(lambda: fi.run(q[:, 0], r[:, 0]))
     rows = []
     for name in args.formats.split(","):
-        cache = work.build(name)
+        cache = work.build(name, sink=args.sink, local=args.local)
         for backend in args.backends.split(","):
             for setting in settings:
-                if setting:
-                    os.environ[var] = setting
+                os.environ.update(setting)
 
                 def call(backend=backend, cache=cache):
                     return qm.attention(q, r, cache, backend=backend, **kw)
 
                 eager = bench(call)
                 graph = bench(graphed(call))
-                if var:
+                for var in setting:
                     os.environ.pop(var, None)
                 row = {"H": h, "B": b, "L": l, "format": name, "backend": backend, "eager_us": eager,
-                       "graph_us": graph, "flashinfer_us": fi_us, "setting": f"{var}={setting}" if setting else ""}
+                       "graph_us": graph, "flashinfer_us": fi_us, "sink": args.sink, "local": args.local,
+                       "setting": " ".join(f"{k}={v}" for k, v in setting.items())}
                 rows.append(row)
                 fi_txt = f"  FI {fi_us:7.1f} us: eager {eager / fi_us:5.2f}x graph {graph / fi_us:5.2f}x" if fi_us else ""
                 print(f"H{h} B{b} L{l} {name} {backend:<6} {row['setting']:<32} eager {eager:8.1f} us  "
@@ -83,13 +93,17 @@ def main(argv=None) -> None:
     ap.add_argument("--backends", default="cupy,triton")
     ap.add_argument("--sweep", default=None,
                     help="NAME=V1,V2,...: an environment variable to sweep (read per call by the launchers)")
+    ap.add_argument("--settings", default=None,
+                    help='"A=1 B=2;A=1;...": environment settings to time one after another (instead of --sweep)')
+    ap.add_argument("--protection", default="4,128", help="sink,local of the probed caches (0,0: none)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    var, settings = (args.sweep.split("=", 1)[0], args.sweep.split("=", 1)[1].split(",")) if args.sweep else ("", [""])
+    args.sink, args.local = (int(x) for x in args.protection.split(","))
+    settings = _settings(args)
     rows = []
     for shape in args.shapes.split(","):
         h, b, l = (int(x) for x in shape.split("x"))
-        rows += _probe_shape(h, b, l, args, var, settings)
+        rows += _probe_shape(h, b, l, args, settings)
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:

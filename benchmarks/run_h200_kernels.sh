@@ -7,6 +7,7 @@
 #   bash benchmarks/run_h200_kernels.sh sweep    # CuPy v2 knobs (registers/CTAs per SM, copy stages, row groups)
 #   bash benchmarks/run_h200_kernels.sh writer   # writers on a 128K prompt: Triton (tokens/program x warps), CuPy, ncu
 #   bash benchmarks/run_h200_kernels.sh v3       # CuPy v3: conformance (4 and 8 warps), sanitizers, v2 vs v3 graphed
+#   bash benchmarks/run_h200_kernels.sh protected  # the protected-only launch on a second stream: conformance, graphs, timings
 # Results land in $OUT.
 set -u
 MODE=${1:-check}
@@ -38,14 +39,31 @@ elif [ "$MODE" = v3 ]; then
   echo "=== cupy v3 memcheck"; timeout 90 compute-sanitizer --tool memcheck $T tests/test_cupy_v3.py -k "v3_matches and (L17_31_100 or L40_33)" 2>&1 | tail -2
   echo "=== v2 vs v3 (CUDA graphs)"; timeout 200 python3 -P benchmarks/graph_probe.py --backends cupy --sweep QUANTMLA_CUPY_ATTENTION=v2,v3 \
     --shapes 16x8x4096,16x32x32768,16x128x32768,128x32x32768 --formats C4R4,C2R4 --json "$OUT/graph_v2_v3.json" 2>&1 | grep -v "^{" | tail -16
+elif [ "$MODE" = protected ]; then
+  echo "=== side-stream conformance + graph capture"; timeout 150 $T tests/test_cupy_v3.py tests/test_cupy_backend.py \
+    -k "side_stream or cuda_graph" 2>&1 | tail -3 | tee "$OUT/protected_stream.txt"
+  echo "=== side-stream racecheck"; QUANTMLA_CUPY_PROTECTED_STREAM=1 timeout 90 compute-sanitizer --tool racecheck $T tests/test_cupy_v3.py \
+    -k "v3_matches and L17_31_100" 2>&1 | tail -2
+  V3="QUANTMLA_CUPY_ATTENTION=v3"; V2="QUANTMLA_CUPY_ATTENTION=v2"; SIDE="QUANTMLA_CUPY_PROTECTED_STREAM=1"; SEP="QUANTMLA_CUPY_V2_PROTECTED=separate"
+  echo "=== protected launch: one stream vs two (CUDA graphs)"; timeout 240 python3 -P benchmarks/graph_probe.py --backends cupy \
+    --settings "$V3;$V3 $SIDE;$V2;$V2 $SEP $SIDE" --shapes ${PROT_SHAPES:-16x8x4096,16x32x4096,16x32x32768,16x128x32768,128x32x32768} \
+    --formats C4R4 --json "$OUT/graph_protected_stream.json" 2>&1 | grep -v "^{" | tail -24
+  echo "=== no protected tokens (sink = local = 0)"; timeout 120 python3 -P benchmarks/graph_probe.py --backends cupy --protection 0,0 \
+    --settings "$V3;$V2" --shapes ${PROT_SHAPES:-16x8x4096,16x32x4096,16x32x32768,16x128x32768,128x32x32768} --formats C4R4 \
+    --json "$OUT/graph_no_protection.json" 2>&1 | grep -v "^{" | tail -12
+  echo "=== v2 split floor at short contexts"; timeout 90 python3 -P benchmarks/graph_probe.py --backends cupy \
+    --settings "$V2 QUANTMLA_CUPY_V2_MIN_TILES=2;$V2 QUANTMLA_CUPY_V2_MIN_TILES=4;$V2 $SEP $SIDE QUANTMLA_CUPY_V2_MIN_TILES=4" \
+    --shapes 16x8x4096,16x32x4096 --formats C4R4 --json "$OUT/graph_min_tiles.json" 2>&1 | grep -v "^{" | tail -8
 elif [ "$MODE" = check_triton ]; then
   echo "=== triton v2 conformance"; timeout 560 $T tests/test_triton_backend.py -x -k "v2 or variant" 2>&1 | tail -6 | tee "$OUT/triton_v2.txt"
 elif [ "$MODE" = writer ]; then
+  echo "=== writer conformance"; timeout 150 $T tests/test_writer_rules.py tests/test_triton_backend.py tests/test_cupy_backend.py \
+    -k "writ or edges" 2>&1 | tail -3 | tee "$OUT/writer_conformance.txt"
   echo "=== writer probe"; timeout 240 python3 -P benchmarks/writer_probe.py --json "$OUT/writer_probe.json" ${WRITER_ARGS:-} 2>&1 | tail -40
   NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
   echo "=== ncu triton writer"; timeout 120 $NCU -k regex:write_kernel -s 3 -c 1 --section SpeedOfLight --section Occupancy \
     --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis --section LaunchStats \
-    python3 -P benchmarks/writer_probe.py --configs 4x4 > "$OUT/ncu_writer.txt" 2>&1; grep -v "^==PROF==" "$OUT/ncu_writer.txt" | grep -A120 "write_kernel" | head -120
+    python3 -P benchmarks/writer_probe.py --configs ${NCU_WRITER_CONFIG:-1x1} > "$OUT/ncu_writer.txt" 2>&1; grep -v "^==PROF==" "$OUT/ncu_writer.txt" | grep -A120 "write_kernel" | head -120
 elif [ "$MODE" = profile ]; then
   NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
   SECS="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis"

@@ -637,11 +637,16 @@ def test_v1_launch_arguments_match_kernel_signature(monkeypatch, variant, dtype)
 
 # ------------------------------------------------------------------ CUDA graphs (GPU)
 @gpu
-@pytest.mark.parametrize("backend,name,dtype", [("cupy", "C4R4", "bfloat16"), ("cupy", "C8R8", "float32"),
-                                                ("triton", "C4R4", "bfloat16")], ids=["cupy-v2", "cupy-v1", "triton-v2"])
-def test_cuda_graph_capture_and_replay(backend, name, dtype):
+@pytest.mark.parametrize("backend,name,dtype,env", [
+    ("cupy", "C4R4", "bfloat16", {}), ("cupy", "C8R8", "float32", {}), ("triton", "C4R4", "bfloat16", {}),
+    ("cupy", "C4R4", "bfloat16", {"QUANTMLA_CUPY_ATTENTION": "v3", "QUANTMLA_CUPY_PROTECTED_STREAM": "1"}),
+], ids=["cupy-v2", "cupy-v1", "triton-v2", "cupy-v3-side-stream"])
+def test_cuda_graph_capture_and_replay(backend, name, dtype, env, monkeypatch):
     """A captured attention call replays bit-identically to the eager call, also after the memory
-    the capture freed has been reused, and follows new queries copied into its static inputs."""
+    the capture freed has been reused, and follows new queries copied into its static inputs
+    (v3 with its protected launch on a second stream: captured as a fork and a join)."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
     case = Case(qm.PackFormat.parse(name), (300, 1000, 77), heads=16, seed=23)
     batch = build(case)
     args = batch.to("cuda", dtype)

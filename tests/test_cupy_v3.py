@@ -35,6 +35,7 @@ from test_cupy_backend import (
 )
 
 import quantmla_core as qm
+from quantmla_core.testing import allocate, build
 
 #: (arch, format, d_c, d_r, group size, page size[, stages[, warps]])
 V3_BUILDS = [
@@ -208,6 +209,35 @@ def test_attention_v3_eight_warps(case, monkeypatch):
     monkeypatch.setenv(VARIANT_ENV, "v3")
     monkeypatch.setenv("QUANTMLA_CUPY_V3_WARPS", "8")
     check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("variant", ["v3", "v2-separate"])
+@pytest.mark.parametrize("case", V2_CASES[5:8] + BIG[:2], ids=str)
+def test_protected_launch_on_side_stream(case, variant, monkeypatch):
+    """QUANTMLA_CUPY_PROTECTED_STREAM=1 forks the protected-only launch onto a second stream: the
+    same partials and combine, so the result is bit-identical to the one-stream call."""
+    monkeypatch.setenv(VARIANT_ENV, variant.split("-")[0])
+    if variant == "v2-separate":
+        monkeypatch.setenv("QUANTMLA_CUPY_V2_PROTECTED", "separate")
+    check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
+    batch = build(case)
+    args = batch.to("cuda", "bfloat16")
+    cache = allocate(case, batch, "cuda")
+    qm.write(cache, args["latent"], args["k_rope"], slot_mapping=args["slot_mapping"], seq_ids=args["seq_ids"],
+             positions=args["positions"], seq_lens=args["seq_lens"], backend="cupy")
+
+    def attend():
+        return qm.attention(args["q_latent"], args["q_rope"], cache, block_table=args["block_table"],
+                            seq_lens=args["attn_seq_lens"], seq_ids=args["attn_seq_ids"],
+                            softmax_scale=batch.softmax_scale, backend="cupy")
+
+    same_stream = attend()
+    monkeypatch.setenv("QUANTMLA_CUPY_PROTECTED_STREAM", "1")
+    side_stream = attend()
+    torch.cuda.synchronize()
+    assert torch.equal(same_stream[0], side_stream[0]) and torch.equal(same_stream[1], side_stream[1])
 
 
 @pytest.mark.gpu

@@ -150,15 +150,16 @@ def occupancy_from_resources(regs_per_thread: int, threads: int, smem_bytes: int
 _STREAMS: dict[tuple[int, int], Any] = {}
 
 
-def external_stream(device_index: int):
-    """``cupy.cuda.ExternalStream`` wrapping torch's current stream of ``device_index``.
+def external_stream(device_index: int, torch_stream=None):
+    """``cupy.cuda.ExternalStream`` wrapping ``torch_stream`` (default: torch's current stream
+    of ``device_index``).
 
     Cached per (device, stream handle): the wrapper owns nothing, so reusing it for a handle
     is safe, and it saves building one per launch (host overhead of small decode calls)."""
     import cupy
     import torch
 
-    ptr = torch.cuda.current_stream(device_index).cuda_stream
+    ptr = (torch_stream or torch.cuda.current_stream(device_index)).cuda_stream
     key = (device_index, ptr)
     s = _STREAMS.get(key)
     if s is None:

@@ -547,6 +547,25 @@ def _attention_v1(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softm
                               softmax_scale, dev)
 
 
+PROTECTED_STREAM_ENV = "QUANTMLA_CUPY_PROTECTED_STREAM"
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def protected_on_side_stream() -> bool:
+    """``QUANTMLA_CUPY_PROTECTED_STREAM`` (read per call): 1 runs the protected-only launch of v3
+    (and of v2's separate mode) on a second stream, concurrently with the split kernel."""
+    return bool(_env_int(PROTECTED_STREAM_ENV, 0, (0, 1)))
+
+
+def _side_stream(dev: int) -> torch.cuda.Stream:
+    """A second stream of device ``dev``, made once (one per device and process)."""
+    s = _SIDE_STREAMS.get(dev)
+    if s is None:
+        with _CACHE_LOCK:
+            s = _SIDE_STREAMS.setdefault(dev, torch.cuda.Stream(dev))
+    return s
+
+
 def _run_split_kernels(launches, combine, per: int, slots: int, q_latent, q_rope, cache, block_table, seq_lens,
                        seq_ids, softmax_scale: float, dev: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs in the kernels' dtypes, outputs and partials, then the split kernels (``launches``:
@@ -573,8 +592,19 @@ def _run_split_kernels(launches, combine, per: int, slots: int, q_latent, q_rope
         np.int32(per), np.int32(slots), np.float32(softmax_scale * LOG2E),
     )
     stream = external_stream(dev)
+    side = _side_stream(dev) if len(launches) > 1 and protected_on_side_stream() else None
+    if side is not None:
+        # fork: the protected-only launch runs beside the split kernel (captured as a parallel
+        # branch under CUDA graphs); the combine waits for both
+        current = torch.cuda.current_stream(dev)
+        side.wait_stream(current)
+        for fn, grid, block, smem in launches[1:]:
+            launch(fn, grid, block, args, dev, smem, stream=external_stream(dev, side))
+        launches = launches[:1]
     for fn, grid, block, smem in launches:
         launch(fn, grid, block, args, dev, smem, stream=stream)
+    if side is not None:
+        current.wait_stream(side)
     launch(combine, (b * rows,), (128,), (o_ptr, ml_ptr, u64(out.data_ptr()), u64(lse.data_ptr()), np.int32(slots)), dev,
            stream=stream)
     return out, lse
