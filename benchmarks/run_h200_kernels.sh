@@ -7,7 +7,8 @@
 #   bash benchmarks/run_h200_kernels.sh sweep    # CuPy v2 knobs (registers/CTAs per SM, copy stages, row groups)
 #   bash benchmarks/run_h200_kernels.sh writer   # writers on a 128K prompt: Triton (tokens/program x warps), CuPy, ncu
 #   bash benchmarks/run_h200_kernels.sh v3       # CuPy v3: conformance (4 and 8 warps), sanitizers, v2 vs v3 graphed
-#   bash benchmarks/run_h200_kernels.sh protected  # the protected-only launch on a second stream: conformance, graphs, timings
+#   bash benchmarks/run_h200_kernels.sh protected  # the protected-only kernel (bf16 vs v2 build, one stream vs two): conformance, sanitizers, graphs
+#   bash benchmarks/run_h200_kernels.sh protected_sweep  # caches without protected tokens; v2's split floor at short contexts
 # Results land in $OUT.
 set -u
 MODE=${1:-check}
@@ -40,14 +41,18 @@ elif [ "$MODE" = v3 ]; then
   echo "=== v2 vs v3 (CUDA graphs)"; timeout 200 python3 -P benchmarks/graph_probe.py --backends cupy --sweep QUANTMLA_CUPY_ATTENTION=v2,v3 \
     --shapes 16x8x4096,16x32x32768,16x128x32768,128x32x32768 --formats C4R4,C2R4 --json "$OUT/graph_v2_v3.json" 2>&1 | grep -v "^{" | tail -16
 elif [ "$MODE" = protected ]; then
-  echo "=== side-stream conformance + graph capture"; timeout 150 $T tests/test_cupy_v3.py tests/test_cupy_backend.py \
-    -k "side_stream or cuda_graph" 2>&1 | tail -3 | tee "$OUT/protected_stream.txt"
-  echo "=== side-stream racecheck"; QUANTMLA_CUPY_PROTECTED_STREAM=1 timeout 90 compute-sanitizer --tool racecheck $T tests/test_cupy_v3.py \
-    -k "v3_matches and L17_31_100" 2>&1 | tail -2
+  echo "=== protected kernel conformance, side stream, graph capture"; timeout 200 $T tests/test_cupy_protected.py \
+    tests/test_cupy_v3.py tests/test_cupy_backend.py -k "protected or side_stream or cuda_graph" 2>&1 | tail -3 | tee "$OUT/protected_conformance.txt"
+  echo "=== protected kernel racecheck / memcheck"; for tool in racecheck memcheck; do timeout 90 compute-sanitizer --tool $tool \
+    $T tests/test_cupy_protected.py -k "bf16 and v3 and (L17_31_100 or L900_16)" 2>&1 | tail -2; done
   V3="QUANTMLA_CUPY_ATTENTION=v3"; V2="QUANTMLA_CUPY_ATTENTION=v2"; SIDE="QUANTMLA_CUPY_PROTECTED_STREAM=1"; SEP="QUANTMLA_CUPY_V2_PROTECTED=separate"
-  echo "=== protected launch: one stream vs two (CUDA graphs)"; timeout 240 python3 -P benchmarks/graph_probe.py --backends cupy \
-    --settings "$V3;$V3 $SIDE;$V2;$V2 $SEP $SIDE" --shapes ${PROT_SHAPES:-16x8x4096,16x32x4096,16x32x32768,16x128x32768,128x32x32768} \
-    --formats C4R4 --json "$OUT/graph_protected_stream.json" 2>&1 | grep -v "^{" | tail -24
+  OLD="QUANTMLA_CUPY_PROTECTED_KERNEL=v2"
+  echo "=== protected launch: kernels, one stream vs two (CUDA graphs)"; timeout 300 python3 -P benchmarks/graph_probe.py --backends cupy \
+    --settings "$V3 $OLD;$V3;$V3 $SIDE;$V2;$V2 $SEP;$V2 $SEP $SIDE" \
+    --shapes ${PROT_SHAPES:-16x8x4096,16x32x4096,16x32x32768,16x128x32768,128x32x32768} \
+    --formats C4R4 --json "$OUT/graph_protected_kernel.json" 2>&1 | grep -v "^{" | tail -30
+elif [ "$MODE" = protected_sweep ]; then
+  V3="QUANTMLA_CUPY_ATTENTION=v3"; V2="QUANTMLA_CUPY_ATTENTION=v2"; SIDE="QUANTMLA_CUPY_PROTECTED_STREAM=1"; SEP="QUANTMLA_CUPY_V2_PROTECTED=separate"
   echo "=== no protected tokens (sink = local = 0)"; timeout 120 python3 -P benchmarks/graph_probe.py --backends cupy --protection 0,0 \
     --settings "$V3;$V2" --shapes ${PROT_SHAPES:-16x8x4096,16x32x4096,16x32x32768,16x128x32768,128x32x32768} --formats C4R4 \
     --json "$OUT/graph_no_protection.json" 2>&1 | grep -v "^{" | tail -12

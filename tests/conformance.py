@@ -14,9 +14,14 @@ def _pages_np(cache) -> np.ndarray:
     return cache.pages if isinstance(cache.pages, np.ndarray) else cache.pages.cpu().numpy()
 
 
-def assert_pages_match(fmt: qm.PackFormat, got: np.ndarray, want: np.ndarray, written_pages: np.ndarray) -> None:
+def assert_pages_match(fmt: qm.PackFormat, got: np.ndarray, want: np.ndarray, written_pages: np.ndarray,
+                       inputs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
     """Codes may differ by ±1 only where the reference's x/s sits on a .5 boundary (DESIGN §3.1);
-    scales, zeros and BF16 values must be identical. Checked per section on written pages."""
+    scales, zeros and BF16 values must be identical. Checked per section on written pages.
+    ``inputs``: (latent, k_rope, slot_mapping) as written; with them every differing code is held
+    to the rule itself (:func:`assert_code_diffs_at_half`), without them at most 0.1 % may differ
+    (bfloat16 inputs put x/s exactly on a tie for ~0.1-0.2 % of 8-bit codes, where a kernel that
+    rounds an exact product may go either way)."""
     for name, (off, size) in fmt.sections.items():
         g = got[written_pages, off : off + size]
         w = want[written_pages, off : off + size]
@@ -25,9 +30,12 @@ def assert_pages_match(fmt: qm.PackFormat, got: np.ndarray, want: np.ndarray, wr
             gu, wu = ref.unpack(g, bits).astype(int), ref.unpack(w, bits).astype(int)
             diff = np.abs(gu - wu)
             assert diff.max() <= 1, f"{name}: code differs by {diff.max()}"
-            assert (diff > 0).mean() < 1e-3, f"{name}: {(diff > 0).mean():.2%} codes differ by 1"
+            if inputs is None:
+                assert (diff > 0).mean() < 1e-3, f"{name}: {(diff > 0).mean():.2%} codes differ by 1"
         else:
             assert np.array_equal(g, w), f"{name}: bytes differ in {(g != w).sum()} places"
+    if inputs is not None:
+        assert_code_diffs_at_half(fmt, got, want, *inputs)
 
 
 def _token_sections(fmt: qm.PackFormat, pages: np.ndarray, slots: np.ndarray, name: str) -> np.ndarray:
@@ -96,11 +104,9 @@ def write_both(case: Case, backend: str, device: str, dtype: str = "float32"):
 def check_writer(case: Case, backend: str, device: str, dtype: str = "float32") -> None:
     batch, cache, want = write_both(case, backend, device, dtype)
     written = np.unique(batch.slot_mapping[batch.slot_mapping >= 0] // case.fmt.page_size)
-    got_pages = _pages_np(cache)
-    assert_pages_match(case.fmt, got_pages, want.pages.numpy(), written)
     host = batch.to("cpu", dtype)
-    assert_code_diffs_at_half(case.fmt, got_pages, want.pages.numpy(), host["latent"].float().numpy(),
-                              host["k_rope"].float().numpy(), batch.slot_mapping)
+    inputs = (host["latent"].float().numpy(), host["k_rope"].float().numpy(), batch.slot_mapping)
+    assert_pages_match(case.fmt, _pages_np(cache), want.pages.numpy(), written, inputs)
     for buf in ("sink_buf", "local_buf"):
         got, exp = getattr(cache, buf), getattr(want, buf)
         got = torch.as_tensor(got).cpu().float()

@@ -577,13 +577,14 @@ def test_v2_tile_knob_reaches_defines_smem_and_splits(monkeypatch, h):
 @pytest.mark.parametrize("tile", ["32", "64"])
 @pytest.mark.parametrize("prot", [True, False])
 def test_v2_separate_protected_launches(monkeypatch, prot, tile):
-    """QUANTMLA_CUPY_V2_PROTECTED=separate: a packed-only split kernel (mode 1), a protected-only
-    kernel with a sink CTA and one CTA per local-window tile per row chunk (mode 2, the last
+    """QUANTMLA_CUPY_V2_PROTECTED=separate with QUANTMLA_CUPY_PROTECTED_KERNEL=v2: a packed-only
+    split kernel (mode 1), v2's protected-only build with a sink CTA and one CTA per local-window tile per row chunk (mode 2, the last
     partials), and one combine over all of them. A cache without sink/local tokens ignores it (one split kernel). The
     protected-only kernel keeps 32-token tiles (it spills at 64)."""
     launches, kernels, fmt, b = _run_v2_stubbed(monkeypatch, 16, 1, prot, {"QUANTMLA_CUPY_V2_PROTECTED": "separate",
                                                                           "QUANTMLA_CUPY_V2_MINB": "3",
-                                                                          "QUANTMLA_CUPY_V2_TILE": tile})
+                                                                          "QUANTMLA_CUPY_V2_TILE": tile,
+                                                                          "QUANTMLA_CUPY_PROTECTED_KERNEL": "v2"})
     params = _kernel_params("attention_v2.cu", "qmla_attn_v2")
     if not prot:
         assert len(launches) == 2 and launches[0][0].defines["QMLA_V2_PROT_MODE"] == 0

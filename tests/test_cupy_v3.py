@@ -20,6 +20,7 @@ from conformance import check_attention_case
 from quantmla_core.backends.cupy import KERNEL_DIR, define_options
 from quantmla_core.backends.cupy.attention import (
     VARIANT_ENV,
+    protected_smem_bytes,
     select_variant,
     v3_defines,
     v3_smem_bytes,
@@ -157,9 +158,11 @@ def test_v3_launches_match_kernel_signatures(monkeypatch, h, s_q, prot):
     splits, per = grid[1], int(args[params.index("int tiles_per_split")])
     assert splits * per * 64 >= 9 * fmt.page_size and (splits - 1) * per * 64 < 9 * fmt.page_size
     slots = int(args[params.index("int num_splits")])
-    if prot:  # v2's protected-only build adds the sink and the 128-token local window (5 tiles) as the last partials
-        prot_k, pgrid, pblock, pargs, _ = launches[1]
-        assert prot_k.kernel == "qmla_attn_v2" and prot_k.defines["QMLA_V2_PROT_MODE"] == 2
+    if prot:  # the protected-only kernel adds the sink and the 128-token local window (5 tiles) as the last partials
+        prot_k, pgrid, pblock, pargs, psmem = launches[1]
+        assert (prot_k.source, prot_k.kernel) == ("protected.cu", "qmla_attn_protected")
+        assert _kernel_params("protected.cu", "qmla_attn_protected") == params
+        assert psmem == protected_smem_bytes(fmt) == prot_k.defines["QMLA_PROT_SMEM_EXPECTED"]
         assert pgrid == (grid[0], 6) and pblock == (128,) and pargs == args and slots == splits + 6
     else:
         assert len(launches) == 2 and slots == splits

@@ -82,8 +82,7 @@ def test_quantizer_edges_match_reference(backend, device, name):
     slots = np.random.default_rng(8).permutation(3 * 16)[: len(latent)].astype(np.int64)
     got, want = _write(backend, device, fmt, latent, k_rope, slots)
     got_pages, want_pages = _np(got.pages), want.pages.numpy()
-    assert_pages_match(fmt, got_pages, want_pages, np.unique(slots // 16))
-    assert_code_diffs_at_half(fmt, got_pages, want_pages, latent, k_rope, slots)
+    assert_pages_match(fmt, got_pages, want_pages, np.unique(slots // 16), (latent, k_rope, slots))
     for buf in ("sink_buf", "local_buf"):
         assert np.array_equal(_np(getattr(got, buf)).astype(np.float32), getattr(want, buf).numpy(), equal_nan=True), buf
     scales = got_pages[:, fmt.content_scales_offset : fmt.content_zeros_offset].copy().view("<u2")
@@ -128,3 +127,47 @@ def test_half_boundary_checker_rejects_other_differences(element, delta):
     got = _bump_content_code(fmt, want, 5, element, delta)
     with pytest.raises(AssertionError, match="other than across a .5 boundary"):
         assert_code_diffs_at_half(fmt, got, want, latent, k_rope, slots)
+
+
+def _fused_product_codes(x: np.ndarray, bits: int, group: int, scale_dtype: str) -> np.ndarray:
+    """Codes as a GPU writer computes them: rint of the exact product (x·2^-64)·rn(2^64/s) (one
+    rounding, as an FMA-contracted ``rint`` gives), plus the reference's zero point."""
+    _, s, z = ref.quantize_groups(x, bits, group, scale_dtype)
+    g = np.where(np.isfinite(x), x, 0).reshape(len(x), -1, group).astype(np.float32)
+    r = (np.float32(2.0**64) / s).astype(np.float32)
+    product = (g * np.float32(2.0**-64)).astype(np.float64) * r[..., None].astype(np.float64)  # exact in float64
+    return np.clip(np.rint(product) + z[..., None], 0, 2**bits - 1).astype(np.uint8).reshape(x.shape)
+
+
+def test_exact_ties_of_bfloat16_inputs_pass_the_rule():
+    """bfloat16 inputs put x/s exactly on a .5 tie for ~0.1 % of 8-bit codes; a kernel rounding the
+    exact product resolves those ties either way. The strict rule accepts that (the 0.1 % proxy,
+    used where the inputs are unknown, failed 11 GPU writer cases on it), and a real error is still caught."""
+    fmt = qm.PackFormat.parse("C8R8", page_size=16)
+    rng = np.random.default_rng(12)
+    n = 48
+    latent = torch.from_numpy(rng.standard_normal((n, 512)).astype(np.float32)).bfloat16().float().numpy()
+    k_rope = torch.from_numpy(2 * rng.standard_normal((n, 64)).astype(np.float32)).bfloat16().float().numpy()
+    slots = rng.permutation(3 * 16)[:n].astype(np.int64)
+    _, want = _write("torch", "cpu", fmt, latent, k_rope, slots)
+    want = want.pages.numpy()
+    got = want.copy()
+    for path, x, bits, group, scale_dtype in (
+        ("content", latent, fmt.content_bits, fmt.content_group_size, fmt.content_scale_dtype),
+        ("rope", k_rope, fmt.rope_bits, fmt.rope_group_size, fmt.rope_scale_dtype),
+    ):
+        codes = _fused_product_codes(x, bits, group, scale_dtype)
+        off, size = fmt.sections[f"{path}_codes"]
+        per = size // fmt.page_size
+        for i, slot in enumerate(slots):
+            page, t = divmod(int(slot), fmt.page_size)
+            got[page, off + t * per : off + (t + 1) * per] = ref.pack(codes[i], bits)
+    written = np.unique(slots // 16)
+    inputs = (latent, k_rope, slots)
+    assert_pages_match(fmt, got, want, written, inputs)
+    assert (got != want).any()  # ties were resolved the other way, so the rule is exercised
+    page, t = divmod(int(slots[0]), fmt.page_size)
+    code = got[page, fmt.content_codes_offset + t * fmt.content_code_bytes + 7]  # 8-bit: byte 7 is element 7
+    bumped = _bump_content_code(fmt, got, int(slots[0]), 7, +1 if code < 255 else -1)
+    with pytest.raises(AssertionError, match="other than across a .5 boundary"):
+        assert_pages_match(fmt, bumped, want, written, inputs)

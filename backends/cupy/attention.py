@@ -413,7 +413,8 @@ def v2_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
             knobs: V2Knobs, sink: int = 0, local: int = 0) -> SplitPlan:
     """The launch plan of kernel v2 (cached per shape and knobs: steady-state decode reuses it).
     ``sink``/``local``: the cache's protected tokens (size the separate mode's protected launch)."""
-    key = (fmt, dev, sm_count, batch, rows, max_pages, no_prot, knobs, sink, local)
+    prot_kind = protected_kernel_choice()
+    key = (fmt, dev, sm_count, batch, rows, max_pages, no_prot, knobs, sink, local, prot_kind)
     plan = _PLANS.get(key)
     if plan is None:
         row_groups = (rows + 15) // 16
@@ -428,7 +429,7 @@ def v2_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
                                      knobs.tile)
         launches = [(attn, (batch * chunks, splits), block, smem)]
         if separate:
-            launches.append(_protected_launch(fmt, dev, batch * chunks, rg, knobs.lazy, sink, local))
+            launches.append(_protected_launch(fmt, dev, batch, rows, sink, local, prot_kind, rg, knobs.lazy))
         nprot = protected_ctas(sink, local) if separate else 0
         plan = SplitPlan(tuple(launches), _combine_kernel(fmt, dev), per, splits + nprot)
         with _CACHE_LOCK:
@@ -436,13 +437,45 @@ def v2_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
     return plan
 
 
-def _protected_launch(fmt: PackFormat, dev: int, row_chunks: int, rg: int, lazy: bool, sink: int, local: int) -> tuple:
-    """(kernel, grid, block, shared bytes) of v2's protected-only build (``QMLA_V2_PROT_MODE`` 2):
-    the sink and local-window tokens as :func:`protected_ctas` more partials per row chunk, 32-token
-    tiles whatever the split kernel uses (it covers ~132 tokens per request, and its all-protected
-    build spills at 64: 12 B)."""
-    prot, psmem = _v2_kernel(fmt, dev, rg, 1, v2_default_stages(V2_TILE), lazy, False, 2, V2_TILE)
-    return prot, (row_chunks, protected_ctas(sink, local)), (V2_WARPS * 32 * rg,), psmem
+PROTECTED_KERNEL_ENV = "QUANTMLA_CUPY_PROTECTED_KERNEL"
+#: the protected-only launch: ``bf16`` (kernels/protected.cu, the default) or ``v2`` (v2's
+#: QMLA_V2_PROT_MODE 2 build, kept for A/B measurements)
+PROTECTED_KERNELS = ("bf16", "v2")
+
+
+def protected_kernel_choice() -> str:
+    """``QUANTMLA_CUPY_PROTECTED_KERNEL`` (read per call), ``bf16`` when unset."""
+    return _env_choice(PROTECTED_KERNEL_ENV, "bf16", PROTECTED_KERNELS)
+
+
+def protected_smem_bytes(fmt: PackFormat) -> int:
+    """Dynamic shared memory of ``kernels/protected.cu``: 16 query rows and 32 key rows of
+    d_c + d_r bfloat16 values padded by 8, P as bfloat16 [16][40], row maxima and sums [2][4][16]."""
+    row = fmt.latent_dim + fmt.rope_dim + 8
+    return (16 + V2_TILE) * row * 2 + 16 * (V2_TILE + 8) * 2 + 2 * V2_WARPS * 16 * 4
+
+
+def _protected_launch(fmt: PackFormat, dev: int, batch: int, rows: int, sink: int, local: int, kind: str = "bf16",
+                      rg: int = 1, lazy: bool = False) -> tuple:
+    """(kernel, grid, block, shared bytes) of the protected-only launch: the sink and local-window
+    tokens as :func:`protected_ctas` more partials per 16-row chunk, one 32-token tile per CTA.
+    ``kind`` ``bf16``: ``kernels/protected.cu``; ``v2``: v2's ``QMLA_V2_PROT_MODE`` 2 build with
+    ``rg`` row groups per CTA (it covers ~132 tokens per request, and its all-protected build
+    spills at 64-token tiles: 12 B)."""
+    if kind == "v2":
+        prot, psmem = _v2_kernel(fmt, dev, rg, 1, v2_default_stages(V2_TILE), lazy, False, 2, V2_TILE)
+        chunks = (rows + 16 * rg - 1) // (16 * rg)
+        return prot, (batch * chunks, protected_ctas(sink, local)), (V2_WARPS * 32 * rg,), psmem
+    key = ("protected", fmt.latent_dim, fmt.rope_dim, dev)
+    fn = _FNS.get(key)
+    if fn is None:
+        smem = protected_smem_bytes(fmt)
+        defines = {"QMLA_DC": fmt.latent_dim, "QMLA_DR": fmt.rope_dim, "QMLA_PROT_SMEM_EXPECTED": smem}
+        fn = (get_kernel("protected.cu", "qmla_attn_protected", defines, dev, smem), smem)
+        with _CACHE_LOCK:
+            _FNS[key] = fn
+    kernel, smem = fn
+    return kernel, (batch * ((rows + 15) // 16), protected_ctas(sink, local)), (V2_WARPS * 32,), smem
 
 
 def _attention_planned(make_plan, knobs, q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale, dev,
@@ -494,7 +527,8 @@ def v3_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
             knobs: V3Knobs, sink: int = 0, local: int = 0) -> SplitPlan:
     """The launch plan of kernel v3: its split kernel over packed tokens and, when the cache keeps
     sink/local tokens, v2's protected-only launch adding them as more partials per row."""
-    key = ("v3", fmt, dev, sm_count, batch, rows, max_pages, no_prot, knobs, sink, local)
+    prot_kind = protected_kernel_choice()
+    key = ("v3", fmt, dev, sm_count, batch, rows, max_pages, no_prot, knobs, sink, local, prot_kind)
     plan = _PLANS.get(key)
     if plan is None:
         chunks = (rows + 15) // 16
@@ -508,7 +542,7 @@ def v3_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
                                      V3_TILE)
         launches = [(attn, (batch * chunks, splits), block, smem)]
         if not no_prot:
-            launches.append(_protected_launch(fmt, dev, batch * chunks, 1, False, sink, local))
+            launches.append(_protected_launch(fmt, dev, batch, rows, sink, local, prot_kind))
         nprot = 0 if no_prot else protected_ctas(sink, local)
         plan = SplitPlan(tuple(launches), _combine_kernel(fmt, dev), per, splits + nprot)
         with _CACHE_LOCK:
