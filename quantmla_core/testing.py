@@ -198,24 +198,44 @@ class StubKernel:
     smem: int = 0
 
 
+class LaunchLog(list):
+    """Recorded launches (kernel, grid, block, args, shared bytes); ``streams[i]``: the stream of
+    launch i, ``"side"`` for one forked onto the protected-only side stream, else None."""
+
+    def __init__(self):
+        super().__init__()
+        self.streams: list = []
+
+    def of(self, kernel: str) -> tuple[tuple, Any]:
+        """(record, stream) of the one launch of ``kernel`` (e.g. ``"qmla_attn_v3"``)."""
+        found = [(rec, st) for rec, st in zip(self, self.streams) if rec[0].kernel == kernel]
+        assert len(found) == 1, f"{len(found)} launches of {kernel}: {[rec[0].kernel for rec in self]}"
+        return found[0]
+
+
 def stub_cupy_launcher(monkeypatch: Any, sm_count: int = 132) -> tuple[list, list]:
     """Let ``quantmla_core.backends.cupy.attention`` run its host logic without a GPU: compilation
     returns :class:`StubKernel`, launches are recorded, the device is an sm_90 with ``sm_count``
     SMs holding 2 CTAs each, and scratch lives on the CPU. ``monkeypatch``: pytest's fixture.
-    Returns (kernels asked for, launches as (kernel, grid, block, args, shared bytes))."""
+    Returns (kernels asked for, launches as a :class:`LaunchLog`)."""
     from .backends.cupy import attention as A
 
     kernels: list = []
-    launches: list = []
+    launches = LaunchLog()
 
     def get_kernel(source, kernel, defines, dev, smem=0):
         kernels.append((source, kernel))
         return StubKernel(source, kernel, defines, smem)
 
+    def launch(fn, grid, block, args, dev, smem=0, stream=None):
+        launches.append((fn, grid, block, args, smem))
+        launches.streams.append(stream)
+
     monkeypatch.setattr(A, "get_kernel", get_kernel)
-    monkeypatch.setattr(A, "launch", lambda fn, grid, block, args, dev, smem=0, stream=None:
-                        launches.append((fn, grid, block, args, smem)))
-    monkeypatch.setattr(A, "external_stream", lambda dev: None)
+    monkeypatch.setattr(A, "launch", launch)
+    monkeypatch.setattr(A, "external_stream", lambda dev, torch_stream=None: torch_stream)
+    monkeypatch.setattr(A, "_fork_side_stream", lambda dev: "side")
+    monkeypatch.setattr(A, "_join_side_stream", lambda dev, side: None)
     monkeypatch.setattr(A, "_device_info", lambda dev: (sm_count, (9, 0)))
     monkeypatch.setattr(A, "resident_ctas", lambda fn, threads, smem, dev, sms: 2 * sms)
     monkeypatch.setattr(A, "_workspace", lambda dev, n: torch.empty(n, dtype=torch.float32))

@@ -18,11 +18,12 @@ from quantmla_core.backends.cupy import KERNEL_DIR, CupyBackend, define_options
 from quantmla_core.backends.cupy.attention import (
     VARIANT_ENV,
     attention_defines,
+    protected_ctas,
+    protected_defines,
     select_variant,
     v2_default_stages,
     v2_defines,
     v2_smem_bytes,
-    protected_ctas,
     v2_unsupported_reasons,
     v3_defines,
 )
@@ -97,7 +98,7 @@ def test_sources_take_layout_from_packformat():
 
     fmt = qm.PackFormat.parse("C4R4")
     given = (set(writer_defines(fmt, "float32")) | set(attention_defines(fmt, "float32")) | set(v2_defines(fmt, 2))
-             | set(v3_defines(fmt)))
+             | set(v3_defines(fmt)) | set(protected_defines(fmt)))
     sources = list(KERNEL_DIR.glob("*.cu*"))
     defined_in_sources = {d for src in sources for d in re.findall(r"#define\s+(QMLA_[A-Z0-9_]+)", src.read_text())}
     for src in sources:
@@ -523,9 +524,11 @@ def _run_v2_stubbed(monkeypatch, h: int, s_q: int, prot: bool, env: dict[str, st
 @pytest.mark.parametrize("h,s_q,rg_env,prot", [(16, 1, "", True), (128, 1, "", True), (20, 16, "1", True), (3, 2, "", False)])
 def test_v2_launch_arguments_match_kernel_signature(monkeypatch, h, s_q, rg_env, prot):
     """Run the v2 launcher on the CPU with the CUDA calls stubbed: the argument list must match
-    qmla_attn_v2's parameters in number and type, and the grid/block/shared sizes the plan."""
+    qmla_attn_v2's parameters in number and type, and the grid/block/shared sizes the plan
+    (inline protected tokens; the default separate mode: tests/test_cupy_protected.py)."""
     # with rg_env the lazy-rescale knob is set too: it must reach the compile defines
     env = {"QUANTMLA_CUPY_V2_RG": rg_env, "QUANTMLA_CUPY_V2_LAZY_RESCALE": "1"} if rg_env else {}
+    env["QUANTMLA_CUPY_V2_PROTECTED"] = "inline"
     launches, kernels, fmt, b = _run_v2_stubbed(monkeypatch, h, s_q, prot, env)
     assert [k for k in kernels] == [("attention_v2.cu", "qmla_attn_v2"), ("attention.cu", "qmla_combine")]
     (attn, grid, block, args, smem), (_comb, cgrid, _cblock, cargs, _) = launches
@@ -561,13 +564,13 @@ def test_v2_tile_knob_reaches_defines_smem_and_splits(monkeypatch, h):
     """QUANTMLA_CUPY_V2_TILE=64: the kernel is built for 64-token tiles with 3 copy stages, the
     launch asks for that build's shared memory, and the splits count 64-token tiles."""
     launches, _kernels, fmt, _b = _run_v2_stubbed(monkeypatch, h, 1, True, {"QUANTMLA_CUPY_V2_TILE": "64"})
-    (attn, _grid, _block, args, smem), _ = launches
+    (attn, grid, _block, args, smem), _ = launches.of("qmla_attn_v2")
     params = _kernel_params("attention_v2.cu", "qmla_attn_v2")
     rg = attn.defines["QMLA_V2_RG"]
     assert attn.defines["QMLA_V2_T"] == 64 and attn.defines["QMLA_V2_STAGES"] == v2_default_stages(64) == 3
     assert smem == v2_smem_bytes(fmt, rg, 3, 64) == attn.defines["QMLA_V2_SMEM"]
     assert smem < v2_smem_bytes(fmt, rg, 4, 64)  # 4 stages of 64 tokens would not leave room for 2 CTAs per SM
-    splits, per = int(args[params.index("int num_splits")]), int(args[params.index("int tiles_per_split")])
+    splits, per = grid[1], int(args[params.index("int tiles_per_split")])  # num_splits adds the protected partials
     assert splits * per * 64 >= 5 * fmt.page_size and (splits - 1) * per * 64 < 5 * fmt.page_size
     monkeypatch.setenv("QUANTMLA_CUPY_V2_TILE", "48")
     with pytest.raises(ValueError, match="QUANTMLA_CUPY_V2_TILE"):

@@ -15,7 +15,7 @@ import tempfile
 import pytest
 from conformance import check_attention_case
 from quantmla_core.backends.cupy import KERNEL_DIR, define_options
-from quantmla_core.backends.cupy.attention import VARIANT_ENV, protected_ctas, protected_smem_bytes
+from quantmla_core.backends.cupy.attention import VARIANT_ENV, protected_ctas, protected_defines, protected_smem_bytes
 from test_cupy_backend import BIG, NVCC, V2_CASES, _kernel_params, _run_v2_stubbed, gpu, ptxas_usage
 
 import quantmla_core as qm
@@ -27,7 +27,7 @@ PROTECTED_BUILDS = [(arch, dc, dr) for arch in ("sm_90", "sm_80") for dc, dr in 
 @pytest.mark.parametrize("arch,dc,dr", PROTECTED_BUILDS, ids=lambda v: str(v))
 def test_protected_kernel_compiles_without_spills(arch, dc, dr):
     fmt = qm.PackFormat.parse("C4R4", latent_dim=dc, rope_dim=dr)
-    defines = {"QMLA_DC": dc, "QMLA_DR": dr, "QMLA_PROT_SMEM_EXPECTED": protected_smem_bytes(fmt)}
+    defines = protected_defines(fmt)
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [NVCC, "-cubin", f"-arch={arch}", "--std=c++17", "-Xptxas", "-v", f"-I{KERNEL_DIR}",
                *define_options(defines), "-o", os.path.join(tmp, "k.cubin"), str(KERNEL_DIR / "protected.cu")]
@@ -41,7 +41,7 @@ def test_protected_kernel_compiles_without_spills(arch, dc, dr):
 def test_protected_kernel_checks_its_shared_memory_size():
     """A launcher whose size disagrees with the kernel's layout does not compile."""
     fmt = qm.PackFormat.parse("C4R4")
-    defines = {"QMLA_DC": 512, "QMLA_DR": 64, "QMLA_PROT_SMEM_EXPECTED": protected_smem_bytes(fmt) - 16}
+    defines = {**protected_defines(fmt), "QMLA_PROT_SMEM_EXPECTED": protected_smem_bytes(fmt) - 16}
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [NVCC, "-ptx", "-arch=sm_90", "--std=c++17", f"-I{KERNEL_DIR}", *define_options(defines),
                "-o", os.path.join(tmp, "k.ptx"), str(KERNEL_DIR / "protected.cu")]

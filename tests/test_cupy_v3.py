@@ -147,8 +147,8 @@ def test_v3_launches_match_kernel_signatures(monkeypatch, h, s_q, prot):
     launches, _kernels, fmt, b = _run_v3_stubbed(monkeypatch, h, s_q, prot)
     params = _kernel_params("attention_v3.cu", "qmla_attn_v3")
     assert params == _kernel_params("attention_v2.cu", "qmla_attn_v2")  # one argument list for both
-    attn, grid, block, args, smem = launches[0]
-    assert (attn.source, attn.kernel) == ("attention_v3.cu", "qmla_attn_v3")
+    (attn, grid, block, args, smem), stream = launches.of("qmla_attn_v3")
+    assert attn.source == "attention_v3.cu" and stream is None  # on the caller's stream
     assert len(args) == len(params)
     for a, p in zip(args, params):
         assert isinstance(a, np.uint64 if "*" in p else np.int32 if p.startswith("int ") else np.float32), p
@@ -159,8 +159,9 @@ def test_v3_launches_match_kernel_signatures(monkeypatch, h, s_q, prot):
     assert splits * per * 64 >= 9 * fmt.page_size and (splits - 1) * per * 64 < 9 * fmt.page_size
     slots = int(args[params.index("int num_splits")])
     if prot:  # the protected-only kernel adds the sink and the 128-token local window (5 tiles) as the last partials
-        prot_k, pgrid, pblock, pargs, psmem = launches[1]
-        assert (prot_k.source, prot_k.kernel) == ("protected.cu", "qmla_attn_protected")
+        (prot_k, pgrid, pblock, pargs, psmem), pstream = launches.of("qmla_attn_protected")
+        assert prot_k.source == "protected.cu" and pstream == "side"  # v3 forks it onto the side stream
+        assert launches[0][0] is prot_k  # launched first: its CTAs take SM slots before the split kernel's
         assert _kernel_params("protected.cu", "qmla_attn_protected") == params
         assert psmem == protected_smem_bytes(fmt) == prot_k.defines["QMLA_PROT_SMEM_EXPECTED"]
         assert pgrid == (grid[0], 6) and pblock == (128,) and pargs == args and slots == splits + 6
@@ -200,9 +201,9 @@ def test_attention_v3_matches_reference(case, monkeypatch):
 def test_v3_eight_warps_launch(monkeypatch):
     monkeypatch.setenv("QUANTMLA_CUPY_V3_WARPS", "8")
     launches, _kernels, fmt, _b = _run_v3_stubbed(monkeypatch, 16, 1, True)
-    attn, _grid, block, _args, smem = launches[0]
+    (attn, _grid, block, _args, smem), _ = launches.of("qmla_attn_v3")
     assert block == (256,) and attn.defines["QMLA_V3_NW"] == 8 and smem == v3_smem_bytes(fmt, warps=8)
-    assert launches[1][2] == (128,)  # the protected-only v2 launch keeps its 4 warps
+    assert launches.of("qmla_attn_protected")[0][2] == (128,)  # the protected-only launch keeps its 4 warps
 
 
 @pytest.mark.gpu

@@ -52,14 +52,15 @@ def _write(backend: str, device: str, fmt: qm.PackFormat, latent, k_rope, slots)
     n = len(slots)
     ids, pos, lens = np.zeros(n, np.int64), np.arange(n, dtype=np.int64), np.array([n], np.int64)
     pages = 3
+    protect = torch.bfloat16 if backend == "cupy" else torch.float32  # CuPy keeps bfloat16 protection buffers only
     if device == "numpy":
         got = qm.MLACache.allocate(fmt, pages, 1, sink=4, local=4, device="numpy")
         args = (latent, k_rope, slots, ids, pos, lens)
     else:
-        got = qm.MLACache.allocate(fmt, pages, 1, sink=4, local=4, device=device, protect_dtype=torch.float32)
+        got = qm.MLACache.allocate(fmt, pages, 1, sink=4, local=4, device=device, protect_dtype=protect)
         args = tuple(torch.from_numpy(a).to(device) for a in (latent, k_rope, slots, ids, pos, lens))
     got.pages[...] = POISON_BYTE
-    want = qm.MLACache.allocate(fmt, pages, 1, sink=4, local=4, device="cpu", protect_dtype=torch.float32)
+    want = qm.MLACache.allocate(fmt, pages, 1, sink=4, local=4, device="cpu", protect_dtype=protect)
     want.pages[...] = POISON_BYTE
     qm.write(got, *args[:2], slot_mapping=args[2], seq_ids=args[3], positions=args[4], seq_lens=args[5],
              backend=backend, validate=False)
@@ -68,7 +69,10 @@ def _write(backend: str, device: str, fmt: qm.PackFormat, latent, k_rope, slots)
 
 
 def _np(x) -> np.ndarray:
-    return x if isinstance(x, np.ndarray) else x.cpu().numpy()
+    """A NumPy copy of a page or protection buffer (bfloat16 widened to float32)."""
+    if isinstance(x, np.ndarray):
+        return x
+    return (x.float() if x.dtype == torch.bfloat16 else x).cpu().numpy()
 
 
 @pytest.mark.parametrize("name", ["C4R4", "C2R4", "C8R8"])
@@ -84,7 +88,7 @@ def test_quantizer_edges_match_reference(backend, device, name):
     got_pages, want_pages = _np(got.pages), want.pages.numpy()
     assert_pages_match(fmt, got_pages, want_pages, np.unique(slots // 16), (latent, k_rope, slots))
     for buf in ("sink_buf", "local_buf"):
-        assert np.array_equal(_np(getattr(got, buf)).astype(np.float32), getattr(want, buf).numpy(), equal_nan=True), buf
+        assert np.array_equal(_np(getattr(got, buf)).astype(np.float32), _np(getattr(want, buf)), equal_nan=True), buf
     scales = got_pages[:, fmt.content_scales_offset : fmt.content_zeros_offset].copy().view("<u2")
     assert np.isfinite((scales.astype(np.uint32) << 16).view(np.float32)).all()
 

@@ -9,9 +9,13 @@ Three attention kernels share the partials layout and the combine kernel:
   staged tile. Serves bfloat16 queries with 2/4-bit content and 4-bit RoPE codes (C4R4, C2R4).
 * ``v3`` (``kernels/attention_v3.cu``): tokens as the QK M dimension over all channels, P * s
   through shared memory, zero points by a correction MMA; 64-token tiles. Serves what v2 serves
-  with content groups of 64k channels, packed tokens only: the sink and local-window tokens come
-  from v2's protected-only build (one tile per CTA) as extra partials. On the H200 it takes
-  0.62-0.86x of v2's time from 32K tokens on, but has more fixed cost per call.
+  with content groups of 64k channels, packed tokens only. On the H200 it takes 0.62-0.86x of
+  v2's time from 32K tokens on, but has more fixed cost per call.
+
+v3 and v2 (``separate`` mode, the default) leave the sink and local-window tokens to
+``kernels/protected.cu``, a bfloat16 flash-decoding kernel (one 32-token tile per CTA) whose
+partials the combine merges with the split kernel's; it may run on a second stream beside the
+split kernel (:func:`protected_on_side_stream`).
 
 ``QUANTMLA_CUPY_ATTENTION`` (``auto``, the default: v3 where it serves and the block table holds
 at least :data:`V3_MIN_TOKENS` tokens, else v2 where it serves, else v1; or ``v1`` / ``v2`` /
@@ -20,10 +24,12 @@ at least :data:`V3_MIN_TOKENS` tokens, else v2 where it serves, else v1; or ``v1
 row-group count is even), ``QUANTMLA_CUPY_V2_STAGES`` (cp.async ring depth 3-5, default 4),
 ``QUANTMLA_CUPY_V2_MINB`` (minimum blocks per SM given to ``__launch_bounds__``, default 1),
 ``QUANTMLA_CUPY_V2_LAZY_RESCALE`` (1: skip the output rescale while no row's running maximum
-moves; bit-identical, default 0), ``QUANTMLA_CUPY_V2_PROTECTED``
-(``inline``, the default: sink/local tokens inside the split kernel; ``separate``: the split
-kernel reads packed tokens only, without the protected path, and a second small launch adds
-the sink and local tokens as more partials), ``QUANTMLA_CUPY_V3_STAGES`` (3 or 4) and
+moves; bit-identical, default 0), ``QUANTMLA_CUPY_V2_PROTECTED`` (``separate``, the default:
+the split kernel reads packed tokens only and the protected kernel adds the sink and local
+tokens; ``inline``: sink/local tokens inside the split kernel, from the bf16 buffers),
+``QUANTMLA_CUPY_PROTECTED_KERNEL`` (``bf16``, the default, or ``v2``: v2's protected-only build,
+kept for A/B runs), ``QUANTMLA_CUPY_PROTECTED_STREAM`` (0/1; unset: v3 always, v2 under CUDA-graph
+capture), ``QUANTMLA_CUPY_V3_STAGES`` (3 or 4) and
 ``QUANTMLA_CUPY_V3_MINB`` / ``QUANTMLA_CUPY_V3_LAZY_RESCALE`` (default 1: measured 1-2 % faster,
 bit-identical) / ``QUANTMLA_CUPY_V3_WARPS`` (4 or 8) are tuning knobs for measurements, also read per call.
 :func:`select_variant` says which kernel a call will run, and why.
@@ -394,7 +400,7 @@ class V2Knobs:
         return V2Knobs(rg, _env_int("QUANTMLA_CUPY_V2_MINB", 1, (1, 2, 3, 4)),
                        _env_int("QUANTMLA_CUPY_V2_STAGES", v2_default_stages(tile), (3, 4, 5)),
                        bool(_env_int("QUANTMLA_CUPY_V2_LAZY_RESCALE", 0, (0, 1))),
-                       _env_choice("QUANTMLA_CUPY_V2_PROTECTED", "inline", ("inline", "separate")) == "separate",
+                       _env_choice("QUANTMLA_CUPY_V2_PROTECTED", "separate", ("inline", "separate")) == "separate",
                        _env_int("QUANTMLA_CUPY_V2_MIN_TILES", V2_MIN_TILES_PER_SPLIT, (1, 2, 4, 8, 16)), tile)
 
 
@@ -455,6 +461,12 @@ def protected_smem_bytes(fmt: PackFormat) -> int:
     return (16 + V2_TILE) * row * 2 + 16 * (V2_TILE + 8) * 2 + 2 * V2_WARPS * 16 * 4
 
 
+def protected_defines(fmt: PackFormat) -> dict[str, int]:
+    """``-D`` defines of ``kernels/protected.cu``: the row widths and the shared memory size the
+    launch gives it (the kernel checks it against its own layout)."""
+    return {"QMLA_DC": fmt.latent_dim, "QMLA_DR": fmt.rope_dim, "QMLA_PROT_SMEM_EXPECTED": protected_smem_bytes(fmt)}
+
+
 def _protected_launch(fmt: PackFormat, dev: int, batch: int, rows: int, sink: int, local: int, kind: str = "bf16",
                       rg: int = 1, lazy: bool = False) -> tuple:
     """(kernel, grid, block, shared bytes) of the protected-only launch: the sink and local-window
@@ -470,8 +482,7 @@ def _protected_launch(fmt: PackFormat, dev: int, batch: int, rows: int, sink: in
     fn = _FNS.get(key)
     if fn is None:
         smem = protected_smem_bytes(fmt)
-        defines = {"QMLA_DC": fmt.latent_dim, "QMLA_DR": fmt.rope_dim, "QMLA_PROT_SMEM_EXPECTED": smem}
-        fn = (get_kernel("protected.cu", "qmla_attn_protected", defines, dev, smem), smem)
+        fn = (get_kernel("protected.cu", "qmla_attn_protected", protected_defines(fmt), dev, smem), smem)
         with _CACHE_LOCK:
             _FNS[key] = fn
     kernel, smem = fn
@@ -486,7 +497,7 @@ def _attention_planned(make_plan, knobs, q_latent, q_rope, cache, block_table, s
     plan = make_plan(cache.format, dev, sm_count, b, s_q * h, block_table.shape[1], no_prot, knobs, cache.sink,
                      cache.local)
     return _run_split_kernels(plan.launches, plan.combine, plan.per, plan.slots, q_latent, q_rope, cache, block_table,
-                              seq_lens, seq_ids, softmax_scale, dev)
+                              seq_lens, seq_ids, softmax_scale, dev, side_default=make_plan is v3_plan)
 
 
 def _v3_kernel(fmt: PackFormat, dev: int, stages: int, minb: int | None, lazy: bool = True, warps: int = V3_WARPS):
@@ -585,10 +596,14 @@ PROTECTED_STREAM_ENV = "QUANTMLA_CUPY_PROTECTED_STREAM"
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
-def protected_on_side_stream() -> bool:
-    """``QUANTMLA_CUPY_PROTECTED_STREAM`` (read per call): 1 runs the protected-only launch of v3
-    (and of v2's separate mode) on a second stream, concurrently with the split kernel."""
-    return bool(_env_int(PROTECTED_STREAM_ENV, 0, (0, 1)))
+def protected_on_side_stream(default: bool) -> bool:
+    """Whether the protected-only launch runs on a second stream, concurrently with the split
+    kernel (the result is bit-identical either way). ``QUANTMLA_CUPY_PROTECTED_STREAM`` (read per
+    call) 1 or 0 decides; unset, ``default``: the launchers' rule is v3 always and v2 under CUDA-graph
+    capture (measured, H200: 1-11 % less GPU time per call, but ~10-20 µs more host time per eager
+    call, which short v2 calls would pay)."""
+    raw = _env_int(PROTECTED_STREAM_ENV, -1, (-1, 0, 1))
+    return default if raw < 0 else bool(raw)
 
 
 def _side_stream(dev: int) -> torch.cuda.Stream:
@@ -600,11 +615,26 @@ def _side_stream(dev: int) -> torch.cuda.Stream:
     return s
 
 
+def _fork_side_stream(dev: int) -> torch.cuda.Stream:
+    """The side stream of ``dev``, ordered after the work queued so far on the current stream."""
+    side = _side_stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    return side
+
+
+def _join_side_stream(dev: int, side: torch.cuda.Stream) -> None:
+    """Order the current stream's next work after everything queued on ``side``."""
+    torch.cuda.current_stream(dev).wait_stream(side)
+
+
 def _run_split_kernels(launches, combine, per: int, slots: int, q_latent, q_rope, cache, block_table, seq_lens,
-                       seq_ids, softmax_scale: float, dev: int) -> tuple[torch.Tensor, torch.Tensor]:
+                       seq_ids, softmax_scale: float, dev: int, side_default: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs in the kernels' dtypes, outputs and partials, then the split kernels (``launches``:
     (kernel, grid, block, shared bytes); v1 and v2 share the argument list) and the LSE combine
-    over ``slots`` partials per row, all on torch's current stream."""
+    over ``slots`` partials per row, on torch's current stream; a protected-only launch (the second
+    of ``launches``) may fork onto a second stream (:func:`protected_on_side_stream`, with
+    ``side_default`` the launcher's rule outside graph capture)."""
     capturing = graph_capturing()
     table = _kernel_input("block_table", block_table, torch.int32, capturing)
     lens = _kernel_input("seq_lens", seq_lens, torch.int64, capturing)
@@ -626,19 +656,18 @@ def _run_split_kernels(launches, combine, per: int, slots: int, q_latent, q_rope
         np.int32(per), np.int32(slots), np.float32(softmax_scale * LOG2E),
     )
     stream = external_stream(dev)
-    side = _side_stream(dev) if len(launches) > 1 and protected_on_side_stream() else None
-    if side is not None:
+    side = None
+    if len(launches) > 1 and protected_on_side_stream(side_default or capturing):
         # fork: the protected-only launch runs beside the split kernel (captured as a parallel
         # branch under CUDA graphs); the combine waits for both
-        current = torch.cuda.current_stream(dev)
-        side.wait_stream(current)
+        side = _fork_side_stream(dev)
         for fn, grid, block, smem in launches[1:]:
             launch(fn, grid, block, args, dev, smem, stream=external_stream(dev, side))
         launches = launches[:1]
     for fn, grid, block, smem in launches:
         launch(fn, grid, block, args, dev, smem, stream=stream)
     if side is not None:
-        current.wait_stream(side)
+        _join_side_stream(dev, side)
     launch(combine, (b * rows,), (128,), (o_ptr, ml_ptr, u64(out.data_ptr()), u64(lse.data_ptr()), np.int32(slots)), dev,
            stream=stream)
     return out, lse

@@ -10,40 +10,6 @@ from .heuristics import WRITER_BLOCK_T, WRITER_BLOCK_T_INTERPRETER, WRITER_NUM_W
 from .writer_kernel import write_kernel
 
 
-def plane_view(dim: int, bits: int, group: int) -> tuple[int, int, int, bool]:
-    """How the writer kernel views one token's ``dim`` values: ``[A, B, C]`` (row-major, A*B*C = dim)
-    and ``span``, such that split-half packing (DESIGN §3.3: byte j holds elements j + p*dim/K,
-    K = 8/bits, at bits p*bits) reads plane p = a (or a*B + b with ``span``) and byte b*C + c (or c),
-    and every quantization group is one ``[a, b, :]`` slice (or one ``[a, :, :]`` with ``span``,
-    where a group covers several planes). ``bits`` 16: unquantized, one row."""
-    if bits >= 16:
-        return 1, 1, dim, False
-    k = 8 // bits
-    plane = dim // k  # bytes per token
-    if group <= plane:
-        return k, plane // group, group, False
-    planes_per_group = group // plane
-    return k // planes_per_group, planes_per_group, plane, True
-
-
-def content_view(fmt) -> tuple[int, int, int, bool]:
-    """:func:`plane_view` of the content path of ``fmt`` (a :class:`PackFormat`)."""
-    if not fmt.quantized:
-        return plane_view(fmt.latent_dim, 16, fmt.latent_dim)
-    return plane_view(fmt.latent_dim, fmt.content_bits, fmt.content_group_size)
-
-
-def rope_view(fmt) -> tuple[int, int, int, bool]:
-    """:func:`plane_view` of the RoPE path of ``fmt``."""
-    if not fmt.quantized:
-        return plane_view(fmt.rope_dim, 16, fmt.rope_dim)
-    return plane_view(fmt.rope_dim, fmt.rope_bits, fmt.rope_group_size)
-
-
-def _view_constexprs(prefix: str, a: int, b: int, c: int, span: bool) -> dict:
-    return {f"{prefix}A": a, f"{prefix}B": b, f"{prefix}C": c, f"{prefix}_SPAN": span}
-
-
 def write(cache, latent: torch.Tensor, k_rope: torch.Tensor, slot_mapping: torch.Tensor, seq_ids: torch.Tensor,
           positions: torch.Tensor, seq_lens: torch.Tensor, block_t: int | None = None,
           num_warps: int | None = None) -> None:
@@ -70,7 +36,8 @@ def write(cache, latent: torch.Tensor, k_rope: torch.Tensor, slot_mapping: torch
         IN_BF16=in_bf16, PROT_BF16=prot_bf16, QUANT=quant,
         DC=fmt.latent_dim, DR=fmt.rope_dim,
         CBITS=fmt.content_bits if quant else 16, RBITS=fmt.rope_bits if quant else 16,
-        **_view_constexprs("C", *content_view(fmt)), **_view_constexprs("R", *rope_view(fmt)),
+        CG=fmt.content_group_size if quant else min(64, fmt.latent_dim),
+        RG=fmt.rope_group_size if quant else min(64, fmt.rope_dim),
         **page_layout_constexprs(fmt),
         BLOCK_T=block_t,
         **launch_dims(num_warps=num_warps or WRITER_NUM_WARPS),
