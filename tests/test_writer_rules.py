@@ -52,7 +52,8 @@ def _write(backend: str, device: str, fmt: qm.PackFormat, latent, k_rope, slots)
     n = len(slots)
     ids, pos, lens = np.zeros(n, np.int64), np.arange(n, dtype=np.int64), np.array([n], np.int64)
     pages = 3
-    protect = torch.bfloat16 if backend == "cupy" else torch.float32  # CuPy keeps bfloat16 protection buffers only
+    # float32 protection buffers exist on the host only (and CuPy keeps bfloat16 ones)
+    protect = torch.float32 if device in ("cpu", "numpy") else torch.bfloat16
     if device == "numpy":
         got = qm.MLACache.allocate(fmt, pages, 1, sink=4, local=4, device="numpy")
         args = (latent, k_rope, slots, ids, pos, lens)
