@@ -22,6 +22,13 @@ def _i64(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.int64).contiguous()
 
 
+def _aligned_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` contiguous with a 16-byte aligned start (the kernel reads rows with vector loads),
+    copied only when it is not already."""
+    x = x.contiguous()
+    return x if x.data_ptr() % 16 == 0 else x.clone()
+
+
 def _require_contiguous(name: str, x: Any) -> None:
     if isinstance(x, torch.Tensor) and not x.is_contiguous():
         raise ValueError(f"cache.{name}: the CuPy backend writes in place and needs a contiguous tensor")
@@ -40,7 +47,7 @@ def write(cache, latent, k_rope, slot_mapping, seq_ids, positions, seq_lens) -> 
     dtype = "bfloat16" if latent.dtype == torch.bfloat16 else "float32"
     dev = latent.device.index if latent.device.index is not None else torch.cuda.current_device()
     fn = get_kernel("writer.cu", "qmla_write", writer_defines(fmt, dtype), dev)
-    latent, k_rope = latent.contiguous(), k_rope.contiguous()
+    latent, k_rope = _aligned_rows(latent), _aligned_rows(k_rope)
     slots, ids, pos, lens = _i64(slot_mapping), _i64(seq_ids), _i64(positions), _i64(seq_lens)
     p = lambda x: np.uint64(device_pointer(x))  # noqa: E731
     args = (
