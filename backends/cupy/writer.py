@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import numpy as np
 import torch
 
-from ...envvars import getenv
 from ...formats import PackFormat
 from . import WRITER_WARPS, device_pointer, format_defines, get_kernel, launch
 
@@ -57,22 +55,5 @@ def write(cache, latent, k_rope, slot_mapping, seq_ids, positions, seq_lens) -> 
         p(cache.sink_buf), p(cache.local_buf), np.int32(n), np.int64(cache.num_pages * fmt.page_size),
         np.int32(cache.max_seqs), np.int32(cache.sink), np.int32(cache.local),
     )
-    blocks = (n + WRITER_WARPS - 1) // WRITER_WARPS
-    per_sm = writer_blocks_per_sm()
-    if per_sm:
-        blocks = min(blocks, per_sm * _sm_count(dev))
-    launch(fn, (blocks,), (WRITER_WARPS * 32,), args, dev)
-
-
-def writer_blocks_per_sm() -> int:
-    """``QUANTMLA_CUPY_WRITER_BLOCKS_PER_SM`` (read per call): 0 (default) launches one warp per
-    token; n > 0 caps the grid at n blocks per SM, whose warps then loop over the tokens."""
-    raw = getenv("QUANTMLA_CUPY_WRITER_BLOCKS_PER_SM", "").strip() or "0"
-    if not raw.isdigit():
-        raise ValueError(f"QUANTMLA_CUPY_WRITER_BLOCKS_PER_SM: expected a count >= 0, got {raw!r}")
-    return int(raw)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(dev: int) -> int:
-    return int(torch.cuda.get_device_properties(dev).multi_processor_count)
+    grid = ((n + WRITER_WARPS - 1) // WRITER_WARPS,)
+    launch(fn, grid, (WRITER_WARPS * 32,), args, dev)

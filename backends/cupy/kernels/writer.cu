@@ -238,12 +238,14 @@ __device__ __forceinline__ void store_path_bf16(u16* row, int lane, const float 
     for (int p = 0; p < S::K; ++p) store_bf16_run<S::CB>(row + p * S::NB + lane * S::CB, x[p]);
 }
 
-// Token t (one warp).
-__device__ __forceinline__ void write_token(
+extern "C" __global__ void __launch_bounds__(NWARP * 32) qmla_write(
     const void* __restrict__ latent, const void* __restrict__ k_rope, const i64* __restrict__ slots,
     const i64* __restrict__ seq_ids, const i64* __restrict__ positions, const i64* __restrict__ seq_lens,
-    u8* __restrict__ pages, u16* __restrict__ sink_buf, u16* __restrict__ local_buf, i64 num_slots, int max_seqs,
-    int sink, int local, i64 t, int lane) {
+    u8* __restrict__ pages, u16* __restrict__ sink_buf, u16* __restrict__ local_buf, int n_tokens,
+    i64 num_slots, int max_seqs, int sink, int local) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const i64 t = (i64)blockIdx.x * NWARP + warp;
+    if (t >= n_tokens) return;
     const i64 slot = slots[t];
     if (slot < 0 || slot >= num_slots) return;  // -1 skips; out of range is masked
 
@@ -279,16 +281,4 @@ __device__ __forceinline__ void write_token(
         store_path_bf16<DC, CBITS_>(dst, lane, xc);
         store_path_bf16<DR, RBITS_>(dst + DC, lane, xr);
     }
-}
-
-extern "C" __global__ void __launch_bounds__(NWARP * 32) qmla_write(
-    const void* __restrict__ latent, const void* __restrict__ k_rope, const i64* __restrict__ slots,
-    const i64* __restrict__ seq_ids, const i64* __restrict__ positions, const i64* __restrict__ seq_lens,
-    u8* __restrict__ pages, u16* __restrict__ sink_buf, u16* __restrict__ local_buf, int n_tokens,
-    i64 num_slots, int max_seqs, int sink, int local) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    // a grid smaller than one warp per token loops (QUANTMLA_CUPY_WRITER_BLOCKS_PER_SM)
-    for (i64 t = (i64)blockIdx.x * NWARP + warp; t < n_tokens; t += (i64)gridDim.x * NWARP)
-        write_token(latent, k_rope, slots, seq_ids, positions, seq_lens, pages, sink_buf, local_buf, num_slots, max_seqs,
-                    sink, local, t, lane);
 }
