@@ -7,7 +7,7 @@
 #   bash benchmarks/run_h200_kernels.sh sweep    # CuPy v2 knobs (registers/CTAs per SM, copy stages, row groups)
 #   bash benchmarks/run_h200_kernels.sh writer   # writers on a 128K prompt: Triton (tokens/program x warps), CuPy, ncu
 #   bash benchmarks/run_h200_kernels.sh v3       # CuPy v3: conformance (4 and 8 warps), sanitizers, v2 vs v3 graphed
-#   bash benchmarks/run_h200_kernels.sh protected  # the protected-only kernel (bf16 vs v2 build, one stream vs two): conformance, sanitizers, graphs
+#   bash benchmarks/run_h200_kernels.sh protected  # the protected-only kernel (one stream vs two, v2 inline vs separate): conformance, sanitizers, graphs
 #   bash benchmarks/run_h200_kernels.sh protected_sweep  # caches without protected tokens; v2's split floor at short contexts
 # Results land in $OUT.
 set -u
@@ -44,11 +44,11 @@ elif [ "$MODE" = protected ]; then
   echo "=== protected kernel conformance, side stream, graph capture"; timeout 200 $T tests/test_cupy_protected.py \
     tests/test_cupy_v3.py tests/test_cupy_backend.py -k "protected or side_stream or cuda_graph" 2>&1 | tail -3 | tee "$OUT/protected_conformance.txt"
   echo "=== protected kernel racecheck / memcheck"; for tool in racecheck memcheck; do timeout 90 compute-sanitizer --tool $tool \
-    $T tests/test_cupy_protected.py -k "bf16 and v3 and (L17_31_100 or L900_16)" 2>&1 | tail -2; done
+    $T tests/test_cupy_protected.py -k "match_reference and v3 and (L17_31_100 or L900_16)" 2>&1 | tail -2; done
   V3="QUANTMLA_CUPY_ATTENTION=v3"; V2="QUANTMLA_CUPY_ATTENTION=v2"; SIDE="QUANTMLA_CUPY_PROTECTED_STREAM=1"; SEP="QUANTMLA_CUPY_V2_PROTECTED=separate"
-  OLD="QUANTMLA_CUPY_PROTECTED_KERNEL=v2"
-  echo "=== protected launch: kernels, one stream vs two (CUDA graphs)"; timeout 300 python3 -P benchmarks/graph_probe.py --backends cupy \
-    --settings "$V3 $OLD;$V3;$V3 $SIDE;$V2;$V2 $SEP;$V2 $SEP $SIDE" \
+  INL="QUANTMLA_CUPY_V2_PROTECTED=inline"; NOSIDE="QUANTMLA_CUPY_PROTECTED_STREAM=0"
+  echo "=== protected launch: one stream vs two (CUDA graphs)"; timeout 300 python3 -P benchmarks/graph_probe.py --backends cupy \
+    --settings "$V3 $NOSIDE;$V3 $SIDE;$V2 $INL;$V2 $SEP $NOSIDE;$V2 $SEP $SIDE" \
     --shapes ${PROT_SHAPES:-16x8x4096,16x32x4096,16x32x32768,16x128x32768,128x32x32768} \
     --formats C4R4 --json "$OUT/graph_protected_kernel.json" 2>&1 | grep -v "^{" | tail -30
 elif [ "$MODE" = protected_sweep ]; then

@@ -124,11 +124,11 @@ V2_VARIANTS = [
     ("sm_80", "C2R4", 256, 32, 64, 32, 1),
     ("sm_90", "C4R4", 512, 64, 64, 64, 1, "noprot"),
     ("sm_90", "C2R4", 256, 32, 64, 16, 2, "noprot"),
-    # QUANTMLA_CUPY_V2_PROTECTED=separate: packed-only (mode 1) and protected-only (mode 2) builds
+    # QUANTMLA_CUPY_V2_PROTECTED=separate (the default): the packed-only build (mode 1)
     ("sm_90", "C4R4", 512, 64, 64, 64, 1, "mode1"),
-    ("sm_90", "C4R4", 512, 64, 64, 64, 1, "mode2"),
+    ("sm_90", "C4R4", 512, 64, 64, 64, 2, "mode1"),
     ("sm_90", "C2R4", 256, 32, 64, 16, 2, "mode1"),
-    ("sm_80", "C4R4", 512, 64, 64, 32, 1, "mode2"),
+    ("sm_80", "C4R4", 512, 64, 64, 32, 1, "mode1"),
     # QUANTMLA_CUPY_V2_TILE=64 (3 copy stages)
     ("sm_90", "C4R4", 512, 64, 64, 64, 1, "t64"),
     ("sm_90", "C4R4", 512, 64, 64, 64, 2, "t64"),
@@ -142,7 +142,7 @@ V2_VARIANTS = [
 def _compile_v2(v: tuple) -> tuple[int, str]:
     arch, name, dc, dr, gs, page, rg = v[:7]
     fmt = qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr, group_size=gs, page_size=page)
-    mode = 1 if "mode1" in v[7:] else 2 if "mode2" in v[7:] else 0
+    mode = 1 if "mode1" in v[7:] else 0
     tile = 64 if "t64" in v[7:] else 32
     defines = v2_defines(fmt, rg, stages=v2_default_stages(tile), no_protection="noprot" in v[7:], prot_mode=mode,
                          tile=tile)
@@ -580,31 +580,32 @@ def test_v2_tile_knob_reaches_defines_smem_and_splits(monkeypatch, h):
 @pytest.mark.parametrize("tile", ["32", "64"])
 @pytest.mark.parametrize("prot", [True, False])
 def test_v2_separate_protected_launches(monkeypatch, prot, tile):
-    """QUANTMLA_CUPY_V2_PROTECTED=separate with QUANTMLA_CUPY_PROTECTED_KERNEL=v2: a packed-only
-    split kernel (mode 1), v2's protected-only build with a sink CTA and one CTA per local-window tile per row chunk (mode 2, the last
-    partials), and one combine over all of them. A cache without sink/local tokens ignores it (one split kernel). The
-    protected-only kernel keeps 32-token tiles (it spills at 64)."""
-    launches, kernels, fmt, b = _run_v2_stubbed(monkeypatch, 16, 1, prot, {"QUANTMLA_CUPY_V2_PROTECTED": "separate",
-                                                                          "QUANTMLA_CUPY_V2_MINB": "3",
-                                                                          "QUANTMLA_CUPY_V2_TILE": tile,
-                                                                          "QUANTMLA_CUPY_PROTECTED_KERNEL": "v2"})
+    """QUANTMLA_CUPY_V2_PROTECTED=separate (the default): the packed-only split kernel (mode 1) keeps
+    the tile and launch-bound knobs, the protected kernel its 32-token tiles (a sink CTA and one
+    CTA per local-window tile, the last partials), and one combine covers them all. A cache
+    without sink/local tokens gets one split kernel (mode 0, no protected path)."""
+    launches, kernels, fmt, b = _run_v2_stubbed(monkeypatch, 16, 1, prot, {"QUANTMLA_CUPY_V2_MINB": "3",
+                                                                          "QUANTMLA_CUPY_V2_TILE": tile})
     params = _kernel_params("attention_v2.cu", "qmla_attn_v2")
     if not prot:
         assert len(launches) == 2 and launches[0][0].defines["QMLA_V2_PROT_MODE"] == 0
         return
     (packed, pgrid, _, pargs, _), (protk, qgrid, _, qargs, _), (_c, cgrid, _, cargs, _) = launches
-    assert packed.defines["QMLA_V2_PROT_MODE"] == 1 and protk.defines["QMLA_V2_PROT_MODE"] == 2
-    assert packed.defines["QMLA_V2_MINB"] == 3 and protk.defines["QMLA_V2_MINB"] == 1  # the protected path needs registers
-    assert packed.defines["QMLA_V2_T"] == int(tile) and protk.defines["QMLA_V2_T"] == 32
+    assert packed.defines["QMLA_V2_PROT_MODE"] == 1 and protk.kernel == "qmla_attn_protected"
+    assert packed.defines["QMLA_V2_MINB"] == 3 and packed.defines["QMLA_V2_T"] == int(tile)
     splits = pgrid[1]
     # the sink CTA and one CTA per 32-token tile a 128-token local window can touch (5)
     assert qgrid == (pgrid[0], 6) and protected_ctas(4, 128) == 6 and protected_ctas(4, 0) == 1
     assert protected_ctas(36, 16) == 2 + 2 and protected_ctas(0, 0) == 0
-    # one 32-token tile of bf16 rows (32 x 576 x 2 B) in the protected-only build's shared memory
-    assert protk.smem == v2_smem_bytes(fmt, protk.defines["QMLA_V2_RG"], 4, 32) + 36864 == protk.defines["QMLA_V2_SMEM"]
     slots = int(pargs[params.index("int num_splits")])
     assert slots == splits + 6 and int(qargs[params.index("int num_splits")]) == slots and int(cargs[-1]) == slots
-    assert pargs == qargs  # one argument list for both split kernels
+    assert pargs == qargs  # one argument list for both kernels
+
+
+def test_v2_protected_only_mode_is_gone():
+    """Mode 2 (v2's protected-only build) was replaced by kernels/protected.cu."""
+    with pytest.raises(ValueError, match="prot_mode"):
+        v2_defines(qm.PackFormat.parse("C4R4"), prot_mode=2)
 
 
 @pytest.mark.parametrize("variant,dtype", [("v1", torch.bfloat16), ("v1", torch.float32), ("v2", torch.float32)])

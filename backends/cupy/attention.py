@@ -27,8 +27,7 @@ row-group count is even), ``QUANTMLA_CUPY_V2_STAGES`` (cp.async ring depth 3-5, 
 moves; bit-identical, default 0), ``QUANTMLA_CUPY_V2_PROTECTED`` (``separate``, the default:
 the split kernel reads packed tokens only and the protected kernel adds the sink and local
 tokens; ``inline``: sink/local tokens inside the split kernel, from the bf16 buffers),
-``QUANTMLA_CUPY_PROTECTED_KERNEL`` (``bf16``, the default, or ``v2``: v2's protected-only build,
-kept for A/B runs), ``QUANTMLA_CUPY_PROTECTED_STREAM`` (0/1; unset: v3 always, v2 under CUDA-graph
+``QUANTMLA_CUPY_PROTECTED_STREAM`` (0/1; unset: v3 always, v2 under CUDA-graph
 capture), ``QUANTMLA_CUPY_V3_STAGES`` (3 or 4) and
 ``QUANTMLA_CUPY_V3_MINB`` / ``QUANTMLA_CUPY_V3_LAZY_RESCALE`` (default 1: measured 1-2 % faster,
 bit-identical) / ``QUANTMLA_CUPY_V3_WARPS`` (4 or 8) are tuning knobs for measurements, also read per call.
@@ -219,12 +218,14 @@ def v2_defines(fmt: PackFormat, row_groups: int = 1, min_blocks: int = 1, stages
                tile: int = V2_TILE) -> dict[str, int]:
     """``-D`` defines of ``kernels/attention_v2.cu`` (bfloat16 queries). ``no_protection``: the
     cache keeps no sink/local tokens, so only the pure-tile path is compiled (fewer registers,
-    half the loop code). ``prot_mode``: 0 protected tokens inline; 1 packed tokens only; 2
-    protected tokens only (1 and 2 run as a pair, see ``QUANTMLA_CUPY_V2_PROTECTED``). ``tile``:
+    half the loop code). ``prot_mode``: 0 protected tokens inline; 1 packed tokens only, with
+    ``kernels/protected.cu`` adding the protected ones (``QUANTMLA_CUPY_V2_PROTECTED``). ``tile``:
     tokens per tile, 32 or 64 (``QUANTMLA_CUPY_V2_TILE``)."""
+    if prot_mode not in (0, 1):
+        raise ValueError(f"prot_mode: expected 0 (inline) or 1 (packed only), got {prot_mode!r}")
     d = attention_defines(fmt, "bfloat16")
     d.update(QMLA_V2_RG=int(row_groups), QMLA_V2_MINB=int(min_blocks), QMLA_V2_STAGES=int(stages),
-             QMLA_V2_SMEM=v2_smem_bytes(fmt, row_groups, stages, tile, prot_mode),
+             QMLA_V2_SMEM=v2_smem_bytes(fmt, row_groups, stages, tile),
              QMLA_V2_LAZY_RESCALE=int(lazy_rescale),
              QMLA_V2_NO_PROTECTION=int(no_protection), QMLA_V2_PROT_MODE=int(prot_mode), QMLA_V2_T=int(tile))
     return d
@@ -236,19 +237,15 @@ def v2_default_stages(tile: int) -> int:
     return V2_STAGES if tile == V2_TILE else 3
 
 
-def v2_smem_bytes(fmt: PackFormat, row_groups: int = 1, stages: int = 4, tile: int = V2_TILE,
-                  prot_mode: int = 0) -> int:
-    """Dynamic shared memory of one v2 block (mirrors SMEM_TOTAL in attention_v2.cu); the
-    protected-only build (``prot_mode`` 2) also holds its tile's bf16 rows."""
-    t = tile
-    stage = stage_bytes(fmt, t, flags=True)
-    xchg = 2 * row_groups * V2_WARPS * (t // 8) * 32 * 16
-    prot_rows = t * (fmt.latent_dim + fmt.rope_dim) * 2 if prot_mode == 2 else 0
-    return stages * stage + xchg + prot_rows
+def v2_smem_bytes(fmt: PackFormat, row_groups: int = 1, stages: int = 4, tile: int = V2_TILE) -> int:
+    """Dynamic shared memory of one v2 block (mirrors SMEM_TOTAL in attention_v2.cu)."""
+    stage = stage_bytes(fmt, tile, flags=True)
+    xchg = 2 * row_groups * V2_WARPS * (tile // 8) * 32 * 16
+    return stages * stage + xchg
 
 
 def protected_ctas(sink: int, local: int) -> int:
-    """CTAs per row chunk of the protected-only v2 launch (``QMLA_V2_PROT_MODE`` 2), one 32-token
+    """CTAs per 16-row chunk of the protected-only launch (``kernels/protected.cu``), one 32-token
     tile each: the tiles of the ``sink`` first tokens and every tile the local window of ``local``
     tokens can touch (it need not start on a tile boundary). Each writes one partial, the last
     ones of a row's slots."""
@@ -363,7 +360,7 @@ def _v2_kernel(fmt: PackFormat, dev: int, rg: int, minb: int, stages: int, lazy:
     key = ("v2", fmt, dev, rg, minb, stages, lazy, no_prot, mode, tile)
     fn = _FNS.get(key)
     if fn is None:
-        smem = v2_smem_bytes(fmt, rg, stages, tile, mode)
+        smem = v2_smem_bytes(fmt, rg, stages, tile)
         defines = v2_defines(fmt, rg, minb, stages, lazy, no_prot, mode, tile)
         fn = (get_kernel("attention_v2.cu", "qmla_attn_v2", defines, dev, smem), smem)
         with _CACHE_LOCK:
@@ -419,8 +416,7 @@ def v2_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
             knobs: V2Knobs, sink: int = 0, local: int = 0) -> SplitPlan:
     """The launch plan of kernel v2 (cached per shape and knobs: steady-state decode reuses it).
     ``sink``/``local``: the cache's protected tokens (size the separate mode's protected launch)."""
-    prot_kind = protected_kernel_choice()
-    key = (fmt, dev, sm_count, batch, rows, max_pages, no_prot, knobs, sink, local, prot_kind)
+    key = (fmt, dev, sm_count, batch, rows, max_pages, no_prot, knobs, sink, local)
     plan = _PLANS.get(key)
     if plan is None:
         row_groups = (rows + 15) // 16
@@ -435,23 +431,12 @@ def v2_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
                                      knobs.tile)
         launches = [(attn, (batch * chunks, splits), block, smem)]
         if separate:
-            launches.append(_protected_launch(fmt, dev, batch, rows, sink, local, prot_kind, rg, knobs.lazy))
+            launches.append(_protected_launch(fmt, dev, batch, rows, sink, local))
         nprot = protected_ctas(sink, local) if separate else 0
         plan = SplitPlan(tuple(launches), _combine_kernel(fmt, dev), per, splits + nprot)
         with _CACHE_LOCK:
             _PLANS[key] = plan
     return plan
-
-
-PROTECTED_KERNEL_ENV = "QUANTMLA_CUPY_PROTECTED_KERNEL"
-#: the protected-only launch: ``bf16`` (kernels/protected.cu, the default) or ``v2`` (v2's
-#: QMLA_V2_PROT_MODE 2 build, kept for A/B measurements)
-PROTECTED_KERNELS = ("bf16", "v2")
-
-
-def protected_kernel_choice() -> str:
-    """``QUANTMLA_CUPY_PROTECTED_KERNEL`` (read per call), ``bf16`` when unset."""
-    return _env_choice(PROTECTED_KERNEL_ENV, "bf16", PROTECTED_KERNELS)
 
 
 def protected_smem_bytes(fmt: PackFormat) -> int:
@@ -467,17 +452,10 @@ def protected_defines(fmt: PackFormat) -> dict[str, int]:
     return {"QMLA_DC": fmt.latent_dim, "QMLA_DR": fmt.rope_dim, "QMLA_PROT_SMEM_EXPECTED": protected_smem_bytes(fmt)}
 
 
-def _protected_launch(fmt: PackFormat, dev: int, batch: int, rows: int, sink: int, local: int, kind: str = "bf16",
-                      rg: int = 1, lazy: bool = False) -> tuple:
-    """(kernel, grid, block, shared bytes) of the protected-only launch: the sink and local-window
-    tokens as :func:`protected_ctas` more partials per 16-row chunk, one 32-token tile per CTA.
-    ``kind`` ``bf16``: ``kernels/protected.cu``; ``v2``: v2's ``QMLA_V2_PROT_MODE`` 2 build with
-    ``rg`` row groups per CTA (it covers ~132 tokens per request, and its all-protected build
-    spills at 64-token tiles: 12 B)."""
-    if kind == "v2":
-        prot, psmem = _v2_kernel(fmt, dev, rg, 1, v2_default_stages(V2_TILE), lazy, False, 2, V2_TILE)
-        chunks = (rows + 16 * rg - 1) // (16 * rg)
-        return prot, (batch * chunks, protected_ctas(sink, local)), (V2_WARPS * 32 * rg,), psmem
+def _protected_launch(fmt: PackFormat, dev: int, batch: int, rows: int, sink: int, local: int) -> tuple:
+    """(kernel, grid, block, shared bytes) of the protected-only launch (``kernels/protected.cu``):
+    the sink and local-window tokens as :func:`protected_ctas` more partials per 16-row chunk, one
+    32-token tile per CTA."""
     key = ("protected", fmt.latent_dim, fmt.rope_dim, dev)
     fn = _FNS.get(key)
     if fn is None:
@@ -538,8 +516,7 @@ def v3_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
             knobs: V3Knobs, sink: int = 0, local: int = 0) -> SplitPlan:
     """The launch plan of kernel v3: its split kernel over packed tokens and, when the cache keeps
     sink/local tokens, v2's protected-only launch adding them as more partials per row."""
-    prot_kind = protected_kernel_choice()
-    key = ("v3", fmt, dev, sm_count, batch, rows, max_pages, no_prot, knobs, sink, local, prot_kind)
+    key = ("v3", fmt, dev, sm_count, batch, rows, max_pages, no_prot, knobs, sink, local)
     plan = _PLANS.get(key)
     if plan is None:
         chunks = (rows + 15) // 16
@@ -553,7 +530,7 @@ def v3_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
                                      V3_TILE)
         launches = [(attn, (batch * chunks, splits), block, smem)]
         if not no_prot:
-            launches.append(_protected_launch(fmt, dev, batch, rows, sink, local, prot_kind))
+            launches.append(_protected_launch(fmt, dev, batch, rows, sink, local))
         nprot = 0 if no_prot else protected_ctas(sink, local)
         plan = SplitPlan(tuple(launches), _combine_kernel(fmt, dev), per, splits + nprot)
         with _CACHE_LOCK:

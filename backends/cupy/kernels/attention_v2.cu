@@ -97,9 +97,10 @@
 #endif
 #ifndef QMLA_V2_PROT_MODE
 // 0: protected (sink/local) tokens inline, from the bf16 buffers; 1: packed tokens only, protected
-// ones masked; 2: protected tokens only. Modes 1 + 2 are two launches whose partials one combine merges.
+// ones masked (kernels/protected.cu adds them as more partials, which one combine merges).
 #define QMLA_V2_PROT_MODE 0
 #endif
+static_assert(QMLA_V2_PROT_MODE == 0 || QMLA_V2_PROT_MODE == 1, "protected-token modes 0 (inline) and 1 (packed only)");
 
 #define DC QMLA_DC
 #define DR QMLA_DR
@@ -158,14 +159,7 @@ static_assert(NTP * 8 * NW == DC, "PV n-tiles must cover the latent");
 #define SO_FL (SO_RZ + T)              // token flag [T]: 0 packed, 1 protected (bf16 buffers), 2 past L
 #define STAGE_BYTES ((SO_FL + T + 15) / 16 * 16)
 #define XCHG_BYTES (2 * RG * NW * NTQ * 32 * 16)
-#if QMLA_V2_PROT_MODE == 2
-// the CTA's one tile of protected rows, bf16 [T][DT], copied once: read from shared memory, the
-// fragment loops' per-lane row loads no longer wait on global memory one after another
-#define PROT_ROWS_BYTES (T * DT * 2)
-#else
-#define PROT_ROWS_BYTES 0
-#endif
-#define SMEM_TOTAL (NSTAGE * STAGE_BYTES + XCHG_BYTES + PROT_ROWS_BYTES)
+#define SMEM_TOTAL (NSTAGE * STAGE_BYTES + XCHG_BYTES)
 static_assert(T == 32 || T == 64, "tiles of 32 or 64 tokens");
 static_assert(NSTAGE >= 3 && NSTAGE <= 5, "3..5 stages");
 #ifdef QMLA_V2_SMEM
@@ -243,8 +237,7 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V2_MINB) qmla_attn_v2(
     const int r0 = (chk * RG + rg) * 16 + g8, r1 = r0 + 8;
     // The tokens this CTA attends to are [keep_lo, keep_hi). Mode 0: all of [0, L), protected ones
     // read from the bf16 buffers inline. Mode 1: the packed ones between the sink and the local
-    // window. Mode 2: y = 0 the sink tokens, y >= 1 one tile of the local window each, written as
-    // the last gridDim.y partials (num_splits counts them; see protected_ctas() in attention.py).
+    // window (the protected kernel's partials are the last ones of each row: num_splits counts them).
     const int sink_end = sid_ok ? min(sink, L) : 0;
     const int local_start = (sid_ok && local > 0) ? max(sink_end, L - local) : L;
 #if QMLA_V2_PROT_MODE == 1
@@ -252,22 +245,6 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V2_MINB) qmla_attn_v2(
     const int split = blockIdx.y;
     const int t_end = min(keep_hi, (split + 1) * tiles_per_split * T);
     const int t_begin = max(split * tiles_per_split * T, keep_lo / T * T);
-#elif QMLA_V2_PROT_MODE == 2
-    // One tile per CTA (the protected rows of the tile are copied to shared memory once): y <
-    // ceil(sink / T) covers sink tile y, the rest tile y - ceil(sink / T) of the local window. The
-    // last gridDim.y partials of a row (protected_ctas() in attention.py).
-    const int nsink = (sink + T - 1) / T;
-    int keep_lo, keep_hi;
-    if ((int)blockIdx.y < nsink) {
-        keep_lo = min((int)blockIdx.y * T, sink_end);
-        keep_hi = min(keep_lo + T, sink_end);
-    } else {
-        const int tt = (local_start / T + (int)blockIdx.y - nsink) * T;
-        keep_lo = max(local_start, tt);
-        keep_hi = max(keep_lo, min(L, tt + T));
-    }
-    const int split = num_splits - (int)gridDim.y + (int)blockIdx.y;
-    const int t_begin = keep_lo / T * T, t_end = keep_hi > keep_lo ? keep_hi : t_begin;
 #else
     const int keep_lo = 0, keep_hi = L;
     const int split = blockIdx.y;
@@ -276,7 +253,7 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V2_MINB) qmla_attn_v2(
 #endif
     const int lim0 = min(keep_hi, L - S_q + r0 / H + 1);
     const int lim1 = min(keep_hi, L - S_q + r1 / H + 1);
-#if QMLA_V2_PROT_MODE != 0
+#if QMLA_V2_PROT_MODE == 1
     __shared__ int keep_lo_s;  // read back for the first tile only: keeps a register free in the loop
     if (tid == 0) keep_lo_s = keep_lo;  // visible after the prologue's __syncthreads
 #endif
@@ -288,15 +265,6 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V2_MINB) qmla_attn_v2(
         if (local > 0 && n >= L - local) return local_buf + (sid * local + n % local) * DT;
         return nullptr;
     };
-#if QMLA_V2_PROT_MODE == 2
-    // the row the fragment loops read: the shared copy for this CTA's tokens, else the packed copy
-    const u16* prot_rows = (const u16*)(smem + NSTAGE * STAGE_BYTES + XCHG_BYTES);
-    auto prot_src = [&](int n) -> const u16* {
-        return (n >= keep_lo && n < keep_hi) ? prot_rows + (n - t_begin) * DT : nullptr;
-    };
-#else
-    auto prot_src = prot_row;
-#endif
 
 
     float m0 = -QMLA_INF, m1 = -QMLA_INF, l0 = 0.0f, l1 = 0.0f;
@@ -356,14 +324,6 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V2_MINB) qmla_attn_v2(
             for (int k = tid; k < NSTAGE * STAGE_BYTES / 16; k += NTH) z4[k] = make_uint4(0u, 0u, 0u, 0u);
         }
         __syncthreads();
-#if QMLA_V2_PROT_MODE == 2
-        // the tile's protected rows, in the first copy group (waited for with tile 0's stage)
-        for (int r = tid; r < T * (DT / 8); r += NTH) {
-            const int n = t_begin + r / (DT / 8), u = r % (DT / 8);
-            const u16* src = (n >= keep_lo && n < keep_hi) ? prot_row(n) : nullptr;
-            if (src != nullptr) cp_async16(smem + NSTAGE * STAGE_BYTES + XCHG_BYTES + 16 * r, src + 8 * u);
-        }
-#endif
         int pg_next[NSEG];
 #pragma unroll
         for (int s = 0; s < NSTAGE - 1; ++s) {
@@ -397,7 +357,7 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V2_MINB) qmla_attn_v2(
 #pragma unroll
                 for (int j = 0; j < NTQ; ++j) {
                     const int tq = 8 * j + g8;  // this lane's B-operand token
-                    const u16* prow = PROT ? prot_src(t0 + tq) : nullptr;
+                    const u16* prow = PROT ? prot_row(t0 + tq) : nullptr;
                     u32 W[NE];
 #if LB == 16
                     {
@@ -476,7 +436,7 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V2_MINB) qmla_attn_v2(
             // -------------------------------------------------------- sum partials, mask, online softmax
             float S[NTQ][4];
             qmla_sum_partials<NTQ, NW>(xw, lane, t0, q4, lim0, lim1, scale_log2, S);
-#if QMLA_V2_PROT_MODE != 0
+#if QMLA_V2_PROT_MODE == 1
             if (i == 0) {  // only the first tile can start before this CTA's tokens (t_begin = keep_lo / T * T)
                 const int klo = keep_lo_s;
 #pragma unroll
@@ -500,7 +460,7 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V2_MINB) qmla_attn_v2(
                     u32 Wp[4][NPW];
 #pragma unroll
                     for (int k = 0; k < 4; ++k) {
-                        prow[k] = PROT ? prot_src(t0 + tk[k]) : nullptr;
+                        prow[k] = PROT ? prot_row(t0 + tk[k]) : nullptr;
                         qmla_load_bytes<LBP>(stg_c + qmla_coff(tk[k], CBW * wc + LBP * g8), Wp[k]);
                     }
                     const float* pa = S[2 * kt];
