@@ -7,6 +7,7 @@ import torch
 
 import quantmla_core as qm
 from quantmla_core import reference as ref
+from quantmla_core.reference.quantize import bits_to_bf16
 from quantmla_core.testing import Case, allocate, build, check_attention
 
 
@@ -49,7 +50,7 @@ def _token_sections(fmt: qm.PackFormat, pages: np.ndarray, slots: np.ndarray, na
 def _stored_scales(raw: np.ndarray, scale_dtype: str) -> np.ndarray:
     """``[n, groups * bytes]`` stored scale bytes -> float64 ``[n, groups]``."""
     if scale_dtype == "bfloat16":
-        return (raw.copy().view("<u2").astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        return bits_to_bf16(raw.copy().view("<u2")).astype(np.float64)
     return raw.copy().view("<f4").astype(np.float64)
 
 

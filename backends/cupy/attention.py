@@ -244,12 +244,17 @@ def v2_smem_bytes(fmt: PackFormat, row_groups: int = 1, stages: int = 4, tile: i
     return stages * stage + xchg
 
 
+#: kernels/protected.cu: tokens per CTA (one tile) and warps per CTA (each scores 8 of the tokens)
+PROTECTED_TILE = 32
+PROTECTED_WARPS = 4
+
+
 def protected_ctas(sink: int, local: int) -> int:
     """CTAs per 16-row chunk of the protected-only launch (``kernels/protected.cu``), one 32-token
     tile each: the tiles of the ``sink`` first tokens and every tile the local window of ``local``
     tokens can touch (it need not start on a tile boundary). Each writes one partial, the last
     ones of a row's slots."""
-    return -(-sink // V2_TILE) + (-(-local // V2_TILE) + 1 if local > 0 else 0)
+    return -(-sink // PROTECTED_TILE) + (-(-local // PROTECTED_TILE) + 1 if local > 0 else 0)
 
 
 def plan_splits_v2(batch: int, chunks: int, max_tokens: int, resident: int,
@@ -443,13 +448,14 @@ def protected_smem_bytes(fmt: PackFormat) -> int:
     """Dynamic shared memory of ``kernels/protected.cu``: 16 query rows and 32 key rows of
     d_c + d_r bfloat16 values padded by 8, P as bfloat16 [16][40], row maxima and sums [2][4][16]."""
     row = fmt.latent_dim + fmt.rope_dim + 8
-    return (16 + V2_TILE) * row * 2 + 16 * (V2_TILE + 8) * 2 + 2 * V2_WARPS * 16 * 4
+    return (16 + PROTECTED_TILE) * row * 2 + 16 * (PROTECTED_TILE + 8) * 2 + 2 * PROTECTED_WARPS * 16 * 4
 
 
 def protected_defines(fmt: PackFormat) -> dict[str, int]:
-    """``-D`` defines of ``kernels/protected.cu``: the row widths and the shared memory size the
-    launch gives it (the kernel checks it against its own layout)."""
-    return {"QMLA_DC": fmt.latent_dim, "QMLA_DR": fmt.rope_dim, "QMLA_PROT_SMEM_EXPECTED": protected_smem_bytes(fmt)}
+    """``-D`` defines of ``kernels/protected.cu``: the row widths, tile and warps, and the shared
+    memory size the launch gives it (the kernel checks it against its own layout)."""
+    return {"QMLA_DC": fmt.latent_dim, "QMLA_DR": fmt.rope_dim, "QMLA_PROT_T": PROTECTED_TILE,
+            "QMLA_PROT_NW": PROTECTED_WARPS, "QMLA_PROT_SMEM_EXPECTED": protected_smem_bytes(fmt)}
 
 
 def _protected_launch(fmt: PackFormat, dev: int, batch: int, rows: int, sink: int, local: int) -> tuple:
@@ -464,7 +470,7 @@ def _protected_launch(fmt: PackFormat, dev: int, batch: int, rows: int, sink: in
         with _CACHE_LOCK:
             _FNS[key] = fn
     kernel, smem = fn
-    return kernel, (batch * ((rows + 15) // 16), protected_ctas(sink, local)), (V2_WARPS * 32,), smem
+    return kernel, (batch * ((rows + 15) // 16), protected_ctas(sink, local)), (PROTECTED_WARPS * 32,), smem
 
 
 def _attention_planned(make_plan, knobs, q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale, dev,

@@ -27,8 +27,8 @@
 #define DC QMLA_DC
 #define DR QMLA_DR
 #define DT (QMLA_DC + QMLA_DR)
-#define T 32              // tokens per CTA (attention.py V2_TILE: the protected_ctas() tiles)
-#define NW 4              // warps
+#define T QMLA_PROT_T      // tokens per CTA (attention.py PROTECTED_TILE: the protected_ctas() tiles)
+#define NW QMLA_PROT_NW    // warps
 #define LDS (DT + 8)      // shared row stride in bf16 elements: +16 bytes, conflict-free ldmatrix
 #define KS (DT / 16)      // QK k-steps
 #define CPW (DC / NW)     // PV channels per warp
