@@ -64,11 +64,16 @@ elif [ "$MODE" = check_triton ]; then
 elif [ "$MODE" = writer ]; then
   echo "=== writer conformance"; timeout 150 $T tests/test_writer_rules.py tests/test_triton_backend.py tests/test_cupy_backend.py \
     -k "writ or edges" 2>&1 | tail -3 | tee "$OUT/writer_conformance.txt"
+  echo "=== cupy writer memcheck"; timeout 120 compute-sanitizer --tool memcheck $T tests/test_cupy_backend.py -x \
+    -k "writer_matches_reference or writer_bf16" 2>&1 | tail -2 | tee "$OUT/writer_memcheck.txt"
   echo "=== writer probe"; timeout 240 python3 -P benchmarks/writer_probe.py --json "$OUT/writer_probe.json" ${WRITER_ARGS:-} 2>&1 | tail -40
   NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
   echo "=== ncu triton writer"; timeout 120 $NCU -k regex:write_kernel -s 3 -c 1 --section SpeedOfLight --section Occupancy \
-    --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis --section LaunchStats \
+    --section WarpStateStats --section SchedulerStats --section InstructionStats --section MemoryWorkloadAnalysis --section LaunchStats \
     python3 -P benchmarks/writer_probe.py --configs ${NCU_WRITER_CONFIG:-1x1} > "$OUT/ncu_writer.txt" 2>&1; grep -v "^==PROF==" "$OUT/ncu_writer.txt" | grep -A120 "write_kernel" | head -120
+  echo "=== ncu cupy writer"; timeout 120 $NCU -k regex:qmla_write -s 2 -c 1 --section SpeedOfLight --section Occupancy \
+    --section WarpStateStats --section SchedulerStats --section InstructionStats --section MemoryWorkloadAnalysis --section LaunchStats \
+    python3 -P benchmarks/writer_probe.py --configs 1x1 > "$OUT/ncu_cupy_writer.txt" 2>&1; grep -v "^==PROF==" "$OUT/ncu_cupy_writer.txt" | grep -A120 "qmla_write" | head -120
 elif [ "$MODE" = profile ]; then
   NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
   SECS="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis"

@@ -3,18 +3,24 @@
 Times the Triton writer over (tokens per program, warps) and the CuPy writer, checks every
 configuration writes the same page bytes as the default, and reports input TB/s (the issue's
 target counts the input bytes: 576 bf16 values per token). ``--baseline MODULE_PATH`` also times
-another Triton writer kernel file (an A/B of a kernel change) under the same launch.
+another Triton writer kernel file (an A/B of a kernel change) under the same launch;
+``--cupy-baseline FILE.cu`` does the same for the CuPy writer's source, and ``--cupy-warps``
+times the CuPy writer at other warps per block. ``--graphs`` adds CUDA-graph replays (kernel time
+without host launch cost) and the host time per call.
 
-    PYTHONPATH=. python -P benchmarks/writer_probe.py [--baseline probe_tmp/writer_kernel_old.py] [--json F]
+    PYTHONPATH=. python -P benchmarks/writer_probe.py [--baseline probe_tmp/writer_kernel_old.py]
+        [--cupy-baseline probe_tmp/writer_old.cu] [--cupy-warps 2,8] [--json F]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
 import sys
+import time
 
 import torch
 from triton.testing import do_bench
@@ -52,6 +58,25 @@ def _time_format(name: str, work: Workload, args, res: dict) -> None:
         res["rows"].append(r)
         print(f"{name} {label:<22} {us:8.1f} us {r['input_TBps']:6.3f} TB/s same={same}", flush=True)
 
+    def graphed(label, fn):
+        """``fn`` replayed from a CUDA graph: kernel time without the host's launch cost."""
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        row(f"{label} (graph)", graph.replay)
+
+    def host_us(fn, n=50) -> float:
+        """Host time per call, launches only (no synchronization inside the loop)."""
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        return (t1 - t0) / n * 1e6
+
     def triton_write(bt=None, nw=None):
         return lambda: twriter.write(cache, latent, rope, slot, b, pos, lens, bt, nw)
 
@@ -69,11 +94,50 @@ def _time_format(name: str, work: Workload, args, res: dict) -> None:
             row("triton baseline kernel", triton_write())
         finally:
             twriter.write_kernel = saved
+    def cupy_write():
+        qm.write(cache, latent, rope, slot_mapping=slot, seq_ids=b, positions=pos, seq_lens=lens, backend="cupy",
+                 validate=False)
+
+    if args.graphs:
+        graphed("triton default", triton_write())
+        print(f"{name} host us per call: triton {host_us(triton_write()):.1f}", flush=True)
     try:
-        row("cupy", lambda: qm.write(cache, latent, rope, slot_mapping=slot, seq_ids=b, positions=pos,
-                                     seq_lens=lens, backend="cupy", validate=False))
+        row("cupy", cupy_write)
+        if args.graphs:
+            graphed("cupy", cupy_write)
+            print(f"{name} host us per call: cupy {host_us(cupy_write):.1f}", flush=True)
+        for warps in [int(w) for w in args.cupy_warps.split(",") if w]:
+            with _cupy_writer(warps=warps):
+                row(f"cupy warps={warps}", cupy_write)
+        if args.cupy_baseline:
+            with _cupy_writer(source=open(args.cupy_baseline).read()):
+                row("cupy baseline kernel", cupy_write)
     except Exception as exc:  # noqa: BLE001 - a probe reports what failed
         print(f"{name} cupy: {type(exc).__name__}: {exc}", flush=True)
+
+
+@contextlib.contextmanager
+def _cupy_writer(warps: int | None = None, source: str | None = None):
+    """The CuPy writer with another block size or ``writer.cu`` text, restored afterwards."""
+    from quantmla_core.backends import cupy as cpkg
+    from quantmla_core.backends.cupy import writer as cwriter
+
+    saved_warps, saved_source = cwriter.WRITER_WARPS, cpkg.kernel_source
+    if warps:
+        cwriter.WRITER_WARPS = warps
+    if source is not None:
+        cpkg.kernel_source = lambda name: source if name == "writer.cu" else saved_source(name)
+    def forget():
+        for k in [k for k in cpkg._MODULES if k[0] == "writer.cu"]:
+            del cpkg._MODULES[k]
+        cwriter._KERNELS.clear()
+
+    forget()
+    try:
+        yield
+    finally:
+        cwriter.WRITER_WARPS, cpkg.kernel_source = saved_warps, saved_source
+        forget()
 
 
 def main(argv=None) -> None:
@@ -81,6 +145,9 @@ def main(argv=None) -> None:
     ap.add_argument("--baseline", default=None, help="another writer_kernel.py to A/B")
     ap.add_argument("--json", default=None)
     ap.add_argument("--configs", default="1x1,2x1,4x1,8x1,2x2,4x2,4x4")
+    ap.add_argument("--cupy-baseline", default=None, help="another writer.cu to A/B")
+    ap.add_argument("--graphs", action="store_true", help="also replay each writer from a CUDA graph, and time host calls")
+    ap.add_argument("--cupy-warps", default="", help="comma-separated warps per block to time besides the default")
     args = ap.parse_args(argv)
     res = {"info": gpu_info(), "rows": []}
     work = Workload(1, TOKENS)

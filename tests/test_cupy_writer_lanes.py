@@ -1,9 +1,11 @@
 """A NumPy model of the CuPy writer's lane layout (``kernels/writer.cu``), checked on the CPU.
 
-The kernel gives lane l the values ``p * NB + l * CB + u`` of every plane p, reduces group ranges
-with xor shuffles over GL lanes (after combining PG planes where a group spans planes), lets one
-leader lane per group store its scale and zero point, and packs its CB bytes alone. The model
-below restates those formulas (pinned to the kernel text) and checks them against the
+The kernel gives lane l the values ``p * NB + l * CB + u`` of every plane p and reduces group
+ranges with xor shuffles over GL lanes: where a group spans planes, after combining its PG planes;
+otherwise (K > 1 planes) by a reduce-scatter that leaves lane l with one plane's group, whose
+parameters it alone computes and hands to the lanes that need them. One leader lane per group
+stores its scale and zero point, and each lane packs its CB bytes alone from the codes' float bits.
+The model below restates those formulas (pinned to the kernel text) and checks them against the
 reference's groups and split-half packing for every format and dims the backend serves.
 """
 
@@ -29,7 +31,18 @@ PINNED = (
     "const int g = SPAN ? p / PG : p * (NB / G) + lane * CB / G;",
     "const bool leader = SPAN ? lane == 0 : (lane * CB) % G == 0 && lane < S::LANES;",
     "load_run<S::CB>(row + p * S::NB + lane * S::CB, x[p]);",
-    "bytes[u] |= (u32)q << (p * BITS);",
+    "constexpr bool SCATTER = !SPAN && K > 1;",
+    "const bool upper = lane & o;",
+    "const float send_lo = upper ? lo[i] : lo[i + o], send_hi = upper ? hi[i] : hi[i + o];",
+    "const float keep_lo = upper ? lo[i + o] : lo[i], keep_hi = upper ? hi[i + o] : hi[i];",
+    "for (int o = K; o < GL; o <<= 1) {",
+    "const int pl = lane % K;",
+    "if (lane % GL < K) store_group<SCALE_BF16>(scales, zeros, off * NG + (pl * NB + lane * CB) / G, s, zf);",
+    "const int src = (lane & ~(K - 1)) | p;",
+    "#define MAGIC 12582912.0f",
+    "const float q = fminf(fmaxf(fmaf(x[p][u] * 0x1p-64f, r[p], mz[p]), MAGIC), MAGIC + M);",
+    "bytes[u] += __float_as_uint(q) << (p * BITS);",
+    "__byte_perm(__byte_perm(b[4 * i], b[4 * i + 1], 0x0040u), __byte_perm(b[4 * i + 2], b[4 * i + 3], 0x0040u),",
     "store_bytes<CB>(codes + off * NB + lane * CB, bytes);",
 )
 
@@ -78,26 +91,64 @@ def test_lane_layout_covers_groups_and_packing(label, d, bits, g):
                 owner[e] = (p, lane)
     assert sorted(owner) == list(range(d))
     true_group = {e: e // g for e in range(d)}
-    # 2. the group index the kernel stores for (p, lane), and the lanes its shuffles reach
-    for p in range(k):
-        for lane in range(lanes):
-            kernel_g = p // pg if span else p * (nb // g) + lane * cb // g
-            run = [p * nb + lane * cb + u for u in range(cb)]
-            assert {true_group[e] for e in run} == {kernel_g}
-            planes = range(p - p % pg, p - p % pg + pg)
-            reached = {lane ^ m for m in range(gl)} if gl > 1 else {lane}  # xor offsets 1, 2, .. < GL
-            covered = {pe * nb + ln * cb + u for pe in planes for ln in reached if ln < lanes for u in range(cb)}
-            assert covered == {e for e in range(d) if true_group[e] == kernel_g}, (p, lane)
+    def run(p, lane):
+        return {p * nb + lane * cb + u for u in range(cb)} if lane < lanes else set()
+
+    def members(g):
+        return {e for e in range(d) if true_group[e] == g}
+
+    scatter = not span and k > 1
+    if scatter:
+        # 2a. reduce-scatter: lane l keeps plane l % K over K lanes, then a butterfly over K .. GL / 2
+        held = [[run(p, lane) for p in range(k)] for lane in range(32)]
+        o = k // 2
+        while o >= 1:
+            nxt = []
+            for lane in range(32):
+                upper = bool(lane & o)
+                partner = held[lane ^ o]
+                # keep one half, receive the partner's send (the same half: its bit o is the opposite)
+                nxt.append([(held[lane][i + o] if upper else held[lane][i])
+                            | (partner[i + o] if upper else partner[i]) for i in range(o)])
+            held = nxt
+            o //= 2
+        acc = [h[0] for h in held]
+        o = k
+        while o < gl:
+            acc = [acc[lane] | acc[lane ^ o] for lane in range(32)]
+            o *= 2
+        group_of = [((lane % k) * nb + lane * cb) // g for lane in range(32)]
+        for lane in range(32):
+            assert acc[lane] == members(group_of[lane]), lane
+            for p in range(k):  # the lane whose group parameters plane p of this lane uses
+                src = (lane & ~(k - 1)) | p
+                assert {true_group[e] for e in run(p, lane)} == {group_of[src]}, (lane, p)
+        leaders = [((lane % k) * nb + lane * cb) // g for lane in range(32) if lane % gl < k]
+    else:
+        # 2b. the group index the kernel stores for (p, lane), and the lanes its shuffles reach
+        for p in range(k):
+            for lane in range(lanes):
+                kernel_g = p // pg if span else p * (nb // g) + lane * cb // g
+                assert {true_group[e] for e in run(p, lane)} == {kernel_g}
+                planes = range(p - p % pg, p - p % pg + pg)
+                reached = {lane ^ m for m in range(gl)} if gl > 1 else {lane}  # xor offsets 1, 2, .. < GL
+                covered = {e for pe in planes for ln in reached for e in run(pe, ln)}
+                assert covered == members(kernel_g), (p, lane)
+        leaders = [(p // pg if span else p * (nb // g) + lane * cb // g)
+                   for p in range(0, k, pg) for lane in range(32)
+                   if (lane == 0 if span else (lane * cb) % g == 0 and lane < lanes)]
     # 3. one leader per group
-    leaders = [(p // pg if span else p * (nb // g) + lane * cb // g)
-               for p in range(0, k, pg) for lane in range(32)
-               if (lane == 0 if span else (lane * cb) % g == 0 and lane < lanes)]
     assert sorted(leaders) == list(range(d // g))
-    # 4. the bytes a lane packs are the reference's split-half bytes
-    codes = np.random.default_rng(d + bits + g).integers(0, 1 << bits, d).astype(np.uint8)
-    packed = np.zeros(nb, np.uint32)
+    # 4. the bytes a lane packs are the reference's split-half bytes: the low byte of the sum of
+    #    the codes' float bits (MAGIC + q) shifted by p * BITS (uint32 arithmetic)
+    codes = np.random.default_rng(d + bits + g).integers(0, 1 << bits, d).astype(np.uint32)
+    magic_bits = np.float32(12582912.0).view(np.uint32)
+    packed = [0] * nb
     for p in range(k):
         for lane in range(lanes):
             for u in range(cb):
-                packed[lane * cb + u] |= int(codes[p * nb + lane * cb + u]) << (p * bits)
-    assert np.array_equal(packed.astype(np.uint8), ref.pack(codes, bits))
+                q_bits = int(np.float32(12582912.0 + float(codes[p * nb + lane * cb + u])).view(np.uint32))
+                assert q_bits - int(magic_bits) == codes[p * nb + lane * cb + u]
+                packed[lane * cb + u] = (packed[lane * cb + u] + (q_bits << (p * bits))) & 0xFFFFFFFF
+    low_bytes = np.array([w & 0xFF for w in packed], np.uint8)
+    assert np.array_equal(low_bytes, ref.pack(codes.astype(np.uint8), bits))

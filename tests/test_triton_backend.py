@@ -226,7 +226,24 @@ def test_split_counts_and_causal_sq(fmt_name, splits, variant):
         _attend_direct(case, num_splits=splits)
 
 
-def test_bad_slots_are_skipped():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", [
+    Case(PackFormat.parse("C4R4"), (70, 9), heads=2, seed=31),
+    Case(PackFormat.parse("C2R4", latent_dim=256, rope_dim=32), (40, 3), heads=2, local=8, seed=32),
+    Case(PackFormat.parse("C8R8", group_size=128), (20,), heads=2, seed=33),
+], ids=str)
+def test_writer_one_token_per_program(case, dtype, monkeypatch):
+    """The GPU's launch shape (one token per program: scalar slot, seq id, position and length
+    loads) against the reference, also in the interpreter."""
+    from quantmla_core.backends.triton import writer as twriter
+
+    monkeypatch.setattr(twriter, "WRITER_BLOCK_T_INTERPRETER", 1)
+    monkeypatch.setattr(twriter, "WRITER_BLOCK_T", 1)
+    check_writer(case, "triton", DEVICE, dtype)
+
+
+@pytest.mark.parametrize("block_t", [1, None])
+def test_bad_slots_are_skipped(block_t):
     """Slots -1 and out of range write nothing; the rest of the cache keeps its poison."""
     fmt = PackFormat.parse("C4R4")
     case = Case(fmt, (70,))
@@ -238,7 +255,7 @@ def test_bad_slots_are_skipped():
     cache = allocate(case, batch, DEVICE)
     from quantmla_core.backends.triton.writer import write as triton_write
 
-    triton_write(cache, args["latent"], args["k_rope"], slots, args["seq_ids"], args["positions"], args["seq_lens"])
+    triton_write(cache, args["latent"], args["k_rope"], slots, args["seq_ids"], args["positions"], args["seq_lens"], block_t)
     want = allocate(case, batch, "cpu")
     keep = slots.cpu().numpy()
     keep = np.where(keep >= batch.num_pages * fmt.page_size, -1, keep)

@@ -18,6 +18,19 @@ def writer_defines(fmt: PackFormat, dtype: str) -> dict[str, int]:
     return d
 
 
+_KERNELS: dict[tuple, Any] = {}
+
+
+def _writer_kernel(fmt: PackFormat, dtype: str, dev: int):
+    """Compiled ``qmla_write`` for ``fmt``, input dtype and device, cached here: building the
+    defines and the compile-cache key takes tens of µs, as much as a short write's kernel."""
+    key = (fmt, dtype, dev, WRITER_WARPS)
+    fn = _KERNELS.get(key)
+    if fn is None:
+        fn = _KERNELS[key] = get_kernel("writer.cu", "qmla_write", writer_defines(fmt, dtype), dev)
+    return fn
+
+
 def _i64(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.int64).contiguous()
 
@@ -46,7 +59,7 @@ def write(cache, latent, k_rope, slot_mapping, seq_ids, positions, seq_lens) -> 
         _require_contiguous(name, getattr(cache, name))
     dtype = "bfloat16" if latent.dtype == torch.bfloat16 else "float32"
     dev = latent.device.index if latent.device.index is not None else torch.cuda.current_device()
-    fn = get_kernel("writer.cu", "qmla_write", writer_defines(fmt, dtype), dev)
+    fn = _writer_kernel(fmt, dtype, dev)
     latent, k_rope = _aligned_rows(latent), _aligned_rows(k_rope)
     slots, ids, pos, lens = _i64(slot_mapping), _i64(seq_ids), _i64(positions), _i64(seq_lens)
     p = lambda x: np.uint64(device_pointer(x))  # noqa: E731

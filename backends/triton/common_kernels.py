@@ -16,6 +16,9 @@ FLOAT32_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)
 #: 2^64 and 2^-64, exact in float32: the writer's pre-scaling of reciprocals and values
 TWO_POW_64: tl.constexpr = tl.constexpr(18446744073709551616.0)
 TWO_POW_M64: tl.constexpr = tl.constexpr(5.421010862427522e-20)
+#: 1.5 * 2^23: a float32 in [MAGIC, MAGIC + 2^22) holds the integer (value - MAGIC) in its low
+#: mantissa bits, so adding it rounds a value to an integer (half to even)
+MAGIC: tl.constexpr = tl.constexpr(12582912.0)
 
 
 @triton.jit
@@ -56,4 +59,4 @@ def store_f32(ptr, offs, x, mask, IS_BF16: tl.constexpr):
 def rint(x):
     """Round half to even for |x| < 2**22 (codes and zero points are far below that): adding and
     removing 1.5 * 2**23 leaves no fraction bits, and the float32 add itself rounds half to even."""
-    return (x + 12582912.0) - 12582912.0
+    return (x + MAGIC) - MAGIC

@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common_kernels import BF16_MAX, FLOAT32_MAX, TWO_POW_64, TWO_POW_M64, f32_to_bf16_bits, load_f32, rint, store_f32
+from .common_kernels import BF16_MAX, FLOAT32_MAX, MAGIC, TWO_POW_64, TWO_POW_M64, f32_to_bf16_bits, load_f32, rint, store_f32
 
 
 @triton.jit
@@ -48,9 +48,13 @@ def _quantize_store(
     # 2 ulp) per group (DESIGN §3.1 allows ±1 at .5 boundaries). The 2^64 keeps the reciprocal of a
     # clamped huge scale a normal float.
     r = TWO_POW_64 / s
-    q = rint((x * TWO_POW_M64) * r[:, :, None]) + z[:, :, None]
-    q = tl.minimum(tl.maximum(q, 0.0), M).to(tl.int32)
-    # split-half packing: byte j holds elements j + i*D/K in bits [i*BITS, (i+1)*BITS)
+    # q = clamp(rint(x / s) + z, 0, M) as the low mantissa bits of fma(x', r, MAGIC + z) clamped to
+    # [MAGIC, MAGIC + M]: one fused rounding per value, no float-to-int conversion (a fused or
+    # twice-rounded fma may differ from rint(x / s) + z only at .5 ties, which DESIGN §3.1 allows)
+    q = tl.fma(x * TWO_POW_M64, r[:, :, None], (z + MAGIC)[:, :, None])
+    q = tl.minimum(tl.maximum(q, MAGIC), MAGIC + M).to(tl.int32, bitcast=True)
+    # split-half packing: byte j holds elements j + i*D/K in bits [i*BITS, (i+1)*BITS). Only the
+    # low byte of the sum is stored: the MAGIC bits shift above it, and the codes' sum fits in it.
     planes = tl.reshape(q, [T, K, D // K])
     shift = (tl.arange(0, K) * BITS)[None, :, None]
     packed = tl.sum(planes << shift, axis=1)  # [T, D // K]
@@ -99,9 +103,26 @@ def write_kernel(
 ):
     """BLOCK_T tokens per program. A slot outside ``[0, num_slots)`` (e.g. -1) skips the token;
     a seq id outside ``[0, max_seqs)`` or a negative position skips its protection copy."""
-    i = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    if BLOCK_T == 1:
+        # One token per program (the GPU default): its slot, seq id and position are loaded once
+        # as scalars and broadcast. A [1]-vector load is repeated for every layout it is used in.
+        tok = tl.program_id(0).to(tl.int64)  # < N: the grid has one program per token
+        one = tl.zeros([BLOCK_T], tl.int64)
+        i = tok + one
+        slot = tl.load(slot_ptr + tok).to(tl.int64) + one
+        seq_s = tl.load(seq_ptr + tok).to(tl.int64)
+        known = (seq_s >= 0) & (seq_s < max_seqs)
+        length = tl.load(lens_ptr + tl.where(known, seq_s, 0), mask=known, other=0).to(tl.int64) + one
+        seq = seq_s + one
+        pos = tl.load(pos_ptr + tok).to(tl.int64) + one
+    else:
+        i = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+        slot = tl.load(slot_ptr + i, mask=i < N, other=-1).to(tl.int64)
+        seq = tl.load(seq_ptr + i, mask=i < N, other=-1).to(tl.int64)
+        pos = tl.load(pos_ptr + i, mask=i < N, other=-1).to(tl.int64)
+        known = (i < N) & (seq >= 0) & (seq < max_seqs)
+        length = tl.load(lens_ptr + tl.where(known, seq, 0), mask=known, other=0).to(tl.int64)
     in_range = i < N
-    slot = tl.load(slot_ptr + i, mask=in_range, other=-1).to(tl.int64)
     ok = in_range & (slot >= 0) & (slot < num_slots)
     slot_c = tl.where(ok, slot, 0)
     page_ptr = pages_ptr + (slot_c // P) * PAGE_BYTES  # [T]
@@ -125,22 +146,19 @@ def write_kernel(
         store_f32(page_ptr[:, None, None] + R_CODES_OFF, t[:, None, None] * DR + offs_r, xr, m3, True)
 
     # protection buffers (pre-quantization values)
-    seq = tl.load(seq_ptr + i, mask=ok, other=-1).to(tl.int64)
-    pos = tl.load(pos_ptr + i, mask=ok, other=-1).to(tl.int64)
     live = ok & (seq >= 0) & (seq < max_seqs) & (pos >= 0)
     seq_c = tl.where(live, seq, 0)
     W: tl.constexpr = DC + DR
     to_sink = live & (pos < SINK)
-    base_s = ((seq_c * SINK + tl.where(to_sink, pos, 0)) * W)[:, None, None]
     ms = to_sink[:, None, None]
     if tl.max(to_sink.to(tl.int32), axis=0) > 0:  # a uniform branch: most blocks of a prompt hold no sink token
+        base_s = ((seq_c * SINK + tl.where(to_sink, pos, 0)) * W)[:, None, None]
         store_f32(sink_ptr, base_s + offs_c, xc, ms, PROT_BF16)
         store_f32(sink_ptr, base_s + DC + offs_r, xr, ms, PROT_BF16)
-    length = tl.load(lens_ptr + seq_c, mask=live, other=0).to(tl.int64)
     to_local = live & (LOCAL > 0) & (pos >= length - LOCAL)
-    ring = tl.where(to_local, pos % tl.maximum(LOCAL, 1), 0)
-    base_l = ((seq_c * LOCAL + ring) * W)[:, None, None]
     ml = to_local[:, None, None]
     if tl.max(to_local.to(tl.int32), axis=0) > 0:  # ... nor a token of the local window
+        ring = tl.where(to_local, pos % tl.maximum(LOCAL, 1), 0)
+        base_l = ((seq_c * LOCAL + ring) * W)[:, None, None]
         store_f32(local_ptr, base_l + offs_c, xc, ml, PROT_BF16)
         store_f32(local_ptr, base_l + DC + offs_r, xr, ml, PROT_BF16)
