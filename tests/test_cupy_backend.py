@@ -686,3 +686,82 @@ def test_cuda_graph_capture_and_replay(backend, name, dtype, env, monkeypatch):
     assert torch.equal(out, want2) and torch.equal(lse, want2_lse)
     assert not torch.equal(want2, want)
     del junk
+
+
+# ------------------------------------------------------------------ index width (int32 / int64)
+@pytest.mark.parametrize("variant", ["v2", "v3"])
+@pytest.mark.parametrize("lens_dtype,ids_dtype", [(torch.int32, torch.int32), (torch.int64, torch.int64),
+                                                  (torch.int32, torch.int64)])
+def test_index_width_follows_the_inputs(monkeypatch, variant, lens_dtype, ids_dtype):
+    """int32 seq_lens and seq_ids get kernels built for int32 and reach them without a copy; any
+    int64 among them gets the int64 build, and the other is converted. Split and protected-only
+    launches agree, and the launch argument is the tensor the kernel reads."""
+    from quantmla_core.backends.cupy import attention as A
+
+    kernels, launches = stub_cupy_launcher(monkeypatch)
+    monkeypatch.setenv(VARIANT_ENV, variant)
+    fmt = qm.PackFormat.parse("C4R4")
+    b, pages_per = 3, 5
+
+    class Cache:
+        format = fmt
+        pages = torch.zeros((b * pages_per, fmt.page_bytes), dtype=torch.uint8)
+        sink_buf = torch.zeros((b, 4, 576), dtype=torch.bfloat16)
+        local_buf = torch.zeros((b, 128, 576), dtype=torch.bfloat16)
+        num_pages, max_seqs, sink, local = b * pages_per, b, 4, 128
+
+    q = torch.zeros((b, 1, 16, 512), dtype=torch.bfloat16)
+    r = torch.zeros((b, 1, 16, 64), dtype=torch.bfloat16)
+    table = torch.arange(b * pages_per, dtype=torch.int32).view(b, pages_per)
+    lens, ids = torch.full((b,), 300, dtype=lens_dtype), torch.arange(b, dtype=ids_dtype)
+    A.attention(q, r, Cache, table, lens, ids, 0.05)
+    int32 = lens_dtype == ids_dtype == torch.int32
+    split = launches.of(f"qmla_attn_{variant}")[0]
+    prot = launches.of("qmla_attn_protected")[0]
+    for fn, _grid, _block, args, _smem in (split, prot):
+        assert fn.defines["QMLA_INDEX64"] == (0 if int32 else 1)
+        params = _kernel_params(fn.source, fn.kernel)
+        lens_arg = int(args[[i for i, p in enumerate(params) if p.endswith(" seq_lens")][0]])
+        ids_arg = int(args[[i for i, p in enumerate(params) if p.endswith(" seq_ids")][0]])
+        assert (lens_arg == lens.data_ptr()) == (int32 or lens_dtype == torch.int64)
+        assert (ids_arg == ids.data_ptr()) == (int32 or ids_dtype == torch.int64)
+        assert "qmla_index_t* __restrict__ seq_lens" in " ".join(params)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
+@pytest.mark.parametrize("source", ["attention_v2.cu", "attention_v3.cu", "protected.cu", "attention.cu"])
+def test_int32_index_builds_compile(source):
+    fmt = qm.PackFormat.parse("C4R4")
+    defines = {"attention_v2.cu": lambda: v2_defines(fmt, 1, index64=False),
+               "attention_v3.cu": lambda: v3_defines(fmt, index64=False),
+               "protected.cu": lambda: protected_defines(fmt, index64=False),
+               "attention.cu": lambda: attention_defines(fmt, "bfloat16", index64=False)}[source]()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "k.ptx")
+        cmd = [NVCC, "-ptx", "-arch=sm_90", "--std=c++17", f"-I{KERNEL_DIR}", *define_options(defines), "-o", out,
+               str(KERNEL_DIR / source)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("variant", ["v2", "v3"])
+@pytest.mark.parametrize("case", V2_CASES[:4], ids=str)
+def test_int32_indices_match_int64(case, variant, monkeypatch):
+    """The int32 build (seq_lens and seq_ids both int32) gives the same bits as the int64 one, and
+    both match the reference."""
+    _use_variant(monkeypatch, variant)
+    batch = build(case)
+    args = batch.to("cuda", "bfloat16")
+    cache = allocate(case, batch, "cuda")
+    qm.write(cache, args["latent"], args["k_rope"], slot_mapping=args["slot_mapping"], seq_ids=args["seq_ids"],
+             positions=args["positions"], seq_lens=args["seq_lens"], backend="cupy")
+    outs = []
+    for dtype in (torch.int64, torch.int32):
+        out, lse = qm.attention(args["q_latent"], args["q_rope"], cache, block_table=args["block_table"],
+                                seq_lens=args["attn_seq_lens"].to(dtype), seq_ids=args["attn_seq_ids"].to(dtype),
+                                softmax_scale=batch.softmax_scale, backend="cupy")
+        outs.append((out, lse))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")

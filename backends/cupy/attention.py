@@ -84,14 +84,15 @@ V3_MIN_TOKENS = 16384
 LOG2E = 1.4426950408889634
 
 
-def attention_defines(fmt: PackFormat, dtype: str) -> dict[str, int]:
+def attention_defines(fmt: PackFormat, dtype: str, index64: bool = True) -> dict[str, int]:
     """``-D`` defines of ``kernels/attention.cu`` for ``fmt`` and query dtype.
 
-    float32 queries use a split (hi + lo) bf16 A operand for float32-level accuracy.
+    float32 queries use a split (hi + lo) bf16 A operand for float32-level accuracy. ``index64``:
+    seq_lens / seq_ids are int64 (else int32).
     """
     d = format_defines(fmt)
     bf16 = dtype == "bfloat16"
-    d.update(QMLA_IN_BF16=int(bf16), QMLA_SPLIT=1 if bf16 else 2)
+    d.update(QMLA_IN_BF16=int(bf16), QMLA_SPLIT=1 if bf16 else 2, QMLA_INDEX64=int(index64))
     return d
 
 
@@ -203,11 +204,12 @@ def v3_smem_bytes(fmt: PackFormat, stages: int = V3_STAGES, warps: int = V3_WARP
 
 
 def v3_defines(fmt: PackFormat, stages: int = V3_STAGES, min_blocks: int | None = None, lazy_rescale: bool = True,
-               warps: int = V3_WARPS) -> dict[str, int]:
+               warps: int = V3_WARPS, index64: bool = True) -> dict[str, int]:
     """``-D`` defines of ``kernels/attention_v3.cu`` (bfloat16 queries). ``min_blocks`` None: 2 at
-    8 warps (at most 128 registers, so two 8-warp CTAs fit an SM), else 1."""
+    8 warps (at most 128 registers, so two 8-warp CTAs fit an SM), else 1. ``index64``: int64
+    seq_lens / seq_ids (else int32)."""
     minb = (2 if warps == 8 else 1) if min_blocks is None else min_blocks
-    d = attention_defines(fmt, "bfloat16")
+    d = attention_defines(fmt, "bfloat16", index64)
     d.update(QMLA_V3_STAGES=int(stages), QMLA_V3_MINB=int(minb), QMLA_V3_SMEM=v3_smem_bytes(fmt, stages, warps),
              QMLA_V3_LAZY_RESCALE=int(lazy_rescale), QMLA_V3_NW=int(warps))
     return d
@@ -215,15 +217,16 @@ def v3_defines(fmt: PackFormat, stages: int = V3_STAGES, min_blocks: int | None 
 
 def v2_defines(fmt: PackFormat, row_groups: int = 1, min_blocks: int = 1, stages: int = V2_STAGES,
                lazy_rescale: bool = False, no_protection: bool = False, prot_mode: int = 0,
-               tile: int = V2_TILE) -> dict[str, int]:
+               tile: int = V2_TILE, index64: bool = True) -> dict[str, int]:
     """``-D`` defines of ``kernels/attention_v2.cu`` (bfloat16 queries). ``no_protection``: the
     cache keeps no sink/local tokens, so only the pure-tile path is compiled (fewer registers,
     half the loop code). ``prot_mode``: 0 protected tokens inline; 1 packed tokens only, with
     ``kernels/protected.cu`` adding the protected ones (``QUANTMLA_CUPY_V2_PROTECTED``). ``tile``:
-    tokens per tile, 32 or 64 (``QUANTMLA_CUPY_V2_TILE``)."""
+    tokens per tile, 32 or 64 (``QUANTMLA_CUPY_V2_TILE``). ``index64``: int64 seq_lens / seq_ids
+    (else int32)."""
     if prot_mode not in (0, 1):
         raise ValueError(f"prot_mode: expected 0 (inline) or 1 (packed only), got {prot_mode!r}")
-    d = attention_defines(fmt, "bfloat16")
+    d = attention_defines(fmt, "bfloat16", index64)
     d.update(QMLA_V2_RG=int(row_groups), QMLA_V2_MINB=int(min_blocks), QMLA_V2_STAGES=int(stages),
              QMLA_V2_SMEM=v2_smem_bytes(fmt, row_groups, stages, tile),
              QMLA_V2_LAZY_RESCALE=int(lazy_rescale),
@@ -360,13 +363,13 @@ def attention(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_s
 
 
 def _v2_kernel(fmt: PackFormat, dev: int, rg: int, minb: int, stages: int, lazy: bool, no_prot: bool, mode: int,
-               tile: int = V2_TILE):
+               tile: int = V2_TILE, index64: bool = True):
     """Compiled ``qmla_attn_v2`` for one set of defines (cached) and its dynamic shared memory."""
-    key = ("v2", fmt, dev, rg, minb, stages, lazy, no_prot, mode, tile)
+    key = ("v2", fmt, dev, rg, minb, stages, lazy, no_prot, mode, tile, index64)
     fn = _FNS.get(key)
     if fn is None:
         smem = v2_smem_bytes(fmt, rg, stages, tile)
-        defines = v2_defines(fmt, rg, minb, stages, lazy, no_prot, mode, tile)
+        defines = v2_defines(fmt, rg, minb, stages, lazy, no_prot, mode, tile, index64)
         fn = (get_kernel("attention_v2.cu", "qmla_attn_v2", defines, dev, smem), smem)
         with _CACHE_LOCK:
             _FNS[key] = fn
@@ -418,10 +421,11 @@ class SplitPlan:
 
 
 def v2_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool,
-            knobs: V2Knobs, sink: int = 0, local: int = 0) -> SplitPlan:
+            knobs: V2Knobs, sink: int = 0, local: int = 0, index64: bool = True) -> SplitPlan:
     """The launch plan of kernel v2 (cached per shape and knobs: steady-state decode reuses it).
-    ``sink``/``local``: the cache's protected tokens (size the separate mode's protected launch)."""
-    key = (fmt, dev, sm_count, batch, rows, max_pages, no_prot, knobs, sink, local)
+    ``sink``/``local``: the cache's protected tokens (size the separate mode's protected launch);
+    ``index64``: the width of seq_lens / seq_ids the kernels are built for."""
+    key = (fmt, dev, sm_count, batch, rows, max_pages, no_prot, knobs, sink, local, index64)
     plan = _PLANS.get(key)
     if plan is None:
         row_groups = (rows + 15) // 16
@@ -429,14 +433,14 @@ def v2_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
         chunks = (rows + 16 * rg - 1) // (16 * rg)
         separate = knobs.separate and not no_prot
         attn, smem = _v2_kernel(fmt, dev, rg, knobs.minb, knobs.stages, knobs.lazy, no_prot, 1 if separate else 0,
-                                knobs.tile)
+                                knobs.tile, index64)
         block = (V2_WARPS * 32 * rg,)
         resident = resident_ctas(attn, block[0], smem, dev, sm_count)
         splits, per = plan_splits_v2(batch, chunks, max(1, max_pages) * fmt.page_size, resident, knobs.min_tiles,
                                      knobs.tile)
         launches = [(attn, (batch * chunks, splits), block, smem)]
         if separate:
-            launches.append(_protected_launch(fmt, dev, batch, rows, sink, local))
+            launches.append(_protected_launch(fmt, dev, batch, rows, sink, local, index64))
         nprot = protected_ctas(sink, local) if separate else 0
         plan = SplitPlan(tuple(launches), _combine_kernel(fmt, dev), per, splits + nprot)
         with _CACHE_LOCK:
@@ -451,22 +455,25 @@ def protected_smem_bytes(fmt: PackFormat) -> int:
     return (16 + PROTECTED_TILE) * row * 2 + 16 * (PROTECTED_TILE + 8) * 2 + 2 * PROTECTED_WARPS * 16 * 4
 
 
-def protected_defines(fmt: PackFormat) -> dict[str, int]:
-    """``-D`` defines of ``kernels/protected.cu``: the row widths, tile and warps, and the shared
-    memory size the launch gives it (the kernel checks it against its own layout)."""
+def protected_defines(fmt: PackFormat, index64: bool = True) -> dict[str, int]:
+    """``-D`` defines of ``kernels/protected.cu``: the row widths, tile and warps, the shared
+    memory size the launch gives it (the kernel checks it against its own layout) and the width
+    of seq_lens / seq_ids."""
     return {"QMLA_DC": fmt.latent_dim, "QMLA_DR": fmt.rope_dim, "QMLA_PROT_T": PROTECTED_TILE,
-            "QMLA_PROT_NW": PROTECTED_WARPS, "QMLA_PROT_SMEM_EXPECTED": protected_smem_bytes(fmt)}
+            "QMLA_PROT_NW": PROTECTED_WARPS, "QMLA_PROT_SMEM_EXPECTED": protected_smem_bytes(fmt),
+            "QMLA_INDEX64": int(index64)}
 
 
-def _protected_launch(fmt: PackFormat, dev: int, batch: int, rows: int, sink: int, local: int) -> tuple:
+def _protected_launch(fmt: PackFormat, dev: int, batch: int, rows: int, sink: int, local: int,
+                      index64: bool = True) -> tuple:
     """(kernel, grid, block, shared bytes) of the protected-only launch (``kernels/protected.cu``):
     the sink and local-window tokens as :func:`protected_ctas` more partials per 16-row chunk, one
     32-token tile per CTA."""
-    key = ("protected", fmt.latent_dim, fmt.rope_dim, dev)
+    key = ("protected", fmt.latent_dim, fmt.rope_dim, dev, index64)
     fn = _FNS.get(key)
     if fn is None:
         smem = protected_smem_bytes(fmt)
-        fn = (get_kernel("protected.cu", "qmla_attn_protected", protected_defines(fmt), dev, smem), smem)
+        fn = (get_kernel("protected.cu", "qmla_attn_protected", protected_defines(fmt, index64), dev, smem), smem)
         with _CACHE_LOCK:
             _FNS[key] = fn
     kernel, smem = fn
@@ -478,19 +485,22 @@ def _attention_planned(make_plan, knobs, q_latent, q_rope, cache, block_table, s
     """Kernel v2 or v3 (``make_plan``: :func:`v2_plan` / :func:`v3_plan`, with its ``knobs``)."""
     b, s_q, h, _ = q_latent.shape
     no_prot = cache.sink == 0 and cache.local == 0
+    # int32 seq_lens and seq_ids get an int32 build rather than a conversion on every call
+    index64 = not (seq_lens.dtype == torch.int32 and seq_ids.dtype == torch.int32)
     plan = make_plan(cache.format, dev, sm_count, b, s_q * h, block_table.shape[1], no_prot, knobs, cache.sink,
-                     cache.local)
+                     cache.local, index64)
     return _run_split_kernels(plan.launches, plan.combine, plan.per, plan.slots, q_latent, q_rope, cache, block_table,
-                              seq_lens, seq_ids, softmax_scale, dev, side_default=make_plan is v3_plan)
+                              seq_lens, seq_ids, softmax_scale, dev, side_default=make_plan is v3_plan, index64=index64)
 
 
-def _v3_kernel(fmt: PackFormat, dev: int, stages: int, minb: int | None, lazy: bool = True, warps: int = V3_WARPS):
+def _v3_kernel(fmt: PackFormat, dev: int, stages: int, minb: int | None, lazy: bool = True, warps: int = V3_WARPS,
+               index64: bool = True):
     """Compiled ``qmla_attn_v3`` (cached) and its dynamic shared memory."""
-    key = ("v3", fmt, dev, stages, minb, lazy, warps)
+    key = ("v3", fmt, dev, stages, minb, lazy, warps, index64)
     fn = _FNS.get(key)
     if fn is None:
         smem = v3_smem_bytes(fmt, stages, warps)
-        defines = v3_defines(fmt, stages, minb, lazy, warps)
+        defines = v3_defines(fmt, stages, minb, lazy, warps, index64)
         fn = (get_kernel("attention_v3.cu", "qmla_attn_v3", defines, dev, smem), smem)
         with _CACHE_LOCK:
             _FNS[key] = fn
@@ -519,24 +529,25 @@ class V3Knobs:
 
 
 def v3_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool,
-            knobs: V3Knobs, sink: int = 0, local: int = 0) -> SplitPlan:
+            knobs: V3Knobs, sink: int = 0, local: int = 0, index64: bool = True) -> SplitPlan:
     """The launch plan of kernel v3: its split kernel over packed tokens and, when the cache keeps
-    sink/local tokens, v2's protected-only launch adding them as more partials per row."""
-    key = ("v3", fmt, dev, sm_count, batch, rows, max_pages, no_prot, knobs, sink, local)
+    sink/local tokens, the protected-only launch adding them as more partials per row.
+    ``index64``: the width of seq_lens / seq_ids the kernels are built for."""
+    key = ("v3", fmt, dev, sm_count, batch, rows, max_pages, no_prot, knobs, sink, local, index64)
     plan = _PLANS.get(key)
     if plan is None:
         chunks = (rows + 15) // 16
         if knobs.warps == 8 and fmt.content_code_bytes < 128:
             raise ValueError(f"QUANTMLA_CUPY_V3_WARPS: 8 warps need >= 128 content code bytes per token (16 per "
                              f"warp slice), {fmt.name} d_c={fmt.latent_dim} has {fmt.content_code_bytes}; use 4")
-        attn, smem = _v3_kernel(fmt, dev, knobs.stages, knobs.minb, knobs.lazy, knobs.warps)
+        attn, smem = _v3_kernel(fmt, dev, knobs.stages, knobs.minb, knobs.lazy, knobs.warps, index64)
         block = (knobs.warps * 32,)
         resident = resident_ctas(attn, block[0], smem, dev, sm_count)
         splits, per = plan_splits_v2(batch, chunks, max(1, max_pages) * fmt.page_size, resident, knobs.min_tiles,
                                      V3_TILE)
         launches = [(attn, (batch * chunks, splits), block, smem)]
         if not no_prot:
-            launches.append(_protected_launch(fmt, dev, batch, rows, sink, local))
+            launches.append(_protected_launch(fmt, dev, batch, rows, sink, local, index64))
         nprot = 0 if no_prot else protected_ctas(sink, local)
         plan = SplitPlan(tuple(launches), _combine_kernel(fmt, dev), per, splits + nprot)
         with _CACHE_LOCK:
@@ -611,17 +622,19 @@ def _join_side_stream(dev: int, side: torch.cuda.Stream) -> None:
 
 
 def _run_split_kernels(launches, combine, per: int, slots: int, q_latent, q_rope, cache, block_table, seq_lens,
-                       seq_ids, softmax_scale: float, dev: int, side_default: bool = False
+                       seq_ids, softmax_scale: float, dev: int, side_default: bool = False, index64: bool = True
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs in the kernels' dtypes, outputs and partials, then the split kernels (``launches``:
     (kernel, grid, block, shared bytes); v1 and v2 share the argument list) and the LSE combine
     over ``slots`` partials per row, on torch's current stream; a protected-only launch (the second
     of ``launches``) may fork onto a second stream (:func:`protected_on_side_stream`, with
-    ``side_default`` the launcher's rule outside graph capture)."""
+    ``side_default`` the launcher's rule outside graph capture); seq_lens / seq_ids go in as int64,
+    or int32 where the kernels were built with ``index64`` False."""
     capturing = graph_capturing()
+    index = torch.int64 if index64 else torch.int32
     table = _kernel_input("block_table", block_table, torch.int32, capturing)
-    lens = _kernel_input("seq_lens", seq_lens, torch.int64, capturing)
-    ids = _kernel_input("seq_ids", seq_ids, torch.int64, capturing)
+    lens = _kernel_input("seq_lens", seq_lens, index, capturing)
+    ids = _kernel_input("seq_ids", seq_ids, index, capturing)
     q = _kernel_input("q_latent", q_latent, q_latent.dtype, capturing)
     r = _kernel_input("q_rope", q_rope, q_rope.dtype, capturing)
     b, s_q, h, dc = q_latent.shape

@@ -218,7 +218,7 @@ __device__ __forceinline__ u32 v2_cvt_hi(u32 cv, u32 negz2) {
 extern "C" __global__ void __launch_bounds__(NTH, QMLA_V2_MINB) qmla_attn_v2(
     const u16* __restrict__ q_lat, const u16* __restrict__ q_rope, const u8* __restrict__ pages,
     const u16* __restrict__ sink_buf, const u16* __restrict__ local_buf, const int* __restrict__ block_table,
-    const i64* __restrict__ seq_lens, const i64* __restrict__ seq_ids, float* __restrict__ o_part,
+    const qmla_index_t* __restrict__ seq_lens, const qmla_index_t* __restrict__ seq_ids, float* __restrict__ o_part,
     float2* __restrict__ ml_part, int S_q, int H, int max_pages, int bt_stride, int num_pages, int max_seqs,
     int sink, int local, int tiles_per_split, int num_splits, float scale_log2) {
     extern __shared__ __align__(16) unsigned char smem[];

@@ -207,7 +207,7 @@ __device__ __forceinline__ void v3_store_ps(u32 row_addr, u32 r0, u32 r1, u32 r2
 extern "C" __global__ void __launch_bounds__(NTH, QMLA_V3_MINB) qmla_attn_v3(
     const u16* __restrict__ q_lat, const u16* __restrict__ q_rope, const u8* __restrict__ pages,
     const u16* __restrict__ sink_buf, const u16* __restrict__ local_buf, const int* __restrict__ block_table,
-    const i64* __restrict__ seq_lens, const i64* __restrict__ seq_ids, float* __restrict__ o_part,
+    const qmla_index_t* __restrict__ seq_lens, const qmla_index_t* __restrict__ seq_ids, float* __restrict__ o_part,
     float2* __restrict__ ml_part, int S_q, int H, int max_pages, int bt_stride, int num_pages, int max_seqs,
     int sink, int local, int tiles_per_split, int num_splits, float scale_log2) {
     extern __shared__ __align__(16) unsigned char smem[];

@@ -17,6 +17,17 @@ typedef long long i64;
 
 #define QMLA_INF __int_as_float(0x7f800000)
 
+// seq_lens / seq_ids of the attention kernels: int64, or int32 with QMLA_INDEX64=0 (the launcher
+// builds the width the caller passes, so neither is converted per call)
+#ifndef QMLA_INDEX64
+#define QMLA_INDEX64 1
+#endif
+#if QMLA_INDEX64
+typedef long long qmla_index_t;
+#else
+typedef int qmla_index_t;
+#endif
+
 // ----------------------------------------------------------------- bfloat16 bit helpers
 // float32 -> bfloat16 bits, round to nearest even (the reference's bit trick; NaN stays NaN).
 __device__ __forceinline__ u16 f32_to_bf16_bits(float x) {
