@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The three tables of benchmarks/RESULTS.md (memory, attention, serving) from one H200 session,
+# in three device calls issued back to back (each stays well under the 10-minute limit per call):
+#   bash benchmarks/run_h200_report.sh tables    # versions, memory table, writer probe, attention grid at H=16
+#   bash benchmarks/run_h200_report.sh grid128   # the attention grid at H=128
+#   bash benchmarks/run_h200_report.sh serving   # two cache-pressure serving runs, then the CuPy GPU suite
+# Carry .whl (FlashInfer wheels, see PERFORMANCE.md). Results land in $OUT; turn them into the
+# RESULTS.md tables and plots here with
+#   python -m benchmarks.report --memory memory.json --attention grid.json --serving serving.json
+set -u
+PART=${1:-tables}
+OUT=${OUT:-/tmp/qm_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-build-isolation --no-deps --no-compile --target /tmp/qm . > "$OUT/install.log" 2>&1
+export PYTHONPATH=/tmp/qm:$PWD
+if ls .whl/flashinfer_python-*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl > /dev/null 2>&1 \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE=/tmp
+fi
+PY="python3 -P"
+stage() { echo "=== $1 ($(date +%T))"; }
+if [ "$PART" = tables ]; then
+  stage versions; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+  $PY -m quantmla_core.info > "$OUT/info.txt" 2>&1
+  stage memory; timeout 120 $PY -m benchmarks.memory --out "$OUT/memory.json" 2>&1 | tail -4
+  stage writer; timeout 90 $PY benchmarks/writer_probe.py --configs 1x1 --graphs --json "$OUT/writer_probe.json" 2>&1 | tail -14
+fi
+if [ "$PART" = tables ] || [ "$PART" = grid128 ]; then
+  H=$([ "$PART" = tables ] && echo 16 || echo 128)
+  stage "attention grid H=$H"
+  timeout 300 $PY -m pytest -q -p no:cacheprovider --import-mode=importlib -m benchmark --benchmark-enable \
+    --benchmark-json="$OUT/grid_h$H.json" benchmarks/test_attention_gpu.py -k "4096-$H or 32768-$H or 131072-$H" 2>&1 | tail -3
+elif [ "$PART" = serving ]; then
+  SERVE="--requests 48 --prompt-len 4096 --output-len 1024 --budget-gib 0.33"
+  stage "serving run 1"; timeout 200 $PY -m benchmarks.serving $SERVE --out "$OUT/serving.json" 2>&1 | tail -6
+  stage "serving run 2"; timeout 150 $PY -m benchmarks.serving $SERVE --formats BF16,C4R4 --out "$OUT/serving_run2.json" 2>&1 | tail -5
+  stage "cupy GPU suite"; timeout 200 $PY -m pytest -q -p no:cacheprovider tests/test_cupy_backend.py tests/test_cupy_v3.py \
+    tests/test_cupy_protected.py -k "not writ" 2>&1 | tail -3 | tee "$OUT/cupy_suite.txt"
+fi
+stage done
