@@ -156,6 +156,15 @@ def serving_section(doc: dict, plots: Path) -> tuple[str, list[Path]]:
     for r in doc["rows"]:
         lines.append(f"| {r['format']} | {r['backend']} | {r['num_pages']:,} | {r['tokens_per_s']:.1f} | {r['throughput_vs_bf16']:.2f}x "
                      f"| {r['preemptions']} | {r['recomputed_tokens']:,} | {r['mean_running']:.1f} | {r['seconds']:.1f} |")
+    if doc.get("repeats"):
+        per = {}
+        for rows in doc["repeats"]:
+            for r in rows:
+                if r["format"] != "BF16" and r.get("throughput_vs_bf16") is not None:
+                    per.setdefault(r["format"], []).append(f"{r['throughput_vs_bf16']:.2f}x")
+        lines += ["", f"{len(doc['repeats'])} whole runs in this process, the formats in turn in each; the table is run "
+                  f"{doc['shown_repeat'] + 1} (the median C4R4 ratio). Ratio to BF16 of the same run, per run: "
+                  + "; ".join(f"{name} {', '.join(v)}" for name, v in per.items()) + "."]
     return "\n".join(lines), [_plot_serving(doc["rows"], plots)]
 
 

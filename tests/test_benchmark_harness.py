@@ -58,7 +58,9 @@ def test_report_writes_tables_between_markers(tmp_path):
     memory.main(["--device", "cpu", "--lengths", "4096,32768", "--out", str(mem)])
     serv = tmp_path / "serving.json"
     serving.main(["--tiny", "--backend", "torch", "--requests", "2", "--prompt-len", "30", "--output-len", "4",
-                  "--formats", "BF16,C4R4", "--out", str(serv)])
+                  "--formats", "BF16,C4R4", "--repeats", "3", "--out", str(serv)])
+    doc = json.loads(serv.read_text())
+    assert len(doc["repeats"]) == 3 and doc["rows"] == doc["repeats"][doc["shown_repeat"]]
     results = tmp_path / "RESULTS.md"
     results.write_text("# Results\n\nhand-written text stays\n")
     for _ in range(2):  # idempotent: the second run replaces, not appends
@@ -67,8 +69,17 @@ def test_report_writes_tables_between_markers(tmp_path):
     assert "hand-written text stays" in text
     assert text.count("<!-- report:memory -->") == 1 and text.count("<!-- report:serving -->") == 1
     assert "| 32,768 | C4R4 |" in text
+    assert "3 whole runs in this process" in text and text.count("x, ") >= 2  # the per-run ratios
     assert (tmp_path / "results" / "memory.png").stat().st_size > 1000
     assert (tmp_path / "results" / "serving.png").stat().st_size > 1000
+
+
+def test_median_repeat_picks_the_middle_ratio():
+    runs = [[{"format": "BF16", "throughput_vs_bf16": 1.0}, {"format": "C4R4", "throughput_vs_bf16": x}]
+            for x in (3.4, 2.9, 3.1, 3.3)]
+    assert serving.median_repeat(runs, "C4R4") == 2  # sorted 2.9, 3.1, 3.3, 3.4: the lower middle, 3.1
+    assert serving.median_repeat(runs[:3], "C4R4") == 2
+    assert serving.median_repeat(runs, "C2R4") == 0
 
 
 def test_backend_benchmark_suite_smoke(tmp_path):
