@@ -23,7 +23,8 @@ ENV_OVERRIDE = "QUANTMLA_BACKEND"
 
 #: auto priority per device kind. On CUDA the CuPy backend comes first because it measured faster
 #: than the Triton backend at every shape timed on an H200 (2026-11-30, benchmarks/RESULTS.md:
-#: C4R4 H=16 B=32 L=32K 659 vs 1801 us; H=128 B=32 L=32K 4008 vs 9325 us); Triton serves what
+#: C4R4 H=16 B=32 L=32K 659 vs 1801 us; H=128 B=32 L=32K 4008 vs 9325 us; writers, 128K-token
+#: prompt, stop 14: C4R4 88.0 vs 90.5 us, C2R4 91.9 vs 97.5 us); Triton serves what
 #: CuPy does not (group size 32, no cupy installed) and is the only GPU kernel path on ROCm.
 PRIORITY: dict[str, tuple[str, ...]] = {
     "cuda": ("cupy", "triton", "torch"),
