@@ -5,7 +5,7 @@
 #   bash benchmarks/run_h200_kernels.sh time     # v1 vs v2 side by side (with FlashInfer BF16)
 #   bash benchmarks/run_h200_kernels.sh profile  # Nsight Compute: what limits the v2 kernels (C4R4 H=16 B=32 L=32K)
 #   bash benchmarks/run_h200_kernels.sh sweep    # CuPy v2 knobs (registers/CTAs per SM, copy stages, row groups)
-#   bash benchmarks/run_h200_kernels.sh writer   # writers on a 128K prompt: Triton (tokens/program x warps), CuPy, ncu
+#   bash benchmarks/run_h200_kernels.sh writer   # writers on a 128K prompt: conformance, CuPy memcheck, probe (WRITER_ARGS), ncu of both
 #   bash benchmarks/run_h200_kernels.sh v3       # CuPy v3: conformance (4 and 8 warps), sanitizers, v2 vs v3 graphed
 #   bash benchmarks/run_h200_kernels.sh protected  # the protected-only kernel (one stream vs two, v2 inline vs separate): conformance, sanitizers, graphs
 #   bash benchmarks/run_h200_kernels.sh protected_sweep  # caches without protected tokens; v2's split floor at short contexts
