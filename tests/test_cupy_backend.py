@@ -61,16 +61,21 @@ def _variants() -> list[tuple[str, str, int, int, str, str]]:
 VARIANTS = _variants()
 
 
+def _nvcc_ptx(source: str, defines: dict[str, int], arch: str = "sm_90") -> tuple[int, str]:
+    """(nvcc's return code, the PTX or else nvcc's messages) of ``kernels/<source>``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [NVCC, "-ptx", f"-arch={arch}", "--std=c++17", f"-I{KERNEL_DIR}", *define_options(defines),
+               "-o", os.path.join(tmp, "k.ptx"), str(KERNEL_DIR / source)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        ptx = open(os.path.join(tmp, "k.ptx")).read() if r.returncode == 0 else ""
+    return r.returncode, (r.stderr + r.stdout) if r.returncode else ptx
+
+
 def _compile(v: tuple) -> tuple[int, str]:
     arch, kernel, dc, dr, name, dtype = v
     fmt = qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr)
     defines = writer_defines(fmt, dtype) if kernel == "writer" else attention_defines(fmt, dtype)
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [NVCC, "-ptx", f"-arch={arch}", "--std=c++17", f"-I{KERNEL_DIR}", *define_options(defines),
-               "-o", os.path.join(tmp, "k.ptx"), str(KERNEL_DIR / f"{kernel}.cu")]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        ptx = open(os.path.join(tmp, "k.ptx")).read() if r.returncode == 0 else ""
-    return r.returncode, (r.stderr + r.stdout) if r.returncode else ptx
+    return _nvcc_ptx(f"{kernel}.cu", defines, arch)
 
 
 @lru_cache(maxsize=1)
@@ -491,10 +496,12 @@ def _kernel_params(source: str, kernel: str) -> list[str]:
 
 
 def _run_v2_stubbed(monkeypatch, h: int, s_q: int, prot: bool, env: dict[str, str], variant: str = "v2",
-                    pages_per: int = 5, length: int = 300):
+                    pages_per: int = 5, length: int = 300, lens: torch.Tensor | None = None,
+                    ids: torch.Tensor | None = None):
     """One v2 (or ``variant``) attention call on the CPU with compilation and launches stubbed, over
-    3 requests of ``length`` tokens and ``pages_per`` pages each. Returns the launches (kernel,
-    grid, block, args, shared bytes), the kernels asked for, the format and B."""
+    3 requests of ``length`` tokens and ``pages_per`` pages each (``lens``/``ids``: the seq_lens /
+    seq_ids tensors to pass, default int64). Returns the launches (kernel, grid, block, args, shared
+    bytes), the kernels asked for, the format and B."""
     from quantmla_core.backends.cupy import attention as A
 
     kernels, launches = stub_cupy_launcher(monkeypatch)
@@ -516,7 +523,9 @@ def _run_v2_stubbed(monkeypatch, h: int, s_q: int, prot: bool, env: dict[str, st
     q = torch.zeros((b, s_q, h, 512), dtype=torch.bfloat16)
     r = torch.zeros((b, s_q, h, 64), dtype=torch.bfloat16)
     table = torch.arange(b * pages_per, dtype=torch.int32).view(b, pages_per)
-    out, lse = A.attention(q, r, Cache, table, torch.full((b,), length), torch.arange(b), 0.05)
+    lens = torch.full((b,), length) if lens is None else lens
+    ids = torch.arange(b) if ids is None else ids
+    out, lse = A.attention(q, r, Cache, table, lens, ids, 0.05)
     assert out.shape == q.shape and out.dtype == torch.bfloat16 and lse.shape == (b, s_q, h)
     return launches, kernels, fmt, b
 
@@ -696,25 +705,8 @@ def test_index_width_follows_the_inputs(monkeypatch, variant, lens_dtype, ids_dt
     """int32 seq_lens and seq_ids get kernels built for int32 and reach them without a copy; any
     int64 among them gets the int64 build, and the other is converted. Split and protected-only
     launches agree, and the launch argument is the tensor the kernel reads."""
-    from quantmla_core.backends.cupy import attention as A
-
-    kernels, launches = stub_cupy_launcher(monkeypatch)
-    monkeypatch.setenv(VARIANT_ENV, variant)
-    fmt = qm.PackFormat.parse("C4R4")
-    b, pages_per = 3, 5
-
-    class Cache:
-        format = fmt
-        pages = torch.zeros((b * pages_per, fmt.page_bytes), dtype=torch.uint8)
-        sink_buf = torch.zeros((b, 4, 576), dtype=torch.bfloat16)
-        local_buf = torch.zeros((b, 128, 576), dtype=torch.bfloat16)
-        num_pages, max_seqs, sink, local = b * pages_per, b, 4, 128
-
-    q = torch.zeros((b, 1, 16, 512), dtype=torch.bfloat16)
-    r = torch.zeros((b, 1, 16, 64), dtype=torch.bfloat16)
-    table = torch.arange(b * pages_per, dtype=torch.int32).view(b, pages_per)
-    lens, ids = torch.full((b,), 300, dtype=lens_dtype), torch.arange(b, dtype=ids_dtype)
-    A.attention(q, r, Cache, table, lens, ids, 0.05)
+    lens, ids = torch.full((3,), 300, dtype=lens_dtype), torch.arange(3, dtype=ids_dtype)
+    launches, _kernels, _fmt, _b = _run_v2_stubbed(monkeypatch, 16, 1, True, {}, variant, lens=lens, ids=ids)
     int32 = lens_dtype == ids_dtype == torch.int32
     split = launches.of(f"qmla_attn_{variant}")[0]
     prot = launches.of("qmla_attn_protected")[0]
@@ -736,12 +728,8 @@ def test_int32_index_builds_compile(source):
                "attention_v3.cu": lambda: v3_defines(fmt, index64=False),
                "protected.cu": lambda: protected_defines(fmt, index64=False),
                "attention.cu": lambda: attention_defines(fmt, "bfloat16", index64=False)}[source]()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "k.ptx")
-        cmd = [NVCC, "-ptx", "-arch=sm_90", "--std=c++17", f"-I{KERNEL_DIR}", *define_options(defines), "-o", out,
-               str(KERNEL_DIR / source)]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        assert r.returncode == 0, r.stderr[-3000:]
+    rc, text = _nvcc_ptx(source, defines)
+    assert rc == 0, text[-3000:]
 
 
 @pytest.mark.gpu

@@ -39,10 +39,6 @@ __device__ __forceinline__ u16 f32_to_bf16_bits(float x) {
 
 __device__ __forceinline__ float bf16_bits_to_f32(u32 h) { return __uint_as_float(h << 16); }
 
-__device__ __forceinline__ bool is_finite_f32(float x) {
-    return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u;
-}
-
 // two floats -> packed bf16x2 (lo in the low half), round to nearest even (sm_80+).
 __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
     u32 r;
