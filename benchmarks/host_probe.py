@@ -4,13 +4,20 @@ Prints, for int32 and for int64 ``seq_lens``/``seq_ids``, the host microseconds 
 ``qm.attention`` and straight into the backend (launches only, no sync inside the loop) and the
 eager ``do_bench`` time, then a cProfile of 300 calls by own time.
 
+``--plan`` instead compares, per backend (CuPy, Triton) and format (C4R4, C2R4, BF16), an eager
+``qm.attention`` call with a planned ``plan.run`` (``qm.plan_attention`` made once): host
+microseconds per call, eager and CUDA-graph ``do_bench`` medians, with FlashInfer BF16 eager
+and graphed in the same run when installed; ``--json PATH`` writes the rows.
+
     PYTHONPATH=. python -P benchmarks/host_probe.py
+    PYTHONPATH=. python -P benchmarks/host_probe.py --plan --json results/h200_plan_host.json
 """
 
 from __future__ import annotations
 
 import cProfile
 import io
+import json
 import os
 import pstats
 import sys
@@ -21,7 +28,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(__file__))
 import quantmla_core as qm  # noqa: E402
-from _mla_bench_common import Workload  # noqa: E402
+from _mla_bench_common import FlashInferMLA, Workload, gpu_info  # noqa: E402
 from quantmla_core.backends.cupy import attention as cupy_attention  # noqa: E402
 
 
@@ -37,7 +44,66 @@ def host_us(fn, n: int = 300) -> float:
     return (t1 - t0) / n * 1e6
 
 
+def graph_us(fn) -> float:
+    """do_bench median of ``fn`` captured once as a CUDA graph (its kernel time without the host)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3
+
+
+def plan_rows(batch: int = 8, length: int = 4096, heads: int = 16) -> list[dict]:
+    """Eager qm.attention against plan.run (host us/call, eager and graph us) per backend and format."""
+    w = Workload(batch, length)
+    q4, r4 = w.queries(heads)
+    q, r = q4[:, 0].contiguous(), r4[:, 0].contiguous()
+    meta = dict(block_table=w.table, seq_lens=w.seq_lens, seq_ids=w.seq_ids)
+    rows = []
+    why = FlashInferMLA.available()
+    if why is None:
+        fi = FlashInferMLA(w, w.bf16_dense(), heads, 0.07)
+        rows.append({"backend": "flashinfer", "format": "BF16", "call": "run", "host_us": host_us(lambda: fi.run(q, r)),
+                     "eager_us": do_bench(lambda: fi.run(q, r), warmup=25, rep=200, return_mode="median") * 1e3,
+                     "graph_us": graph_us(lambda: fi.run(q, r))})
+        del fi
+    else:
+        print(f"FlashInfer skipped: {why}", flush=True)
+    for name in ("C4R4", "C2R4", "BF16"):
+        cache = w.build(name)
+        for backend in ("cupy", "triton"):
+            plan = qm.plan_attention(cache, num_heads=heads, q_dtype=torch.bfloat16, softmax_scale=0.07,
+                                     backend=backend, **meta)
+            calls = {"attention": lambda: qm.attention(q, r, cache, softmax_scale=0.07, backend=backend, **meta),
+                     "plan.run": lambda: plan.run(q, r)}
+            want = calls["attention"]()[0]
+            assert torch.equal(calls["plan.run"]()[0], want), f"{backend} {name}: plan.run differs from attention"
+            for call, fn in calls.items():
+                rows.append({"backend": backend, "format": name, "call": call, "host_us": host_us(fn),
+                             "eager_us": do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3,
+                             "graph_us": graph_us(fn)})
+                print(rows[-1], flush=True)
+    for row in rows:
+        row.update({"batch": batch, "length": length, "heads": heads})
+    return rows
+
+
 def main() -> None:
+    if "--plan" in sys.argv:
+        rows = plan_rows()
+        if "--json" in sys.argv:
+            path = sys.argv[sys.argv.index("--json") + 1]
+            with open(path, "w") as f:
+                json.dump({"gpu": gpu_info(), "command": " ".join(sys.argv), "rows": rows}, f, indent=1)
+        for row in rows:
+            print(f"{row['backend']:10s} {row['format']:5s} {row['call']:9s} host {row['host_us']:6.1f} us/call  "
+                  f"eager {row['eager_us']:6.1f} us  graph {row['graph_us']:6.1f} us")
+        return
     w = Workload(8, 4096)
     cache = w.build("C4R4")
     g = torch.Generator(device="cuda").manual_seed(1)

@@ -140,6 +140,7 @@ class MLAStackRunner:
         h = inner.embed_tokens(ids)
         pe = inner.rotary_emb(h, positions)
         table = lens = rows = None
+        step: dict[str, Any] = {}  # this step's attention plan, made by the first layer (AttentionPlan)
         if decode_ids is not None:
             table = self.cache.block_table(decode_ids)
             lens = self.cache.seq_lens(decode_ids)
@@ -151,7 +152,7 @@ class MLAStackRunner:
                 self.cache.write(plan, latent[0], k_rot[0], layer=i)
                 attn = layer.self_attn(hidden_states=x, position_embeddings=pe, attention_mask=None)[0]
             else:
-                view = _LayerView(self, i, plan, table, lens, rows)
+                view = _LayerView(self, i, plan, table, lens, rows, step)
                 attn = _absorbed_forward(spec, view, x, pe)[0]
             h = h + attn
             h = h + layer.mlp(layer.post_attention_layernorm(h))
@@ -167,8 +168,9 @@ class MLAStackRunner:
 class _LayerView:
     """What ``_absorbed_forward`` needs from a cache layer: ``write`` and ``attend`` for this step."""
 
-    def __init__(self, runner: MLAStackRunner, layer: int, plan: Any, table, lens, rows):
+    def __init__(self, runner: MLAStackRunner, layer: int, plan: Any, table, lens, rows, step: dict[str, Any]):
         self.runner, self.layer, self.plan, self.table, self.lens, self.rows = runner, layer, plan, table, lens, rows
+        self.step = step
 
     def write(self, latent: torch.Tensor, k_rope: torch.Tensor, valid: Any) -> None:
         """latent ``[B, 1, d_c]``, k_rope ``[B, 1, d_r]`` (one new token per request)."""
@@ -176,11 +178,16 @@ class _LayerView:
         c.write(self.plan, latent[:, 0].to(self.runner.value_dtype), k_rope[:, 0].to(self.runner.value_dtype), layer=self.layer)
 
     def attend(self, q_latent: torch.Tensor, q_rope: torch.Tensor, softmax_scale: float) -> torch.Tensor:
-        """q ``[B, 1, H, d]`` -> ``[B, 1, H, d_c]``."""
+        """q ``[B, 1, H, d]`` -> ``[B, 1, H, d_c]``; one attention plan per step, run by every layer."""
         c = self.runner.cache
-        out = qm.attention(q_latent, q_rope, c.layer(self.layer), block_table=self.table, seq_lens=self.lens,
-                           seq_ids=self.rows, softmax_scale=softmax_scale, backend=c.backend, return_lse=False)
-        return out
+        layer_cache = c.layer(self.layer)
+        attn = self.step.get("attention")
+        if attn is None:
+            attn = self.step["attention"] = qm.plan_attention(
+                layer_cache, block_table=self.table, seq_lens=self.lens, seq_ids=self.rows,
+                num_heads=int(q_latent.shape[2]), q_len=int(q_latent.shape[1]), q_dtype=q_latent.dtype,
+                softmax_scale=softmax_scale, backend=c.backend)
+        return attn.run(q_latent, q_rope, layer_cache, return_lse=False)
 
 
 def make_trace(w: Workload) -> list[Request]:

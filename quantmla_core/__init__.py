@@ -8,6 +8,10 @@ Quick start::
     qm.write(cache, latent, k_rope, slot_mapping=..., seq_ids=..., positions=..., seq_lens=...)
     out, lse = qm.attention(q_latent, q_rope, cache, block_table=..., seq_lens=..., seq_ids=...,
                             softmax_scale=tau)
+    # a decode step: plan once, run per layer (quantmla_core.plan)
+    plan = qm.plan_attention(cache, block_table=..., seq_lens=..., seq_ids=..., num_heads=16,
+                             q_dtype=torch.bfloat16, softmax_scale=tau)
+    out, lse = plan.run(q_latent, q_rope, layer_cache)
 """
 
 from .api import attention, write
@@ -25,6 +29,7 @@ from .dispatch import (
 )
 from .formats import PackFormat
 from .paged import OutOfPagesError, PagedMLACache, WritePlan
+from .plan import AttentionPlan, plan_attention
 
 __version__ = "0.1.0"
 
@@ -36,6 +41,8 @@ __all__ = [
     "OutOfPagesError",
     "write",
     "attention",
+    "plan_attention",
+    "AttentionPlan",
     "memory_bytes",
     "compression_ratio",
     "Backend",

@@ -8,7 +8,7 @@ import numpy as np
 
 from . import validation as v
 from .cache import MLACache
-from .dispatch import DeviceInfo, Problem, select_backend
+from .dispatch import Backend, DeviceInfo, Problem, select_backend
 
 
 def write(
@@ -105,6 +105,22 @@ def attention(
     returns -inf in its lse rows.
     """
     cache = v.check_cache(cache)
+    dtype, b, s_q, heads = _check_queries(cache, q_latent, q_rope)
+    scale = v.check_scale(softmax_scale)
+    squeeze = q_latent.ndim == 3
+    validate = v.default_validate(cache) if validate is None else validate
+    impl = _attention_backend(cache, block_table, seq_lens, seq_ids, b, heads, s_q, dtype, backend, validate)
+    if validate:
+        _check_query_values(q_latent, q_rope)
+    q4, r4 = (q_latent[:, None], q_rope[:, None]) if squeeze else (q_latent, q_rope)
+    out, lse = impl.attention(q4, r4, cache, block_table, seq_lens, seq_ids, scale)
+    if squeeze:
+        out, lse = out[:, 0], lse[:, 0]
+    return (out, lse) if return_lse else out
+
+
+def _check_queries(cache: MLACache, q_latent: Any, q_rope: Any) -> tuple[str, int, int, int]:
+    """Array kind, shapes and dtypes of the queries -> (value dtype name, B, S_q, H)."""
     fmt = cache.format
     for name, x in (("q_latent", q_latent), ("q_rope", q_rope)):
         v.check_array(name, x, cache)
@@ -116,13 +132,19 @@ def attention(
     dtype = v.value_dtype("q_latent", q_latent)
     if v.value_dtype("q_rope", q_rope) != dtype:
         raise TypeError(f"q_rope: expected dtype {q_latent.dtype} (same as q_latent), got {q_rope.dtype}")
-    scale = v.check_scale(softmax_scale)
-    squeeze = q_latent.ndim == 3
     b = int(q_latent.shape[0])
-    s_q = 1 if squeeze else int(q_latent.shape[1])
+    s_q = 1 if q_latent.ndim == 3 else int(q_latent.shape[1])
     heads = int(q_latent.shape[-2])
     if b == 0 or heads == 0 or s_q == 0:
         raise ValueError(f"q_latent: expected non-empty batch, query and head dims, got {tuple(q_latent.shape)}")
+    return dtype, b, s_q, heads
+
+
+def _attention_backend(cache: MLACache, block_table: Any, seq_lens: Any, seq_ids: Any, b: int, heads: int, s_q: int,
+                       dtype: str, backend: str, validate: bool) -> Backend:
+    """Check the index arguments of an attention call (their values too where ``validate`` says so)
+    and choose the backend that serves it."""
+    fmt = cache.format
     v.check_array("block_table", block_table, cache)
     if block_table.ndim != 2 or block_table.shape[0] != b:
         raise ValueError(f"block_table: expected shape [{b}, max_pages], got {tuple(block_table.shape)}")
@@ -130,20 +152,13 @@ def attention(
     for name, x in (("seq_lens", seq_lens), ("seq_ids", seq_ids)):
         v.check_array(name, x, cache)
         v.check_index(name, x, (b,))
-    if validate is None:
-        validate = v.default_validate(cache)
     if validate:
-        _validate_attention_values(cache, q_latent, q_rope, block_table, seq_lens, seq_ids, s_q)
+        _validate_index_values(cache, block_table, seq_lens, seq_ids, s_q)
     problem = Problem("attention", fmt, DeviceInfo.of(cache.pages), dtype, v.protect_dtype_name(cache), heads, s_q)
-    impl = select_backend(problem, backend)
-    q4, r4 = (q_latent[:, None], q_rope[:, None]) if squeeze else (q_latent, q_rope)
-    out, lse = impl.attention(q4, r4, cache, block_table, seq_lens, seq_ids, scale)
-    if squeeze:
-        out, lse = out[:, 0], lse[:, 0]
-    return (out, lse) if return_lse else out
+    return select_backend(problem, backend)
 
 
-def _validate_attention_values(cache, q_latent, q_rope, block_table, seq_lens, seq_ids, s_q: int) -> None:
+def _validate_index_values(cache, block_table, seq_lens, seq_ids, s_q: int) -> None:
     table, lens, ids = (v.host(x) for x in (block_table, seq_lens, seq_ids))
     p = cache.format.page_size
     v.check_range("seq_lens", lens, s_q, table.shape[1] * p + 1, f"a length >= S_q={s_q} and <= max_pages * P")
@@ -153,5 +168,8 @@ def _validate_attention_values(cache, q_latent, q_rope, block_table, seq_lens, s
     if bad.any():
         i, j = (int(x) for x in np.argwhere(bad)[0])
         raise ValueError(f"block_table[{i}]: expected a page index in [0, {cache.num_pages}), got {int(table[i, j])} at index {j}")
+
+
+def _check_query_values(q_latent, q_rope) -> None:
     v.check_finite("q_latent", q_latent)
     v.check_finite("q_rope", q_rope)

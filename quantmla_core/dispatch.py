@@ -133,6 +133,18 @@ class Backend:
     def attention(self, q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale: float):
         raise NotImplementedError
 
+    def plan_attention(self, cache, block_table, seq_lens, seq_ids, shape: tuple[int, int, int, int], q_dtype: Any,
+                       softmax_scale: float):
+        """A runner ``(q_latent, q_rope, cache) -> (out, lse)`` for queries of ``shape`` [B, S_q, H, d_c]
+        and ``q_dtype`` over caches of ``cache``'s geometry, the other arguments fixed (arguments
+        already validated by :func:`quantmla_core.plan_attention`). This default calls
+        :meth:`attention` per run; backends override it to prepare their launches once."""
+
+        def run(q_latent, q_rope, layer_cache):
+            return self.attention(q_latent, q_rope, layer_cache, block_table, seq_lens, seq_ids, softmax_scale)
+
+        return run
+
 
 @lru_cache(maxsize=None)
 def _import_reason(modules: tuple[str, ...]) -> str | None:

@@ -229,6 +229,13 @@ class CupyBackend(Backend):
 
         return attention(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale)
 
+    def plan_attention(self, cache, block_table, seq_lens, seq_ids, shape, q_dtype, softmax_scale):
+        """Variant, launch plan, index inputs and scalar arguments prepared once (``SplitCall``)."""
+        from .attention import prepare
+
+        b, s_q, h, _ = shape
+        return prepare(cache, block_table, seq_lens, seq_ids, b, s_q, h, q_dtype, softmax_scale).run
+
 
 _CUDA_REASON: list = []
 

@@ -348,18 +348,38 @@ def attention(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_s
     """q ``[B, S_q, H, d_c]`` / ``[B, S_q, H, d_r]`` (float32 or bfloat16, CUDA) -> out
     ``[B, S_q, H, d_c]`` in q's dtype and lse ``[B, S_q, H]`` float32.
 
-    Runs kernel v1 or v2 (see the module docstring and :func:`select_variant`)."""
+    Runs kernel v1, v2 or v3 (see the module docstring and :func:`select_variant`)."""
+    b, s_q, h, _ = q_latent.shape
+    call = prepare(cache, block_table, seq_lens, seq_ids, b, s_q, h, q_latent.dtype, softmax_scale)
+    return call.run(q_latent, q_rope, cache)
+
+
+def prepare(cache, block_table, seq_lens, seq_ids, batch: int, s_q: int, heads: int, q_dtype: torch.dtype,
+            softmax_scale: float) -> "SplitCall":
+    """Everything of an attention call that does not depend on the queries or on which layer's
+    cache of this geometry it reads: the kernel variant and its launch plan, block_table /
+    seq_lens / seq_ids in the kernels' dtypes, the scalar arguments. ``run`` launches."""
     fmt = cache.format
-    dtype = "bfloat16" if q_latent.dtype == torch.bfloat16 else "float32"
-    device = q_latent.device
+    dtype = "bfloat16" if q_dtype == torch.bfloat16 else "float32"
+    device = cache.pages.device
     dev = device.index if device.index is not None else torch.cuda.current_device()
     sm_count, capability = _device_info(dev)
-    variant, _ = select_variant(fmt, dtype, capability, int(block_table.shape[1]) * fmt.page_size)
+    max_pages = int(block_table.shape[1])
+    variant, _ = select_variant(fmt, dtype, capability, max_pages * fmt.page_size)
+    index64 = True
+    side_default = False
     if variant in ("v2", "v3"):
         make_plan, knobs = (v2_plan, V2Knobs.from_env()) if variant == "v2" else (v3_plan, V3Knobs.from_env())
-        return _attention_planned(make_plan, knobs, q_latent, q_rope, cache, block_table, seq_lens, seq_ids,
-                                  softmax_scale, dev, sm_count)
-    return _attention_v1(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale, dev, sm_count)
+        no_prot = cache.sink == 0 and cache.local == 0
+        # int32 seq_lens and seq_ids get an int32 build rather than a conversion on every call
+        index64 = not (seq_lens.dtype == torch.int32 and seq_ids.dtype == torch.int32)
+        plan = make_plan(fmt, dev, sm_count, batch, s_q * heads, max_pages, no_prot, knobs, cache.sink, cache.local,
+                         index64)
+        side_default = make_plan is v3_plan
+    else:
+        plan = _v1_plan(fmt, dtype, dev, sm_count, batch, s_q * heads, max_pages)
+    return SplitCall.make(plan, cache, block_table, seq_lens, seq_ids, (batch, s_q, heads, fmt.latent_dim),
+                          softmax_scale, dev, side_default, index64)
 
 
 def _v2_kernel(fmt: PackFormat, dev: int, rg: int, minb: int, stages: int, lazy: bool, no_prot: bool, mode: int,
@@ -480,19 +500,6 @@ def _protected_launch(fmt: PackFormat, dev: int, batch: int, rows: int, sink: in
     return kernel, (batch * ((rows + 15) // 16), protected_ctas(sink, local)), (PROTECTED_WARPS * 32,), smem
 
 
-def _attention_planned(make_plan, knobs, q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale, dev,
-                       sm_count):
-    """Kernel v2 or v3 (``make_plan``: :func:`v2_plan` / :func:`v3_plan`, with its ``knobs``)."""
-    b, s_q, h, _ = q_latent.shape
-    no_prot = cache.sink == 0 and cache.local == 0
-    # int32 seq_lens and seq_ids get an int32 build rather than a conversion on every call
-    index64 = not (seq_lens.dtype == torch.int32 and seq_ids.dtype == torch.int32)
-    plan = make_plan(cache.format, dev, sm_count, b, s_q * h, block_table.shape[1], no_prot, knobs, cache.sink,
-                     cache.local, index64)
-    return _run_split_kernels(plan.launches, plan.combine, plan.per, plan.slots, q_latent, q_rope, cache, block_table,
-                              seq_lens, seq_ids, softmax_scale, dev, side_default=make_plan is v3_plan, index64=index64)
-
-
 def _v3_kernel(fmt: PackFormat, dev: int, stages: int, minb: int | None, lazy: bool = True, warps: int = V3_WARPS,
                index64: bool = True):
     """Compiled ``qmla_attn_v3`` (cached) and its dynamic shared memory."""
@@ -570,20 +577,17 @@ def _kernel_input(name: str, x: torch.Tensor, dtype: torch.dtype, capturing: boo
     return x.to(dtype).contiguous() if x.dtype != dtype or not x.is_contiguous() else x.clone()
 
 
-def _attention_v1(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale, dev, sm_count):
-    fmt = cache.format
-    b, s_q, h, _ = q_latent.shape
-    dtype = "bfloat16" if q_latent.dtype == torch.bfloat16 else "float32"
-    row_groups = (s_q * h + 15) // 16
+def _v1_plan(fmt: PackFormat, dtype: str, dev: int, sm_count: int, batch: int, rows: int, max_pages: int
+             ) -> SplitPlan:
+    """The launch plan of kernel v1 (16 query rows per CTA, every format and query dtype)."""
+    row_groups = (rows + 15) // 16
     smem = attention_smem_bytes(fmt)
     defines = attention_defines(fmt, dtype)
     attn = get_kernel("attention.cu", "qmla_attn", defines, dev, smem)
     combine = get_kernel("attention.cu", "qmla_combine", defines, dev)
     resident = resident_ctas(attn, ATTN_WARPS * 32, smem, dev, sm_count)
-    splits, per = plan_splits(b, row_groups, max(1, int(block_table.shape[1])) * fmt.page_size, resident)
-    launches = [(attn, (b * row_groups, splits), (ATTN_WARPS * 32,), smem)]
-    return _run_split_kernels(launches, combine, per, splits, q_latent, q_rope, cache, block_table, seq_lens, seq_ids,
-                              softmax_scale, dev)
+    splits, per = plan_splits(batch, row_groups, max(1, max_pages) * fmt.page_size, resident)
+    return SplitPlan(((attn, (batch * row_groups, splits), (ATTN_WARPS * 32,), smem),), combine, per, splits)
 
 
 PROTECTED_STREAM_ENV = "QUANTMLA_CUPY_PROTECTED_STREAM"
@@ -621,49 +625,69 @@ def _join_side_stream(dev: int, side: torch.cuda.Stream) -> None:
     torch.cuda.current_stream(dev).wait_stream(side)
 
 
-def _run_split_kernels(launches, combine, per: int, slots: int, q_latent, q_rope, cache, block_table, seq_lens,
-                       seq_ids, softmax_scale: float, dev: int, side_default: bool = False, index64: bool = True
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs in the kernels' dtypes, outputs and partials, then the split kernels (``launches``:
-    (kernel, grid, block, shared bytes); v1 and v2 share the argument list) and the LSE combine
-    over ``slots`` partials per row, on torch's current stream; a protected-only launch (the second
-    of ``launches``) may fork onto a second stream (:func:`protected_on_side_stream`, with
-    ``side_default`` the launcher's rule outside graph capture); seq_lens / seq_ids go in as int64,
-    or int32 where the kernels were built with ``index64`` False."""
-    capturing = graph_capturing()
-    index = torch.int64 if index64 else torch.int32
-    table = _kernel_input("block_table", block_table, torch.int32, capturing)
-    lens = _kernel_input("seq_lens", seq_lens, index, capturing)
-    ids = _kernel_input("seq_ids", seq_ids, index, capturing)
-    q = _kernel_input("q_latent", q_latent, q_latent.dtype, capturing)
-    r = _kernel_input("q_rope", q_rope, q_rope.dtype, capturing)
-    b, s_q, h, dc = q_latent.shape
-    rows = s_q * h
-    n_o = b * rows * slots * dc
-    out, lse, ws = outputs_and_partials((b, s_q, h, dc), q_latent.dtype, n_o + b * rows * slots * 2, q_latent.device,
-                                        dev, capturing)
-    u64 = np.uint64
-    o_ptr, ml_ptr = u64(ws.data_ptr()), u64(ws.data_ptr() + 4 * n_o)
-    args = (
-        u64(q.data_ptr()), u64(r.data_ptr()), u64(cache.pages.data_ptr()), u64(cache.sink_buf.data_ptr()),
-        u64(cache.local_buf.data_ptr()), u64(table.data_ptr()), u64(lens.data_ptr()), u64(ids.data_ptr()),
-        o_ptr, ml_ptr, np.int32(s_q), np.int32(h), np.int32(table.shape[1]), np.int32(table.stride(0)),
-        np.int32(cache.num_pages), np.int32(cache.max_seqs), np.int32(cache.sink), np.int32(cache.local),
-        np.int32(per), np.int32(slots), np.float32(softmax_scale * LOG2E),
-    )
-    stream = external_stream(dev)
-    side = None
-    if len(launches) > 1 and protected_on_side_stream(side_default or capturing):
-        # fork: the protected-only launch runs beside the split kernel (captured as a parallel
-        # branch under CUDA graphs); the combine waits for both
-        side = _fork_side_stream(dev)
-        for fn, grid, block, smem in launches[1:]:
-            launch(fn, grid, block, args, dev, smem, stream=external_stream(dev, side))
-        launches = launches[:1]
-    for fn, grid, block, smem in launches:
-        launch(fn, grid, block, args, dev, smem, stream=stream)
-    if side is not None:
-        _join_side_stream(dev, side)
-    launch(combine, (b * rows,), (128,), (o_ptr, ml_ptr, u64(out.data_ptr()), u64(lse.data_ptr()), np.int32(slots)), dev,
-           stream=stream)
-    return out, lse
+@dataclass(frozen=True)
+class SplitCall:
+    """A prepared call: the split kernels (``plan.launches``: (kernel, grid, block, shared bytes);
+    v1, v2 and v3 share the argument list) and the LSE combine over ``plan.slots`` partials per
+    row, with the index inputs converted once (``index``: block_table, seq_lens, seq_ids, kept
+    alive here) and the scalar arguments packed. A protected-only launch (the second of
+    ``plan.launches``) may fork onto a second stream (:func:`protected_on_side_stream`, with
+    ``side_default`` the launcher's rule outside graph capture)."""
+
+    plan: SplitPlan
+    index: tuple
+    shape: tuple  # (B, S_q, H, d_c)
+    scalars: tuple
+    dev: int
+    side_default: bool
+
+    @staticmethod
+    def make(plan: SplitPlan, cache, block_table, seq_lens, seq_ids, shape: tuple, softmax_scale: float, dev: int,
+             side_default: bool, index64: bool) -> "SplitCall":
+        """seq_lens / seq_ids go in as int64, or int32 where the kernels were built with ``index64`` False."""
+        capturing = graph_capturing()
+        index = torch.int64 if index64 else torch.int32
+        table = _kernel_input("block_table", block_table, torch.int32, capturing)
+        lens = _kernel_input("seq_lens", seq_lens, index, capturing)
+        ids = _kernel_input("seq_ids", seq_ids, index, capturing)
+        i32 = np.int32
+        scalars = (i32(shape[1]), i32(shape[2]), i32(table.shape[1]), i32(table.stride(0)), i32(cache.num_pages),
+                   i32(cache.max_seqs), i32(cache.sink), i32(cache.local), i32(plan.per), i32(plan.slots),
+                   np.float32(softmax_scale * LOG2E))
+        return SplitCall(plan, (table, lens, ids), shape, scalars, dev, side_default)
+
+    def run(self, q_latent, q_rope, cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """q ``[B, S_q, H, d]`` (the planned shape and dtype) over ``cache`` (the planned geometry)
+        -> out, lse; on torch's current stream."""
+        capturing = graph_capturing()
+        dev, plan = self.dev, self.plan
+        q = _kernel_input("q_latent", q_latent, q_latent.dtype, capturing)
+        r = _kernel_input("q_rope", q_rope, q_rope.dtype, capturing)
+        b, s_q, h, dc = self.shape
+        rows, slots = s_q * h, plan.slots
+        n_o = b * rows * slots * dc
+        out, lse, ws = outputs_and_partials(self.shape, q_latent.dtype, n_o + b * rows * slots * 2, q_latent.device,
+                                            dev, capturing)
+        u64 = np.uint64
+        o_ptr, ml_ptr = u64(ws.data_ptr()), u64(ws.data_ptr() + 4 * n_o)
+        table, lens, ids = self.index
+        args = (u64(q.data_ptr()), u64(r.data_ptr()), u64(cache.pages.data_ptr()), u64(cache.sink_buf.data_ptr()),
+                u64(cache.local_buf.data_ptr()), u64(table.data_ptr()), u64(lens.data_ptr()), u64(ids.data_ptr()),
+                o_ptr, ml_ptr) + self.scalars
+        stream = external_stream(dev)
+        launches = plan.launches
+        side = None
+        if len(launches) > 1 and protected_on_side_stream(self.side_default or capturing):
+            # fork: the protected-only launch runs beside the split kernel (captured as a parallel
+            # branch under CUDA graphs); the combine waits for both
+            side = _fork_side_stream(dev)
+            for fn, grid, block, smem in launches[1:]:
+                launch(fn, grid, block, args, dev, smem, stream=external_stream(dev, side))
+            launches = launches[:1]
+        for fn, grid, block, smem in launches:
+            launch(fn, grid, block, args, dev, smem, stream=stream)
+        if side is not None:
+            _join_side_stream(dev, side)
+        launch(plan.combine, (b * rows,), (128,),
+               (o_ptr, ml_ptr, u64(out.data_ptr()), u64(lse.data_ptr()), np.int32(slots)), dev, stream=stream)
+        return out, lse
