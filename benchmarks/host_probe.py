@@ -4,13 +4,15 @@ Prints, for int32 and for int64 ``seq_lens``/``seq_ids``, the host microseconds 
 ``qm.attention`` and straight into the backend (launches only, no sync inside the loop) and the
 eager ``do_bench`` time, then a cProfile of 300 calls by own time.
 
-``--plan`` instead compares, per backend (CuPy, Triton) and format (C4R4, C2R4, BF16), an eager
-``qm.attention`` call with a planned ``plan.run`` (``qm.plan_attention`` made once): host
+``--plan`` instead compares, per backend (CuPy, Triton) and format (C4R4, C2R4), an eager
+``qm.attention`` call with a planned ``plan.run`` (``qm.plan_attention`` made once; also with
+caller-given ``out``/``lse``): host
 microseconds per call, eager and CUDA-graph ``do_bench`` medians, with FlashInfer BF16 eager
 and graphed in the same run when installed; ``--json PATH`` writes the rows.
 
     PYTHONPATH=. python -P benchmarks/host_probe.py
     PYTHONPATH=. python -P benchmarks/host_probe.py --plan --json results/h200_plan_host.json
+    PYTHONPATH=. python -P benchmarks/host_probe.py --profile-plan   # cProfile of CuPy plan.run calls
 """
 
 from __future__ import annotations
@@ -63,7 +65,9 @@ def plan_rows(batch: int = 8, length: int = 4096, heads: int = 16) -> list[dict]
     w = Workload(batch, length)
     q4, r4 = w.queries(heads)
     q, r = q4[:, 0].contiguous(), r4[:, 0].contiguous()
-    meta = dict(block_table=w.table, seq_lens=w.seq_lens, seq_ids=w.seq_ids)
+    # index arrays in the kernels' own dtypes (int32): a converted copy could not be graph-captured
+    meta = {"block_table": w.table.int().contiguous(), "seq_lens": w.seq_lens.int().contiguous(),
+            "seq_ids": w.seq_ids.int().contiguous()}
     rows = []
     why = FlashInferMLA.available()
     if why is None:
@@ -74,13 +78,15 @@ def plan_rows(batch: int = 8, length: int = 4096, heads: int = 16) -> list[dict]
         del fi
     else:
         print(f"FlashInfer skipped: {why}", flush=True)
-    for name in ("C4R4", "C2R4", "BF16"):
+    for name in ("C4R4", "C2R4"):
         cache = w.build(name)
         for backend in ("cupy", "triton"):
             plan = qm.plan_attention(cache, num_heads=heads, q_dtype=torch.bfloat16, softmax_scale=0.07,
                                      backend=backend, **meta)
+            o_buf, l_buf = torch.empty_like(q), torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
             calls = {"attention": lambda: qm.attention(q, r, cache, softmax_scale=0.07, backend=backend, **meta),
-                     "plan.run": lambda: plan.run(q, r)}
+                     "plan.run": lambda: plan.run(q, r),
+                     "plan.run(out=)": lambda: plan.run(q, r, out=o_buf, lse=l_buf)}
             want = calls["attention"]()[0]
             assert torch.equal(calls["plan.run"]()[0], want), f"{backend} {name}: plan.run differs from attention"
             for call, fn in calls.items():
@@ -93,7 +99,30 @@ def plan_rows(batch: int = 8, length: int = 4096, heads: int = 16) -> list[dict]
     return rows
 
 
+def profile_plan_run(n: int = 300) -> None:
+    """cProfile of ``n`` CuPy ``plan.run`` calls (H16 B8 L4K C4R4) by own time."""
+    w = Workload(8, 4096)
+    cache = w.build("C4R4")
+    q4, r4 = w.queries(16)
+    q, r = q4[:, 0].contiguous(), r4[:, 0].contiguous()
+    plan = qm.plan_attention(cache, block_table=w.table, seq_lens=w.seq_lens, seq_ids=w.seq_ids, num_heads=16,
+                             q_dtype=torch.bfloat16, softmax_scale=0.07, backend="cupy")
+    print(f"plan.run host {host_us(lambda: plan.run(q, r)):.1f} us/call", flush=True)
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(n):
+        plan.run(q, r)
+    profile.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(25)
+    print(out.getvalue())
+
+
 def main() -> None:
+    if "--profile-plan" in sys.argv:
+        profile_plan_run()
+        return
     if "--plan" in sys.argv:
         rows = plan_rows()
         if "--json" in sys.argv:
@@ -101,7 +130,7 @@ def main() -> None:
             with open(path, "w") as f:
                 json.dump({"gpu": gpu_info(), "command": " ".join(sys.argv), "rows": rows}, f, indent=1)
         for row in rows:
-            print(f"{row['backend']:10s} {row['format']:5s} {row['call']:9s} host {row['host_us']:6.1f} us/call  "
+            print(f"{row['backend']:10s} {row['format']:5s} {row['call']:14s} host {row['host_us']:6.1f} us/call  "
                   f"eager {row['eager_us']:6.1f} us  graph {row['graph_us']:6.1f} us")
         return
     w = Workload(8, 4096)

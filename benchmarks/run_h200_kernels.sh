@@ -9,6 +9,8 @@
 #   bash benchmarks/run_h200_kernels.sh v3       # CuPy v3: conformance (4 and 8 warps), sanitizers, v2 vs v3 graphed
 #   bash benchmarks/run_h200_kernels.sh protected  # the protected-only kernel (one stream vs two, v2 inline vs separate): conformance, sanitizers, graphs
 #   bash benchmarks/run_h200_kernels.sh protected_sweep  # caches without protected tokens; v2's split floor at short contexts
+#   V3_BASE=path/to/old/attention_v3.cu bash benchmarks/run_h200_kernels.sh v3ab  # v3 conformance and memcheck, then
+#       this tree's v3 against the V3_BASE source (CUDA graphs, same shapes) and ncu of both; plan.run GPU tests
 # Results land in $OUT.
 set -u
 MODE=${1:-check}
@@ -40,6 +42,24 @@ elif [ "$MODE" = v3 ]; then
   echo "=== cupy v3 memcheck"; timeout 90 compute-sanitizer --tool memcheck $T tests/test_cupy_v3.py -k "v3_matches and (L17_31_100 or L40_33)" 2>&1 | tail -2
   echo "=== v2 vs v3 (CUDA graphs)"; timeout 200 python3 -P benchmarks/graph_probe.py --backends cupy --sweep QUANTMLA_CUPY_ATTENTION=v2,v3 \
     --shapes 16x8x4096,16x32x32768,16x128x32768,128x32x32768 --formats C4R4,C2R4 --json "$OUT/graph_v2_v3.json" 2>&1 | grep -v "^{" | tail -16
+elif [ "$MODE" = v3ab ]; then
+  echo "=== cupy v3 conformance, plan.run"; timeout 150 $T tests/test_cupy_v3.py tests/test_plan.py \
+    -k "v3_matches or eight_warps or four_stages or on_gpu" 2>&1 | tail -3 | tee "$OUT/cupy_v3.txt"
+  echo "=== cupy v3 memcheck"; timeout 90 compute-sanitizer --tool memcheck $T tests/test_cupy_v3.py -k "v3_matches and (L17_31_100 or L40_33)" 2>&1 | tail -2
+  echo "=== cupy v3 racecheck"; timeout 90 compute-sanitizer --tool racecheck $T tests/test_cupy_v3.py -k "v3_matches and (L17_31_100 or L900_16)" 2>&1 | tail -2
+  KDIR=/tmp/qm/quantmla_core/backends/cupy/kernels
+  NCU="ncu -k regex:qmla_attn_v3 -s 2 -c 1 --section SpeedOfLight --section ComputeWorkloadAnalysis --section SchedulerStats \
+    --section WarpStateStats --section InstructionStats"
+  PROBE="benchmarks/cupy_probe.py --variant v3 --shapes 16x32x32768 --formats C4R4 --no-writer --protection 0,0"
+  for which in new base; do
+    [ "$which" = base ] && { cp "$KDIR/attention_v3.cu" /tmp/attention_v3_new.cu; cp "$V3_BASE" "$KDIR/attention_v3.cu"; }
+    echo "=== v3 $which (CUDA graphs)"; timeout 150 python3 -P benchmarks/graph_probe.py --backends cupy \
+      --settings "QUANTMLA_CUPY_ATTENTION=v3" --shapes ${V3_SHAPES:-16x32x32768,16x128x32768,128x32x32768} --formats C4R4,C2R4 \
+      --json "$OUT/graph_v3_$which.json" 2>&1 | grep -v "^{" | tail -8
+    echo "=== ncu v3 $which"; timeout 100 $NCU python3 -P $PROBE > "$OUT/ncu_v3_$which.txt" 2>&1; \
+      grep -E "Duration|Executed Ipc A|Issue Slots Busy|Registers Per|Theoretical Occ|Pipe|Executed Instructions  " "$OUT/ncu_v3_$which.txt" | head -20
+  done
+  cp /tmp/attention_v3_new.cu "$KDIR/attention_v3.cu"
 elif [ "$MODE" = protected ]; then
   echo "=== protected kernel conformance, side stream, graph capture"; timeout 200 $T tests/test_cupy_protected.py \
     tests/test_cupy_v3.py tests/test_cupy_backend.py -k "protected or side_stream or cuda_graph" 2>&1 | tail -3 | tee "$OUT/protected_conformance.txt"

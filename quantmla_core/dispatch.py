@@ -133,17 +133,36 @@ class Backend:
     def attention(self, q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale: float):
         raise NotImplementedError
 
-    def plan_attention(self, cache, block_table, seq_lens, seq_ids, shape: tuple[int, int, int, int], q_dtype: Any,
+    def plan_attention(self, cache, block_table, seq_lens, seq_ids, q_shape: tuple[int, ...], q_dtype: Any,
                        softmax_scale: float):
-        """A runner ``(q_latent, q_rope, cache) -> (out, lse)`` for queries of ``shape`` [B, S_q, H, d_c]
-        and ``q_dtype`` over caches of ``cache``'s geometry, the other arguments fixed (arguments
-        already validated by :func:`quantmla_core.plan_attention`). This default calls
-        :meth:`attention` per run; backends override it to prepare their launches once."""
+        """A runner ``(q_latent, q_rope, cache, out, lse) -> (out, lse)`` for queries of ``q_shape``
+        ([B, H, d_c] or [B, S_q, H, d_c]) and ``q_dtype`` over caches of ``cache``'s geometry, the
+        other arguments fixed (already validated by :func:`quantmla_core.plan_attention`); ``out`` /
+        ``lse`` (or None) receive the results, which come back shaped like the queries. This default
+        calls :meth:`attention` per run and copies into ``out``/``lse``; backends override it to
+        prepare their launches once and write in place."""
+        squeeze = len(q_shape) == 3
 
-        def run(q_latent, q_rope, layer_cache):
-            return self.attention(q_latent, q_rope, layer_cache, block_table, seq_lens, seq_ids, softmax_scale)
+        def run(q_latent, q_rope, layer_cache, out=None, lse=None):
+            if squeeze:
+                q_latent, q_rope = q_latent[:, None], q_rope[:, None]
+            o, l = self.attention(q_latent, q_rope, layer_cache, block_table, seq_lens, seq_ids, softmax_scale)
+            if squeeze:
+                o, l = o[:, 0], l[:, 0]
+            return _copy_into(o, out), _copy_into(l, lse)
 
         return run
+
+
+def _copy_into(x: Any, dst: Any) -> Any:
+    """``x``, or ``dst`` after copying ``x`` into it."""
+    if dst is None:
+        return x
+    if isinstance(dst, np.ndarray):
+        np.copyto(dst, x)
+    else:
+        dst.copy_(x)
+    return dst
 
 
 @lru_cache(maxsize=None)

@@ -29,8 +29,9 @@ from . import validation as v
 from .api import _attention_backend, _check_query_values
 from .cache import MLACache
 
-#: (q_latent [B, S_q, H, d_c], q_rope [B, S_q, H, d_r], cache) -> (out, lse), from Backend.plan_attention
-Runner = Callable[[Any, Any, MLACache], tuple[Any, Any]]
+#: (q_latent, q_rope, cache, out | None, lse | None) -> (out, lse), queries and results in the planned
+#: shape ([B, H, d] or [B, S_q, H, d]); from Backend.plan_attention
+Runner = Callable[[Any, Any, MLACache, Any, Any], tuple[Any, Any]]
 
 
 def _geometry(cache: MLACache) -> tuple:
@@ -57,13 +58,15 @@ class AttentionPlan:
         self._validate = validate
         self._geometry = _geometry(cache)
         self._device = None if cache.is_numpy else cache.pages.device
-        self._squeeze = len(q_shape) == 3
+        self._lse_dtype = np.dtype(np.float32) if cache.is_numpy else torch.float32
 
-    def run(self, q_latent: Any, q_rope: Any, cache: MLACache | None = None, *, return_lse: bool = True):
+    def run(self, q_latent: Any, q_rope: Any, cache: MLACache | None = None, *, out: Any = None, lse: Any = None,
+            return_lse: bool = True):
         """q_latent ``q_shape``, q_rope ``rope_shape`` (``q_dtype``, on the cache's device) over
         ``cache`` (default: the cache planned with; another layer's cache of the same geometry
         may be given) -> ``out`` shaped and typed like q_latent and, with ``return_lse``, ``lse``
-        float32 ``q_shape[:-1]``."""
+        float32 ``q_shape[:-1]``. ``out`` / ``lse`` given: the results are written into them
+        (the CuPy backend writes there directly; contiguous, 16-byte aligned)."""
         if cache is None:
             cache = self.cache
         elif cache is not self.cache and (not isinstance(cache, MLACache) or _geometry(cache) != self._geometry):
@@ -71,26 +74,30 @@ class AttentionPlan:
                              f"got {self._describe(_geometry(cache)) if isinstance(cache, MLACache) else type(cache).__name__}")
         self._check_query("q_latent", q_latent, self.q_shape)
         self._check_query("q_rope", q_rope, self.rope_shape)
+        if out is not None:
+            self._check_array("out", out, self.q_shape, self.q_dtype)
+        if lse is not None:
+            self._check_array("lse", lse, self.q_shape[:-1], self._lse_dtype)
         if self._validate:
             _check_query_values(q_latent, q_rope)
-        if self._squeeze:
-            out, lse = self._runner(q_latent[:, None], q_rope[:, None], cache)
-            out, lse = out[:, 0], lse[:, 0]
-        else:
-            out, lse = self._runner(q_latent, q_rope, cache)
+        out, lse = self._runner(q_latent, q_rope, cache, out, lse)
         return (out, lse) if return_lse else out
 
     def _check_query(self, name: str, x: Any, shape: tuple[int, ...]) -> None:
+        self._check_array(name, x, shape, self.q_dtype)
+
+    def _check_array(self, name: str, x: Any, shape: tuple[int, ...], dtype: Any) -> None:
+        """``x`` must be an array of the cache's kind and device with exactly ``shape`` and ``dtype``."""
         if self._device is None:
             ok = isinstance(x, np.ndarray)
         else:
             ok = isinstance(x, torch.Tensor) and x.device == self._device
-        if not (ok and tuple(x.shape) == shape and x.dtype == self.q_dtype):
+        if not (ok and tuple(x.shape) == shape and x.dtype == dtype):
             where = "numpy" if self._device is None else str(self._device)
             got = f"{type(x).__name__} shape {tuple(x.shape)} dtype {x.dtype}" if hasattr(x, "shape") else type(x).__name__
             if hasattr(x, "device"):
                 got += f" on {x.device}"
-            raise ValueError(f"{name}: expected the planned shape {shape}, dtype {self.q_dtype} on {where}, got {got}")
+            raise ValueError(f"{name}: expected the planned shape {shape}, dtype {dtype} on {where}, got {got}")
 
     @staticmethod
     def _describe(g: tuple) -> str:
@@ -134,6 +141,6 @@ def plan_attention(
     validate = v.default_validate(cache) if validate is None else validate
     impl = _attention_backend(cache, block_table, seq_lens, seq_ids, b, heads, s_q, table[key], backend, validate)
     d_c = cache.format.latent_dim
-    runner = impl.plan_attention(cache, block_table, seq_lens, seq_ids, (b, s_q, heads, d_c), key, scale)
     q_shape = (b, heads, d_c) if q_len is None else (b, s_q, heads, d_c)
+    runner = impl.plan_attention(cache, block_table, seq_lens, seq_ids, q_shape, key, scale)
     return AttentionPlan(cache, runner, impl.name, q_shape, key, validate)

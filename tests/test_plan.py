@@ -76,6 +76,15 @@ def test_plan_runs_like_attention(backend, device, case):
             ref_out, ref_lse = ref_out[:, 0], ref_lse[:, 0]
         check_attention(out, lse, ref_out, ref_lse, "float32")
     assert plan.run(q, r, return_lse=False).shape == q.shape  # default: the planned cache
+    # caller-given outputs, poisoned first: filled in place, equal to the returned results
+    if device == "numpy":
+        o_buf, l_buf = np.full(q.shape, np.nan, np.float32), np.full(q.shape[:-1], np.nan, np.float32)
+    else:
+        o_buf, l_buf = torch.full(q.shape, float("nan")), torch.full(q.shape[:-1], float("nan"))
+    got_out, got_lse = plan.run(q, r, layers[1], out=o_buf, lse=l_buf)
+    assert got_out is o_buf and got_lse is l_buf
+    want_out, want_lse = qm.attention(q, r, layers[1], softmax_scale=batch.softmax_scale, backend=backend, **meta)
+    assert _equal(o_buf, want_out) and _equal(l_buf, want_lse)
 
 
 def _cpu_plan(**over):
@@ -122,6 +131,10 @@ def test_run_argument_errors():
         plan.run(q, r, other)
     with pytest.raises(ValueError, match="cache: expected an MLACache .* got dict"):
         plan.run(q, r, {})
+    with pytest.raises(ValueError, match=r"out: expected the planned shape \(3, 4, 512\)"):
+        plan.run(q, r, out=torch.empty(3, 1, 4, 512))
+    with pytest.raises(ValueError, match="lse: expected .* dtype torch.float32"):
+        plan.run(q, r, lse=torch.empty(3, 4, dtype=torch.float64))
 
 
 def test_cupy_plan_prepares_once(monkeypatch):
@@ -155,7 +168,7 @@ def test_cupy_plan_prepares_once(monkeypatch):
     for name in ("prepare", "v2_plan", "v3_plan", "_kernel_input"):
         orig = getattr(A, name)
         monkeypatch.setattr(A, name, lambda *a, _o=orig, _n=name, **k: (calls.append(_n), _o(*a, **k))[1])
-    out, lse = run(q, r, Cache)
+    out, lse = run(q, r, Cache, None, None)
     assert out.shape == q.shape and lse.shape == (b, 1, h)
     assert len(kernels) == asked, "a planned run compiled or looked up a kernel"
     assert calls == ["_kernel_input", "_kernel_input"], calls  # the two queries only
@@ -213,10 +226,45 @@ def test_plan_matches_attention_on_gpu(backend, env, monkeypatch):
     with torch.cuda.stream(side):
         plan.run(q, r, layers[1])
     torch.cuda.current_stream().wait_stream(side)
+    g_out = torch.empty_like(q)  # static outputs the replays write (out=)
     with torch.cuda.graph(graph):
-        g_out, g_lse = plan.run(q, r, layers[1])
+        g_out, g_lse = plan.run(q, r, layers[1], out=g_out)
     q.mul_(0.5)
     graph.replay()
     want, want_lse = qm.attention(q, r, layers[1], softmax_scale=batch.softmax_scale, backend=backend, **meta)
     torch.cuda.synchronize()
     assert torch.equal(g_out, want) and torch.equal(g_lse, want_lse)
+
+
+def test_cupy_plan_three_d_queries_and_given_outputs(monkeypatch):
+    """CuPy (stubbed, CPU): 3-D queries reach the kernels as they are (same pointers as the 4-D
+    view), outputs come back 3-D, and caller-given outputs are the combine's destinations."""
+    from quantmla_core.backends.cupy import CupyBackend
+
+    _kernels, launches = stub_cupy_launcher(monkeypatch)
+    fmt = qm.PackFormat.parse("C4R4")
+    b, h = 2, 16
+
+    class Cache:
+        format = fmt
+        pages = torch.zeros((8, fmt.page_bytes), dtype=torch.uint8)
+        sink_buf = torch.zeros((b, 4, 576), dtype=torch.bfloat16)
+        local_buf = torch.zeros((b, 128, 576), dtype=torch.bfloat16)
+        num_pages, max_seqs, sink, local = 8, b, 4, 128
+
+    table = torch.arange(8, dtype=torch.int32).view(b, 4)
+    lens, ids = torch.full((b,), 200, dtype=torch.int32), torch.arange(b, dtype=torch.int32)
+    q, r = torch.randn((b, h, 512)).bfloat16(), torch.randn((b, h, 64)).bfloat16()
+    run = CupyBackend().plan_attention(Cache, table, lens, ids, (b, h, 512), torch.bfloat16, 0.05)
+    out, lse = run(q, r, Cache, None, None)
+    assert out.shape == (b, h, 512) and lse.shape == (b, h)
+    split = launches[0][3]
+    assert int(split[0]) == q.data_ptr() and int(split[1]) == r.data_ptr()
+    launches.clear()
+    o_buf, l_buf = torch.empty((b, h, 512), dtype=torch.bfloat16), torch.empty((b, h))
+    got = run(q, r, Cache, o_buf, l_buf)
+    assert got[0] is o_buf and got[1] is l_buf
+    combine = launches.of("qmla_combine")[0][3]
+    assert int(combine[2]) == o_buf.data_ptr() and int(combine[3]) == l_buf.data_ptr()
+    with pytest.raises(ValueError, match="out: the CuPy backend writes contiguous"):
+        run(q, r, Cache, torch.empty((b, 512, h), dtype=torch.bfloat16).transpose(1, 2), None)

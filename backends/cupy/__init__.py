@@ -229,12 +229,14 @@ class CupyBackend(Backend):
 
         return attention(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale)
 
-    def plan_attention(self, cache, block_table, seq_lens, seq_ids, shape, q_dtype, softmax_scale):
-        """Variant, launch plan, index inputs and scalar arguments prepared once (``SplitCall``)."""
+    def plan_attention(self, cache, block_table, seq_lens, seq_ids, q_shape, q_dtype, softmax_scale):
+        """Variant, launch plan, index inputs and scalar arguments prepared once (``SplitCall``);
+        3-D queries go to the kernels as they are (the layout of [B, 1, H, d])."""
         from .attention import prepare
 
-        b, s_q, h, _ = shape
-        return prepare(cache, block_table, seq_lens, seq_ids, b, s_q, h, q_dtype, softmax_scale).run
+        b, h = q_shape[0], q_shape[-2]
+        s_q = 1 if len(q_shape) == 3 else q_shape[1]
+        return prepare(cache, block_table, seq_lens, seq_ids, b, s_q, h, q_dtype, softmax_scale, out_shape=q_shape).run
 
 
 _CUDA_REASON: list = []

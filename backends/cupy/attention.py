@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import numpy as np
@@ -355,10 +355,12 @@ def attention(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_s
 
 
 def prepare(cache, block_table, seq_lens, seq_ids, batch: int, s_q: int, heads: int, q_dtype: torch.dtype,
-            softmax_scale: float) -> "SplitCall":
+            softmax_scale: float, out_shape: tuple[int, ...] | None = None) -> "SplitCall":
     """Everything of an attention call that does not depend on the queries or on which layer's
     cache of this geometry it reads: the kernel variant and its launch plan, block_table /
-    seq_lens / seq_ids in the kernels' dtypes, the scalar arguments. ``run`` launches."""
+    seq_lens / seq_ids in the kernels' dtypes, the scalar arguments. ``run`` launches.
+    ``out_shape``: the shape of the queries and outputs, [B, S_q, H, d_c] (default) or, where
+    S_q = 1, [B, H, d_c]."""
     fmt = cache.format
     dtype = "bfloat16" if q_dtype == torch.bfloat16 else "float32"
     device = cache.pages.device
@@ -378,7 +380,8 @@ def prepare(cache, block_table, seq_lens, seq_ids, batch: int, s_q: int, heads: 
         side_default = make_plan is v3_plan
     else:
         plan = _v1_plan(fmt, dtype, dev, sm_count, batch, s_q * heads, max_pages)
-    return SplitCall.make(plan, cache, block_table, seq_lens, seq_ids, (batch, s_q, heads, fmt.latent_dim),
+    shape = (batch, s_q, heads, fmt.latent_dim)
+    return SplitCall.make(plan, cache, block_table, seq_lens, seq_ids, shape, tuple(out_shape or shape),
                           softmax_scale, dev, side_default, index64)
 
 
@@ -637,13 +640,17 @@ class SplitCall:
     plan: SplitPlan
     index: tuple
     shape: tuple  # (B, S_q, H, d_c)
+    out_shape: tuple  # shape of the queries and outputs: ``shape`` or, with S_q = 1, (B, H, d_c)
     scalars: tuple
     dev: int
     side_default: bool
+    #: scratch of runs captured into CUDA graphs with caller-given outputs: the graphs write it on
+    #: every replay, so it lives as long as this call
+    graph_scratch: list = field(default_factory=list)
 
     @staticmethod
-    def make(plan: SplitPlan, cache, block_table, seq_lens, seq_ids, shape: tuple, softmax_scale: float, dev: int,
-             side_default: bool, index64: bool) -> "SplitCall":
+    def make(plan: SplitPlan, cache, block_table, seq_lens, seq_ids, shape: tuple, out_shape: tuple,
+             softmax_scale: float, dev: int, side_default: bool, index64: bool) -> "SplitCall":
         """seq_lens / seq_ids go in as int64, or int32 where the kernels were built with ``index64`` False."""
         capturing = graph_capturing()
         index = torch.int64 if index64 else torch.int32
@@ -654,11 +661,12 @@ class SplitCall:
         scalars = (i32(shape[1]), i32(shape[2]), i32(table.shape[1]), i32(table.stride(0)), i32(cache.num_pages),
                    i32(cache.max_seqs), i32(cache.sink), i32(cache.local), i32(plan.per), i32(plan.slots),
                    np.float32(softmax_scale * LOG2E))
-        return SplitCall(plan, (table, lens, ids), shape, scalars, dev, side_default)
+        return SplitCall(plan, (table, lens, ids), shape, out_shape, scalars, dev, side_default)
 
-    def run(self, q_latent, q_rope, cache) -> tuple[torch.Tensor, torch.Tensor]:
-        """q ``[B, S_q, H, d]`` (the planned shape and dtype) over ``cache`` (the planned geometry)
-        -> out, lse; on torch's current stream."""
+    def run(self, q_latent, q_rope, cache, out=None, lse=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q ``out_shape`` (the planned dtype) over ``cache`` (the planned geometry) -> out, lse,
+        written into ``out`` / ``lse`` where given (contiguous, 16-byte aligned; checked by the
+        caller for shape, dtype and device); on torch's current stream."""
         capturing = graph_capturing()
         dev, plan = self.dev, self.plan
         q = _kernel_input("q_latent", q_latent, q_latent.dtype, capturing)
@@ -666,8 +674,21 @@ class SplitCall:
         b, s_q, h, dc = self.shape
         rows, slots = s_q * h, plan.slots
         n_o = b * rows * slots * dc
-        out, lse, ws = outputs_and_partials(self.shape, q_latent.dtype, n_o + b * rows * slots * 2, q_latent.device,
-                                            dev, capturing)
+        n_ws = n_o + b * rows * slots * 2
+        if out is None and lse is None:
+            out, lse, ws = outputs_and_partials(self.out_shape, q_latent.dtype, n_ws, q_latent.device, dev, capturing)
+        else:
+            _check_output("out", out)
+            _check_output("lse", lse)
+            if capturing:
+                ws = torch.empty(n_ws, dtype=torch.float32, device=q_latent.device)
+                self.graph_scratch.append(ws)
+            else:
+                ws = _workspace(dev, n_ws)
+            if out is None:
+                out = torch.empty(self.out_shape, dtype=q_latent.dtype, device=q_latent.device)
+            if lse is None:
+                lse = torch.empty(self.out_shape[:-1], dtype=torch.float32, device=q_latent.device)
         u64 = np.uint64
         o_ptr, ml_ptr = u64(ws.data_ptr()), u64(ws.data_ptr() + 4 * n_o)
         table, lens, ids = self.index
@@ -691,3 +712,10 @@ class SplitCall:
         launch(plan.combine, (b * rows,), (128,),
                (o_ptr, ml_ptr, u64(out.data_ptr()), u64(lse.data_ptr()), np.int32(slots)), dev, stream=stream)
         return out, lse
+
+
+def _check_output(name: str, x) -> None:
+    """A caller-given output the combine can write: contiguous and 16-byte aligned (or None)."""
+    if x is not None and not (x.is_contiguous() and x.data_ptr() % 16 == 0):
+        raise ValueError(f"{name}: the CuPy backend writes contiguous, 16-byte aligned outputs, got "
+                         f"{'a non-contiguous' if not x.is_contiguous() else 'a misaligned'} tensor")
