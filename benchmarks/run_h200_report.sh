@@ -34,7 +34,9 @@ if [ "$PART" = tables ] || [ "$PART" = grid128 ]; then
 elif [ "$PART" = serving ]; then
   stage "serving, three whole runs"; timeout 330 $PY -m benchmarks.serving --requests 48 --prompt-len 4096 --output-len 1024 \
     --budget-gib 0.33 --repeats 3 --out "$OUT/serving.json" 2>&1 | tail -16
-  stage "cupy GPU checks of this stop's changes"; timeout 150 $PY -m pytest -q -p no:cacheprovider tests/test_cupy_backend.py \
-    tests/test_cupy_v3.py tests/test_cupy_protected.py -k "int32 or index or v3_matches or match_reference" 2>&1 | tail -3 | tee "$OUT/cupy_checks.txt"
+  stage "cupy GPU checks of this stop's changes"; timeout 200 $PY -m pytest -q -p no:cacheprovider tests/test_cupy_backend.py \
+    tests/test_cupy_v3.py tests/test_cupy_protected.py tests/test_plan.py \
+    -k "attention_matches or v2_matches or v3_matches or match_reference or cuda_graph or int32 or on_gpu" 2>&1 | tail -3 \
+    | tee "$OUT/cupy_checks.txt"
 fi
 stage done
