@@ -9,7 +9,9 @@ REPO=$(pwd)
 OUT=${OUT:-/tmp/qm_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-# the package as pip lays it out (backends/, reference/, calibration/ under quantmla_core/)
+# the package as pip lays it out (backends/, reference/, calibration/ under quantmla_core/); a warm
+# machine keeps the last call's copy, which pip --target would not replace
+rm -rf /tmp/qm
 if ! python3 -m pip install -q --no-build-isolation --no-deps --no-compile --target /tmp/qm "$REPO" > "$OUT/install.log" 2>&1; then
   echo "pip install failed (see install.log); copying the package layout by hand"
   mkdir -p /tmp/qm && cp -r quantmla_core /tmp/qm/ && cp -r backends /tmp/qm/quantmla_core/backends \

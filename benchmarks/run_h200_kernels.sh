@@ -17,6 +17,7 @@ MODE=${1:-check}
 OUT=${OUT:-/tmp/qm_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+rm -rf /tmp/qm  # a warm machine keeps the last call's copy, which pip --target would not replace
 python3 -m pip install -q --no-build-isolation --no-deps --no-compile --target /tmp/qm . > "$OUT/install.log" 2>&1 || {
   mkdir -p /tmp/qm && cp -r quantmla_core /tmp/qm/ && cp -r backends /tmp/qm/quantmla_core/backends \
     && cp -r reference /tmp/qm/quantmla_core/reference && cp -r calibration /tmp/qm/quantmla_core/calibration; }

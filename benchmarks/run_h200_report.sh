@@ -12,6 +12,7 @@ PART=${1:-tables}
 OUT=${OUT:-/tmp/qm_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+rm -rf /tmp/qm  # a warm machine keeps the last call's copy, which pip --target would not replace
 python3 -m pip install -q --no-build-isolation --no-deps --no-compile --target /tmp/qm . > "$OUT/install.log" 2>&1
 export PYTHONPATH=/tmp/qm:$PWD
 if ls .whl/flashinfer_python-*.whl > /dev/null 2>&1; then
