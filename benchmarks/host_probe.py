@@ -31,6 +31,7 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.dirname(__file__))
 import quantmla_core as qm  # noqa: E402
 from _mla_bench_common import FlashInferMLA, Workload, gpu_info  # noqa: E402
+from graph_probe import graphed  # noqa: E402
 from quantmla_core.backends.cupy import attention as cupy_attention  # noqa: E402
 
 
@@ -48,16 +49,7 @@ def host_us(fn, n: int = 300) -> float:
 
 def graph_us(fn) -> float:
     """do_bench median of ``fn`` captured once as a CUDA graph (its kernel time without the host)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3
+    return do_bench(graphed(fn), warmup=25, rep=200, return_mode="median") * 1e3
 
 
 def plan_rows(batch: int = 8, length: int = 4096, heads: int = 16) -> list[dict]:
