@@ -11,6 +11,7 @@
 #   bash benchmarks/run_h200_kernels.sh protected_sweep  # caches without protected tokens; v2's split floor at short contexts
 #   V3_BASE=path/to/old/attention_v3.cu bash benchmarks/run_h200_kernels.sh v3ab  # v3 conformance and memcheck, then
 #       this tree's v3 against the V3_BASE source (CUDA graphs, same shapes) and ncu of both; plan.run GPU tests
+#       (AB_VARIANT=v2 V3_BASE=path/to/old/attention_v2.cu: the same for kernel v2, at its shorter contexts)
 # Results land in $OUT.
 set -u
 MODE=${1:-check}
@@ -44,23 +45,32 @@ elif [ "$MODE" = v3 ]; then
   echo "=== v2 vs v3 (CUDA graphs)"; timeout 200 python3 -P benchmarks/graph_probe.py --backends cupy --sweep QUANTMLA_CUPY_ATTENTION=v2,v3 \
     --shapes 16x8x4096,16x32x32768,16x128x32768,128x32x32768 --formats C4R4,C2R4 --json "$OUT/graph_v2_v3.json" 2>&1 | grep -v "^{" | tail -16
 elif [ "$MODE" = v3ab ]; then
-  echo "=== cupy v3 conformance, plan.run"; timeout 150 $T tests/test_cupy_v3.py tests/test_plan.py \
-    -k "v3_matches or eight_warps or four_stages or on_gpu" 2>&1 | tail -3 | tee "$OUT/cupy_v3.txt"
-  echo "=== cupy v3 memcheck"; timeout 90 compute-sanitizer --tool memcheck $T tests/test_cupy_v3.py -k "v3_matches and (L17_31_100 or L40_33)" 2>&1 | tail -2
-  echo "=== cupy v3 racecheck"; timeout 90 compute-sanitizer --tool racecheck $T tests/test_cupy_v3.py -k "v3_matches and (L17_31_100 or L900_16)" 2>&1 | tail -2
-  KDIR=/tmp/qm/quantmla_core/backends/cupy/kernels
-  NCU="ncu -k regex:qmla_attn_v3 -s 2 -c 1 --section SpeedOfLight --section ComputeWorkloadAnalysis --section SchedulerStats \
-    --section WarpStateStats --section InstructionStats"
-  PROBE="benchmarks/cupy_probe.py --variant v3 --shapes 16x32x32768 --formats C4R4 --no-writer --protection 0,0"
-  for which in new base; do
-    [ "$which" = base ] && { cp "$KDIR/attention_v3.cu" /tmp/attention_v3_new.cu; cp "$V3_BASE" "$KDIR/attention_v3.cu"; }
-    echo "=== v3 $which (CUDA graphs)"; timeout 150 python3 -P benchmarks/graph_probe.py --backends cupy \
-      --settings "QUANTMLA_CUPY_ATTENTION=v3" --shapes ${V3_SHAPES:-16x32x32768,16x128x32768,128x32x32768} --formats C4R4,C2R4 \
-      --json "$OUT/graph_v3_$which.json" 2>&1 | grep -v "^{" | tail -8
-    echo "=== ncu v3 $which"; timeout 100 $NCU python3 -P $PROBE > "$OUT/ncu_v3_$which.txt" 2>&1; \
-      grep -E "Duration|Executed Ipc A|Issue Slots Busy|Registers Per|Theoretical Occ|Pipe|Executed Instructions  " "$OUT/ncu_v3_$which.txt" | head -20
+  V=${AB_VARIANT:-v3}
+  if [ "$V" = v3 ]; then
+    SEL="tests/test_cupy_v3.py tests/test_plan.py -k v3_matches||eight_warps||four_stages||on_gpu"
+    SAN="tests/test_cupy_v3.py -k v3_matches&&(L17_31_100||L40_33||L900_16)"; SHAPES=${V3_SHAPES:-16x32x32768,16x128x32768,128x32x32768}
+  else
+    SEL="tests/test_cupy_backend.py tests/test_plan.py -k v2_matches||cuda_graph||on_gpu"
+    SAN="tests/test_cupy_backend.py -k v2_matches&&(L17_31_100||L40_33||L900_16)"; SHAPES=${V3_SHAPES:-16x8x4096,16x32x4096,128x8x4096}
+  fi
+  k() { echo "$1" | sed 's/||/ or /g; s/&&/ and /g'; }
+  echo "=== cupy $V conformance, plan.run"; timeout 150 $T ${SEL% -k *} -k "$(k "${SEL#* -k }")" 2>&1 | tail -3 | tee "$OUT/cupy_$V.txt"
+  for tool in memcheck racecheck; do
+    echo "=== cupy $V $tool"; timeout 90 compute-sanitizer --tool $tool $T ${SAN% -k *} -k "$(k "${SAN#* -k }")" 2>&1 | tail -2
   done
-  cp /tmp/attention_v3_new.cu "$KDIR/attention_v3.cu"
+  KDIR=/tmp/qm/quantmla_core/backends/cupy/kernels
+  NCU="ncu -k regex:qmla_attn_$V -s 2 -c 1 --section SpeedOfLight --section ComputeWorkloadAnalysis --section SchedulerStats \
+    --section WarpStateStats --section InstructionStats --section SourceCounters"
+  PROBE="benchmarks/cupy_probe.py --variant $V --shapes ${SHAPES%%,*} --formats C4R4 --no-writer --protection 0,0"
+  for which in new base; do
+    [ "$which" = base ] && { cp "$KDIR/attention_$V.cu" /tmp/attention_new.cu; cp "$V3_BASE" "$KDIR/attention_$V.cu"; }
+    echo "=== $V $which (CUDA graphs)"; timeout 150 python3 -P benchmarks/graph_probe.py --backends cupy \
+      --settings "QUANTMLA_CUPY_ATTENTION=$V" --shapes $SHAPES --formats C4R4,C2R4 \
+      --json "$OUT/graph_${V}_$which.json" 2>&1 | grep -v "^{" | tail -8
+    echo "=== ncu $V $which"; timeout 100 $NCU python3 -P $PROBE > "$OUT/ncu_${V}_$which.txt" 2>&1; \
+      grep -E "Duration|Executed Ipc A|Issue Slots Busy|Registers Per|Theoretical Occ|Pipe|Executed Instructions  |excessive" "$OUT/ncu_${V}_$which.txt" | head -20
+  done
+  cp /tmp/attention_new.cu "$KDIR/attention_$V.cu"
 elif [ "$MODE" = protected ]; then
   echo "=== protected kernel conformance, side stream, graph capture"; timeout 200 $T tests/test_cupy_protected.py \
     tests/test_cupy_v3.py tests/test_cupy_backend.py -k "protected or side_stream or cuda_graph" 2>&1 | tail -3 | tee "$OUT/protected_conformance.txt"

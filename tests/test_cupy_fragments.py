@@ -542,7 +542,7 @@ def test_model_matches_kernel_source():
         "const u32 sel = (p & 1) ? 0x7632u : 0x5410u;",
         "mma_bf16(acc[(c * NPW + wd) * PB + p], a, b0, b1);",
         "const int ch = CBW * wc + LBP * (2 * q4) + 4 * wd + p + CB * c;",  # output store
-        "dst[ch + LBP] = acc[nt][2 * h + 1];",
+        "ot[(g8 + 8 * h) * OT_STRIDE + ch + LBP] = acc[nt][2 * h + 1];",
         "return fma_bf16x2(__byte_perm(cv, 0x43u, 0x4140u), 0x3f803f80u, negz2);",
         "return fma_bf16x2(__byte_perm(cv, 0x43u, 0x4342u), 0x3f803f80u, negz2);",
         "const u32 nz = 0xc300u | z;",
