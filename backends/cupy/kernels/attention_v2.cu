@@ -160,8 +160,6 @@ static_assert(NTP * 8 * NW == DC, "PV n-tiles must cover the latent");
 #define STAGE_BYTES ((SO_FL + T + 15) / 16 * 16)
 #define XCHG_BYTES (2 * RG * NW * NTQ * 32 * 16)
 #define SMEM_TOTAL (NSTAGE * STAGE_BYTES + XCHG_BYTES)
-#define OT_STRIDE (DC + 4)  // floats per row of the partial-output tile (rows 4 banks apart)
-static_assert(16 * OT_STRIDE * 4 <= SMEM_TOTAL, "one row group's partial-output tile reuses the shared memory");
 static_assert(T == 32 || T == 64, "tiles of 32 or 64 tokens");
 static_assert(NSTAGE >= 3 && NSTAGE <= 5, "3..5 stages");
 #ifdef QMLA_V2_SMEM
@@ -170,6 +168,7 @@ static_assert(SMEM_TOTAL == QMLA_V2_SMEM, "launcher's v2_smem_bytes() disagrees 
 static_assert(SMEM_TOTAL <= 227 * 1024, "shared memory per block");
 
 #include "stage.cuh"
+static_assert(16 * OT_STRIDE * 4 <= SMEM_TOTAL, "one row group's partial-output tile reuses the shared memory");
 
 template <bool B>
 struct BoolC {
@@ -529,9 +528,8 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V2_MINB) qmla_attn_v2(
         if (r0 < R) ml_part[row0 * num_splits + split] = make_float2(m0, l0);
         if (r1 < R) ml_part[row1 * num_splits + split] = make_float2(m1, l1);
     }
-    // The partial outputs go through shared memory (free now), one row group at a time, and leave
-    // as whole rows of float4: stored straight from the fragments, every value would touch its own
-    // 32-byte sector (measured on v3: 14 % of its sectors, 5 % of its time at H16 B32 L32K).
+    // The partial outputs through shared memory (free now), one row group at a time
+    // (qmla_store_partial_rows; the scalar stores cost v2 at H16 B32 L4K 30 % of its time).
     cp_async_wait_all();
     float* ot = (float*)smem;
 #pragma unroll 1
@@ -556,13 +554,6 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V2_MINB) qmla_attn_v2(
             }
         }
         __syncthreads();
-        for (int idx = tid; idx < 16 * (DC / 4); idx += NTH) {
-            const int row = idx / (DC / 4), c4 = idx % (DC / 4);
-            const int r = (chk * RG + g) * 16 + row;
-            if (r < R) {
-                *(float4*)(o_part + (((i64)b * R + r) * num_splits + split) * DC + 4 * c4) =
-                    *(const float4*)(ot + row * OT_STRIDE + 4 * c4);
-            }
-        }
+        qmla_store_partial_rows(o_part, ot, b, R, (chk * RG + g) * 16, num_splits, split, tid);
     }
 }

@@ -118,14 +118,13 @@ static_assert(16 * DT / 8 * 4 <= NGC * (T / 8) * 256, "query-sum partials must f
 #define RED_OFF (PS_OFF + NGC * (T / 8) * 16 * 16)  // per-token-group row maxima / sums, float [4][16]
 #define XS_OFF (RED_OFF + 4 * 16 * 4)           // NW = 8: both warps' partial scores, float [4][2][32][8]
 #define SMEM_TOTAL (XS_OFF + (NH - 1) * 4 * 2 * 32 * 32)
-#define OT_STRIDE (DC + 4)  // floats per row of the partial-output tile (rows 4 banks apart)
-static_assert(16 * OT_STRIDE * 4 <= NSTAGE * STAGE_BYTES, "the partial-output tile reuses the stages");
 #ifdef QMLA_V3_SMEM
 static_assert(SMEM_TOTAL == QMLA_V3_SMEM, "launcher's v3_smem_bytes() disagrees with the kernel's layout");
 #endif
 static_assert(SMEM_TOTAL <= 227 * 1024, "shared memory per block");
 
 #include "stage.cuh"
+static_assert(16 * OT_STRIDE * 4 <= NSTAGE * STAGE_BYTES, "the partial-output tile reuses the stages");
 
 // Codes of slice c (bits [CBITS c, CBITS c + CBITS) of every byte) of x, one per byte
 __device__ __forceinline__ u32 v3_slice(u32 x, int c) { return (x >> (CBITS * c)) & CMASK4; }
@@ -584,9 +583,8 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V3_MINB) qmla_attn_v3(
         *(float2*)(red + tg * 16 + 2 * q4) = make_float2(lq[0], lq[1]);
         *(float2*)(red + tg * 16 + 8 + 2 * q4) = make_float2(lq[2], lq[3]);
     }
-    // the partial outputs go through shared memory (the stage area, free now) and leave as whole
-    // rows of float4: stored straight from the fragments, every value would touch its own 32-byte
-    // sector (ncu: 14 % of the kernel's sectors, H16 B32 L32K)
+    // the partial outputs through the stage area, free now (qmla_store_partial_rows; ncu: the
+    // scalar stores were 14 % of the kernel's sectors, H16 B32 L32K)
     float* ot = (float*)smem;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -607,11 +605,5 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V3_MINB) qmla_attn_v3(
         for (int ww = 0; ww < 4; ++ww) l += red[ww * 16 + lane];
         ml_part[((i64)b * R + rbase + lane) * num_splits + split] = make_float2(m_run, l);
     }
-    for (int idx = tid; idx < 16 * (DC / 4); idx += NTH) {
-        const int row = idx / (DC / 4), c4 = idx % (DC / 4);
-        if (rbase + row < R) {
-            *(float4*)(o_part + (((i64)b * R + rbase + row) * num_splits + split) * DC + 4 * c4) =
-                *(const float4*)(ot + row * OT_STRIDE + 4 * c4);
-        }
-    }
+    qmla_store_partial_rows(o_part, ot, b, R, rbase, num_splits, split, tid);
 }

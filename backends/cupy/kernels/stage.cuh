@@ -2,8 +2,8 @@
 // attention_v3.cu.
 //
 // Included after the kernel has defined its tile and stage layout: T (tokens per tile), NTH
-// (threads per CTA), CB/RB (content/RoPE code bytes per token), NCT (16-byte chunks of a content
-// code row), NGC, CSZ, RSZ and the stage offsets SO_R, SO_CS, SO_CZ, SO_RS, SO_RZ.
+// (threads per CTA), DC (latent width), CB/RB (content/RoPE code bytes per token), NCT (16-byte
+// chunks of a content code row), NGC, CSZ, RSZ and the stage offsets SO_R, SO_CS, SO_CZ, SO_RS, SO_RZ.
 //
 // A stage holds a tile token-major like the page, content code rows chunk-swizzled per token.
 #pragma once
@@ -129,6 +129,24 @@ __device__ __forceinline__ void qmla_issue_stage(u8* base, const u8* __restrict_
                     cp_async16_zfill(dst, src, bytes);
                 }
             }
+        }
+    }
+}
+
+// The partial outputs leave through shared memory: 16 rows of OT_STRIDE floats (rows 4 banks
+// apart), written from the MMA fragments, then stored as whole rows of float4. Stored straight
+// from the fragments, every value would touch its own 32-byte sector.
+#define OT_STRIDE (DC + 4)
+
+// Rows row0 .. row0 + 15 of request b's partials (staged at `ot`) into o_part [B * R][num_splits][DC],
+// split `split`; rows >= R are skipped. All NTH threads take part.
+__device__ __forceinline__ void qmla_store_partial_rows(float* __restrict__ o_part, const float* ot, int b, int R,
+                                                        int row0, int num_splits, int split, int tid) {
+    for (int idx = tid; idx < 16 * (DC / 4); idx += NTH) {
+        const int row = idx / (DC / 4), c4 = idx % (DC / 4);
+        if (row0 + row < R) {
+            *(float4*)(o_part + (((i64)b * R + row0 + row) * num_splits + split) * DC + 4 * c4) =
+                *(const float4*)(ot + row * OT_STRIDE + 4 * c4);
         }
     }
 }
