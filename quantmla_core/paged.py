@@ -17,6 +17,8 @@ from .api import attention as _attention
 from .api import write as _write
 from .cache import MLACache
 from .formats import PackFormat
+from .plan import AttentionPlan
+from .plan import plan_attention as _plan_attention
 
 
 class OutOfPagesError(RuntimeError):
@@ -257,8 +259,26 @@ class PagedMLACache:
             self.layer(layer),
             block_table=self.block_table(seq_ids),
             seq_lens=self.seq_lens(seq_ids),
-            seq_ids=self._index_array(list(seq_ids)),
+            seq_ids=self._index_array(list(seq_ids), np.int32),
             softmax_scale=softmax_scale,
+            **kwargs,
+        )
+
+    def plan_attention(self, seq_ids: Sequence[int], *, num_heads: int, q_dtype: Any, softmax_scale: float,
+                       q_len: int | None = None, **kwargs) -> AttentionPlan:
+        """One decode step's attention for ``seq_ids``, planned once for every layer
+        (``quantmla_core.plan_attention``): ``plan.run(q_latent, q_rope, cache.layer(i))``. Plan
+        again after the lengths change (every step)."""
+        kwargs.setdefault("backend", self.backend)
+        return _plan_attention(
+            self.cache,
+            block_table=self.block_table(seq_ids),
+            seq_lens=self.seq_lens(seq_ids),
+            seq_ids=self._index_array(list(seq_ids), np.int32),
+            num_heads=num_heads,
+            q_dtype=q_dtype,
+            softmax_scale=softmax_scale,
+            q_len=q_len,
             **kwargs,
         )
 

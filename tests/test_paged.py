@@ -98,6 +98,11 @@ def test_multi_layer_cache_shares_page_table():
     assert torch.equal(outs[2], single.attention(q, qr, [sa, sb], 0.1, return_lse=False))
     assert not torch.equal(outs[0], outs[2])
     assert pc.allocated_bytes() == 3 * single.allocated_bytes()
+    # one plan for the step, run on every layer: the same results bit for bit
+    step = pc.plan_attention([a, b], num_heads=2, q_dtype=torch.float32, softmax_scale=0.1)
+    assert step.backend == "torch"
+    for i in range(3):
+        assert torch.equal(step.run(q, qr, pc.layer(i), return_lse=False), outs[i])
     with pytest.raises(ValueError, match="layer: expected 0 <= layer < 3"):
         pc.layer(3)
 
