@@ -10,7 +10,9 @@ CUDA graph. Two numbers, at H = 16, B = 8, 64 pages per request:
   kernels replaced by recorders (plan, constexprs, outputs, argument lists; Triton's own launch
   time is not included);
 * ``api_front_end``: ``quantmla_core.attention(..., validate=False)`` with the backend replaced
-  by one that returns preallocated outputs (argument checks, dispatch, reshapes).
+  by one that returns preallocated outputs (argument checks, dispatch, reshapes);
+* ``cupy_planned_run`` (and ``_into_outputs``): ``AttentionPlan.run`` of a CuPy plan made once,
+  launches stubbed (query checks, output allocation or none, argument packing).
 
     python -m pytest benchmarks/test_host_overhead.py -m benchmark --benchmark-enable
 """
@@ -85,3 +87,21 @@ def test_api_front_end(benchmark, monkeypatch):
     assert out.shape == (B, H, 512) and lse.shape == (B, H)
     benchmark.extra_info.update({"what": "qm.attention front end, backend stubbed", "B": B, "H": H})
     benchmark(qm.attention, q[:, 0], r[:, 0], cache, **kw)
+
+
+@pytest.mark.parametrize("given_outputs", [False, True], ids=["", "into_outputs"])
+def test_cupy_planned_run(benchmark, stubbed_cupy, given_outputs):
+    from quantmla_core.backends.cupy import CupyBackend
+    from quantmla_core.plan import AttentionPlan
+
+    cache = _cache()
+    q, r, table, lens, ids = _inputs()
+    q3, r3 = q[:, 0].contiguous(), r[:, 0].contiguous()
+    runner = CupyBackend().plan_attention(cache, table, lens.int(), ids.int(), (B, H, 512), torch.bfloat16, 0.05)
+    plan = AttentionPlan(cache, runner, "cupy", (B, H, 512), torch.bfloat16, validate=False)
+    kw = {"out": torch.empty_like(q3), "lse": torch.empty((B, H))} if given_outputs else {}
+    out, lse = plan.run(q3, r3, **kw)
+    assert out.shape == (B, H, 512) and lse.shape == (B, H)
+    benchmark.extra_info.update({"what": "CuPy plan.run host path, CUDA stubbed", "B": B, "H": H,
+                                 "given_outputs": given_outputs})
+    benchmark(plan.run, q3, r3, **kw)
