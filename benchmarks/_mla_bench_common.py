@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import subprocess
+import time
 
 import torch
 
@@ -18,6 +19,19 @@ PAGE = 64
 SINK, LOCAL = 4, 128
 BF16_TOKEN_BYTES = 1152
 FLOP_PER_TOKEN_HEAD = 2 * 576 + 2 * 512
+
+
+def host_us(fn, n: int = 300, warmup: int = 20) -> float:
+    """Host microseconds per call of ``fn``: launches only, no synchronization inside the loop."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e6
 
 
 def gpu_info() -> dict:

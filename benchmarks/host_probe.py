@@ -23,28 +23,15 @@ import json
 import os
 import pstats
 import sys
-import time
 
 import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(__file__))
 import quantmla_core as qm  # noqa: E402
-from _mla_bench_common import FlashInferMLA, Workload, gpu_info  # noqa: E402
+from _mla_bench_common import FlashInferMLA, Workload, gpu_info, host_us  # noqa: E402
 from graph_probe import graphed  # noqa: E402
 from quantmla_core.backends.cupy import attention as cupy_attention  # noqa: E402
-
-
-def host_us(fn, n: int = 300) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6
 
 
 def graph_us(fn) -> float:

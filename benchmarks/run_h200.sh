@@ -5,24 +5,8 @@
 # Stages can be skipped with SKIP="demo memory checks bench hf serving"; time limits T_*;
 # BENCH_K selects benchmarks (pytest -k expression).
 set -u
-REPO=$(pwd)
 OUT=${OUT:-/tmp/qm_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-# the package as pip lays it out (backends/, reference/, calibration/ under quantmla_core/); a warm
-# machine keeps the last call's copy, which pip --target would not replace
-rm -rf /tmp/qm
-if ! python3 -m pip install -q --no-build-isolation --no-deps --no-compile --target /tmp/qm "$REPO" > "$OUT/install.log" 2>&1; then
-  echo "pip install failed (see install.log); copying the package layout by hand"
-  mkdir -p /tmp/qm && cp -r quantmla_core /tmp/qm/ && cp -r backends /tmp/qm/quantmla_core/backends \
-    && cp -r reference /tmp/qm/quantmla_core/reference && cp -r calibration /tmp/qm/quantmla_core/calibration
-fi
-export PYTHONPATH=/tmp/qm:$REPO
-# FlashInfer (the BF16 anchor) when its wheels were carried in .whl/ (see PERFORMANCE.md)
-if ls .whl/flashinfer_python-*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl > "$OUT/flashinfer_install.log" 2>&1 \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE=/tmp
-fi
+source benchmarks/h200_setup.sh
 PY="python3 -P"
 stage() { echo; echo "=== $1 ($(date +%T))"; }
 stage gpu; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"

@@ -16,17 +16,7 @@
 set -u
 MODE=${1:-check}
 OUT=${OUT:-/tmp/qm_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-rm -rf /tmp/qm  # a warm machine keeps the last call's copy, which pip --target would not replace
-python3 -m pip install -q --no-build-isolation --no-deps --no-compile --target /tmp/qm . > "$OUT/install.log" 2>&1 || {
-  mkdir -p /tmp/qm && cp -r quantmla_core /tmp/qm/ && cp -r backends /tmp/qm/quantmla_core/backends \
-    && cp -r reference /tmp/qm/quantmla_core/reference && cp -r calibration /tmp/qm/quantmla_core/calibration; }
-export PYTHONPATH=/tmp/qm:$PWD
-if ls .whl/flashinfer_python-*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl > /dev/null 2>&1 \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE=/tmp
-fi
+source benchmarks/h200_setup.sh
 T="python3 -P -m pytest -q -p no:cacheprovider"
 if [ "$MODE" = check ]; then
   echo "=== cupy v2 conformance"; timeout 190 $T tests/test_cupy_backend.py -x -k v2 2>&1 | tail -6 | tee "$OUT/cupy_v2.txt"

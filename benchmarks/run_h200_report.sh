@@ -10,15 +10,7 @@
 set -u
 PART=${1:-tables}
 OUT=${OUT:-/tmp/qm_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-rm -rf /tmp/qm  # a warm machine keeps the last call's copy, which pip --target would not replace
-python3 -m pip install -q --no-build-isolation --no-deps --no-compile --target /tmp/qm . > "$OUT/install.log" 2>&1
-export PYTHONPATH=/tmp/qm:$PWD
-if ls .whl/flashinfer_python-*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl > /dev/null 2>&1 \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE=/tmp
-fi
+source benchmarks/h200_setup.sh
 PY="python3 -P"
 stage() { echo "=== $1 ($(date +%T))"; }
 if [ "$PART" = tables ]; then

@@ -20,14 +20,13 @@ import importlib.util
 import json
 import os
 import sys
-import time
 
 import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(__file__))
 import quantmla_core as qm  # noqa: E402
-from _mla_bench_common import Workload, gpu_info  # noqa: E402
+from _mla_bench_common import Workload, gpu_info, host_us  # noqa: E402
 from quantmla_core.backends.triton import writer as twriter  # noqa: E402
 
 TOKENS = 131072
@@ -67,16 +66,6 @@ def _time_format(name: str, work: Workload, args, res: dict) -> None:
             fn()
         row(f"{label} (graph)", graph.replay)
 
-    def host_us(fn, n=50) -> float:
-        """Host time per call, launches only (no synchronization inside the loop)."""
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        return (t1 - t0) / n * 1e6
-
     def triton_write(bt=None, nw=None):
         return lambda: twriter.write(cache, latent, rope, slot, b, pos, lens, bt, nw)
 
@@ -100,12 +89,12 @@ def _time_format(name: str, work: Workload, args, res: dict) -> None:
 
     if args.graphs:
         graphed("triton default", triton_write())
-        print(f"{name} host us per call: triton {host_us(triton_write()):.1f}", flush=True)
+        print(f"{name} host us per call: triton {host_us(triton_write(), 50, 0):.1f}", flush=True)
     try:
         row("cupy", cupy_write)
         if args.graphs:
             graphed("cupy", cupy_write)
-            print(f"{name} host us per call: cupy {host_us(cupy_write):.1f}", flush=True)
+            print(f"{name} host us per call: cupy {host_us(cupy_write, 50, 0):.1f}", flush=True)
         for warps in [int(w) for w in args.cupy_warps.split(",") if w]:
             with _cupy_writer(warps=warps):
                 row(f"cupy warps={warps}", cupy_write)

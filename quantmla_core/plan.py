@@ -72,8 +72,8 @@ class AttentionPlan:
         elif cache is not self.cache and (not isinstance(cache, MLACache) or _geometry(cache) != self._geometry):
             raise ValueError(f"cache: expected an MLACache of the planned geometry {self._describe(self._geometry)}, "
                              f"got {self._describe(_geometry(cache)) if isinstance(cache, MLACache) else type(cache).__name__}")
-        self._check_query("q_latent", q_latent, self.q_shape)
-        self._check_query("q_rope", q_rope, self.rope_shape)
+        self._check_array("q_latent", q_latent, self.q_shape, self.q_dtype)
+        self._check_array("q_rope", q_rope, self.rope_shape, self.q_dtype)
         if out is not None:
             self._check_array("out", out, self.q_shape, self.q_dtype)
         if lse is not None:
@@ -82,9 +82,6 @@ class AttentionPlan:
             _check_query_values(q_latent, q_rope)
         out, lse = self._runner(q_latent, q_rope, cache, out, lse)
         return (out, lse) if return_lse else out
-
-    def _check_query(self, name: str, x: Any, shape: tuple[int, ...]) -> None:
-        self._check_array(name, x, shape, self.q_dtype)
 
     def _check_array(self, name: str, x: Any, shape: tuple[int, ...], dtype: Any) -> None:
         """``x`` must be an array of the cache's kind and device with exactly ``shape`` and ``dtype``."""
