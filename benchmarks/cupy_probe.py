@@ -171,14 +171,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--variant", choices=("auto", "v1", "v2", "v3", "both", "v2v3"), default="auto",
+    ap.add_argument("--variant", choices=("auto", "v1", "v2", "v3", "v4", "both", "v2v3", "v3v4"), default="auto",
                     help="attention kernel(s) to time (both: v1 then v2 on the same inputs)")
     ap.add_argument("--shapes", default=None, help="comma-separated HxBxL, e.g. 16x32x32768,128x32x32768")
     ap.add_argument("--formats", default="C4R4,C2R4,BF16")
     ap.add_argument("--protection", default="4,128", help="sink,local of the probed caches (0,0: none)")
     ap.add_argument("--no-writer", action="store_true", help="skip the writer timing")
     args = ap.parse_args()
-    variants = {"both": ("v1", "v2"), "v2v3": ("v2", "v3")}.get(args.variant, (args.variant,))
+    variants = {"both": ("v1", "v2"), "v2v3": ("v2", "v3"), "v3v4": ("v3", "v4")}.get(args.variant, (args.variant,))
     protection = tuple(int(x) for x in args.protection.split(","))
     import cupy
 

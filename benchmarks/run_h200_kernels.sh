@@ -12,6 +12,8 @@
 #   V3_BASE=path/to/old/attention_v3.cu bash benchmarks/run_h200_kernels.sh v3ab  # v3 conformance and memcheck, then
 #       this tree's v3 against the V3_BASE source (CUDA graphs, same shapes) and ncu of both; plan.run GPU tests
 #       (AB_VARIANT=v2 V3_BASE=path/to/old/attention_v2.cu: the same for kernel v2, at its shorter contexts)
+#   bash benchmarks/run_h200_kernels.sh v4       # CuPy v4 (64 rows per CTA): conformance, sanitizers, v3 vs v4 graphed
+#       over V4_SHAPES (FlashInfer BF16 in the same run), ncu of v4 at H128 B32 L32K
 # Results land in $OUT.
 set -u
 MODE=${1:-check}
@@ -61,6 +63,22 @@ elif [ "$MODE" = v3ab ]; then
       grep -E "Duration|Executed Ipc A|Issue Slots Busy|Registers Per|Theoretical Occ|Pipe|Executed Instructions  |excessive" "$OUT/ncu_${V}_$which.txt" | head -20
   done
   cp /tmp/attention_new.cu "$KDIR/attention_$V.cu"
+elif [ "$MODE" = v4 ]; then
+  echo "=== cupy v4 conformance"; timeout 200 $T tests/test_cupy_v4.py 2>&1 | tail -3 | tee "$OUT/cupy_v4.txt"
+  for tool in memcheck racecheck; do
+    echo "=== cupy v4 $tool"; timeout 100 compute-sanitizer --tool $tool $T tests/test_cupy_v4.py \
+      -k "v4_matches and (L64_65_4097 or L300_17 or L700_63)" 2>&1 | tail -2
+  done
+  echo "=== v3 vs v4 (CUDA graphs)"; timeout 330 python3 -P benchmarks/graph_probe.py --backends cupy \
+    --sweep QUANTMLA_CUPY_ATTENTION=v3,v4 --formats C4R4,C2R4 \
+    --shapes ${V4_SHAPES:-128x8x4096,128x32x4096,128x32x32768,128x128x32768,64x32x32768,32x32x32768} \
+    --json "$OUT/graph_v3_v4.json" 2>&1 | grep -v "^{" | tail -30
+  echo "=== ncu v4"; timeout 100 ncu -k regex:qmla_attn_v4 -s 2 -c 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
+    --section SchedulerStats --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis \
+    python3 -P benchmarks/cupy_probe.py --variant v4 --shapes 128x32x32768 --formats C4R4 --no-writer --protection 0,0 \
+    > "$OUT/ncu_v4.txt" 2>&1
+  grep -E "Duration|Executed Ipc A|Issue Slots Busy|Registers Per|Theoretical Occ|Pipe|Shared|Bank|Executed Instructions  " \
+    "$OUT/ncu_v4.txt" | head -24
 elif [ "$MODE" = protected ]; then
   echo "=== protected kernel conformance, side stream, graph capture"; timeout 200 $T tests/test_cupy_protected.py \
     tests/test_cupy_v3.py tests/test_cupy_backend.py -k "protected or side_stream or cuda_graph" 2>&1 | tail -3 | tee "$OUT/protected_conformance.txt"

@@ -26,6 +26,7 @@ from quantmla_core.backends.cupy.attention import (
     v2_smem_bytes,
     v2_unsupported_reasons,
     v3_defines,
+    v4_defines,
 )
 from quantmla_core.backends.cupy.writer import writer_defines
 
@@ -103,7 +104,7 @@ def test_sources_take_layout_from_packformat():
 
     fmt = qm.PackFormat.parse("C4R4")
     given = (set(writer_defines(fmt, "float32")) | set(attention_defines(fmt, "float32")) | set(v2_defines(fmt, 2))
-             | set(v3_defines(fmt)) | set(protected_defines(fmt)))
+             | set(v3_defines(fmt)) | set(v4_defines(fmt)) | set(protected_defines(fmt)))
     sources = list(KERNEL_DIR.glob("*.cu*"))
     defined_in_sources = {d for src in sources for d in re.findall(r"#define\s+(QMLA_[A-Z0-9_]+)", src.read_text())}
     for src in sources:
@@ -698,7 +699,7 @@ def test_cuda_graph_capture_and_replay(backend, name, dtype, env, monkeypatch):
 
 
 # ------------------------------------------------------------------ index width (int32 / int64)
-@pytest.mark.parametrize("variant", ["v2", "v3"])
+@pytest.mark.parametrize("variant", ["v2", "v3", "v4"])
 @pytest.mark.parametrize("lens_dtype,ids_dtype", [(torch.int32, torch.int32), (torch.int64, torch.int64),
                                                   (torch.int32, torch.int64)])
 def test_index_width_follows_the_inputs(monkeypatch, variant, lens_dtype, ids_dtype):
@@ -721,11 +722,13 @@ def test_index_width_follows_the_inputs(monkeypatch, variant, lens_dtype, ids_dt
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
-@pytest.mark.parametrize("source", ["attention_v2.cu", "attention_v3.cu", "protected.cu", "attention.cu"])
+@pytest.mark.parametrize("source", ["attention_v2.cu", "attention_v3.cu", "attention_v4.cu", "protected.cu",
+                                    "attention.cu"])
 def test_int32_index_builds_compile(source):
     fmt = qm.PackFormat.parse("C4R4")
     defines = {"attention_v2.cu": lambda: v2_defines(fmt, 1, index64=False),
                "attention_v3.cu": lambda: v3_defines(fmt, index64=False),
+               "attention_v4.cu": lambda: v4_defines(fmt, index64=False),
                "protected.cu": lambda: protected_defines(fmt, index64=False),
                "attention.cu": lambda: attention_defines(fmt, "bfloat16", index64=False)}[source]()
     rc, text = _nvcc_ptx(source, defines)
@@ -734,7 +737,7 @@ def test_int32_index_builds_compile(source):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("variant", ["v2", "v3"])
+@pytest.mark.parametrize("variant", ["v2", "v3", "v4"])
 @pytest.mark.parametrize("case", V2_CASES[:4], ids=str)
 def test_int32_indices_match_int64(case, variant, monkeypatch):
     """The int32 build (seq_lens and seq_ids both int32) gives the same bits as the int64 one, and

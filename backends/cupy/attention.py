@@ -12,14 +12,15 @@ Three attention kernels share the partials layout and the combine kernel:
   with content groups of 64k channels, packed tokens only. On the H200 it takes 0.62-0.86x of
   v2's time from 32K tokens on, but has more fixed cost per call.
 
-v3 and v2 (``separate`` mode, the default) leave the sink and local-window tokens to
+v4, v3 and v2 (``separate`` mode, the default) leave the sink and local-window tokens to
 ``kernels/protected.cu``, a bfloat16 flash-decoding kernel (one 32-token tile per CTA) whose
 partials the combine merges with the split kernel's; it may run on a second stream beside the
 split kernel (:func:`protected_on_side_stream`).
 
-``QUANTMLA_CUPY_ATTENTION`` (``auto``, the default: v3 where it serves and the block table holds
-at least :data:`V3_MIN_TOKENS` tokens, else v2 where it serves, else v1; or ``v1`` / ``v2`` /
-``v3``; read on every call, nothing global is rewritten) picks the kernel.
+``QUANTMLA_CUPY_ATTENTION`` (``auto``, the default: v4 where it serves and a request has at least
+:data:`V4_MIN_ROWS` query rows, else v3 where it serves and the block table holds at least
+:data:`V3_MIN_TOKENS` tokens, else v2 where it serves, else v1; or ``v1`` / ``v2`` / ``v3`` /
+``v4``; read on every call, nothing global is rewritten) picks the kernel.
 ``QUANTMLA_CUPY_V2_RG`` (1 or 2 row groups per CTA; default 2 when the
 row-group count is even), ``QUANTMLA_CUPY_V2_STAGES`` (cp.async ring depth 3-5, default 4),
 ``QUANTMLA_CUPY_V2_MINB`` (minimum blocks per SM given to ``__launch_bounds__``, default 1),
@@ -30,7 +31,8 @@ tokens; ``inline``: sink/local tokens inside the split kernel, from the bf16 buf
 ``QUANTMLA_CUPY_PROTECTED_STREAM`` (0/1; unset: v3 always, v2 under CUDA-graph
 capture), ``QUANTMLA_CUPY_V3_STAGES`` (3 or 4) and
 ``QUANTMLA_CUPY_V3_MINB`` / ``QUANTMLA_CUPY_V3_LAZY_RESCALE`` (default 1: measured 1-2 % faster,
-bit-identical) / ``QUANTMLA_CUPY_V3_WARPS`` (4 or 8) are tuning knobs for measurements, also read per call.
+bit-identical) / ``QUANTMLA_CUPY_V3_WARPS`` (4 or 8) and ``QUANTMLA_CUPY_V4_STAGES`` (2 or 3) /
+``QUANTMLA_CUPY_V4_LAZY_RESCALE`` (default 1) are tuning knobs for measurements, also read per call.
 :func:`select_variant` says which kernel a call will run, and why.
 """
 
@@ -61,7 +63,7 @@ from . import (
 
 #: environment variable that selects the attention kernel (read per call)
 VARIANT_ENV = "QUANTMLA_CUPY_ATTENTION"
-VARIANTS = ("auto", "v1", "v2", "v3")
+VARIANTS = ("auto", "v1", "v2", "v3", "v4")
 #: v2: default tokens per tile (QMLA_V2_T) and the sizes QUANTMLA_CUPY_V2_TILE may ask for (64 spreads
 #: the per-tile work over twice the tokens: offline SASS 177 -> 159 instructions per token, not yet timed)
 V2_TILE = 32
@@ -80,6 +82,21 @@ V3_STAGES = 3
 #: H200 (CUDA graphs, C4R4 H16 B32): v3 costs ~6.9 ns per token and request against v2's ~9.8 but
 #: ~90 us of fixed cost against ~48 us, so it wins from ~14K tokens (benchmarks/RESULTS.md)
 V3_MIN_TOKENS = 16384
+#: v4 (``kernels/attention_v4.cu``): tokens per tile, query rows per CTA, warps per CTA, default copy stages
+V4_TILE = 64
+V4_ROWS = 64
+V4_WARPS = 8
+V4_STAGES = 2
+#: auto picks v4 for requests with at least this many query rows (S_q * H)
+V4_MIN_ROWS = 64
+
+
+def smem_per_block(capability: tuple[int, int] | None) -> int:
+    """Opt-in dynamic shared memory per block (bytes): 227 KB on sm_90 (and when the GPU is not
+    known yet), 163 KB on sm_80/87, 99 KB on the other sm_8x parts (CUDA programming guide)."""
+    if capability is None or tuple(capability) >= (9, 0):
+        return 227 * 1024
+    return 163 * 1024 if tuple(capability) in ((8, 0), (8, 7)) else 99 * 1024
 
 LOG2E = 1.4426950408889634
 
@@ -143,20 +160,24 @@ def v2_unsupported_reasons(fmt: PackFormat, dtype: str) -> list[str]:
 
 
 def select_variant(fmt: PackFormat, dtype: str, capability: tuple[int, int] | None = None,
-                   max_tokens: int | None = None) -> tuple[str, str | None]:
+                   max_tokens: int | None = None, rows: int | None = None) -> tuple[str, str | None]:
     """(kernel a call runs, why a faster kernel does not run, or None). No side effects.
 
-    ``auto`` runs v3 where it serves the problem and the block table can hold at least
-    :data:`V3_MIN_TOKENS` tokens per request (``max_tokens``; None: unknown, treated as short),
-    else v2 where it serves, else v1, each time with the reason. Only the environment variable
-    is read per call; the decision is memoised per (format, dtype, GPU, long or short)."""
+    ``auto`` runs v4 where it serves the problem and a request has at least :data:`V4_MIN_ROWS`
+    query rows (``rows`` = S_q * H; None: unknown, treated as few), else v3 where it serves and
+    the block table can hold at least :data:`V3_MIN_TOKENS` tokens per request (``max_tokens``;
+    None: unknown, treated as short), else v2 where it serves, else v1, each time with the
+    reason. Only the environment variable is read per call; the decision is memoised per
+    (format, dtype, GPU, long or short, many rows or few)."""
     long_ctx = max_tokens is not None and max_tokens >= V3_MIN_TOKENS
-    return _decide_variant(requested_variant(), fmt, dtype, None if capability is None else tuple(capability), long_ctx)
+    wide = rows is not None and rows >= V4_MIN_ROWS
+    return _decide_variant(requested_variant(), fmt, dtype, None if capability is None else tuple(capability),
+                           long_ctx, wide)
 
 
 @lru_cache(maxsize=1024)
 def _decide_variant(want: str, fmt: PackFormat, dtype: str, capability: tuple[int, int] | None,
-                    long_ctx: bool = False) -> tuple[str, str | None]:
+                    long_ctx: bool = False, wide: bool = False) -> tuple[str, str | None]:
     if want == "v1":
         return "v1", None
     why = v2_unsupported_reasons(fmt, dtype)
@@ -166,8 +187,13 @@ def _decide_variant(want: str, fmt: PackFormat, dtype: str, capability: tuple[in
         return "v1", "; ".join(why)
     if want == "v2":
         return "v2", None
+    if want in ("v3", "v4"):
+        why_w = v3_unsupported_reasons(fmt) if want == "v3" else v4_unsupported_reasons(fmt, capability)
+        return (want, None) if not why_w else ("v2", "; ".join(why_w))
+    if wide and not v4_unsupported_reasons(fmt, capability):
+        return "v4", None
     why3 = v3_unsupported_reasons(fmt)
-    if want == "auto" and not why3 and not long_ctx:
+    if not why3 and not long_ctx:
         why3 = [f"auto runs v3 from {V3_MIN_TOKENS} tokens of block-table capacity (shorter: v2 is faster)"]
     if why3:
         return "v2", "; ".join(why3)
@@ -180,6 +206,20 @@ def v3_unsupported_reasons(fmt: PackFormat) -> list[str]:
     if fmt.content_group_size % 64:
         return [f"v3 needs the content group size to be a multiple of 64 (got {fmt.content_group_size})"]
     return []
+
+
+def v4_unsupported_reasons(fmt: PackFormat, capability: tuple[int, int] | None = None) -> list[str]:
+    """Why kernel v4 cannot serve ``fmt`` where v2 can (empty: it can): it stages one RoPE scale
+    per token, and its shared memory must fit one block of the GPU."""
+    reasons = []
+    if fmt.group_size < fmt.rope_dim:
+        reasons.append(f"v4 needs one RoPE group per token (group size {fmt.group_size} < d_r {fmt.rope_dim})")
+    need, have = v4_smem_bytes(fmt), smem_per_block(capability)
+    if need > have:
+        cap = "this GPU" if capability is None else f"compute capability {capability[0]}.{capability[1]}"
+        reasons.append(f"v4 needs {need} B of shared memory per block for {fmt.name} d_c={fmt.latent_dim}, "
+                       f"{cap} allows {have}")
+    return reasons
 
 
 def stage_bytes(fmt: PackFormat, tile: int, flags: bool) -> int:
@@ -201,6 +241,25 @@ def v3_smem_bytes(fmt: PackFormat, stages: int = V3_STAGES, warps: int = V3_WARP
     sub_groups = fmt.latent_dim // 64 + 2
     xchg = 4 * 2 * 32 * 32 if warps == 8 else 0  # [token group][pair half][lane][8 floats]
     return stages * stage + ksteps * 512 + sub_groups * 64 + ngc * (t // 8) * 256 + 4 * 64 + xchg
+
+
+def v4_smem_bytes(fmt: PackFormat, stages: int = V4_STAGES) -> int:
+    """Dynamic shared memory of one v4 block (mirrors SMEM_TOTAL in attention_v4.cu): the staged
+    tiles, the dequantized tile and the queries (bf16 rows padded by 16 bytes), P (bf16 [64][64 + 8]),
+    the QK score exchange (float4 [8 warps][4 n-tiles][32 lanes]) and four float rows of row statistics."""
+    row = 2 * (fmt.latent_dim + fmt.rope_dim) + 16
+    return (stages * stage_bytes(fmt, V4_TILE, flags=False) + V4_TILE * row + V4_ROWS * row
+            + V4_ROWS * (2 * V4_TILE + 16) + V4_WARPS * 4 * 32 * 16 + 4 * V4_ROWS * 4)
+
+
+def v4_defines(fmt: PackFormat, stages: int = V4_STAGES, lazy_rescale: bool = True, index64: bool = True
+               ) -> dict[str, int]:
+    """``-D`` defines of ``kernels/attention_v4.cu`` (bfloat16 queries). ``index64``: int64
+    seq_lens / seq_ids (else int32)."""
+    d = attention_defines(fmt, "bfloat16", index64)
+    d.update(QMLA_V4_STAGES=int(stages), QMLA_V4_SMEM=v4_smem_bytes(fmt, stages),
+             QMLA_V4_LAZY_RESCALE=int(lazy_rescale))
+    return d
 
 
 def v3_defines(fmt: PackFormat, stages: int = V3_STAGES, min_blocks: int | None = None, lazy_rescale: bool = True,
@@ -348,7 +407,7 @@ def attention(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_s
     """q ``[B, S_q, H, d_c]`` / ``[B, S_q, H, d_r]`` (float32 or bfloat16, CUDA) -> out
     ``[B, S_q, H, d_c]`` in q's dtype and lse ``[B, S_q, H]`` float32.
 
-    Runs kernel v1, v2 or v3 (see the module docstring and :func:`select_variant`)."""
+    Runs kernel v1, v2, v3 or v4 (see the module docstring and :func:`select_variant`)."""
     b, s_q, h, _ = q_latent.shape
     call = prepare(cache, block_table, seq_lens, seq_ids, b, s_q, h, q_latent.dtype, softmax_scale)
     return call.run(q_latent, q_rope, cache)
@@ -367,17 +426,18 @@ def prepare(cache, block_table, seq_lens, seq_ids, batch: int, s_q: int, heads: 
     dev = device.index if device.index is not None else torch.cuda.current_device()
     sm_count, capability = _device_info(dev)
     max_pages = int(block_table.shape[1])
-    variant, _ = select_variant(fmt, dtype, capability, max_pages * fmt.page_size)
+    variant, _ = select_variant(fmt, dtype, capability, max_pages * fmt.page_size, s_q * heads)
     index64 = True
     side_default = False
-    if variant in ("v2", "v3"):
-        make_plan, knobs = (v2_plan, V2Knobs.from_env()) if variant == "v2" else (v3_plan, V3Knobs.from_env())
+    if variant in ("v2", "v3", "v4"):
+        make_plan, knobs = {"v2": (v2_plan, V2Knobs.from_env()), "v3": (v3_plan, V3Knobs.from_env()),
+                            "v4": (v4_plan, V4Knobs.from_env())}[variant]
         no_prot = cache.sink == 0 and cache.local == 0
         # int32 seq_lens and seq_ids get an int32 build rather than a conversion on every call
         index64 = not (seq_lens.dtype == torch.int32 and seq_ids.dtype == torch.int32)
         plan = make_plan(fmt, dev, sm_count, batch, s_q * heads, max_pages, no_prot, knobs, cache.sink, cache.local,
                          index64)
-        side_default = make_plan is v3_plan
+        side_default = make_plan is not v2_plan
     else:
         plan = _v1_plan(fmt, dtype, dev, sm_count, batch, s_q * heads, max_pages)
     shape = (batch, s_q, heads, fmt.latent_dim)
@@ -555,6 +615,62 @@ def v3_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
         resident = resident_ctas(attn, block[0], smem, dev, sm_count)
         splits, per = plan_splits_v2(batch, chunks, max(1, max_pages) * fmt.page_size, resident, knobs.min_tiles,
                                      V3_TILE)
+        launches = [(attn, (batch * chunks, splits), block, smem)]
+        if not no_prot:
+            launches.append(_protected_launch(fmt, dev, batch, rows, sink, local, index64))
+        nprot = 0 if no_prot else protected_ctas(sink, local)
+        plan = SplitPlan(tuple(launches), _combine_kernel(fmt, dev), per, splits + nprot)
+        with _CACHE_LOCK:
+            _PLANS[key] = plan
+    return plan
+
+
+def _v4_kernel(fmt: PackFormat, dev: int, stages: int, lazy: bool, index64: bool):
+    """Compiled ``qmla_attn_v4`` (cached) and its dynamic shared memory."""
+    key = ("v4", fmt, dev, stages, lazy, index64)
+    fn = _FNS.get(key)
+    if fn is None:
+        smem = v4_smem_bytes(fmt, stages)
+        fn = (get_kernel("attention_v4.cu", "qmla_attn_v4", v4_defines(fmt, stages, lazy, index64), dev, smem), smem)
+        with _CACHE_LOCK:
+            _FNS[key] = fn
+    return fn
+
+
+@dataclass(frozen=True)
+class V4Knobs:
+    """The ``QUANTMLA_CUPY_V4_*`` tuning variables of one call (stages: copy ring depth; lazy: skip
+    the output rescale while no row's maximum moves) and v2's split floor."""
+
+    stages: int = V4_STAGES
+    lazy: bool = True
+    min_tiles: int = V2_MIN_TILES_PER_SPLIT
+
+    @staticmethod
+    def from_env() -> "V4Knobs":
+        return V4Knobs(_env_int("QUANTMLA_CUPY_V4_STAGES", V4_STAGES, (2, 3)),
+                       bool(_env_int("QUANTMLA_CUPY_V4_LAZY_RESCALE", 1, (0, 1))),
+                       _env_int("QUANTMLA_CUPY_V2_MIN_TILES", V2_MIN_TILES_PER_SPLIT, (1, 2, 4, 8, 16)))
+
+
+def v4_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool,
+            knobs: V4Knobs, sink: int = 0, local: int = 0, index64: bool = True) -> SplitPlan:
+    """The launch plan of kernel v4: its split kernel over packed tokens (64 query rows per CTA)
+    and, when the cache keeps sink/local tokens, the protected-only launch (16-row chunks) adding
+    them as more partials per row."""
+    key = ("v4", fmt, dev, sm_count, batch, rows, max_pages, no_prot, knobs, sink, local, index64)
+    plan = _PLANS.get(key)
+    if plan is None:
+        chunks = -(-rows // V4_ROWS)
+        have = smem_per_block(_device_info(dev)[1])
+        if v4_smem_bytes(fmt, knobs.stages) > have:
+            raise ValueError(f"QUANTMLA_CUPY_V4_STAGES: {knobs.stages} stages need {v4_smem_bytes(fmt, knobs.stages)} "
+                             f"B of shared memory for {fmt.name} d_c={fmt.latent_dim}, this GPU allows {have}")
+        attn, smem = _v4_kernel(fmt, dev, knobs.stages, knobs.lazy, index64)
+        block = (V4_WARPS * 32,)
+        resident = resident_ctas(attn, block[0], smem, dev, sm_count)
+        splits, per = plan_splits_v2(batch, chunks, max(1, max_pages) * fmt.page_size, resident, knobs.min_tiles,
+                                     V4_TILE)
         launches = [(attn, (batch * chunks, splits), block, smem)]
         if not no_prot:
             launches.append(_protected_launch(fmt, dev, batch, rows, sink, local, index64))

@@ -1,0 +1,441 @@
+// QuantMLA CuPy backend: decode attention v4 (many query rows: one dequantized tile for 64 rows).
+//
+// Serves what v3 serves (bf16 queries; 2/4-bit content and 4-bit RoPE codes; d_c/d_r 512/64 and
+// 256/32), packed tokens only (the sink and local tokens come from protected.cu as more partials,
+// merged by v1's qmla_combine), and is meant for requests with many query rows R = S_q * H
+// (DeepSeek-V3/R1 and Kimi-K2 at H = 128, or H = 64 under 2-way tensor parallelism).
+//
+// ================================================================ design note
+// Why: v2 and v3 take 16 query rows per CTA and convert codes straight into MMA fragments, so at
+// H = 128 every token is converted 8 times (v3: 112 warp-instructions per token and 16 rows).
+// Here one CTA takes 64 rows, converts each tile once into a bf16 tile in shared memory and runs
+// flash-decoding on it (the layout of protected.cu, at 64 rows):
+//
+//   grid (B * ceil(R / 64), KV splits), 8 warps. Tiles of T = 64 tokens staged raw by cp.async
+//   (stage.cuh), NSTAGE - 1 tiles ahead. Per tile:
+//   1. Dequantize: every thread converts 16-byte chunks of code rows to bf16 (s * (code - z),
+//      rounded once: the bf16 FMAs take exact integers) into K [T][DC + DR] (rows padded by 16
+//      bytes, conflict-free ldmatrix). Block barrier.
+//   2. QK: warp (rg = w % 4, hh = w / 4) scores 16 rows (row group rg) against all 64 tokens over
+//      channel half hh (A = queries [64][DC + DR] staged once per CTA, by ldmatrix.x4; B = key rows
+//      by ldmatrix.x4), then the pair (rg, 0) / (rg, 1) swaps partial scores through shared memory
+//      (named barrier of 64 threads): warp (rg, hh) keeps the sum for tokens 32 hh .. 32 hh + 31.
+//   3. Softmax in base 2: the pair meets its row maxima in shared memory (second pair barrier); P
+//      goes to shared memory as bf16 [64][T], the rescale factors as float [64].
+//   4. PV: warp w accumulates rows 32 rh .. 32 rh + 31 (rh = (w / 2) % 2, two m-tiles), channels
+//      DC/4 * dq .. DC/4 * (dq + 1) (dq = w % 2 + 2 (w / 4)) over all 64 tokens (A = P by
+//      ldmatrix.x4, B = the same K rows by ldmatrix.x4.trans). The four warps that wrote P rows
+//      32 rh .. 32 rh + 31 are the four that read them (named barrier of 128 threads).
+//   Partials (unnormalized output, row maximum, the pair's summed row sums) leave in v1's layout.
+// Why these shapes: the kernel is bound by shared-memory wavefronts (ncu, first build: L1 82 %,
+// tensor pipe 35 %). A warp's QK over 16 rows x 64 tokens x half the channels and its PV over 32
+// rows x DC/4 channels read 552 wavefronts per tile, against 704 for 16 rows x 32 tokens x all
+// channels and 16 rows x DC/2 channels.
+// Shared memory (C4R4, 2 stages): 2 x 20.3 KB staged pages + 73 KB K + 73 KB queries + 9 KB P +
+// 16 KB score exchange: one CTA (8 warps) per SM.
+#include "common.cuh"
+
+#ifndef QMLA_V4_STAGES
+#define QMLA_V4_STAGES 2
+#endif
+#ifndef QMLA_V4_LAZY_RESCALE
+#define QMLA_V4_LAZY_RESCALE 1  // skip the output rescale while no row's maximum moves (bit-identical)
+#endif
+
+#define DC QMLA_DC
+#define DR QMLA_DR
+#define DT (QMLA_DC + QMLA_DR)
+#define T 64
+#define NW 8
+#define NTH (NW * 32)
+#define RT 64                 // query rows per CTA
+#define CBITS QMLA_CBITS
+#define KCH (8 / CBITS)       // codes per byte
+#define CB QMLA_CB
+#define RB QMLA_RB
+#define NCT (CB / 16)
+#define NGC (DC / QMLA_GC)
+#define CMASK ((CBITS == 4) ? 0x0f0f0f0fu : 0x03030303u)
+#define NSTAGE QMLA_V4_STAGES
+#define CSZ (QMLA_CSCALE_BF16 ? 2 : 4)
+#define RSZ (QMLA_RSCALE_BF16 ? 2 : 4)
+#define KST (DT * 2 + 16)     // bytes per row of the K and query tiles
+#define PST (T * 2 + 16)      // bytes per row of the P tile
+#define KSTEPS (DT / 16)
+#define KSH (KSTEPS / 2)      // QK k-steps of one channel half
+#define DQ (DC / 4)           // PV channels per warp
+#define NTP (DQ / 8)          // PV n-tiles per warp and 16-row m-tile
+
+#if !QMLA_QUANT || !(CBITS == 2 || CBITS == 4) || QMLA_RBITS != 4 || !QMLA_IN_BF16
+#error "attention_v4.cu serves bf16 queries with 2/4-bit content and 4-bit RoPE codes"
+#endif
+static_assert(CB == DC * CBITS / 8 && RB == DR / 2, "code bytes per token");
+static_assert(CB % 64 == 0 && (RB == 16 || RB == 32), "d_c 256/512 and d_r 32/64");
+static_assert(QMLA_GC % 16 == 0, "a 16-channel dequantized run must lie inside one scale group");
+static_assert(QMLA_GR == DR, "one RoPE group per token");
+static_assert(NTP % 2 == 0, "PV n-tiles come in pairs (ldmatrix.x4.trans)");
+static_assert(KSTEPS % 2 == 0, "QK channel halves of whole k-steps");
+static_assert(NSTAGE == 2 || NSTAGE == 3, "2 or 3 stages");
+
+// ---------------------------------------------------------------- shared memory layout
+#define SO_R (T * CB)                  // RoPE codes [T][RB]
+#define SO_CS (SO_R + T * RB)          // content scales [T][NGC] (raw, CSZ bytes each)
+#define SO_CZ (SO_CS + T * NGC * CSZ)  // content zeros [T][NGC]
+#define SO_RS (SO_CZ + T * NGC)        // RoPE scale [T]
+#define SO_RZ (SO_RS + T * RSZ)        // RoPE zero [T]
+#define STAGE_BYTES ((SO_RZ + T + 15) / 16 * 16)
+#define KT_OFF (NSTAGE * STAGE_BYTES)  // dequantized tile, bf16 [T][KST / 2]
+#define QT_OFF (KT_OFF + T * KST)      // queries, bf16 [RT][KST / 2]
+#define PT_OFF (QT_OFF + RT * KST)     // P, bf16 [RT][PST / 2]
+#define XS_OFF (PT_OFF + RT * PST)     // QK partial scores for the pair partner, float4 [NW][4][32]
+#define RED_OFF (XS_OFF + NW * 4 * 32 * 16)  // float [4][RT]: row maxima / sums of both halves, alpha, final maxima
+#define SMEM_TOTAL (RED_OFF + 4 * RT * 4)
+#ifdef QMLA_V4_SMEM
+static_assert(SMEM_TOTAL == QMLA_V4_SMEM, "launcher's v4_smem_bytes() disagrees with the kernel's layout");
+#endif
+static_assert(SMEM_TOTAL <= 227 * 1024, "shared memory per block");
+
+#include "stage.cuh"
+static_assert(RT * OT_STRIDE * 4 <= RED_OFF, "the partial-output tile reuses everything below the row stats");
+
+// barrier of the two warps (64 threads) that share QK row group rg (ids 1-4)
+__device__ __forceinline__ void v4_pair_sync(int rg) { asm volatile("bar.sync %0, 64;" ::"r"(rg + 1) : "memory"); }
+// barrier of the four warps (128 threads) that write and read P rows 32 rh .. 32 rh + 31 (ids 5-6)
+__device__ __forceinline__ void v4_quad_sync(int rh) { asm volatile("bar.sync %0, 128;" ::"r"(rh + 5) : "memory"); }
+
+// bf16x2 (128 + code) of bytes 0, 1 (HI = 0) or 2, 3 (HI = 1) of a word of codes (one per byte)
+template <int HI>
+__device__ __forceinline__ u32 v4_code2(u32 x) {
+    return __byte_perm(x, 0x43u, HI ? 0x4342u : 0x4140u);
+}
+
+// bf16x2 of s * (code - z) for two codes given as bf16x2 (128 + code); off2 = bf16x2 -(128 + z).
+// Content scales in bf16 (s2 = bf16x2 s): the subtraction is exact, the product rounds once.
+__device__ __forceinline__ u32 v4_dq2_bf16(u32 c2, u32 off2, u32 s2) {
+    return fma_bf16x2(fma_bf16x2(c2, 0x3f803f80u, off2), s2, 0x80008000u);
+}
+
+// the same with a float32 scale: (code - z) exactly in bf16, then products and one rounding in float
+__device__ __forceinline__ u32 v4_dq2_f32(u32 c2, u32 off2, float s) {
+    const u32 d = fma_bf16x2(c2, 0x3f803f80u, off2);
+    return pack_bf16x2(__uint_as_float(d << 16) * s, __uint_as_float(d & 0xffff0000u) * s);
+}
+
+// 16 dequantized channels (4 words of codes, one per byte, in channel order) stored at dst
+template <bool F32>
+__device__ __forceinline__ void v4_store16(u8* dst, const u32 (&x)[4], u32 off2, u32 s2, float s) {
+    u32 o[8];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        if constexpr (F32) {
+            o[2 * e] = v4_dq2_f32(v4_code2<0>(x[e]), off2, s);
+            o[2 * e + 1] = v4_dq2_f32(v4_code2<1>(x[e]), off2, s);
+        } else {
+            o[2 * e] = v4_dq2_bf16(v4_code2<0>(x[e]), off2, s2);
+            o[2 * e + 1] = v4_dq2_bf16(v4_code2<1>(x[e]), off2, s2);
+        }
+    }
+    *(uint4*)dst = make_uint4(o[0], o[1], o[2], o[3]);
+    *(uint4*)(dst + 16) = make_uint4(o[4], o[5], o[6], o[7]);
+}
+
+// Stage `stg` (raw page sections of one tile) -> K [T][KST] as bf16 s * (code - z). Content: one
+// 16-byte chunk of a code row per thread and round; byte j of a row holds channels j + CB c for
+// slice c (split-half order), so a chunk gives KCH runs of 16 channels. RoPE likewise.
+__device__ __forceinline__ void v4_dequantize(const u8* stg, u8* kt, int tid) {
+#pragma unroll
+    for (int k = 0; k < (T * NCT + NTH - 1) / NTH; ++k) {
+        const int idx = tid + k * NTH;
+        if ((T * NCT) % NTH == 0 || idx < T * NCT) {
+            const int t = idx / NCT, u = idx % NCT;
+            const uint4 v = *(const uint4*)(stg + qmla_coff(t, 16 * u));
+            const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int c = 0; c < KCH; ++c) {
+                const int ch = CB * c + 16 * u, grp = ch / QMLA_GC;
+                const u32 x[4] = {(w[0] >> (CBITS * c)) & CMASK, (w[1] >> (CBITS * c)) & CMASK,
+                                  (w[2] >> (CBITS * c)) & CMASK, (w[3] >> (CBITS * c)) & CMASK};
+                const u32 z = stg[SO_CZ + t * NGC + grp];
+                const u32 off2 = 0xc300c300u | z | (z << 16);
+#if QMLA_CSCALE_BF16
+                const u32 sb = ((const u16*)(stg + SO_CS))[t * NGC + grp];
+                v4_store16<false>(kt + t * KST + 2 * ch, x, off2, sb | (sb << 16), 0.0f);
+#else
+                v4_store16<true>(kt + t * KST + 2 * ch, x, off2, 0u, ((const float*)(stg + SO_CS))[t * NGC + grp]);
+#endif
+            }
+        }
+    }
+    constexpr int RCH = RB / 16;  // 16-byte chunks of a RoPE code row
+    if (tid < T * RCH) {
+        const int t = tid / RCH, u = tid % RCH;
+        const uint4 v = *(const uint4*)(stg + SO_R + t * RB + 16 * u);
+        const u32 w[4] = {v.x, v.y, v.z, v.w};
+        const u32 z = stg[SO_RZ + t];
+        const u32 off2 = 0xc300c300u | z | (z << 16);
+#if QMLA_RSCALE_BF16
+        const float s = bf16_bits_to_f32(((const u16*)(stg + SO_RS))[t]);
+#else
+        const float s = ((const float*)(stg + SO_RS))[t];
+#endif
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            const u32 x[4] = {(w[0] >> (4 * c)) & 0x0f0f0f0fu, (w[1] >> (4 * c)) & 0x0f0f0f0fu,
+                              (w[2] >> (4 * c)) & 0x0f0f0f0fu, (w[3] >> (4 * c)) & 0x0f0f0f0fu};
+            v4_store16<true>(kt + t * KST + 2 * (DC + RB * c + 16 * u), x, off2, 0u, s);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v4(
+    const u16* __restrict__ q_lat, const u16* __restrict__ q_rope, const u8* __restrict__ pages,
+    const u16* __restrict__ sink_buf, const u16* __restrict__ local_buf, const int* __restrict__ block_table,
+    const qmla_index_t* __restrict__ seq_lens, const qmla_index_t* __restrict__ seq_ids, float* __restrict__ o_part,
+    float2* __restrict__ ml_part, int S_q, int H, int max_pages, int bt_stride, int num_pages, int max_seqs,
+    int sink, int local, int tiles_per_split, int num_splits, float scale_log2) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    (void)sink_buf;
+    (void)local_buf;
+    u8* kt = smem + KT_OFF;
+    float* red = (float*)(smem + RED_OFF);
+
+    const int tid = threadIdx.x;
+    const int w = tid >> 5, lane = tid & 31;
+    const int g8 = lane >> 2, q4 = lane & 3;
+    const int rg = w & 3, hh = w >> 2;                     // QK / softmax: row group, token (and channel) half
+    const int rh = (w >> 1) & 1, dq = (w & 1) + 2 * (w >> 2);  // PV: 32-row half, channel quarter
+    const int R = S_q * H;
+    const int NCHK = (R + RT - 1) / RT;
+    const int b = blockIdx.x / NCHK, chk = blockIdx.x % NCHK;
+    const int rbase = chk * RT;
+    const int L = (int)seq_lens[b];
+    const i64 sid = seq_ids[b];
+    const bool sid_ok = sid >= 0 && sid < max_seqs;
+    // packed tokens only: [keep_lo, keep_hi) lies between the sink and the local window
+    const int keep_lo = sid_ok ? min(sink, L) : 0;
+    const int keep_hi = (sid_ok && local > 0) ? max(keep_lo, L - local) : L;
+    const int split = blockIdx.y;
+    const int t_end = min(keep_hi, (split + 1) * tiles_per_split * T);
+    const int t_begin = max(split * tiles_per_split * T, keep_lo / T * T);
+
+    // this lane's rows: rw0 = 16 rg + g8 and rw0 + 8 of the CTA's 64
+    const int rw0 = 16 * rg + g8;
+    int lim[2];
+#pragma unroll
+    for (int k = 0; k < 2; ++k) lim[k] = min(keep_hi, L - S_q + (rbase + rw0 + 8 * k) / H + 1);
+
+    float acc[2][NTP][4];  // PV: [m-tile][n-tile]
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+        for (int i = 0; i < NTP; ++i) acc[mt][i][0] = acc[mt][i][1] = acc[mt][i][2] = acc[mt][i][3] = 0.0f;
+    }
+    float m_run[2] = {-QMLA_INF, -QMLA_INF};
+    float l_run[2] = {0.0f, 0.0f};  // this lane's share of the row sums over this warp's tokens
+
+    if (t_begin < t_end) {
+        // ------------------------------------------------------------ queries [RT][DT] (rows >= R: zeros)
+        for (int idx = tid; idx < RT * (DT / 8); idx += NTH) {
+            const int row = idx / (DT / 8), ck = idx % (DT / 8);
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (rbase + row < R) {
+                const i64 qrow = (i64)b * R + rbase + row;
+                v = ck < DC / 8 ? *(const uint4*)(q_lat + qrow * DC + 8 * ck)
+                                : *(const uint4*)(q_rope + qrow * DR + 8 * (ck - DC / 8));
+            }
+            *(uint4*)(smem + QT_OFF + row * KST + 16 * ck) = v;
+        }
+        // zero the stages once: bytes never copied (missing pages) stay finite codes/scales
+        uint4* z4 = (uint4*)smem;
+        for (int k = tid; k < NSTAGE * STAGE_BYTES / 16; k += NTH) z4[k] = make_uint4(0u, 0u, 0u, 0u);
+        __syncthreads();
+
+        auto load_pages = [&](int tt, int (&pgs)[NSEG]) {
+            qmla_load_pages(tt, pgs, block_table + (i64)b * bt_stride, L, max_pages, num_pages);
+        };
+        int pg_next[NSEG];
+#pragma unroll
+        for (int s = 0; s < NSTAGE - 1; ++s) {
+            load_pages(t_begin + s * T, pg_next);
+            if (t_begin + s * T < t_end) qmla_issue_stage(smem + s * STAGE_BYTES, pages, pg_next, t_begin + s * T, L, tid);
+            cp_async_commit();
+        }
+        load_pages(t_begin + (NSTAGE - 1) * T, pg_next);
+
+        // ldmatrix lane addresses: queries (A, 16 rows of this row group, channel half hh), key rows
+        // (B, tokens 16 p + ...), P (A, rows 32 rh + ...), value rows (B, transposed: tokens are the k pairs)
+        const u32 q_lane = smem_addr(smem + QT_OFF) + (16 * rg + (lane & 15)) * KST + 16 * (lane >> 4) + 32 * KSH * hh;
+        const u32 k_lane = smem_addr(kt) + ((lane & 7) + 8 * (lane >> 4)) * KST + 16 * ((lane >> 3) & 1) + 32 * KSH * hh;
+        const u32 p_lane = smem_addr(smem + PT_OFF) + (32 * rh + (lane & 15)) * PST + 16 * (lane >> 4);
+        const u32 v_lane = smem_addr(kt) + ((lane & 7) + 8 * ((lane >> 3) & 1)) * KST + 2 * DQ * dq + 16 * (lane >> 4);
+        float4* xs = (float4*)(smem + XS_OFF);
+
+        int i = 0;
+        for (int t0 = t_begin; t0 < t_end; t0 += T, ++i) {
+            qmla_wait_group<NSTAGE - 2>();  // this thread's copies of tile i landed
+            __syncthreads();  // tile i staged by all; every warp is past the previous tile's PV (K, P free)
+            if (t0 + (NSTAGE - 1) * T < t_end) {
+                qmla_issue_stage(smem + ((i + NSTAGE - 1) % NSTAGE) * STAGE_BYTES, pages, pg_next,
+                                 t0 + (NSTAGE - 1) * T, L, tid);
+                load_pages(t0 + NSTAGE * T, pg_next);
+            }
+            cp_async_commit();
+
+            v4_dequantize(smem + (i % NSTAGE) * STAGE_BYTES, kt, tid);
+            __syncthreads();  // K visible
+
+            // -------------------------------------------------------- QK: 16 rows x 64 tokens x half the channels
+            float S2[8][4];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) S2[j][0] = S2[j][1] = S2[j][2] = S2[j][3] = 0.0f;
+#pragma unroll
+            for (int ks = 0; ks < KSH; ++ks) {
+                u32 a[4];
+                ldsm_x4(q_lane + 32 * ks, a[0], a[1], a[2], a[3]);
+#pragma unroll
+                for (int p = 0; p < 4; ++p) {
+                    u32 b0, b1, b2, b3;
+                    ldsm_x4(k_lane + 16 * p * KST + 32 * ks, b0, b1, b2, b3);
+                    mma_bf16(S2[2 * p], a, b0, b1);
+                    mma_bf16(S2[2 * p + 1], a, b2, b3);
+                }
+            }
+            // the partner's tokens go to it, its partial scores of ours come back; both add own + other
+            // in the same order, so the pair's sums are the sums of one fixed pair of partials
+            // (selects, not S2[4 * hh + j]: a register array indexed by a run-time value would live in local memory)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                float4 o;
+                o.x = hh ? S2[j][0] : S2[4 + j][0];
+                o.y = hh ? S2[j][1] : S2[4 + j][1];
+                o.z = hh ? S2[j][2] : S2[4 + j][2];
+                o.w = hh ? S2[j][3] : S2[4 + j][3];
+                xs[(w * 4 + j) * 32 + lane] = o;
+            }
+            v4_pair_sync(rg);
+            float S[4][4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float4 o = xs[(((w + 4) & 7) * 4 + j) * 32 + lane];
+                const float ov[4] = {o.x, o.y, o.z, o.w};
+#pragma unroll
+                for (int k = 0; k < 4; ++k) S[j][k] = hh ? ov[k] + S2[4 + j][k] : S2[j][k] + ov[k];
+            }
+
+            // -------------------------------------------------------- mask, row maxima of the pair
+            float mx[2] = {-QMLA_INF, -QMLA_INF};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    const int n = t0 + 32 * hh + 8 * j + 2 * q4 + (k & 1);
+                    S[j][k] = (n >= keep_lo && n < lim[k >> 1]) ? S[j][k] * scale_log2 : -QMLA_INF;
+                    mx[k >> 1] = fmaxf(mx[k >> 1], S[j][k]);
+                }
+            }
+#pragma unroll
+            for (int o = 1; o <= 2; o <<= 1) {
+                mx[0] = fmaxf(mx[0], __shfl_xor_sync(0xffffffffu, mx[0], o));
+                mx[1] = fmaxf(mx[1], __shfl_xor_sync(0xffffffffu, mx[1], o));
+            }
+            if (q4 == 0) {
+                red[hh * RT + rw0] = mx[0];
+                red[hh * RT + rw0 + 8] = mx[1];
+            }
+            v4_pair_sync(rg);  // both halves' maxima of these 16 rows (and the partner's partials read)
+
+            float al[2];
+#pragma unroll
+            for (int k = 0; k < 2; ++k) {
+                const float mt = fmaxf(m_run[k], fmaxf(red[rw0 + 8 * k], red[RT + rw0 + 8 * k]));
+                const float u = (mt == -QMLA_INF) ? 0.0f : mt;
+                al[k] = exp2f(m_run[k] - u);
+                if (hh == 0 && q4 == 0) red[2 * RT + rw0 + 8 * k] = al[k];
+                m_run[k] = mt;
+                l_run[k] *= al[k];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    S[j][2 * k] = exp2f(S[j][2 * k] - u);
+                    S[j][2 * k + 1] = exp2f(S[j][2 * k + 1] - u);
+                    l_run[k] += S[j][2 * k] + S[j][2 * k + 1];
+                }
+            }
+            u8* prow = smem + PT_OFF + rw0 * PST + 2 * (32 * hh + 2 * q4);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                *(u32*)(prow + 16 * j) = pack_bf16x2(S[j][0], S[j][1]);
+                *(u32*)(prow + 8 * PST + 16 * j) = pack_bf16x2(S[j][2], S[j][3]);
+            }
+            v4_quad_sync(rh);  // P rows 32 rh .. 32 rh + 31 and their rescale factors visible
+
+            // -------------------------------------------------------- PV: 32 rows x this warp's channel quarter
+            float pa[4];  // rescale factors of rows 32 rh + 16 mt + g8 (+ 8)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) pa[k] = red[2 * RT + 32 * rh + 8 * k + g8];
+            if (!QMLA_V4_LAZY_RESCALE ||
+                __any_sync(0xffffffffu, pa[0] != 1.0f || pa[1] != 1.0f || pa[2] != 1.0f || pa[3] != 1.0f)) {
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+                    for (int nt = 0; nt < NTP; ++nt) {
+                        acc[mt][nt][0] *= pa[2 * mt];
+                        acc[mt][nt][1] *= pa[2 * mt];
+                        acc[mt][nt][2] *= pa[2 * mt + 1];
+                        acc[mt][nt][3] *= pa[2 * mt + 1];
+                    }
+                }
+            }
+#pragma unroll
+            for (int kk = 0; kk < T / 16; ++kk) {
+                u32 a0[4], a1[4];
+                ldsm_x4(p_lane + 32 * kk, a0[0], a0[1], a0[2], a0[3]);
+                ldsm_x4(p_lane + 16 * PST + 32 * kk, a1[0], a1[1], a1[2], a1[3]);
+#pragma unroll
+                for (int np = 0; np < NTP / 2; ++np) {
+                    u32 b0, b1, b2, b3;
+                    ldsm_x4_t(v_lane + 16 * KST * kk + 32 * np, b0, b1, b2, b3);
+                    mma_bf16(acc[0][2 * np], a0, b0, b1);
+                    mma_bf16(acc[0][2 * np + 1], a0, b2, b3);
+                    mma_bf16(acc[1][2 * np], a1, b0, b1);
+                    mma_bf16(acc[1][2 * np + 1], a1, b2, b3);
+                }
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------- partial results (v1 layout)
+#pragma unroll
+    for (int o = 1; o <= 2; o <<= 1) {
+        l_run[0] += __shfl_xor_sync(0xffffffffu, l_run[0], o);
+        l_run[1] += __shfl_xor_sync(0xffffffffu, l_run[1], o);
+    }
+    __syncthreads();  // every warp is past its last read of the tiles and of red[]
+    if (q4 == 0) {
+        red[hh * RT + rw0] = l_run[0];
+        red[hh * RT + rw0 + 8] = l_run[1];
+        if (hh == 0) {  // both halves hold the same maxima
+            red[3 * RT + rw0] = m_run[0];
+            red[3 * RT + rw0 + 8] = m_run[1];
+        }
+    }
+    float* ot = (float*)smem;  // [RT][OT_STRIDE]
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+        const int r0 = 32 * rh + 16 * mt + g8;
+#pragma unroll
+        for (int nt = 0; nt < NTP; ++nt) {
+            const int ch = DQ * dq + 8 * nt + 2 * q4;
+            *(float2*)(ot + r0 * OT_STRIDE + ch) = make_float2(acc[mt][nt][0], acc[mt][nt][1]);
+            *(float2*)(ot + (r0 + 8) * OT_STRIDE + ch) = make_float2(acc[mt][nt][2], acc[mt][nt][3]);
+        }
+    }
+    __syncthreads();
+    if (tid < RT && rbase + tid < R) {
+        ml_part[((i64)b * R + rbase + tid) * num_splits + split] =
+            make_float2(red[3 * RT + tid], red[tid] + red[RT + tid]);
+    }
+#pragma unroll
+    for (int j = 0; j < RT / 16; ++j) {
+        qmla_store_partial_rows(o_part, ot + 16 * j * OT_STRIDE, b, R, rbase + 16 * j, num_splits, split, tid);
+    }
+}

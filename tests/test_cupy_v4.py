@@ -1,0 +1,215 @@
+"""CuPy attention kernel v4 (64 query rows per CTA share one dequantized tile, ``kernels/attention_v4.cu``).
+
+CPU: the kernel compiles for sm_90 and sm_80 without spills at every served format, dims,
+group and page size, and its shared-memory layout matches the launcher's; auto picks it for
+requests with many query rows and says why where it cannot; the stubbed launch matches the
+kernel's signature, covers every row in 64-row chunks and adds the protected-only launch for
+caches with sink/local tokens. GPU: conformance against the reference on v2's cases and on
+many-row cases (H = 64 / 96 / 128, S_q > 1, rows that do not fill the last chunk)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+
+import numpy as np
+import pytest
+import torch
+from conformance import Case, check_attention_case
+from quantmla_core.backends.cupy import KERNEL_DIR, define_options
+from quantmla_core.backends.cupy.attention import (
+    V4_MIN_ROWS,
+    VARIANT_ENV,
+    V4Knobs,
+    protected_smem_bytes,
+    select_variant,
+    smem_per_block,
+    stage_bytes,
+    v4_defines,
+    v4_smem_bytes,
+    v4_unsupported_reasons,
+)
+from test_cupy_backend import BIG, NVCC, V2_CASES, _kernel_params, _run_v2_stubbed, gpu, ptxas_usage
+
+import quantmla_core as qm
+
+#: (arch, format, d_c, d_r, group size, page size, stages)
+V4_BUILDS = [
+    ("sm_90", "C4R4", 512, 64, 64, 64, 2),
+    ("sm_90", "C2R4", 512, 64, 64, 64, 2),
+    ("sm_90", "C4R4", 512, 64, 128, 16, 2),
+    ("sm_90", "C2R4", 512, 64, 128, 128, 2),
+    ("sm_90", "C4R4", 256, 32, 64, 32, 2),
+    ("sm_90", "C2R4", 256, 32, 32, 64, 3),
+    ("sm_80", "C4R4", 256, 32, 64, 64, 2),
+    ("sm_80", "C2R4", 256, 32, 128, 16, 2),
+]
+
+
+def _compile_v4(v: tuple) -> tuple[int, str, str]:
+    arch, name, dc, dr, gs, page, stages = v
+    fmt = qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr, group_size=gs, page_size=page)
+    with tempfile.TemporaryDirectory() as tmp:
+        base = [NVCC, f"-arch={arch}", "--std=c++17", f"-I{KERNEL_DIR}", *define_options(v4_defines(fmt, stages))]
+        src = str(KERNEL_DIR / "attention_v4.cu")
+        r = subprocess.run([*base, "-cubin", "-Xptxas", "-v", "-o", os.path.join(tmp, "k.cubin"), src],
+                           capture_output=True, text=True, check=False)
+        p = subprocess.run([*base, "-ptx", "-o", os.path.join(tmp, "k.ptx"), src], capture_output=True, text=True,
+                           check=False)
+        ptx = open(os.path.join(tmp, "k.ptx")).read() if p.returncode == 0 else ""
+    return r.returncode, r.stderr + r.stdout, ptx
+
+
+@lru_cache(maxsize=1)
+def _compiled_v4() -> dict:
+    with ThreadPoolExecutor(max_workers=2 * (os.cpu_count() or 2)) as pool:
+        return dict(zip(V4_BUILDS, pool.map(_compile_v4, V4_BUILDS)))
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
+@pytest.mark.parametrize("build", V4_BUILDS, ids=lambda v: "-".join(map(str, v)))
+def test_v4_compiles_without_spills(build):
+    """Every served build compiles (its static_asserts hold, among them the launcher's shared-memory
+    size), keeps the 128 PV accumulators of a warp in registers, and runs both matmuls on the
+    tensor cores with the value rows read transposed by ldmatrix."""
+    rc, text, ptx = _compiled_v4()[build]
+    assert rc == 0, f"nvcc failed for v4 {build}:\n{text[-4000:]}"
+    use = ptxas_usage(text)
+    print(f"v4 {build}: {use}")
+    assert use["spill_stores"] == 0 and use["spill_loads"] == 0 and use["stack"] == 0, f"v4 {build} spills: {use}"
+    dc = build[2]
+    # QK: (d_c + d_r) / 32 k-steps (a channel half) x 8 n-tiles (64 tokens); PV: 4 k-steps x 2 m-tiles x
+    # d_c / 32 n-tiles (a quarter of d_c / 8); both unrolled
+    assert ptx.count("mma.sync.aligned.m16n8k16") == (dc + build[3]) // 32 * 8 + 4 * 2 * dc // 32
+    assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx and "fma.rn.bf16x2" in ptx
+
+
+def test_v4_smem_layout():
+    # C4R4, 2 stages of 64 x 317 B, K and queries 64 rows x (576 x 2 + 16) B, P 64 x (128 + 16) B, the
+    # score exchange 8 warps x 4 n-tiles x 32 lanes x 16 B, four float rows of 64 row statistics
+    fmt = qm.PackFormat.parse("C4R4")
+    assert v4_smem_bytes(fmt) == 2 * 64 * 317 + 2 * 64 * 1168 + 64 * 144 + 8 * 4 * 32 * 16 + 4 * 256
+    assert v4_smem_bytes(fmt, 3) == v4_smem_bytes(fmt) + stage_bytes(fmt, 64, False)
+    assert v4_smem_bytes(fmt) <= smem_per_block((9, 0)) < v4_smem_bytes(fmt, 3)  # 3 stages only at d_c 256
+    assert v4_smem_bytes(qm.PackFormat.parse("C4R4", 256, 32), 3) <= smem_per_block((9, 0))
+    assert v4_defines(fmt)["QMLA_V4_SMEM"] == v4_smem_bytes(fmt)
+    # the 512-wide latent needs Hopper's 227 KB; the 256-wide one fits an A100's 163 KB
+    assert v4_unsupported_reasons(fmt, (9, 0)) == []
+    why = v4_unsupported_reasons(fmt, (8, 0))
+    assert len(why) == 1 and str(v4_smem_bytes(fmt)) in why[0] and "8.0" in why[0]
+    assert v4_unsupported_reasons(qm.PackFormat.parse("C4R4", 256, 32), (8, 0)) == []
+    assert v4_unsupported_reasons(qm.PackFormat.parse("C4R4", 256, 32), (8, 6))  # 99 KB parts
+    # one RoPE scale per token is staged: groups of 32 serve d_r 32, not d_r 64
+    assert v4_unsupported_reasons(qm.PackFormat.parse("C2R4", 256, 32, group_size=32), (9, 0)) == []
+    why = v4_unsupported_reasons(qm.PackFormat.parse("C2R4", group_size=32), (9, 0))
+    assert len(why) == 1 and "one RoPE group" in why[0]
+
+
+def test_v4_selection(monkeypatch):
+    c4 = qm.PackFormat.parse("C4R4")
+    monkeypatch.delenv(VARIANT_ENV, raising=False)
+    # auto: v4 from V4_MIN_ROWS query rows per request, whatever the context length
+    assert select_variant(c4, "bfloat16", (9, 0), 4096, V4_MIN_ROWS) == ("v4", None)
+    assert select_variant(c4, "bfloat16", (9, 0), 1 << 20, 128) == ("v4", None)
+    assert select_variant(c4, "bfloat16", (9, 0), 1 << 20, V4_MIN_ROWS - 1) == ("v3", None)
+    assert select_variant(c4, "bfloat16", (9, 0), 1 << 20) == ("v3", None)  # rows unknown: few
+    # on an A100 the 512-wide v4 does not fit: auto keeps v3/v2's rule
+    assert select_variant(c4, "bfloat16", (8, 0), 1 << 20, 128) == ("v3", None)
+    assert select_variant(c4, "float32", (9, 0), 1 << 20, 128)[0] == "v1"
+    assert select_variant(qm.PackFormat.parse("C8R8"), "bfloat16", (9, 0), 1 << 20, 128)[0] == "v1"
+    monkeypatch.setenv(VARIANT_ENV, "v4")
+    assert select_variant(c4, "bfloat16", (9, 0)) == ("v4", None)  # asked for: any row count
+    v, why = select_variant(c4, "bfloat16", (8, 0), 1 << 20, 128)
+    assert v == "v2" and "shared memory" in why
+    monkeypatch.setenv(VARIANT_ENV, "v3")
+    assert select_variant(c4, "bfloat16", (9, 0), 1 << 20, 128) == ("v3", None)
+
+
+def _run_v4_stubbed(monkeypatch, h: int, s_q: int, prot: bool):
+    """A v4 call with the CUDA calls stubbed: 3 requests of 500 tokens over 9 pages each."""
+    return _run_v2_stubbed(monkeypatch, h, s_q, prot, {}, variant="v4", pages_per=9, length=500)
+
+
+@pytest.mark.parametrize("h,s_q,prot", [(128, 1, True), (96, 1, True), (16, 5, False), (1, 1, True)])
+def test_v4_launches_match_kernel_signatures(monkeypatch, h, s_q, prot):
+    launches, _kernels, fmt, b = _run_v4_stubbed(monkeypatch, h, s_q, prot)
+    params = _kernel_params("attention_v4.cu", "qmla_attn_v4")
+    assert params == _kernel_params("attention_v3.cu", "qmla_attn_v3")  # one argument list for all split kernels
+    (attn, grid, block, args, smem), stream = launches.of("qmla_attn_v4")
+    assert attn.source == "attention_v4.cu" and stream is None  # on the caller's stream
+    assert len(args) == len(params)
+    for a, p in zip(args, params):
+        assert isinstance(a, np.uint64 if "*" in p else np.int32 if p.startswith("int ") else np.float32), p
+    rows = s_q * h
+    assert grid[0] == b * (-(-rows // 64)) and block == (256,)
+    assert smem == v4_smem_bytes(fmt) == attn.defines["QMLA_V4_SMEM"]
+    assert attn.defines["QMLA_V4_STAGES"] == 2 and attn.defines["QMLA_V4_LAZY_RESCALE"] == 1
+    splits, per = grid[1], int(args[params.index("int tiles_per_split")])
+    assert splits * per * 64 >= 9 * fmt.page_size and (splits - 1) * per * 64 < 9 * fmt.page_size
+    slots = int(args[params.index("int num_splits")])
+    if prot:  # the protected-only kernel (16-row chunks) adds the sink and the local window as the last partials
+        (prot_k, pgrid, _pblock, pargs, psmem), pstream = launches.of("qmla_attn_protected")
+        assert prot_k.source == "protected.cu" and pstream == "side"
+        assert psmem == protected_smem_bytes(fmt) and pargs == args
+        assert pgrid == (b * (-(-rows // 16)), 6) and slots == splits + 6
+    else:
+        assert len(launches) == 2 and slots == splits
+    combine = launches[-1]
+    assert combine[0].kernel == "qmla_combine" and int(combine[3][-1]) == slots
+
+
+def test_v4_knobs(monkeypatch):
+    assert V4Knobs.from_env() == V4Knobs(2, True)
+    monkeypatch.setenv("QUANTMLA_CUPY_V4_STAGES", "3")
+    monkeypatch.setenv("QUANTMLA_CUPY_V4_LAZY_RESCALE", "0")
+    assert V4Knobs.from_env() == V4Knobs(3, False)
+    # 3 stages of C4R4 at d_c 512 do not fit a block: the plan says so, naming the knob
+    with pytest.raises(ValueError, match="QUANTMLA_CUPY_V4_STAGES: 3 stages need"):
+        _run_v4_stubbed(monkeypatch, 128, 1, False)
+    monkeypatch.setenv("QUANTMLA_CUPY_V4_STAGES", "2")
+    launches, _kernels, fmt, _b = _run_v4_stubbed(monkeypatch, 128, 1, False)
+    (attn, _grid, _block, _args, smem), _ = launches.of("qmla_attn_v4")
+    assert attn.defines["QMLA_V4_STAGES"] == 2 and attn.defines["QMLA_V4_LAZY_RESCALE"] == 0
+    assert smem == v4_smem_bytes(fmt, 2)
+    monkeypatch.setenv("QUANTMLA_CUPY_V4_STAGES", "4")
+    with pytest.raises(ValueError, match="QUANTMLA_CUPY_V4_STAGES"):
+        V4Knobs.from_env()
+
+
+#: many-row cases: rows filling one or two chunks exactly or partly, S_q > 1 (causal), lengths at
+#: tile and page edges, d_c 256 with groups of 128, no protection, sink only
+V4_CASES = [
+    Case(qm.PackFormat.parse("C4R4"), (64, 65, 4097), heads=128, s_q=1, sink=4, local=128, seed=970),
+    Case(qm.PackFormat.parse("C2R4", page_size=32), (1000, 129), heads=64, s_q=1, sink=4, local=128, seed=971),
+    Case(qm.PackFormat.parse("C4R4", 256, 32, group_size=128), (700, 63), heads=96, s_q=1, sink=0, local=0, seed=972),
+    Case(qm.PackFormat.parse("C2R4", page_size=16), (300, 17), heads=32, s_q=3, sink=4, local=16, seed=973),
+    Case(qm.PackFormat.parse("C4R4", group_size=128), (2100,), heads=128, s_q=2, sink=36, local=0, seed=974),
+]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", V2_CASES + BIG[:3] + V4_CASES, ids=str)
+def test_attention_v4_matches_reference(case, monkeypatch):
+    monkeypatch.setenv(VARIANT_ENV, "v4")
+    assert select_variant(case.fmt, "bfloat16", torch.cuda.get_device_capability()) == ("v4", None)
+    check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", V4_CASES[:3] + BIG[1:2], ids=str)
+def test_attention_v4_auto_and_knobs(case, monkeypatch):
+    """auto runs v4 for these many-row requests; the eager rescale (and 3 stages where they fit) pass
+    too (the lazy rescale skips only multiplications by exactly 1)."""
+    monkeypatch.delenv(VARIANT_ENV, raising=False)
+    cap = torch.cuda.get_device_capability()
+    assert select_variant(case.fmt, "bfloat16", cap, None, case.s_q * case.heads)[0] == "v4"
+    check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
+    if v4_smem_bytes(case.fmt, 3) <= smem_per_block(cap):
+        monkeypatch.setenv("QUANTMLA_CUPY_V4_STAGES", "3")
+    monkeypatch.setenv("QUANTMLA_CUPY_V4_LAZY_RESCALE", "0")
+    check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
