@@ -4,7 +4,9 @@ For each shape and backend it times ``quantmla_core.attention`` eagerly (CUDA ev
 back-to-back calls, so host time shows when it exceeds the GPU's) and as a replayed CUDA graph
 of the same call (GPU time only), beside FlashInfer BF16 eagerly when it is installed.
 
-    PYTHONPATH=. python -P benchmarks/graph_probe.py [--shapes 16x8x4096,...] [--json F]
+    PYTHONPATH=. python -P benchmarks/graph_probe.py [--shapes 16x8x4096,16x32x32768x4,...] [--json F]
+
+A shape is HxBxL or HxBxLxS_q (S_q query tokens per request, causal; FlashInfer is timed at S_q = 1 only).
 """
 
 from __future__ import annotations
@@ -51,14 +53,14 @@ def _settings(args) -> list[dict[str, str]]:
     return [{}]
 
 
-def _probe_shape(h: int, b: int, l: int, args, settings: list[dict[str, str]]) -> list[dict]:
+def _probe_shape(h: int, b: int, l: int, args, settings: list[dict[str, str]], s_q: int = 1) -> list[dict]:
     """Every format x backend x setting at one shape (one workload and query set)."""
     work = Workload(b, l)
-    q, r = work.queries(h)
+    q, r = work.queries(h, s_q)
     kw = {"block_table": work.table.to(torch.int32).contiguous(), "seq_lens": work.seq_lens.to(torch.int64),
           "seq_ids": work.seq_ids.to(torch.int64), "softmax_scale": SCALE, "validate": False}
     fi_us = None
-    if not FlashInferMLA.available():
+    if s_q == 1 and not FlashInferMLA.available():
         kv = work.bf16_dense()
         fi = FlashInferMLA(work, kv, h, SCALE)
         fi_us = bench(lambda: fi.run(q[:, 0], r[:, 0]))
@@ -76,12 +78,12 @@ def _probe_shape(h: int, b: int, l: int, args, settings: list[dict[str, str]]) -
                 graph = bench(graphed(call))
                 for var in setting:
                     os.environ.pop(var, None)
-                row = {"H": h, "B": b, "L": l, "format": name, "backend": backend, "eager_us": eager,
+                row = {"H": h, "B": b, "L": l, "S_q": s_q, "format": name, "backend": backend, "eager_us": eager,
                        "graph_us": graph, "flashinfer_us": fi_us, "sink": args.sink, "local": args.local,
                        "setting": " ".join(f"{k}={v}" for k, v in setting.items())}
                 rows.append(row)
                 fi_txt = f"  FI {fi_us:7.1f} us: eager {eager / fi_us:5.2f}x graph {graph / fi_us:5.2f}x" if fi_us else ""
-                print(f"H{h} B{b} L{l} {name} {backend:<6} {row['setting']:<32} eager {eager:8.1f} us  "
+                print(f"H{h} B{b} L{l}{f' S{s_q}' if s_q > 1 else ''} {name} {backend:<6} {row['setting']:<32} eager {eager:8.1f} us  "
                       f"graph {graph:8.1f} us{fi_txt}", flush=True)
     return rows
 
@@ -102,8 +104,8 @@ def main(argv=None) -> None:
     settings = _settings(args)
     rows = []
     for shape in args.shapes.split(","):
-        h, b, l = (int(x) for x in shape.split("x"))
-        rows += _probe_shape(h, b, l, args, settings)
+        h, b, l, *s_q = (int(x) for x in shape.split("x"))
+        rows += _probe_shape(h, b, l, args, settings, *s_q)
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
