@@ -24,6 +24,7 @@ from quantmla_core.backends.cupy.attention import (
     V4_MIN_ROWS,
     VARIANT_ENV,
     V4Knobs,
+    protected_ctas,
     protected_smem_bytes,
     select_variant,
     smem_per_block,
@@ -36,7 +37,7 @@ from test_cupy_backend import BIG, NVCC, V2_CASES, _kernel_params, _run_v2_stubb
 
 import quantmla_core as qm
 
-#: (arch, format, d_c, d_r, group size, page size, stages)
+#: (arch, format, d_c, d_r, group size, page size, stages[, "prot": the build whose own CTAs take the protected tiles])
 V4_BUILDS = [
     ("sm_90", "C4R4", 512, 64, 64, 64, 2),
     ("sm_90", "C2R4", 512, 64, 64, 64, 2),
@@ -46,14 +47,18 @@ V4_BUILDS = [
     ("sm_90", "C2R4", 256, 32, 32, 64, 3),
     ("sm_80", "C4R4", 256, 32, 64, 64, 2),
     ("sm_80", "C2R4", 256, 32, 128, 16, 2),
+    ("sm_90", "C4R4", 512, 64, 64, 64, 2, "prot"),
+    ("sm_90", "C4R4", 512, 64, 128, 16, 2, "prot"),
+    ("sm_90", "C2R4", 256, 32, 64, 32, 2, "prot"),
 ]
 
 
 def _compile_v4(v: tuple) -> tuple[int, str, str]:
-    arch, name, dc, dr, gs, page, stages = v
+    arch, name, dc, dr, gs, page, stages = v[:7]
     fmt = qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr, group_size=gs, page_size=page)
+    defines = v4_defines(fmt, stages, protected=v[7:] == ("prot",))
     with tempfile.TemporaryDirectory() as tmp:
-        base = [NVCC, f"-arch={arch}", "--std=c++17", f"-I{KERNEL_DIR}", *define_options(v4_defines(fmt, stages))]
+        base = [NVCC, f"-arch={arch}", "--std=c++17", f"-I{KERNEL_DIR}", *define_options(defines)]
         src = str(KERNEL_DIR / "attention_v4.cu")
         r = subprocess.run([*base, "-cubin", "-Xptxas", "-v", "-o", os.path.join(tmp, "k.cubin"), src],
                            capture_output=True, text=True, check=False)
@@ -133,8 +138,15 @@ def _run_v4_stubbed(monkeypatch, h: int, s_q: int, prot: bool):
     return _run_v2_stubbed(monkeypatch, h, s_q, prot, {}, variant="v4", pages_per=9, length=500)
 
 
-@pytest.mark.parametrize("h,s_q,prot", [(128, 1, True), (96, 1, True), (16, 5, False), (1, 1, True)])
-def test_v4_launches_match_kernel_signatures(monkeypatch, h, s_q, prot):
+@pytest.mark.parametrize("h,s_q,prot,in_grid", [(128, 1, True, False), (96, 1, True, True), (16, 5, False, False),
+                                                 (1, 1, True, False), (128, 2, True, True), (64, 1, False, True)])
+def test_v4_launches_match_kernel_signatures(monkeypatch, h, s_q, prot, in_grid):
+    """One v4 launch over 64-row chunks and the combine. A cache with sink/local tokens adds, for
+    splits of >= V4_INGRID_MIN_TILES tiles (patched here to choose), one CTA per protected 64-token
+    tile to the same launch (the protected build), else v2/v3's protected-only kernel."""
+    from quantmla_core.backends.cupy import attention as A
+
+    monkeypatch.setattr(A, "V4_INGRID_MIN_TILES", 1 if in_grid else 1 << 30)
     launches, _kernels, fmt, b = _run_v4_stubbed(monkeypatch, h, s_q, prot)
     params = _kernel_params("attention_v4.cu", "qmla_attn_v4")
     assert params == _kernel_params("attention_v3.cu", "qmla_attn_v3")  # one argument list for all split kernels
@@ -147,16 +159,25 @@ def test_v4_launches_match_kernel_signatures(monkeypatch, h, s_q, prot):
     assert grid[0] == b * (-(-rows // 64)) and block == (256,)
     assert smem == v4_smem_bytes(fmt) == attn.defines["QMLA_V4_SMEM"]
     assert attn.defines["QMLA_V4_STAGES"] == 2 and attn.defines["QMLA_V4_LAZY_RESCALE"] == 1
-    splits, per = grid[1], int(args[params.index("int tiles_per_split")])
-    assert splits * per * 64 >= 9 * fmt.page_size and (splits - 1) * per * 64 < 9 * fmt.page_size
+    assert attn.defines["QMLA_V4_PROTECTED"] == int(prot and in_grid)
+    per = int(args[params.index("int tiles_per_split")])
     slots = int(args[params.index("int num_splits")])
-    if prot:  # the protected-only kernel (16-row chunks) adds the sink and the local window as the last partials
+    kernels = [rec[0].kernel for rec in launches]
+    if prot and in_grid:  # the 4 sink tokens' tile and the three tiles a 128-token window can touch
+        assert kernels == ["qmla_attn_v4", "qmla_combine"]
+        splits = grid[1] - protected_ctas(4, 128, 64)
+        assert protected_ctas(4, 128, 64) == 4 and slots == grid[1]
+    elif prot:  # protected.cu (16-row chunks, 32-token tiles) adds the last 6 partials, on the side stream
         (prot_k, pgrid, _pblock, pargs, psmem), pstream = launches.of("qmla_attn_protected")
-        assert prot_k.source == "protected.cu" and pstream == "side"
-        assert psmem == protected_smem_bytes(fmt) and pargs == args
-        assert pgrid == (b * (-(-rows // 16)), 6) and slots == splits + 6
+        assert prot_k.source == "protected.cu" and pstream == "side" and pargs == args
+        assert psmem == protected_smem_bytes(fmt) and pgrid == (b * (-(-rows // 16)), 6)
+        splits = grid[1]
+        assert slots == splits + 6
     else:
-        assert len(launches) == 2 and slots == splits
+        assert kernels == ["qmla_attn_v4", "qmla_combine"]
+        splits = grid[1]
+        assert slots == splits
+    assert splits * per * 64 >= 9 * fmt.page_size and (splits - 1) * per * 64 < 9 * fmt.page_size
     combine = launches[-1]
     assert combine[0].kernel == "qmla_combine" and int(combine[3][-1]) == slots
 
@@ -180,13 +201,15 @@ def test_v4_knobs(monkeypatch):
 
 
 #: many-row cases: rows filling one or two chunks exactly or partly, S_q > 1 (causal), lengths at
-#: tile and page edges, d_c 256 with groups of 128, no protection, sink only
+#: tile and page edges, d_c 256 with groups of 128, no protection, sink only, a sink of two tiles
 V4_CASES = [
     Case(qm.PackFormat.parse("C4R4"), (64, 65, 4097), heads=128, s_q=1, sink=4, local=128, seed=970),
     Case(qm.PackFormat.parse("C2R4", page_size=32), (1000, 129), heads=64, s_q=1, sink=4, local=128, seed=971),
     Case(qm.PackFormat.parse("C4R4", 256, 32, group_size=128), (700, 63), heads=96, s_q=1, sink=0, local=0, seed=972),
     Case(qm.PackFormat.parse("C2R4", page_size=16), (300, 17), heads=32, s_q=3, sink=4, local=16, seed=973),
     Case(qm.PackFormat.parse("C4R4", group_size=128), (2100,), heads=128, s_q=2, sink=36, local=0, seed=974),
+    # two sink tiles, requests shorter than the sink and windows that start inside it
+    Case(qm.PackFormat.parse("C2R4"), (300, 70, 5), heads=64, s_q=1, sink=100, local=40, seed=975),
 ]
 
 
@@ -196,6 +219,19 @@ V4_CASES = [
 def test_attention_v4_matches_reference(case, monkeypatch):
     monkeypatch.setenv(VARIANT_ENV, "v4")
     assert select_variant(case.fmt, "bfloat16", torch.cuda.get_device_capability()) == ("v4", None)
+    check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", [c for c in V2_CASES + BIG[:3] + V4_CASES if c.sink or c.local], ids=str)
+def test_attention_v4_protected_in_grid(case, monkeypatch):
+    """The build whose own CTAs attend to the protected tiles (chosen for long splits) passes the
+    same cases; here it is forced for every split length."""
+    from quantmla_core.backends.cupy import attention as A
+
+    monkeypatch.setenv(VARIANT_ENV, "v4")
+    monkeypatch.setattr(A, "V4_INGRID_MIN_TILES", 1)
     check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
 
 

@@ -1,6 +1,6 @@
 """CuPy decode-attention launcher: split-KV tensor-core kernels plus a log-sum-exp combine.
 
-Three attention kernels share the partials layout and the combine kernel:
+Four attention kernels share the partials layout and the combine kernel:
 
 * ``v1`` (``kernels/attention.cu``): dequantizes each tile to bf16 in shared memory, 16 query
   rows per CTA; serves every format and float32/bfloat16 queries.
@@ -11,8 +11,13 @@ Three attention kernels share the partials layout and the combine kernel:
   through shared memory, zero points by a correction MMA; 64-token tiles. Serves what v2 serves
   with content groups of 64k channels, packed tokens only. On the H200 it takes 0.62-0.86x of
   v2's time from 32K tokens on, but has more fixed cost per call.
+* ``v4`` (``kernels/attention_v4.cu``): 64 query rows per CTA share one tile dequantized to bf16
+  in shared memory (flash-decoding on it, 8 warps); for requests with many query rows
+  (S_q * H >= :data:`V4_MIN_ROWS`: H = 128 or 64), where v2/v3 would convert every token once
+  per 16 rows. Serves what v3 serves. With long splits its own extra CTAs take the sink and
+  local-window tiles (bf16 rows copied into the key tile); with short ones ``protected.cu`` does.
 
-v4, v3 and v2 (``separate`` mode, the default) leave the sink and local-window tokens to
+v3 and v2 (``separate`` mode, the default) leave the sink and local-window tokens to
 ``kernels/protected.cu``, a bfloat16 flash-decoding kernel (one 32-token tile per CTA) whose
 partials the combine merges with the split kernel's; it may run on a second stream beside the
 split kernel (:func:`protected_on_side_stream`).
@@ -89,6 +94,11 @@ V4_WARPS = 8
 V4_STAGES = 2
 #: auto picks v4 for requests with at least this many query rows (S_q * H)
 V4_MIN_ROWS = 64
+#: v4 attends to the protected tiles in its own launch (one more CTA per tile and row chunk) when its
+#: splits hold at least this many tiles; they then run beside the long packed CTAs. With shorter
+#: splits they would form a second wave: H200, H128 C4R4 (CUDA graphs), B8 L4K (8 tiles per split)
+#: 80.9 us in-grid vs 72.6 with protected.cu; B32 L32K (256 tiles) 1192.7 vs 1223.9-1235.0
+V4_INGRID_MIN_TILES = 64
 
 
 def smem_per_block(capability: tuple[int, int] | None) -> int:
@@ -252,13 +262,14 @@ def v4_smem_bytes(fmt: PackFormat, stages: int = V4_STAGES) -> int:
             + V4_ROWS * (2 * V4_TILE + 16) + V4_WARPS * 4 * 32 * 16 + 4 * V4_ROWS * 4)
 
 
-def v4_defines(fmt: PackFormat, stages: int = V4_STAGES, lazy_rescale: bool = True, index64: bool = True
-               ) -> dict[str, int]:
+def v4_defines(fmt: PackFormat, stages: int = V4_STAGES, lazy_rescale: bool = True, index64: bool = True,
+               protected: bool = False) -> dict[str, int]:
     """``-D`` defines of ``kernels/attention_v4.cu`` (bfloat16 queries). ``index64``: int64
-    seq_lens / seq_ids (else int32)."""
+    seq_lens / seq_ids (else int32); ``protected``: the build whose last CTAs attend to the
+    protected tiles (else packed tokens only)."""
     d = attention_defines(fmt, "bfloat16", index64)
     d.update(QMLA_V4_STAGES=int(stages), QMLA_V4_SMEM=v4_smem_bytes(fmt, stages),
-             QMLA_V4_LAZY_RESCALE=int(lazy_rescale))
+             QMLA_V4_LAZY_RESCALE=int(lazy_rescale), QMLA_V4_PROTECTED=int(protected))
     return d
 
 
@@ -311,12 +322,13 @@ PROTECTED_TILE = 32
 PROTECTED_WARPS = 4
 
 
-def protected_ctas(sink: int, local: int) -> int:
-    """CTAs per 16-row chunk of the protected-only launch (``kernels/protected.cu``), one 32-token
-    tile each: the tiles of the ``sink`` first tokens and every tile the local window of ``local``
-    tokens can touch (it need not start on a tile boundary). Each writes one partial, the last
-    ones of a row's slots."""
-    return -(-sink // PROTECTED_TILE) + (-(-local // PROTECTED_TILE) + 1 if local > 0 else 0)
+def protected_ctas(sink: int, local: int, tile: int = PROTECTED_TILE) -> int:
+    """CTAs per row chunk that attend to protected tokens, one ``tile``-token tile each: the tiles
+    of the ``sink`` first tokens and every tile the local window of ``local`` tokens can touch (it
+    need not start on a tile boundary). Each writes one partial, the last ones of a row's slots.
+    The protected-only launch (``kernels/protected.cu``, 16-row chunks) uses 32-token tiles;
+    kernel v4's own protected CTAs use its 64."""
+    return -(-sink // tile) + (-(-local // tile) + 1 if local > 0 else 0)
 
 
 def plan_splits_v2(batch: int, chunks: int, max_tokens: int, resident: int,
@@ -625,13 +637,14 @@ def v3_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
     return plan
 
 
-def _v4_kernel(fmt: PackFormat, dev: int, stages: int, lazy: bool, index64: bool):
+def _v4_kernel(fmt: PackFormat, dev: int, stages: int, lazy: bool, index64: bool, protected: bool):
     """Compiled ``qmla_attn_v4`` (cached) and its dynamic shared memory."""
-    key = ("v4", fmt, dev, stages, lazy, index64)
+    key = ("v4", fmt, dev, stages, lazy, index64, protected)
     fn = _FNS.get(key)
     if fn is None:
         smem = v4_smem_bytes(fmt, stages)
-        fn = (get_kernel("attention_v4.cu", "qmla_attn_v4", v4_defines(fmt, stages, lazy, index64), dev, smem), smem)
+        defines = v4_defines(fmt, stages, lazy, index64, protected)
+        fn = (get_kernel("attention_v4.cu", "qmla_attn_v4", defines, dev, smem), smem)
         with _CACHE_LOCK:
             _FNS[key] = fn
     return fn
@@ -655,9 +668,10 @@ class V4Knobs:
 
 def v4_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool,
             knobs: V4Knobs, sink: int = 0, local: int = 0, index64: bool = True) -> SplitPlan:
-    """The launch plan of kernel v4: its split kernel over packed tokens (64 query rows per CTA)
-    and, when the cache keeps sink/local tokens, the protected-only launch (16-row chunks) adding
-    them as more partials per row."""
+    """The launch plan of kernel v4 (64 query rows per CTA) over the packed splits. A cache with
+    sink/local tokens adds, when the splits hold >= :data:`V4_INGRID_MIN_TILES` tiles, one CTA per
+    protected 64-token tile and row chunk to the same launch (``protected_ctas(sink, local, 64)``),
+    else the protected-only launch of v2/v3; either way their partials are the last slots."""
     key = ("v4", fmt, dev, sm_count, batch, rows, max_pages, no_prot, knobs, sink, local, index64)
     plan = _PLANS.get(key)
     if plan is None:
@@ -666,15 +680,18 @@ def v4_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
         if v4_smem_bytes(fmt, knobs.stages) > have:
             raise ValueError(f"QUANTMLA_CUPY_V4_STAGES: {knobs.stages} stages need {v4_smem_bytes(fmt, knobs.stages)} "
                              f"B of shared memory for {fmt.name} d_c={fmt.latent_dim}, this GPU allows {have}")
-        attn, smem = _v4_kernel(fmt, dev, knobs.stages, knobs.lazy, index64)
         block = (V4_WARPS * 32,)
-        resident = resident_ctas(attn, block[0], smem, dev, sm_count)
+        probe, smem = _v4_kernel(fmt, dev, knobs.stages, knobs.lazy, index64, False)
+        resident = resident_ctas(probe, block[0], smem, dev, sm_count)
         splits, per = plan_splits_v2(batch, chunks, max(1, max_pages) * fmt.page_size, resident, knobs.min_tiles,
                                      V4_TILE)
-        launches = [(attn, (batch * chunks, splits), block, smem)]
-        if not no_prot:
+        in_grid = not no_prot and per >= V4_INGRID_MIN_TILES
+        attn, smem = _v4_kernel(fmt, dev, knobs.stages, knobs.lazy, index64, in_grid)
+        nprot = protected_ctas(sink, local, V4_TILE) if in_grid else 0
+        launches = [(attn, (batch * chunks, splits + nprot), block, smem)]
+        if not no_prot and not in_grid:
             launches.append(_protected_launch(fmt, dev, batch, rows, sink, local, index64))
-        nprot = 0 if no_prot else protected_ctas(sink, local)
+            nprot = protected_ctas(sink, local)
         plan = SplitPlan(tuple(launches), _combine_kernel(fmt, dev), per, splits + nprot)
         with _CACHE_LOCK:
             _PLANS[key] = plan

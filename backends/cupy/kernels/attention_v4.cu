@@ -1,9 +1,12 @@
 // QuantMLA CuPy backend: decode attention v4 (many query rows: one dequantized tile for 64 rows).
 //
 // Serves what v3 serves (bf16 queries; 2/4-bit content and 4-bit RoPE codes; d_c/d_r 512/64 and
-// 256/32), packed tokens only (the sink and local tokens come from protected.cu as more partials,
-// merged by v1's qmla_combine), and is meant for requests with many query rows R = S_q * H
-// (DeepSeek-V3/R1 and Kimi-K2 at H = 128, or H = 64 under 2-way tensor parallelism).
+// 256/32) and is meant for requests with many query rows R = S_q * H (DeepSeek-V3/R1 and Kimi-K2
+// at H = 128, or H = 64 under 2-way tensor parallelism). The sink and local-window tokens: with
+// QMLA_V4_PROTECTED 1 the last values of blockIdx.y take one protected 64-token tile each, copying
+// its bf16 rows from the protection buffers straight into the key tile (no dequantization), and
+// write the last partial slots; with 0 (packed tokens only) protected.cu adds them. v1's
+// qmla_combine merges the partials by log-sum-exp.
 //
 // ================================================================ design note
 // Why: v2 and v3 take 16 query rows per CTA and convert codes straight into MMA fragments, so at
@@ -11,8 +14,9 @@
 // Here one CTA takes 64 rows, converts each tile once into a bf16 tile in shared memory and runs
 // flash-decoding on it (the layout of protected.cu, at 64 rows):
 //
-//   grid (B * ceil(R / 64), KV splits), 8 warps. Tiles of T = 64 tokens staged raw by cp.async
-//   (stage.cuh), NSTAGE - 1 tiles ahead. Per tile:
+//   grid (B * ceil(R / 64), KV splits [+ protected tiles]), 8 warps. Tiles of T = 64 tokens staged raw
+//   by cp.async (stage.cuh), NSTAGE - 1 tiles ahead. A protected CTA takes one 64-token tile of the
+//   sink or one the local window touches (attention.py protected_ctas(sink, local, 64)). Per tile:
 //   1. Dequantize: every thread converts 16-byte chunks of code rows to bf16 (s * (code - z),
 //      rounded once: the bf16 FMAs take exact integers) into K [T][DC + DR] (rows padded by 16
 //      bytes, conflict-free ldmatrix). Block barrier.
@@ -37,6 +41,9 @@
 
 #ifndef QMLA_V4_STAGES
 #define QMLA_V4_STAGES 2
+#endif
+#ifndef QMLA_V4_PROTECTED
+#define QMLA_V4_PROTECTED 0  // 1: the last blockIdx.y values attend to the protected tiles (see above)
 #endif
 #ifndef QMLA_V4_LAZY_RESCALE
 #define QMLA_V4_LAZY_RESCALE 1  // skip the output rescale while no row's maximum moves (bit-identical)
@@ -121,22 +128,27 @@ __device__ __forceinline__ u32 v4_dq2_f32(u32 c2, u32 off2, float s) {
     return pack_bf16x2(__uint_as_float(d << 16) * s, __uint_as_float(d & 0xffff0000u) * s);
 }
 
-// 16 dequantized channels (4 words of codes, one per byte, in channel order) stored at dst
+// 16 dequantized channels (4 words of codes, one per byte, in channel order) stored at dst as two
+// 16-byte halves. upper_first: the first store takes channels 8..15. Lanes 32 bytes apart would put
+// lanes u and u + 4 of a quarter warp on one 16-byte bank group; alternating the first half every
+// four lanes gives the quarter warp's 8 stores 8 different groups.
 template <bool F32>
-__device__ __forceinline__ void v4_store16(u8* dst, const u32 (&x)[4], u32 off2, u32 s2, float s) {
+__device__ __forceinline__ void v4_store16(u8* dst, const u32 (&x)[4], u32 off2, u32 s2, float s, bool upper_first) {
+    const u32 xs[4] = {upper_first ? x[2] : x[0], upper_first ? x[3] : x[1], upper_first ? x[0] : x[2],
+                       upper_first ? x[1] : x[3]};
     u32 o[8];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
         if constexpr (F32) {
-            o[2 * e] = v4_dq2_f32(v4_code2<0>(x[e]), off2, s);
-            o[2 * e + 1] = v4_dq2_f32(v4_code2<1>(x[e]), off2, s);
+            o[2 * e] = v4_dq2_f32(v4_code2<0>(xs[e]), off2, s);
+            o[2 * e + 1] = v4_dq2_f32(v4_code2<1>(xs[e]), off2, s);
         } else {
-            o[2 * e] = v4_dq2_bf16(v4_code2<0>(x[e]), off2, s2);
-            o[2 * e + 1] = v4_dq2_bf16(v4_code2<1>(x[e]), off2, s2);
+            o[2 * e] = v4_dq2_bf16(v4_code2<0>(xs[e]), off2, s2);
+            o[2 * e + 1] = v4_dq2_bf16(v4_code2<1>(xs[e]), off2, s2);
         }
     }
-    *(uint4*)dst = make_uint4(o[0], o[1], o[2], o[3]);
-    *(uint4*)(dst + 16) = make_uint4(o[4], o[5], o[6], o[7]);
+    *(uint4*)(dst + (upper_first ? 16 : 0)) = make_uint4(o[0], o[1], o[2], o[3]);
+    *(uint4*)(dst + (upper_first ? 0 : 16)) = make_uint4(o[4], o[5], o[6], o[7]);
 }
 
 // Stage `stg` (raw page sections of one tile) -> K [T][KST] as bf16 s * (code - z). Content: one
@@ -159,9 +171,10 @@ __device__ __forceinline__ void v4_dequantize(const u8* stg, u8* kt, int tid) {
                 const u32 off2 = 0xc300c300u | z | (z << 16);
 #if QMLA_CSCALE_BF16
                 const u32 sb = ((const u16*)(stg + SO_CS))[t * NGC + grp];
-                v4_store16<false>(kt + t * KST + 2 * ch, x, off2, sb | (sb << 16), 0.0f);
+                v4_store16<false>(kt + t * KST + 2 * ch, x, off2, sb | (sb << 16), 0.0f, (u >> 2) & 1);
 #else
-                v4_store16<true>(kt + t * KST + 2 * ch, x, off2, 0u, ((const float*)(stg + SO_CS))[t * NGC + grp]);
+                v4_store16<true>(kt + t * KST + 2 * ch, x, off2, 0u, ((const float*)(stg + SO_CS))[t * NGC + grp],
+                                 (u >> 2) & 1);
 #endif
             }
         }
@@ -182,7 +195,7 @@ __device__ __forceinline__ void v4_dequantize(const u8* stg, u8* kt, int tid) {
         for (int c = 0; c < 2; ++c) {
             const u32 x[4] = {(w[0] >> (4 * c)) & 0x0f0f0f0fu, (w[1] >> (4 * c)) & 0x0f0f0f0fu,
                               (w[2] >> (4 * c)) & 0x0f0f0f0fu, (w[3] >> (4 * c)) & 0x0f0f0f0fu};
-            v4_store16<true>(kt + t * KST + 2 * (DC + RB * c + 16 * u), x, off2, 0u, s);
+            v4_store16<true>(kt + t * KST + 2 * (DC + RB * c + 16 * u), x, off2, 0u, s, false);
         }
     }
 }
@@ -211,12 +224,35 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v4(
     const int L = (int)seq_lens[b];
     const i64 sid = seq_ids[b];
     const bool sid_ok = sid >= 0 && sid < max_seqs;
-    // packed tokens only: [keep_lo, keep_hi) lies between the sink and the local window
-    const int keep_lo = sid_ok ? min(sink, L) : 0;
-    const int keep_hi = (sid_ok && local > 0) ? max(keep_lo, L - local) : L;
+    // packed splits: [keep_lo, keep_hi) = [sink_end, local_start), between the sink and the local window
+    const int sink_end = sid_ok ? min(sink, L) : 0;
+    const int local_start = (sid_ok && local > 0) ? max(sink_end, L - local) : L;
+    int keep_lo = sink_end, keep_hi = local_start;
     const int split = blockIdx.y;
+#if QMLA_V4_PROTECTED
+    // the last nprot values of blockIdx.y: one protected tile each (protected_ctas(sink, local, T) in
+    // attention.py), protected.cu's rule at T tokens: sink tile y, else a tile the local window touches
+    const int nsink = (sink + T - 1) / T;
+    const int nprot = nsink + (local > 0 ? (local + T - 1) / T + 1 : 0);
+    const bool prot = split >= (int)gridDim.y - nprot;
+    if (prot) {
+        const int y = split - ((int)gridDim.y - nprot);
+        if (y < nsink) {
+            keep_lo = min(y * T, sink_end);
+            keep_hi = min(keep_lo + T, sink_end);
+        } else {
+            const int tt = (local_start / T + y - nsink) * T;
+            keep_lo = max(local_start, tt);
+            keep_hi = max(keep_lo, min(L, tt + T));
+        }
+    }
+    const int t_begin = prot ? keep_lo / T * T : max(split * tiles_per_split * T, keep_lo / T * T);
+    const int t_end = prot ? keep_hi : min(keep_hi, (split + 1) * tiles_per_split * T);
+#else
+    constexpr bool prot = false;
     const int t_end = min(keep_hi, (split + 1) * tiles_per_split * T);
     const int t_begin = max(split * tiles_per_split * T, keep_lo / T * T);
+#endif
 
     // this lane's rows: rw0 = 16 rg + g8 and rw0 + 8 of the CTA's 64
     const int rw0 = 16 * rg + g8;
@@ -245,22 +281,23 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v4(
             }
             *(uint4*)(smem + QT_OFF + row * KST + 16 * ck) = v;
         }
-        // zero the stages once: bytes never copied (missing pages) stay finite codes/scales
-        uint4* z4 = (uint4*)smem;
-        for (int k = tid; k < NSTAGE * STAGE_BYTES / 16; k += NTH) z4[k] = make_uint4(0u, 0u, 0u, 0u);
-        __syncthreads();
-
         auto load_pages = [&](int tt, int (&pgs)[NSEG]) {
             qmla_load_pages(tt, pgs, block_table + (i64)b * bt_stride, L, max_pages, num_pages);
         };
         int pg_next[NSEG];
+        if (!prot) {
+            // zero the stages once: bytes never copied (missing pages) stay finite codes/scales
+            uint4* z4 = (uint4*)smem;
+            for (int k = tid; k < NSTAGE * STAGE_BYTES / 16; k += NTH) z4[k] = make_uint4(0u, 0u, 0u, 0u);
+            __syncthreads();
 #pragma unroll
-        for (int s = 0; s < NSTAGE - 1; ++s) {
-            load_pages(t_begin + s * T, pg_next);
-            if (t_begin + s * T < t_end) qmla_issue_stage(smem + s * STAGE_BYTES, pages, pg_next, t_begin + s * T, L, tid);
-            cp_async_commit();
+            for (int s = 0; s < NSTAGE - 1; ++s) {
+                load_pages(t_begin + s * T, pg_next);
+                if (t_begin + s * T < t_end) qmla_issue_stage(smem + s * STAGE_BYTES, pages, pg_next, t_begin + s * T, L, tid);
+                cp_async_commit();
+            }
+            load_pages(t_begin + (NSTAGE - 1) * T, pg_next);
         }
-        load_pages(t_begin + (NSTAGE - 1) * T, pg_next);
 
         // ldmatrix lane addresses: queries (A, 16 rows of this row group, channel half hh), key rows
         // (B, tokens 16 p + ...), P (A, rows 32 rh + ...), value rows (B, transposed: tokens are the k pairs)
@@ -272,16 +309,31 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v4(
 
         int i = 0;
         for (int t0 = t_begin; t0 < t_end; t0 += T, ++i) {
-            qmla_wait_group<NSTAGE - 2>();  // this thread's copies of tile i landed
-            __syncthreads();  // tile i staged by all; every warp is past the previous tile's PV (K, P free)
-            if (t0 + (NSTAGE - 1) * T < t_end) {
-                qmla_issue_stage(smem + ((i + NSTAGE - 1) % NSTAGE) * STAGE_BYTES, pages, pg_next,
-                                 t0 + (NSTAGE - 1) * T, L, tid);
-                load_pages(t0 + NSTAGE * T, pg_next);
+            if (prot) {
+                // the tile's protected rows, bf16 [d_c | d_r] as the key tile holds them; other rows zero
+                for (int k = tid; k < T * (DT / 8); k += NTH) {
+                    const int r = k / (DT / 8), u = k % (DT / 8), n = t0 + r;
+                    const u16* src = q_lat;  // any valid address: nothing is read when 0 bytes are copied
+                    int bytes = 0;
+                    if (n >= keep_lo && n < keep_hi) {  // sid_ok holds: the range is empty otherwise
+                        src = (n < sink ? sink_buf + (sid * sink + n) * DT : local_buf + (sid * local + n % local) * DT) + 8 * u;
+                        bytes = 16;
+                    }
+                    cp_async16_zfill(kt + r * KST + 16 * u, src, bytes);
+                }
+                cp_async_commit();
+                cp_async_wait_all();
+            } else {
+                qmla_wait_group<NSTAGE - 2>();  // this thread's copies of tile i landed
+                __syncthreads();  // tile i staged by all; every warp is past the previous tile's PV (K, P free)
+                if (t0 + (NSTAGE - 1) * T < t_end) {
+                    qmla_issue_stage(smem + ((i + NSTAGE - 1) % NSTAGE) * STAGE_BYTES, pages, pg_next,
+                                     t0 + (NSTAGE - 1) * T, L, tid);
+                    load_pages(t0 + NSTAGE * T, pg_next);
+                }
+                cp_async_commit();
+                v4_dequantize(smem + (i % NSTAGE) * STAGE_BYTES, kt, tid);
             }
-            cp_async_commit();
-
-            v4_dequantize(smem + (i % NSTAGE) * STAGE_BYTES, kt, tid);
             __syncthreads();  // K visible
 
             // -------------------------------------------------------- QK: 16 rows x 64 tokens x half the channels
