@@ -166,6 +166,20 @@ def _compiled_v2() -> dict:
         return dict(zip(V2_VARIANTS, pool.map(_compile_v2, V2_VARIANTS)))
 
 
+def compile_cubin_and_ptx(source: str, arch: str, defines: dict[str, int]) -> tuple[int, str, str]:
+    """nvcc of ``kernels/<source>`` for ``arch`` with ``defines``: (return code of the cubin build,
+    its ptxas -v report and messages, the PTX text or "" where that build failed)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        base = [NVCC, f"-arch={arch}", "--std=c++17", f"-I{KERNEL_DIR}", *define_options(defines)]
+        src = str(KERNEL_DIR / source)
+        r = subprocess.run([*base, "-cubin", "-Xptxas", "-v", "-o", os.path.join(tmp, "k.cubin"), src],
+                           capture_output=True, text=True, check=False)
+        p = subprocess.run([*base, "-ptx", "-o", os.path.join(tmp, "k.ptx"), src], capture_output=True, text=True,
+                           check=False)
+        ptx = open(os.path.join(tmp, "k.ptx")).read() if p.returncode == 0 else ""
+    return r.returncode, r.stderr + r.stdout, ptx
+
+
 def ptxas_usage(text: str) -> dict:
     """registers, spill stores/loads (bytes) and stack frame of the one entry ptxas reports."""
     import re

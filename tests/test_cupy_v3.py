@@ -8,8 +8,6 @@ with sink/local tokens. GPU: conformance against the reference on the v2 cases."
 from __future__ import annotations
 
 import os
-import subprocess
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 
@@ -17,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 from conformance import check_attention_case
-from quantmla_core.backends.cupy import KERNEL_DIR, define_options
 from quantmla_core.backends.cupy.attention import (
     VARIANT_ENV,
     protected_smem_bytes,
@@ -31,6 +28,7 @@ from test_cupy_backend import (
     V2_CASES,
     _kernel_params,
     _run_v2_stubbed,
+    compile_cubin_and_ptx,
     gpu,
     ptxas_usage,
 )
@@ -61,19 +59,7 @@ def _compile_v3(v: tuple) -> tuple[int, str, str]:
     stages = v[6] if len(v) > 6 else 3
     warps = v[7] if len(v) > 7 else 4
     fmt = qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr, group_size=gs, page_size=page)
-    with tempfile.TemporaryDirectory() as tmp:
-        defines = v3_defines(fmt, stages, warps=warps)
-        base = [NVCC, f"-arch={arch}", "--std=c++17", f"-I{KERNEL_DIR}", *define_options(defines)]
-        src = str(KERNEL_DIR / "attention_v3.cu")
-        r = subprocess.run([*base, "-cubin", "-Xptxas", "-v", "-o", os.path.join(tmp, "k.cubin"), src],
-                           capture_output=True, text=True, check=False)
-        p = subprocess.run([*base, "-ptx", "-o", os.path.join(tmp, "k.ptx"), src], capture_output=True, text=True,
-                           check=False)
-        ptx = ""
-        if p.returncode == 0:
-            with open(os.path.join(tmp, "k.ptx")) as f:
-                ptx = f.read()
-    return r.returncode, r.stderr + r.stdout, ptx
+    return compile_cubin_and_ptx("attention_v3.cu", arch, v3_defines(fmt, stages, warps=warps))
 
 
 @lru_cache(maxsize=1)

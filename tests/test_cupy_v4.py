@@ -10,8 +10,6 @@ many-row cases (H = 64 / 96 / 128, S_q > 1, rows that do not fill the last chunk
 from __future__ import annotations
 
 import os
-import subprocess
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 
@@ -19,7 +17,6 @@ import numpy as np
 import pytest
 import torch
 from conformance import Case, check_attention_case
-from quantmla_core.backends.cupy import KERNEL_DIR, define_options
 from quantmla_core.backends.cupy.attention import (
     V4_MIN_ROWS,
     VARIANT_ENV,
@@ -33,7 +30,16 @@ from quantmla_core.backends.cupy.attention import (
     v4_smem_bytes,
     v4_unsupported_reasons,
 )
-from test_cupy_backend import BIG, NVCC, V2_CASES, _kernel_params, _run_v2_stubbed, gpu, ptxas_usage
+from test_cupy_backend import (
+    BIG,
+    NVCC,
+    V2_CASES,
+    _kernel_params,
+    _run_v2_stubbed,
+    compile_cubin_and_ptx,
+    gpu,
+    ptxas_usage,
+)
 
 import quantmla_core as qm
 
@@ -56,16 +62,7 @@ V4_BUILDS = [
 def _compile_v4(v: tuple) -> tuple[int, str, str]:
     arch, name, dc, dr, gs, page, stages = v[:7]
     fmt = qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr, group_size=gs, page_size=page)
-    defines = v4_defines(fmt, stages, protected=v[7:] == ("prot",))
-    with tempfile.TemporaryDirectory() as tmp:
-        base = [NVCC, f"-arch={arch}", "--std=c++17", f"-I{KERNEL_DIR}", *define_options(defines)]
-        src = str(KERNEL_DIR / "attention_v4.cu")
-        r = subprocess.run([*base, "-cubin", "-Xptxas", "-v", "-o", os.path.join(tmp, "k.cubin"), src],
-                           capture_output=True, text=True, check=False)
-        p = subprocess.run([*base, "-ptx", "-o", os.path.join(tmp, "k.ptx"), src], capture_output=True, text=True,
-                           check=False)
-        ptx = open(os.path.join(tmp, "k.ptx")).read() if p.returncode == 0 else ""
-    return r.returncode, r.stderr + r.stdout, ptx
+    return compile_cubin_and_ptx("attention_v4.cu", arch, v4_defines(fmt, stages, protected=v[7:] == ("prot",)))
 
 
 @lru_cache(maxsize=1)

@@ -457,18 +457,23 @@ def prepare(cache, block_table, seq_lens, seq_ids, batch: int, s_q: int, heads: 
                           softmax_scale, dev, side_default, index64)
 
 
-def _v2_kernel(fmt: PackFormat, dev: int, rg: int, minb: int, stages: int, lazy: bool, no_prot: bool, mode: int,
-               tile: int = V2_TILE, index64: bool = True):
-    """Compiled ``qmla_attn_v2`` for one set of defines (cached) and its dynamic shared memory."""
-    key = ("v2", fmt, dev, rg, minb, stages, lazy, no_prot, mode, tile, index64)
+def _split_kernel(key: tuple, variant: str, dev: int, smem: int, defines) -> tuple:
+    """(compiled ``qmla_attn_<variant>`` of ``kernels/attention_<variant>.cu``, its dynamic shared
+    memory), cached under ``key``; ``defines`` is called only to build it."""
     fn = _FNS.get(key)
     if fn is None:
-        smem = v2_smem_bytes(fmt, rg, stages, tile)
-        defines = v2_defines(fmt, rg, minb, stages, lazy, no_prot, mode, tile, index64)
-        fn = (get_kernel("attention_v2.cu", "qmla_attn_v2", defines, dev, smem), smem)
+        fn = (get_kernel(f"attention_{variant}.cu", f"qmla_attn_{variant}", defines(), dev, smem), smem)
         with _CACHE_LOCK:
             _FNS[key] = fn
     return fn
+
+
+def _v2_kernel(fmt: PackFormat, dev: int, rg: int, minb: int, stages: int, lazy: bool, no_prot: bool, mode: int,
+               tile: int = V2_TILE, index64: bool = True):
+    """Compiled ``qmla_attn_v2`` for one set of defines (cached) and its dynamic shared memory."""
+    return _split_kernel(("v2", fmt, dev, rg, minb, stages, lazy, no_prot, mode, tile, index64), "v2", dev,
+                         v2_smem_bytes(fmt, rg, stages, tile),
+                         lambda: v2_defines(fmt, rg, minb, stages, lazy, no_prot, mode, tile, index64))
 
 
 def _combine_kernel(fmt: PackFormat, dev: int):
@@ -578,15 +583,9 @@ def _protected_launch(fmt: PackFormat, dev: int, batch: int, rows: int, sink: in
 def _v3_kernel(fmt: PackFormat, dev: int, stages: int, minb: int | None, lazy: bool = True, warps: int = V3_WARPS,
                index64: bool = True):
     """Compiled ``qmla_attn_v3`` (cached) and its dynamic shared memory."""
-    key = ("v3", fmt, dev, stages, minb, lazy, warps, index64)
-    fn = _FNS.get(key)
-    if fn is None:
-        smem = v3_smem_bytes(fmt, stages, warps)
-        defines = v3_defines(fmt, stages, minb, lazy, warps, index64)
-        fn = (get_kernel("attention_v3.cu", "qmla_attn_v3", defines, dev, smem), smem)
-        with _CACHE_LOCK:
-            _FNS[key] = fn
-    return fn
+    return _split_kernel(("v3", fmt, dev, stages, minb, lazy, warps, index64), "v3", dev,
+                         v3_smem_bytes(fmt, stages, warps),
+                         lambda: v3_defines(fmt, stages, minb, lazy, warps, index64))
 
 
 @dataclass(frozen=True)
@@ -639,15 +638,8 @@ def v3_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
 
 def _v4_kernel(fmt: PackFormat, dev: int, stages: int, lazy: bool, index64: bool, protected: bool):
     """Compiled ``qmla_attn_v4`` (cached) and its dynamic shared memory."""
-    key = ("v4", fmt, dev, stages, lazy, index64, protected)
-    fn = _FNS.get(key)
-    if fn is None:
-        smem = v4_smem_bytes(fmt, stages)
-        defines = v4_defines(fmt, stages, lazy, index64, protected)
-        fn = (get_kernel("attention_v4.cu", "qmla_attn_v4", defines, dev, smem), smem)
-        with _CACHE_LOCK:
-            _FNS[key] = fn
-    return fn
+    return _split_kernel(("v4", fmt, dev, stages, lazy, index64, protected), "v4", dev, v4_smem_bytes(fmt, stages),
+                         lambda: v4_defines(fmt, stages, lazy, index64, protected))
 
 
 @dataclass(frozen=True)

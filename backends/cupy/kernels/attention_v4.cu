@@ -207,8 +207,6 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v4(
     float2* __restrict__ ml_part, int S_q, int H, int max_pages, int bt_stride, int num_pages, int max_seqs,
     int sink, int local, int tiles_per_split, int num_splits, float scale_log2) {
     extern __shared__ __align__(16) unsigned char smem[];
-    (void)sink_buf;
-    (void)local_buf;
     u8* kt = smem + KT_OFF;
     float* red = (float*)(smem + RED_OFF);
 
