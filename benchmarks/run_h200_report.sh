@@ -28,8 +28,8 @@ elif [ "$PART" = serving ]; then
   stage "serving, three whole runs"; timeout 330 $PY -m benchmarks.serving --requests 48 --prompt-len 4096 --output-len 1024 \
     --budget-gib 0.33 --repeats 3 --out "$OUT/serving.json" 2>&1 | tail -16
   stage "cupy GPU checks of this stop's changes"; timeout 200 $PY -m pytest -q -p no:cacheprovider tests/test_cupy_backend.py \
-    tests/test_cupy_v3.py tests/test_cupy_protected.py tests/test_plan.py \
-    -k "attention_matches or v2_matches or v3_matches or match_reference or cuda_graph or int32 or on_gpu" 2>&1 | tail -3 \
+    tests/test_cupy_v3.py tests/test_cupy_v4.py tests/test_cupy_protected.py tests/test_plan.py \
+    -k "attention_matches or v2_matches or v3_matches or v4 or match_reference or cuda_graph or int32 or on_gpu" 2>&1 | tail -3 \
     | tee "$OUT/cupy_checks.txt"
 fi
 stage done
