@@ -124,7 +124,9 @@ def probe_attention(name: str, heads: int, batch: int, length: int, s_q: int = 1
     results = []
     for variant in variants:
         with kernel_variant(variant):
-            ran, why = select_variant(fmt, "bfloat16", torch.cuda.get_device_capability())
+            # the decision the launcher makes for this call (block-table capacity, query rows)
+            ran, why = select_variant(fmt, "bfloat16", torch.cuda.get_device_capability(),
+                                      table.shape[1] * fmt.page_size, s_q * heads)
             t = time.time()
             out, lse = cupy_attention(q, r, cache, table, lens, ids, scale)
             torch.cuda.synchronize()
