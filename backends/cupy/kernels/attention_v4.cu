@@ -233,6 +233,10 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v4(
     const int nsink = (sink + T - 1) / T;
     const int nprot = nsink + (local > 0 ? (local + T - 1) / T + 1 : 0);
     const bool prot = split >= (int)gridDim.y - nprot;
+#else
+    constexpr int nsink = 0, nprot = 0;
+    constexpr bool prot = false;
+#endif
     if (prot) {
         const int y = split - ((int)gridDim.y - nprot);
         if (y < nsink) {
@@ -246,11 +250,6 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v4(
     }
     const int t_begin = prot ? keep_lo / T * T : max(split * tiles_per_split * T, keep_lo / T * T);
     const int t_end = prot ? keep_hi : min(keep_hi, (split + 1) * tiles_per_split * T);
-#else
-    constexpr bool prot = false;
-    const int t_end = min(keep_hi, (split + 1) * tiles_per_split * T);
-    const int t_begin = max(split * tiles_per_split * T, keep_lo / T * T);
-#endif
 
     // this lane's rows: rw0 = 16 rg + g8 and rw0 + 8 of the CTA's 64
     const int rw0 = 16 * rg + g8;
