@@ -248,7 +248,7 @@ def stub_cupy_launcher(monkeypatch: Any, sm_count: int = 132) -> tuple[list, lis
 
 def stub_triton_launcher(monkeypatch: Any, sm_count: int = 132) -> list:
     """Let ``quantmla_core.backends.triton.attention`` run its host logic as on a GPU without one:
-    the three kernels record their launches (grid, positional args, keyword args) instead of
+    the kernels record their launches (grid, positional args, keyword args) instead of
     compiling, and the device has ``sm_count`` SMs. ``monkeypatch``: pytest's fixture.
     Returns the launch records, as (kernel name, grid, args, kwargs)."""
     from .backends.triton import attention as A
@@ -263,8 +263,9 @@ def stub_triton_launcher(monkeypatch: Any, sm_count: int = 132) -> list:
         def __getitem__(self, grid):
             return lambda *args, **kwargs: launches.append((self.name, grid, args, kwargs))
 
-    for name in ("split_kernel", "split_kernel_v2", "protect_combine_kernel"):
-        monkeypatch.setattr(A, name, Kernel(name))
+    for variant, kernel in list(A._KERNELS.items()):
+        monkeypatch.setitem(A._KERNELS, variant, Kernel(kernel.fn.__name__))
+    monkeypatch.setattr(A, "protect_combine_kernel", Kernel("protect_combine_kernel"))
     monkeypatch.setattr(A, "interpreting", lambda: False)
     monkeypatch.setattr(A, "_sm_count", lambda dev: sm_count)
     monkeypatch.setattr(C, "interpreting", lambda: False)

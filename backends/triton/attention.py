@@ -19,19 +19,26 @@ from ..buffers import carve
 from . import interpreting, slice_width
 from .attention_kernel import protect_combine_kernel, split_kernel
 from .attention_v2_kernel import split_kernel_v2
+from .attention_v3_kernel import split_kernel_v3
 from .common import launch_dims, page_layout_constexprs, ptr_or_dummy
-from .heuristics import (INTERPRETER_SM_COUNT, V2_FLOAT32_ON_GPU, V2_HOLD_RAW, V2_ZSUB, AttentionPlan, plan,
-                         plan_v2)
+from .heuristics import (INTERPRETER_SM_COUNT, V2_FLOAT32_ON_GPU, V2_HOLD_RAW, V2_ZSUB, V3_MIN_ROWS, AttentionPlan,
+                         plan, plan_v2, plan_v3)
 
-#: environment variable choosing the split kernel ("auto" default, "v1", "v2"); read on every call
+#: environment variable choosing the split kernel ("auto" default, "v1", "v2", "v3"); read on every call
 VARIANT_ENV = "QUANTMLA_TRITON_ATTENTION"
-VARIANTS = ("auto", "v1", "v2")
+VARIANTS = ("auto", "v1", "v2", "v3")
+_KERNELS = {"v1": split_kernel, "v2": split_kernel_v2, "v3": split_kernel_v3}
+_PLANNERS = {"v1": plan, "v2": plan_v2, "v3": plan_v3}
 
 
-def auto_variant(quantized: bool, q_bf16: bool) -> str:
-    """The kernel ``auto`` runs: v2 for packed formats with bfloat16 queries (on the H200 it takes
-    0.55-0.6x of v1's time there, benchmarks/RESULTS.md), v1 for BF16 pages (v1 is faster on
-    them) and float32 queries (v2 keeps float32 queries for the interpreter)."""
+def auto_variant(quantized: bool, q_bf16: bool, rows: int = 1) -> str:
+    """The kernel ``auto`` runs for requests of ``rows`` = S_q x H query rows: v3 (64 rows per
+    program) from :data:`heuristics.V3_MIN_ROWS` rows with bfloat16 queries; below that v2 for
+    packed formats with bfloat16 queries (on the H200 it takes 0.55-0.6x of v1's time there,
+    benchmarks/RESULTS.md), v1 for BF16 pages (v1 is faster on them) and float32 queries (v2
+    keeps float32 queries for the interpreter)."""
+    if q_bf16 and rows >= V3_MIN_ROWS:
+        return "v3"
     return "v2" if quantized and q_bf16 else "v1"
 
 
@@ -81,6 +88,9 @@ def _split_constexprs(fmt, variant: str, q_bf16: bool, dot_bf16: bool, block_n: 
     )
     if variant == "v2":
         consts.update(v2_constexprs(quant, cbits, rbits, dot_bf16))
+    elif variant == "v3":
+        v2 = v2_constexprs(quant, cbits, rbits, dot_bf16)
+        consts.update(CBIAS=v2["CBIAS"], RBIAS=v2["RBIAS"])
     return MappingProxyType(consts)
 
 
@@ -94,16 +104,16 @@ def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: 
     ``num_splits`` overrides the heuristic (tests use it to cover several splits);
     ``overrides`` replaces fields of the heuristic plan (benchmark probes; v2 also takes the
     kernel switches ``pv_form``, ``hold_raw``, ``code_bias``, ``zsub``; both take ``maxnreg``).
-    ``variant`` ("auto"/"v1"/"v2") overrides ``$QUANTMLA_TRITON_ATTENTION`` (read per call;
+    ``variant`` ("auto"/"v1"/"v2"/"v3") overrides ``$QUANTMLA_TRITON_ATTENTION`` (read per call;
     default "auto", see :func:`auto_variant`). v2 on a GPU with float32 queries runs v1 (``heuristics.V2_FLOAT32_ON_GPU``);
     ``LAST_LAUNCH["variant"]`` names the kernel that ran."""
     variant = variant or getenv(VARIANT_ENV, "").strip().lower() or "auto"
     if variant not in VARIANTS:
         raise ValueError(f"{VARIANT_ENV}: expected one of {VARIANTS}, got {variant!r}")
     fmt = cache.format
-    if variant == "auto":
-        variant = auto_variant(fmt.quantized, q_latent.dtype == torch.bfloat16)
     b, s_q, h, dc = q_latent.shape
+    if variant == "auto":
+        variant = auto_variant(fmt.quantized, q_latent.dtype == torch.bfloat16, s_q * h)
     dr = fmt.rope_dim
     rows = s_q * h
     dev = q_latent.device
@@ -112,11 +122,10 @@ def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: 
     q_bf16 = q.dtype == torch.bfloat16
     interp = interpreting()
     dot_bf16 = q_bf16 and not interp  # the interpreter's bfloat16 math is wrong: float32 there
-    if variant == "v2" and not q_bf16 and not interp and not V2_FLOAT32_ON_GPU:
+    if variant in ("v2", "v3") and not q_bf16 and not interp and not V2_FLOAT32_ON_GPU:
         variant = "v1"  # float32 queries on a GPU: see heuristics.V2_FLOAT32_ON_GPU
     LAST_LAUNCH["variant"] = variant
-    planner = plan_v2 if variant == "v2" else plan
-    pl: AttentionPlan = planner(b, rows, dc, fmt.page_size, int(block_table.shape[1]) * fmt.page_size,
+    pl: AttentionPlan = _PLANNERS[variant](b, rows, dc, fmt.page_size, int(block_table.shape[1]) * fmt.page_size,
                                 _sm_count(dev), interp, num_splits, fp32_dot=not dot_bf16)
     probe_skip_pv = False
     v2_switches: dict = {}
@@ -126,6 +135,8 @@ def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: 
         probe_skip_pv = bool(overrides.pop("skip_pv", False))
         for key in ("pv_form", "hold_raw", "code_bias", "zsub"):
             if key in overrides:
+                if variant != "v2":
+                    raise ValueError(f"overrides: {key!r} is a kernel-v2 switch, the call runs {variant}")
                 v2_switches[key] = overrides.pop(key)
         if "maxnreg" in overrides:  # CUDA only (ptx .maxnreg); probes
             extra_launch["maxnreg"] = int(overrides.pop("maxnreg"))
@@ -151,8 +162,7 @@ def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: 
         consts = _split_constexprs(fmt, variant, q_bf16, dot_bf16, pl.block_n, pl.block_r)
     grid = (pl.num_splits, b, pl.row_blocks)
     dims = {**launch_dims(pl.num_warps, pl.num_stages), **({} if interp else extra_launch)}
-    kernel = split_kernel_v2 if variant == "v2" else split_kernel
-    LAST_LAUNCH["split"] = kernel[grid](*args, **consts, **dims)
+    LAST_LAUNCH["split"] = _KERNELS[variant][grid](*args, **consts, **dims)
     crb = pl.combine_block_r
     LAST_LAUNCH["combine"] = protect_combine_kernel[(b, -(-rows // crb))](
         q, qr, ptr_or_dummy(cache.sink_buf), ptr_or_dummy(cache.local_buf), seq_lens, seq_ids,

@@ -146,3 +146,36 @@ def plan_v2(batch: int, rows: int, latent_dim: int, page_size: int, max_tokens: 
         num_splits = plan_kv_splits(batch * row_blocks, tiles, CTAS_PER_SM * sm_count, min_tiles, MAX_SPLITS)[0]
     return AttentionPlan(block_n, block_r, row_blocks, int(num_splits), num_warps, V2_NUM_STAGES, MIN_DOT_N, 4,
                          FP32_PROTECT_BLOCK_T if gpu_fp32 else PROTECT_BLOCK_T)
+
+
+# ------------------------------------------------------------------ attention kernel v3
+# (attention_v3_kernel.py: query rows as the M dimension, for requests with many query rows)
+#: query rows per program: one Hopper wgmma row block (64 rows per 4-warp warpgroup)
+V3_BLOCK_R = 64
+#: kernel v3 runs (``attention.auto_variant``) from this many query rows (S_q x H) per request:
+#: below one full row block the 16-row kernel v2 wastes less of every product
+V3_MIN_ROWS = 64
+V3_BLOCK_N = 128
+#: the float32 output state is BLOCK_R x DC = 128 KB at d_c 512: 128 registers per thread
+#: over 8 warps (4 warps would need 256)
+V3_NUM_WARPS = 8
+V3_NUM_STAGES = 1
+#: one program per SM (8 warps x ~255 registers fill the register file)
+V3_CTAS_PER_SM = 1
+#: a split writes a BLOCK_R x DC float32 partial (128 KB) that the combine reads back
+V3_MIN_TILES_PER_SPLIT = 4
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_v3(batch: int, rows: int, latent_dim: int, page_size: int, max_tokens: int, sm_count: int,
+            interpreter: bool = False, num_splits: int | None = None, fp32_dot: bool = False) -> AttentionPlan:
+    """Launch plan of attention kernel v3 (same fields and split rule as :func:`plan`)."""
+    block_r = V3_BLOCK_R
+    row_blocks = -(-rows // block_r)
+    tiles = max(1, -(-max_tokens // V3_BLOCK_N))
+    if num_splits is None:
+        min_tiles = MIN_TILES_PER_SPLIT_INTERPRETER if interpreter else V3_MIN_TILES_PER_SPLIT
+        num_splits = plan_kv_splits(batch * row_blocks, tiles, V3_CTAS_PER_SM * sm_count, min_tiles, MAX_SPLITS)[0]
+    gpu_fp32 = fp32_dot and not interpreter
+    return AttentionPlan(V3_BLOCK_N, block_r, row_blocks, int(num_splits), V3_NUM_WARPS, V3_NUM_STAGES, MIN_DOT_N, 4,
+                         FP32_PROTECT_BLOCK_T if gpu_fp32 else PROTECT_BLOCK_T)

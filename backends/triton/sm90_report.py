@@ -32,10 +32,11 @@ def _consts(variant: str, fmt, block_n: int, block_r: int, bf16: bool, **switche
              RG=rg, CCW=slice_width(fmt.latent_dim, cb, cg), RCW=slice_width(fmt.rope_dim, rb, rg),
              **page_layout_constexprs(fmt), BLOCK_N=block_n, BLOCK_R=block_r,
              PROBE_SKIP_PV=bool(switches.pop("skip_pv", False)))
-    if variant == "v2":
+    if variant in ("v2", "v3"):
         from .attention import v2_constexprs
 
-        c.update(v2_constexprs(quant, cb, rb, bf16, **switches))
+        v2 = v2_constexprs(quant, cb, rb, bf16, **switches)
+        c.update(v2 if variant == "v2" else {k: v2[k] for k in ("CBIAS", "RBIAS")})
     return c
 
 
@@ -53,16 +54,16 @@ def compile_report(variant: str = "v2", fmt_name: str = "C4R4", latent_dim: int 
     from . import heuristics as hz
     from .attention_kernel import split_kernel
     from .attention_v2_kernel import split_kernel_v2
+    from .attention_v3_kernel import split_kernel_v3
 
     fmt = PackFormat.parse(fmt_name, latent_dim=latent_dim, rope_dim=rope_dim, page_size=page_size,
                            group_size=group_size)
-    fn = split_kernel_v2 if variant == "v2" else split_kernel
-    if block_n is None:
-        block_n = hz.V2_BLOCK_N if variant == "v2" else min(page_size, hz.MAX_BLOCK_N)
-    if num_warps is None:
-        num_warps = hz.V2_NUM_WARPS if variant == "v2" else 4
-    if num_stages is None:
-        num_stages = hz.V2_NUM_STAGES if variant == "v2" else 2
+    fn = {"v2": split_kernel_v2, "v3": split_kernel_v3}.get(variant, split_kernel)
+    defaults = {"v2": (hz.V2_BLOCK_N, hz.V2_NUM_WARPS, hz.V2_NUM_STAGES),
+                "v3": (hz.V3_BLOCK_N, hz.V3_NUM_WARPS, hz.V3_NUM_STAGES)}.get(variant, (min(page_size, hz.MAX_BLOCK_N), 4, 2))
+    block_n = defaults[0] if block_n is None else block_n
+    num_warps = defaults[1] if num_warps is None else num_warps
+    num_stages = defaults[2] if num_stages is None else num_stages
     consts = _consts(variant, fmt, block_n, block_r, bf16, **switches)
     qt = "*bf16" if bf16 else "*fp32"
     types = dict(q_ptr=qt, qr_ptr=qt, pages_ptr="*u8", table_ptr="*i32", lens_ptr="*i32", o_part_ptr="*fp32",

@@ -1,0 +1,275 @@
+"""Split-KV decode attention, kernel v3: query rows as the M dimension, for many rows per request.
+
+For requests with at least :data:`heuristics.V3_MIN_ROWS` query rows (S_q x H: DeepSeek-V3/R1
+and Kimi-K2 decode at H = 128, H = 64, speculative decoding). Kernels v1/v2 take the query
+rows as the N dimension (16 per program), so at H = 128 eight programs unpack the same tokens;
+here one program takes BLOCK_M = 64 rows of one request, and every product is a 64-row
+``tl.dot`` (a Hopper ``wgmma`` m64 per warpgroup; ``mma.sync`` elsewhere). Writes the same
+partials as v1/v2, so ``attention_kernel.protect_combine_kernel`` adds the protected tokens and
+merges the splits.
+
+Per tile of BLOCK_N tokens and per slice ``sl`` (CW elements of one bit plane of one run of
+bytes, inside one quantization group; ``__init__.slice_width``), with ``k_sl = code - zero``
+(exact small integers: ``bits(code | 0x4300) - (128 + zero)`` in bfloat16 on the GPU):
+
+    QK:  S      += s_sl[None, :] * dot(q_sl, k_sl^T)                  [BLOCK_M, BLOCK_N]
+    PV:  O_sl    = O_sl * alpha + dot(bf16(p * s_sl[None, :]), k_sl)    [BLOCK_M, CW]
+
+Scales enter once per (token, slice) on the score / probability side; no zero-point
+corrections (the operand carries ``code - zero``). BF16 pages use their values directly. The
+query slices are loaded once per program (the ``wgmma`` A operand, kept in shared memory by
+the compiler); the output state is the DC x BLOCK_M float32 tile ``O`` as a tuple of slices,
+128 registers per thread at 8 warps (``heuristics.V3_NUM_WARPS``). PV re-reads the tile's
+bytes (L1 hits) with a second loop-variant zero so the compiler cannot keep the QK operands
+alive across the softmax.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .attention_v2_kernel import (_codes, _load_bf16_vals, _load_raw, _scale_col, _scale_rows, _tuple_set,
+                                  _zeros_tuple, _zsub)
+from .common_kernels import load_f32
+
+
+@triton.jit
+def _dot_acc(a, b, acc, DOT_BF16: tl.constexpr):
+    """``acc + a @ b`` accumulated in place (float32; float32 operands in IEEE precision)."""
+    if DOT_BF16:
+        return tl.dot(a, b, acc)
+    else:
+        return tl.dot(a, b, acc, input_precision="ieee")
+
+
+@triton.jit
+def _chunk_channels(c: tl.constexpr, CW: tl.constexpr, PLANES: tl.constexpr, BYTES: tl.constexpr):
+    """Channel of each column ``e`` of chunk ``c`` (bytes ``[c*CW, (c+1)*CW)``, all PLANES bit planes
+    joined): column ``j*PLANES + pl`` is element ``pl*BYTES + c*CW + j`` (split-half packing)."""
+    e = tl.arange(0, CW * PLANES)
+    return (e % PLANES) * BYTES + c * CW + e // PLANES
+
+
+@triton.jit
+def _load_q_chunks(q_base, rows, row_ok, D: tl.constexpr, BITS: tl.constexpr, CW: tl.constexpr,
+                   Q_BF16: tl.constexpr, DOT_BF16: tl.constexpr):
+    """Query rows as a tuple of chunk operands ``[CW * PLANES, BLOCK_M]`` in the dot dtype, rows in
+    the column order of :func:`_chunk_operand` (0 past R). BF16 pages: slices of CW channels."""
+    PLANES: tl.constexpr = 8 // BITS if BITS < 16 else 1
+    BYTES: tl.constexpr = D * BITS // 8 if BITS < 16 else D
+    qs = ()
+    for c in tl.static_range(BYTES // CW):
+        ch = _chunk_channels(c, CW, PLANES, BYTES)
+        x = load_f32(q_base, rows[None, :] * D + ch[:, None], row_ok[None, :], Q_BF16)
+        if DOT_BF16:
+            qs = qs + (x.to(tl.bfloat16),)
+        else:
+            qs = qs + (x,)
+    return qs
+
+
+@triton.jit
+def _plane_operand(raw, srow, zrow, tok_ok, pl: tl.constexpr, c: tl.constexpr, NCH: tl.constexpr,
+                   CW: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, SCALE_BF16: tl.constexpr,
+                   BIAS: tl.constexpr, DOT_BF16: tl.constexpr, ALT: tl.constexpr):
+    """Dequantized plane ``pl`` of the chunk bytes ``raw`` ``[BLOCK_N, CW]``: ``s * (code - zero)`` in
+    the dot dtype. ``code - zero`` is exact, so a bfloat16 operand is rounded once, as a BF16
+    cache stores it. ``ALT``: see ``attention_v2_kernel._codes``."""
+    s, zb = _scale_col(srow, zrow, tok_ok, (pl * NCH + c) * CW // G, SCALE_BF16, BIAS)
+    k = _zsub(_codes(raw, pl, BITS, BIAS, DOT_BF16, ALT), zb, DOT_BF16)
+    if DOT_BF16:
+        return (k.to(tl.float32) * s[:, None]).to(tl.bfloat16)
+    else:
+        return k * s[:, None]
+
+
+@triton.jit
+def _chunk_operand(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, c: tl.constexpr,
+                   D: tl.constexpr, BITS: tl.constexpr, CW: tl.constexpr, G: tl.constexpr,
+                   CODES_OFF: tl.constexpr, SCALES_OFF: tl.constexpr, ZEROS_OFF: tl.constexpr,
+                   SCALE_BF16: tl.constexpr, BIAS: tl.constexpr, DOT_BF16: tl.constexpr, ALT: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """Dequantized chunk ``c`` of the tile, ``[BLOCK_N, CW * PLANES]`` in the dot dtype, columns
+    in :func:`_chunk_channels` order (one operand per run of bytes, so every product is as wide
+    as the bytes allow: 128 channels for 4-bit codes, 256 for 2-bit). BF16 pages: slice ``c``."""
+    if BITS == 16:
+        k = _load_bf16_vals(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, c, D, CW, CODES_OFF, DOT_BF16)
+    else:
+        BYTES: tl.constexpr = D * BITS // 8
+        NCH: tl.constexpr = BYTES // CW
+        srow, zrow = _scale_rows(pages_ptr, page_off, tp, D // G, SCALES_OFF, ZEROS_OFF, SCALE_BF16)
+        raw = _load_raw(pages_ptr, page_off, tp, ld_mask, lv0, c, BYTES, CW, CODES_OFF)
+        k0 = _plane_operand(raw, srow, zrow, tok_ok, 0, c, NCH, CW, G, BITS, SCALE_BF16, BIAS, DOT_BF16, ALT)
+        if BITS == 8:
+            k = k0
+        else:
+            k1 = _plane_operand(raw, srow, zrow, tok_ok, 1, c, NCH, CW, G, BITS, SCALE_BF16, BIAS, DOT_BF16, ALT)
+            if BITS == 4:
+                k = tl.reshape(tl.join(k0, k1), [BLOCK_N, 2 * CW])
+            else:
+                k2 = _plane_operand(raw, srow, zrow, tok_ok, 2, c, NCH, CW, G, BITS, SCALE_BF16, BIAS, DOT_BF16, ALT)
+                k3 = _plane_operand(raw, srow, zrow, tok_ok, 3, c, NCH, CW, G, BITS, SCALE_BF16, BIAS, DOT_BF16, ALT)
+                # join adds a trailing axis: [n, j, i, o] = plane 2i + o
+                k = tl.reshape(tl.join(tl.join(k0, k2), tl.join(k1, k3)), [BLOCK_N, 4 * CW])
+    return k
+
+
+@triton.jit
+def _scores_t(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, qs, score,
+              D: tl.constexpr, BITS: tl.constexpr, CW: tl.constexpr, G: tl.constexpr,
+              CODES_OFF: tl.constexpr, SCALES_OFF: tl.constexpr, ZEROS_OFF: tl.constexpr,
+              SCALE_BF16: tl.constexpr, BIAS: tl.constexpr, DOT_BF16: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``score`` ``[BLOCK_N, BLOCK_M]`` (tokens x rows, before the softmax scale) plus one path's
+    (content or RoPE) products of the tile; ``qs`` from :func:`_load_q_chunks`."""
+    BYTES: tl.constexpr = D * BITS // 8 if BITS < 16 else D
+    for c in tl.static_range(BYTES // CW):
+        k = _chunk_operand(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, c, D, BITS, CW, G, CODES_OFF, SCALES_OFF,
+                           ZEROS_OFF, SCALE_BF16, BIAS, DOT_BF16, False, BLOCK_N)
+        score = _dot_acc(k, qs[c], score, DOT_BF16)
+    return score
+
+
+@triton.jit
+def _pv(accs, alpha, p, pages_ptr, page_off, tp, ld_mask, tok_ok, lv0,
+        DC: tl.constexpr, BITS: tl.constexpr, CW: tl.constexpr, G: tl.constexpr,
+        CODES_OFF: tl.constexpr, SCALES_OFF: tl.constexpr, ZEROS_OFF: tl.constexpr,
+        SCALE_BF16: tl.constexpr, BIAS: tl.constexpr, DOT_BF16: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The output chunks ``[BLOCK_M, CW * PLANES]`` after one tile: ``O * alpha + P @ k_chunk``."""
+    BYTES: tl.constexpr = DC * BITS // 8 if BITS < 16 else DC
+    NACC: tl.constexpr = BYTES // CW
+    if DOT_BF16:
+        pg = p.to(tl.bfloat16)
+    else:
+        pg = p
+    for c in tl.static_range(NACC):
+        k = _chunk_operand(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, c, DC, BITS, CW, G, CODES_OFF, SCALES_OFF,
+                           ZEROS_OFF, SCALE_BF16, BIAS, DOT_BF16, True, BLOCK_N)
+        accs = _tuple_set(accs, c, _dot_acc(pg, k, accs[c] * alpha[:, None], DOT_BF16), NACC)
+    return accs
+
+
+@triton.jit
+def split_kernel_v3(
+    q_ptr,  # [B, R, DC] float32 / bfloat16, contiguous
+    qr_ptr,  # [B, R, DR]
+    pages_ptr,  # uint8 [num_pages, PAGE_BYTES]
+    table_ptr,  # int32 [B, max_pages]
+    lens_ptr,  # [B] int
+    o_part_ptr,  # float32 [B, NSPLIT, R, DC]
+    lse_part_ptr,  # float32 [B, NSPLIT, R] (log2 units)
+    stride_table,
+    num_pages,
+    sm_scale_log2,
+    R,
+    H,
+    S_Q,
+    SINK,
+    LOCAL,
+    NSPLIT,
+    Q_BF16: tl.constexpr,
+    DOT_BF16: tl.constexpr,
+    QUANT: tl.constexpr,
+    DC: tl.constexpr,
+    DR: tl.constexpr,
+    CBITS: tl.constexpr,
+    RBITS: tl.constexpr,
+    CG: tl.constexpr,
+    RG: tl.constexpr,
+    CCW: tl.constexpr,
+    RCW: tl.constexpr,
+    P: tl.constexpr,
+    PAGE_BYTES: tl.constexpr,
+    C_CODES_OFF: tl.constexpr,
+    R_CODES_OFF: tl.constexpr,
+    C_SCALES_OFF: tl.constexpr,
+    C_ZEROS_OFF: tl.constexpr,
+    R_SCALES_OFF: tl.constexpr,
+    R_ZEROS_OFF: tl.constexpr,
+    C_SCALE_BF16: tl.constexpr,
+    R_SCALE_BF16: tl.constexpr,
+    CBIAS: tl.constexpr,
+    RBIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PROBE_SKIP_PV: tl.constexpr = False,
+):
+    """One (split, request, block of BLOCK_R query rows): partial normalised output and
+    log2-sum-exp over the split's share of the packed tokens (v1's partial format).
+    ``PROBE_SKIP_PV`` (probes only; wrong results) leaves the PV products out."""
+    pid_s = tl.program_id(0)
+    b = tl.program_id(1)
+    rb = tl.program_id(2)
+    CPLANES: tl.constexpr = 8 // CBITS if QUANT else 1
+    CBYTES: tl.constexpr = DC * CBITS // 8 if QUANT else DC
+    NACC: tl.constexpr = CBYTES // CCW  # output chunks [BLOCK_R, CCW * CPLANES]
+    ONE_PAGE: tl.constexpr = (P % BLOCK_N) == 0  # a tile never spans two pages: one table lookup
+    cbits: tl.constexpr = CBITS if QUANT else 16
+    rbits: tl.constexpr = RBITS if QUANT else 16
+
+    L = tl.load(lens_ptr + b).to(tl.int32)
+    ps = tl.minimum(SINK, L)
+    pe = tl.maximum(L - LOCAL, ps)
+    tb0 = ps // BLOCK_N
+    tb1 = (pe + BLOCK_N - 1) // BLOCK_N
+    per = (tb1 - tb0 + NSPLIT - 1) // NSPLIT
+    t_lo = tb0 + pid_s * per
+    t_hi = tl.minimum(t_lo + per, tb1)
+
+    rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    limit = L - S_Q + rows // H + 1  # row r (query i = r // H) sees tokens n < limit
+    qc = _load_q_chunks(q_ptr + b.to(tl.int64) * R * DC, rows, row_ok, DC, cbits, CCW, Q_BF16, DOT_BF16)
+    qr = _load_q_chunks(qr_ptr + b.to(tl.int64) * R * DR, rows, row_ok, DR, rbits, RCW, Q_BF16, DOT_BF16)
+    table_row = table_ptr + b.to(tl.int64) * stride_table
+
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    accs = _zeros_tuple(BLOCK_R, CCW * CPLANES, NACC)
+    for t in range(t_lo, t_hi):
+        n0 = t * BLOCK_N
+        n = n0 + tl.arange(0, BLOCK_N)
+        in_rng = (n >= ps) & (n < pe)
+        tp = n % P
+        if ONE_PAGE:
+            page = tl.load(table_row + n0 // P)
+            page_ok = (page >= 0) & (page < num_pages)
+            page_off = tl.where(page_ok, page, 0).to(tl.int64) * PAGE_BYTES  # scalar
+            ld_mask = page_ok
+        else:
+            page = tl.load(table_row + n // P, mask=in_rng, other=-1)
+            page_ok = (page >= 0) & (page < num_pages)
+            page_off = tl.where(page_ok, page, 0).to(tl.int64) * PAGE_BYTES  # [BLOCK_N]
+            ld_mask = page_ok[:, None]
+        tok_ok = in_rng & page_ok
+        lv0 = tl.minimum(t, 0)  # 0 (t >= 0), unknown to the compiler: see attention_v2_kernel._load_raw
+
+        score = _scores_t(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, qc, tl.zeros([BLOCK_N, BLOCK_R], tl.float32),
+                          DC, cbits, CCW, CG, C_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF, C_SCALE_BF16, CBIAS, DOT_BF16, BLOCK_N)
+        score = _scores_t(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, qr, score, DR, rbits, RCW, RG,
+                          R_CODES_OFF, R_SCALES_OFF, R_ZEROS_OFF, R_SCALE_BF16, RBIAS, DOT_BF16, BLOCK_N)
+        vis = tok_ok[:, None] & (n[:, None] < limit[None, :])
+        score = tl.where(vis, score * sm_scale_log2, float("-inf"))  # [BLOCK_N, BLOCK_R]
+
+        m_new = tl.maximum(m_i, tl.max(score, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p_t = tl.exp2(score - m_safe[None, :])
+        l_i = l_i * alpha + tl.sum(p_t, axis=0)
+        m_i = m_new
+        p = tl.trans(p_t)  # [BLOCK_R, BLOCK_N], the A operand of PV
+        if PROBE_SKIP_PV:
+            for c in tl.static_range(NACC):
+                accs = _tuple_set(accs, c, accs[c] * alpha[:, None], NACC)
+        else:
+            # a second loop-variant zero: the same one would let CSE keep the QK operands alive
+            accs = _pv(accs, alpha, p, pages_ptr, page_off, tp, ld_mask, tok_ok, tl.minimum(n0, 0), DC, cbits, CCW,
+                       CG, C_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF, C_SCALE_BF16, CBIAS, DOT_BF16, BLOCK_N)
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    lse2 = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+    part = (b.to(tl.int64) * NSPLIT + pid_s) * R
+    for c in tl.static_range(NACC):
+        o_offs = (part + rows[:, None]) * DC + _chunk_channels(c, CCW, CPLANES, CBYTES)[None, :]
+        tl.store(o_part_ptr + o_offs, accs[c] / l_safe[:, None], mask=row_ok[:, None])
+    tl.store(lse_part_ptr + part + rows, lse2, mask=row_ok)
