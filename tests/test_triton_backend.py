@@ -53,7 +53,7 @@ FMT_CASES = _fmt_cases()
 
 # ---------------------------------------------------------------- attention kernel variants
 #: split kernels behind $QUANTMLA_TRITON_ATTENTION (read per call by backends/triton/attention.py)
-VARIANTS = ("v1", "v2")
+VARIANTS = ("v1", "v2", "v3")
 
 
 @pytest.fixture(params=VARIANTS)
@@ -129,9 +129,10 @@ def test_writer_matches_reference(case, dtype):
 @pytest.mark.parametrize("case", FMT_CASES + CASES, ids=str)
 def test_attention_matches_reference(case, variant):
     """Pages written by the torch backend, read by Triton (float32 queries, tight tolerance).
-    Without a GPU only v1 runs the full set (interpreter time); v2 runs V2_CASES below."""
+    Without a GPU only v1 runs the full set (interpreter time); v2 and v3 run V2_CASES and
+    V3_CASES below."""
     if variant != "v1" and not GPU:
-        pytest.skip("interpreter: v2 runs the small V2_CASES set")
+        pytest.skip(f"interpreter: {variant} runs the small {variant.upper()}_CASES set")
     check_attention_case(case, "torch", "triton", DEVICE)
 
 
@@ -161,11 +162,22 @@ def test_v3_attention_matches_reference(case, dtype, monkeypatch):
     assert LAST_LAUNCH["variant"] == ("v3" if dtype == "bfloat16" or not GPU else "v1")
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_v3_split_counts(splits):
-    """Forced split counts over 64 rows (S_q 2 x H 32), with tokens in the sink and the window."""
-    case = Case(PackFormat.parse("C4R4"), (700, 260), heads=32, s_q=2, seed=78 + splits)
-    _attend_direct(case, "bfloat16" if GPU else "float32", variant="v3", num_splits=splits)
+def test_v3_split_counts_and_prefetch(splits, prefetch):
+    """Forced split counts over 64 rows (S_q 2 x H 32), with tokens in the sink and the window,
+    with the tile's bytes loaded up front (the default) and chunk by chunk."""
+    case = Case(PackFormat.parse("C2R4"), (700, 260), heads=32, s_q=2, seed=78 + splits)
+    _attend_direct(case, "bfloat16" if GPU else "float32", variant="v3", num_splits=splits,
+                   overrides={"prefetch": prefetch})
+
+
+def test_kernel_switches_name_their_variant():
+    case = Case(PackFormat.parse("C4R4"), (70,), heads=4, seed=3)
+    with pytest.raises(ValueError, match="'prefetch' is a kernel-v3 switch"):
+        _attend_direct(case, variant="v2", overrides={"prefetch": True})
+    with pytest.raises(ValueError, match="'zsub' is a kernel-v2 switch"):
+        _attend_direct(case, variant="v3", overrides={"zsub": True})
 
 
 def _attend_direct(case: Case, dtype: str = "float32", tol_dtype: str | None = None, **kwargs):
@@ -263,7 +275,7 @@ def test_triton_write_torch_read(case):
 @pytest.mark.parametrize("case", [c for c in FMT_CASES if c.fmt.latent_dim == 512][::2], ids=str)
 def test_bf16_inputs(case, variant):
     if variant != "v1" and not GPU:
-        pytest.skip("interpreter: v2 takes bfloat16 queries in test_v2_attention_matches_reference")
+        pytest.skip(f"interpreter: {variant} takes bfloat16 queries in test_{variant}_attention_matches_reference")
     check_attention_case(case, "torch", "triton", DEVICE, "bfloat16")
 
 
@@ -343,8 +355,9 @@ def test_real_shapes_gpu(case, dtype, variant):
     check_attention_case(case, "triton", "triton", "cuda", dtype)
 
 
-def test_v2_compiles_to_wgmma_for_sm90_offline():
-    """Kernel v2 compiles for sm_90a without a GPU (Triton's bundled ptxas; in a subprocess, as
+@pytest.mark.parametrize("variant,extra", [("v2", []), ("v3", ["block_r=64"])])
+def test_compiles_to_wgmma_for_sm90_offline(variant, extra):
+    """Kernels v2 and v3 compile for sm_90a without a GPU (Triton's bundled ptxas; in a subprocess, as
     ``TRITON_INTERPRET=1`` turns kernels into interpreted functions) with every product a wgmma
     and no mma.sync. Registers / spill bytes go to the log (the H200 run reports its own)."""
     import ast
@@ -360,7 +373,7 @@ def test_v2_compiles_to_wgmma_for_sm90_offline():
 
     # run outside the checkout (and with -P if we were) so the installed package is the one imported
     cmd = [sys.executable, *(["-P"] if sys.flags.safe_path else []), "-m", "quantmla_core.backends.triton.sm90_report",
-           "v2", "C4R4"]
+           variant, "C4R4", *extra]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tempfile.gettempdir())
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     assert lines, r.stdout + r.stderr

@@ -21,8 +21,8 @@ from .attention_kernel import protect_combine_kernel, split_kernel
 from .attention_v2_kernel import split_kernel_v2
 from .attention_v3_kernel import split_kernel_v3
 from .common import launch_dims, page_layout_constexprs, ptr_or_dummy
-from .heuristics import (INTERPRETER_SM_COUNT, V2_FLOAT32_ON_GPU, V2_HOLD_RAW, V2_ZSUB, V3_MIN_ROWS, AttentionPlan,
-                         plan, plan_v2, plan_v3)
+from .heuristics import (INTERPRETER_SM_COUNT, V2_FLOAT32_ON_GPU, V2_HOLD_RAW, V2_ZSUB, V3_MIN_ROWS, V3_PREFETCH,
+                         AttentionPlan, plan, plan_v2, plan_v3)
 
 #: environment variable choosing the split kernel ("auto" default, "v1", "v2", "v3"); read on every call
 VARIANT_ENV = "QUANTMLA_TRITON_ATTENTION"
@@ -90,7 +90,7 @@ def _split_constexprs(fmt, variant: str, q_bf16: bool, dot_bf16: bool, block_n: 
         consts.update(v2_constexprs(quant, cbits, rbits, dot_bf16))
     elif variant == "v3":
         v2 = v2_constexprs(quant, cbits, rbits, dot_bf16)
-        consts.update(CBIAS=v2["CBIAS"], RBIAS=v2["RBIAS"])
+        consts.update(CBIAS=v2["CBIAS"], RBIAS=v2["RBIAS"], PREFETCH=V3_PREFETCH)
     return MappingProxyType(consts)
 
 
@@ -103,7 +103,8 @@ def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: 
 
     ``num_splits`` overrides the heuristic (tests use it to cover several splits);
     ``overrides`` replaces fields of the heuristic plan (benchmark probes; v2 also takes the
-    kernel switches ``pv_form``, ``hold_raw``, ``code_bias``, ``zsub``; both take ``maxnreg``).
+    kernel switches ``pv_form``, ``hold_raw``, ``code_bias``, ``zsub``, v3 ``prefetch``; all take
+    ``maxnreg``).
     ``variant`` ("auto"/"v1"/"v2"/"v3") overrides ``$QUANTMLA_TRITON_ATTENTION`` (read per call;
     default "auto", see :func:`auto_variant`). v2 on a GPU with float32 queries runs v1 (``heuristics.V2_FLOAT32_ON_GPU``);
     ``LAST_LAUNCH["variant"]`` names the kernel that ran."""
@@ -128,7 +129,7 @@ def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: 
     pl: AttentionPlan = _PLANNERS[variant](b, rows, dc, fmt.page_size, int(block_table.shape[1]) * fmt.page_size,
                                 _sm_count(dev), interp, num_splits, fp32_dot=not dot_bf16)
     probe_skip_pv = False
-    v2_switches: dict = {}
+    switches: dict = {}
     extra_launch: dict = {}
     if overrides:
         overrides = dict(overrides)
@@ -137,7 +138,11 @@ def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: 
             if key in overrides:
                 if variant != "v2":
                     raise ValueError(f"overrides: {key!r} is a kernel-v2 switch, the call runs {variant}")
-                v2_switches[key] = overrides.pop(key)
+                switches[key] = overrides.pop(key)
+        if "prefetch" in overrides:
+            if variant != "v3":
+                raise ValueError(f"overrides: 'prefetch' is a kernel-v3 switch, the call runs {variant}")
+            switches["prefetch"] = bool(overrides.pop("prefetch"))
         if "maxnreg" in overrides:  # CUDA only (ptx .maxnreg); probes
             extra_launch["maxnreg"] = int(overrides.pop("maxnreg"))
         pl = dataclasses.replace(pl, **overrides)
@@ -153,11 +158,13 @@ def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: 
     LAST_LAUNCH["plan"] = pl
     args = (q, qr, cache.pages, block_table, seq_lens, o_part, lse_part,
             block_table.stride(0), cache.num_pages, scale_log2, rows, h, s_q, cache.sink, cache.local, pl.num_splits)
-    if probe_skip_pv or v2_switches:  # probes: built per call
+    if probe_skip_pv or switches:  # probes: built per call
         consts = dict(_split_constexprs(fmt, variant, q_bf16, dot_bf16, pl.block_n, pl.block_r))
         consts["PROBE_SKIP_PV"] = probe_skip_pv
         if variant == "v2":
-            consts.update(v2_constexprs(*_code_bits(fmt), dot_bf16, **v2_switches))
+            consts.update(v2_constexprs(*_code_bits(fmt), dot_bf16, **switches))
+        elif "prefetch" in switches:
+            consts["PREFETCH"] = switches["prefetch"]
     else:
         consts = _split_constexprs(fmt, variant, q_bf16, dot_bf16, pl.block_n, pl.block_r)
     grid = (pl.num_splits, b, pl.row_blocks)

@@ -52,16 +52,33 @@ def _chunk_channels(c: tl.constexpr, CW: tl.constexpr, PLANES: tl.constexpr, BYT
 
 
 @triton.jit
+def _load_q_plane(q_base, rows, row_ok, ch0, D: tl.constexpr, CW: tl.constexpr, Q_BF16: tl.constexpr):
+    """Query channels ``[ch0, ch0 + CW)`` of the rows as float32 ``[CW, BLOCK_M]`` (0 past R)."""
+    return load_f32(q_base, rows[None, :] * D + (ch0 + tl.arange(0, CW))[:, None], row_ok[None, :], Q_BF16)
+
+
+@triton.jit
 def _load_q_chunks(q_base, rows, row_ok, D: tl.constexpr, BITS: tl.constexpr, CW: tl.constexpr,
                    Q_BF16: tl.constexpr, DOT_BF16: tl.constexpr):
     """Query rows as a tuple of chunk operands ``[CW * PLANES, BLOCK_M]`` in the dot dtype, rows in
-    the column order of :func:`_chunk_operand` (0 past R). BF16 pages: slices of CW channels."""
+    the column order of :func:`_chunk_operand` (0 past R). BF16 pages: slices of CW channels.
+    Each plane is loaded as a contiguous run of channels and interleaved in registers."""
     PLANES: tl.constexpr = 8 // BITS if BITS < 16 else 1
     BYTES: tl.constexpr = D * BITS // 8 if BITS < 16 else D
     qs = ()
     for c in tl.static_range(BYTES // CW):
-        ch = _chunk_channels(c, CW, PLANES, BYTES)
-        x = load_f32(q_base, rows[None, :] * D + ch[:, None], row_ok[None, :], Q_BF16)
+        x0 = _load_q_plane(q_base, rows, row_ok, c * CW, D, CW, Q_BF16)
+        if PLANES == 1:
+            x = x0
+        else:
+            x1 = _load_q_plane(q_base, rows, row_ok, BYTES + c * CW, D, CW, Q_BF16)
+            if PLANES == 2:  # join: [j, m, pl] -> [j, pl, m]
+                x = tl.reshape(tl.permute(tl.join(x0, x1), (0, 2, 1)), [2 * CW, x0.shape[1]])
+            else:  # [j, m, i, o] (plane 2i + o) -> [j, i, o, m]
+                x2 = _load_q_plane(q_base, rows, row_ok, 2 * BYTES + c * CW, D, CW, Q_BF16)
+                x3 = _load_q_plane(q_base, rows, row_ok, 3 * BYTES + c * CW, D, CW, Q_BF16)
+                x = tl.reshape(tl.permute(tl.join(tl.join(x0, x2), tl.join(x1, x3)), (0, 2, 3, 1)),
+                               [4 * CW, x0.shape[1]])
         if DOT_BF16:
             qs = qs + (x.to(tl.bfloat16),)
         else:
@@ -85,33 +102,58 @@ def _plane_operand(raw, srow, zrow, tok_ok, pl: tl.constexpr, c: tl.constexpr, N
 
 
 @triton.jit
+def _raw_operand(raw, srow, zrow, tok_ok, c: tl.constexpr, NCH: tl.constexpr, CW: tl.constexpr, G: tl.constexpr,
+                 BITS: tl.constexpr, SCALE_BF16: tl.constexpr, BIAS: tl.constexpr, DOT_BF16: tl.constexpr,
+                 ALT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Chunk ``c``'s bytes ``raw`` ``[BLOCK_N, CW]`` dequantized, every bit plane joined:
+    ``[BLOCK_N, CW * PLANES]`` in :func:`_chunk_channels` column order."""
+    k0 = _plane_operand(raw, srow, zrow, tok_ok, 0, c, NCH, CW, G, BITS, SCALE_BF16, BIAS, DOT_BF16, ALT)
+    if BITS == 8:
+        k = k0
+    else:
+        k1 = _plane_operand(raw, srow, zrow, tok_ok, 1, c, NCH, CW, G, BITS, SCALE_BF16, BIAS, DOT_BF16, ALT)
+        if BITS == 4:
+            k = tl.reshape(tl.join(k0, k1), [BLOCK_N, 2 * CW])
+        else:
+            k2 = _plane_operand(raw, srow, zrow, tok_ok, 2, c, NCH, CW, G, BITS, SCALE_BF16, BIAS, DOT_BF16, ALT)
+            k3 = _plane_operand(raw, srow, zrow, tok_ok, 3, c, NCH, CW, G, BITS, SCALE_BF16, BIAS, DOT_BF16, ALT)
+            # join adds a trailing axis: [n, j, i, o] = plane 2i + o
+            k = tl.reshape(tl.join(tl.join(k0, k2), tl.join(k1, k3)), [BLOCK_N, 4 * CW])
+    return k
+
+
+@triton.jit
+def _tile_raws(pages_ptr, page_off, tp, ld_mask, lv0, D: tl.constexpr, BITS: tl.constexpr, CW: tl.constexpr,
+               CODES_OFF: tl.constexpr):
+    """Every chunk's bytes of one path of the tile, loaded together (their latencies overlap)."""
+    BYTES: tl.constexpr = D * BITS // 8
+    raws = ()
+    for c in tl.static_range(BYTES // CW):
+        raws = raws + (_load_raw(pages_ptr, page_off, tp, ld_mask, lv0, c, BYTES, CW, CODES_OFF),)
+    return raws
+
+
+@triton.jit
 def _chunk_operand(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, c: tl.constexpr,
                    D: tl.constexpr, BITS: tl.constexpr, CW: tl.constexpr, G: tl.constexpr,
                    CODES_OFF: tl.constexpr, SCALES_OFF: tl.constexpr, ZEROS_OFF: tl.constexpr,
                    SCALE_BF16: tl.constexpr, BIAS: tl.constexpr, DOT_BF16: tl.constexpr, ALT: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
+                   BLOCK_N: tl.constexpr, raws):
     """Dequantized chunk ``c`` of the tile, ``[BLOCK_N, CW * PLANES]`` in the dot dtype, columns
     in :func:`_chunk_channels` order (one operand per run of bytes, so every product is as wide
-    as the bytes allow: 128 channels for 4-bit codes, 256 for 2-bit). BF16 pages: slice ``c``."""
+    as the bytes allow: 128 channels for 4-bit codes, 256 for 2-bit). BF16 pages: slice ``c``.
+    ``raws``: the chunks' bytes from :func:`_tile_raws` (empty: loaded here)."""
     if BITS == 16:
         k = _load_bf16_vals(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, c, D, CW, CODES_OFF, DOT_BF16)
     else:
         BYTES: tl.constexpr = D * BITS // 8
         NCH: tl.constexpr = BYTES // CW
         srow, zrow = _scale_rows(pages_ptr, page_off, tp, D // G, SCALES_OFF, ZEROS_OFF, SCALE_BF16)
-        raw = _load_raw(pages_ptr, page_off, tp, ld_mask, lv0, c, BYTES, CW, CODES_OFF)
-        k0 = _plane_operand(raw, srow, zrow, tok_ok, 0, c, NCH, CW, G, BITS, SCALE_BF16, BIAS, DOT_BF16, ALT)
-        if BITS == 8:
-            k = k0
+        if len(raws) == 0:
+            raw = _load_raw(pages_ptr, page_off, tp, ld_mask, lv0, c, BYTES, CW, CODES_OFF)
         else:
-            k1 = _plane_operand(raw, srow, zrow, tok_ok, 1, c, NCH, CW, G, BITS, SCALE_BF16, BIAS, DOT_BF16, ALT)
-            if BITS == 4:
-                k = tl.reshape(tl.join(k0, k1), [BLOCK_N, 2 * CW])
-            else:
-                k2 = _plane_operand(raw, srow, zrow, tok_ok, 2, c, NCH, CW, G, BITS, SCALE_BF16, BIAS, DOT_BF16, ALT)
-                k3 = _plane_operand(raw, srow, zrow, tok_ok, 3, c, NCH, CW, G, BITS, SCALE_BF16, BIAS, DOT_BF16, ALT)
-                # join adds a trailing axis: [n, j, i, o] = plane 2i + o
-                k = tl.reshape(tl.join(tl.join(k0, k2), tl.join(k1, k3)), [BLOCK_N, 4 * CW])
+            raw = raws[c]
+        k = _raw_operand(raw, srow, zrow, tok_ok, c, NCH, CW, G, BITS, SCALE_BF16, BIAS, DOT_BF16, ALT, BLOCK_N)
     return k
 
 
@@ -119,13 +161,15 @@ def _chunk_operand(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, c: tl.constexp
 def _scores_t(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, qs, score,
               D: tl.constexpr, BITS: tl.constexpr, CW: tl.constexpr, G: tl.constexpr,
               CODES_OFF: tl.constexpr, SCALES_OFF: tl.constexpr, ZEROS_OFF: tl.constexpr,
-              SCALE_BF16: tl.constexpr, BIAS: tl.constexpr, DOT_BF16: tl.constexpr, BLOCK_N: tl.constexpr):
+              SCALE_BF16: tl.constexpr, BIAS: tl.constexpr, DOT_BF16: tl.constexpr, BLOCK_N: tl.constexpr,
+              raws):
     """``score`` ``[BLOCK_N, BLOCK_M]`` (tokens x rows, before the softmax scale) plus one path's
-    (content or RoPE) products of the tile; ``qs`` from :func:`_load_q_chunks`."""
+    (content or RoPE) products of the tile; ``qs`` from :func:`_load_q_chunks`; ``raws`` see
+    :func:`_chunk_operand`."""
     BYTES: tl.constexpr = D * BITS // 8 if BITS < 16 else D
     for c in tl.static_range(BYTES // CW):
         k = _chunk_operand(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, c, D, BITS, CW, G, CODES_OFF, SCALES_OFF,
-                           ZEROS_OFF, SCALE_BF16, BIAS, DOT_BF16, False, BLOCK_N)
+                           ZEROS_OFF, SCALE_BF16, BIAS, DOT_BF16, False, BLOCK_N, raws)
         score = _dot_acc(k, qs[c], score, DOT_BF16)
     return score
 
@@ -144,7 +188,7 @@ def _pv(accs, alpha, p, pages_ptr, page_off, tp, ld_mask, tok_ok, lv0,
         pg = p
     for c in tl.static_range(NACC):
         k = _chunk_operand(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, c, DC, BITS, CW, G, CODES_OFF, SCALES_OFF,
-                           ZEROS_OFF, SCALE_BF16, BIAS, DOT_BF16, True, BLOCK_N)
+                           ZEROS_OFF, SCALE_BF16, BIAS, DOT_BF16, True, BLOCK_N, ())
         accs = _tuple_set(accs, c, _dot_acc(pg, k, accs[c] * alpha[:, None], DOT_BF16), NACC)
     return accs
 
@@ -192,6 +236,7 @@ def split_kernel_v3(
     RBIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
     PROBE_SKIP_PV: tl.constexpr = False,
 ):
     """One (split, request, block of BLOCK_R query rows): partial normalised output and
@@ -244,10 +289,16 @@ def split_kernel_v3(
         tok_ok = in_rng & page_ok
         lv0 = tl.minimum(t, 0)  # 0 (t >= 0), unknown to the compiler: see attention_v2_kernel._load_raw
 
+        craws = ()
+        rraws = ()
+        if QUANT and PREFETCH:
+            craws = _tile_raws(pages_ptr, page_off, tp, ld_mask, lv0, DC, CBITS, CCW, C_CODES_OFF)
+            rraws = _tile_raws(pages_ptr, page_off, tp, ld_mask, lv0, DR, RBITS, RCW, R_CODES_OFF)
         score = _scores_t(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, qc, tl.zeros([BLOCK_N, BLOCK_R], tl.float32),
-                          DC, cbits, CCW, CG, C_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF, C_SCALE_BF16, CBIAS, DOT_BF16, BLOCK_N)
+                          DC, cbits, CCW, CG, C_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF, C_SCALE_BF16, CBIAS, DOT_BF16, BLOCK_N,
+                          craws)
         score = _scores_t(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, qr, score, DR, rbits, RCW, RG,
-                          R_CODES_OFF, R_SCALES_OFF, R_ZEROS_OFF, R_SCALE_BF16, RBIAS, DOT_BF16, BLOCK_N)
+                          R_CODES_OFF, R_SCALES_OFF, R_ZEROS_OFF, R_SCALE_BF16, RBIAS, DOT_BF16, BLOCK_N, rraws)
         vis = tok_ok[:, None] & (n[:, None] < limit[None, :])
         score = tl.where(vis, score * sm_scale_log2, float("-inf"))  # [BLOCK_N, BLOCK_R]
 

@@ -1,6 +1,6 @@
 """Offline register / spill report of the split kernels for sm_90a — no GPU needed.
 
-Compiles ``split_kernel`` (v1) or ``split_kernel_v2`` through Triton's own pipeline for an
+Compiles ``split_kernel`` (v1), ``split_kernel_v2`` or ``split_kernel_v3`` through Triton's own pipeline for an
 sm_90 target (pointers assumed 16-byte aligned, as the runtime specialises torch tensors),
 runs the ``ptxas`` bundled with Triton on the PTX with ``-v``, and reports registers, spill
 bytes, shared memory and how many ``wgmma`` the TTGIR holds. Numbers track the H200's
@@ -8,6 +8,7 @@ bytes, shared memory and how many ``wgmma`` the TTGIR holds. Numbers track the H
 
     python -m quantmla_core.backends.triton.sm90_report            # the default matrix
     python -m quantmla_core.backends.triton.sm90_report v2 C4R4 block_r=32 num_warps=8
+    python -m quantmla_core.backends.triton.sm90_report v3 C4R4 block_r=64 prefetch=false
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ def _consts(variant: str, fmt, block_n: int, block_r: int, bf16: bool, **switche
              RG=rg, CCW=slice_width(fmt.latent_dim, cb, cg), RCW=slice_width(fmt.rope_dim, rb, rg),
              **page_layout_constexprs(fmt), BLOCK_N=block_n, BLOCK_R=block_r,
              PROBE_SKIP_PV=bool(switches.pop("skip_pv", False)))
+    if variant == "v3":
+        from .heuristics import V3_PREFETCH
+
+        c["PREFETCH"] = bool(switches.pop("prefetch", V3_PREFETCH))
     if variant in ("v2", "v3"):
         from .attention import v2_constexprs
 
@@ -105,6 +110,9 @@ DEFAULT_MATRIX = [
     ("v2", "C4R4", {"block_r": 32}),
     ("v2", "C4R4", {"hold_raw": True}),
     ("v2", "C4R4", {"pv_form": 1}),
+    ("v3", "C4R4", {"block_r": 64}),
+    ("v3", "C2R4", {"block_r": 64}),
+    ("v3", "BF16", {"block_r": 64}),
 ]
 
 
