@@ -21,17 +21,35 @@ from .formats import PackFormat
 
 ENV_OVERRIDE = "QUANTMLA_BACKEND"
 
-#: auto priority per device kind. On CUDA the CuPy backend comes first because it measured faster
-#: than the Triton backend at every shape timed on an H200 (2026-11-30, benchmarks/RESULTS.md:
-#: C4R4 H=16 B=32 L=32K 659 vs 1801 us; H=128 B=32 L=32K 4008 vs 9325 us; writers, 128K-token
-#: prompt, stop 14: C4R4 88.0 vs 90.5 us, C2R4 91.9 vs 97.5 us); Triton serves what
-#: CuPy does not (group size 32, no cupy installed) and is the only GPU kernel path on ROCm.
+#: auto priority per device kind (:func:`auto_order` adjusts it per problem). On CUDA the CuPy
+#: backend comes first because it measured faster than the Triton backend on packed formats at
+#: every shape timed on an H200 (2026-11-30, benchmarks/RESULTS.md: C4R4 H=16 B=32 L=32K 659 vs
+#: 1801 us; H=128 B=32 L=32K, stop 17: 1203 vs 2592 us; writers, 128K-token prompt, stop 14: C4R4
+#: 88.0 vs 90.5 us, C2R4 91.9 vs 97.5 us); Triton serves what CuPy does not (group size 32, no
+#: cupy installed) and is the only GPU kernel path on ROCm.
 PRIORITY: dict[str, tuple[str, ...]] = {
     "cuda": ("cupy", "triton", "torch"),
     "rocm": ("triton", "torch"),
     "cpu": ("numba", "torch", "reference"),
     "numpy": ("numba", "reference"),
 }
+
+#: query rows (S_q x H) from which BF16-page attention on CUDA tries Triton before CuPy: Triton's
+#: kernel v3 (64 rows per program) measured 3.2-4.4x FlashInfer BF16 at H=128 against CuPy's
+#: BF16 path at 4.8-7.0x (same-run pytest-benchmark grid, H200, benchmarks/RESULTS.md stop 17).
+#: Packed formats keep CuPy first (C4R4 at H=128: CuPy 2.1-2.7x, Triton 4.3-5.8x; at B=8 L=4K the
+#: eager CuPy call is host-bound, 6.8x, but 2.1x as a CUDA graph against Triton's 6.0x).
+BF16_TRITON_FIRST_ROWS = 64
+
+
+def auto_order(problem: Problem) -> tuple[str, ...]:
+    """The backends ``auto`` tries for ``problem``, in order (:data:`PRIORITY`, with Triton first for
+    BF16-page attention on CUDA from :data:`BF16_TRITON_FIRST_ROWS` query rows)."""
+    order = PRIORITY.get(problem.device.kind, ("torch",))
+    if (problem.device.kind == "cuda" and problem.op == "attention" and not problem.format.quantized
+            and problem.num_heads * problem.q_len >= BF16_TRITON_FIRST_ROWS):
+        order = ("triton", *(name for name in order if name != "triton"))
+    return order
 
 
 class NoBackendError(RuntimeError):
@@ -260,7 +278,7 @@ def _select(problem: Problem, backend: str) -> Backend:
         if reasons:
             raise NoBackendError(f"backend {backend!r} cannot serve {problem.op} ({problem.format}):", {backend: reasons})
         return chosen
-    order = PRIORITY.get(problem.device.kind, ("torch",))
+    order = auto_order(problem)
     collected: dict[str, list[str]] = {}
     for name in order:
         candidate = get_backend(name)

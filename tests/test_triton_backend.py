@@ -172,6 +172,21 @@ def test_v3_split_counts_and_prefetch(splits, prefetch):
                    overrides={"prefetch": prefetch})
 
 
+@pytest.mark.parametrize("batch,rows,tokens,splits", [(32, 128, 32768, 2), (8, 128, 4096, 8), (32, 80, 32768, 2),
+                                                     (1, 64, 2048, 4), (128, 128, 131072, 18)])
+def test_v3_plan(batch, rows, tokens, splits):
+    """One program per SM: the split count fills whole rounds of 132 programs, shares of >= 4 tiles
+    of 128 tokens, rows in blocks of 64 (80 rows: two blocks)."""
+    from quantmla_core.backends.triton import heuristics as hz
+
+    pl = hz.plan_v3(batch, rows, 512, 64, tokens, 132)
+    assert (pl.block_n, pl.block_r, pl.num_warps) == (128, 64, 8)
+    assert pl.row_blocks == -(-rows // 64) and pl.num_splits == splits
+    assert -(-tokens // 128) // pl.num_splits >= hz.V3_MIN_TILES_PER_SPLIT or pl.num_splits == 1
+    ctas = batch * pl.row_blocks * pl.num_splits
+    assert ctas < 132 or ctas / (132 * -(-ctas // 132)) > 0.95  # the last round nearly full
+
+
 def test_kernel_switches_name_their_variant():
     case = Case(PackFormat.parse("C4R4"), (70,), heads=4, seed=3)
     with pytest.raises(ValueError, match="'prefetch' is a kernel-v3 switch"):

@@ -1,27 +1,34 @@
-"""Split-KV decode attention, kernel v3: query rows as the M dimension, for many rows per request.
+"""Split-KV decode attention, kernel v3: 64 query rows per program, for many rows per request.
 
 For requests with at least :data:`heuristics.V3_MIN_ROWS` query rows (S_q x H: DeepSeek-V3/R1
-and Kimi-K2 decode at H = 128, H = 64, speculative decoding). Kernels v1/v2 take the query
-rows as the N dimension (16 per program), so at H = 128 eight programs unpack the same tokens;
-here one program takes BLOCK_M = 64 rows of one request, and every product is a 64-row
-``tl.dot`` (a Hopper ``wgmma`` m64 per warpgroup; ``mma.sync`` elsewhere). Writes the same
-partials as v1/v2, so ``attention_kernel.protect_combine_kernel`` adds the protected tokens and
-merges the splits.
+and Kimi-K2 decode at H = 128, H = 64, speculative decoding). Kernels v1/v2 take the query rows
+as the N dimension, 16 per program, so at H = 128 eight programs unpack the same tokens. Here one
+program takes BLOCK_R = 64 rows of one request and writes v1's partials, so
+``attention_kernel.protect_combine_kernel`` adds the protected tokens and merges the splits.
 
-Per tile of BLOCK_N tokens and per slice ``sl`` (CW elements of one bit plane of one run of
-bytes, inside one quantization group; ``__init__.slice_width``), with ``k_sl = code - zero``
-(exact small integers: ``bits(code | 0x4300) - (128 + zero)`` in bfloat16 on the GPU):
+Per tile of BLOCK_N = 128 tokens and per chunk ``c`` (CW bytes of every token's code row, all
+its bit planes dequantized and joined: ``[BLOCK_N, CW * PLANES]``, 128 channels at 4 bits, 256
+at 2; column ``j*PLANES + pl`` is channel ``pl*BYTES + c*CW + j``; the query chunks are loaded in
+the same order), with ``K_c = bf16(s * (code - zero))`` (``code - zero`` exact, one rounding, as
+a BF16 cache stores the value):
 
-    QK:  S      += s_sl[None, :] * dot(q_sl, k_sl^T)                  [BLOCK_M, BLOCK_N]
-    PV:  O_sl    = O_sl * alpha + dot(bf16(p * s_sl[None, :]), k_sl)    [BLOCK_M, CW]
+    QK:  S^T  += K_c @ Q_c^T        [BLOCK_N, BLOCK_R]   tokens are M: 8 warps x 16 tokens
+    PV:  O_c   = O_c * alpha + P @ K_c   [BLOCK_R, CW * PLANES]   rows are M, channels split by 2 warpgroups
 
-Scales enter once per (token, slice) on the score / probability side; no zero-point
-corrections (the operand carries ``code - zero``). BF16 pages use their values directly. The
-query slices are loaded once per program (the ``wgmma`` A operand, kept in shared memory by
-the compiler); the output state is the DC x BLOCK_M float32 tile ``O`` as a tuple of slices,
-128 registers per thread at 8 warps (``heuristics.V3_NUM_WARPS``). PV re-reads the tile's
-bytes (L1 hits) with a second loop-variant zero so the compiler cannot keep the QK operands
-alive across the softmax.
+Why this shape: Triton lays the warps of a dot whose result feeds another dot along M only, so a
+64-row QK on 8 warps would be computed twice (two warpgroups, one m64 row block); with 128
+tokens as M each warpgroup owns 64 of them. PV's result feeds no dot, so its warps split the
+channels and the DC x 64 float32 output (128 registers per thread) is held once. Joining the
+planes halves the number of products (9 wgmma per tile for C4R4, 18 with one per plane).
+``PREFETCH`` loads all of a tile's code bytes before its first product (one program per SM
+leaves nothing else to hide their latency). PV re-reads the bytes (L1 hits) with a second
+loop-variant zero so that the compiler cannot keep the QK operands alive across the softmax.
+
+Measured (H200, triton 3.6, CUDA graphs, FlashInfer BF16 in the same run; benchmarks/RESULTS.md
+"Stop 17"): C4R4 H=128 B=32 L=32K 2,593 us = 4.4x FlashInfer (v2: 7.1-8.9x in the grids), BF16
+pages 1,942 us = 3.3x, QK alone (``PROBE_SKIP_PV``) 1,610 us; 255 registers, 74 spilled. Limits:
+every ``wgmma`` is waited on at once (no overlap with the dequantization) and one program per SM
+(8 warps) leaves the load latencies exposed.
 """
 
 from __future__ import annotations
