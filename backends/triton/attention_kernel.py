@@ -114,6 +114,19 @@ def _load_query_slices(q_ptr, rows, row_ok, D: tl.constexpr, CW: tl.constexpr, Q
 
 
 @triton.jit
+def split_tiles(L, SINK, LOCAL, NSPLIT, pid_s, BLOCK_N: tl.constexpr):
+    """The packed token range ``[ps, pe)`` of a request of length ``L`` (between its sink and its
+    local window) and split ``pid_s``'s tiles ``[t_lo, t_hi)`` of it (equal shares of whole tiles)."""
+    ps = tl.minimum(SINK, L)
+    pe = tl.maximum(L - LOCAL, ps)
+    tb0 = ps // BLOCK_N
+    tb1 = (pe + BLOCK_N - 1) // BLOCK_N
+    per = (tb1 - tb0 + NSPLIT - 1) // NSPLIT
+    t_lo = tb0 + pid_s * per
+    return ps, pe, t_lo, tl.minimum(t_lo + per, tb1)
+
+
+@triton.jit
 def split_kernel(
     q_ptr,  # [B, R, DC] float32 / bfloat16, contiguous
     qr_ptr,  # [B, R, DR]
@@ -167,13 +180,7 @@ def split_kernel(
     NSC: tl.constexpr = DC // CCW
 
     L = tl.load(lens_ptr + b).to(tl.int32)
-    ps = tl.minimum(SINK, L)
-    pe = tl.maximum(L - LOCAL, ps)
-    tb0 = ps // BLOCK_N
-    tb1 = (pe + BLOCK_N - 1) // BLOCK_N
-    per = (tb1 - tb0 + NSPLIT - 1) // NSPLIT
-    t_lo = tb0 + pid_s * per
-    t_hi = tl.minimum(t_lo + per, tb1)
+    ps, pe, t_lo, t_hi = split_tiles(L, SINK, LOCAL, NSPLIT, pid_s, BLOCK_N)
 
     rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < R

@@ -68,6 +68,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .attention_kernel import split_tiles
 from .common_kernels import bf16_bits_to_f32, load_f32
 
 
@@ -275,6 +276,27 @@ def _pv_update(acc, alpha, codes, pg, corr, PV_FORM: tl.constexpr, DOT_BF16: tl.
 
 
 @triton.jit
+def tile_pages(table_row, n0, n, ps, pe, num_pages, P: tl.constexpr, PAGE_BYTES: tl.constexpr,
+               ONE_PAGE: tl.constexpr):
+    """Where the tile of tokens ``n`` (first ``n0``) lives: offsets inside their page ``tp``, the
+    page byte offsets (a scalar when ``ONE_PAGE``: the tile never spans two pages, one table
+    lookup), the load mask (pages in range) and ``tok_ok`` (packed token in ``[ps, pe)`` on a
+    valid page)."""
+    in_rng = (n >= ps) & (n < pe)
+    if ONE_PAGE:
+        page = tl.load(table_row + n0 // P)
+        page_ok = (page >= 0) & (page < num_pages)
+        page_off = tl.where(page_ok, page, 0).to(tl.int64) * PAGE_BYTES  # scalar
+        ld_mask = page_ok
+    else:
+        page = tl.load(table_row + n // P, mask=in_rng, other=-1)
+        page_ok = (page >= 0) & (page < num_pages)
+        page_off = tl.where(page_ok, page, 0).to(tl.int64) * PAGE_BYTES  # [BLOCK_N]
+        ld_mask = page_ok[:, None]
+    return n % P, page_off, ld_mask, in_rng & page_ok
+
+
+@triton.jit
 def split_kernel_v2(
     q_ptr,  # [B, R, DC] float32 / bfloat16, contiguous
     qr_ptr,  # [B, R, DR]
@@ -334,13 +356,7 @@ def split_kernel_v2(
     ONE_PAGE: tl.constexpr = (P % BLOCK_N) == 0  # a tile never spans two pages: one table lookup
 
     L = tl.load(lens_ptr + b).to(tl.int32)
-    ps = tl.minimum(SINK, L)
-    pe = tl.maximum(L - LOCAL, ps)
-    tb0 = ps // BLOCK_N
-    tb1 = (pe + BLOCK_N - 1) // BLOCK_N
-    per = (tb1 - tb0 + NSPLIT - 1) // NSPLIT
-    t_lo = tb0 + pid_s * per
-    t_hi = tl.minimum(t_lo + per, tb1)
+    ps, pe, t_lo, t_hi = split_tiles(L, SINK, LOCAL, NSPLIT, pid_s, BLOCK_N)
 
     rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < R
@@ -360,19 +376,7 @@ def split_kernel_v2(
     for t in range(t_lo, t_hi):
         n0 = t * BLOCK_N
         n = n0 + tl.arange(0, BLOCK_N)
-        in_rng = (n >= ps) & (n < pe)
-        tp = n % P
-        if ONE_PAGE:
-            page = tl.load(table_row + n0 // P)
-            page_ok = (page >= 0) & (page < num_pages)
-            page_off = tl.where(page_ok, page, 0).to(tl.int64) * PAGE_BYTES  # scalar
-            ld_mask = page_ok
-        else:
-            page = tl.load(table_row + n // P, mask=in_rng, other=-1)
-            page_ok = (page >= 0) & (page < num_pages)
-            page_off = tl.where(page_ok, page, 0).to(tl.int64) * PAGE_BYTES  # [BLOCK_N]
-            ld_mask = page_ok[:, None]
-        tok_ok = in_rng & page_ok
+        tp, page_off, ld_mask, tok_ok = tile_pages(table_row, n0, n, ps, pe, num_pages, P, PAGE_BYTES, ONE_PAGE)
         lv0 = tl.minimum(t, 0)  # 0 (t >= 0), unknown to the compiler: see _qk_path
 
         score, raws, cs, czb = _qk_path(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, qc, qc_sum,

@@ -36,8 +36,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .attention_kernel import split_tiles
 from .attention_v2_kernel import (_codes, _load_bf16_vals, _load_raw, _scale_col, _scale_rows, _tuple_set,
-                                  _zeros_tuple, _zsub)
+                                  _zeros_tuple, _zsub, tile_pages)
 from .common_kernels import load_f32
 
 
@@ -260,13 +261,7 @@ def split_kernel_v3(
     rbits: tl.constexpr = RBITS if QUANT else 16
 
     L = tl.load(lens_ptr + b).to(tl.int32)
-    ps = tl.minimum(SINK, L)
-    pe = tl.maximum(L - LOCAL, ps)
-    tb0 = ps // BLOCK_N
-    tb1 = (pe + BLOCK_N - 1) // BLOCK_N
-    per = (tb1 - tb0 + NSPLIT - 1) // NSPLIT
-    t_lo = tb0 + pid_s * per
-    t_hi = tl.minimum(t_lo + per, tb1)
+    ps, pe, t_lo, t_hi = split_tiles(L, SINK, LOCAL, NSPLIT, pid_s, BLOCK_N)
 
     rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < R
@@ -281,19 +276,7 @@ def split_kernel_v3(
     for t in range(t_lo, t_hi):
         n0 = t * BLOCK_N
         n = n0 + tl.arange(0, BLOCK_N)
-        in_rng = (n >= ps) & (n < pe)
-        tp = n % P
-        if ONE_PAGE:
-            page = tl.load(table_row + n0 // P)
-            page_ok = (page >= 0) & (page < num_pages)
-            page_off = tl.where(page_ok, page, 0).to(tl.int64) * PAGE_BYTES  # scalar
-            ld_mask = page_ok
-        else:
-            page = tl.load(table_row + n // P, mask=in_rng, other=-1)
-            page_ok = (page >= 0) & (page < num_pages)
-            page_off = tl.where(page_ok, page, 0).to(tl.int64) * PAGE_BYTES  # [BLOCK_N]
-            ld_mask = page_ok[:, None]
-        tok_ok = in_rng & page_ok
+        tp, page_off, ld_mask, tok_ok = tile_pages(table_row, n0, n, ps, pe, num_pages, P, PAGE_BYTES, ONE_PAGE)
         lv0 = tl.minimum(t, 0)  # 0 (t >= 0), unknown to the compiler: see attention_v2_kernel._load_raw
 
         craws = ()
