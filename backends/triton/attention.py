@@ -61,6 +61,12 @@ def v2_constexprs(quant: bool, cbits: int, rbits: int, dot_bf16: bool, pv_form: 
     return dict(CBIAS=bias(cbits), RBIAS=bias(rbits), PV_FORM=int(pv_form), HOLD_RAW=bool(hold_raw), ZSUB=bool(zsub))
 
 
+def v3_constexprs(quant: bool, cbits: int, rbits: int, dot_bf16: bool, prefetch: bool = V3_PREFETCH) -> dict:
+    """Kernel-v3 switches: v2's code biases (the same operand algebra) and ``PREFETCH``."""
+    v2 = v2_constexprs(quant, cbits, rbits, dot_bf16)
+    return dict(CBIAS=v2["CBIAS"], RBIAS=v2["RBIAS"], PREFETCH=bool(prefetch))
+
+
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -89,8 +95,7 @@ def _split_constexprs(fmt, variant: str, q_bf16: bool, dot_bf16: bool, block_n: 
     if variant == "v2":
         consts.update(v2_constexprs(quant, cbits, rbits, dot_bf16))
     elif variant == "v3":
-        v2 = v2_constexprs(quant, cbits, rbits, dot_bf16)
-        consts.update(CBIAS=v2["CBIAS"], RBIAS=v2["RBIAS"], PREFETCH=V3_PREFETCH)
+        consts.update(v3_constexprs(quant, cbits, rbits, dot_bf16))
     return MappingProxyType(consts)
 
 
@@ -113,10 +118,10 @@ def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: 
         raise ValueError(f"{VARIANT_ENV}: expected one of {VARIANTS}, got {variant!r}")
     fmt = cache.format
     b, s_q, h, dc = q_latent.shape
-    if variant == "auto":
-        variant = auto_variant(fmt.quantized, q_latent.dtype == torch.bfloat16, s_q * h)
-    dr = fmt.rope_dim
     rows = s_q * h
+    if variant == "auto":
+        variant = auto_variant(fmt.quantized, q_latent.dtype == torch.bfloat16, rows)
+    dr = fmt.rope_dim
     dev = q_latent.device
     q = q_latent.contiguous().view(b, rows, dc)
     qr = q_rope.contiguous().view(b, rows, dr)
@@ -161,10 +166,8 @@ def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: 
     if probe_skip_pv or switches:  # probes: built per call
         consts = dict(_split_constexprs(fmt, variant, q_bf16, dot_bf16, pl.block_n, pl.block_r))
         consts["PROBE_SKIP_PV"] = probe_skip_pv
-        if variant == "v2":
-            consts.update(v2_constexprs(*_code_bits(fmt), dot_bf16, **switches))
-        elif "prefetch" in switches:
-            consts["PREFETCH"] = switches["prefetch"]
+        if variant in ("v2", "v3"):
+            consts.update((v2_constexprs if variant == "v2" else v3_constexprs)(*_code_bits(fmt), dot_bf16, **switches))
     else:
         consts = _split_constexprs(fmt, variant, q_bf16, dot_bf16, pl.block_n, pl.block_r)
     grid = (pl.num_splits, b, pl.row_blocks)

@@ -33,15 +33,10 @@ def _consts(variant: str, fmt, block_n: int, block_r: int, bf16: bool, **switche
              RG=rg, CCW=slice_width(fmt.latent_dim, cb, cg), RCW=slice_width(fmt.rope_dim, rb, rg),
              **page_layout_constexprs(fmt), BLOCK_N=block_n, BLOCK_R=block_r,
              PROBE_SKIP_PV=bool(switches.pop("skip_pv", False)))
-    if variant == "v3":
-        from .heuristics import V3_PREFETCH
-
-        c["PREFETCH"] = bool(switches.pop("prefetch", V3_PREFETCH))
     if variant in ("v2", "v3"):
-        from .attention import v2_constexprs
+        from .attention import v2_constexprs, v3_constexprs
 
-        v2 = v2_constexprs(quant, cb, rb, bf16, **switches)
-        c.update(v2 if variant == "v2" else {k: v2[k] for k in ("CBIAS", "RBIAS")})
+        c.update((v2_constexprs if variant == "v2" else v3_constexprs)(quant, cb, rb, bf16, **switches))
     return c
 
 
