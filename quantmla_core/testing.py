@@ -190,12 +190,14 @@ def _fmt_ok(cap: Capabilities, name: str) -> bool:
 # ---------------------------------------------------------------------- CuPy launcher on the CPU
 @dataclass
 class StubKernel:
-    """What the CuPy launcher asked to compile: ``kernels/<source>`` entry ``kernel`` with ``defines``."""
+    """What the CuPy launcher asked to compile: ``kernels/<source>`` entry ``kernel`` with ``defines``
+    (``arch``: the NVRTC target it named, None: CuPy's build for the device)."""
 
     source: str
     kernel: str
     defines: dict
     smem: int = 0
+    arch: str | None = None
 
 
 class LaunchLog(list):
@@ -223,9 +225,9 @@ def stub_cupy_launcher(monkeypatch: Any, sm_count: int = 132) -> tuple[list, lis
     kernels: list = []
     launches = LaunchLog()
 
-    def get_kernel(source, kernel, defines, dev, smem=0):
+    def get_kernel(source, kernel, defines, dev, smem=0, arch=None):
         kernels.append((source, kernel))
-        return StubKernel(source, kernel, defines, smem)
+        return StubKernel(source, kernel, defines, smem, arch)
 
     def launch(fn, grid, block, args, dev, smem=0, stream=None):
         launches.append((fn, grid, block, args, smem))

@@ -29,6 +29,7 @@ from quantmla_core.backends.cupy.attention import (
     v4_defines,
     v4_smem_bytes,
     v4_unsupported_reasons,
+    v4_uses_wgmma,
 )
 from test_cupy_backend import (
     BIG,
@@ -43,7 +44,8 @@ from test_cupy_backend import (
 
 import quantmla_core as qm
 
-#: (arch, format, d_c, d_r, group size, page size, stages[, "prot": the build whose own CTAs take the protected tiles])
+#: (arch, format, d_c, d_r, group size, page size, stages[, "prot": the build whose own CTAs take the protected
+#: tiles][, "wgmma": the sm_90a build whose matmuls are warpgroup MMAs])
 V4_BUILDS = [
     ("sm_90", "C4R4", 512, 64, 64, 64, 2),
     ("sm_90", "C2R4", 512, 64, 64, 64, 2),
@@ -56,13 +58,19 @@ V4_BUILDS = [
     ("sm_90", "C4R4", 512, 64, 64, 64, 2, "prot"),
     ("sm_90", "C4R4", 512, 64, 128, 16, 2, "prot"),
     ("sm_90", "C2R4", 256, 32, 64, 32, 2, "prot"),
+    ("sm_90a", "C4R4", 512, 64, 64, 64, 2, "wgmma"),
+    ("sm_90a", "C2R4", 512, 64, 128, 16, 2, "wgmma"),
+    ("sm_90a", "C4R4", 256, 32, 64, 32, 2, "wgmma"),
+    ("sm_90a", "C2R4", 256, 32, 32, 64, 3, "wgmma"),
+    ("sm_90a", "C4R4", 512, 64, 64, 64, 2, "prot", "wgmma"),
 ]
 
 
 def _compile_v4(v: tuple) -> tuple[int, str, str]:
     arch, name, dc, dr, gs, page, stages = v[:7]
     fmt = qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr, group_size=gs, page_size=page)
-    return compile_cubin_and_ptx("attention_v4.cu", arch, v4_defines(fmt, stages, protected=v[7:] == ("prot",)))
+    defines = v4_defines(fmt, stages, protected="prot" in v[7:], wgmma="wgmma" in v[7:])
+    return compile_cubin_and_ptx("attention_v4.cu", arch, defines)
 
 
 @lru_cache(maxsize=1)
@@ -75,14 +83,24 @@ def _compiled_v4() -> dict:
 @pytest.mark.parametrize("build", V4_BUILDS, ids=lambda v: "-".join(map(str, v)))
 def test_v4_compiles_without_spills(build):
     """Every served build compiles (its static_asserts hold, among them the launcher's shared-memory
-    size), keeps the 128 PV accumulators of a warp in registers, and runs both matmuls on the
-    tensor cores with the value rows read transposed by ldmatrix."""
+    size), keeps the 128 PV accumulators of a thread in registers, and runs both matmuls on the
+    tensor cores: mma.sync with the value rows read transposed by ldmatrix, or (the sm_90a build)
+    wgmma from shared memory, with no MMA serialized by ptxas."""
     rc, text, ptx = _compiled_v4()[build]
     assert rc == 0, f"nvcc failed for v4 {build}:\n{text[-4000:]}"
     use = ptxas_usage(text)
     print(f"v4 {build}: {use}")
     assert use["spill_stores"] == 0 and use["spill_loads"] == 0 and use["stack"] == 0, f"v4 {build} spills: {use}"
     dc = build[2]
+    if "wgmma" in build[7:]:
+        # QK: (d_c + d_r) / 32 k-steps of a channel half, m64n64k16; PV: 4 k-steps of 16 tokens over d_c / 2
+        # channels; one commit and one wait for each
+        assert ptx.count("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16") == (dc + build[3]) // 32
+        assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{dc // 2}k16.f32.bf16.bf16") == 4
+        assert ptx.count("wgmma.commit_group.sync.aligned") == 2 and ptx.count("wgmma.wait_group.sync.aligned 0") == 2
+        assert "mma.sync" not in ptx and "ldmatrix" not in ptx and "fence.proxy.async.shared::cta" in ptx
+        assert "C7515" not in text and "serialized" not in text, text  # ptxas: "wgmma ... serialized"
+        return
     # QK: (d_c + d_r) / 32 k-steps (a channel half) x 8 n-tiles (64 tokens); PV: 4 k-steps x 2 m-tiles x
     # d_c / 32 n-tiles (a quarter of d_c / 8); both unrolled
     assert ptx.count("mma.sync.aligned.m16n8k16") == (dc + build[3]) // 32 * 8 + 4 * 2 * dc // 32
@@ -98,6 +116,11 @@ def test_v4_smem_layout():
     assert v4_smem_bytes(fmt) <= smem_per_block((9, 0)) < v4_smem_bytes(fmt, 3)  # 3 stages only at d_c 256
     assert v4_smem_bytes(qm.PackFormat.parse("C4R4", 256, 32), 3) <= smem_per_block((9, 0))
     assert v4_defines(fmt)["QMLA_V4_SMEM"] == v4_smem_bytes(fmt)
+    # wgmma build: stages rounded to 1 KB, K and queries as 9 column blocks of 64 rows x 128 B, P 64 x 128 B,
+    # the same exchange and statistics, 1 KB to align the base
+    wg = -(-2 * 64 * 317 // 1024) * 1024 + 2 * 9 * 64 * 128 + 64 * 128 + 8 * 4 * 32 * 16 + 4 * 256 + 1024
+    assert v4_smem_bytes(fmt, 2, wgmma=True) == wg <= smem_per_block((9, 0))
+    assert v4_defines(fmt, wgmma=True)["QMLA_V4_SMEM"] == wg and v4_defines(fmt, wgmma=True)["QMLA_V4_WGMMA"] == 1
     # the 512-wide latent needs Hopper's 227 KB; the 256-wide one fits an A100's 163 KB
     assert v4_unsupported_reasons(fmt, (9, 0)) == []
     why = v4_unsupported_reasons(fmt, (8, 0))
@@ -154,7 +177,9 @@ def test_v4_launches_match_kernel_signatures(monkeypatch, h, s_q, prot, in_grid)
         assert isinstance(a, np.uint64 if "*" in p else np.int32 if p.startswith("int ") else np.float32), p
     rows = s_q * h
     assert grid[0] == b * (-(-rows // 64)) and block == (256,)
-    assert smem == v4_smem_bytes(fmt) == attn.defines["QMLA_V4_SMEM"]
+    # the stubbed GPU is an sm_90: auto runs the wgmma build, compiled for sm_90a
+    assert smem == v4_smem_bytes(fmt, 2, wgmma=True) == attn.defines["QMLA_V4_SMEM"]
+    assert attn.defines["QMLA_V4_WGMMA"] == 1 and attn.arch == "sm_90a"
     assert attn.defines["QMLA_V4_STAGES"] == 2 and attn.defines["QMLA_V4_LAZY_RESCALE"] == 1
     assert attn.defines["QMLA_V4_PROTECTED"] == int(prot and in_grid)
     per = int(args[params.index("int tiles_per_split")])
@@ -191,10 +216,33 @@ def test_v4_knobs(monkeypatch):
     launches, _kernels, fmt, _b = _run_v4_stubbed(monkeypatch, 128, 1, False)
     (attn, _grid, _block, _args, smem), _ = launches.of("qmla_attn_v4")
     assert attn.defines["QMLA_V4_STAGES"] == 2 and attn.defines["QMLA_V4_LAZY_RESCALE"] == 0
-    assert smem == v4_smem_bytes(fmt, 2)
+    assert smem == v4_smem_bytes(fmt, 2, wgmma=True)
     monkeypatch.setenv("QUANTMLA_CUPY_V4_STAGES", "4")
     with pytest.raises(ValueError, match="QUANTMLA_CUPY_V4_STAGES"):
         V4Knobs.from_env()
+
+
+@pytest.mark.parametrize("mma,capability,wgmma", [("auto", (9, 0), True), ("auto", (8, 0), False),
+                                                  ("auto", (10, 0), False), ("mma", (9, 0), False),
+                                                  ("wgmma", (9, 0), True), ("auto", None, False)])
+def test_v4_mma_choice(mma, capability, wgmma):
+    """QUANTMLA_CUPY_V4_MMA: auto runs wgmma on compute capability 9.0 only (an sm_90a instruction);
+    forcing it elsewhere is an error that names the variable."""
+    assert v4_uses_wgmma(mma, capability) is wgmma
+
+
+def test_v4_mma_knob(monkeypatch):
+    monkeypatch.setenv("QUANTMLA_CUPY_V4_MMA", "mma")
+    assert V4Knobs.from_env().mma == "mma"
+    launches, _kernels, fmt, _b = _run_v4_stubbed(monkeypatch, 128, 1, False)
+    (attn, _grid, _block, _args, smem), _ = launches.of("qmla_attn_v4")
+    assert attn.defines["QMLA_V4_WGMMA"] == 0 and attn.arch is None and smem == v4_smem_bytes(fmt)
+    monkeypatch.setenv("QUANTMLA_CUPY_V4_MMA", "tensor")
+    with pytest.raises(ValueError, match="QUANTMLA_CUPY_V4_MMA"):
+        V4Knobs.from_env()
+    for capability in ((8, 0), None):
+        with pytest.raises(ValueError, match="QUANTMLA_CUPY_V4_MMA: wgmma needs compute capability 9.0"):
+            v4_uses_wgmma("wgmma", capability)
 
 
 #: many-row cases: rows filling one or two chunks exactly or partly, S_q > 1 (causal), lengths at
@@ -246,3 +294,40 @@ def test_attention_v4_auto_and_knobs(case, monkeypatch):
         monkeypatch.setenv("QUANTMLA_CUPY_V4_STAGES", "3")
     monkeypatch.setenv("QUANTMLA_CUPY_V4_LAZY_RESCALE", "0")
     check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
+
+
+def test_sm90a_builds_go_through_nvrtc(monkeypatch, tmp_path):
+    """get_kernel(arch="sm_90a") builds with NVRTC directly, with the target last and CuPy's own
+    options (-ftz, device code by default), loads the cubin it wrote, and reports a failed build
+    with NVRTC's log (CuPy's compiler cannot name the "a" targets)."""
+    import sys
+    import types
+
+    from quantmla_core.backends import cupy as C
+
+    calls = {}
+
+    class NVRTCError(Exception):
+        pass
+
+    fake = types.SimpleNamespace(
+        NVRTCError=NVRTCError,
+        createProgram=lambda src, name, headers, names: calls.setdefault("src", src) and 7,
+        compileProgram=lambda prog, opts: calls.__setitem__("opts", opts),
+        getCUBIN=lambda prog: b"\x7fELF-cubin",
+        getProgramLog=lambda prog: "error: wgmma needs sm_90a",
+        destroyProgram=lambda prog: calls.__setitem__("destroyed", prog),
+    )
+    monkeypatch.setitem(sys.modules, "cupy_backends.cuda.libs.nvrtc", fake)
+    monkeypatch.setitem(sys.modules, "cupy_backends.cuda.libs", types.SimpleNamespace(nvrtc=fake))
+    monkeypatch.setattr(C, "_CUBIN_DIR", [tmp_path])
+    path = C.compile_cubin("kernel text", ("-DX=1",), "sm_90a")
+    assert path.parent == tmp_path and path.read_bytes() == b"\x7fELF-cubin" and calls["destroyed"] == 7
+    assert calls["opts"][0] == "-DX=1" and calls["opts"][-1] == "-arch=sm_90a" and "-ftz=true" in calls["opts"]
+
+    def fail(prog, opts):
+        raise NVRTCError("NVRTC_ERROR_COMPILATION (6)")
+
+    fake.compileProgram = fail
+    with pytest.raises(RuntimeError, match=r"(?s)NVRTC build for sm_90a failed .*wgmma needs sm_90a"):
+        C.compile_cubin("kernel text", (), "sm_90a")

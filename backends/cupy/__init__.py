@@ -12,7 +12,9 @@ the backend unavailable with a reason.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -74,25 +76,60 @@ _LOCK = threading.Lock()
 _MODULES: dict[tuple, Any] = {}
 
 
-def get_kernel(source: str, kernel: str, defines: dict[str, int], device_index: int, smem: int = 0):
+def get_kernel(source: str, kernel: str, defines: dict[str, int], device_index: int, smem: int = 0,
+               arch: str | None = None):
     """Compiled ``cupy.RawKernel`` ``kernel`` of ``kernels/<source>`` with ``defines``, cached.
 
     ``smem``: dynamic shared memory the launches use (raises the kernel's limit above 48 KB).
+    ``arch``: a target CuPy's compiler cannot name, such as ``"sm_90a"`` (wgmma builds): NVRTC
+    compiles the cubin directly (:func:`compile_cubin`); None: CuPy's own build for the device.
     """
     import cupy
 
-    key = (source, kernel, define_options(defines), device_index)
+    key = (source, kernel, define_options(defines), device_index, arch)
     with _LOCK:
         fn = _MODULES.get(key)
         if fn is None:
             with cupy.cuda.Device(device_index):
                 options = ("--std=c++17", f"-I{KERNEL_DIR}") + define_options(defines)
-                module = cupy.RawModule(code=kernel_source(source), options=options)
+                if arch is None:
+                    module = cupy.RawModule(code=kernel_source(source), options=options)
+                else:
+                    module = cupy.RawModule(path=str(compile_cubin(kernel_source(source), options, arch)))
                 fn = module.get_function(kernel)
                 if smem > 48 * 1024:
                     fn.max_dynamic_shared_size_bytes = smem
             _MODULES[key] = fn
     return fn
+
+
+_CUBIN_DIR: list[Path] = []
+
+
+def compile_cubin(code: str, options: tuple[str, ...], arch: str) -> Path:
+    """NVRTC build of ``code`` for ``arch`` (``-arch=<arch>``, with the options CuPy's own builds
+    add: ``-ftz=true`` and device code by default), written to a per-process temporary folder.
+
+    CuPy appends ``-arch=sm_<major><minor>`` from the device to every build it makes, and reads
+    the architecture as a number, so it cannot build for the ``a`` targets that Hopper's wgmma
+    needs. Raises ``RuntimeError`` with NVRTC's log when the build fails."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    opts = tuple(options) + ("-ftz=true", "--device-as-default-execution-space", f"-arch={arch}")
+    prog = nvrtc.createProgram(code, "qmla_kernel.cu", (), ())
+    try:
+        try:
+            nvrtc.compileProgram(prog, opts)
+        except nvrtc.NVRTCError as e:
+            raise RuntimeError(f"NVRTC build for {arch} failed ({e}):\n{nvrtc.getProgramLog(prog)}") from None
+        cubin = nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    if not _CUBIN_DIR:
+        _CUBIN_DIR.append(Path(tempfile.mkdtemp(prefix="quantmla_cubin_")))
+    path = _CUBIN_DIR[0] / f"{hashlib.sha256(repr((code, opts)).encode()).hexdigest()[:32]}.cubin"
+    path.write_bytes(cubin)
+    return path
 
 
 def device_pointer(x: Any) -> int:

@@ -92,6 +92,8 @@ V4_TILE = 64
 V4_ROWS = 64
 V4_WARPS = 8
 V4_STAGES = 2
+#: the NVRTC target of v4's wgmma build (``QUANTMLA_CUPY_V4_MMA``): Hopper's architecture-specific features
+V4_WGMMA_ARCH = "sm_90a"
 #: auto picks v4 for requests with at least this many query rows (S_q * H)
 V4_MIN_ROWS = 64
 #: v4 attends to the protected tiles in its own launch (one more CTA per tile and row chunk) when its
@@ -253,24 +255,42 @@ def v3_smem_bytes(fmt: PackFormat, stages: int = V3_STAGES, warps: int = V3_WARP
     return stages * stage + ksteps * 512 + sub_groups * 64 + ngc * (t // 8) * 256 + 4 * 64 + xchg
 
 
-def v4_smem_bytes(fmt: PackFormat, stages: int = V4_STAGES) -> int:
+def v4_smem_bytes(fmt: PackFormat, stages: int = V4_STAGES, wgmma: bool = False) -> int:
     """Dynamic shared memory of one v4 block (mirrors SMEM_TOTAL in attention_v4.cu): the staged
     tiles, the dequantized tile and the queries (bf16 rows padded by 16 bytes), P (bf16 [64][64 + 8]),
-    the QK score exchange (float4 [8 warps][4 n-tiles][32 lanes]) and four float rows of row statistics."""
+    the QK score exchange (float4 [8 warps][4 n-tiles][32 lanes]) and four float rows of row statistics.
+    ``wgmma``: the build whose K, query and P tiles are 128-byte swizzled (64-channel column blocks of
+    128-byte rows, 1024-byte aligned, plus 1 KB to align the base)."""
+    staged = stages * stage_bytes(fmt, V4_TILE, flags=False)
+    stats = V4_WARPS * 4 * 32 * 16 + 4 * V4_ROWS * 4
+    if wgmma:
+        blocks = -(-(fmt.latent_dim + fmt.rope_dim) // 64)
+        return -(-staged // 1024) * 1024 + (V4_TILE + V4_ROWS) * blocks * 128 + V4_ROWS * 128 + stats + 1024
     row = 2 * (fmt.latent_dim + fmt.rope_dim) + 16
-    return (stages * stage_bytes(fmt, V4_TILE, flags=False) + V4_TILE * row + V4_ROWS * row
-            + V4_ROWS * (2 * V4_TILE + 16) + V4_WARPS * 4 * 32 * 16 + 4 * V4_ROWS * 4)
+    return staged + V4_TILE * row + V4_ROWS * row + V4_ROWS * (2 * V4_TILE + 16) + stats
 
 
 def v4_defines(fmt: PackFormat, stages: int = V4_STAGES, lazy_rescale: bool = True, index64: bool = True,
-               protected: bool = False) -> dict[str, int]:
+               protected: bool = False, wgmma: bool = False) -> dict[str, int]:
     """``-D`` defines of ``kernels/attention_v4.cu`` (bfloat16 queries). ``index64``: int64
     seq_lens / seq_ids (else int32); ``protected``: the build whose last CTAs attend to the
-    protected tiles (else packed tokens only)."""
+    protected tiles (else packed tokens only); ``wgmma``: both matmuls by Hopper's wgmma (a build
+    for sm_90a, :data:`V4_WGMMA_ARCH`)."""
     d = attention_defines(fmt, "bfloat16", index64)
-    d.update(QMLA_V4_STAGES=int(stages), QMLA_V4_SMEM=v4_smem_bytes(fmt, stages),
-             QMLA_V4_LAZY_RESCALE=int(lazy_rescale), QMLA_V4_PROTECTED=int(protected))
+    d.update(QMLA_V4_STAGES=int(stages), QMLA_V4_SMEM=v4_smem_bytes(fmt, stages, wgmma),
+             QMLA_V4_LAZY_RESCALE=int(lazy_rescale), QMLA_V4_PROTECTED=int(protected), QMLA_V4_WGMMA=int(wgmma))
     return d
+
+
+def v4_uses_wgmma(mma: str, capability: tuple[int, int] | None) -> bool:
+    """Whether a v4 launch runs its wgmma build: ``mma`` is ``QUANTMLA_CUPY_V4_MMA`` (``auto``: on
+    compute capability 9.0 exactly; wgmma is an sm_90a instruction that later GPUs do not run).
+    Raises ``ValueError`` naming the variable when ``wgmma`` is forced on another GPU."""
+    hopper = capability is not None and tuple(capability) == (9, 0)
+    if mma == "wgmma" and not hopper:
+        raise ValueError(f"QUANTMLA_CUPY_V4_MMA: wgmma needs compute capability 9.0 (sm_90a), got "
+                         f"{'an unknown GPU' if capability is None else '%d.%d' % tuple(capability)}; use mma")
+    return mma == "wgmma" or (mma == "auto" and hopper)
 
 
 def v3_defines(fmt: PackFormat, stages: int = V3_STAGES, min_blocks: int | None = None, lazy_rescale: bool = True,
@@ -457,12 +477,13 @@ def prepare(cache, block_table, seq_lens, seq_ids, batch: int, s_q: int, heads: 
                           softmax_scale, dev, side_default, index64)
 
 
-def _split_kernel(key: tuple, variant: str, dev: int, smem: int, defines) -> tuple:
+def _split_kernel(key: tuple, variant: str, dev: int, smem: int, defines, arch: str | None = None) -> tuple:
     """(compiled ``qmla_attn_<variant>`` of ``kernels/attention_<variant>.cu``, its dynamic shared
-    memory), cached under ``key``; ``defines`` is called only to build it."""
+    memory), cached under ``key``; ``defines`` is called only to build it; ``arch``: see
+    :func:`~quantmla_core.backends.cupy.get_kernel`."""
     fn = _FNS.get(key)
     if fn is None:
-        fn = (get_kernel(f"attention_{variant}.cu", f"qmla_attn_{variant}", defines(), dev, smem), smem)
+        fn = (get_kernel(f"attention_{variant}.cu", f"qmla_attn_{variant}", defines(), dev, smem, arch), smem)
         with _CACHE_LOCK:
             _FNS[key] = fn
     return fn
@@ -636,26 +657,31 @@ def v3_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
     return plan
 
 
-def _v4_kernel(fmt: PackFormat, dev: int, stages: int, lazy: bool, index64: bool, protected: bool):
+def _v4_kernel(fmt: PackFormat, dev: int, stages: int, lazy: bool, index64: bool, protected: bool,
+               wgmma: bool = False):
     """Compiled ``qmla_attn_v4`` (cached) and its dynamic shared memory."""
-    return _split_kernel(("v4", fmt, dev, stages, lazy, index64, protected), "v4", dev, v4_smem_bytes(fmt, stages),
-                         lambda: v4_defines(fmt, stages, lazy, index64, protected))
+    return _split_kernel(("v4", fmt, dev, stages, lazy, index64, protected, wgmma), "v4", dev,
+                         v4_smem_bytes(fmt, stages, wgmma), lambda: v4_defines(fmt, stages, lazy, index64, protected, wgmma),
+                         V4_WGMMA_ARCH if wgmma else None)
 
 
 @dataclass(frozen=True)
 class V4Knobs:
     """The ``QUANTMLA_CUPY_V4_*`` tuning variables of one call (stages: copy ring depth; lazy: skip
-    the output rescale while no row's maximum moves) and v2's split floor."""
+    the output rescale while no row's maximum moves; mma: ``auto``, ``wgmma`` or ``mma``, see
+    :func:`v4_uses_wgmma`) and v2's split floor."""
 
     stages: int = V4_STAGES
     lazy: bool = True
     min_tiles: int = V2_MIN_TILES_PER_SPLIT
+    mma: str = "auto"
 
     @staticmethod
     def from_env() -> "V4Knobs":
         return V4Knobs(_env_int("QUANTMLA_CUPY_V4_STAGES", V4_STAGES, (2, 3)),
                        bool(_env_int("QUANTMLA_CUPY_V4_LAZY_RESCALE", 1, (0, 1))),
-                       _env_int("QUANTMLA_CUPY_V2_MIN_TILES", V2_MIN_TILES_PER_SPLIT, (1, 2, 4, 8, 16)))
+                       _env_int("QUANTMLA_CUPY_V2_MIN_TILES", V2_MIN_TILES_PER_SPLIT, (1, 2, 4, 8, 16)),
+                       _env_choice("QUANTMLA_CUPY_V4_MMA", "auto", ("auto", "wgmma", "mma")))
 
 
 def v4_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool,
@@ -668,17 +694,20 @@ def v4_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
     plan = _PLANS.get(key)
     if plan is None:
         chunks = -(-rows // V4_ROWS)
-        have = smem_per_block(_device_info(dev)[1])
-        if v4_smem_bytes(fmt, knobs.stages) > have:
-            raise ValueError(f"QUANTMLA_CUPY_V4_STAGES: {knobs.stages} stages need {v4_smem_bytes(fmt, knobs.stages)} "
+        capability = _device_info(dev)[1]
+        wgmma = v4_uses_wgmma(knobs.mma, capability)
+        have = smem_per_block(capability)
+        need = v4_smem_bytes(fmt, knobs.stages, wgmma)
+        if need > have:
+            raise ValueError(f"QUANTMLA_CUPY_V4_STAGES: {knobs.stages} stages need {need} "
                              f"B of shared memory for {fmt.name} d_c={fmt.latent_dim}, this GPU allows {have}")
         block = (V4_WARPS * 32,)
-        probe, smem = _v4_kernel(fmt, dev, knobs.stages, knobs.lazy, index64, False)
+        probe, smem = _v4_kernel(fmt, dev, knobs.stages, knobs.lazy, index64, False, wgmma)
         resident = resident_ctas(probe, block[0], smem, dev, sm_count)
         splits, per = plan_splits_v2(batch, chunks, max(1, max_pages) * fmt.page_size, resident, knobs.min_tiles,
                                      V4_TILE)
         in_grid = not no_prot and per >= V4_INGRID_MIN_TILES
-        attn, smem = _v4_kernel(fmt, dev, knobs.stages, knobs.lazy, index64, in_grid)
+        attn, smem = _v4_kernel(fmt, dev, knobs.stages, knobs.lazy, index64, in_grid, wgmma)
         nprot = protected_ctas(sink, local, V4_TILE) if in_grid else 0
         launches = [(attn, (batch * chunks, splits + nprot), block, smem)]
         if not no_prot and not in_grid:

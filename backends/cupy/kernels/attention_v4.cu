@@ -37,6 +37,18 @@
 // channels and 16 rows x DC/2 channels.
 // Shared memory (C4R4, 2 stages): 2 x 20.3 KB staged pages + 73 KB K + 73 KB queries + 9 KB P +
 // 16 KB score exchange: one CTA (8 warps) per SM.
+//
+// QMLA_V4_WGMMA 1 (sm_90a; the launcher's default on sm_90): the same tiles, softmax and partials, but
+// both matmuls are Hopper warpgroup MMAs reading their operands straight from shared memory (no
+// ldmatrix, no per-warp re-reads of the key tile). The K, query and P tiles are stored in the
+// 128-byte swizzle of wgmma.cuh. Warpgroup hh (warps 4 hh .. 4 hh + 3):
+//   QK: S[64 rows][64 tokens] over channel k-steps KSH hh .. KSH (hh + 1) - 1, m64n64k16 (A = queries,
+//       B = K, both K-major); warp rg holds rows 16 rg .. 16 rg + 15 in mma.sync's fragment layout, so
+//       the pair exchange and the softmax above are unchanged.
+//   PV: O[64 rows][channels DC / 2 hh ..] += P[64][64] K[64][DC / 2], m64n256k16 (m64n128k16 at d_c
+//       256): A = P (K-major), B = the same K tile read MN-major. A thread's output rows are its QK
+//       rows, so it rescales with its own factors; a block barrier publishes P (each warpgroup reads
+//       all of it).
 #include "common.cuh"
 
 #ifndef QMLA_V4_STAGES
@@ -47,6 +59,9 @@
 #endif
 #ifndef QMLA_V4_LAZY_RESCALE
 #define QMLA_V4_LAZY_RESCALE 1  // skip the output rescale while no row's maximum moves (bit-identical)
+#endif
+#ifndef QMLA_V4_WGMMA
+#define QMLA_V4_WGMMA 0  // 1: QK and PV by wgmma from 128-byte-swizzled tiles (sm_90a; see the note below)
 #endif
 
 #define DC QMLA_DC
@@ -83,6 +98,10 @@ static_assert(QMLA_GR == DR, "one RoPE group per token");
 static_assert(NTP % 2 == 0, "PV n-tiles come in pairs (ldmatrix.x4.trans)");
 static_assert(KSTEPS % 2 == 0, "QK channel halves of whole k-steps");
 static_assert(NSTAGE == 2 || NSTAGE == 3, "2 or 3 stages");
+#if QMLA_V4_WGMMA
+#include "wgmma.cuh"
+static_assert(T == 64 && RT == 64 && NW == 8, "wgmma build: two warpgroups, 64 rows x 64 tokens, P rows of 128 bytes");
+#endif
 
 // ---------------------------------------------------------------- shared memory layout
 #define SO_R (T * CB)                  // RoPE codes [T][RB]
@@ -91,12 +110,24 @@ static_assert(NSTAGE == 2 || NSTAGE == 3, "2 or 3 stages");
 #define SO_RS (SO_CZ + T * NGC)        // RoPE scale [T]
 #define SO_RZ (SO_RS + T * RSZ)        // RoPE zero [T]
 #define STAGE_BYTES ((SO_RZ + T + 15) / 16 * 16)
+#if QMLA_V4_WGMMA
+// the K, query and P tiles in wgmma.cuh's 128-byte swizzle (NCB column blocks of 64 channels), 1024-byte
+// aligned; the kernel rounds the dynamic shared memory base up to 1024 bytes, hence the extra 1 KB
+#define NCB ((DT + 63) / 64)
+#define KT_OFF ((NSTAGE * STAGE_BYTES + 1023) / 1024 * 1024)  // dequantized tile, bf16 [NCB][T][64]
+#define QT_OFF (KT_OFF + T * NCB * 128)                        // queries, bf16 [NCB][RT][64]
+#define PT_OFF (QT_OFF + RT * NCB * 128)                       // P, bf16 [RT][T]
+#define XS_OFF (PT_OFF + RT * T * 2)
+#define SMEM_ALIGN_SLACK 1024
+#else
 #define KT_OFF (NSTAGE * STAGE_BYTES)  // dequantized tile, bf16 [T][KST / 2]
 #define QT_OFF (KT_OFF + T * KST)      // queries, bf16 [RT][KST / 2]
 #define PT_OFF (QT_OFF + RT * KST)     // P, bf16 [RT][PST / 2]
 #define XS_OFF (PT_OFF + RT * PST)     // QK partial scores for the pair partner, float4 [NW][4][32]
+#define SMEM_ALIGN_SLACK 0
+#endif
 #define RED_OFF (XS_OFF + NW * 4 * 32 * 16)  // float [4][RT]: row maxima / sums of both halves, alpha, final maxima
-#define SMEM_TOTAL (RED_OFF + 4 * RT * 4)
+#define SMEM_TOTAL (RED_OFF + 4 * RT * 4 + SMEM_ALIGN_SLACK)
 #ifdef QMLA_V4_SMEM
 static_assert(SMEM_TOTAL == QMLA_V4_SMEM, "launcher's v4_smem_bytes() disagrees with the kernel's layout");
 #endif
@@ -104,6 +135,15 @@ static_assert(SMEM_TOTAL <= 227 * 1024, "shared memory per block");
 
 #include "stage.cuh"
 static_assert(RT * OT_STRIDE * 4 <= RED_OFF, "the partial-output tile reuses everything below the row stats");
+
+// byte offset of 16-byte chunk `chunk` (8 channels) of row `row` of the K (rows = T) or query (RT) tile
+__device__ __forceinline__ int v4_chunk(int row, int chunk, int rows) {
+#if QMLA_V4_WGMMA
+    return sw128_chunk(row, chunk, rows);
+#else
+    return row * KST + 16 * chunk;
+#endif
+}
 
 // barrier of the two warps (64 threads) that share QK row group rg (ids 1-4)
 __device__ __forceinline__ void v4_pair_sync(int rg) { asm volatile("bar.sync %0, 64;" ::"r"(rg + 1) : "memory"); }
@@ -128,12 +168,14 @@ __device__ __forceinline__ u32 v4_dq2_f32(u32 c2, u32 off2, float s) {
     return pack_bf16x2(__uint_as_float(d << 16) * s, __uint_as_float(d & 0xffff0000u) * s);
 }
 
-// 16 dequantized channels (4 words of codes, one per byte, in channel order) stored at dst as two
-// 16-byte halves. upper_first: the first store takes channels 8..15. Lanes 32 bytes apart would put
-// lanes u and u + 4 of a quarter warp on one 16-byte bank group; alternating the first half every
-// four lanes gives the quarter warp's 8 stores 8 different groups.
+// 16 dequantized channels (4 words of codes, one per byte, in channel order) stored as two 16-byte
+// halves, channels 0..7 at lo and 8..15 at hi. upper_first: the first store takes channels 8..15.
+// Lanes 32 bytes apart would put lanes u and u + 4 of a quarter warp on one 16-byte bank group;
+// alternating the first half every four lanes gives the quarter warp's 8 stores 8 different groups
+// (in the swizzled layout too: there chunk positions are XORed with the row, a bijection).
 template <bool F32>
-__device__ __forceinline__ void v4_store16(u8* dst, const u32 (&x)[4], u32 off2, u32 s2, float s, bool upper_first) {
+__device__ __forceinline__ void v4_store16(u8* lo, u8* hi, const u32 (&x)[4], u32 off2, u32 s2, float s,
+                                           bool upper_first) {
     const u32 xs[4] = {upper_first ? x[2] : x[0], upper_first ? x[3] : x[1], upper_first ? x[0] : x[2],
                        upper_first ? x[1] : x[3]};
     u32 o[8];
@@ -147,11 +189,11 @@ __device__ __forceinline__ void v4_store16(u8* dst, const u32 (&x)[4], u32 off2,
             o[2 * e + 1] = v4_dq2_bf16(v4_code2<1>(xs[e]), off2, s2);
         }
     }
-    *(uint4*)(dst + (upper_first ? 16 : 0)) = make_uint4(o[0], o[1], o[2], o[3]);
-    *(uint4*)(dst + (upper_first ? 0 : 16)) = make_uint4(o[4], o[5], o[6], o[7]);
+    *(uint4*)(upper_first ? hi : lo) = make_uint4(o[0], o[1], o[2], o[3]);
+    *(uint4*)(upper_first ? lo : hi) = make_uint4(o[4], o[5], o[6], o[7]);
 }
 
-// Stage `stg` (raw page sections of one tile) -> K [T][KST] as bf16 s * (code - z). Content: one
+// Stage `stg` (raw page sections of one tile) -> the K tile as bf16 s * (code - z). Content: one
 // 16-byte chunk of a code row per thread and round; byte j of a row holds channels j + CB c for
 // slice c (split-half order), so a chunk gives KCH runs of 16 channels. RoPE likewise.
 __device__ __forceinline__ void v4_dequantize(const u8* stg, u8* kt, int tid) {
@@ -169,12 +211,13 @@ __device__ __forceinline__ void v4_dequantize(const u8* stg, u8* kt, int tid) {
                                   (w[2] >> (CBITS * c)) & CMASK, (w[3] >> (CBITS * c)) & CMASK};
                 const u32 z = stg[SO_CZ + t * NGC + grp];
                 const u32 off2 = 0xc300c300u | z | (z << 16);
+                u8* lo = kt + v4_chunk(t, ch / 8, T);
+                u8* hi = kt + v4_chunk(t, ch / 8 + 1, T);
 #if QMLA_CSCALE_BF16
                 const u32 sb = ((const u16*)(stg + SO_CS))[t * NGC + grp];
-                v4_store16<false>(kt + t * KST + 2 * ch, x, off2, sb | (sb << 16), 0.0f, (u >> 2) & 1);
+                v4_store16<false>(lo, hi, x, off2, sb | (sb << 16), 0.0f, (u >> 2) & 1);
 #else
-                v4_store16<true>(kt + t * KST + 2 * ch, x, off2, 0u, ((const float*)(stg + SO_CS))[t * NGC + grp],
-                                 (u >> 2) & 1);
+                v4_store16<true>(lo, hi, x, off2, 0u, ((const float*)(stg + SO_CS))[t * NGC + grp], (u >> 2) & 1);
 #endif
             }
         }
@@ -195,7 +238,8 @@ __device__ __forceinline__ void v4_dequantize(const u8* stg, u8* kt, int tid) {
         for (int c = 0; c < 2; ++c) {
             const u32 x[4] = {(w[0] >> (4 * c)) & 0x0f0f0f0fu, (w[1] >> (4 * c)) & 0x0f0f0f0fu,
                               (w[2] >> (4 * c)) & 0x0f0f0f0fu, (w[3] >> (4 * c)) & 0x0f0f0f0fu};
-            v4_store16<true>(kt + t * KST + 2 * (DC + RB * c + 16 * u), x, off2, 0u, s, false);
+            const int chunk = (DC + RB * c + 16 * u) / 8;
+            v4_store16<true>(kt + v4_chunk(t, chunk, T), kt + v4_chunk(t, chunk + 1, T), x, off2, 0u, s, false);
         }
     }
 }
@@ -206,7 +250,12 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v4(
     const qmla_index_t* __restrict__ seq_lens, const qmla_index_t* __restrict__ seq_ids, float* __restrict__ o_part,
     float2* __restrict__ ml_part, int S_q, int H, int max_pages, int bt_stride, int num_pages, int max_seqs,
     int sink, int local, int tiles_per_split, int num_splits, float scale_log2) {
-    extern __shared__ __align__(16) unsigned char smem[];
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+#if QMLA_V4_WGMMA
+    u8* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);  // the swizzle needs 1024-byte tiles
+#else
+    u8* smem = smem_raw;
+#endif
     u8* kt = smem + KT_OFF;
     float* red = (float*)(smem + RED_OFF);
 
@@ -214,7 +263,9 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v4(
     const int w = tid >> 5, lane = tid & 31;
     const int g8 = lane >> 2, q4 = lane & 3;
     const int rg = w & 3, hh = w >> 2;                     // QK / softmax: row group, token (and channel) half
+#if !QMLA_V4_WGMMA
     const int rh = (w >> 1) & 1, dq = (w & 1) + 2 * (w >> 2);  // PV: 32-row half, channel quarter
+#endif
     const int R = S_q * H;
     const int NCHK = (R + RT - 1) / RT;
     const int b = blockIdx.x / NCHK, chk = blockIdx.x % NCHK;
@@ -257,12 +308,18 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v4(
 #pragma unroll
     for (int k = 0; k < 2; ++k) lim[k] = min(keep_hi, L - S_q + (rbase + rw0 + 8 * k) / H + 1);
 
+#if QMLA_V4_WGMMA
+    float acc[DC / 16][4];  // PV, wgmma layout: rows 16 rg + g8 (+ 8) x channels DC / 2 * hh + 8 i + 2 q4 (+ 1)
+#pragma unroll
+    for (int i = 0; i < DC / 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+#else
     float acc[2][NTP][4];  // PV: [m-tile][n-tile]
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
         for (int i = 0; i < NTP; ++i) acc[mt][i][0] = acc[mt][i][1] = acc[mt][i][2] = acc[mt][i][3] = 0.0f;
     }
+#endif
     float m_run[2] = {-QMLA_INF, -QMLA_INF};
     float l_run[2] = {0.0f, 0.0f};  // this lane's share of the row sums over this warp's tokens
 
@@ -276,7 +333,7 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v4(
                 v = ck < DC / 8 ? *(const uint4*)(q_lat + qrow * DC + 8 * ck)
                                 : *(const uint4*)(q_rope + qrow * DR + 8 * (ck - DC / 8));
             }
-            *(uint4*)(smem + QT_OFF + row * KST + 16 * ck) = v;
+            *(uint4*)(smem + QT_OFF + v4_chunk(row, ck, RT)) = v;
         }
         auto load_pages = [&](int tt, int (&pgs)[NSEG]) {
             qmla_load_pages(tt, pgs, block_table + (i64)b * bt_stride, L, max_pages, num_pages);
@@ -296,12 +353,16 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v4(
             load_pages(t_begin + (NSTAGE - 1) * T, pg_next);
         }
 
+#if QMLA_V4_WGMMA
+        const u32 kt_s = smem_addr(kt), qt_s = smem_addr(smem + QT_OFF), pt_s = smem_addr(smem + PT_OFF);
+#else
         // ldmatrix lane addresses: queries (A, 16 rows of this row group, channel half hh), key rows
         // (B, tokens 16 p + ...), P (A, rows 32 rh + ...), value rows (B, transposed: tokens are the k pairs)
         const u32 q_lane = smem_addr(smem + QT_OFF) + (16 * rg + (lane & 15)) * KST + 16 * (lane >> 4) + 32 * KSH * hh;
         const u32 k_lane = smem_addr(kt) + ((lane & 7) + 8 * (lane >> 4)) * KST + 16 * ((lane >> 3) & 1) + 32 * KSH * hh;
         const u32 p_lane = smem_addr(smem + PT_OFF) + (32 * rh + (lane & 15)) * PST + 16 * (lane >> 4);
         const u32 v_lane = smem_addr(kt) + ((lane & 7) + 8 * ((lane >> 3) & 1)) * KST + 2 * DQ * dq + 16 * (lane >> 4);
+#endif
         float4* xs = (float4*)(smem + XS_OFF);
 
         int i = 0;
@@ -316,7 +377,7 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v4(
                         src = (n < sink ? sink_buf + (sid * sink + n) * DT : local_buf + (sid * local + n % local) * DT) + 8 * u;
                         bytes = 16;
                     }
-                    cp_async16_zfill(kt + r * KST + 16 * u, src, bytes);
+                    cp_async16_zfill(kt + v4_chunk(r, u, T), src, bytes);
                 }
                 cp_async_commit();
                 cp_async_wait_all();
@@ -331,12 +392,30 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v4(
                 cp_async_commit();
                 v4_dequantize(smem + (i % NSTAGE) * STAGE_BYTES, kt, tid);
             }
+#if QMLA_V4_WGMMA
+            fence_proxy_async();  // this thread's K (and, the first time, query) stores, for wgmma's reads
+#endif
             __syncthreads();  // K visible
 
             // -------------------------------------------------------- QK: 16 rows x 64 tokens x half the channels
             float S2[8][4];
 #pragma unroll
             for (int j = 0; j < 8; ++j) S2[j][0] = S2[j][1] = S2[j][2] = S2[j][3] = 0.0f;
+#if QMLA_V4_WGMMA
+            // warpgroup hh: all 64 rows x 64 tokens over k-steps KSH hh .. KSH hh + KSH - 1; warp rg holds
+            // rows 16 rg .. 16 rg + 15, the same fragment layout as the mma.sync loop below
+            wgmma_fence_operand(S2);
+            wgmma_fence();
+#pragma unroll
+            for (int ks = 0; ks < KSH; ++ks) {
+                const int kk = KSH * hh + ks;
+                const u32 off = (kk >> 2) * 8192u + 32u * (kk & 3);  // column block kk / 4 (64 rows x 128 B), k-step in it
+                wgmma_m64n64k16_ss<0>(S2, sw128_desc(qt_s + off, 16, 1024), sw128_desc(kt_s + off, 16, 1024), ks > 0);
+            }
+            wgmma_commit();
+            wgmma_wait<0>();
+            wgmma_fence_operand(S2);
+#else
 #pragma unroll
             for (int ks = 0; ks < KSH; ++ks) {
                 u32 a[4];
@@ -349,6 +428,7 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v4(
                     mma_bf16(S2[2 * p + 1], a, b2, b3);
                 }
             }
+#endif
             // the partner's tokens go to it, its partial scores of ours come back; both add own + other
             // in the same order, so the pair's sums are the sums of one fixed pair of partials
             // (selects, not S2[4 * hh + j]: a register array indexed by a run-time value would live in local memory)
@@ -409,6 +489,45 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v4(
                     l_run[k] += S[j][2 * k] + S[j][2 * k + 1];
                 }
             }
+#if QMLA_V4_WGMMA
+            // P [64 rows][64 tokens], one swizzled 128-byte row per query row; this warp's tokens
+            // 32 hh + 8 j + 2 q4 (+ 1) are bytes 4 q4 of chunk 4 hh + j
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                *(u32*)(smem + PT_OFF + sw128_chunk(rw0, 4 * hh + j, RT) + 4 * q4) = pack_bf16x2(S[j][0], S[j][1]);
+                *(u32*)(smem + PT_OFF + sw128_chunk(rw0 + 8, 4 * hh + j, RT) + 4 * q4) = pack_bf16x2(S[j][2], S[j][3]);
+            }
+            fence_proxy_async();
+            __syncthreads();  // all of P visible: each warpgroup multiplies every row by every token
+
+            // -------------------------------------------------------- PV: all 64 rows x channel half hh (wgmma)
+            if (!QMLA_V4_LAZY_RESCALE || __any_sync(0xffffffffu, al[0] != 1.0f || al[1] != 1.0f)) {
+#pragma unroll
+                for (int n = 0; n < DC / 16; ++n) {
+                    acc[n][0] *= al[0];
+                    acc[n][1] *= al[0];
+                    acc[n][2] *= al[1];
+                    acc[n][3] *= al[1];
+                }
+            }
+            wgmma_fence_operand(acc);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < T / 16; ++kk) {
+                // A: P, tokens 16 kk .. 16 kk + 15 (32 bytes into the rows); B: K read MN-major, tokens
+                // 16 kk .. (2048 bytes per 16 rows), column blocks DC / 128 * hh .. (8192 bytes apart)
+                const u64 da = sw128_desc(pt_s + 32u * kk, 16, 1024);
+                const u64 db = sw128_desc(kt_s + (DC / 128) * hh * 8192u + 2048u * kk, 8192, 1024);
+#if DC == 512
+                wgmma_m64n256k16_ss<1>(acc, da, db, 1);
+#else
+                wgmma_m64n128k16_ss<1>(acc, da, db, 1);
+#endif
+            }
+            wgmma_commit();
+            wgmma_wait<0>();
+            wgmma_fence_operand(acc);
+#else
             u8* prow = smem + PT_OFF + rw0 * PST + 2 * (32 * hh + 2 * q4);
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
@@ -449,6 +568,7 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v4(
                     mma_bf16(acc[1][2 * np + 1], a1, b2, b3);
                 }
             }
+#endif
         }
     }
 
@@ -468,6 +588,14 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v4(
         }
     }
     float* ot = (float*)smem;  // [RT][OT_STRIDE]
+#if QMLA_V4_WGMMA
+#pragma unroll
+    for (int n = 0; n < DC / 16; ++n) {
+        const int ch = DC / 2 * hh + 8 * n + 2 * q4;
+        *(float2*)(ot + rw0 * OT_STRIDE + ch) = make_float2(acc[n][0], acc[n][1]);
+        *(float2*)(ot + (rw0 + 8) * OT_STRIDE + ch) = make_float2(acc[n][2], acc[n][3]);
+    }
+#else
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
         const int r0 = 32 * rh + 16 * mt + g8;
@@ -478,6 +606,7 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v4(
             *(float2*)(ot + (r0 + 8) * OT_STRIDE + ch) = make_float2(acc[mt][nt][2], acc[mt][nt][3]);
         }
     }
+#endif
     __syncthreads();
     if (tid < RT && rbase + tid < R) {
         ml_part[((i64)b * R + rbase + tid) * num_splits + split] =
