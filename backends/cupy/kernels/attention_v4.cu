@@ -42,7 +42,7 @@
 // both matmuls are Hopper warpgroup MMAs reading their operands straight from shared memory (no
 // ldmatrix, no per-warp re-reads of the key tile). The K, query and P tiles are stored in the
 // 128-byte swizzle of wgmma.cuh. Warpgroup hh (warps 4 hh .. 4 hh + 3):
-//   QK: S[64 rows][64 tokens] over channel k-steps KSH hh .. KSH (hh + 1) - 1, m64n64k16 (A = queries,
+//   QK: S[64 rows][64 tokens] over the even (hh = 0) or odd 16-channel runs, m64n64k16 (A = queries,
 //       B = K, both K-major); warp rg holds rows 16 rg .. 16 rg + 15 in mma.sync's fragment layout, so
 //       the pair exchange and the softmax above are unchanged.
 //   PV: O[64 rows][channels DC / 2 hh ..] += P[64][64] K[64][DC / 2], m64n256k16 (m64n128k16 at d_c
@@ -169,10 +169,8 @@ __device__ __forceinline__ u32 v4_dq2_f32(u32 c2, u32 off2, float s) {
 }
 
 // 16 dequantized channels (4 words of codes, one per byte, in channel order) stored as two 16-byte
-// halves, channels 0..7 at lo and 8..15 at hi. upper_first: the first store takes channels 8..15.
-// Lanes 32 bytes apart would put lanes u and u + 4 of a quarter warp on one 16-byte bank group;
-// alternating the first half every four lanes gives the quarter warp's 8 stores 8 different groups
-// (in the swizzled layout too: there chunk positions are XORed with the row, a bijection).
+// halves, channels 0..7 at lo and 8..15 at hi. upper_first: the first store takes channels 8..15
+// (see v4_dequantize).
 template <bool F32>
 __device__ __forceinline__ void v4_store16(u8* lo, u8* hi, const u32 (&x)[4], u32 off2, u32 s2, float s,
                                            bool upper_first) {
@@ -194,14 +192,29 @@ __device__ __forceinline__ void v4_store16(u8* lo, u8* hi, const u32 (&x)[4], u3
 }
 
 // Stage `stg` (raw page sections of one tile) -> the K tile as bf16 s * (code - z). Content: one
-// 16-byte chunk of a code row per thread and round; byte j of a row holds channels j + CB c for
-// slice c (split-half order), so a chunk gives KCH runs of 16 channels. RoPE likewise.
+// 16-byte chunk u of token t's code row per thread and round; byte j of a row holds channels
+// j + CB c for slice c (split-half order), so a chunk gives KCH runs of 16 channels. RoPE likewise.
+// Lanes 32 bytes apart in one row would put lanes u and u + 4 of a quarter warp on one 16-byte bank
+// group:
+//   wgmma build: eight consecutive lanes take chunks 4 uh .. 4 uh + 3 of two adjacent tokens, whose
+//     first stores then fall on 8 different groups (chunk positions are XORed with the row), and so do
+//     their reads of the staged codes (qmla_swz puts tokens 2p and 2p + 1 in different 64-byte halves);
+//   mma.sync build: lanes take consecutive chunks of one token and every other four store their upper
+//     half first (this build has no registers to spare for the other mapping's index arithmetic).
 __device__ __forceinline__ void v4_dequantize(const u8* stg, u8* kt, int tid) {
 #pragma unroll
     for (int k = 0; k < (T * NCT + NTH - 1) / NTH; ++k) {
         const int idx = tid + k * NTH;
         if ((T * NCT) % NTH == 0 || idx < T * NCT) {
+#if QMLA_V4_WGMMA
+            static_assert(NCT % 4 == 0, "code rows of whole 64-byte groups");
+            const int g = idx >> 3, q = idx & 7;
+            const int t = 2 * (g / (NCT / 4)) + (q >> 2), u = 4 * (g % (NCT / 4)) + (q & 3);
+            constexpr bool upper_first = false;
+#else
             const int t = idx / NCT, u = idx % NCT;
+            const bool upper_first = (u >> 2) & 1;
+#endif
             const uint4 v = *(const uint4*)(stg + qmla_coff(t, 16 * u));
             const u32 w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
@@ -215,9 +228,9 @@ __device__ __forceinline__ void v4_dequantize(const u8* stg, u8* kt, int tid) {
                 u8* hi = kt + v4_chunk(t, ch / 8 + 1, T);
 #if QMLA_CSCALE_BF16
                 const u32 sb = ((const u16*)(stg + SO_CS))[t * NGC + grp];
-                v4_store16<false>(lo, hi, x, off2, sb | (sb << 16), 0.0f, (u >> 2) & 1);
+                v4_store16<false>(lo, hi, x, off2, sb | (sb << 16), 0.0f, upper_first);
 #else
-                v4_store16<true>(lo, hi, x, off2, 0u, ((const float*)(stg + SO_CS))[t * NGC + grp], (u >> 2) & 1);
+                v4_store16<true>(lo, hi, x, off2, 0u, ((const float*)(stg + SO_CS))[t * NGC + grp], upper_first);
 #endif
             }
         }
@@ -354,7 +367,13 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v4(
         }
 
 #if QMLA_V4_WGMMA
-        const u32 kt_s = smem_addr(kt), qt_s = smem_addr(smem + QT_OFF), pt_s = smem_addr(smem + PT_OFF);
+        // descriptors of this warpgroup's first operands: queries and K from 16-channel run hh (K-major, QK),
+        // P (K-major) and K from the first column block of channel half hh (MN-major, PV); hh through a
+        // shuffle is provably warp-uniform, so they live in uniform registers and each k-step adds a constant
+        const u32 hu = __shfl_sync(0xffffffffu, hh, 0), qt_s = smem_addr(smem + QT_OFF), kt_s = smem_addr(kt);
+        const u64 dq = sw128_desc(qt_s + 32 * hu, 16, 1024), dk = sw128_desc(kt_s + 32 * hu, 16, 1024);
+        const u64 dp = sw128_desc(smem_addr(smem + PT_OFF), 16, 1024);
+        const u64 dv = sw128_desc(kt_s + hu * (DC / 128) * T * 128, T * 128, 1024);
 #else
         // ldmatrix lane addresses: queries (A, 16 rows of this row group, channel half hh), key rows
         // (B, tokens 16 p + ...), P (A, rows 32 rh + ...), value rows (B, transposed: tokens are the k pairs)
@@ -402,15 +421,16 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v4(
 #pragma unroll
             for (int j = 0; j < 8; ++j) S2[j][0] = S2[j][1] = S2[j][2] = S2[j][3] = 0.0f;
 #if QMLA_V4_WGMMA
-            // warpgroup hh: all 64 rows x 64 tokens over k-steps KSH hh .. KSH hh + KSH - 1; warp rg holds
-            // rows 16 rg .. 16 rg + 15, the same fragment layout as the mma.sync loop below
+            // warpgroup hh: all 64 rows x 64 tokens over the odd (hh = 1) or even 16-channel runs, k-step
+            // 2 ks + hh (column block ks / 2, 64 bytes per pair of runs): a constant offset from its first,
+            // so no branch on hh reaches the wgmma (ptxas serializes wgmma on divergent paths). Warp rg
+            // holds rows 16 rg .. 16 rg + 15, the same fragment layout as the mma.sync loop below
             wgmma_fence_operand(S2);
             wgmma_fence();
 #pragma unroll
             for (int ks = 0; ks < KSH; ++ks) {
-                const int kk = KSH * hh + ks;
-                const u32 off = (kk >> 2) * 8192u + 32u * (kk & 3);  // column block kk / 4 (64 rows x 128 B), k-step in it
-                wgmma_m64n64k16_ss<0>(S2, sw128_desc(qt_s + off, 16, 1024), sw128_desc(kt_s + off, 16, 1024), ks > 0);
+                const u32 off = (ks >> 1) * (T * 128) + 64 * (ks & 1);
+                wgmma_m64n64k16_ss<0>(S2, desc_advance(dq, off), desc_advance(dk, off), ks > 0);
             }
             wgmma_commit();
             wgmma_wait<0>();
@@ -453,13 +473,26 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v4(
 
             // -------------------------------------------------------- mask, row maxima of the pair
             float mx[2] = {-QMLA_INF, -QMLA_INF};
+            // the wgmma build skips the masks where both rows attend to the whole tile (the mma.sync build,
+            // with fewer registers to spare, always masks)
+            if (QMLA_V4_WGMMA && t0 >= keep_lo && t0 + T <= min(lim[0], lim[1])) {
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
+                for (int j = 0; j < 4; ++j) {
 #pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                    const int n = t0 + 32 * hh + 8 * j + 2 * q4 + (k & 1);
-                    S[j][k] = (n >= keep_lo && n < lim[k >> 1]) ? S[j][k] * scale_log2 : -QMLA_INF;
-                    mx[k >> 1] = fmaxf(mx[k >> 1], S[j][k]);
+                    for (int k = 0; k < 4; ++k) {
+                        S[j][k] *= scale_log2;
+                        mx[k >> 1] = fmaxf(mx[k >> 1], S[j][k]);
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) {
+                        const int n = t0 + 32 * hh + 8 * j + 2 * q4 + (k & 1);
+                        S[j][k] = (n >= keep_lo && n < lim[k >> 1]) ? S[j][k] * scale_log2 : -QMLA_INF;
+                        mx[k >> 1] = fmaxf(mx[k >> 1], S[j][k]);
+                    }
                 }
             }
 #pragma unroll
@@ -515,9 +548,8 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v4(
 #pragma unroll
             for (int kk = 0; kk < T / 16; ++kk) {
                 // A: P, tokens 16 kk .. 16 kk + 15 (32 bytes into the rows); B: K read MN-major, tokens
-                // 16 kk .. (2048 bytes per 16 rows), column blocks DC / 128 * hh .. (8192 bytes apart)
-                const u64 da = sw128_desc(pt_s + 32u * kk, 16, 1024);
-                const u64 db = sw128_desc(kt_s + (DC / 128) * hh * 8192u + 2048u * kk, 8192, 1024);
+                // 16 kk .. (2048 bytes per 16 rows), column blocks DC / 128 * hh .. (LBO 8192 bytes apart)
+                const u64 da = desc_advance(dp, 32 * kk), db = desc_advance(dv, 2048 * kk);
 #if DC == 512
                 wgmma_m64n256k16_ss<1>(acc, da, db, 1);
 #else

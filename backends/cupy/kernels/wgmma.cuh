@@ -29,6 +29,12 @@ __device__ __forceinline__ u64 sw128_desc(u32 addr, u32 lbo, u32 sbo) {
     return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32) | (1ull << 62);
 }
 
+// descriptor d with its start address advanced by `bytes` (a multiple of 16): a 32-bit add to the low
+// word (the address field, bits 0-13, never carries: shared tiles lie below 256 KB)
+__device__ __forceinline__ u64 desc_advance(u64 d, u32 bytes) {
+    return (d & 0xFFFFFFFF00000000ull) | (u32)((u32)d + (bytes >> 4));
+}
+
 // orders this thread's earlier register and shared-memory accesses before the next wgmma
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
