@@ -63,6 +63,11 @@ V4_BUILDS = [
     ("sm_90a", "C4R4", 256, 32, 64, 32, 2, "wgmma"),
     ("sm_90a", "C2R4", 256, 32, 32, 64, 3, "wgmma"),
     ("sm_90a", "C4R4", 512, 64, 64, 64, 2, "prot", "wgmma"),
+    # bf16 pages: rows copied into the key tile
+    ("sm_90a", "BF16", 512, 64, 64, 64, 2, "wgmma"),
+    ("sm_90a", "BF16", 256, 32, 64, 16, 2, "prot", "wgmma"),
+    ("sm_90", "BF16", 512, 64, 64, 16, 2),
+    ("sm_80", "BF16", 256, 32, 64, 32, 2),
 ]
 
 
@@ -100,11 +105,21 @@ def test_v4_compiles_without_spills(build):
         assert ptx.count("wgmma.commit_group.sync.aligned") == 2 and ptx.count("wgmma.wait_group.sync.aligned 0") == 2
         assert "mma.sync" not in ptx and "ldmatrix" not in ptx and "fence.proxy.async.shared::cta" in ptx
         assert "C7515" not in text and "serialized" not in text, text  # ptxas: "wgmma ... serialized"
+        _check_tile_source(build[1], ptx)
         return
     # QK: (d_c + d_r) / 32 k-steps (a channel half) x 8 n-tiles (64 tokens); PV: 4 k-steps x 2 m-tiles x
     # d_c / 32 n-tiles (a quarter of d_c / 8); both unrolled
     assert ptx.count("mma.sync.aligned.m16n8k16") == (dc + build[3]) // 32 * 8 + 4 * 2 * dc // 32
-    assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx and "fma.rn.bf16x2" in ptx
+    assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx
+    _check_tile_source(build[1], ptx)
+
+
+def _check_tile_source(fmt_name: str, ptx: str) -> None:
+    """Packed builds dequantize with bf16x2 FMAs; bf16-page builds copy rows and prefetch the next tile."""
+    if fmt_name == "BF16":
+        assert "fma.rn.bf16x2" not in ptx and "prefetch.global.L2" in ptx and "cp.async.cg.shared.global" in ptx
+    else:
+        assert "fma.rn.bf16x2" in ptx and "prefetch.global.L2" not in ptx
 
 
 def test_v4_smem_layout():
@@ -121,6 +136,16 @@ def test_v4_smem_layout():
     wg = -(-2 * 64 * 317 // 1024) * 1024 + 2 * 9 * 64 * 128 + 64 * 128 + 8 * 4 * 32 * 16 + 4 * 256 + 1024
     assert v4_smem_bytes(fmt, 2, wgmma=True) == wg <= smem_per_block((9, 0))
     assert v4_defines(fmt, wgmma=True)["QMLA_V4_SMEM"] == wg and v4_defines(fmt, wgmma=True)["QMLA_V4_WGMMA"] == 1
+    # bf16 pages are copied straight into the key tile: no stages
+    bf = qm.PackFormat.parse("BF16")
+    assert v4_smem_bytes(bf) == v4_smem_bytes(fmt) - 2 * 64 * 317
+    assert v4_smem_bytes(bf, 2, wgmma=True) == wg - 40 * 1024
+    assert v4_unsupported_reasons(bf, (9, 0)) == [] and v4_unsupported_reasons(qm.PackFormat.parse("BF16", 256, 32), (8, 0)) == []
+    why = v4_unsupported_reasons(bf, (8, 0))
+    assert len(why) == 1 and "shared memory" in why[0]
+    assert v4_unsupported_reasons(bf, (9, 0), "float32") == ["v4 serves bfloat16 queries (got float32)"]
+    why = v4_unsupported_reasons(qm.PackFormat.parse("C8R8"), (9, 0))
+    assert why and all(w.startswith("v4 ") for w in why) and "2/4-bit content" in why[0]
     # the 512-wide latent needs Hopper's 227 KB; the 256-wide one fits an A100's 163 KB
     assert v4_unsupported_reasons(fmt, (9, 0)) == []
     why = v4_unsupported_reasons(fmt, (8, 0))
@@ -145,8 +170,19 @@ def test_v4_selection(monkeypatch):
     assert select_variant(c4, "bfloat16", (8, 0), 1 << 20, 128) == ("v3", None)
     assert select_variant(c4, "float32", (9, 0), 1 << 20, 128)[0] == "v1"
     assert select_variant(qm.PackFormat.parse("C8R8"), "bfloat16", (9, 0), 1 << 20, 128)[0] == "v1"
+    # bf16 pages: v4 from V4_MIN_ROWS rows (bfloat16 queries), else v1, saying why
+    bf = qm.PackFormat.parse("BF16")
+    assert select_variant(bf, "bfloat16", (9, 0), 4096, 128) == ("v4", None)
+    v, why = select_variant(bf, "bfloat16", (9, 0), 1 << 20, 16)
+    assert v == "v1" and f"from {V4_MIN_ROWS} query rows" in why
+    v, why = select_variant(bf, "float32", (9, 0), 1 << 20, 128)
+    assert v == "v1" and "bfloat16 queries" in why
+    assert select_variant(bf, "bfloat16", (8, 0), 1 << 20, 128)[0] == "v1"  # 512-wide v4 needs sm_90's 227 KB
     monkeypatch.setenv(VARIANT_ENV, "v4")
     assert select_variant(c4, "bfloat16", (9, 0)) == ("v4", None)  # asked for: any row count
+    assert select_variant(bf, "bfloat16", (9, 0)) == ("v4", None)
+    v, why = select_variant(bf, "bfloat16", (8, 0), 1 << 20, 128)
+    assert v == "v1" and "shared memory" in why
     v, why = select_variant(c4, "bfloat16", (8, 0), 1 << 20, 128)
     assert v == "v2" and "shared memory" in why
     monkeypatch.setenv(VARIANT_ENV, "v3")
@@ -204,6 +240,18 @@ def test_v4_launches_match_kernel_signatures(monkeypatch, h, s_q, prot, in_grid)
     assert combine[0].kernel == "qmla_combine" and int(combine[3][-1]) == slots
 
 
+@pytest.mark.parametrize("variant", ["auto", "v4"])
+def test_v4_serves_bf16_pages(monkeypatch, variant):
+    """bf16 pages with 128 query rows run v4 (auto and forced): its bf16-page build (QMLA_QUANT 0,
+    no stages in its shared memory), wgmma on the stubbed sm_90, then the combine."""
+    launches, _kernels, fmt, b = _run_v2_stubbed(monkeypatch, 128, 1, False, {}, variant=variant, pages_per=9,
+                                                 length=500, fmt_name="BF16")
+    (attn, grid, block, _args, smem), _ = launches.of("qmla_attn_v4")
+    assert attn.defines["QMLA_QUANT"] == 0 and attn.defines["QMLA_CBITS"] == 16 and attn.arch == "sm_90a"
+    assert smem == v4_smem_bytes(fmt, 2, wgmma=True) == attn.defines["QMLA_V4_SMEM"] and block == (256,)
+    assert grid[0] == b * 2 and [rec[0].kernel for rec in launches] == ["qmla_attn_v4", "qmla_combine"]
+
+
 def test_v4_knobs(monkeypatch):
     assert V4Knobs.from_env() == V4Knobs(2, True)
     monkeypatch.setenv("QUANTMLA_CUPY_V4_STAGES", "3")
@@ -255,6 +303,10 @@ V4_CASES = [
     Case(qm.PackFormat.parse("C4R4", group_size=128), (2100,), heads=128, s_q=2, sink=36, local=0, seed=974),
     # two sink tiles, requests shorter than the sink and windows that start inside it
     Case(qm.PackFormat.parse("C2R4"), (300, 70, 5), heads=64, s_q=1, sink=100, local=40, seed=975),
+    # bf16 pages: page and tile edges, 16-token pages with S_q > 1, d_c 256 with a local window
+    Case(qm.PackFormat.parse("BF16"), (64, 65, 4097), heads=128, s_q=1, sink=4, local=128, seed=976),
+    Case(qm.PackFormat.parse("BF16", page_size=16), (300, 17, 1000), heads=64, s_q=2, sink=0, local=0, seed=977),
+    Case(qm.PackFormat.parse("BF16", 256, 32, page_size=32), (700, 63), heads=96, s_q=1, sink=4, local=16, seed=978),
 ]
 
 

@@ -192,6 +192,13 @@ def _decide_variant(want: str, fmt: PackFormat, dtype: str, capability: tuple[in
                     long_ctx: bool = False, wide: bool = False) -> tuple[str, str | None]:
     if want == "v1":
         return "v1", None
+    if not fmt.quantized and want in ("v4", "auto"):  # bf16 pages: v4 (many rows) or v1
+        why4 = v4_unsupported_reasons(fmt, capability, dtype)
+        if not why4 and (want == "v4" or wide):
+            return "v4", None
+        if want == "v4" or why4:
+            return "v1", "; ".join(why4) if why4 else None
+        return "v1", f"auto runs v4 over bf16 pages from {V4_MIN_ROWS} query rows per request"
     why = v2_unsupported_reasons(fmt, dtype)
     if capability is not None and tuple(capability) < (8, 0):
         why.append(f"v2 needs compute capability 8.0+ (got {capability[0]}.{capability[1]})")
@@ -220,12 +227,21 @@ def v3_unsupported_reasons(fmt: PackFormat) -> list[str]:
     return []
 
 
-def v4_unsupported_reasons(fmt: PackFormat, capability: tuple[int, int] | None = None) -> list[str]:
-    """Why kernel v4 cannot serve ``fmt`` where v2 can (empty: it can): it stages one RoPE scale
-    per token, and its shared memory must fit one block of the GPU."""
+def v4_unsupported_reasons(fmt: PackFormat, capability: tuple[int, int] | None = None,
+                           dtype: str = "bfloat16") -> list[str]:
+    """Why kernel v4 cannot serve ``fmt`` with ``dtype`` queries (empty: it can): bfloat16 queries
+    over what v2 serves (2/4-bit content, 4-bit RoPE codes, d_c/d_r 512/64 or 256/32) with one RoPE
+    scale per token, or over bf16 pages; its shared memory must fit one block of the GPU."""
     reasons = []
-    if fmt.group_size < fmt.rope_dim:
-        reasons.append(f"v4 needs one RoPE group per token (group size {fmt.group_size} < d_r {fmt.rope_dim})")
+    if not fmt.quantized:
+        if dtype != "bfloat16":
+            reasons.append(f"v4 serves bfloat16 queries (got {dtype})")
+        if (fmt.latent_dim, fmt.rope_dim) not in ((512, 64), (256, 32)):
+            reasons.append(f"v4 serves d_c/d_r 512/64 and 256/32 (got {fmt.latent_dim}/{fmt.rope_dim})")
+    else:
+        reasons += [r.replace("v2 ", "v4 ", 1) for r in v2_unsupported_reasons(fmt, dtype)]
+    if reasons:
+        return reasons
     need, have = v4_smem_bytes(fmt), smem_per_block(capability)
     if need > have:
         cap = "this GPU" if capability is None else f"compute capability {capability[0]}.{capability[1]}"
@@ -261,7 +277,7 @@ def v4_smem_bytes(fmt: PackFormat, stages: int = V4_STAGES, wgmma: bool = False)
     the QK score exchange (float4 [8 warps][4 n-tiles][32 lanes]) and four float rows of row statistics.
     ``wgmma``: the build whose K, query and P tiles are 128-byte swizzled (64-channel column blocks of
     128-byte rows, 1024-byte aligned, plus 1 KB to align the base)."""
-    staged = stages * stage_bytes(fmt, V4_TILE, flags=False)
+    staged = stages * stage_bytes(fmt, V4_TILE, flags=False) if fmt.quantized else 0  # bf16 pages: no stages
     stats = V4_WARPS * 4 * 32 * 16 + 4 * V4_ROWS * 4
     if wgmma:
         blocks = -(-(fmt.latent_dim + fmt.rope_dim) // 64)

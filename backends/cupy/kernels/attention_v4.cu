@@ -1,12 +1,13 @@
 // QuantMLA CuPy backend: decode attention v4 (many query rows: one dequantized tile for 64 rows).
 //
 // Serves what v3 serves (bf16 queries; 2/4-bit content and 4-bit RoPE codes; d_c/d_r 512/64 and
-// 256/32) and is meant for requests with many query rows R = S_q * H (DeepSeek-V3/R1 and Kimi-K2
-// at H = 128, or H = 64 under 2-way tensor parallelism). The sink and local-window tokens: with
-// QMLA_V4_PROTECTED 1 the last values of blockIdx.y take one protected 64-token tile each, copying
-// its bf16 rows from the protection buffers straight into the key tile (no dequantization), and
-// write the last partial slots; with 0 (packed tokens only) protected.cu adds them. v1's
-// qmla_combine merges the partials by log-sum-exp.
+// 256/32), and bf16 pages (QMLA_QUANT 0: each tile's rows are copied into the key tile as they
+// are, with the next tile's rows prefetched to L2). It is meant for requests with many query rows
+// R = S_q * H (DeepSeek-V3/R1 and Kimi-K2 at H = 128, or H = 64 under 2-way tensor parallelism).
+// The sink and local-window tokens: with QMLA_V4_PROTECTED 1 the last values of blockIdx.y take one
+// protected 64-token tile each, copying its bf16 rows from the protection buffers straight into the
+// key tile (no dequantization), and write the last partial slots; with 0 (packed tokens only)
+// protected.cu adds them. v1's qmla_combine merges the partials by log-sum-exp.
 //
 // ================================================================ design note
 // Why: v2 and v3 take 16 query rows per CTA and convert codes straight into MMA fragments, so at
@@ -88,13 +89,19 @@
 #define DQ (DC / 4)           // PV channels per warp
 #define NTP (DQ / 8)          // PV n-tiles per warp and 16-row m-tile
 
-#if !QMLA_QUANT || !(CBITS == 2 || CBITS == 4) || QMLA_RBITS != 4 || !QMLA_IN_BF16
-#error "attention_v4.cu serves bf16 queries with 2/4-bit content and 4-bit RoPE codes"
+#if !QMLA_IN_BF16 || !((QMLA_QUANT && (CBITS == 2 || CBITS == 4) && QMLA_RBITS == 4) || \
+                       (!QMLA_QUANT && CBITS == 16 && QMLA_RBITS == 16))
+#error "attention_v4.cu serves bf16 queries over 2/4-bit content with 4-bit RoPE codes, or over bf16 pages"
 #endif
+#if QMLA_QUANT
 static_assert(CB == DC * CBITS / 8 && RB == DR / 2, "code bytes per token");
 static_assert(CB % 64 == 0 && (RB == 16 || RB == 32), "d_c 256/512 and d_r 32/64");
 static_assert(QMLA_GC % 16 == 0, "a 16-channel dequantized run must lie inside one scale group");
 static_assert(QMLA_GR == DR, "one RoPE group per token");
+#else
+// bf16 pages: each tile's rows are copied into the key tile as they are (no staging, no dequantization)
+static_assert(CB == 2 * DC && RB == 2 * DR && (DC == 256 || DC == 512) && (DR == 32 || DR == 64), "bf16 page rows");
+#endif
 static_assert(NTP % 2 == 0, "PV n-tiles come in pairs (ldmatrix.x4.trans)");
 static_assert(KSTEPS % 2 == 0, "QK channel halves of whole k-steps");
 static_assert(NSTAGE == 2 || NSTAGE == 3, "2 or 3 stages");
@@ -110,17 +117,18 @@ static_assert(T == 64 && RT == 64 && NW == 8, "wgmma build: two warpgroups, 64 r
 #define SO_RS (SO_CZ + T * NGC)        // RoPE scale [T]
 #define SO_RZ (SO_RS + T * RSZ)        // RoPE zero [T]
 #define STAGE_BYTES ((SO_RZ + T + 15) / 16 * 16)
+#define STAGE_AREA (QMLA_QUANT ? NSTAGE * STAGE_BYTES : 0)  // bf16 pages are copied straight into K
 #if QMLA_V4_WGMMA
 // the K, query and P tiles in wgmma.cuh's 128-byte swizzle (NCB column blocks of 64 channels), 1024-byte
 // aligned; the kernel rounds the dynamic shared memory base up to 1024 bytes, hence the extra 1 KB
 #define NCB ((DT + 63) / 64)
-#define KT_OFF ((NSTAGE * STAGE_BYTES + 1023) / 1024 * 1024)  // dequantized tile, bf16 [NCB][T][64]
+#define KT_OFF ((STAGE_AREA + 1023) / 1024 * 1024)  // dequantized tile, bf16 [NCB][T][64]
 #define QT_OFF (KT_OFF + T * NCB * 128)                        // queries, bf16 [NCB][RT][64]
 #define PT_OFF (QT_OFF + RT * NCB * 128)                       // P, bf16 [RT][T]
 #define XS_OFF (PT_OFF + RT * T * 2)
 #define SMEM_ALIGN_SLACK 1024
 #else
-#define KT_OFF (NSTAGE * STAGE_BYTES)  // dequantized tile, bf16 [T][KST / 2]
+#define KT_OFF STAGE_AREA             // dequantized tile, bf16 [T][KST / 2]
 #define QT_OFF (KT_OFF + T * KST)      // queries, bf16 [RT][KST / 2]
 #define PT_OFF (QT_OFF + RT * KST)     // P, bf16 [RT][PST / 2]
 #define XS_OFF (PT_OFF + RT * PST)     // QK partial scores for the pair partner, float4 [NW][4][32]
@@ -191,6 +199,7 @@ __device__ __forceinline__ void v4_store16(u8* lo, u8* hi, const u32 (&x)[4], u3
     *(uint4*)(upper_first ? lo : hi) = make_uint4(o[4], o[5], o[6], o[7]);
 }
 
+#if QMLA_QUANT
 // Stage `stg` (raw page sections of one tile) -> the K tile as bf16 s * (code - z). Content: one
 // 16-byte chunk u of token t's code row per thread and round; byte j of a row holds channels
 // j + CB c for slice c (split-half order), so a chunk gives KCH runs of 16 channels. RoPE likewise.
@@ -256,6 +265,43 @@ __device__ __forceinline__ void v4_dequantize(const u8* stg, u8* kt, int tid) {
         }
     }
 }
+#else
+// bf16 pages: tile t0's rows [d_c | d_r] (page segments pgs, from qmla_load_pages) into the key tile by
+// cp.async, 16 bytes at a time; rows past L or on a missing page are zero-filled (P is 0 there, and
+// 0 x a stale row could be NaN).
+__device__ __forceinline__ void v4_copy_bf16_tile(u8* kt, const u8* __restrict__ pages, const int (&pgs)[NSEG], int t0,
+                                                  int L, int tid) {
+#pragma unroll
+    for (int sg = 0; sg < NSEG; ++sg) {
+        const int pg = pgs[sg];  // the same in every thread
+        const u8* page = pages + (i64)max(pg, 0) * QMLA_PAGE_BYTES;
+        const int slot0 = (t0 + sg * SEGT) % QMLA_P;
+        for (int k = tid; k < SEGT * (DT / 8); k += NTH) {
+            const int r = k / (DT / 8), u = k % (DT / 8), t = sg * SEGT + r;
+            const u8* src = u < DC / 8 ? page + QMLA_OFF_CC + (slot0 + r) * CB + 16 * u
+                                       : page + QMLA_OFF_RC + (slot0 + r) * RB + 16 * (u - DC / 8);
+            cp_async16_zfill(kt + v4_chunk(t, u, T), src, (pg >= 0 && t0 + t < L) ? 16 : 0);
+        }
+    }
+}
+
+// the page rows of tile t0 into L2 (prefetch.global.L2, one 128-byte line per request), so that its
+// copy into the key tile, which must wait for the previous tile's PV, finds them close
+__device__ __forceinline__ void v4_prefetch_bf16_tile(const u8* __restrict__ pages, const int (&pgs)[NSEG], int t0,
+                                                      int tid) {
+#pragma unroll
+    for (int sg = 0; sg < NSEG; ++sg) {
+        if (pgs[sg] < 0) continue;
+        const u8* page = pages + (i64)pgs[sg] * QMLA_PAGE_BYTES;
+        const int slot0 = (t0 + sg * SEGT) % QMLA_P;
+        for (int l = tid; l < SEGT * (CB + RB) / 128; l += NTH) {
+            const u8* p = l < SEGT * CB / 128 ? page + QMLA_OFF_CC + slot0 * CB + 128 * l
+                                              : page + QMLA_OFF_RC + slot0 * RB + 128 * (l - SEGT * CB / 128);
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+        }
+    }
+}
+#endif
 
 extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v4(
     const u16* __restrict__ q_lat, const u16* __restrict__ q_rope, const u8* __restrict__ pages,
@@ -353,6 +399,7 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v4(
         };
         int pg_next[NSEG];
         if (!prot) {
+#if QMLA_QUANT
             // zero the stages once: bytes never copied (missing pages) stay finite codes/scales
             uint4* z4 = (uint4*)smem;
             for (int k = tid; k < NSTAGE * STAGE_BYTES / 16; k += NTH) z4[k] = make_uint4(0u, 0u, 0u, 0u);
@@ -364,6 +411,9 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v4(
                 cp_async_commit();
             }
             load_pages(t_begin + (NSTAGE - 1) * T, pg_next);
+#else
+            load_pages(t_begin, pg_next);  // bf16 pages: the pages of the tile to copy next
+#endif
         }
 
 #if QMLA_V4_WGMMA
@@ -401,6 +451,7 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v4(
                 cp_async_commit();
                 cp_async_wait_all();
             } else {
+#if QMLA_QUANT
                 qmla_wait_group<NSTAGE - 2>();  // this thread's copies of tile i landed
                 __syncthreads();  // tile i staged by all; every warp is past the previous tile's PV (K, P free)
                 if (t0 + (NSTAGE - 1) * T < t_end) {
@@ -410,6 +461,14 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v4(
                 }
                 cp_async_commit();
                 v4_dequantize(smem + (i % NSTAGE) * STAGE_BYTES, kt, tid);
+#else
+                __syncthreads();  // every warp is past the previous tile's PV (K, P free)
+                v4_copy_bf16_tile(kt, pages, pg_next, t0, L, tid);
+                cp_async_commit();
+                load_pages(t0 + T, pg_next);
+                if (t0 + T < t_end) v4_prefetch_bf16_tile(pages, pg_next, t0 + T, tid);
+                cp_async_wait_all();
+#endif
             }
 #if QMLA_V4_WGMMA
             fence_proxy_async();  // this thread's K (and, the first time, query) stores, for wgmma's reads
