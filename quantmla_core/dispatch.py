@@ -34,20 +34,24 @@ PRIORITY: dict[str, tuple[str, ...]] = {
     "numpy": ("numba", "reference"),
 }
 
-#: query rows (S_q x H) from which BF16-page attention on CUDA tries Triton before CuPy: Triton's
-#: kernel v3 (64 rows per program) measured 3.2-4.4x FlashInfer BF16 at H=128 against CuPy's
-#: BF16 path at 4.8-7.0x (same-run pytest-benchmark grid, H200, benchmarks/RESULTS.md stop 17).
-#: Packed formats keep CuPy first (C4R4 at H=128: CuPy 2.1-2.7x, Triton 4.3-5.8x; at B=8 L=4K the
-#: eager CuPy call is host-bound, 6.8x, but 2.1x as a CUDA graph against Triton's 6.0x).
+#: query rows (S_q x H) from which BF16-page attention on CUDA tries Triton before CuPy, except where
+#: CuPy's kernel v4 serves it (bfloat16 queries on compute capability 9.0, wgmma): on the H200 CuPy v4
+#: measured 1.54-1.88x FlashInfer BF16 over bf16 pages at H=64/128 (CUDA graphs) against Triton v3's
+#: 3.4-3.6x (benchmarks/RESULTS.md stop 18); elsewhere CuPy runs kernel v1 over bf16 pages, which
+#: measured 4.8-7.0x against Triton v3's 3.2-4.4x (stop 17). Packed formats keep CuPy first.
 BF16_TRITON_FIRST_ROWS = 64
+#: the GPU on which CuPy's kernel v4 serves bf16 pages of the 512-wide latent (227 KB of shared memory, wgmma)
+CUPY_V4_CAPABILITY = (9, 0)
 
 
 def auto_order(problem: Problem) -> tuple[str, ...]:
     """The backends ``auto`` tries for ``problem``, in order (:data:`PRIORITY`, with Triton first for
-    BF16-page attention on CUDA from :data:`BF16_TRITON_FIRST_ROWS` query rows)."""
+    BF16-page attention on CUDA from :data:`BF16_TRITON_FIRST_ROWS` query rows, unless the queries
+    are bfloat16 on a :data:`CUPY_V4_CAPABILITY` GPU)."""
     order = PRIORITY.get(problem.device.kind, ("torch",))
+    cupy_v4 = problem.dtype == "bfloat16" and problem.device.capability == CUPY_V4_CAPABILITY
     if (problem.device.kind == "cuda" and problem.op == "attention" and not problem.format.quantized
-            and problem.num_heads * problem.q_len >= BF16_TRITON_FIRST_ROWS):
+            and problem.num_heads * problem.q_len >= BF16_TRITON_FIRST_ROWS and not cupy_v4):
         order = ("triton", *(name for name in order if name != "triton"))
     return order
 
