@@ -304,8 +304,8 @@ def v4_uses_wgmma(mma: str, capability: tuple[int, int] | None) -> bool:
     Raises ``ValueError`` naming the variable when ``wgmma`` is forced on another GPU."""
     hopper = capability is not None and tuple(capability) == (9, 0)
     if mma == "wgmma" and not hopper:
-        raise ValueError(f"QUANTMLA_CUPY_V4_MMA: wgmma needs compute capability 9.0 (sm_90a), got "
-                         f"{'an unknown GPU' if capability is None else '%d.%d' % tuple(capability)}; use mma")
+        got = "an unknown GPU" if capability is None else f"{capability[0]}.{capability[1]}"
+        raise ValueError(f"QUANTMLA_CUPY_V4_MMA: wgmma needs compute capability 9.0 (sm_90a), got {got}; use mma")
     return mma == "wgmma" or (mma == "auto" and hopper)
 
 
