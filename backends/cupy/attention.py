@@ -14,8 +14,10 @@ Four attention kernels share the partials layout and the combine kernel:
 * ``v4`` (``kernels/attention_v4.cu``): 64 query rows per CTA share one tile dequantized to bf16
   in shared memory (flash-decoding on it, 8 warps); for requests with many query rows
   (S_q * H >= :data:`V4_MIN_ROWS`: H = 128 or 64), where v2/v3 would convert every token once
-  per 16 rows. Serves what v3 serves. With long splits its own extra CTAs take the sink and
-  local-window tiles (bf16 rows copied into the key tile); with short ones ``protected.cu`` does.
+  per 16 rows. Serves what v3 serves, and bf16 pages (rows copied into the tile). On compute
+  capability 9.0 both matmuls are Hopper ``wgmma`` reading that tile (an NVRTC build for sm_90a,
+  :func:`v4_uses_wgmma`), elsewhere ``mma.sync``. With long splits its own extra CTAs take the sink
+  and local-window tiles (bf16 rows copied into the key tile); with short ones ``protected.cu`` does.
 
 v3 and v2 (``separate`` mode, the default) leave the sink and local-window tokens to
 ``kernels/protected.cu``, a bfloat16 flash-decoding kernel (one 32-token tile per CTA) whose
@@ -37,7 +39,8 @@ tokens; ``inline``: sink/local tokens inside the split kernel, from the bf16 buf
 capture), ``QUANTMLA_CUPY_V3_STAGES`` (3 or 4) and
 ``QUANTMLA_CUPY_V3_MINB`` / ``QUANTMLA_CUPY_V3_LAZY_RESCALE`` (default 1: measured 1-2 % faster,
 bit-identical) / ``QUANTMLA_CUPY_V3_WARPS`` (4 or 8) and ``QUANTMLA_CUPY_V4_STAGES`` (2 or 3) /
-``QUANTMLA_CUPY_V4_LAZY_RESCALE`` (default 1) are tuning knobs for measurements, also read per call.
+``QUANTMLA_CUPY_V4_LAZY_RESCALE`` (default 1) / ``QUANTMLA_CUPY_V4_MMA`` (``auto``, ``wgmma``, ``mma``)
+are tuning knobs for measurements, also read per call.
 :func:`select_variant` says which kernel a call will run, and why.
 """
 
