@@ -270,13 +270,31 @@ def test_v4_knobs(monkeypatch):
         V4Knobs.from_env()
 
 
-@pytest.mark.parametrize("mma,capability,wgmma", [("auto", (9, 0), True), ("auto", (8, 0), False),
-                                                  ("auto", (10, 0), False), ("mma", (9, 0), False),
-                                                  ("wgmma", (9, 0), True), ("auto", None, False)])
-def test_v4_mma_choice(mma, capability, wgmma):
-    """QUANTMLA_CUPY_V4_MMA: auto runs wgmma on compute capability 9.0 only (an sm_90a instruction);
-    forcing it elsewhere is an error that names the variable."""
-    assert v4_uses_wgmma(mma, capability) is wgmma
+@pytest.mark.parametrize("mma,capability,nvrtc,wgmma", [
+    ("auto", (9, 0), (13, 0), True), ("auto", (9, 0), (12, 0), True), ("auto", (9, 0), (11, 8), False),
+    ("auto", (8, 0), (13, 0), False), ("auto", (10, 0), (13, 0), False), ("mma", (9, 0), (13, 0), False),
+    ("wgmma", (9, 0), (12, 4), True), ("auto", None, (13, 0), False)])
+def test_v4_mma_choice(mma, capability, nvrtc, wgmma):
+    """QUANTMLA_CUPY_V4_MMA: auto runs wgmma on compute capability 9.0 only (an sm_90a instruction)
+    and with an NVRTC that builds sm_90a (12.0+); forcing it elsewhere is an error that names the variable."""
+    assert v4_uses_wgmma(mma, capability, nvrtc) is wgmma
+
+
+def _run_v4_stubbed_nvrtc(monkeypatch, nvrtc: tuple[int, int]):
+    """:func:`_run_v4_stubbed` (H 128) with the stubbed NVRTC reporting version ``nvrtc``."""
+    import test_cupy_backend
+
+    from quantmla_core.backends.cupy import attention as A
+
+    real = test_cupy_backend.stub_cupy_launcher
+
+    def stub(mp, *args, **kwargs):
+        out = real(mp, *args, **kwargs)
+        mp.setattr(A, "nvrtc_version", lambda: nvrtc)
+        return out
+
+    monkeypatch.setattr(test_cupy_backend, "stub_cupy_launcher", stub)
+    return _run_v4_stubbed(monkeypatch, 128, 1, False)
 
 
 def test_v4_mma_knob(monkeypatch):
@@ -288,9 +306,15 @@ def test_v4_mma_knob(monkeypatch):
     monkeypatch.setenv("QUANTMLA_CUPY_V4_MMA", "tensor")
     with pytest.raises(ValueError, match="QUANTMLA_CUPY_V4_MMA"):
         V4Knobs.from_env()
-    for capability in ((8, 0), None):
-        with pytest.raises(ValueError, match="QUANTMLA_CUPY_V4_MMA: wgmma needs compute capability 9.0"):
-            v4_uses_wgmma("wgmma", capability)
+    for capability, nvrtc in (((8, 0), (13, 0)), (None, (13, 0)), ((9, 0), (11, 8))):
+        with pytest.raises(ValueError, match=r"QUANTMLA_CUPY_V4_MMA: wgmma needs compute capability 9.0 \(sm_90a\) "
+                                             r"and NVRTC 12.0\+, got .* and NVRTC"):
+            v4_uses_wgmma("wgmma", capability, nvrtc)
+    # an NVRTC older than 12.0: auto builds mma.sync
+    monkeypatch.setenv("QUANTMLA_CUPY_V4_MMA", "auto")
+    launches, _kernels, fmt, _b = _run_v4_stubbed_nvrtc(monkeypatch, (11, 8))
+    (attn, _grid, _block, _args, _smem), _ = launches.of("qmla_attn_v4")
+    assert attn.defines["QMLA_V4_WGMMA"] == 0 and attn.arch is None
 
 
 #: many-row cases: rows filling one or two chunks exactly or partly, S_q > 1 (causal), lengths at

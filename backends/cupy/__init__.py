@@ -106,6 +106,13 @@ def get_kernel(source: str, kernel: str, defines: dict[str, int], device_index: 
 _CUBIN_DIR: list[Path] = []
 
 
+def nvrtc_version() -> tuple[int, int]:
+    """(major, minor) of the NVRTC CuPy loads (the architecture-specific ``sm_90a`` target needs 12.0+)."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    return tuple(int(v) for v in nvrtc.getVersion())[:2]
+
+
 def compile_cubin(code: str, options: tuple[str, ...], arch: str) -> Path:
     """NVRTC build of ``code`` for ``arch`` (``-arch=<arch>``, with the options CuPy's own builds
     add: ``-ftz=true`` and device code by default), written to a per-process temporary folder.

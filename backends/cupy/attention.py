@@ -66,6 +66,7 @@ from . import (
     format_defines,
     get_kernel,
     launch,
+    nvrtc_version,
     resident_ctas,
 )
 
@@ -301,15 +302,22 @@ def v4_defines(fmt: PackFormat, stages: int = V4_STAGES, lazy_rescale: bool = Tr
     return d
 
 
-def v4_uses_wgmma(mma: str, capability: tuple[int, int] | None) -> bool:
+#: the oldest NVRTC that builds for sm_90a
+V4_WGMMA_NVRTC = (12, 0)
+
+
+def v4_uses_wgmma(mma: str, capability: tuple[int, int] | None, nvrtc: tuple[int, int] = V4_WGMMA_NVRTC) -> bool:
     """Whether a v4 launch runs its wgmma build: ``mma`` is ``QUANTMLA_CUPY_V4_MMA`` (``auto``: on
-    compute capability 9.0 exactly; wgmma is an sm_90a instruction that later GPUs do not run).
-    Raises ``ValueError`` naming the variable when ``wgmma`` is forced on another GPU."""
+    compute capability 9.0 exactly, wgmma being an sm_90a instruction that later GPUs do not run,
+    with an NVRTC of at least :data:`V4_WGMMA_NVRTC`, ``nvrtc``). Raises ``ValueError`` naming the
+    variable when ``wgmma`` is forced where it cannot run."""
     hopper = capability is not None and tuple(capability) == (9, 0)
-    if mma == "wgmma" and not hopper:
+    new_nvrtc = tuple(nvrtc) >= V4_WGMMA_NVRTC
+    if mma == "wgmma" and not (hopper and new_nvrtc):
         got = "an unknown GPU" if capability is None else f"{capability[0]}.{capability[1]}"
-        raise ValueError(f"QUANTMLA_CUPY_V4_MMA: wgmma needs compute capability 9.0 (sm_90a), got {got}; use mma")
-    return mma == "wgmma" or (mma == "auto" and hopper)
+        raise ValueError(f"QUANTMLA_CUPY_V4_MMA: wgmma needs compute capability 9.0 (sm_90a) and NVRTC "
+                         f"{V4_WGMMA_NVRTC[0]}.{V4_WGMMA_NVRTC[1]}+, got {got} and NVRTC {nvrtc[0]}.{nvrtc[1]}; use mma")
+    return mma == "wgmma" or (mma == "auto" and hopper and new_nvrtc)
 
 
 def v3_defines(fmt: PackFormat, stages: int = V3_STAGES, min_blocks: int | None = None, lazy_rescale: bool = True,
@@ -714,7 +722,7 @@ def v4_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
     if plan is None:
         chunks = -(-rows // V4_ROWS)
         capability = _device_info(dev)[1]
-        wgmma = v4_uses_wgmma(knobs.mma, capability)
+        wgmma = knobs.mma != "mma" and v4_uses_wgmma(knobs.mma, capability, nvrtc_version())
         have = smem_per_block(capability)
         need = v4_smem_bytes(fmt, knobs.stages, wgmma)
         if need > have:
