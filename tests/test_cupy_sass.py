@@ -110,3 +110,25 @@ def test_partial_outputs_leave_as_float4(kernel, name):
     sass, _ = compile_sass(fmt) if kernel == "v2" else compile_sass_v3(fmt)
     stores = collections.Counter(m.group(1) for m in re.finditer(r"\b(STG\.E[.A-Z0-9]*)\b", sass))
     assert stores["STG.E.128"] >= 1 and set(stores) <= {"STG.E.128", "STG.E.64"}, dict(stores)
+
+
+#: kernel v4, wgmma build (sm_90a), per warp per 64-token tile (the loop body, both softmax paths):
+#: (HGMMA, instruction budget or None; measured 2026-12-01 with nvcc 13.0: C4R4 1,302 / 954, C2R4
+#: 1,276 / 892 at d_c 512 / 256). HGMMA: QK (d_c + d_r) / 32 k-steps of one warpgroup's half + 4 PV
+#: k-steps. Over bf16 pages the loop copies rows in an inner loop, so only its MMAs are pinned.
+V4_BUDGETS = {("C4R4", 512, 64): (22, 1380), ("C2R4", 512, 64): (22, 1350), ("C4R4", 256, 32): (13, 1010),
+              ("C2R4", 256, 32): (13, 950), ("BF16", 512, 64): (22, None)}
+
+
+@pytest.mark.parametrize("name,dc,dr", list(V4_BUDGETS), ids=lambda v: str(v))
+def test_v4_wgmma_tile_loop_within_budget(name, dc, dr):
+    """The wgmma build's loop: every matmul a Hopper HGMMA (no HMMA), no spills, and the count
+    that stop 18's descriptor and dequantization work brought down (1,413 -> 1,264 per warp and
+    tile on the unmasked path of C4R4) stays down."""
+    from quantmla_core.backends.cupy.sass_report import tile_loop_v4
+
+    loop = tile_loop_v4(qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr))
+    hgmma, budget = V4_BUDGETS[(name, dc, dr)]
+    assert loop.count("HGMMA") == hgmma and loop.count("HMMA") == 0, loop.opcodes
+    assert budget is None or loop.total <= budget, f"{name}: {loop.total} instructions per warp per tile (budget {budget})"
+    assert loop.count("LDL", "STL") == 0, "local-memory traffic (spills) in the tile loop"

@@ -1,4 +1,4 @@
-"""Offline instruction report of the CuPy attention kernels v2 and v3 for sm_90 -- no GPU needed.
+"""Offline instruction report of the CuPy attention kernels v2, v3 and v4 for sm_90 -- no GPU needed.
 
 Compiles ``kernels/attention_v2.cu`` with the machine's ``nvcc`` for sm_90 (the defines the
 launcher would use), disassembles the cubin with ``cuobjdump -sass`` and counts the SASS
@@ -12,6 +12,9 @@ counts per tile and warp (benchmarks/RESULTS.md compares them with Nsight Comput
 
     python -m quantmla_core.backends.cupy.sass_report                 # C4R4 and C2R4, 512/64
     python -m quantmla_core.backends.cupy.sass_report C4R4 256 32
+
+Kernel v4 is reported in its wgmma build (sm_90a, what the launcher runs on an H100/H200), over
+packed pages and over bf16 pages.
 
 Needs ``nvcc`` (CUDA 12.4+) and ``cuobjdump`` + ``nvdisasm`` on PATH or from the
 ``nvidia-cuda-cuobjdump`` / ``nvidia-cuda-nvdisasm`` wheels (the ``dev`` extra on x86-64 Linux).
@@ -32,7 +35,14 @@ from pathlib import Path
 
 from ...formats import PackFormat
 from . import KERNEL_DIR, define_options
-from .attention import V3_STAGES, v2_default_stages, v2_defines, v3_defines
+from .attention import (
+    V3_STAGES,
+    V4_WGMMA_ARCH,
+    v2_default_stages,
+    v2_defines,
+    v3_defines,
+    v4_defines,
+)
 
 _INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*(.*?);")
 
@@ -90,14 +100,20 @@ def compile_sass_v3(fmt: PackFormat, stages: int = V3_STAGES, lazy_rescale: bool
     return _build_sass("attention_v3.cu", v3_defines(fmt, stages, lazy_rescale=lazy_rescale))
 
 
-def _build_sass(source: str, defines: dict[str, int]) -> tuple[str, str]:
+def compile_sass_v4(fmt: PackFormat, wgmma: bool = True) -> tuple[str, str]:
+    """(SASS text, ptxas -v output) of ``qmla_attn_v4`` for ``fmt`` (packed or bf16 pages): the wgmma
+    build for sm_90a, or the ``mma.sync`` build for sm_90."""
+    return _build_sass("attention_v4.cu", v4_defines(fmt, wgmma=wgmma), V4_WGMMA_ARCH if wgmma else "sm_90")
+
+
+def _build_sass(source: str, defines: dict[str, int], arch: str = "sm_90") -> tuple[str, str]:
     missing = missing_tools()
     if missing:
         raise RuntimeError(f"sass_report needs {', '.join(missing)} (see the module docstring)")
     env = dict(os.environ, PATH=os.pathsep.join([str(Path(find_tool("nvdisasm")).parent), os.environ.get("PATH", "")]))
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
-        cmd = [find_tool("nvcc"), "-cubin", "-arch=sm_90", "--std=c++17", "-Xptxas", "-v", f"-I{KERNEL_DIR}",
+        cmd = [find_tool("nvcc"), "-cubin", f"-arch={arch}", "--std=c++17", "-Xptxas", "-v", f"-I{KERNEL_DIR}",
                *define_options(defines), "-o", cubin, str(KERNEL_DIR / source)]
         built = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if built.returncode:
@@ -132,6 +148,12 @@ def tile_loop_v3(fmt: PackFormat, lazy_rescale: bool = False) -> LoopReport:
     return loops(compile_sass_v3(fmt, lazy_rescale=lazy_rescale)[0])[0]
 
 
+def tile_loop_v4(fmt: PackFormat, wgmma: bool = True) -> LoopReport:
+    """The 64-token tile loop of ``qmla_attn_v4`` (the largest loop) for ``fmt``: every instruction of
+    its body, so both the masked and the unmasked softmax path are counted."""
+    return loops(compile_sass_v4(fmt, wgmma)[0])[0]
+
+
 def main(argv: list[str]) -> None:
     cases = [(argv[0], int(argv[1]), int(argv[2]))] if argv else [("C4R4", 512, 64), ("C2R4", 512, 64)]
     for name, dc, dr in cases:
@@ -160,6 +182,14 @@ def main(argv: list[str]) -> None:
         print(f"{name} {dc}/{dr} kernel v3 (64-token tiles): {loop.total} instructions per warp per tile "
               f"({loop.total * 4 / 64:.0f} per token), {loop.count('HMMA')} HMMA, {regs.group(1) if regs else '?'} "
               f"registers\n    {top}")
+    for name, dc, dr in cases + [("BF16", cases[0][1], cases[0][2])]:
+        fmt = PackFormat.parse(name, latent_dim=dc, rope_dim=dr)
+        sass, ptxas = compile_sass_v4(fmt)
+        regs = re.search(r"Used (\d+) registers", ptxas)
+        loop = loops(sass)[0]
+        top = ", ".join(f"{k} {v}" for k, v in sorted(loop.opcodes.items(), key=lambda kv: -kv[1])[:14])
+        print(f"{name} {dc}/{dr} kernel v4, wgmma build (64 rows x 64-token tiles, 8 warps): {loop.total} instructions "
+              f"per warp per tile, {loop.count('HGMMA')} HGMMA, {regs.group(1) if regs else '?'} registers\n    {top}")
 
 
 if __name__ == "__main__":
