@@ -396,8 +396,12 @@ def test_sm90a_builds_go_through_nvrtc(monkeypatch, tmp_path):
     )
     monkeypatch.setitem(sys.modules, "cupy_backends.cuda.libs.nvrtc", fake)
     monkeypatch.setitem(sys.modules, "cupy_backends.cuda.libs", types.SimpleNamespace(nvrtc=fake))
-    monkeypatch.setattr(C, "_CUBIN_DIR", [tmp_path])
+    monkeypatch.setattr(C, "_CUBIN_DIR", [])
+    exits = []
+    monkeypatch.setattr(C.atexit, "register", lambda fn, *args: exits.append((fn, args)))
+    monkeypatch.setattr(C.tempfile, "mkdtemp", lambda prefix: str(tmp_path))
     path = C.compile_cubin("kernel text", ("-DX=1",), "sm_90a")
+    assert exits == [(C.shutil.rmtree, (tmp_path, True))]  # the folder goes at exit
     assert path.parent == tmp_path and path.read_bytes() == b"\x7fELF-cubin" and calls["destroyed"] == 7
     assert calls["opts"][0] == "-DX=1" and calls["opts"][-1] == "-arch=sm_90a" and "-ftz=true" in calls["opts"]
 

@@ -12,8 +12,10 @@ the backend unavailable with a reason.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
+import shutil
 import tempfile
 import threading
 from pathlib import Path
@@ -119,7 +121,8 @@ def compile_cubin(code: str, options: tuple[str, ...], arch: str) -> Path:
 
     CuPy appends ``-arch=sm_<major><minor>`` from the device to every build it makes, and reads
     the architecture as a number, so it cannot build for the ``a`` targets that Hopper's wgmma
-    needs. Raises ``RuntimeError`` with NVRTC's log when the build fails."""
+    needs. The folder is removed at exit. Raises ``RuntimeError`` with NVRTC's log when the build
+    fails."""
     from cupy_backends.cuda.libs import nvrtc
 
     opts = tuple(options) + ("-ftz=true", "--device-as-default-execution-space", f"-arch={arch}")
@@ -132,8 +135,9 @@ def compile_cubin(code: str, options: tuple[str, ...], arch: str) -> Path:
         cubin = nvrtc.getCUBIN(prog)
     finally:
         nvrtc.destroyProgram(prog)
-    if not _CUBIN_DIR:
+    if not _CUBIN_DIR:  # removed when the process exits (the modules are loaded by then)
         _CUBIN_DIR.append(Path(tempfile.mkdtemp(prefix="quantmla_cubin_")))
+        atexit.register(shutil.rmtree, _CUBIN_DIR[0], True)
     path = _CUBIN_DIR[0] / f"{hashlib.sha256(repr((code, opts)).encode()).hexdigest()[:32]}.cubin"
     path.write_bytes(cubin)
     return path
