@@ -215,10 +215,10 @@ class LaunchLog(list):
         return found[0]
 
 
-def stub_cupy_launcher(monkeypatch: Any, sm_count: int = 132) -> tuple[list, list]:
+def stub_cupy_launcher(monkeypatch: Any, sm_count: int = 132, nvrtc: tuple[int, int] = (13, 0)) -> tuple[list, list]:
     """Let ``quantmla_core.backends.cupy.attention`` run its host logic without a GPU: compilation
     returns :class:`StubKernel`, launches are recorded, the device is an sm_90 with ``sm_count``
-    SMs holding 2 CTAs each and NVRTC 13.0, and scratch lives on the CPU. ``monkeypatch``: pytest's fixture.
+    SMs holding 2 CTAs each and NVRTC ``nvrtc``, and scratch lives on the CPU. ``monkeypatch``: pytest's fixture.
     Returns (kernels asked for, launches as a :class:`LaunchLog`)."""
     from .backends.cupy import attention as A
 
@@ -239,7 +239,7 @@ def stub_cupy_launcher(monkeypatch: Any, sm_count: int = 132) -> tuple[list, lis
     monkeypatch.setattr(A, "_fork_side_stream", lambda dev: "side")
     monkeypatch.setattr(A, "_join_side_stream", lambda dev, side: None)
     monkeypatch.setattr(A, "_device_info", lambda dev: (sm_count, (9, 0)))
-    monkeypatch.setattr(A, "nvrtc_version", lambda: (13, 0))
+    monkeypatch.setattr(A, "nvrtc_version", lambda: nvrtc)
     monkeypatch.setattr(A, "resident_ctas", lambda fn, threads, smem, dev, sms: 2 * sms)
     monkeypatch.setattr(A, "_workspace", lambda dev, n: torch.empty(n, dtype=torch.float32))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)

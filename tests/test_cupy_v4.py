@@ -280,23 +280,6 @@ def test_v4_mma_choice(mma, capability, nvrtc, wgmma):
     assert v4_uses_wgmma(mma, capability, nvrtc) is wgmma
 
 
-def _run_v4_stubbed_nvrtc(monkeypatch, nvrtc: tuple[int, int]):
-    """:func:`_run_v4_stubbed` (H 128) with the stubbed NVRTC reporting version ``nvrtc``."""
-    import test_cupy_backend
-
-    from quantmla_core.backends.cupy import attention as A
-
-    real = test_cupy_backend.stub_cupy_launcher
-
-    def stub(mp, *args, **kwargs):
-        out = real(mp, *args, **kwargs)
-        mp.setattr(A, "nvrtc_version", lambda: nvrtc)
-        return out
-
-    monkeypatch.setattr(test_cupy_backend, "stub_cupy_launcher", stub)
-    return _run_v4_stubbed(monkeypatch, 128, 1, False)
-
-
 def test_v4_mma_knob(monkeypatch):
     monkeypatch.setenv("QUANTMLA_CUPY_V4_MMA", "mma")
     assert V4Knobs.from_env().mma == "mma"
@@ -312,7 +295,8 @@ def test_v4_mma_knob(monkeypatch):
             v4_uses_wgmma("wgmma", capability, nvrtc)
     # an NVRTC older than 12.0: auto builds mma.sync
     monkeypatch.setenv("QUANTMLA_CUPY_V4_MMA", "auto")
-    launches, _kernels, fmt, _b = _run_v4_stubbed_nvrtc(monkeypatch, (11, 8))
+    launches, _kernels, fmt, _b = _run_v2_stubbed(monkeypatch, 128, 1, False, {}, variant="v4", pages_per=9,
+                                                  length=500, nvrtc=(11, 8))
     (attn, _grid, _block, _args, _smem), _ = launches.of("qmla_attn_v4")
     assert attn.defines["QMLA_V4_WGMMA"] == 0 and attn.arch is None
 

@@ -200,8 +200,8 @@ def _decide_variant(want: str, fmt: PackFormat, dtype: str, capability: tuple[in
         why4 = v4_unsupported_reasons(fmt, capability, dtype)
         if not why4 and (want == "v4" or wide):
             return "v4", None
-        if want == "v4" or why4:
-            return "v1", "; ".join(why4) if why4 else None
+        if why4:
+            return "v1", "; ".join(why4)
         return "v1", f"auto runs v4 over bf16 pages from {V4_MIN_ROWS} query rows per request"
     why = v2_unsupported_reasons(fmt, dtype)
     if capability is not None and tuple(capability) < (8, 0):
@@ -722,7 +722,7 @@ def v4_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
     if plan is None:
         chunks = -(-rows // V4_ROWS)
         capability = _device_info(dev)[1]
-        wgmma = knobs.mma != "mma" and v4_uses_wgmma(knobs.mma, capability, nvrtc_version())
+        wgmma = v4_uses_wgmma(knobs.mma, capability, nvrtc_version())
         have = smem_per_block(capability)
         need = v4_smem_bytes(fmt, knobs.stages, wgmma)
         if need > have:

@@ -151,13 +151,9 @@ static_assert(NTP * 8 * NW == DC, "PV n-tiles must cover the latent");
 // ---------------------------------------------------------------- shared memory layout
 // One stage holds a tile's raw page sections, token-major like the page (content code rows
 // chunk-swizzled), plus one flag byte per token written by the block itself.
-#define SO_R (T * CB)                  // RoPE codes [T][RB]
-#define SO_CS (SO_R + T * RB)          // content scales [T][NGC] (raw, CSZ bytes each)
-#define SO_CZ (SO_CS + T * NGC * CSZ)  // content zeros [T][NGC]
-#define SO_RS (SO_CZ + T * NGC)        // RoPE scale [T] (raw, RSZ bytes)
-#define SO_RZ (SO_RS + T * RSZ)        // RoPE zero [T]
-#define SO_FL (SO_RZ + T)              // token flag [T]: 0 packed, 1 protected (bf16 buffers), 2 past L
-#define STAGE_BYTES ((SO_FL + T + 15) / 16 * 16)
+// token flag SO_FL [T]: 0 packed, 1 protected (bf16 buffers), 2 past L
+#define QMLA_STAGE_FLAGS 1
+#include "stage.cuh"  // the stage layout (SO_*, STAGE_BYTES) and its copies
 #define XCHG_BYTES (2 * RG * NW * NTQ * 32 * 16)
 #define SMEM_TOTAL (NSTAGE * STAGE_BYTES + XCHG_BYTES)
 static_assert(T == 32 || T == 64, "tiles of 32 or 64 tokens");
@@ -167,7 +163,6 @@ static_assert(SMEM_TOTAL == QMLA_V2_SMEM, "launcher's v2_smem_bytes() disagrees 
 #endif
 static_assert(SMEM_TOTAL <= 227 * 1024, "shared memory per block");
 
-#include "stage.cuh"
 static_assert(16 * OT_STRIDE * 4 <= SMEM_TOTAL, "one row group's partial-output tile reuses the shared memory");
 
 template <bool B>

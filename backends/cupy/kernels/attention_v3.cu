@@ -106,12 +106,7 @@ static_assert(NGC % 4 == 0 || NGC == 2, "zero points are read 4 per word (or one
 static_assert(16 * DT / 8 * 4 <= NGC * (T / 8) * 256, "query-sum partials must fit in the P * s area");
 
 // ---------------------------------------------------------------- shared memory layout
-#define SO_R (T * CB)                  // RoPE codes [T][RB]
-#define SO_CS (SO_R + T * RB)          // content scales [T][NGC] (raw, CSZ bytes each)
-#define SO_CZ (SO_CS + T * NGC * CSZ)  // content zeros [T][NGC]
-#define SO_RS (SO_CZ + T * NGC)        // RoPE scale [T]
-#define SO_RZ (SO_RS + T * RSZ)        // RoPE zero [T]
-#define STAGE_BYTES ((SO_RZ + T + 15) / 16 * 16)
+#include "stage.cuh"  // the stage layout (SO_*, STAGE_BYTES) and its copies
 #define QS_OFF (NSTAGE * STAGE_BYTES)           // query, bf16 [KS][2 k-halves][16 rows][8]
 #define SQ_OFF (QS_OFF + KS * 2 * 16 * 16)      // query sums, float [NSG + 2 RoPE slices][16 rows]
 #define PS_OFF (SQ_OFF + (NSG + 2) * 16 * 4)    // P * s, bf16 [NGC][T / 8][16 rows][8 tokens]
@@ -123,7 +118,6 @@ static_assert(SMEM_TOTAL == QMLA_V3_SMEM, "launcher's v3_smem_bytes() disagrees 
 #endif
 static_assert(SMEM_TOTAL <= 227 * 1024, "shared memory per block");
 
-#include "stage.cuh"
 static_assert(16 * OT_STRIDE * 4 <= NSTAGE * STAGE_BYTES, "the partial-output tile reuses the stages");
 
 // Codes of slice c (bits [CBITS c, CBITS c + CBITS) of every byte) of x, one per byte

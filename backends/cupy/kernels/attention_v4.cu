@@ -111,12 +111,7 @@ static_assert(T == 64 && RT == 64 && NW == 8, "wgmma build: two warpgroups, 64 r
 #endif
 
 // ---------------------------------------------------------------- shared memory layout
-#define SO_R (T * CB)                  // RoPE codes [T][RB]
-#define SO_CS (SO_R + T * RB)          // content scales [T][NGC] (raw, CSZ bytes each)
-#define SO_CZ (SO_CS + T * NGC * CSZ)  // content zeros [T][NGC]
-#define SO_RS (SO_CZ + T * NGC)        // RoPE scale [T]
-#define SO_RZ (SO_RS + T * RSZ)        // RoPE zero [T]
-#define STAGE_BYTES ((SO_RZ + T + 15) / 16 * 16)
+#include "stage.cuh"  // the stage layout (SO_*, STAGE_BYTES) and its copies
 #define STAGE_AREA (QMLA_QUANT ? NSTAGE * STAGE_BYTES : 0)  // bf16 pages are copied straight into K
 #if QMLA_V4_WGMMA
 // the K, query and P tiles in wgmma.cuh's 128-byte swizzle (NCB column blocks of 64 channels), 1024-byte
@@ -141,7 +136,6 @@ static_assert(SMEM_TOTAL == QMLA_V4_SMEM, "launcher's v4_smem_bytes() disagrees 
 #endif
 static_assert(SMEM_TOTAL <= 227 * 1024, "shared memory per block");
 
-#include "stage.cuh"
 static_assert(RT * OT_STRIDE * 4 <= RED_OFF, "the partial-output tile reuses everything below the row stats");
 
 // byte offset of 16-byte chunk `chunk` (8 channels) of row `row` of the K (rows = T) or query (RT) tile

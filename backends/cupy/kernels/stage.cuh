@@ -1,12 +1,24 @@
-// QuantMLA CuPy backend: staging of a tile's raw page sections, shared by attention_v2.cu and
-// attention_v3.cu.
+// QuantMLA CuPy backend: staging of a tile's raw page sections, shared by attention_v2.cu,
+// attention_v3.cu and attention_v4.cu.
 //
-// Included after the kernel has defined its tile and stage layout: T (tokens per tile), NTH
-// (threads per CTA), DC (latent width), CB/RB (content/RoPE code bytes per token), NCT (16-byte
-// chunks of a content code row), NGC, CSZ, RSZ and the stage offsets SO_R, SO_CS, SO_CZ, SO_RS, SO_RZ.
+// Included once the kernel has defined its tile: T (tokens per tile), NTH (threads per CTA), DC
+// (latent width), CB/RB (content/RoPE code bytes per token), NCT (16-byte chunks of a content code
+// row), NGC, CSZ and RSZ; QMLA_STAGE_FLAGS 1 adds v2's token-flag byte. It defines the stage layout
+// (SO_* offsets, STAGE_BYTES; mirrored by stage_bytes() in attention.py) and the copies into it.
 //
 // A stage holds a tile token-major like the page, content code rows chunk-swizzled per token.
 #pragma once
+
+#ifndef QMLA_STAGE_FLAGS
+#define QMLA_STAGE_FLAGS 0
+#endif
+#define SO_R (T * CB)                  // RoPE codes [T][RB]
+#define SO_CS (SO_R + T * RB)          // content scales [T][NGC] (raw, CSZ bytes each)
+#define SO_CZ (SO_CS + T * NGC * CSZ)  // content zeros [T][NGC]
+#define SO_RS (SO_CZ + T * NGC)        // RoPE scale [T] (raw, RSZ bytes)
+#define SO_RZ (SO_RS + T * RSZ)        // RoPE zero [T]
+#define SO_FL (SO_RZ + T)              // QMLA_STAGE_FLAGS: token flag [T]
+#define STAGE_BYTES ((SO_FL + (QMLA_STAGE_FLAGS ? T : 0) + 15) / 16 * 16)
 
 // copies go by page segment: SEGT consecutive tokens of a tile share one page; CH_*: the
 // 16-byte chunks of each page section in one segment
