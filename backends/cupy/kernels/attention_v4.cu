@@ -565,7 +565,7 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v4(
                 const float mt = fmaxf(m_run[k], fmaxf(red[rw0 + 8 * k], red[RT + rw0 + 8 * k]));
                 const float u = (mt == -QMLA_INF) ? 0.0f : mt;
                 al[k] = exp2f(m_run[k] - u);
-                if (hh == 0 && q4 == 0) red[2 * RT + rw0 + 8 * k] = al[k];
+                if (!QMLA_V4_WGMMA && hh == 0 && q4 == 0) red[2 * RT + rw0 + 8 * k] = al[k];  // for the mma.sync PV's warps
                 m_run[k] = mt;
                 l_run[k] *= al[k];
 #pragma unroll
