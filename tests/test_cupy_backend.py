@@ -27,6 +27,7 @@ from quantmla_core.backends.cupy.attention import (
     v2_unsupported_reasons,
     v3_defines,
     v4_defines,
+    v5_defines,
 )
 from quantmla_core.backends.cupy.writer import writer_defines
 
@@ -104,7 +105,7 @@ def test_sources_take_layout_from_packformat():
 
     fmt = qm.PackFormat.parse("C4R4")
     given = (set(writer_defines(fmt, "float32")) | set(attention_defines(fmt, "float32")) | set(v2_defines(fmt, 2))
-             | set(v3_defines(fmt)) | set(v4_defines(fmt)) | set(protected_defines(fmt)))
+             | set(v3_defines(fmt)) | set(v4_defines(fmt)) | set(v5_defines(fmt)) | set(protected_defines(fmt)))
     sources = list(KERNEL_DIR.glob("*.cu*"))
     defined_in_sources = {d for src in sources for d in re.findall(r"#define\s+(QMLA_[A-Z0-9_]+)", src.read_text())}
     for src in sources:
@@ -644,6 +645,7 @@ def test_v1_launch_arguments_match_kernel_signature(monkeypatch, variant, dtype)
     monkeypatch.setattr(A, "launch", lambda fn, grid, block, args, dev, smem=0, stream=None: launches.append((fn, grid, block, args)))
     monkeypatch.setattr(A, "external_stream", lambda dev: None)
     monkeypatch.setattr(A, "_device_info", lambda dev: (132, (9, 0)))
+    monkeypatch.setattr(A, "nvrtc_version", lambda: (13, 0))
     monkeypatch.setattr(A, "resident_ctas", lambda fn, threads, smem, dev, sms: 2 * sms)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch, "empty", lambda *a, device=None, **k: torch.zeros(*a, **k))

@@ -164,8 +164,8 @@ def test_v4_selection(monkeypatch):
     # auto: v4 from V4_MIN_ROWS query rows per request, whatever the context length
     assert select_variant(c4, "bfloat16", (9, 0), 4096, V4_MIN_ROWS) == ("v4", None)
     assert select_variant(c4, "bfloat16", (9, 0), 1 << 20, 128) == ("v4", None)
-    assert select_variant(c4, "bfloat16", (9, 0), 1 << 20, V4_MIN_ROWS - 1) == ("v3", None)
-    assert select_variant(c4, "bfloat16", (9, 0), 1 << 20) == ("v3", None)  # rows unknown: few
+    assert select_variant(c4, "bfloat16", (9, 0), 1 << 20, V4_MIN_ROWS - 1) == ("v5", None)
+    assert select_variant(c4, "bfloat16", (9, 0), 1 << 20) == ("v5", None)  # rows unknown: few
     # on an A100 the 512-wide v4 does not fit: auto keeps v3/v2's rule
     assert select_variant(c4, "bfloat16", (8, 0), 1 << 20, 128) == ("v3", None)
     assert select_variant(c4, "float32", (9, 0), 1 << 20, 128)[0] == "v1"

@@ -72,7 +72,7 @@ from . import (
 
 #: environment variable that selects the attention kernel (read per call)
 VARIANT_ENV = "QUANTMLA_CUPY_ATTENTION"
-VARIANTS = ("auto", "v1", "v2", "v3", "v4")
+VARIANTS = ("auto", "v1", "v2", "v3", "v4", "v5")
 #: v2: default tokens per tile (QMLA_V2_T) and the sizes QUANTMLA_CUPY_V2_TILE may ask for (64 spreads
 #: the per-tile work over twice the tokens: offline SASS 177 -> 159 instructions per token, not yet timed)
 V2_TILE = 32
@@ -98,6 +98,8 @@ V4_WARPS = 8
 V4_STAGES = 2
 #: the NVRTC target of v4's wgmma build (``QUANTMLA_CUPY_V4_MMA``): Hopper's architecture-specific features
 V4_WGMMA_ARCH = "sm_90a"
+#: the oldest NVRTC that builds for sm_90a
+V4_WGMMA_NVRTC = (12, 0)
 #: auto picks v4 for requests with at least this many query rows (S_q * H)
 V4_MIN_ROWS = 64
 #: v4 attends to the protected tiles in its own launch (one more CTA per tile and row chunk) when its
@@ -106,6 +108,14 @@ V4_MIN_ROWS = 64
 #: 80.9 us in-grid vs 72.6 with protected.cu; B32 L32K (256 tiles) 1192.7 vs 1223.9-1235.0
 V4_INGRID_MIN_TILES = 64
 
+
+#: v5 (``kernels/attention_v5.cu``, sm_90a only): tokens per tile (wgmma M), query rows per CTA (wgmma N),
+#: worker warpgroups per CTA
+V5_TILE = 64
+V5_ROWS = 16
+V5_WORKERS = 2
+#: the only compute capability v5's sm_90a build runs on
+V5_CAPABILITY = (9, 0)
 
 def smem_per_block(capability: tuple[int, int] | None) -> int:
     """Opt-in dynamic shared memory per block (bytes): 227 KB on sm_90 (and when the GPU is not
@@ -176,24 +186,27 @@ def v2_unsupported_reasons(fmt: PackFormat, dtype: str) -> list[str]:
 
 
 def select_variant(fmt: PackFormat, dtype: str, capability: tuple[int, int] | None = None,
-                   max_tokens: int | None = None, rows: int | None = None) -> tuple[str, str | None]:
+                   max_tokens: int | None = None, rows: int | None = None,
+                   nvrtc: tuple[int, int] = V4_WGMMA_NVRTC) -> tuple[str, str | None]:
     """(kernel a call runs, why a faster kernel does not run, or None). No side effects.
 
     ``auto`` runs v4 where it serves the problem and a request has at least :data:`V4_MIN_ROWS`
-    query rows (``rows`` = S_q * H; None: unknown, treated as few), else v3 where it serves and
-    the block table can hold at least :data:`V3_MIN_TOKENS` tokens per request (``max_tokens``;
-    None: unknown, treated as short), else v2 where it serves, else v1, each time with the
+    query rows (``rows`` = S_q * H; None: unknown, treated as few); with fewer rows and a block
+    table that can hold at least :data:`V3_MIN_TOKENS` tokens per request (``max_tokens``; None:
+    unknown, treated as short) v5 where it serves (compute capability 9.0, ``nvrtc`` the NVRTC
+    version), else v3 where it serves; else v2 where it serves, else v1, each time with the
     reason. Only the environment variable is read per call; the decision is memoised per
-    (format, dtype, GPU, long or short, many rows or few)."""
+    (format, dtype, GPU, NVRTC, long or short, many rows or few)."""
     long_ctx = max_tokens is not None and max_tokens >= V3_MIN_TOKENS
     wide = rows is not None and rows >= V4_MIN_ROWS
     return _decide_variant(requested_variant(), fmt, dtype, None if capability is None else tuple(capability),
-                           long_ctx, wide)
+                           long_ctx, wide, tuple(nvrtc))
 
 
 @lru_cache(maxsize=1024)
 def _decide_variant(want: str, fmt: PackFormat, dtype: str, capability: tuple[int, int] | None,
-                    long_ctx: bool = False, wide: bool = False) -> tuple[str, str | None]:
+                    long_ctx: bool = False, wide: bool = False,
+                    nvrtc: tuple[int, int] = V4_WGMMA_NVRTC) -> tuple[str, str | None]:
     if want == "v1":
         return "v1", None
     if not fmt.quantized and want in ("v4", "auto"):  # bf16 pages: v4 (many rows) or v1
@@ -210,17 +223,22 @@ def _decide_variant(want: str, fmt: PackFormat, dtype: str, capability: tuple[in
         return "v1", "; ".join(why)
     if want == "v2":
         return "v2", None
-    if want in ("v3", "v4"):
-        why_w = v3_unsupported_reasons(fmt) if want == "v3" else v4_unsupported_reasons(fmt, capability)
+    why5 = v5_unsupported_reasons(fmt, capability, dtype, nvrtc)
+    if want in ("v3", "v4", "v5"):
+        why_w = {"v3": lambda: v3_unsupported_reasons(fmt), "v4": lambda: v4_unsupported_reasons(fmt, capability),
+                 "v5": lambda: why5}[want]()
         return (want, None) if not why_w else ("v2", "; ".join(why_w))
     if wide and not v4_unsupported_reasons(fmt, capability):
         return "v4", None
+    if long_ctx and not why5:
+        return "v5", None
     why3 = v3_unsupported_reasons(fmt)
     if not why3 and not long_ctx:
         why3 = [f"auto runs v3 from {V3_MIN_TOKENS} tokens of block-table capacity (shorter: v2 is faster)"]
     if why3:
         return "v2", "; ".join(why3)
-    return "v3", None
+    # on an H200 with too old an NVRTC, say what v5 needs; elsewhere v3 is the fastest there is
+    return "v3", ("; ".join(why5) if capability == V5_CAPABILITY else None)
 
 
 def v3_unsupported_reasons(fmt: PackFormat) -> list[str]:
@@ -302,10 +320,6 @@ def v4_defines(fmt: PackFormat, stages: int = V4_STAGES, lazy_rescale: bool = Tr
     return d
 
 
-#: the oldest NVRTC that builds for sm_90a
-V4_WGMMA_NVRTC = (12, 0)
-
-
 def v4_uses_wgmma(mma: str, capability: tuple[int, int] | None, nvrtc: tuple[int, int] = V4_WGMMA_NVRTC) -> bool:
     """Whether a v4 launch runs its wgmma build: ``mma`` is ``QUANTMLA_CUPY_V4_MMA`` (``auto``: on
     compute capability 9.0 exactly, wgmma being an sm_90a instruction that later GPUs do not run,
@@ -318,6 +332,39 @@ def v4_uses_wgmma(mma: str, capability: tuple[int, int] | None, nvrtc: tuple[int
         raise ValueError(f"QUANTMLA_CUPY_V4_MMA: wgmma needs compute capability 9.0 (sm_90a) and NVRTC "
                          f"{V4_WGMMA_NVRTC[0]}.{V4_WGMMA_NVRTC[1]}+, got {got} and NVRTC {nvrtc[0]}.{nvrtc[1]}; use mma")
     return mma == "wgmma" or (mma == "auto" and hopper and new_nvrtc)
+
+
+def v5_smem_bytes(fmt: PackFormat) -> int:
+    """Dynamic shared memory of one v5 block (mirrors SMEM_TOTAL in attention_v5.cu): per worker
+    (1024-byte aligned) the 128-byte-swizzled key tile (64-channel column blocks of 64 rows), P^T
+    (bf16 [16][64]), column statistics (float [4][16]) and one stage; then the queries (16 rows of
+    the same column blocks), plus 1 KB to align the base."""
+    blocks = -(-(fmt.latent_dim + fmt.rope_dim) // 64)
+    worker = V5_TILE * blocks * 128 + V5_ROWS * V5_TILE * 2 + 4 * V5_ROWS * 4 + stage_bytes(fmt, V5_TILE, flags=False)
+    return V5_WORKERS * (-(-worker // 1024) * 1024) + blocks * V5_ROWS * 128 + 1024
+
+
+def v5_defines(fmt: PackFormat, lazy_rescale: bool = True, index64: bool = True) -> dict[str, int]:
+    """``-D`` defines of ``kernels/attention_v5.cu`` (bfloat16 queries; an sm_90a build,
+    :data:`V4_WGMMA_ARCH`). ``index64``: int64 seq_lens / seq_ids (else int32)."""
+    d = attention_defines(fmt, "bfloat16", index64)
+    d.update(QMLA_V5_SMEM=v5_smem_bytes(fmt), QMLA_V5_LAZY_RESCALE=int(lazy_rescale))
+    return d
+
+
+def v5_unsupported_reasons(fmt: PackFormat, capability: tuple[int, int] | None, dtype: str = "bfloat16",
+                           nvrtc: tuple[int, int] = V4_WGMMA_NVRTC) -> list[str]:
+    """Why kernel v5 cannot serve ``fmt`` with ``dtype`` queries on a GPU of ``capability`` (None:
+    not known, so not served) with ``nvrtc`` (empty: it can): what v4 serves over packed pages,
+    on compute capability 9.0 with an NVRTC that builds for sm_90a."""
+    reasons = [r.replace("v2 ", "v5 ", 1) for r in v2_unsupported_reasons(fmt, dtype)]
+    if capability is None or tuple(capability) != V5_CAPABILITY:
+        got = "an unknown GPU" if capability is None else f"{capability[0]}.{capability[1]}"
+        reasons.append(f"v5 needs compute capability 9.0 (sm_90a wgmma), got {got}")
+    if tuple(nvrtc) < V4_WGMMA_NVRTC:
+        reasons.append(f"v5 needs NVRTC {V4_WGMMA_NVRTC[0]}.{V4_WGMMA_NVRTC[1]}+ to build for sm_90a, "
+                       f"got {nvrtc[0]}.{nvrtc[1]}")
+    return reasons
 
 
 def v3_defines(fmt: PackFormat, stages: int = V3_STAGES, min_blocks: int | None = None, lazy_rescale: bool = True,
@@ -485,12 +532,13 @@ def prepare(cache, block_table, seq_lens, seq_ids, batch: int, s_q: int, heads: 
     dev = device.index if device.index is not None else torch.cuda.current_device()
     sm_count, capability = _device_info(dev)
     max_pages = int(block_table.shape[1])
-    variant, _ = select_variant(fmt, dtype, capability, max_pages * fmt.page_size, s_q * heads)
+    nvrtc = nvrtc_version() if tuple(capability) == V5_CAPABILITY else V4_WGMMA_NVRTC
+    variant, _ = select_variant(fmt, dtype, capability, max_pages * fmt.page_size, s_q * heads, nvrtc)
     index64 = True
     side_default = False
-    if variant in ("v2", "v3", "v4"):
+    if variant in ("v2", "v3", "v4", "v5"):
         make_plan, knobs = {"v2": (v2_plan, V2Knobs.from_env()), "v3": (v3_plan, V3Knobs.from_env()),
-                            "v4": (v4_plan, V4Knobs.from_env())}[variant]
+                            "v4": (v4_plan, V4Knobs.from_env()), "v5": (v5_plan, V5Knobs.from_env())}[variant]
         no_prot = cache.sink == 0 and cache.local == 0
         # int32 seq_lens and seq_ids get an int32 build rather than a conversion on every call
         index64 = not (seq_lens.dtype == torch.int32 and seq_ids.dtype == torch.int32)
@@ -741,6 +789,50 @@ def v4_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
             launches.append(_protected_launch(fmt, dev, batch, rows, sink, local, index64))
             nprot = protected_ctas(sink, local)
         plan = SplitPlan(tuple(launches), _combine_kernel(fmt, dev), per, splits + nprot)
+        with _CACHE_LOCK:
+            _PLANS[key] = plan
+    return plan
+
+
+def _v5_kernel(fmt: PackFormat, dev: int, lazy: bool, index64: bool):
+    """Compiled ``qmla_attn_v5`` (cached, an sm_90a build) and its dynamic shared memory."""
+    return _split_kernel(("v5", fmt, dev, lazy, index64), "v5", dev, v5_smem_bytes(fmt),
+                         lambda: v5_defines(fmt, lazy, index64), V4_WGMMA_ARCH)
+
+
+@dataclass(frozen=True)
+class V5Knobs:
+    """The ``QUANTMLA_CUPY_V5_*`` tuning variables of one call (lazy: skip the output rescale while
+    no row's maximum moves) and v2's split floor."""
+
+    lazy: bool = True
+    min_tiles: int = V2_MIN_TILES_PER_SPLIT
+
+    @staticmethod
+    def from_env() -> "V5Knobs":
+        return V5Knobs(bool(_env_int("QUANTMLA_CUPY_V5_LAZY_RESCALE", 1, (0, 1))),
+                       _env_int("QUANTMLA_CUPY_V2_MIN_TILES", V2_MIN_TILES_PER_SPLIT, (1, 2, 4, 8, 16)))
+
+
+def v5_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool,
+            knobs: V5Knobs, sink: int = 0, local: int = 0, index64: bool = True) -> SplitPlan:
+    """The launch plan of kernel v5 (16 query rows per CTA, two worker warpgroups): its split kernel
+    over packed tokens, each CTA writing one partial per worker, and, when the cache keeps sink/local
+    tokens, the protected-only launch adding them as the last partials of each row."""
+    key = ("v5", fmt, dev, sm_count, batch, rows, max_pages, no_prot, knobs, sink, local, index64)
+    plan = _PLANS.get(key)
+    if plan is None:
+        chunks = -(-rows // V5_ROWS)
+        attn, smem = _v5_kernel(fmt, dev, knobs.lazy, index64)
+        block = (V5_WORKERS * 128,)
+        resident = resident_ctas(attn, block[0], smem, dev, sm_count)
+        splits, per = plan_splits_v2(batch, chunks, max(1, max_pages) * fmt.page_size, resident, knobs.min_tiles,
+                                     V5_TILE)
+        launches = [(attn, (batch * chunks, splits), block, smem)]
+        if not no_prot:
+            launches.append(_protected_launch(fmt, dev, batch, rows, sink, local, index64))
+        nprot = 0 if no_prot else protected_ctas(sink, local)
+        plan = SplitPlan(tuple(launches), _combine_kernel(fmt, dev), per, V5_WORKERS * splits + nprot)
         with _CACHE_LOCK:
             _PLANS[key] = plan
     return plan

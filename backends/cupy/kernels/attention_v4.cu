@@ -138,128 +138,15 @@ static_assert(SMEM_TOTAL <= 227 * 1024, "shared memory per block");
 
 static_assert(RT * OT_STRIDE * 4 <= RED_OFF, "the partial-output tile reuses everything below the row stats");
 
-// byte offset of 16-byte chunk `chunk` (8 channels) of row `row` of the K (rows = T) or query (RT) tile
-__device__ __forceinline__ int v4_chunk(int row, int chunk, int rows) {
-#if QMLA_V4_WGMMA
-    return sw128_chunk(row, chunk, rows);
-#else
-    return row * KST + 16 * chunk;
-#endif
-}
-
 // barrier of the two warps (64 threads) that share QK row group rg (ids 1-4)
 __device__ __forceinline__ void v4_pair_sync(int rg) { asm volatile("bar.sync %0, 64;" ::"r"(rg + 1) : "memory"); }
 // barrier of the four warps (128 threads) that write and read P rows 32 rh .. 32 rh + 31 (ids 5-6)
 __device__ __forceinline__ void v4_quad_sync(int rh) { asm volatile("bar.sync %0, 128;" ::"r"(rh + 5) : "memory"); }
 
-// bf16x2 (128 + code) of bytes 0, 1 (HI = 0) or 2, 3 (HI = 1) of a word of codes (one per byte)
-template <int HI>
-__device__ __forceinline__ u32 v4_code2(u32 x) {
-    return __byte_perm(x, 0x43u, HI ? 0x4342u : 0x4140u);
-}
+#define QMLA_KT_SW128 QMLA_V4_WGMMA
+#include "tile_dequant.cuh"  // qmla_kt_chunk, qmla_dequantize_tile
 
-// bf16x2 of s * (code - z) for two codes given as bf16x2 (128 + code); off2 = bf16x2 -(128 + z).
-// Content scales in bf16 (s2 = bf16x2 s): the subtraction is exact, the product rounds once.
-__device__ __forceinline__ u32 v4_dq2_bf16(u32 c2, u32 off2, u32 s2) {
-    return fma_bf16x2(fma_bf16x2(c2, 0x3f803f80u, off2), s2, 0x80008000u);
-}
-
-// the same with a float32 scale: (code - z) exactly in bf16, then products and one rounding in float
-__device__ __forceinline__ u32 v4_dq2_f32(u32 c2, u32 off2, float s) {
-    const u32 d = fma_bf16x2(c2, 0x3f803f80u, off2);
-    return pack_bf16x2(__uint_as_float(d << 16) * s, __uint_as_float(d & 0xffff0000u) * s);
-}
-
-// 16 dequantized channels (4 words of codes, one per byte, in channel order) stored as two 16-byte
-// halves, channels 0..7 at lo and 8..15 at hi. upper_first: the first store takes channels 8..15
-// (see v4_dequantize).
-template <bool F32>
-__device__ __forceinline__ void v4_store16(u8* lo, u8* hi, const u32 (&x)[4], u32 off2, u32 s2, float s,
-                                           bool upper_first) {
-    const u32 xs[4] = {upper_first ? x[2] : x[0], upper_first ? x[3] : x[1], upper_first ? x[0] : x[2],
-                       upper_first ? x[1] : x[3]};
-    u32 o[8];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        if constexpr (F32) {
-            o[2 * e] = v4_dq2_f32(v4_code2<0>(xs[e]), off2, s);
-            o[2 * e + 1] = v4_dq2_f32(v4_code2<1>(xs[e]), off2, s);
-        } else {
-            o[2 * e] = v4_dq2_bf16(v4_code2<0>(xs[e]), off2, s2);
-            o[2 * e + 1] = v4_dq2_bf16(v4_code2<1>(xs[e]), off2, s2);
-        }
-    }
-    *(uint4*)(upper_first ? hi : lo) = make_uint4(o[0], o[1], o[2], o[3]);
-    *(uint4*)(upper_first ? lo : hi) = make_uint4(o[4], o[5], o[6], o[7]);
-}
-
-#if QMLA_QUANT
-// Stage `stg` (raw page sections of one tile) -> the K tile as bf16 s * (code - z). Content: one
-// 16-byte chunk u of token t's code row per thread and round; byte j of a row holds channels
-// j + CB c for slice c (split-half order), so a chunk gives KCH runs of 16 channels. RoPE likewise.
-// Lanes 32 bytes apart in one row would put lanes u and u + 4 of a quarter warp on one 16-byte bank
-// group:
-//   wgmma build: eight consecutive lanes take chunks 4 uh .. 4 uh + 3 of two adjacent tokens, whose
-//     first stores then fall on 8 different groups (chunk positions are XORed with the row), and so do
-//     their reads of the staged codes (qmla_swz puts tokens 2p and 2p + 1 in different 64-byte halves);
-//   mma.sync build: lanes take consecutive chunks of one token and every other four store their upper
-//     half first (this build has no registers to spare for the other mapping's index arithmetic).
-__device__ __forceinline__ void v4_dequantize(const u8* stg, u8* kt, int tid) {
-#pragma unroll
-    for (int k = 0; k < (T * NCT + NTH - 1) / NTH; ++k) {
-        const int idx = tid + k * NTH;
-        if ((T * NCT) % NTH == 0 || idx < T * NCT) {
-#if QMLA_V4_WGMMA
-            static_assert(NCT % 4 == 0, "code rows of whole 64-byte groups");
-            const int g = idx >> 3, q = idx & 7;
-            const int t = 2 * (g / (NCT / 4)) + (q >> 2), u = 4 * (g % (NCT / 4)) + (q & 3);
-            constexpr bool upper_first = false;
-#else
-            const int t = idx / NCT, u = idx % NCT;
-            const bool upper_first = (u >> 2) & 1;
-#endif
-            const uint4 v = *(const uint4*)(stg + qmla_coff(t, 16 * u));
-            const u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int c = 0; c < KCH; ++c) {
-                const int ch = CB * c + 16 * u, grp = ch / QMLA_GC;
-                const u32 x[4] = {(w[0] >> (CBITS * c)) & CMASK, (w[1] >> (CBITS * c)) & CMASK,
-                                  (w[2] >> (CBITS * c)) & CMASK, (w[3] >> (CBITS * c)) & CMASK};
-                const u32 z = stg[SO_CZ + t * NGC + grp];
-                const u32 off2 = 0xc300c300u | z | (z << 16);
-                u8* lo = kt + v4_chunk(t, ch / 8, T);
-                u8* hi = kt + v4_chunk(t, ch / 8 + 1, T);
-#if QMLA_CSCALE_BF16
-                const u32 sb = ((const u16*)(stg + SO_CS))[t * NGC + grp];
-                v4_store16<false>(lo, hi, x, off2, sb | (sb << 16), 0.0f, upper_first);
-#else
-                v4_store16<true>(lo, hi, x, off2, 0u, ((const float*)(stg + SO_CS))[t * NGC + grp], upper_first);
-#endif
-            }
-        }
-    }
-    constexpr int RCH = RB / 16;  // 16-byte chunks of a RoPE code row
-    if (tid < T * RCH) {
-        const int t = tid / RCH, u = tid % RCH;
-        const uint4 v = *(const uint4*)(stg + SO_R + t * RB + 16 * u);
-        const u32 w[4] = {v.x, v.y, v.z, v.w};
-        const u32 z = stg[SO_RZ + t];
-        const u32 off2 = 0xc300c300u | z | (z << 16);
-#if QMLA_RSCALE_BF16
-        const float s = bf16_bits_to_f32(((const u16*)(stg + SO_RS))[t]);
-#else
-        const float s = ((const float*)(stg + SO_RS))[t];
-#endif
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-            const u32 x[4] = {(w[0] >> (4 * c)) & 0x0f0f0f0fu, (w[1] >> (4 * c)) & 0x0f0f0f0fu,
-                              (w[2] >> (4 * c)) & 0x0f0f0f0fu, (w[3] >> (4 * c)) & 0x0f0f0f0fu};
-            const int chunk = (DC + RB * c + 16 * u) / 8;
-            v4_store16<true>(kt + v4_chunk(t, chunk, T), kt + v4_chunk(t, chunk + 1, T), x, off2, 0u, s, false);
-        }
-    }
-}
-#else
+#if !QMLA_QUANT
 // bf16 pages: tile t0's rows [d_c | d_r] (page segments pgs, from qmla_load_pages) into the key tile by
 // cp.async, 16 bytes at a time; rows past L or on a missing page are zero-filled (P is 0 there, and
 // 0 x a stale row could be NaN).
@@ -274,7 +161,7 @@ __device__ __forceinline__ void v4_copy_bf16_tile(u8* kt, const u8* __restrict__
             const int r = k / (DT / 8), u = k % (DT / 8), t = sg * SEGT + r;
             const u8* src = u < DC / 8 ? page + QMLA_OFF_CC + (slot0 + r) * CB + 16 * u
                                        : page + QMLA_OFF_RC + (slot0 + r) * RB + 16 * (u - DC / 8);
-            cp_async16_zfill(kt + v4_chunk(t, u, T), src, (pg >= 0 && t0 + t < L) ? 16 : 0);
+            cp_async16_zfill(kt + qmla_kt_chunk(t, u, T), src, (pg >= 0 && t0 + t < L) ? 16 : 0);
         }
     }
 }
@@ -386,7 +273,7 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v4(
                 v = ck < DC / 8 ? *(const uint4*)(q_lat + qrow * DC + 8 * ck)
                                 : *(const uint4*)(q_rope + qrow * DR + 8 * (ck - DC / 8));
             }
-            *(uint4*)(smem + QT_OFF + v4_chunk(row, ck, RT)) = v;
+            *(uint4*)(smem + QT_OFF + qmla_kt_chunk(row, ck, RT)) = v;
         }
         auto load_pages = [&](int tt, int (&pgs)[NSEG]) {
             qmla_load_pages(tt, pgs, block_table + (i64)b * bt_stride, L, max_pages, num_pages);
@@ -440,7 +327,7 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v4(
                         src = (n < sink ? sink_buf + (sid * sink + n) * DT : local_buf + (sid * local + n % local) * DT) + 8 * u;
                         bytes = 16;
                     }
-                    cp_async16_zfill(kt + v4_chunk(r, u, T), src, bytes);
+                    cp_async16_zfill(kt + qmla_kt_chunk(r, u, T), src, bytes);
                 }
                 cp_async_commit();
                 cp_async_wait_all();
@@ -454,7 +341,7 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v4(
                     load_pages(t0 + NSTAGE * T, pg_next);
                 }
                 cp_async_commit();
-                v4_dequantize(smem + (i % NSTAGE) * STAGE_BYTES, kt, tid);
+                qmla_dequantize_tile(smem + (i % NSTAGE) * STAGE_BYTES, kt, tid);
 #else
                 __syncthreads();  // every warp is past the previous tile's PV (K, P free)
                 v4_copy_bf16_tile(kt, pages, pg_next, t0, L, tid);

@@ -53,6 +53,34 @@ __device__ __forceinline__ void wgmma_fence_operand(float (&d)[N][4]) {
     }
 }
 
+// flat accumulator variant of wgmma_fence_operand (the m64n16 tiles: 8 floats per thread)
+template <int N>
+__device__ __forceinline__ void wgmma_fence_operand(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// D[64 x 16] (+)= A[64 x 16] B[16 x 16], both from shared memory; TNSP_A / TNSP_B 1: that operand is
+// MN-major. Thread t holds d[4 i + 2 h + e] = D[16 (t / 32) + (t % 32) / 4 + 8 h][8 i + 2 (t % 4) + e].
+template <int TNSP_A, int TNSP_B>
+__device__ __forceinline__ void wgmma_m64n16k16_ss(float (&d)[8], u64 da, u64 db, int scale_d) {
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %10, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, "
+        "%11, %12; }\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "l"(da), "l"(db), "r"(scale_d), "n"(TNSP_A), "n"(TNSP_B));
+}
+
+// four 8x8 bf16 matrices of mma fragments stored transposed (stmatrix.trans): lane l holds row l / 4,
+// columns 2 (l % 4) (+ 1) of matrix i in r_i and gives the address of row l % 8 of the transposed
+// matrix l / 8 (16 contiguous bytes)
+__device__ __forceinline__ void stsm_x4_t(u32 row_addr, u32 r0, u32 r1, u32 r2, u32 r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(row_addr), "r"(r0),
+                 "r"(r1), "r"(r2), "r"(r3)
+                 : "memory");
+}
+
 // D[64 x N] (+)= A[64 x 16] B[16 x N] with bf16 inputs and float32 accumulation, A and B read from
 // shared memory through descriptors. TNSP_B 1: B is MN-major. scale_d 0: D = A B (D's values
 // ignored). Thread t of the warpgroup holds rows 16 (t / 32) + (t % 32) / 4 (+ 8) and columns

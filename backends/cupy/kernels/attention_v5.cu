@@ -1,0 +1,330 @@
+// QuantMLA CuPy backend: decode attention v5 (few query rows on Hopper: tokens as the wgmma M dimension).
+//
+// Serves what v3 serves (bf16 queries; 2/4-bit content and 4-bit RoPE codes; d_c/d_r 512/64 and
+// 256/32; packed tokens only, protected.cu adds the sink and local-window tokens), on sm_90a.
+//
+// ================================================================ design note
+// Why: at H = 16 a request has 16 query rows, too few for a wgmma M of 64, so v2/v3 convert codes
+// into mma.sync fragments (v3: ~112 warp-instructions per token). Here the 64 tokens of a tile are
+// M and the 16 rows are N, both matmuls are warpgroup MMAs reading shared memory, and each tile is
+// dequantized once into a bf16 tile (tile_dequant.cuh, as v4's wgmma build does):
+//
+//   grid (B * ceil(R / 16), KV splits), 2 worker warpgroups per CTA. Worker wg takes tiles wg, wg + 2,
+//   wg + 4, ... of its CTA's split and runs flash-decoding over them on its own: its own stage, key
+//   tile, P tile, row statistics and partial slot (2 split + wg). The workers share only the query
+//   tile, so they meet at no barrier after the prologue, and one's dequantization overlaps the other's
+//   matmuls. Per tile:
+//   1. Dequantize: the worker's 128 threads convert the staged codes to K [T][d_c + d_r] (128-byte
+//      swizzle), then copy the worker's next tile into the stage.
+//   2. QK: S^T[64 tokens][16 rows] = K Q^T, (d_c + d_r) / 16 x m64n16k16 (A = K, B = queries, both
+//      K-major). Warp ww holds tokens 16 ww .. 16 ww + 15.
+//   3. Softmax in base 2 over the columns: maxima through shuffles and the worker's shared row
+//      statistics; row sums stay per thread until the end.
+//   4. P^T to shared memory as [16 rows][64 tokens] by one stmatrix.trans per warp.
+//   5. PV: O^T[d_c][16] += K^T P^T, d_c / 64 x 4 m64n16k16 (A = the same K tile read MN-major, B = P^T,
+//      K-major); 64 accumulators per thread.
+//   Partials (unnormalized output, row maximum, row sum) leave in v1's layout through the key tile.
+// Shared memory (C4R4): per worker 72 KB K + 2 KB P + 20 KB stage; 18 KB queries: one CTA per SM.
+#include "common.cuh"
+
+#ifndef QMLA_V5_LAZY_RESCALE
+#define QMLA_V5_LAZY_RESCALE 1  // skip the output rescale while no column's maximum moves (bit-identical)
+#endif
+
+#define DC QMLA_DC
+#define DR QMLA_DR
+#define DT (QMLA_DC + QMLA_DR)
+#define T 64                  // tokens per tile: wgmma M
+#define RT 16                 // query rows per CTA: wgmma N
+#define NWG 2                 // worker warpgroups per CTA
+#define NTH 128               // threads of one worker (its stage copies and dequantization)
+#define CBITS QMLA_CBITS
+#define KCH (8 / CBITS)       // codes per byte
+#define CB QMLA_CB
+#define RB QMLA_RB
+#define NCT (CB / 16)
+#define NGC (DC / QMLA_GC)
+#define CMASK ((CBITS == 4) ? 0x0f0f0f0fu : 0x03030303u)
+#define CSZ (QMLA_CSCALE_BF16 ? 2 : 4)
+#define RSZ (QMLA_RSCALE_BF16 ? 2 : 4)
+#define NCB ((DT + 63) / 64)  // 64-channel column blocks of the key and query tiles
+#define KSTEPS (DT / 16)      // QK k-steps
+#define NMB (DC / 64)         // PV m-blocks (64 channels each)
+
+#if !QMLA_IN_BF16 || !(QMLA_QUANT && (CBITS == 2 || CBITS == 4) && QMLA_RBITS == 4)
+#error "attention_v5.cu serves bf16 queries over 2/4-bit content with 4-bit RoPE codes"
+#endif
+static_assert(CB == DC * CBITS / 8 && RB == DR / 2, "code bytes per token");
+static_assert(CB % 64 == 0 && (RB == 16 || RB == 32), "d_c 256/512 and d_r 32/64");
+static_assert(QMLA_GC % 16 == 0, "a 16-channel dequantized run must lie inside one scale group");
+static_assert(QMLA_GR == DR, "one RoPE group per token");
+
+#include "wgmma.cuh"
+#include "stage.cuh"  // the stage layout (SO_*, STAGE_BYTES) and its copies, per worker (NTH threads)
+#define QMLA_KT_SW128 1
+#include "tile_dequant.cuh"
+
+// ---------------------------------------------------------------- shared memory layout
+// worker wg's area starts at wg * WK_BYTES (1024-byte aligned, as the swizzled tiles need); the kernel
+// rounds the dynamic shared memory base up to 1024 bytes, hence the extra 1 KB
+#define W_KT 0                          // key tile, bf16 [NCB][T][64]
+#define W_PT (T * NCB * 128)            // P^T, bf16 [RT][T]: one swizzled 128-byte row per query row
+#define W_RED (W_PT + RT * T * 2)       // float [4 warps][RT]: column maxima, then row sums
+#define W_STG (W_RED + 4 * RT * 4)      // the worker's stage
+#define WK_BYTES ((W_STG + STAGE_BYTES + 1023) / 1024 * 1024)
+#define QT_OFF (NWG * WK_BYTES)         // queries, bf16 [NCB][RT][64]
+#define SMEM_TOTAL (QT_OFF + NCB * RT * 128 + 1024)
+#ifdef QMLA_V5_SMEM
+static_assert(SMEM_TOTAL == QMLA_V5_SMEM, "launcher's v5_smem_bytes() disagrees with the kernel's layout");
+#endif
+static_assert(SMEM_TOTAL <= 227 * 1024, "shared memory per block");
+static_assert(RT * OT_STRIDE * 4 <= W_PT, "a worker's partial-output tile reuses its key tile");
+
+// barrier of worker wg's 128 threads (ids 1, 2)
+__device__ __forceinline__ void v5_worker_sync(int wg) { asm volatile("bar.sync %0, 128;" ::"r"(wg + 1) : "memory"); }
+
+extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
+    const u16* __restrict__ q_lat, const u16* __restrict__ q_rope, const u8* __restrict__ pages,
+    const u16* __restrict__ sink_buf, const u16* __restrict__ local_buf, const int* __restrict__ block_table,
+    const qmla_index_t* __restrict__ seq_lens, const qmla_index_t* __restrict__ seq_ids, float* __restrict__ o_part,
+    float2* __restrict__ ml_part, int S_q, int H, int max_pages, int bt_stride, int num_pages, int max_seqs,
+    int sink, int local, int tiles_per_split, int num_splits, float scale_log2) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    u8* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);  // the swizzle needs 1024-byte tiles
+
+    // wg through a shuffle is provably warp-uniform: the worker's loop, and the wgmma in it, are not
+    // on a divergent path for ptxas
+    const int wg = __shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0);
+    const int tid = threadIdx.x & (NTH - 1);
+    const int ww = tid >> 5, lane = tid & 31;
+    const int g8 = lane >> 2, q4 = lane & 3;
+    u8* wk = smem + wg * WK_BYTES;
+    u8* kt = wk + W_KT;
+    u8* stg = wk + W_STG;
+    float* red = (float*)(wk + W_RED);
+
+    const int R = S_q * H;
+    const int NCHK = (R + RT - 1) / RT;
+    const int b = blockIdx.x / NCHK, rbase = (blockIdx.x % NCHK) * RT;
+    const int L = (int)seq_lens[b];
+    const i64 sid = seq_ids[b];
+    const bool sid_ok = sid >= 0 && sid < max_seqs;
+    // packed tokens: [keep_lo, keep_hi) = [sink_end, local_start), between the sink and the local window
+    const int keep_lo = sid_ok ? min(sink, L) : 0;
+    const int keep_hi = (sid_ok && local > 0) ? max(keep_lo, L - local) : L;
+    const int split = blockIdx.y, slot = NWG * split + wg;
+    const int t_begin = max(split * tiles_per_split * T, keep_lo / T * T);
+    const int t_end = min(keep_hi, (split + 1) * tiles_per_split * T);
+
+    // this thread's columns (query rows rbase + 8 i + 2 q4 + e) and the tokens each attends to: n < lim
+    int lim[2][2];
+    int lim_min = keep_hi;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            lim[i][e] = min(keep_hi, L - S_q + (rbase + 8 * i + 2 * q4 + e) / H + 1);
+            lim_min = min(lim_min, lim[i][e]);
+        }
+    }
+
+    float acc[NMB][8];  // O^T: acc[mb][4 i + 2 h + e] = channel 64 mb + 16 ww + g8 + 8 h, column 8 i + 2 q4 + e
+#pragma unroll
+    for (int mb = 0; mb < NMB; ++mb) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) acc[mb][k] = 0.0f;
+    }
+    float m_run[2][2] = {{-QMLA_INF, -QMLA_INF}, {-QMLA_INF, -QMLA_INF}};
+    float l_run[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};  // this thread's share of the column sums
+
+    if (t_begin < t_end) {
+        // ------------------------------------------------------------ queries [RT][DT] (rows >= R: zeros)
+        for (int idx = threadIdx.x; idx < RT * (DT / 8); idx += NWG * NTH) {
+            const int row = idx / (DT / 8), ck = idx % (DT / 8);
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (rbase + row < R) {
+                const i64 qrow = (i64)b * R + rbase + row;
+                v = ck < DC / 8 ? *(const uint4*)(q_lat + qrow * DC + 8 * ck)
+                                : *(const uint4*)(q_rope + qrow * DR + 8 * (ck - DC / 8));
+            }
+            *(uint4*)(smem + QT_OFF + sw128_chunk(row, ck, RT)) = v;
+        }
+        auto load_pages = [&](int tt, int (&pgs)[NSEG]) {
+            qmla_load_pages(tt, pgs, block_table + (i64)b * bt_stride, L, max_pages, num_pages);
+        };
+        int pgs[NSEG];
+        const int my_begin = t_begin + wg * T;
+        if (my_begin < t_end) {
+            // zero the stage once: bytes never copied (missing pages) stay finite codes and scales
+            for (int k = tid; k < STAGE_BYTES / 16; k += NTH) ((uint4*)stg)[k] = make_uint4(0u, 0u, 0u, 0u);
+            v5_worker_sync(wg);
+            load_pages(my_begin, pgs);
+            qmla_issue_stage(stg, pages, pgs, my_begin, L, tid);
+            cp_async_commit();
+        }
+        fence_proxy_async();  // the query stores, for wgmma's reads
+        __syncthreads();      // queries visible to both workers
+
+        // descriptors: K (K-major for QK, MN-major for PV), queries and P^T (K-major)
+        // (shared addresses as the block's base plus uniform offsets keep them in uniform registers)
+        const u32 smem_s = smem_addr(smem), kt_s = smem_s + wg * WK_BYTES + W_KT;
+        const u64 dk = sw128_desc(kt_s, 16, 1024), dq = sw128_desc(smem_s + QT_OFF, 16, 1024);
+        const u64 dv = sw128_desc(kt_s, T * 128, 1024), dp = sw128_desc(smem_s + wg * WK_BYTES + W_PT, 16, 1024);
+        // stmatrix row address of this lane: matrix lane / 8 = (column block i, token half h) -> P^T row
+        // 8 i + lane % 8, tokens 16 ww + 8 h .. (16-byte chunk 2 ww + h)
+        const int mi = lane >> 3;
+        const u32 p_lane = smem_s + wg * WK_BYTES + W_PT + sw128_chunk(8 * (mi >> 1) + (lane & 7), 2 * ww + (mi & 1), RT);
+
+        for (int t0 = my_begin; t0 < t_end; t0 += NWG * T) {
+            cp_async_wait_all();
+            v5_worker_sync(wg);  // the tile staged by all; every warp is past the previous tile's PV
+            qmla_dequantize_tile(stg, kt, tid);
+            fence_proxy_async();
+            v5_worker_sync(wg);  // K visible to wgmma; the stage is free
+            if (t0 + NWG * T < t_end) {
+                load_pages(t0 + NWG * T, pgs);
+                qmla_issue_stage(stg, pages, pgs, t0 + NWG * T, L, tid);
+                cp_async_commit();
+            }
+
+            // -------------------------------------------------------- QK: S^T[64 tokens][16 rows]
+            float S[8];
+            wgmma_fence_operand(S);
+            wgmma_fence();
+#pragma unroll
+            for (int ks = 0; ks < KSTEPS; ++ks) {
+                const u32 run = 32 * (ks & 3);  // 16-channel run inside the 128-byte rows of column block ks / 4
+                wgmma_m64n16k16_ss<0, 0>(S, desc_advance(dk, (ks >> 2) * (T * 128) + run),
+                                         desc_advance(dq, (ks >> 2) * (RT * 128) + run), ks > 0);
+            }
+            wgmma_commit();
+            wgmma_wait<0>();
+            wgmma_fence_operand(S);
+
+            // -------------------------------------------------------- mask, column maxima
+            if (t0 >= keep_lo && t0 + T <= lim_min) {  // this thread's columns attend to the whole tile
+#pragma unroll
+                for (int k = 0; k < 8; ++k) S[k] *= scale_log2;
+            } else {
+                const int n0 = t0 + 16 * ww + g8;  // this thread's tokens n0 and n0 + 8
+#pragma unroll
+                for (int k = 0; k < 8; ++k) {
+                    const int n = n0 + 8 * ((k >> 1) & 1);
+                    S[k] = (n >= keep_lo && n < lim[k >> 2][k & 1]) ? S[k] * scale_log2 : -QMLA_INF;
+                }
+            }
+            float mx[2][2];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float m = fmaxf(S[4 * i + e], S[4 * i + 2 + e]);
+#pragma unroll
+                    for (int o = 4; o <= 16; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+                    mx[i][e] = m;
+                }
+            }
+            if (g8 == 0) {
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    red[ww * RT + 8 * i + 2 * q4] = mx[i][0];
+                    red[ww * RT + 8 * i + 2 * q4 + 1] = mx[i][1];
+                }
+            }
+            v5_worker_sync(wg);  // the four warps' maxima
+
+            // -------------------------------------------------------- softmax (base 2), P^T to shared memory
+            float al[2][2];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int col = 8 * i + 2 * q4 + e;
+                    const float mt = fmaxf(fmaxf(m_run[i][e], fmaxf(red[col], red[RT + col])),
+                                           fmaxf(red[2 * RT + col], red[3 * RT + col]));
+                    const float u = (mt == -QMLA_INF) ? 0.0f : mt;
+                    al[i][e] = exp2f(m_run[i][e] - u);
+                    m_run[i][e] = mt;
+                    const float p0 = exp2f(S[4 * i + e] - u), p1 = exp2f(S[4 * i + 2 + e] - u);
+                    S[4 * i + e] = p0;
+                    S[4 * i + 2 + e] = p1;
+                    l_run[i][e] = l_run[i][e] * al[i][e] + (p0 + p1);
+                }
+            }
+            // matrix (i, h): tokens 16 ww + 8 h + g8, columns 8 i + 2 q4 (+ 1), stored as P^T rows 8 i + ...
+            stsm_x4_t(p_lane, pack_bf16x2(S[0], S[1]), pack_bf16x2(S[2], S[3]), pack_bf16x2(S[4], S[5]),
+                      pack_bf16x2(S[6], S[7]));
+            fence_proxy_async();
+            v5_worker_sync(wg);  // P^T visible (every warp's tokens); the maxima read
+
+            // -------------------------------------------------------- PV: O^T[d_c][16] += K^T P^T
+            if (!QMLA_V5_LAZY_RESCALE ||
+                __any_sync(0xffffffffu, al[0][0] != 1.0f || al[0][1] != 1.0f || al[1][0] != 1.0f || al[1][1] != 1.0f)) {
+#pragma unroll
+                for (int mb = 0; mb < NMB; ++mb) {
+#pragma unroll
+                    for (int k = 0; k < 8; ++k) acc[mb][k] *= al[k >> 2][k & 1];
+                }
+            }
+#pragma unroll
+            for (int mb = 0; mb < NMB; ++mb) wgmma_fence_operand(acc[mb]);
+            wgmma_fence();
+#pragma unroll
+            for (int mb = 0; mb < NMB; ++mb) {
+#pragma unroll
+                for (int kk = 0; kk < T / 16; ++kk) {
+                    // A: K^T, channels of column block mb, tokens 16 kk .. (2048 bytes per 16 rows); B: P^T,
+                    // tokens 16 kk .. (32 bytes into the rows)
+                    wgmma_m64n16k16_ss<1, 0>(acc[mb], desc_advance(dv, mb * (T * 128) + 2048 * kk),
+                                             desc_advance(dp, 32 * kk), 1);
+                }
+            }
+            wgmma_commit();
+            wgmma_wait<0>();
+#pragma unroll
+            for (int mb = 0; mb < NMB; ++mb) wgmma_fence_operand(acc[mb]);
+        }
+    }
+
+    // ---------------------------------------------------------------- partial results (v1 layout)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+#pragma unroll
+            for (int o = 4; o <= 16; o <<= 1) l_run[i][e] += __shfl_xor_sync(0xffffffffu, l_run[i][e], o);
+        }
+    }
+    if (g8 == 0) {  // the worker's last reads of red[] were before its last P^T barrier
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            red[ww * RT + 8 * i + 2 * q4] = l_run[i][0];
+            red[ww * RT + 8 * i + 2 * q4 + 1] = l_run[i][1];
+        }
+    }
+    v5_worker_sync(wg);  // every warp is past its last PV (the key tile is free) and its row sums are in red[]
+    float* ot = (float*)kt;  // [RT][OT_STRIDE]
+#pragma unroll
+    for (int mb = 0; mb < NMB; ++mb) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const int col = 8 * (k >> 2) + 2 * q4 + (k & 1), ch = 64 * mb + 16 * ww + g8 + 8 * ((k >> 1) & 1);
+            ot[col * OT_STRIDE + ch] = acc[mb][k];
+        }
+    }
+    if (ww == 0 && g8 == 0) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int col = 8 * i + 2 * q4 + e;
+                if (rbase + col < R) {
+                    ml_part[((i64)b * R + rbase + col) * num_splits + slot] =
+                        make_float2(m_run[i][e], red[col] + red[RT + col] + red[2 * RT + col] + red[3 * RT + col]);
+                }
+            }
+        }
+    }
+    v5_worker_sync(wg);  // the output tile written
+    qmla_store_partial_rows(o_part, ot, b, R, rbase, num_splits, slot, tid);
+}

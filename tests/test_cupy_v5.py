@@ -1,0 +1,243 @@
+"""CuPy attention kernel v5 (few query rows on Hopper: tokens as the wgmma M dimension, ``kernels/attention_v5.cu``).
+
+CPU: the sm_90a build compiles without spills at every served format, dims, group and page size,
+runs both matmuls as m64n16k16 warpgroup MMAs (no mma.sync, no ptxas serialization), and its
+shared-memory layout matches the launcher's; auto picks it for few-row requests with long block
+tables on compute capability 9.0 with an NVRTC that builds sm_90a, and says why elsewhere; the
+stubbed launch matches the kernel's signature, gives each worker warpgroup its own partial slot and
+adds the protected-only launch. GPU: conformance against the reference (edge lengths, several
+requests, S_q > 1, row counts that do not fill a 16-row chunk, every page size, d_c 256)."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+
+import numpy as np
+import pytest
+import torch
+from conformance import Case, check_attention_case
+from quantmla_core.backends.cupy.attention import (
+    V3_MIN_TOKENS,
+    V4_MIN_ROWS,
+    V4_WGMMA_ARCH,
+    VARIANT_ENV,
+    V5Knobs,
+    protected_ctas,
+    protected_smem_bytes,
+    select_variant,
+    smem_per_block,
+    stage_bytes,
+    v5_defines,
+    v5_smem_bytes,
+    v5_unsupported_reasons,
+)
+from test_cupy_backend import (
+    BIG,
+    NVCC,
+    V2_CASES,
+    _kernel_params,
+    _run_v2_stubbed,
+    compile_cubin_and_ptx,
+    gpu,
+    ptxas_usage,
+)
+
+import quantmla_core as qm
+
+#: (format, d_c, d_r, group size, page size)
+V5_BUILDS = [
+    ("C4R4", 512, 64, 64, 64),
+    ("C2R4", 512, 64, 64, 64),
+    ("C4R4", 512, 64, 128, 16),
+    ("C2R4", 512, 64, 128, 128),
+    ("C4R4", 256, 32, 64, 32),
+    ("C2R4", 256, 32, 32, 64),
+]
+
+
+def _compile_v5(v: tuple) -> tuple[int, str, str]:
+    name, dc, dr, gs, page = v
+    fmt = qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr, group_size=gs, page_size=page)
+    return compile_cubin_and_ptx("attention_v5.cu", V4_WGMMA_ARCH, v5_defines(fmt))
+
+
+@lru_cache(maxsize=1)
+def _compiled_v5() -> dict:
+    with ThreadPoolExecutor(max_workers=2 * (os.cpu_count() or 2)) as pool:
+        return dict(zip(V5_BUILDS, pool.map(_compile_v5, V5_BUILDS)))
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
+@pytest.mark.parametrize("build", V5_BUILDS, ids=lambda v: "-".join(map(str, v)))
+def test_v5_compiles_without_spills(build):
+    """Every served build compiles for sm_90a (its static_asserts hold, among them the launcher's
+    shared-memory size) without spills; QK is (d_c + d_r) / 16 and PV d_c / 64 x 4 m64n16k16 wgmma
+    from shared memory (PV's A operand transposed), one commit and one wait each, P^T leaves by
+    stmatrix.trans, and ptxas serializes no wgmma."""
+    rc, text, ptx = _compiled_v5()[build]
+    assert rc == 0, f"nvcc failed for v5 {build}:\n{text[-4000:]}"
+    use = ptxas_usage(text)
+    print(f"v5 {build}: {use}")
+    assert use["spill_stores"] == 0 and use["spill_loads"] == 0 and use["stack"] == 0, f"v5 {build} spills: {use}"
+    _name, dc, dr = build[:3]
+    wgmma = "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16"
+    assert ptx.count(wgmma) == (dc + dr) // 16 + dc // 64 * 4
+    assert ptx.count("p, 1, 1, 1, 0;") == dc // 64 * 4  # PV: A (the key tile) read MN-major
+    assert ptx.count("wgmma.commit_group.sync.aligned") == 2 and ptx.count("wgmma.wait_group.sync.aligned 0") == 2
+    assert "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx and "fence.proxy.async.shared::cta" in ptx
+    assert "mma.sync" not in ptx and "ldmatrix" not in ptx and "fma.rn.bf16x2" in ptx
+    assert "C7515" not in text and "serialized" not in text, text  # ptxas: "wgmma ... serialized"
+
+
+def test_v5_smem_layout():
+    # C4R4: per worker the key tile (9 column blocks of 64 rows x 128 B), P^T 16 x 128 B, the column
+    # statistics 4 x 16 floats and one stage of 64 x 317 B, rounded to 1 KB; the queries 9 x 16 x 128 B;
+    # 1 KB to align the base
+    fmt = qm.PackFormat.parse("C4R4")
+    worker = -(-(9 * 64 * 128 + 16 * 128 + 4 * 16 * 4 + stage_bytes(fmt, 64, False)) // 1024) * 1024
+    assert stage_bytes(fmt, 64, False) == 64 * 317
+    assert v5_smem_bytes(fmt) == 2 * worker + 9 * 16 * 128 + 1024 <= smem_per_block((9, 0))
+    assert v5_defines(fmt)["QMLA_V5_SMEM"] == v5_smem_bytes(fmt) and v5_defines(fmt)["QMLA_V5_LAZY_RESCALE"] == 1
+    assert v5_defines(fmt, lazy_rescale=False)["QMLA_V5_LAZY_RESCALE"] == 0
+    small = qm.PackFormat.parse("C2R4", 256, 32)
+    assert v5_smem_bytes(small) < v5_smem_bytes(fmt)
+
+
+def test_v5_unsupported_reasons():
+    c4 = qm.PackFormat.parse("C4R4")
+    assert v5_unsupported_reasons(c4, (9, 0)) == [] and v5_unsupported_reasons(c4, (9, 0), nvrtc=(13, 0)) == []
+    for cap, got in (((8, 0), "got 8.0"), ((10, 0), "got 10.0"), (None, "got an unknown GPU")):
+        assert v5_unsupported_reasons(c4, cap) == [f"v5 needs compute capability 9.0 (sm_90a wgmma), {got}"]
+    assert v5_unsupported_reasons(c4, (9, 0), nvrtc=(11, 8)) == ["v5 needs NVRTC 12.0+ to build for sm_90a, got 11.8"]
+    assert v5_unsupported_reasons(c4, (9, 0), "float32") == ["v5 serves bfloat16 queries (got float32)"]
+    for name in ("C8R8", "BF16"):
+        why = v5_unsupported_reasons(qm.PackFormat.parse(name), (9, 0))
+        assert len(why) == 1 and why[0].startswith("v5 serves 2/4-bit content")
+    why = v5_unsupported_reasons(qm.PackFormat.parse("C2R4", group_size=32), (9, 0))
+    assert why == ["v5 needs one RoPE group per token"]
+
+
+def test_v5_selection(monkeypatch):
+    c4 = qm.PackFormat.parse("C4R4")
+    monkeypatch.delenv(VARIANT_ENV, raising=False)
+    # auto: v5 for fewer than V4_MIN_ROWS rows with a long block table on compute capability 9.0
+    assert select_variant(c4, "bfloat16", (9, 0), V3_MIN_TOKENS, 16) == ("v5", None)
+    assert select_variant(c4, "bfloat16", (9, 0), 1 << 20, V4_MIN_ROWS - 1) == ("v5", None)
+    assert select_variant(c4, "bfloat16", (9, 0), 1 << 20) == ("v5", None)  # rows unknown: few
+    assert select_variant(c4, "bfloat16", (9, 0), 1 << 20, V4_MIN_ROWS) == ("v4", None)
+    assert select_variant(c4, "bfloat16", (9, 0), V3_MIN_TOKENS - 64, 16)[0] == "v2"  # short: v2 as before
+    # elsewhere v3, as before; on an H200 whose NVRTC cannot build sm_90a, saying so
+    assert select_variant(c4, "bfloat16", (8, 0), 1 << 20, 16) == ("v3", None)
+    assert select_variant(c4, "bfloat16", None, 1 << 20, 16) == ("v3", None)
+    v, why = select_variant(c4, "bfloat16", (9, 0), 1 << 20, 16, nvrtc=(11, 8))
+    assert v == "v3" and why == "v5 needs NVRTC 12.0+ to build for sm_90a, got 11.8"
+    assert select_variant(c4, "float32", (9, 0), 1 << 20, 16)[0] == "v1"
+    # forced: any length and row count where it serves, else v2 with the reasons
+    monkeypatch.setenv(VARIANT_ENV, "v5")
+    assert select_variant(c4, "bfloat16", (9, 0), 64, 128) == ("v5", None)
+    v, why = select_variant(c4, "bfloat16", (8, 0), 1 << 20, 16)
+    assert v == "v2" and "compute capability 9.0" in why
+    v, why = select_variant(qm.PackFormat.parse("C8R8"), "bfloat16", (9, 0), 1 << 20, 16)
+    assert v == "v1" and "2/4-bit content" in why
+
+
+def _run_v5_stubbed(monkeypatch, h: int, s_q: int, prot: bool, length: int = 500, pages_per: int = 9):
+    """A v5 call with the CUDA calls stubbed: 3 requests of ``length`` tokens over ``pages_per`` pages each."""
+    return _run_v2_stubbed(monkeypatch, h, s_q, prot, {}, variant="v5", pages_per=pages_per, length=length)
+
+
+@pytest.mark.parametrize("h,s_q,prot", [(16, 1, True), (16, 1, False), (8, 3, True), (1, 1, False), (20, 16, True)])
+def test_v5_launches_match_kernel_signatures(monkeypatch, h, s_q, prot):
+    """One v5 launch over 16-row chunks (two workers of 128 threads, an sm_90a build), each CTA
+    writing one partial per worker, then protected.cu's partials (on the side stream) and the combine."""
+    launches, _kernels, fmt, b = _run_v5_stubbed(monkeypatch, h, s_q, prot)
+    params = _kernel_params("attention_v5.cu", "qmla_attn_v5")
+    assert params == _kernel_params("attention_v3.cu", "qmla_attn_v3")  # one argument list for all split kernels
+    (attn, grid, block, args, smem), stream = launches.of("qmla_attn_v5")
+    assert attn.source == "attention_v5.cu" and attn.arch == "sm_90a" and stream is None
+    assert len(args) == len(params)
+    for a, p in zip(args, params):
+        assert isinstance(a, np.uint64 if "*" in p else np.int32 if p.startswith("int ") else np.float32), p
+    rows = s_q * h
+    assert grid[0] == b * (-(-rows // 16)) and block == (256,)
+    assert smem == v5_smem_bytes(fmt) == attn.defines["QMLA_V5_SMEM"] and attn.defines["QMLA_V5_LAZY_RESCALE"] == 1
+    per = int(args[params.index("int tiles_per_split")])
+    slots = int(args[params.index("int num_splits")])
+    splits = grid[1]
+    assert splits * per * 64 >= 9 * fmt.page_size and (splits - 1) * per * 64 < 9 * fmt.page_size
+    kernels = [rec[0].kernel for rec in launches]
+    if prot:
+        (prot_k, pgrid, _pblock, pargs, psmem), pstream = launches.of("qmla_attn_protected")
+        assert prot_k.source == "protected.cu" and pstream == "side" and pargs == args
+        assert psmem == protected_smem_bytes(fmt) and pgrid == (b * (-(-rows // 16)), protected_ctas(4, 128))
+        assert slots == 2 * splits + protected_ctas(4, 128)
+    else:
+        assert kernels == ["qmla_attn_v5", "qmla_combine"] and slots == 2 * splits
+    combine = launches[-1]
+    assert combine[0].kernel == "qmla_combine" and int(combine[3][-1]) == slots
+
+
+def test_v5_auto_on_long_tables(monkeypatch):
+    """auto runs v5 for 16 rows over a block table of >= V3_MIN_TOKENS tokens on the stubbed H200
+    (NVRTC 13.0), and v3 where NVRTC is older than 12.0."""
+    long_pages = V3_MIN_TOKENS // 64
+    launches, *_ = _run_v2_stubbed(monkeypatch, 16, 1, True, {}, variant="auto", pages_per=long_pages, length=3000)
+    # the protected-only launch goes first, onto the side stream
+    assert [rec[0].kernel for rec in launches] == ["qmla_attn_protected", "qmla_attn_v5", "qmla_combine"]
+    launches, *_ = _run_v2_stubbed(monkeypatch, 16, 1, True, {}, variant="auto", pages_per=long_pages, length=3000,
+                                   nvrtc=(11, 8))
+    assert launches[1][0].kernel == "qmla_attn_v3"
+
+
+def test_v5_knobs(monkeypatch):
+    assert V5Knobs.from_env() == V5Knobs(True)
+    monkeypatch.setenv("QUANTMLA_CUPY_V5_LAZY_RESCALE", "0")
+    assert V5Knobs.from_env() == V5Knobs(False)
+    launches, *_ = _run_v5_stubbed(monkeypatch, 16, 1, False)
+    (attn, *_), _ = launches.of("qmla_attn_v5")
+    assert attn.defines["QMLA_V5_LAZY_RESCALE"] == 0
+    monkeypatch.setenv("QUANTMLA_CUPY_V5_LAZY_RESCALE", "2")
+    with pytest.raises(ValueError, match="QUANTMLA_CUPY_V5_LAZY_RESCALE"):
+        V5Knobs.from_env()
+
+
+#: few-row cases: one full 16-row chunk and partial ones (H 1, 8, 20 x S_q), S_q > 1 (causal), lengths at
+#: tile and page edges, an odd number of tiles per split (the second worker idle at the end), d_c 256
+#: with groups of 128, no protection, a sink of two tiles
+V5_CASES = [
+    Case(qm.PackFormat.parse("C4R4"), (64, 65, 4097, 128), heads=16, s_q=1, sink=4, local=128, seed=990),
+    Case(qm.PackFormat.parse("C2R4", page_size=32), (1000, 129, 192), heads=16, s_q=1, sink=4, local=128, seed=991),
+    Case(qm.PackFormat.parse("C4R4", 256, 32, group_size=128), (700, 63), heads=8, s_q=3, sink=0, local=0, seed=992),
+    Case(qm.PackFormat.parse("C2R4", page_size=16), (300, 17), heads=20, s_q=2, sink=4, local=16, seed=993),
+    Case(qm.PackFormat.parse("C4R4", page_size=128), (6000, 3000), heads=16, s_q=1, sink=0, local=0, seed=994),
+    Case(qm.PackFormat.parse("C2R4"), (300, 70, 5), heads=1, s_q=1, sink=100, local=40, seed=995),
+]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", [c for c in V2_CASES + BIG[:3] if c.fmt.quantized] + V5_CASES, ids=str)
+def test_attention_v5_matches_reference(case, monkeypatch):
+    cap = torch.cuda.get_device_capability()
+    if tuple(cap) != (9, 0):
+        pytest.skip(f"v5 is an sm_90a kernel: this GPU is compute capability {cap[0]}.{cap[1]}")
+    monkeypatch.setenv(VARIANT_ENV, "v5")
+    check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", V5_CASES[:2] + V5_CASES[4:5], ids=str)
+def test_attention_v5_auto_and_eager_rescale(case, monkeypatch):
+    """auto picks v5 for these few-row requests over a long block table on this GPU, and the eager
+    rescale (QUANTMLA_CUPY_V5_LAZY_RESCALE=0) passes the same check."""
+    cap = torch.cuda.get_device_capability()
+    if tuple(cap) != (9, 0):
+        pytest.skip(f"v5 is an sm_90a kernel: this GPU is compute capability {cap[0]}.{cap[1]}")
+    monkeypatch.delenv(VARIANT_ENV, raising=False)
+    assert select_variant(case.fmt, "bfloat16", cap, 1 << 20, case.s_q * case.heads)[0] == "v5"
+    monkeypatch.setenv(VARIANT_ENV, "v5")
+    monkeypatch.setenv("QUANTMLA_CUPY_V5_LAZY_RESCALE", "0")
+    check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
