@@ -3,6 +3,7 @@
 # in three device calls issued back to back (each stays well under the 10-minute limit per call):
 #   bash benchmarks/run_h200_report.sh tables    # versions, memory table, writer probe, attention grid at H=16
 #   bash benchmarks/run_h200_report.sh grid128   # the attention grid at H=128
+#   bash benchmarks/run_h200_report.sh grid16    # the attention grid at H=16 alone
 #   bash benchmarks/run_h200_report.sh serving   # three cache-pressure serving runs (median shown), CuPy GPU checks
 # Carry .whl (FlashInfer wheels, see PERFORMANCE.md). Results land in $OUT; turn them into the
 # RESULTS.md tables and plots here with
@@ -19,8 +20,8 @@ if [ "$PART" = tables ]; then
   stage memory; timeout 120 $PY -m benchmarks.memory --out "$OUT/memory.json" 2>&1 | tail -4
   stage writer; timeout 90 $PY benchmarks/writer_probe.py --configs 1x1 --graphs --json "$OUT/writer_probe.json" 2>&1 | tail -14
 fi
-if [ "$PART" = tables ] || [ "$PART" = grid128 ]; then
-  H=$([ "$PART" = tables ] && echo 16 || echo 128)
+if [ "$PART" = tables ] || [ "$PART" = grid128 ] || [ "$PART" = grid16 ]; then
+  H=$([ "$PART" = grid128 ] && echo 128 || echo 16)
   stage "attention grid H=$H"
   timeout 300 $PY -m pytest -q -p no:cacheprovider --import-mode=importlib -m benchmark --benchmark-enable \
     --benchmark-json="$OUT/grid_h$H.json" benchmarks/test_attention_gpu.py -k "4096-$H or 32768-$H or 131072-$H" 2>&1 | tail -3

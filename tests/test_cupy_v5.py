@@ -73,9 +73,10 @@ def _compiled_v5() -> dict:
 @pytest.mark.parametrize("build", V5_BUILDS, ids=lambda v: "-".join(map(str, v)))
 def test_v5_compiles_without_spills(build):
     """Every served build compiles for sm_90a (its static_asserts hold, among them the launcher's
-    shared-memory size) without spills; QK is (d_c + d_r) / 16 and PV d_c / 64 x 4 m64n16k16 wgmma
-    from shared memory (PV's A operand transposed), one commit and one wait each, P^T leaves by
-    stmatrix.trans, and ptxas serializes no wgmma."""
+    shared-memory size) without spills; QK is (d_c + d_r) / 16 m64n16k16 wgmma with A from registers,
+    committed in chunks of 4 k-steps of which one may stay in flight, PV d_c / 64 x 4 from shared memory
+    (A, the key tile, read MN-major) with one commit; the content fragments go to the key tile by
+    stmatrix, P^T by stmatrix.trans; ptxas serializes no wgmma."""
     rc, text, ptx = _compiled_v5()[build]
     assert rc == 0, f"nvcc failed for v5 {build}:\n{text[-4000:]}"
     use = ptxas_usage(text)
@@ -83,20 +84,26 @@ def test_v5_compiles_without_spills(build):
     assert use["spill_stores"] == 0 and use["spill_loads"] == 0 and use["stack"] == 0, f"v5 {build} spills: {use}"
     _name, dc, dr = build[:3]
     wgmma = "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16"
-    assert ptx.count(wgmma) == (dc + dr) // 16 + dc // 64 * 4
+    ksteps = (dc + dr) // 16
+    assert ptx.count(wgmma) == ksteps + dc // 64 * 4
     assert ptx.count("p, 1, 1, 1, 0;") == dc // 64 * 4  # PV: A (the key tile) read MN-major
-    assert ptx.count("wgmma.commit_group.sync.aligned") == 2 and ptx.count("wgmma.wait_group.sync.aligned 0") == 2
+    assert ptx.count("p, 1, 1, 0; }") == ksteps  # QK: A from registers
+    chunks = -(-ksteps // 4)
+    assert ptx.count("wgmma.commit_group.sync.aligned") == chunks + 1
+    assert ptx.count("wgmma.wait_group.sync.aligned 1") == chunks - 2
+    assert ptx.count("wgmma.wait_group.sync.aligned 0") == 2
+    assert ptx.count("stmatrix.sync.aligned.m8n8.x4.shared.b16") == dc // 16  # one per content k-step
     assert "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx and "fence.proxy.async.shared::cta" in ptx
     assert "mma.sync" not in ptx and "ldmatrix" not in ptx and "fma.rn.bf16x2" in ptx
     assert "C7515" not in text and "serialized" not in text, text  # ptxas: "wgmma ... serialized"
 
 
 def test_v5_smem_layout():
-    # C4R4: per worker the key tile (9 column blocks of 64 rows x 128 B), P^T 16 x 128 B, the column
-    # statistics 4 x 16 floats and one stage of 64 x 317 B, rounded to 1 KB; the queries 9 x 16 x 128 B;
+    # C4R4: per worker the key tile (the 8 content column blocks of 64 rows x 128 B), P^T 16 x 128 B, the
+    # column statistics 4 x 16 floats and one stage of 64 x 317 B, rounded to 1 KB; the queries 9 x 16 x 128 B;
     # 1 KB to align the base
     fmt = qm.PackFormat.parse("C4R4")
-    worker = -(-(9 * 64 * 128 + 16 * 128 + 4 * 16 * 4 + stage_bytes(fmt, 64, False)) // 1024) * 1024
+    worker = -(-(8 * 64 * 128 + 16 * 128 + 4 * 16 * 4 + stage_bytes(fmt, 64, False)) // 1024) * 1024
     assert stage_bytes(fmt, 64, False) == 64 * 317
     assert v5_smem_bytes(fmt) == 2 * worker + 9 * 16 * 128 + 1024 <= smem_per_block((9, 0))
     assert v5_defines(fmt)["QMLA_V5_SMEM"] == v5_smem_bytes(fmt) and v5_defines(fmt)["QMLA_V5_LAZY_RESCALE"] == 1

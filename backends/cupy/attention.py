@@ -19,15 +19,22 @@ Four attention kernels share the partials layout and the combine kernel:
   :func:`v4_uses_wgmma`), elsewhere ``mma.sync``. With long splits its own extra CTAs take the sink
   and local-window tiles (bf16 rows copied into the key tile); with short ones ``protected.cu`` does.
 
-v3 and v2 (``separate`` mode, the default) leave the sink and local-window tokens to
+* ``v5`` (``kernels/attention_v5.cu``, compute capability 9.0 only: an NVRTC build for sm_90a): the
+  few-row counterpart of v4 on Hopper. The 64 tokens of a tile are the M dimension of warpgroup MMAs
+  and 16 query rows their N; lanes dequantize straight into QK's A fragments (registers), which also
+  go to a bf16 key tile in shared memory for PV. Two worker warpgroups per CTA take alternate tiles.
+  Serves what v4 serves over packed pages, packed tokens only. On the H200 (CUDA graphs, H16) it takes
+  0.87-0.98x of v3's time for C4R4 at L 32K (B 8-128) but 1.05x at B32 L128K, and 0.82-0.94x for C2R4.
+
+v5, v3 and v2 (``separate`` mode, the default) leave the sink and local-window tokens to
 ``kernels/protected.cu``, a bfloat16 flash-decoding kernel (one 32-token tile per CTA) whose
 partials the combine merges with the split kernel's; it may run on a second stream beside the
 split kernel (:func:`protected_on_side_stream`).
 
 ``QUANTMLA_CUPY_ATTENTION`` (``auto``, the default: v4 where it serves and a request has at least
-:data:`V4_MIN_ROWS` query rows, else v3 where it serves and the block table holds at least
-:data:`V3_MIN_TOKENS` tokens, else v2 where it serves, else v1; or ``v1`` / ``v2`` / ``v3`` /
-``v4``; read on every call, nothing global is rewritten) picks the kernel.
+:data:`V4_MIN_ROWS` query rows, else, where the block table holds at least :data:`V3_MIN_TOKENS`
+tokens, v5 where it serves and v3 where it does not, else v2 where it serves, else v1; or ``v1`` /
+``v2`` / ``v3`` / ``v4`` / ``v5``; read on every call, nothing global is rewritten) picks the kernel.
 ``QUANTMLA_CUPY_V2_RG`` (1 or 2 row groups per CTA; default 2 when the
 row-group count is even), ``QUANTMLA_CUPY_V2_STAGES`` (cp.async ring depth 3-5, default 4),
 ``QUANTMLA_CUPY_V2_MINB`` (minimum blocks per SM given to ``__launch_bounds__``, default 1),
@@ -40,7 +47,7 @@ capture), ``QUANTMLA_CUPY_V3_STAGES`` (3 or 4) and
 ``QUANTMLA_CUPY_V3_MINB`` / ``QUANTMLA_CUPY_V3_LAZY_RESCALE`` (default 1: measured 1-2 % faster,
 bit-identical) / ``QUANTMLA_CUPY_V3_WARPS`` (4 or 8) and ``QUANTMLA_CUPY_V4_STAGES`` (2 or 3) /
 ``QUANTMLA_CUPY_V4_LAZY_RESCALE`` (default 1) / ``QUANTMLA_CUPY_V4_MMA`` (``auto``, ``wgmma``, ``mma``)
-are tuning knobs for measurements, also read per call.
+and ``QUANTMLA_CUPY_V5_LAZY_RESCALE`` (default 1) are tuning knobs for measurements, also read per call.
 :func:`select_variant` says which kernel a call will run, and why.
 """
 
@@ -336,11 +343,12 @@ def v4_uses_wgmma(mma: str, capability: tuple[int, int] | None, nvrtc: tuple[int
 
 def v5_smem_bytes(fmt: PackFormat) -> int:
     """Dynamic shared memory of one v5 block (mirrors SMEM_TOTAL in attention_v5.cu): per worker
-    (1024-byte aligned) the 128-byte-swizzled key tile (64-channel column blocks of 64 rows), P^T
-    (bf16 [16][64]), column statistics (float [4][16]) and one stage; then the queries (16 rows of
-    the same column blocks), plus 1 KB to align the base."""
+    (1024-byte aligned) the 128-byte-swizzled key tile of the content channels (64-channel column
+    blocks of 64 rows), P^T (bf16 [16][64]), column statistics (float [4][16]) and one stage; then
+    the queries (16 rows of d_c + d_r channels in column blocks), plus 1 KB to align the base."""
     blocks = -(-(fmt.latent_dim + fmt.rope_dim) // 64)
-    worker = V5_TILE * blocks * 128 + V5_ROWS * V5_TILE * 2 + 4 * V5_ROWS * 4 + stage_bytes(fmt, V5_TILE, flags=False)
+    worker = (V5_TILE * (fmt.latent_dim // 64) * 128 + V5_ROWS * V5_TILE * 2 + 4 * V5_ROWS * 4
+              + stage_bytes(fmt, V5_TILE, flags=False))
     return V5_WORKERS * (-(-worker // 1024) * 1024) + blocks * V5_ROWS * 128 + 1024
 
 
@@ -513,7 +521,7 @@ def attention(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_s
     """q ``[B, S_q, H, d_c]`` / ``[B, S_q, H, d_r]`` (float32 or bfloat16, CUDA) -> out
     ``[B, S_q, H, d_c]`` in q's dtype and lse ``[B, S_q, H]`` float32.
 
-    Runs kernel v1, v2, v3 or v4 (see the module docstring and :func:`select_variant`)."""
+    Runs kernel v1, v2, v3, v4 or v5 (see the module docstring and :func:`select_variant`)."""
     b, s_q, h, _ = q_latent.shape
     call = prepare(cache, block_table, seq_lens, seq_ids, b, s_q, h, q_latent.dtype, softmax_scale)
     return call.run(q_latent, q_rope, cache)

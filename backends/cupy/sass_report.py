@@ -1,4 +1,4 @@
-"""Offline instruction report of the CuPy attention kernels v2, v3 and v4 for sm_90 -- no GPU needed.
+"""Offline instruction report of the CuPy attention kernels v2, v3, v4 and v5 for sm_90 -- no GPU needed.
 
 Compiles ``kernels/attention_v2.cu`` with the machine's ``nvcc`` for sm_90 (the defines the
 launcher would use), disassembles the cubin with ``cuobjdump -sass`` and counts the SASS
@@ -14,7 +14,7 @@ counts per tile and warp (benchmarks/RESULTS.md compares them with Nsight Comput
     python -m quantmla_core.backends.cupy.sass_report C4R4 256 32
 
 Kernel v4 is reported in its wgmma build (sm_90a, what the launcher runs on an H100/H200), over
-packed pages and over bf16 pages.
+packed pages and over bf16 pages; kernel v5 (sm_90a only) per worker warp.
 
 Needs ``nvcc`` (CUDA 12.4+) and ``cuobjdump`` + ``nvdisasm`` on PATH or from the
 ``nvidia-cuda-cuobjdump`` / ``nvidia-cuda-nvdisasm`` wheels (the ``dev`` extra on x86-64 Linux).
@@ -42,6 +42,7 @@ from .attention import (
     v2_defines,
     v3_defines,
     v4_defines,
+    v5_defines,
 )
 
 _INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*(.*?);")
@@ -106,6 +107,11 @@ def compile_sass_v4(fmt: PackFormat, wgmma: bool = True) -> tuple[str, str]:
     return _build_sass("attention_v4.cu", v4_defines(fmt, wgmma=wgmma), V4_WGMMA_ARCH if wgmma else "sm_90")
 
 
+def compile_sass_v5(fmt: PackFormat) -> tuple[str, str]:
+    """(SASS text, ptxas -v output) of ``qmla_attn_v5`` for ``fmt`` (an sm_90a build)."""
+    return _build_sass("attention_v5.cu", v5_defines(fmt), V4_WGMMA_ARCH)
+
+
 def _build_sass(source: str, defines: dict[str, int], arch: str = "sm_90") -> tuple[str, str]:
     missing = missing_tools()
     if missing:
@@ -154,6 +160,12 @@ def tile_loop_v4(fmt: PackFormat, wgmma: bool = True) -> LoopReport:
     return loops(compile_sass_v4(fmt, wgmma)[0])[0]
 
 
+def tile_loop_v5(fmt: PackFormat) -> LoopReport:
+    """The 64-token tile loop of one ``qmla_attn_v5`` worker (the largest loop) for ``fmt``: every
+    instruction of its body (masked and unmasked softmax paths, the eager and the skipped rescale)."""
+    return loops(compile_sass_v5(fmt)[0])[0]
+
+
 def main(argv: list[str]) -> None:
     cases = [(argv[0], int(argv[1]), int(argv[2]))] if argv else [("C4R4", 512, 64), ("C2R4", 512, 64)]
     for name, dc, dr in cases:
@@ -190,6 +202,15 @@ def main(argv: list[str]) -> None:
         top = ", ".join(f"{k} {v}" for k, v in sorted(loop.opcodes.items(), key=lambda kv: -kv[1])[:14])
         print(f"{name} {dc}/{dr} kernel v4, wgmma build (64 rows x 64-token tiles, 8 warps): {loop.total} instructions "
               f"per warp per tile, {loop.count('HGMMA')} HGMMA, {regs.group(1) if regs else '?'} registers\n    {top}")
+    for name, dc, dr in cases:
+        fmt = PackFormat.parse(name, latent_dim=dc, rope_dim=dr)
+        sass, ptxas = compile_sass_v5(fmt)
+        regs = re.search(r"Used (\d+) registers", ptxas)
+        loop = loops(sass)[0]
+        top = ", ".join(f"{k} {v}" for k, v in sorted(loop.opcodes.items(), key=lambda kv: -kv[1])[:14])
+        print(f"{name} {dc}/{dr} kernel v5 (16 rows x 64-token tiles, a worker of 4 warps): {loop.total} instructions "
+              f"per warp per tile ({loop.total * 4 / 64:.0f} per token), {loop.count('HGMMA')} HGMMA, "
+              f"{regs.group(1) if regs else '?'} registers\n    {top}")
 
 
 if __name__ == "__main__":

@@ -6,25 +6,31 @@
 // ================================================================ design note
 // Why: at H = 16 a request has 16 query rows, too few for a wgmma M of 64, so v2/v3 convert codes
 // into mma.sync fragments (v3: ~112 warp-instructions per token). Here the 64 tokens of a tile are
-// M and the 16 rows are N, both matmuls are warpgroup MMAs reading shared memory, and each tile is
-// dequantized once into a bf16 tile (tile_dequant.cuh, as v4's wgmma build does):
+// M and the 16 rows are N of Hopper warpgroup MMAs, and each value is dequantized once, as a bf16
+// cache stores it (bf16(s * (code - z)), tile_dequant.cuh's pair helpers):
 //
 //   grid (B * ceil(R / 16), KV splits), 2 worker warpgroups per CTA. Worker wg takes tiles wg, wg + 2,
 //   wg + 4, ... of its CTA's split and runs flash-decoding over them on its own: its own stage, key
 //   tile, P tile, row statistics and partial slot (2 split + wg). The workers share only the query
 //   tile, so they meet at no barrier after the prologue, and one's dequantization overlaps the other's
 //   matmuls. Per tile:
-//   1. Dequantize: the worker's 128 threads convert the staged codes to K [T][d_c + d_r] (128-byte
-//      swizzle), then copy the worker's next tile into the stage.
-//   2. QK: S^T[64 tokens][16 rows] = K Q^T, (d_c + d_r) / 16 x m64n16k16 (A = K, B = queries, both
-//      K-major). Warp ww holds tokens 16 ww .. 16 ww + 15.
+//   1. Each lane loads its share of its two tokens' codes, zero points and scales from the stage into
+//      registers; the stage then takes the worker's next tile.
+//   2. QK: S^T[64 tokens][16 rows] = K Q^T, (d_c + d_r) / 16 x m64n16k16 with A from registers: lanes
+//      dequantize straight into A fragments (warp ww: tokens 16 ww .. 16 ww + 15) in chunks of 4 k-steps,
+//      two chunks in flight; B = the queries, staged once per CTA in QK's channel order (v5_qk_channel).
+//      Each content fragment also goes to the key tile by stmatrix (PV's operand).
 //   3. Softmax in base 2 over the columns: maxima through shuffles and the worker's shared row
 //      statistics; row sums stay per thread until the end.
 //   4. P^T to shared memory as [16 rows][64 tokens] by one stmatrix.trans per warp.
-//   5. PV: O^T[d_c][16] += K^T P^T, d_c / 64 x 4 m64n16k16 (A = the same K tile read MN-major, B = P^T,
-//      K-major); 64 accumulators per thread.
-//   Partials (unnormalized output, row maximum, row sum) leave in v1's layout through the key tile.
-// Shared memory (C4R4): per worker 72 KB K + 2 KB P + 20 KB stage; 18 KB queries: one CTA per SM.
+//   5. PV: O^T[d_c][16] += K^T P^T, d_c / 64 x 4 m64n16k16 (A = the key tile read MN-major, B = P^T,
+//      K-major); 64 accumulators per thread. Its rows are in QK's channel order.
+//   Partials (unnormalized output, row maximum, row sum) leave in v1's layout through the key tile,
+//   each row's channels put back in place.
+// Why A from registers for QK: with N = 16 a wgmma from shared memory reads 2 KB of A per 512 B of B.
+// The first build read K from shared memory for both matmuls (H200, H16 B32 L32K C4R4, CUDA graphs:
+// 270.6 us); reading QK's A from the registers the dequantization fills took it to 243 us.
+// Shared memory (C4R4): per worker 64 KB K + 2 KB P + 20 KB stage; 18 KB queries: one CTA per SM.
 #include "common.cuh"
 
 #ifndef QMLA_V5_LAZY_RESCALE
@@ -47,7 +53,8 @@
 #define CMASK ((CBITS == 4) ? 0x0f0f0f0fu : 0x03030303u)
 #define CSZ (QMLA_CSCALE_BF16 ? 2 : 4)
 #define RSZ (QMLA_RSCALE_BF16 ? 2 : 4)
-#define NCB ((DT + 63) / 64)  // 64-channel column blocks of the key and query tiles
+#define NCB ((DT + 63) / 64)  // 64-channel column blocks of the query tile
+#define NCBK (DC / 64)        // ... of the key tile (content only)
 #define KSTEPS (DT / 16)      // QK k-steps
 #define NMB (DC / 64)         // PV m-blocks (64 channels each)
 
@@ -62,13 +69,64 @@ static_assert(QMLA_GR == DR, "one RoPE group per token");
 #include "wgmma.cuh"
 #include "stage.cuh"  // the stage layout (SO_*, STAGE_BYTES) and its copies, per worker (NTH threads)
 #define QMLA_KT_SW128 1
-#include "tile_dequant.cuh"
+#include "tile_dequant.cuh"  // qmla_dq2_bf16, qmla_dq2_f32 (v5 dequantizes in registers, not by qmla_dequantize_tile)
+
+// ---------------------------------------------------------------- QK's operand order
+// QK takes the key tile from registers (the wgmma A operand): lane (g8, q4) of warp ww holds tokens
+// 16 ww + g8 (+ 8) and dequantizes the BL bytes BL q4 .. BL q4 + BL - 1 of their code rows (one
+// contiguous load per token). K-step ks of QK's channel order is byte pair bp = ks / SPC of that share
+// and slice pair sp = ks % SPC: k 2 q4 (+ 1) are slice 2 sp of bytes BL q4 + 2 bp (+ 1), k 2 q4 + 8 (+ 1)
+// slice 2 sp + 1 (RoPE likewise, after the content). The queries are staged in that order.
+#define BL (CB / 4)           // content code bytes of one lane of a quad, per token
+#define RBL (RB / 4)          // RoPE code bytes ...
+#define SPC (KCH / 2)         // slice pairs of a byte pair (k-steps per byte pair)
+#define KSC (DC / 16)         // content k-steps
+#ifndef QMLA_V5_KCHUNK
+#define QMLA_V5_KCHUNK 4      // QK k-steps per chunk of A fragments (double-buffered)
+#endif
+#define KCK QMLA_V5_KCHUNK
+#define NKC ((KSTEPS + KCK - 1) / KCK)  // QK chunks
+#define NGL ((BL >= QMLA_GC) ? BL / QMLA_GC : 1)  // scale groups of one lane's share of a slice
+static_assert(BL >= 16 && BL <= 64 && (DR == 32 || DR == 64), "d_c 256/512, d_r 32/64");
+static_assert((KCK == 4 || KCK == 8) && KSC % KCK == 0 && (4 * KCK) % (4 * SPC) == 0, "chunks of whole 8-channel stores");
+static_assert(BL % QMLA_GC == 0 || QMLA_GC % BL == 0, "a lane's share of a slice holds whole groups or lies in one");
+
+// physical channel ([d_c | d_r]) of QK's channel lc
+__device__ __forceinline__ int v5_qk_channel(int lc) {
+    const int ks = lc >> 4, k = lc & 15, q = (k & 7) >> 1, e = k & 1, hi = k >> 3;
+    if (ks < KSC) return CB * (2 * (ks % SPC) + hi) + BL * q + 2 * (ks / SPC) + e;
+    return DC + RB * hi + RBL * q + 2 * (ks - KSC) + e;
+}
+
+// The key tile for PV holds the content channels in QK's order: each warp stores its A fragments of a
+// content k-step as they are (one stmatrix.x4: tokens 16 ww .. 16 ww + 15 x 16 channels), so PV's output
+// rows come out in QK's order and the partials map them back through v5_qk_channel.
+
+// bf16x2 (128 + code) of bytes 0, 1 (HI = 0) or 2, 3 (HI = 1) of a word of codes, as qmla_code2, with
+// the 0x43 exponent byte the low byte of a run-time register (c43) and the selector immediate: with both
+// constant, ptxas put the selector in a register and moved it there again before every prmt
+template <int HI>
+__device__ __forceinline__ u32 v5_code2(u32 x, u32 c43) {
+    u32 d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(x), "r"(c43), "n"(HI ? 0x4342 : 0x4140));
+    return d;
+}
+
+// keeps the compiler from reusing A-fragment registers an asynchronous MMA may still read
+template <int N>
+__device__ __forceinline__ void v5_fence_regs(u32 (&a)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[i][e])::"memory");
+    }
+}
 
 // ---------------------------------------------------------------- shared memory layout
 // worker wg's area starts at wg * WK_BYTES (1024-byte aligned, as the swizzled tiles need); the kernel
 // rounds the dynamic shared memory base up to 1024 bytes, hence the extra 1 KB
-#define W_KT 0                          // key tile, bf16 [NCB][T][64]
-#define W_PT (T * NCB * 128)            // P^T, bf16 [RT][T]: one swizzled 128-byte row per query row
+#define W_KT 0                          // key tile (content channels, PV's A operand), bf16 [NCBK][T][64]
+#define W_PT (T * NCBK * 128)           // P^T, bf16 [RT][T]: one swizzled 128-byte row per query row
 #define W_RED (W_PT + RT * T * 2)       // float [4 warps][RT]: column maxima, then row sums
 #define W_STG (W_RED + 4 * RT * 4)      // the worker's stage
 #define WK_BYTES ((W_STG + STAGE_BYTES + 1023) / 1024 * 1024)
@@ -138,16 +196,16 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
     float l_run[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};  // this thread's share of the column sums
 
     if (t_begin < t_end) {
-        // ------------------------------------------------------------ queries [RT][DT] (rows >= R: zeros)
-        for (int idx = threadIdx.x; idx < RT * (DT / 8); idx += NWG * NTH) {
-            const int row = idx / (DT / 8), ck = idx % (DT / 8);
-            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        // ------------------------------------------------------------ queries [RT][DT] in QK's channel order
+        // (rows >= R: zeros), one pair of channels at a time
+        for (int idx = threadIdx.x; idx < RT * (DT / 2); idx += NWG * NTH) {
+            const int row = idx / (DT / 2), lp = idx % (DT / 2), pc = v5_qk_channel(2 * lp);
+            u32 v = 0u;
             if (rbase + row < R) {
                 const i64 qrow = (i64)b * R + rbase + row;
-                v = ck < DC / 8 ? *(const uint4*)(q_lat + qrow * DC + 8 * ck)
-                                : *(const uint4*)(q_rope + qrow * DR + 8 * (ck - DC / 8));
+                v = pc < DC ? *(const u32*)(q_lat + qrow * DC + pc) : *(const u32*)(q_rope + qrow * DR + (pc - DC));
             }
-            *(uint4*)(smem + QT_OFF + sw128_chunk(row, ck, RT)) = v;
+            *(u32*)(smem + QT_OFF + sw128_chunk(row, lp >> 2, RT) + 4 * (lp & 3)) = v;
         }
         auto load_pages = [&](int tt, int (&pgs)[NSEG]) {
             qmla_load_pages(tt, pgs, block_table + (i64)b * bt_stride, L, max_pages, num_pages);
@@ -165,11 +223,17 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
         fence_proxy_async();  // the query stores, for wgmma's reads
         __syncthreads();      // queries visible to both workers
 
-        // descriptors: K (K-major for QK, MN-major for PV), queries and P^T (K-major)
-        // (shared addresses as the block's base plus uniform offsets keep them in uniform registers)
+        // descriptors: queries (QK's B, K-major), K (PV's A, MN-major) and P^T (PV's B, K-major); shared
+        // addresses as the block's base plus uniform offsets keep them in uniform registers
         const u32 smem_s = smem_addr(smem), kt_s = smem_s + wg * WK_BYTES + W_KT;
-        const u64 dk = sw128_desc(kt_s, 16, 1024), dq = sw128_desc(smem_s + QT_OFF, 16, 1024);
+        const u64 dq = sw128_desc(smem_s + QT_OFF, 16, 1024);
         const u64 dv = sw128_desc(kt_s, T * 128, 1024), dp = sw128_desc(smem_s + wg * WK_BYTES + W_PT, 16, 1024);
+        const int tq[2] = {16 * ww + g8, 16 * ww + g8 + 8};  // this thread's tokens of a tile (A-fragment rows)
+        const u32 c43 = 0x43u | ((u32)L << 8);  // low byte 0x43 (all prmt reads); not a constant ptxas can fold
+        // stmatrix row address of this lane for content k-step 0: matrix lane / 8 = (token half, k half)
+        // -> token 16 ww + 8 (m & 1) + lane % 8, chunk (k half) of the k-step's 16 channels
+        const int st_t = 16 * ww + 8 * ((lane >> 3) & 1) + (lane & 7), st_x = (lane >> 4) ^ (st_t & 7);
+        const u32 st_lane = kt_s + st_t * 128;
         // stmatrix row address of this lane: matrix lane / 8 = (column block i, token half h) -> P^T row
         // 8 i + lane % 8, tokens 16 ww + 8 h .. (16-byte chunk 2 ww + h)
         const int mi = lane >> 3;
@@ -178,28 +242,122 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
         for (int t0 = my_begin; t0 < t_end; t0 += NWG * T) {
             cp_async_wait_all();
             v5_worker_sync(wg);  // the tile staged by all; every warp is past the previous tile's PV
-            qmla_dequantize_tile(stg, kt, tid);
-            fence_proxy_async();
-            v5_worker_sync(wg);  // K visible to wgmma; the stage is free
+            // this lane's codes, zero points and scales of both tokens, into registers
+            u32 wc[2][BL / 4], wr[2][(RBL + 3) / 4], off2[2][KCH][NGL], roff2[2];
+#if QMLA_CSCALE_BF16
+            u32 s2[2][KCH][NGL];  // bf16x2 content scales
+#else
+            float s2[2][KCH][NGL];
+#endif
+            float rs[2];
+#pragma unroll
+            for (int tk = 0; tk < 2; ++tk) {
+                const int t = tq[tk];
+#pragma unroll
+                for (int v = 0; v < BL / 16; ++v) {
+                    const uint4 x = *(const uint4*)(stg + qmla_coff(t, BL * q4 + 16 * v));
+                    wc[tk][4 * v] = x.x, wc[tk][4 * v + 1] = x.y, wc[tk][4 * v + 2] = x.z, wc[tk][4 * v + 3] = x.w;
+                }
+                if constexpr (RBL == 8) {
+                    const uint2 x = *(const uint2*)(stg + SO_R + t * RB + RBL * q4);
+                    wr[tk][0] = x.x, wr[tk][1] = x.y;
+                } else {
+                    wr[tk][0] = *(const u32*)(stg + SO_R + t * RB + RBL * q4);
+                }
+#pragma unroll
+                for (int c = 0; c < KCH; ++c) {
+#pragma unroll
+                    for (int gl = 0; gl < NGL; ++gl) {
+                        const int grp = (CB * c + BL * q4) / QMLA_GC + gl;
+                        const u32 z = stg[SO_CZ + t * NGC + grp];
+                        off2[tk][c][gl] = 0xc300c300u | z | (z << 16);
+#if QMLA_CSCALE_BF16
+                        const u32 sb = ((const u16*)(stg + SO_CS))[t * NGC + grp];
+                        s2[tk][c][gl] = sb | (sb << 16);
+#else
+                        s2[tk][c][gl] = ((const float*)(stg + SO_CS))[t * NGC + grp];
+#endif
+                    }
+                }
+                const u32 z = stg[SO_RZ + t];
+                roff2[tk] = 0xc300c300u | z | (z << 16);
+#if QMLA_RSCALE_BF16
+                rs[tk] = bf16_bits_to_f32(((const u16*)(stg + SO_RS))[t]);
+#else
+                rs[tk] = ((const float*)(stg + SO_RS))[t];
+#endif
+            }
+            v5_worker_sync(wg);  // every thread has read the stage
             if (t0 + NWG * T < t_end) {
                 load_pages(t0 + NWG * T, pgs);
                 qmla_issue_stage(stg, pages, pgs, t0 + NWG * T, L, tid);
                 cp_async_commit();
             }
 
-            // -------------------------------------------------------- QK: S^T[64 tokens][16 rows]
+            // -------------------------------------------------------- QK: S^T[64 tokens][16 rows], A from registers
+            // chunks of KCK k-steps: dequantize into one of two A-fragment buffers, store the content fragments to
+            // the key tile (PV's operand), issue the chunk's wgmma; a buffer is refilled once its chunk has retired
             float S[8];
-            wgmma_fence_operand(S);
-            wgmma_fence();
+            u32 A[2][KCK][4];
 #pragma unroll
-            for (int ks = 0; ks < KSTEPS; ++ks) {
-                const u32 run = 32 * (ks & 3);  // 16-channel run inside the 128-byte rows of column block ks / 4
-                wgmma_m64n16k16_ss<0, 0>(S, desc_advance(dk, (ks >> 2) * (T * 128) + run),
-                                         desc_advance(dq, (ks >> 2) * (RT * 128) + run), ks > 0);
+            for (int kc = 0; kc < NKC; ++kc) {
+                u32(&a)[KCK][4] = A[kc & 1];
+                if (kc >= 2) {
+                    wgmma_wait<1>();
+                    v5_fence_regs(a);
+                }
+#pragma unroll
+                for (int j = 0; j < KCK; ++j) {
+                    const int ks = KCK * kc + j;
+                    if (ks < KSC) {
+                        const int bp = ks / SPC, sp = ks % SPC, gl = (BL >= QMLA_GC) ? 2 * bp / QMLA_GC : 0;
+#pragma unroll
+                        for (int r = 0; r < 4; ++r) {  // a[j][tk + 2 hi]: token tk, slice 2 sp + hi
+                            const int tk = r & 1, c = 2 * sp + (r >> 1);
+                            const u32 x = (wc[tk][bp >> 1] >> (CBITS * c)) & CMASK;
+                            const u32 c2 = (bp & 1) ? v5_code2<1>(x, c43) : v5_code2<0>(x, c43);
+#if QMLA_CSCALE_BF16
+                            a[j][r] = qmla_dq2_bf16(c2, off2[tk][c][gl], s2[tk][c][gl]);
+#else
+                            a[j][r] = qmla_dq2_f32(c2, off2[tk][c][gl], s2[tk][c][gl]);
+#endif
+                        }
+                    } else if (ks < KSTEPS) {
+                        const int bp = ks - KSC;
+#pragma unroll
+                        for (int r = 0; r < 4; ++r) {
+                            const int tk = r & 1, c = r >> 1;
+                            const u32 x = (wr[tk][bp >> 1] >> (4 * c)) & 0x0f0f0f0fu;
+                            const u32 c2 = (bp & 1) ? v5_code2<1>(x, c43) : v5_code2<0>(x, c43);
+                            a[j][r] = qmla_dq2_f32(c2, roff2[tk], rs[tk]);
+                        }
+                    }
+                }
+#pragma unroll
+                for (int j = 0; j < KCK; ++j) {  // content k-step ks: chunks 2 ks, 2 ks + 1 of the key tile
+                    const int ks = KCK * kc + j;
+                    if (ks < KSC) {
+                        stsm_x4(st_lane + (ks >> 2) * (T * 128) + ((2 * (ks & 3) ^ st_x) << 4), a[j][0], a[j][1], a[j][2],
+                                a[j][3]);
+                    }
+                }
+                v5_fence_regs(a);
+                wgmma_fence_operand(S);
+                wgmma_fence();
+#pragma unroll
+                for (int j = 0; j < KCK; ++j) {
+                    const int ks = KCK * kc + j;
+                    if (ks < KSTEPS) {
+                        wgmma_m64n16k16_rs(S, a[j], desc_advance(dq, (ks >> 2) * (RT * 128) + 32 * (ks & 3)), ks > 0);
+                    }
+                }
+                wgmma_commit();
             }
-            wgmma_commit();
             wgmma_wait<0>();
+            v5_fence_regs(A[0]);
+            v5_fence_regs(A[1]);
             wgmma_fence_operand(S);
+            fence_proxy_async();  // this thread's key-tile stores, for PV's wgmma (published by the next barrier)
 
             // -------------------------------------------------------- mask, column maxima
             if (t0 >= keep_lo && t0 + T <= lim_min) {  // this thread's columns attend to the whole tile
@@ -308,7 +466,8 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
     for (int mb = 0; mb < NMB; ++mb) {
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
-            const int col = 8 * (k >> 2) + 2 * q4 + (k & 1), ch = 64 * mb + 16 * ww + g8 + 8 * ((k >> 1) & 1);
+            // row 16 ww + g8 + 8 h of block mb is QK's channel 64 mb + 16 ww + g8 + 8 h
+            const int col = 8 * (k >> 2) + 2 * q4 + (k & 1), ch = v5_qk_channel(64 * mb + 16 * ww + g8 + 8 * ((k >> 1) & 1));
             ot[col * OT_STRIDE + ch] = acc[mb][k];
         }
     }

@@ -1,5 +1,5 @@
-// QuantMLA CuPy backend: a staged tile of codes -> a bf16 key tile in shared memory, shared by
-// attention_v4.cu and attention_v5.cu.
+// QuantMLA CuPy backend: a staged tile of codes -> a bf16 key tile in shared memory (attention_v4.cu),
+// and the pair conversions it is made of (attention_v5.cu uses those on its register fragments).
 //
 // Included after stage.cuh by a kernel that defines T, NTH (threads that dequantize together), DC,
 // CB/RB, CBITS, KCH, CMASK, NCT, NGC and QMLA_KT_SW128: 1 for the 128-byte-swizzled tile of wgmma.cuh

@@ -72,6 +72,26 @@ __device__ __forceinline__ void wgmma_m64n16k16_ss(float (&d)[8], u64 da, u64 db
         : "l"(da), "l"(db), "r"(scale_d), "n"(TNSP_A), "n"(TNSP_B));
 }
 
+// the same with A from registers: a[0..3] = A[16 (t / 32) + (t % 32) / 4 (+ 8)][2 (t % 4) (+ 1)] and the same
+// rows at columns + 8, mma.sync's A fragment of the warp's 16 rows (rows + 8 in a[1], a[3]; columns + 8 in
+// a[2], a[3]). The registers must stay unchanged until the MMA has retired (wgmma_wait).
+__device__ __forceinline__ void wgmma_m64n16k16_rs(float (&d)[8], const u32 (&a)[4], u64 db, int scale_d) {
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %13, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, "
+        "%12, p, 1, 1, 0; }\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
+
+// four 8x8 bf16 matrices of mma fragments stored as they are (stmatrix): lane l holds row l / 4, columns
+// 2 (l % 4) (+ 1) of matrix i in r_i and gives the address of row l % 8 of matrix l / 8 (16 contiguous bytes)
+__device__ __forceinline__ void stsm_x4(u32 row_addr, u32 r0, u32 r1, u32 r2, u32 r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(row_addr), "r"(r0), "r"(r1),
+                 "r"(r2), "r"(r3)
+                 : "memory");
+}
+
 // four 8x8 bf16 matrices of mma fragments stored transposed (stmatrix.trans): lane l holds row l / 4,
 // columns 2 (l % 4) (+ 1) of matrix i in r_i and gives the address of row l % 8 of the transposed
 // matrix l / 8 (16 contiguous bytes)
