@@ -24,12 +24,15 @@
 //      statistics; row sums stay per thread until the end.
 //   4. P^T to shared memory as [16 rows][64 tokens] by one stmatrix.trans per warp.
 //   5. PV: O^T[d_c][16] += K^T P^T, d_c / 64 x 4 m64n16k16 (A = the key tile read MN-major, B = P^T,
-//      K-major); 64 accumulators per thread. Its rows are in QK's channel order.
+//      K-major); 64 accumulators per thread. Its rows are in QK's channel order. The worker waits for it
+//      only after step 1 of its next tile, so the MMAs run beside that tile's copy wait and loads.
 //   Partials (unnormalized output, row maximum, row sum) leave in v1's layout through the key tile,
 //   each row's channels put back in place.
 // Why A from registers for QK: with N = 16 a wgmma from shared memory reads 2 KB of A per 512 B of B.
 // The first build read K from shared memory for both matmuls (H200, H16 B32 L32K C4R4, CUDA graphs:
-// 270.6 us); reading QK's A from the registers the dequantization fills took it to 243 us.
+// 270.6 us); reading QK's A from the registers the dequantization fills took it to 243 us. The staged
+// copies stay per-thread cp.async: one thread's bulk copies (cp.async.bulk on an mbarrier) measured
+// 2-5 % slower.
 // Shared memory (C4R4): per worker 64 KB K + 2 KB P + 20 KB stage; 18 KB queries: one CTA per SM.
 #include "common.cuh"
 
@@ -241,7 +244,7 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
 
         for (int t0 = my_begin; t0 < t_end; t0 += NWG * T) {
             cp_async_wait_all();
-            v5_worker_sync(wg);  // the tile staged by all; every warp is past the previous tile's PV
+            v5_worker_sync(wg);  // the tile staged by all
             // this lane's codes, zero points and scales of both tokens, into registers
             u32 wc[2][BL / 4], wr[2][(RBL + 3) / 4], off2[2][KCH][NGL], roff2[2];
 #if QMLA_CSCALE_BF16
@@ -287,7 +290,10 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
                 rs[tk] = ((const float*)(stg + SO_RS))[t];
 #endif
             }
-            v5_worker_sync(wg);  // every thread has read the stage
+            wgmma_wait<0>();  // the previous tile's PV (it ran beside this tile's copy wait and loads)
+#pragma unroll
+            for (int mb = 0; mb < NMB; ++mb) wgmma_fence_operand(acc[mb]);
+            v5_worker_sync(wg);  // every thread has read the stage and is past the previous tile's PV (K, P free)
             if (t0 + NWG * T < t_end) {
                 load_pages(t0 + NWG * T, pgs);
                 qmla_issue_stage(stg, pages, pgs, t0 + NWG * T, L, tid);
@@ -437,11 +443,11 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
                                              desc_advance(dp, 32 * kk), 1);
                 }
             }
-            wgmma_commit();
-            wgmma_wait<0>();
-#pragma unroll
-            for (int mb = 0; mb < NMB; ++mb) wgmma_fence_operand(acc[mb]);
+            wgmma_commit();  // waited for in the next tile, or below
         }
+        wgmma_wait<0>();  // the last tile's PV
+#pragma unroll
+        for (int mb = 0; mb < NMB; ++mb) wgmma_fence_operand(acc[mb]);
     }
 
     // ---------------------------------------------------------------- partial results (v1 layout)
