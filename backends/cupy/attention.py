@@ -721,22 +721,32 @@ def v3_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
     key = ("v3", fmt, dev, sm_count, batch, rows, max_pages, no_prot, knobs, sink, local, index64)
     plan = _PLANS.get(key)
     if plan is None:
-        chunks = (rows + 15) // 16
         if knobs.warps == 8 and fmt.content_code_bytes < 128:
             raise ValueError(f"QUANTMLA_CUPY_V3_WARPS: 8 warps need >= 128 content code bytes per token (16 per "
                              f"warp slice), {fmt.name} d_c={fmt.latent_dim} has {fmt.content_code_bytes}; use 4")
         attn, smem = _v3_kernel(fmt, dev, knobs.stages, knobs.minb, knobs.lazy, knobs.warps, index64)
-        block = (knobs.warps * 32,)
-        resident = resident_ctas(attn, block[0], smem, dev, sm_count)
-        splits, per = plan_splits_v2(batch, chunks, max(1, max_pages) * fmt.page_size, resident, knobs.min_tiles,
-                                     V3_TILE)
-        launches = [(attn, (batch * chunks, splits), block, smem)]
-        if not no_prot:
-            launches.append(_protected_launch(fmt, dev, batch, rows, sink, local, index64))
-        nprot = 0 if no_prot else protected_ctas(sink, local)
-        plan = SplitPlan(tuple(launches), _combine_kernel(fmt, dev), per, splits + nprot)
-        with _CACHE_LOCK:
-            _PLANS[key] = plan
+        plan = _packed_split_plan(key, attn, smem, knobs.warps * 32, V3_TILE, 1, fmt, dev, sm_count, batch, rows,
+                                  max_pages, no_prot, knobs.min_tiles, sink, local, index64)
+    return plan
+
+
+def _packed_split_plan(key: tuple, attn, smem: int, threads: int, tile: int, slots_per_cta: int, fmt: PackFormat,
+                       dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool, min_tiles: int,
+                       sink: int, local: int, index64: bool) -> SplitPlan:
+    """The plan of a split kernel over packed tokens only (v3, v5): ``attn`` over 16-row chunks and
+    wave-planned splits of ``tile``-token tiles, each CTA writing ``slots_per_cta`` partials, then, when
+    the cache keeps sink/local tokens, the protected-only launch adding them as the last partials of
+    each row; cached under ``key``."""
+    resident = resident_ctas(attn, threads, smem, dev, sm_count)
+    chunks = -(-rows // 16)
+    splits, per = plan_splits_v2(batch, chunks, max(1, max_pages) * fmt.page_size, resident, min_tiles, tile)
+    launches = [(attn, (batch * chunks, splits), (threads,), smem)]
+    if not no_prot:
+        launches.append(_protected_launch(fmt, dev, batch, rows, sink, local, index64))
+    nprot = 0 if no_prot else protected_ctas(sink, local)
+    plan = SplitPlan(tuple(launches), _combine_kernel(fmt, dev), per, slots_per_cta * splits + nprot)
+    with _CACHE_LOCK:
+        _PLANS[key] = plan
     return plan
 
 
@@ -830,19 +840,9 @@ def v5_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
     key = ("v5", fmt, dev, sm_count, batch, rows, max_pages, no_prot, knobs, sink, local, index64)
     plan = _PLANS.get(key)
     if plan is None:
-        chunks = -(-rows // V5_ROWS)
         attn, smem = _v5_kernel(fmt, dev, knobs.lazy, index64)
-        block = (V5_WORKERS * 128,)
-        resident = resident_ctas(attn, block[0], smem, dev, sm_count)
-        splits, per = plan_splits_v2(batch, chunks, max(1, max_pages) * fmt.page_size, resident, knobs.min_tiles,
-                                     V5_TILE)
-        launches = [(attn, (batch * chunks, splits), block, smem)]
-        if not no_prot:
-            launches.append(_protected_launch(fmt, dev, batch, rows, sink, local, index64))
-        nprot = 0 if no_prot else protected_ctas(sink, local)
-        plan = SplitPlan(tuple(launches), _combine_kernel(fmt, dev), per, V5_WORKERS * splits + nprot)
-        with _CACHE_LOCK:
-            _PLANS[key] = plan
+        plan = _packed_split_plan(key, attn, smem, V5_WORKERS * 128, V5_TILE, V5_WORKERS, fmt, dev, sm_count, batch,
+                                  rows, max_pages, no_prot, knobs.min_tiles, sink, local, index64)
     return plan
 
 

@@ -187,30 +187,27 @@ def main(argv: list[str]) -> None:
                   "per token), "
                   f"{loop.count('HMMA')} HMMA, {regs.group(1) if regs else '?'} registers, "
                   f"{spills.group(1) if spills else '?'} B spilled, {loop.count('LDL', 'STL')} local loads/stores in the loop\n    {top}")
-        sass, ptxas = compile_sass_v3(fmt)
-        regs = re.search(r"Used (\d+) registers", ptxas)
-        loop = loops(sass)[0]
-        top = ", ".join(f"{k} {v}" for k, v in sorted(loop.opcodes.items(), key=lambda kv: -kv[1])[:14])
+        loop, regs, top = _loop_summary(*compile_sass_v3(fmt))
         print(f"{name} {dc}/{dr} kernel v3 (64-token tiles): {loop.total} instructions per warp per tile "
-              f"({loop.total * 4 / 64:.0f} per token), {loop.count('HMMA')} HMMA, {regs.group(1) if regs else '?'} "
-              f"registers\n    {top}")
+              f"({loop.total * 4 / 64:.0f} per token), {loop.count('HMMA')} HMMA, {regs} registers\n    {top}")
     for name, dc, dr in cases + [("BF16", cases[0][1], cases[0][2])]:
-        fmt = PackFormat.parse(name, latent_dim=dc, rope_dim=dr)
-        sass, ptxas = compile_sass_v4(fmt)
-        regs = re.search(r"Used (\d+) registers", ptxas)
-        loop = loops(sass)[0]
-        top = ", ".join(f"{k} {v}" for k, v in sorted(loop.opcodes.items(), key=lambda kv: -kv[1])[:14])
+        loop, regs, top = _loop_summary(*compile_sass_v4(PackFormat.parse(name, latent_dim=dc, rope_dim=dr)))
         print(f"{name} {dc}/{dr} kernel v4, wgmma build (64 rows x 64-token tiles, 8 warps): {loop.total} instructions "
-              f"per warp per tile, {loop.count('HGMMA')} HGMMA, {regs.group(1) if regs else '?'} registers\n    {top}")
+              f"per warp per tile, {loop.count('HGMMA')} HGMMA, {regs} registers\n    {top}")
     for name, dc, dr in cases:
-        fmt = PackFormat.parse(name, latent_dim=dc, rope_dim=dr)
-        sass, ptxas = compile_sass_v5(fmt)
-        regs = re.search(r"Used (\d+) registers", ptxas)
-        loop = loops(sass)[0]
-        top = ", ".join(f"{k} {v}" for k, v in sorted(loop.opcodes.items(), key=lambda kv: -kv[1])[:14])
+        loop, regs, top = _loop_summary(*compile_sass_v5(PackFormat.parse(name, latent_dim=dc, rope_dim=dr)))
         print(f"{name} {dc}/{dr} kernel v5 (16 rows x 64-token tiles, a worker of 4 warps): {loop.total} instructions "
-              f"per warp per tile ({loop.total * 4 / 64:.0f} per token), {loop.count('HGMMA')} HGMMA, "
-              f"{regs.group(1) if regs else '?'} registers\n    {top}")
+              f"per warp per tile ({loop.total * 4 / 64:.0f} per token), {loop.count('HGMMA')} HGMMA, {regs} registers"
+              f"\n    {top}")
+
+
+def _loop_summary(sass: str, ptxas: str) -> tuple[LoopReport, str, str]:
+    """The largest loop of a build, its register count as ptxas reported it ("?" if absent) and its 14
+    most frequent opcodes as text."""
+    regs = re.search(r"Used (\d+) registers", ptxas)
+    loop = loops(sass)[0]
+    top = ", ".join(f"{k} {v}" for k, v in sorted(loop.opcodes.items(), key=lambda kv: -kv[1])[:14])
+    return loop, regs.group(1) if regs else "?", top
 
 
 if __name__ == "__main__":

@@ -115,15 +115,6 @@ __device__ __forceinline__ u32 v5_code2(u32 x, u32 c43) {
     return d;
 }
 
-// keeps the compiler from reusing A-fragment registers an asynchronous MMA may still read
-template <int N>
-__device__ __forceinline__ void v5_fence_regs(u32 (&a)[N][4]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[i][e])::"memory");
-    }
-}
 
 // ---------------------------------------------------------------- shared memory layout
 // worker wg's area starts at wg * WK_BYTES (1024-byte aligned, as the swizzled tiles need); the kernel
@@ -310,7 +301,7 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
                 u32(&a)[KCK][4] = A[kc & 1];
                 if (kc >= 2) {
                     wgmma_wait<1>();
-                    v5_fence_regs(a);
+                    wgmma_fence_operand(a);
                 }
 #pragma unroll
                 for (int j = 0; j < KCK; ++j) {
@@ -347,7 +338,7 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
                                 a[j][3]);
                     }
                 }
-                v5_fence_regs(a);
+                wgmma_fence_operand(a);
                 wgmma_fence_operand(S);
                 wgmma_fence();
 #pragma unroll
@@ -360,8 +351,8 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
                 wgmma_commit();
             }
             wgmma_wait<0>();
-            v5_fence_regs(A[0]);
-            v5_fence_regs(A[1]);
+            wgmma_fence_operand(A[0]);
+            wgmma_fence_operand(A[1]);
             wgmma_fence_operand(S);
             fence_proxy_async();  // this thread's key-tile stores, for PV's wgmma (published by the next barrier)
 

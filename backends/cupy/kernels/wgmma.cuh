@@ -53,6 +53,17 @@ __device__ __forceinline__ void wgmma_fence_operand(float (&d)[N][4]) {
     }
 }
 
+// the same for A fragments in registers (wgmma ..._rs): the compiler must not reuse them while an
+// asynchronous MMA may still read them
+template <int N>
+__device__ __forceinline__ void wgmma_fence_operand(u32 (&a)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[i][e])::"memory");
+    }
+}
+
 // flat accumulator variant of wgmma_fence_operand (the m64n16 tiles: 8 floats per thread)
 template <int N>
 __device__ __forceinline__ void wgmma_fence_operand(float (&d)[N]) {
