@@ -115,7 +115,6 @@ __device__ __forceinline__ u32 v5_code2(u32 x, u32 c43) {
     return d;
 }
 
-
 // ---------------------------------------------------------------- shared memory layout
 // worker wg's area starts at wg * WK_BYTES (1024-byte aligned, as the swizzled tiles need); the kernel
 // rounds the dynamic shared memory base up to 1024 bytes, hence the extra 1 KB
