@@ -13,6 +13,7 @@ the backend unavailable with a reason.
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import os
 import shutil
@@ -108,8 +109,10 @@ def get_kernel(source: str, kernel: str, defines: dict[str, int], device_index: 
 _CUBIN_DIR: list[Path] = []
 
 
+@functools.cache
 def nvrtc_version() -> tuple[int, int]:
-    """(major, minor) of the NVRTC CuPy loads (the architecture-specific ``sm_90a`` target needs 12.0+)."""
+    """(major, minor) of the NVRTC CuPy loads (the architecture-specific ``sm_90a`` target needs 12.0+);
+    asked once per process: every attention call on an sm_90 GPU consults it."""
     from cupy_backends.cuda.libs import nvrtc
 
     return tuple(int(v) for v in nvrtc.getVersion())[:2]

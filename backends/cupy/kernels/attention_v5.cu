@@ -7,7 +7,7 @@
 // Why: at H = 16 a request has 16 query rows, too few for a wgmma M of 64, so v2/v3 convert codes
 // into mma.sync fragments (v3: ~112 warp-instructions per token). Here the 64 tokens of a tile are
 // M and the 16 rows are N of Hopper warpgroup MMAs, and each value is dequantized once, as a bf16
-// cache stores it (bf16(s * (code - z)), tile_dequant.cuh's pair helpers):
+// cache stores it (bf16(s * (code - z)), common.cuh's pair conversions):
 //
 //   grid (B * ceil(R / 16), KV splits), 2 worker warpgroups per CTA. Worker wg takes tiles wg, wg + 2,
 //   wg + 4, ... of its CTA's split and runs flash-decoding over them on its own: its own stage, key
@@ -71,8 +71,6 @@ static_assert(QMLA_GR == DR, "one RoPE group per token");
 
 #include "wgmma.cuh"
 #include "stage.cuh"  // the stage layout (SO_*, STAGE_BYTES) and its copies, per worker (NTH threads)
-#define QMLA_KT_SW128 1
-#include "tile_dequant.cuh"  // qmla_dq2_bf16, qmla_dq2_f32 (v5 dequantizes in registers, not by qmla_dequantize_tile)
 
 // ---------------------------------------------------------------- QK's operand order
 // QK takes the key tile from registers (the wgmma A operand): lane (g8, q4) of warp ww holds tokens

@@ -1,5 +1,5 @@
 // QuantMLA CuPy backend: a staged tile of codes -> a bf16 key tile in shared memory (attention_v4.cu),
-// and the pair conversions it is made of (attention_v5.cu uses those on its register fragments).
+// made of common.cuh's pair conversions (qmla_code2, qmla_dq2_bf16, qmla_dq2_f32).
 //
 // Included after stage.cuh by a kernel that defines T, NTH (threads that dequantize together), DC,
 // CB/RB, CBITS, KCH, CMASK, NCT, NGC and QMLA_KT_SW128: 1 for the 128-byte-swizzled tile of wgmma.cuh
@@ -14,24 +14,6 @@ __device__ __forceinline__ int qmla_kt_chunk(int row, int chunk, int rows) {
 #else
     return row * KST + 16 * chunk;
 #endif
-}
-
-// bf16x2 (128 + code) of bytes 0, 1 (HI = 0) or 2, 3 (HI = 1) of a word of codes (one per byte)
-template <int HI>
-__device__ __forceinline__ u32 qmla_code2(u32 x) {
-    return __byte_perm(x, 0x43u, HI ? 0x4342u : 0x4140u);
-}
-
-// bf16x2 of s * (code - z) for two codes given as bf16x2 (128 + code); off2 = bf16x2 -(128 + z).
-// Content scales in bf16 (s2 = bf16x2 s): the subtraction is exact, the product rounds once.
-__device__ __forceinline__ u32 qmla_dq2_bf16(u32 c2, u32 off2, u32 s2) {
-    return fma_bf16x2(fma_bf16x2(c2, 0x3f803f80u, off2), s2, 0x80008000u);
-}
-
-// the same with a float32 scale: (code - z) exactly in bf16, then products and one rounding in float
-__device__ __forceinline__ u32 qmla_dq2_f32(u32 c2, u32 off2, float s) {
-    const u32 d = fma_bf16x2(c2, 0x3f803f80u, off2);
-    return pack_bf16x2(__uint_as_float(d << 16) * s, __uint_as_float(d & 0xffff0000u) * s);
 }
 
 // 16 dequantized channels (4 words of codes, one per byte, in channel order) stored as two 16-byte
