@@ -13,6 +13,10 @@ and graphed in the same run when installed; ``--json PATH`` writes the rows.
     PYTHONPATH=. python -P benchmarks/host_probe.py
     PYTHONPATH=. python -P benchmarks/host_probe.py --plan --json results/h200_plan_host.json
     PYTHONPATH=. python -P benchmarks/host_probe.py --profile-plan   # cProfile of CuPy plan.run calls
+
+``--launch`` times the CuPy calls twice in one process: with the backend's ``launch`` (the driver's
+cuLaunchKernel on arguments packed by ``kernel_args.pack_args``) and with CuPy's own
+``Function.__call__`` (how the backend launched until stop 20), beside FlashInfer BF16 eager.
 """
 
 from __future__ import annotations
@@ -78,6 +82,52 @@ def plan_rows(batch: int = 8, length: int = 4096, heads: int = 16) -> list[dict]
     return rows
 
 
+def launch_via_cupy_call(fn, grid, block, args, device_index, smem=0, stream=None) -> None:
+    """The backend's launch before stop 20: CuPy's ``Function.__call__`` inside the stream's context."""
+    from quantmla_core.backends.cupy import external_stream
+
+    with stream or external_stream(device_index):
+        fn(grid, block, args, shared_mem=smem)
+
+
+def launch_rows(batch: int = 8, length: int = 4096, heads: int = 16) -> list[dict]:
+    """CuPy qm.attention and plan.run with the driver launch and with CuPy's call (host us/call, eager
+    do_bench us), FlashInfer BF16 eager beside; the outputs of both launch paths are checked equal."""
+    w = Workload(batch, length)
+    q4, r4 = w.queries(heads)
+    q, r = q4[:, 0].contiguous(), r4[:, 0].contiguous()
+    meta = {"block_table": w.table.int().contiguous(), "seq_lens": w.seq_lens.int().contiguous(),
+            "seq_ids": w.seq_ids.int().contiguous()}
+    rows = []
+    if FlashInferMLA.available() is None:
+        fi = FlashInferMLA(w, w.bf16_dense(), heads, 0.07)
+        rows.append({"format": "BF16", "call": "flashinfer run", "launch": "-", "host_us": host_us(lambda: fi.run(q, r)),
+                     "eager_us": do_bench(lambda: fi.run(q, r), warmup=25, rep=200, return_mode="median") * 1e3})
+        del fi
+    driver_launch = cupy_attention.launch
+    for name in ("C4R4", "C2R4"):
+        cache = w.build(name)
+        plan = qm.plan_attention(cache, num_heads=heads, q_dtype=torch.bfloat16, softmax_scale=0.07, backend="cupy",
+                                 **meta)
+        calls = {"attention": lambda: qm.attention(q, r, cache, softmax_scale=0.07, backend="cupy", **meta),
+                 "plan.run": lambda: plan.run(q, r)}
+        outs = {}
+        for label, fn in (("driver", driver_launch), ("cupy call", launch_via_cupy_call)):
+            cupy_attention.launch = fn
+            try:
+                outs[label] = calls["plan.run"]()[0].clone()
+                for call, run in calls.items():
+                    rows.append({"format": name, "call": call, "launch": label, "host_us": host_us(run),
+                                 "eager_us": do_bench(run, warmup=25, rep=200, return_mode="median") * 1e3})
+                    print(rows[-1], flush=True)
+            finally:
+                cupy_attention.launch = driver_launch
+        assert torch.equal(outs["driver"], outs["cupy call"]), f"{name}: the launch paths disagree"
+    for row in rows:
+        row.update({"batch": batch, "length": length, "heads": heads})
+    return rows
+
+
 def profile_plan_run(n: int = 300) -> None:
     """cProfile of ``n`` CuPy ``plan.run`` calls (H16 B8 L4K C4R4) by own time."""
     w = Workload(8, 4096)
@@ -102,15 +152,16 @@ def main() -> None:
     if "--profile-plan" in sys.argv:
         profile_plan_run()
         return
-    if "--plan" in sys.argv:
-        rows = plan_rows()
+    if "--plan" in sys.argv or "--launch" in sys.argv:
+        rows = plan_rows() if "--plan" in sys.argv else launch_rows()
         if "--json" in sys.argv:
             path = sys.argv[sys.argv.index("--json") + 1]
             with open(path, "w") as f:
                 json.dump({"gpu": gpu_info(), "command": " ".join(sys.argv), "rows": rows}, f, indent=1)
         for row in rows:
-            print(f"{row['backend']:10s} {row['format']:5s} {row['call']:14s} host {row['host_us']:6.1f} us/call  "
-                  f"eager {row['eager_us']:6.1f} us  graph {row['graph_us']:6.1f} us")
+            print(f"{row.get('backend', row.get('launch')):10s} {row['format']:5s} {row['call']:14s} host "
+                  f"{row['host_us']:6.1f} us/call  eager {row['eager_us']:6.1f} us"
+                  + (f"  graph {row['graph_us']:6.1f} us" if "graph_us" in row else ""))
         return
     w = Workload(8, 4096)
     cache = w.build("C4R4")

@@ -221,6 +221,7 @@ def stub_cupy_launcher(monkeypatch: Any, sm_count: int = 132, nvrtc: tuple[int, 
     SMs holding 2 CTAs each and NVRTC ``nvrtc``, and scratch lives on the CPU. ``monkeypatch``: pytest's fixture.
     Returns (kernels asked for, launches as a :class:`LaunchLog`)."""
     from .backends.cupy import attention as A
+    from .backends.cupy.kernel_args import pack_args
 
     kernels: list = []
     launches = LaunchLog()
@@ -230,6 +231,7 @@ def stub_cupy_launcher(monkeypatch: Any, sm_count: int = 132, nvrtc: tuple[int, 
         return StubKernel(source, kernel, defines, smem, arch)
 
     def launch(fn, grid, block, args, dev, smem=0, stream=None):
+        pack_args(args)  # what the real launch packs: numpy scalars of the parameters' types
         launches.append((fn, grid, block, args, smem))
         launches.streams.append(stream)
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from ...dispatch import Backend, Capabilities, Problem, _import_reason
 from ...formats import PackFormat
+from .kernel_args import pack_args
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 #: warps per block of the writer (one warp per token)
@@ -179,7 +180,8 @@ def resident_ctas(fn, threads: int, smem: int, device_index: int, sm_count: int)
 
         try:
             with cupy.cuda.Device(device_index):
-                per_sm = int(cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, threads, smem))
+                per_sm = int(cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(function_ptr(fn), threads,
+                                                                                           smem))
         except Exception:
             per_sm = occupancy_from_resources(int(fn.num_regs), threads, smem + int(fn.shared_size_bytes))
         got = max(1, per_sm) * sm_count
@@ -222,18 +224,31 @@ def external_stream(device_index: int, torch_stream=None):
 
 def launch(fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, device_index: int, smem: int = 0,
            stream=None) -> None:
-    """Launch ``fn`` on torch's current stream of ``device_index`` (or on ``stream``, a
-    CuPy stream object from :func:`external_stream`)."""
+    """Launch ``fn`` (see :func:`function_ptr`) on torch's current stream of ``device_index`` (or on
+    ``stream``, a CuPy stream object from :func:`external_stream`). ``args``: numpy scalars, device
+    pointers as ``uint64`` (:func:`~.kernel_args.pack_args`); ``grid`` / ``block``: 1 to 3 sizes.
+
+    Calls the driver's ``cuLaunchKernel`` with the packed arguments rather than ``fn(grid, block,
+    args)``, which converts every argument on every call."""
     import cupy
 
     if stream is None:
         stream = external_stream(device_index)
+    params = pack_args(args)
+    gx, gy, gz = (*grid, 1, 1)[:3]
+    bx, by, bz = (*block, 1, 1)[:3]
     if cupy.cuda.runtime.getDevice() == device_index:
-        with stream:
-            fn(grid, block, args, shared_mem=smem)
+        cupy.cuda.driver.launchKernel(function_ptr(fn), gx, gy, gz, bx, by, bz, smem, stream.ptr, params.address, 0)
     else:
-        with cupy.cuda.Device(device_index), stream:
-            fn(grid, block, args, shared_mem=smem)
+        with cupy.cuda.Device(device_index):
+            cupy.cuda.driver.launchKernel(function_ptr(fn), gx, gy, gz, bx, by, bz, smem, stream.ptr, params.address,
+                                          0)
+
+
+def function_ptr(fn) -> int:
+    """The driver's ``CUfunction`` handle of ``fn``: a ``cupy.RawKernel`` (what ``RawModule.get_function``
+    returns; its ``kernel`` is the function loaded on the current device) or a ``cupy.cuda.Function``."""
+    return (fn.kernel if hasattr(fn, "kernel") else fn).ptr
 
 
 class CupyBackend(Backend):
