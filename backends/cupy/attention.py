@@ -545,8 +545,10 @@ def prepare(cache, block_table, seq_lens, seq_ids, batch: int, s_q: int, heads: 
     index64 = True
     side_default = False
     if variant in ("v2", "v3", "v4", "v5"):
-        make_plan, knobs = {"v2": (v2_plan, V2Knobs.from_env()), "v3": (v3_plan, V3Knobs.from_env()),
-                            "v4": (v4_plan, V4Knobs.from_env()), "v5": (v5_plan, V5Knobs.from_env())}[variant]
+        # only this variant's QUANTMLA_CUPY_* knobs are read (each read is host time of every call)
+        make_plan, knob_type = {"v2": (v2_plan, V2Knobs), "v3": (v3_plan, V3Knobs), "v4": (v4_plan, V4Knobs),
+                                "v5": (v5_plan, V5Knobs)}[variant]
+        knobs = knob_type.from_env()
         no_prot = cache.sink == 0 and cache.local == 0
         # int32 seq_lens and seq_ids get an int32 build rather than a conversion on every call
         index64 = not (seq_lens.dtype == torch.int32 and seq_ids.dtype == torch.int32)
