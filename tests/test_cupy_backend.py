@@ -513,15 +513,18 @@ def _kernel_params(source: str, kernel: str) -> list[str]:
 
 def _run_v2_stubbed(monkeypatch, h: int, s_q: int, prot: bool, env: dict[str, str], variant: str = "v2",
                     pages_per: int = 5, length: int = 300, lens: torch.Tensor | None = None,
-                    ids: torch.Tensor | None = None, fmt_name: str = "C4R4", nvrtc: tuple[int, int] = (13, 0)):
+                    ids: torch.Tensor | None = None, fmt_name: str = "C4R4", nvrtc: tuple[int, int] = (13, 0),
+                    capturing: bool = False):
     """One v2 (or ``variant``) attention call on the CPU with compilation and launches stubbed, over
     3 requests of ``length`` tokens and ``pages_per`` pages each (``lens``/``ids``: the seq_lens /
-    seq_ids tensors to pass, default int64) of a ``fmt_name`` cache, NVRTC reporting ``nvrtc``.
-    Returns the launches (kernel, grid, block, args, shared bytes), the kernels asked for, the
-    format and B."""
+    seq_ids tensors to pass, default int64) of a ``fmt_name`` cache, NVRTC reporting ``nvrtc``, as if
+    under CUDA-graph capture where ``capturing``. Returns the launches (kernel, grid, block, args,
+    shared bytes), the kernels asked for, the format and B."""
     from quantmla_core.backends.cupy import attention as A
 
     kernels, launches = stub_cupy_launcher(monkeypatch, nvrtc=nvrtc)
+    if capturing:
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     monkeypatch.setenv(VARIANT_ENV, variant)
     for k, v in env.items():
         monkeypatch.setenv(k, v)

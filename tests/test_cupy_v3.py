@@ -147,8 +147,8 @@ def test_v3_launches_match_kernel_signatures(monkeypatch, h, s_q, prot):
     slots = int(args[params.index("int num_splits")])
     if prot:  # the protected-only kernel adds the sink and the 128-token local window (5 tiles) as the last partials
         (prot_k, pgrid, pblock, pargs, psmem), pstream = launches.of("qmla_attn_protected")
-        assert prot_k.source == "protected.cu" and pstream == "side"  # v3 forks it onto the side stream
-        assert launches[0][0] is prot_k  # launched first: its CTAs take SM slots before the split kernel's
+        assert prot_k.source == "protected.cu" and pstream is None  # eager, short table: one stream
+        assert launches[1][0] is prot_k  # one stream: after the split kernel (forked onto the side stream it goes first: test_v5_auto_on_long_tables)
         assert _kernel_params("protected.cu", "qmla_attn_protected") == params
         assert psmem == protected_smem_bytes(fmt) == prot_k.defines["QMLA_PROT_SMEM_EXPECTED"]
         assert pgrid == (grid[0], 6) and pblock == (128,) and pargs == args and slots == splits + 6

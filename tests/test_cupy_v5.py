@@ -21,6 +21,7 @@ from conformance import Case, check_attention_case
 from quantmla_core.backends.cupy.attention import (
     V3_MIN_TOKENS,
     V4_MIN_ROWS,
+    V5_MIN_BATCH_TOKENS,
     V4_WGMMA_ARCH,
     VARIANT_ENV,
     V5Knobs,
@@ -159,7 +160,8 @@ def _run_v5_stubbed(monkeypatch, h: int, s_q: int, prot: bool, length: int = 500
 @pytest.mark.parametrize("h,s_q,prot", [(16, 1, True), (16, 1, False), (8, 3, True), (1, 1, False), (20, 16, True)])
 def test_v5_launches_match_kernel_signatures(monkeypatch, h, s_q, prot):
     """One v5 launch over 16-row chunks (two workers of 128 threads, an sm_90a build), each CTA
-    writing one partial per worker, then protected.cu's partials (on the side stream) and the combine."""
+    writing one partial per worker, then protected.cu's partials (on the same stream: an eager call over
+    a short table) and the combine."""
     launches, _kernels, fmt, b = _run_v5_stubbed(monkeypatch, h, s_q, prot)
     params = _kernel_params("attention_v5.cu", "qmla_attn_v5")
     assert params == _kernel_params("attention_v3.cu", "qmla_attn_v3")  # one argument list for all split kernels
@@ -178,7 +180,7 @@ def test_v5_launches_match_kernel_signatures(monkeypatch, h, s_q, prot):
     kernels = [rec[0].kernel for rec in launches]
     if prot:
         (prot_k, pgrid, _pblock, pargs, psmem), pstream = launches.of("qmla_attn_protected")
-        assert prot_k.source == "protected.cu" and pstream == "side" and pargs == args
+        assert prot_k.source == "protected.cu" and pstream is None and pargs == args  # eager, short table
         assert psmem == protected_smem_bytes(fmt) and pgrid == (b * (-(-rows // 16)), protected_ctas(4, 128))
         assert slots == 2 * splits + protected_ctas(4, 128)
     else:
@@ -197,6 +199,47 @@ def test_v5_auto_on_long_tables(monkeypatch):
     launches, *_ = _run_v2_stubbed(monkeypatch, 16, 1, True, {}, variant="auto", pages_per=long_pages, length=3000,
                                    nvrtc=(11, 8))
     assert launches[1][0].kernel == "qmla_attn_v3"
+
+
+def test_v5_auto_on_large_batches(monkeypatch):
+    """auto runs v5 over shorter tables once the batch holds V5_MIN_BATCH_TOKENS tokens of capacity
+    (measured faster than v2 from 64K tokens), v2 below and where v5 cannot run (v3 is slower than
+    v2 there)."""
+    c4 = qm.PackFormat.parse("C4R4")
+    monkeypatch.delenv(VARIANT_ENV, raising=False)
+    per = V5_MIN_BATCH_TOKENS // 16
+    assert select_variant(c4, "bfloat16", (9, 0), per, 16, batch=16) == ("v5", None)
+    assert select_variant(c4, "bfloat16", (9, 0), 2048, 16, batch=V5_MIN_BATCH_TOKENS // 2048) == ("v5", None)
+    v, why = select_variant(c4, "bfloat16", (9, 0), per, 16, batch=15)
+    assert v == "v2" and f"from {V3_MIN_TOKENS} tokens" in why
+    assert select_variant(c4, "bfloat16", (9, 0), per, 16)[0] == "v2"  # batch unknown: few
+    assert select_variant(c4, "bfloat16", (8, 0), per, 16, batch=1024)[0] == "v2"
+    assert select_variant(c4, "bfloat16", (9, 0), per, 16, nvrtc=(11, 8), batch=1024)[0] == "v2"
+    assert select_variant(c4, "bfloat16", (9, 0), per, V4_MIN_ROWS, batch=1024) == ("v4", None)
+    # the launcher asks with its batch size
+    from quantmla_core.backends.cupy import attention as A
+
+    asked = []
+    monkeypatch.setattr(A, "select_variant", lambda *a, **k: asked.append((a, k)) or select_variant(*a, **k))
+    _run_v2_stubbed(monkeypatch, 16, 1, False, {}, variant="auto", pages_per=9)
+    assert asked[-1][0][3:5] == (9 * 64, 16) and asked[-1][0][6] == 3
+
+
+@pytest.mark.parametrize("variant,heads", [("v2", 16), ("v3", 16), ("v4", 128), ("v5", 16)])
+def test_protected_side_stream_rule(monkeypatch, variant, heads):
+    """The protected-only launch forks onto the side stream under CUDA-graph capture (every variant)
+    and in eager v3/v4/v5 calls over tables of >= V3_MIN_TOKENS tokens; shorter eager calls, host-bound,
+    keep one stream (the fork costs host time)."""
+    long_pages = V3_MIN_TOKENS // 64
+
+    def stream_of_protected(pages_per, capturing):
+        launches, *_ = _run_v2_stubbed(monkeypatch, heads, 1, True, {}, variant=variant, pages_per=pages_per,
+                                       length=3000, capturing=capturing)
+        return launches.of("qmla_attn_protected")[1]
+
+    assert stream_of_protected(9, capturing=False) is None
+    assert stream_of_protected(9, capturing=True) == "side"
+    assert stream_of_protected(long_pages, capturing=False) == (None if variant == "v2" else "side")
 
 
 def test_v5_knobs(monkeypatch):

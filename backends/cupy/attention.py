@@ -33,7 +33,8 @@ split kernel (:func:`protected_on_side_stream`).
 
 ``QUANTMLA_CUPY_ATTENTION`` (``auto``, the default: v4 where it serves and a request has at least
 :data:`V4_MIN_ROWS` query rows, else, where the block table holds at least :data:`V3_MIN_TOKENS`
-tokens, v5 where it serves and v3 where it does not, else v2 where it serves, else v1; or ``v1`` /
+tokens, v5 where it serves and v3 where it does not, else v5 where it serves and the batch's block
+tables hold at least :data:`V5_MIN_BATCH_TOKENS` tokens, else v2 where it serves, else v1; or ``v1`` /
 ``v2`` / ``v3`` / ``v4`` / ``v5``; read on every call, nothing global is rewritten) picks the kernel.
 ``QUANTMLA_CUPY_V2_RG`` (1 or 2 row groups per CTA; default 2 when the
 row-group count is even), ``QUANTMLA_CUPY_V2_STAGES`` (cp.async ring depth 3-5, default 4),
@@ -42,8 +43,8 @@ row-group count is even), ``QUANTMLA_CUPY_V2_STAGES`` (cp.async ring depth 3-5, 
 moves; bit-identical, default 0), ``QUANTMLA_CUPY_V2_PROTECTED`` (``separate``, the default:
 the split kernel reads packed tokens only and the protected kernel adds the sink and local
 tokens; ``inline``: sink/local tokens inside the split kernel, from the bf16 buffers),
-``QUANTMLA_CUPY_PROTECTED_STREAM`` (0/1; unset: v3 always, v2 under CUDA-graph
-capture), ``QUANTMLA_CUPY_V3_STAGES`` (3 or 4) and
+``QUANTMLA_CUPY_PROTECTED_STREAM`` (0/1; unset: under CUDA-graph capture, and for v3/v4/v5 from
+:data:`V3_MIN_TOKENS` tokens), ``QUANTMLA_CUPY_V3_STAGES`` (3 or 4) and
 ``QUANTMLA_CUPY_V3_MINB`` / ``QUANTMLA_CUPY_V3_LAZY_RESCALE`` (default 1: measured 1-2 % faster,
 bit-identical) / ``QUANTMLA_CUPY_V3_WARPS`` (4 or 8) and ``QUANTMLA_CUPY_V4_STAGES`` (2 or 3) /
 ``QUANTMLA_CUPY_V4_LAZY_RESCALE`` (default 1) / ``QUANTMLA_CUPY_V4_MMA`` (``auto``, ``wgmma``, ``mma``)
@@ -98,6 +99,11 @@ V3_STAGES = 3
 #: H200 (CUDA graphs, C4R4 H16 B32): v3 costs ~6.9 ns per token and request against v2's ~9.8 but
 #: ~90 us of fixed cost against ~48 us, so it wins from ~14K tokens (benchmarks/RESULTS.md)
 V3_MIN_TOKENS = 16384
+#: auto also picks v5 for shorter tables when the batch holds at least this many tokens of block-table
+#: capacity (batch x tokens per request). Measured on the H200 (CUDA graphs, H16, C4R4 and C2R4, stop 20):
+#: v5 took 0.56-0.97x of v2's time at every shape from 64K tokens (B 8-128, L 2K-16K) and 1.05-1.15x at
+#: 32K (B8 L4K, B16 L2K) (benchmarks/RESULTS.md)
+V5_MIN_BATCH_TOKENS = 65536
 #: v4 (``kernels/attention_v4.cu``): tokens per tile, query rows per CTA, warps per CTA, default copy stages
 V4_TILE = 64
 V4_ROWS = 64
@@ -194,26 +200,29 @@ def v2_unsupported_reasons(fmt: PackFormat, dtype: str) -> list[str]:
 
 def select_variant(fmt: PackFormat, dtype: str, capability: tuple[int, int] | None = None,
                    max_tokens: int | None = None, rows: int | None = None,
-                   nvrtc: tuple[int, int] = V4_WGMMA_NVRTC) -> tuple[str, str | None]:
+                   nvrtc: tuple[int, int] = V4_WGMMA_NVRTC, batch: int | None = None) -> tuple[str, str | None]:
     """(kernel a call runs, why a faster kernel does not run, or None). No side effects.
 
     ``auto`` runs v4 where it serves the problem and a request has at least :data:`V4_MIN_ROWS`
     query rows (``rows`` = S_q * H; None: unknown, treated as few); with fewer rows and a block
     table that can hold at least :data:`V3_MIN_TOKENS` tokens per request (``max_tokens``; None:
     unknown, treated as short) v5 where it serves (compute capability 9.0, ``nvrtc`` the NVRTC
-    version), else v3 where it serves; else v2 where it serves, else v1, each time with the
-    reason. Only the environment variable is read per call; the decision is memoised per
-    (format, dtype, GPU, NVRTC, long or short, many rows or few)."""
+    version), else v3 where it serves; with a shorter table, v5 where it serves and ``batch``
+    requests hold at least :data:`V5_MIN_BATCH_TOKENS` tokens of capacity (None: unknown, treated as
+    few); else v2 where it serves, else v1, each time with the reason. Only the environment
+    variable is read per call; the decision is memoised per (format, dtype, GPU, NVRTC, long or
+    short, many rows or few, large batch or not)."""
     long_ctx = max_tokens is not None and max_tokens >= V3_MIN_TOKENS
     wide = rows is not None and rows >= V4_MIN_ROWS
+    busy = batch is not None and max_tokens is not None and batch * max_tokens >= V5_MIN_BATCH_TOKENS
     return _decide_variant(requested_variant(), fmt, dtype, None if capability is None else tuple(capability),
-                           long_ctx, wide, tuple(nvrtc))
+                           long_ctx, wide, tuple(nvrtc), busy)
 
 
 @lru_cache(maxsize=1024)
 def _decide_variant(want: str, fmt: PackFormat, dtype: str, capability: tuple[int, int] | None,
                     long_ctx: bool = False, wide: bool = False,
-                    nvrtc: tuple[int, int] = V4_WGMMA_NVRTC) -> tuple[str, str | None]:
+                    nvrtc: tuple[int, int] = V4_WGMMA_NVRTC, busy: bool = False) -> tuple[str, str | None]:
     if want == "v1":
         return "v1", None
     if not fmt.quantized and want in ("v4", "auto"):  # bf16 pages: v4 (many rows) or v1
@@ -237,7 +246,7 @@ def _decide_variant(want: str, fmt: PackFormat, dtype: str, capability: tuple[in
         return (want, None) if not why_w else ("v2", "; ".join(why_w))
     if wide and not v4_unsupported_reasons(fmt, capability):
         return "v4", None
-    if long_ctx and not why5:
+    if (long_ctx or busy) and not why5:
         return "v5", None
     why3 = v3_unsupported_reasons(fmt)
     if not why3 and not long_ctx:
@@ -541,7 +550,8 @@ def prepare(cache, block_table, seq_lens, seq_ids, batch: int, s_q: int, heads: 
     sm_count, capability = _device_info(dev)
     max_pages = int(block_table.shape[1])
     nvrtc = nvrtc_version() if tuple(capability) == V5_CAPABILITY else V4_WGMMA_NVRTC
-    variant, _ = select_variant(fmt, dtype, capability, max_pages * fmt.page_size, s_q * heads, nvrtc)
+    max_tokens = max_pages * fmt.page_size
+    variant, _ = select_variant(fmt, dtype, capability, max_tokens, s_q * heads, nvrtc, batch)
     index64 = True
     side_default = False
     if variant in ("v2", "v3", "v4", "v5"):
@@ -554,7 +564,7 @@ def prepare(cache, block_table, seq_lens, seq_ids, batch: int, s_q: int, heads: 
         index64 = not (seq_lens.dtype == torch.int32 and seq_ids.dtype == torch.int32)
         plan = make_plan(fmt, dev, sm_count, batch, s_q * heads, max_pages, no_prot, knobs, cache.sink, cache.local,
                          index64)
-        side_default = make_plan is not v2_plan
+        side_default = make_plan is not v2_plan and max_tokens >= V3_MIN_TOKENS
     else:
         plan = _v1_plan(fmt, dtype, dev, sm_count, batch, s_q * heads, max_pages)
     shape = (batch, s_q, heads, fmt.latent_dim)
@@ -883,9 +893,10 @@ _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 def protected_on_side_stream(default: bool) -> bool:
     """Whether the protected-only launch runs on a second stream, concurrently with the split
     kernel (the result is bit-identical either way). ``QUANTMLA_CUPY_PROTECTED_STREAM`` (read per
-    call) 1 or 0 decides; unset, ``default``: the launchers' rule is v3 always and v2 under CUDA-graph
-    capture (measured, H200: up to 14 % less GPU time per call at short contexts, none at B=128 or
-    H=128, but ~10-20 µs more host time per eager call, which short v2 calls would pay)."""
+    call) 1 or 0 decides; unset, ``default``: the launchers' rule is every variant under CUDA-graph
+    capture, and v3/v4/v5 eager calls from :data:`V3_MIN_TOKENS` tokens of block-table capacity
+    (measured, H200: up to 14 % less GPU time per call at short contexts, none at B=128 or H=128,
+    but ~10-20 µs more host time per eager call, which short eager calls, host-bound, would pay)."""
     raw = _env_int(PROTECTED_STREAM_ENV, -1, (-1, 0, 1))
     return default if raw < 0 else bool(raw)
 
