@@ -39,9 +39,10 @@ def search_limit(base_ctas: int, resident: int) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def plan_kv_splits(base_ctas: int, tiles: int, resident: int, min_tiles: int = 1,
-                   max_splits: int | None = None) -> tuple[int, int]:
+                   max_splits: int | None = None, overhead_tiles: float = CTA_OVERHEAD_TILES) -> tuple[int, int]:
     """(num_splits, tiles_per_split) for ``base_ctas`` = batch x row-blocks CTAs per split over
-    ``tiles`` KV tiles per request, on a GPU that runs ``resident`` CTAs at once.
+    ``tiles`` KV tiles per request, on a GPU that runs ``resident`` CTAs at once; ``overhead_tiles``:
+    the fixed work of one CTA in tile-times (a kernel whose CTAs write more partials pays more).
 
     Every split has ``tiles_per_split`` tiles except possibly the last; ``num_splits`` is the
     number of non-empty splits (``ceil(tiles / tiles_per_split)``)."""
@@ -54,7 +55,7 @@ def plan_kv_splits(base_ctas: int, tiles: int, resident: int, min_tiles: int = 1
     for s in range(1, cap + 1):
         per = math.ceil(tiles / s)
         s_eff = math.ceil(tiles / per)
-        cost = rounds(base_ctas * s_eff, resident) * (per + CTA_OVERHEAD_TILES)
+        cost = rounds(base_ctas * s_eff, resident) * (per + overhead_tiles)
         if best is None or cost < best[0] - 1e-9:
             best = (cost, s_eff)
     s = best[1]

@@ -242,6 +242,21 @@ def test_protected_side_stream_rule(monkeypatch, variant, heads):
     assert stream_of_protected(long_pages, capturing=False) == (None if variant == "v2" else "side")
 
 
+def test_v5_plans_splits_with_its_own_overhead(monkeypatch):
+    """v5's split plan counts V5_CTA_OVERHEAD_TILES of fixed work per CTA (two workers, two partials),
+    v3's the planner's default."""
+    from quantmla_core.backends.cupy import attention as A
+    from quantmla_core.backends.splits import CTA_OVERHEAD_TILES
+
+    seen = []
+    real = A.plan_kv_splits
+    monkeypatch.setattr(A, "plan_kv_splits", lambda *a: seen.append(a) or real(*a))
+    _run_v5_stubbed(monkeypatch, 16, 1, False)
+    assert seen[-1][-1] == A.V5_CTA_OVERHEAD_TILES == 2.0
+    _run_v2_stubbed(monkeypatch, 16, 1, False, {}, variant="v3", pages_per=9)
+    assert seen[-1][-1] == CTA_OVERHEAD_TILES == 1.0
+
+
 def test_v5_knobs(monkeypatch):
     assert V5Knobs.from_env() == V5Knobs(True)
     monkeypatch.setenv("QUANTMLA_CUPY_V5_LAZY_RESCALE", "0")

@@ -36,3 +36,14 @@ def test_plan_is_valid_and_never_worse_than_no_split(base, tiles, resident, min_
     for t in (1, 2, max(1, resident // base), max(1, math.ceil(resident / base)), s + 1, 2 * s):
         if t <= min(max(1, tiles // min_tiles), search_limit(base, resident)):
             assert cost(s) <= cost(t) + 1e-9
+
+
+def test_overhead_tiles_steers_away_from_many_small_splits():
+    """A kernel whose CTAs cost more besides their tiles (v5: two workers, two partials each) gets fewer,
+    longer splits: B32 L128K of 64-token tiles on 132 resident CTAs splits 41 ways at v2's overhead of
+    one tile (10 rounds of 50 tiles, marginally cheaper than 1 round of 512) but 4 ways at two tiles
+    (measured on the H200: 1,004.9 -> 890.8 us for v5 C4R4, benchmarks/RESULTS.md stop 20)."""
+    assert plan_kv_splits(32, 2048, 132, 2) == (41, 50)
+    assert plan_kv_splits(32, 2048, 132, 2, None, 2.0) == (4, 512)
+    assert plan_kv_splits(32, 512, 132, 2, None, 2.0) == plan_kv_splits(32, 512, 132, 2)  # L32K unchanged
+

@@ -24,7 +24,8 @@ Four attention kernels share the partials layout and the combine kernel:
   and 16 query rows their N; lanes dequantize straight into QK's A fragments (registers), which also
   go to a bf16 key tile in shared memory for PV. Two worker warpgroups per CTA take alternate tiles.
   Serves what v4 serves over packed pages, packed tokens only. On the H200 (CUDA graphs, H16) it takes
-  0.87-0.98x of v3's time for C4R4 at L 32K (B 8-128) but 1.05x at B32 L128K, and 0.82-0.94x for C2R4.
+  0.87-0.98x of v3's time for C4R4 at L 32K (B 8-128) and 0.82-0.94x for C2R4; at L128K, with its own
+  split overhead (:data:`V5_CTA_OVERHEAD_TILES`), 0.92-0.93x (C4R4) and 0.78-0.82x (C2R4).
 
 v5, v3 and v2 (``separate`` mode, the default) leave the sink and local-window tokens to
 ``kernels/protected.cu``, a bfloat16 flash-decoding kernel (one 32-token tile per CTA) whose
@@ -66,7 +67,7 @@ from ...envvars import getenv
 from ...formats import PackFormat
 from ..buffers import capturing as graph_capturing
 from ..buffers import carve
-from ..splits import plan_kv_splits
+from ..splits import CTA_OVERHEAD_TILES, plan_kv_splits
 from . import (
     ATTN_TILE,
     ATTN_WARPS,
@@ -104,6 +105,11 @@ V3_MIN_TOKENS = 16384
 #: v5 took 0.56-0.97x of v2's time at every shape from 64K tokens (B 8-128, L 2K-16K) and 1.05-1.15x at
 #: 32K (B8 L4K, B16 L2K) (benchmarks/RESULTS.md)
 V5_MIN_BATCH_TOKENS = 65536
+#: v5's fixed work per CTA in tile-times for the split planner (two workers filling their pipelines,
+#: two partials written and read back by the combine). Measured on the H200 (CUDA graphs, H16, stop 20):
+#: with 1 (v2/v3's value) B32 L128K split 41 ways and took 1,004.9 us (C4R4); with 2, 4 ways, 890.8 us
+#: (C2R4 869.6 -> 756.8, B8 L128K 263.1 -> 249.2); 4 planned the same as 2, and B64 L64K did not move
+V5_CTA_OVERHEAD_TILES = 2.0
 #: v4 (``kernels/attention_v4.cu``): tokens per tile, query rows per CTA, warps per CTA, default copy stages
 V4_TILE = 64
 V4_ROWS = 64
@@ -443,13 +449,14 @@ def protected_ctas(sink: int, local: int, tile: int = PROTECTED_TILE) -> int:
 
 
 def plan_splits_v2(batch: int, chunks: int, max_tokens: int, resident: int,
-                   min_tiles: int = V2_MIN_TILES_PER_SPLIT, tile: int = V2_TILE) -> tuple[int, int]:
+                   min_tiles: int = V2_MIN_TILES_PER_SPLIT, tile: int = V2_TILE,
+                   overhead_tiles: float = CTA_OVERHEAD_TILES) -> tuple[int, int]:
     """(num_splits, tiles_per_split) for v2, as :func:`plan_splits`, but never splitting below
     ``min_tiles`` 32-token tiles (:data:`V2_MIN_TILES_PER_SPLIT`: small batches were paying for
     many tiny splits plus a combine that reads them all). ``tile``: the kernel's tokens per tile;
     the result counts those tiles."""
     tiles = math.ceil(max(1, max_tokens) / tile)
-    return plan_kv_splits(batch * chunks, tiles, resident, max(1, min_tiles * V2_TILE // tile))
+    return plan_kv_splits(batch * chunks, tiles, resident, max(1, min_tiles * V2_TILE // tile), None, overhead_tiles)
 
 
 _CACHE_LOCK = threading.Lock()
@@ -744,14 +751,17 @@ def v3_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
 
 def _packed_split_plan(key: tuple, attn, smem: int, threads: int, tile: int, slots_per_cta: int, fmt: PackFormat,
                        dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool, min_tiles: int,
-                       sink: int, local: int, index64: bool) -> SplitPlan:
+                       sink: int, local: int, index64: bool,
+                       overhead_tiles: float = CTA_OVERHEAD_TILES) -> SplitPlan:
     """The plan of a split kernel over packed tokens only (v3, v5): ``attn`` over 16-row chunks and
-    wave-planned splits of ``tile``-token tiles, each CTA writing ``slots_per_cta`` partials, then, when
-    the cache keeps sink/local tokens, the protected-only launch adding them as the last partials of
-    each row; cached under ``key``."""
+    wave-planned splits of ``tile``-token tiles (``overhead_tiles``: a CTA's fixed work, see
+    :func:`~quantmla_core.backends.splits.plan_kv_splits`), each CTA writing ``slots_per_cta`` partials,
+    then, when the cache keeps sink/local tokens, the protected-only launch adding them as the last
+    partials of each row; cached under ``key``."""
     resident = resident_ctas(attn, threads, smem, dev, sm_count)
     chunks = -(-rows // 16)
-    splits, per = plan_splits_v2(batch, chunks, max(1, max_pages) * fmt.page_size, resident, min_tiles, tile)
+    splits, per = plan_splits_v2(batch, chunks, max(1, max_pages) * fmt.page_size, resident, min_tiles, tile,
+                                 overhead_tiles)
     launches = [(attn, (batch * chunks, splits), (threads,), smem)]
     if not no_prot:
         launches.append(_protected_launch(fmt, dev, batch, rows, sink, local, index64))
@@ -854,7 +864,8 @@ def v5_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
     if plan is None:
         attn, smem = _v5_kernel(fmt, dev, knobs.lazy, index64)
         plan = _packed_split_plan(key, attn, smem, V5_WORKERS * 128, V5_TILE, V5_WORKERS, fmt, dev, sm_count, batch,
-                                  rows, max_pages, no_prot, knobs.min_tiles, sink, local, index64)
+                                  rows, max_pages, no_prot, knobs.min_tiles, sink, local, index64,
+                                  V5_CTA_OVERHEAD_TILES)
     return plan
 
 
