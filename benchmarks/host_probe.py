@@ -43,14 +43,19 @@ def graph_us(fn) -> float:
     return do_bench(graphed(fn), warmup=25, rep=200, return_mode="median") * 1e3
 
 
-def plan_rows(batch: int = 8, length: int = 4096, heads: int = 16) -> list[dict]:
-    """Eager qm.attention against plan.run (host us/call, eager and graph us) per backend and format."""
+def decode_inputs(batch: int, length: int, heads: int) -> tuple:
+    """(workload, q [B, H, d_c], q_rope [B, H, d_r], index keyword arguments) of one decode step, the
+    index arrays in the kernels' own dtypes (int32): a converted copy could not be graph-captured."""
     w = Workload(batch, length)
     q4, r4 = w.queries(heads)
-    q, r = q4[:, 0].contiguous(), r4[:, 0].contiguous()
-    # index arrays in the kernels' own dtypes (int32): a converted copy could not be graph-captured
     meta = {"block_table": w.table.int().contiguous(), "seq_lens": w.seq_lens.int().contiguous(),
             "seq_ids": w.seq_ids.int().contiguous()}
+    return w, q4[:, 0].contiguous(), r4[:, 0].contiguous(), meta
+
+
+def plan_rows(batch: int = 8, length: int = 4096, heads: int = 16) -> list[dict]:
+    """Eager qm.attention against plan.run (host us/call, eager and graph us) per backend and format."""
+    w, q, r, meta = decode_inputs(batch, length, heads)
     rows = []
     why = FlashInferMLA.available()
     if why is None:
@@ -93,11 +98,7 @@ def launch_via_cupy_call(fn, grid, block, args, device_index, smem=0, stream=Non
 def launch_rows(batch: int = 8, length: int = 4096, heads: int = 16) -> list[dict]:
     """CuPy qm.attention and plan.run with the driver launch and with CuPy's call (host us/call, eager
     do_bench us), FlashInfer BF16 eager beside; the outputs of both launch paths are checked equal."""
-    w = Workload(batch, length)
-    q4, r4 = w.queries(heads)
-    q, r = q4[:, 0].contiguous(), r4[:, 0].contiguous()
-    meta = {"block_table": w.table.int().contiguous(), "seq_lens": w.seq_lens.int().contiguous(),
-            "seq_ids": w.seq_ids.int().contiguous()}
+    w, q, r, meta = decode_inputs(batch, length, heads)
     rows = []
     if FlashInferMLA.available() is None:
         fi = FlashInferMLA(w, w.bf16_dense(), heads, 0.07)
