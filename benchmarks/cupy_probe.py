@@ -27,7 +27,7 @@ import sys
 import time
 
 import torch
-from quantmla_core.backends.cupy.attention import VARIANT_ENV, select_variant
+from quantmla_core.backends.cupy.attention import VARIANT_ENV, select_variant, variant_nvrtc
 from quantmla_core.backends.cupy.attention import attention as cupy_attention
 from quantmla_core.backends.torch.attention import attention as torch_attention
 
@@ -124,9 +124,10 @@ def probe_attention(name: str, heads: int, batch: int, length: int, s_q: int = 1
     results = []
     for variant in variants:
         with kernel_variant(variant):
-            # the decision the launcher makes for this call (block-table capacity, query rows)
-            ran, why = select_variant(fmt, "bfloat16", torch.cuda.get_device_capability(),
-                                      table.shape[1] * fmt.page_size, s_q * heads)
+            # the decision the launcher makes for this call (block-table capacity, query rows, NVRTC, batch)
+            capability = torch.cuda.get_device_capability()
+            ran, why = select_variant(fmt, "bfloat16", capability, table.shape[1] * fmt.page_size, s_q * heads,
+                                      variant_nvrtc(capability), batch)
             t = time.time()
             out, lse = cupy_attention(q, r, cache, table, lens, ids, scale)
             torch.cuda.synchronize()

@@ -204,6 +204,12 @@ def v2_unsupported_reasons(fmt: PackFormat, dtype: str) -> list[str]:
     return reasons
 
 
+def variant_nvrtc(capability: tuple[int, int]) -> tuple[int, int]:
+    """The NVRTC version :func:`select_variant` needs for a GPU of ``capability``: asked on compute
+    capability 9.0 (the sm_90a builds), elsewhere :data:`V4_WGMMA_NVRTC` (no build there depends on it)."""
+    return nvrtc_version() if tuple(capability) == V5_CAPABILITY else V4_WGMMA_NVRTC
+
+
 def select_variant(fmt: PackFormat, dtype: str, capability: tuple[int, int] | None = None,
                    max_tokens: int | None = None, rows: int | None = None,
                    nvrtc: tuple[int, int] = V4_WGMMA_NVRTC, batch: int | None = None) -> tuple[str, str | None]:
@@ -556,7 +562,7 @@ def prepare(cache, block_table, seq_lens, seq_ids, batch: int, s_q: int, heads: 
     dev = device.index if device.index is not None else torch.cuda.current_device()
     sm_count, capability = _device_info(dev)
     max_pages = int(block_table.shape[1])
-    nvrtc = nvrtc_version() if tuple(capability) == V5_CAPABILITY else V4_WGMMA_NVRTC
+    nvrtc = variant_nvrtc(capability)
     max_tokens = max_pages * fmt.page_size
     variant, _ = select_variant(fmt, dtype, capability, max_tokens, s_q * heads, nvrtc, batch)
     index64 = True
