@@ -63,6 +63,12 @@ def _variants() -> list[tuple[str, str, int, int, str, str]]:
 VARIANTS = _variants()
 
 
+def compile_all(builds: list, compile_one) -> dict:
+    """``compile_one`` over every build, in parallel (nvcc runs are independent): {build: its result}."""
+    with ThreadPoolExecutor(max_workers=2 * (os.cpu_count() or 2)) as pool:
+        return dict(zip(builds, pool.map(compile_one, builds)))
+
+
 def _nvcc_ptx(source: str, defines: dict[str, int], arch: str = "sm_90") -> tuple[int, str]:
     """(nvcc's return code, the PTX or else nvcc's messages) of ``kernels/<source>``."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -82,8 +88,7 @@ def _compile(v: tuple) -> tuple[int, str]:
 
 @lru_cache(maxsize=1)
 def _compiled() -> dict:
-    with ThreadPoolExecutor(max_workers=2 * (os.cpu_count() or 2)) as pool:
-        return dict(zip(VARIANTS, pool.map(_compile, VARIANTS)))
+    return compile_all(VARIANTS, _compile)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
@@ -163,8 +168,7 @@ def _compile_v2(v: tuple) -> tuple[int, str]:
 
 @lru_cache(maxsize=1)
 def _compiled_v2() -> dict:
-    with ThreadPoolExecutor(max_workers=2 * (os.cpu_count() or 2)) as pool:
-        return dict(zip(V2_VARIANTS, pool.map(_compile_v2, V2_VARIANTS)))
+    return compile_all(V2_VARIANTS, _compile_v2)
 
 
 def compile_cubin_and_ptx(source: str, arch: str, defines: dict[str, int]) -> tuple[int, str, str]:

@@ -7,8 +7,6 @@ with sink/local tokens. GPU: conformance against the reference on the v2 cases."
 
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 
 import numpy as np
@@ -23,6 +21,7 @@ from quantmla_core.backends.cupy.attention import (
     v3_smem_bytes,
 )
 from test_cupy_backend import (
+    compile_all,
     BIG,
     NVCC,
     V2_CASES,
@@ -64,8 +63,7 @@ def _compile_v3(v: tuple) -> tuple[int, str, str]:
 
 @lru_cache(maxsize=1)
 def _compiled_v3() -> dict:
-    with ThreadPoolExecutor(max_workers=2 * (os.cpu_count() or 2)) as pool:
-        return dict(zip(V3_BUILDS, pool.map(_compile_v3, V3_BUILDS)))
+    return compile_all(V3_BUILDS, _compile_v3)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")

@@ -9,8 +9,6 @@ many-row cases (H = 64 / 96 / 128, S_q > 1, rows that do not fill the last chunk
 
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 
 import numpy as np
@@ -32,6 +30,7 @@ from quantmla_core.backends.cupy.attention import (
     v4_uses_wgmma,
 )
 from test_cupy_backend import (
+    compile_all,
     BIG,
     NVCC,
     V2_CASES,
@@ -80,8 +79,7 @@ def _compile_v4(v: tuple) -> tuple[int, str, str]:
 
 @lru_cache(maxsize=1)
 def _compiled_v4() -> dict:
-    with ThreadPoolExecutor(max_workers=2 * (os.cpu_count() or 2)) as pool:
-        return dict(zip(V4_BUILDS, pool.map(_compile_v4, V4_BUILDS)))
+    return compile_all(V4_BUILDS, _compile_v4)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")

@@ -10,8 +10,6 @@ requests, S_q > 1, row counts that do not fill a 16-row chunk, every page size, 
 
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 
 import numpy as np
@@ -35,6 +33,7 @@ from quantmla_core.backends.cupy.attention import (
     v5_unsupported_reasons,
 )
 from test_cupy_backend import (
+    compile_all,
     BIG,
     NVCC,
     V2_CASES,
@@ -66,8 +65,7 @@ def _compile_v5(v: tuple) -> tuple[int, str, str]:
 
 @lru_cache(maxsize=1)
 def _compiled_v5() -> dict:
-    with ThreadPoolExecutor(max_workers=2 * (os.cpu_count() or 2)) as pool:
-        return dict(zip(V5_BUILDS, pool.map(_compile_v5, V5_BUILDS)))
+    return compile_all(V5_BUILDS, _compile_v5)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
