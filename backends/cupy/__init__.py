@@ -13,6 +13,7 @@ the backend unavailable with a reason.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import hashlib
 import os
@@ -237,12 +238,9 @@ def launch(fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, devic
     params = pack_args(args)
     gx, gy, gz = (*grid, 1, 1)[:3]
     bx, by, bz = (*block, 1, 1)[:3]
-    if cupy.cuda.runtime.getDevice() == device_index:
+    on_device = cupy.cuda.runtime.getDevice() == device_index
+    with contextlib.nullcontext() if on_device else cupy.cuda.Device(device_index):
         cupy.cuda.driver.launchKernel(function_ptr(fn), gx, gy, gz, bx, by, bz, smem, stream.ptr, params.address, 0)
-    else:
-        with cupy.cuda.Device(device_index):
-            cupy.cuda.driver.launchKernel(function_ptr(fn), gx, gy, gz, bx, by, bz, smem, stream.ptr, params.address,
-                                          0)
 
 
 def function_ptr(fn) -> int:
