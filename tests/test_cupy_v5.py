@@ -73,7 +73,7 @@ def _compiled_v5() -> dict:
 def test_v5_compiles_without_spills(build):
     """Every served build compiles for sm_90a (its static_asserts hold, among them the launcher's
     shared-memory size) without spills; QK is (d_c + d_r) / 16 m64n16k16 wgmma with A from registers,
-    committed in chunks of 4 k-steps of which one may stay in flight, PV d_c / 64 x 4 from shared memory
+    committed in chunks of 4 k-steps (8 for 2-bit content) of which one may stay in flight, PV d_c / 64 x 4 from shared memory
     (A, the key tile, read MN-major) with one commit; the content fragments go to the key tile by
     stmatrix, P^T by stmatrix.trans; ptxas serializes no wgmma."""
     rc, text, ptx = _compiled_v5()[build]
@@ -87,11 +87,12 @@ def test_v5_compiles_without_spills(build):
     assert ptx.count(wgmma) == ksteps + dc // 64 * 4
     assert ptx.count("p, 1, 1, 1, 0;") == dc // 64 * 4  # PV: A (the key tile) read MN-major
     assert ptx.count("p, 1, 1, 0; }") == ksteps  # QK: A from registers
-    chunks = -(-ksteps // 4)
+    chunks = -(-ksteps // (8 if _name.startswith("C2") else 4))  # QMLA_V5_KCHUNK: 8 k-steps for 2-bit content
     assert ptx.count("wgmma.commit_group.sync.aligned") == chunks + 1
     assert ptx.count("wgmma.wait_group.sync.aligned 1") == chunks - 2
     assert ptx.count("wgmma.wait_group.sync.aligned 0") == 3  # QK; PV, deferred to the next tile or after the loop
-    assert "cp.async.cg.shared.global" in ptx  # the stage by cp.async
+    # the stage by cp.async: content codes through L1 (.ca), with immediate offsets; the small sections by .cg
+    assert "cp.async.ca.shared.global [%r" in ptx and "cp.async.cg.shared.global" in ptx
     assert ptx.count("stmatrix.sync.aligned.m8n8.x4.shared.b16") == dc // 16  # one per content k-step
     assert "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx and "fence.proxy.async.shared::cta" in ptx
     assert "mma.sync" not in ptx and "ldmatrix" not in ptx and "fma.rn.bf16x2" in ptx
@@ -100,10 +101,10 @@ def test_v5_compiles_without_spills(build):
 
 def test_v5_smem_layout():
     # C4R4: per worker the key tile (the 8 content column blocks of 64 rows x 128 B), P^T 16 x 128 B, the
-    # column statistics 4 x 16 floats and one stage of 64 x 317 B, rounded to 1 KB; the queries 9 x 16 x 128 B;
-    # 1 KB to align the base
+    # column statistics 4 x 16 floats, 16 bytes of new-maximum flags and one stage of 64 x 317 B, rounded to 1 KB;
+    # the queries 9 x 16 x 128 B; 1 KB to align the base
     fmt = qm.PackFormat.parse("C4R4")
-    worker = -(-(8 * 64 * 128 + 16 * 128 + 4 * 16 * 4 + stage_bytes(fmt, 64, False)) // 1024) * 1024
+    worker = -(-(8 * 64 * 128 + 16 * 128 + 4 * 16 * 4 + 16 + stage_bytes(fmt, 64, False)) // 1024) * 1024
     assert stage_bytes(fmt, 64, False) == 64 * 317
     assert v5_smem_bytes(fmt) == 2 * worker + 9 * 16 * 128 + 1024 <= smem_per_block((9, 0))
     assert v5_defines(fmt)["QMLA_V5_SMEM"] == v5_smem_bytes(fmt) and v5_defines(fmt)["QMLA_V5_LAZY_RESCALE"] == 1

@@ -365,10 +365,11 @@ def v4_uses_wgmma(mma: str, capability: tuple[int, int] | None, nvrtc: tuple[int
 def v5_smem_bytes(fmt: PackFormat) -> int:
     """Dynamic shared memory of one v5 block (mirrors SMEM_TOTAL in attention_v5.cu): per worker
     (1024-byte aligned) the 128-byte-swizzled key tile of the content channels (64-channel column
-    blocks of 64 rows), P^T (bf16 [16][64]), column statistics (float [4][16]) and one stage; then
+    blocks of 64 rows), P^T (bf16 [16][64]), column statistics (float [4][16]), 16 bytes of the
+    warps' new-maximum flags and one stage; then
     the queries (16 rows of d_c + d_r channels in column blocks), plus 1 KB to align the base."""
     blocks = -(-(fmt.latent_dim + fmt.rope_dim) // 64)
-    worker = (V5_TILE * (fmt.latent_dim // 64) * 128 + V5_ROWS * V5_TILE * 2 + 4 * V5_ROWS * 4
+    worker = (V5_TILE * (fmt.latent_dim // 64) * 128 + V5_ROWS * V5_TILE * 2 + 4 * V5_ROWS * 4 + 16
               + stage_bytes(fmt, V5_TILE, flags=False))
     return V5_WORKERS * (-(-worker // 1024) * 1024) + blocks * V5_ROWS * 128 + 1024
 

@@ -36,6 +36,11 @@
 // Shared memory (C4R4): per worker 64 KB K + 2 KB P + 20 KB stage; 18 KB queries: one CTA per SM.
 #include "common.cuh"
 
+#ifndef QMLA_V5_MAX_SLACK
+// log2 units a score may pass its column's reference maximum before the reference moves (see the softmax);
+// H200, H16 C4R4/C2R4: 8 took 1-3 % off the time of an exact running maximum (0: every new maximum moves it)
+#define QMLA_V5_MAX_SLACK 8.0f
+#endif
 #ifndef QMLA_V5_LAZY_RESCALE
 #define QMLA_V5_LAZY_RESCALE 1  // skip the output rescale while no column's maximum moves (bit-identical)
 #endif
@@ -83,7 +88,9 @@ static_assert(QMLA_GR == DR, "one RoPE group per token");
 #define SPC (KCH / 2)         // slice pairs of a byte pair (k-steps per byte pair)
 #define KSC (DC / 16)         // content k-steps
 #ifndef QMLA_V5_KCHUNK
-#define QMLA_V5_KCHUNK 4      // QK k-steps per chunk of A fragments (double-buffered)
+// QK k-steps per chunk of A fragments (double-buffered). H200, H16 B32/B128 L32K/L128K: 8 took 3-4 % off
+// C2R4 and nothing off C4R4 (stop 21); 4 holds fewer registers
+#define QMLA_V5_KCHUNK ((CBITS == 2) ? 8 : 4)
 #endif
 #define KCK QMLA_V5_KCHUNK
 #define NKC ((KSTEPS + KCK - 1) / KCK)  // QK chunks
@@ -119,7 +126,8 @@ __device__ __forceinline__ u32 v5_code2(u32 x, u32 c43) {
 #define W_KT 0                          // key tile (content channels, PV's A operand), bf16 [NCBK][T][64]
 #define W_PT (T * NCBK * 128)           // P^T, bf16 [RT][T]: one swizzled 128-byte row per query row
 #define W_RED (W_PT + RT * T * 2)       // float [4 warps][RT]: column maxima, then row sums
-#define W_STG (W_RED + 4 * RT * 4)      // the worker's stage
+#define W_FLG (W_RED + 4 * RT * 4)      // u8 [4 warps]: a column maximum of the tile passed the running one
+#define W_STG (W_FLG + 16)              // the worker's stage
 #define WK_BYTES ((W_STG + STAGE_BYTES + 1023) / 1024 * 1024)
 #define QT_OFF (NWG * WK_BYTES)         // queries, bf16 [NCB][RT][64]
 #define SMEM_TOTAL (QT_OFF + NCB * RT * 128 + 1024)
@@ -131,6 +139,138 @@ static_assert(RT * OT_STRIDE * 4 <= W_PT, "a worker's partial-output tile reuses
 
 // barrier of worker wg's 128 threads (ids 1, 2)
 __device__ __forceinline__ void v5_worker_sync(int wg) { asm volatile("bar.sync %0, 128;" ::"r"(wg + 1) : "memory"); }
+
+// P of this thread's 8 scores, 2^(S - m) over the columns' maxima m (-inf: 0 subtracted), to P^T in
+// shared memory by one stmatrix.trans: matrix (i, h) holds tokens 16 ww + 8 h + g8, columns 8 i + 2 q4 (+ 1),
+// stored as P^T rows 8 i + ...; ps: this thread's sum of its two tokens' p per column
+__device__ __forceinline__ void v5_p_tile(const float (&S)[8], const float (&m)[2][2], float (&ps)[2][2], u32 p_lane) {
+    float p[8];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const float u = (m[i][e] == -QMLA_INF) ? 0.0f : m[i][e];
+            p[4 * i + e] = exp2f(S[4 * i + e] - u);
+            p[4 * i + 2 + e] = exp2f(S[4 * i + 2 + e] - u);
+            ps[i][e] = p[4 * i + e] + p[4 * i + 2 + e];
+        }
+    }
+    stsm_x4_t(p_lane, pack_bf16x2(p[0], p[1]), pack_bf16x2(p[2], p[3]), pack_bf16x2(p[4], p[5]), pack_bf16x2(p[6], p[7]));
+}
+
+#define QLD (RT * (DT / 2) / (NWG * NTH))  // query channel pairs staged per thread
+static_assert(RT * (DT / 2) % (NWG * NTH) == 0, "the query pairs split evenly over the CTA");
+
+// ---------------------------------------------------------------- the stage copies of a tile
+// stage.cuh's qmla_issue_stage derives every address from the thread index on each call (~120 SASS
+// instructions per warp and tile, H200 profile). Here a thread's chunks are fixed for the kernel: its
+// content chunk k lies 16 NTH k bytes after its first in the page and (NTH / NCT) CB k bytes after it in
+// the stage (v5_cswz depends on t % 2 only), so each is one cp.async with immediate offsets; its
+// small-section chunks (RoPE codes, scales, zero points) are worked out once.
+#define NCC ((CH_C + NTH - 1) / NTH)     // content chunks per thread and segment
+#define NSK ((CH_SMALL + NTH - 1) / NTH) // small-section chunks ...
+static_assert(NTH % NCT == 0 && (NTH / NCT) % 2 == 0 && SEGT % 2 == 0 && NCT <= 16, "v5_cswz repeats every 2 tokens");
+
+// v5's order of a content code row in the stage (not stage.cuh's): lane (g8, q4) reads 16-byte chunks
+// CPL q4 .. CPL q4 + CPL - 1 (CPL = BL / 16) of its tokens, one LDS.128 per chunk, and the 8 lanes of a
+// load phase (tokens t, t + 1 x quads 0..3) must hit 8 different 16-byte bank slots (chunk index mod 8).
+// Chunk u of token t sits at u ^ v5_cswz(t, u): CPL 4 (C4R4 at d_c 512) flips bit 0 by bit 3 of u (quads
+// 0 and 2 otherwise share a slot) and bit 1 by the token's parity; CPL 2 flips bit 0 by the parity; CPL 1
+// needs nothing (a row is half a bank window). stage.cuh's order measured 4-way conflicts on these loads
+// (C4R4; C2R4 2-way; H200 profile). Depends on t % 2 only, as the copies' immediate offsets need.
+__device__ __forceinline__ int v5_cswz(int t, int u) {
+    if constexpr (NCT >= 16) return ((u >> 3) & 1) ^ ((t & 1) << 1);
+    else if constexpr (NCT == 8) return t & 1;
+    else return 0;
+}
+
+// byte offset of content chunk u of token t in the stage
+__device__ __forceinline__ int v5_coff(int t, int u) { return t * CB + ((u ^ v5_cswz(t, u)) << 4); }
+
+// .ca (through L1) rather than .cg: H200, H16 B32/B128 L32K/L128K, 1.5-3 % faster for both formats (stop 21)
+template <int DOFF, int SOFF>
+__device__ __forceinline__ void v5_cp16(u32 dst, const u8* src) {
+    asm volatile("cp.async.ca.shared.global [%0+%2], [%1+%3], 16;" ::"r"(dst), "l"(src), "n"(DOFF), "n"(SOFF)
+                 : "memory");
+}
+
+// content chunks K .. NCC - 1 of this thread (chunk index tid + NTH k < CH_C); whole rounds unguarded
+template <int K>
+__device__ __forceinline__ void v5_copy_content(u32 dst, const u8* src, int tid) {
+    if constexpr (K < NCC) {
+        if (CH_C % NTH == 0 || K + 1 < NCC || tid + K * NTH < CH_C) v5_cp16<K * (NTH / NCT) * CB, K * NTH * 16>(dst, src);
+        v5_copy_content<K + 1>(dst, src, tid);
+    }
+}
+
+// one small-section chunk of this thread: stage and page offsets of segment 0, bytes per token of its
+// section (for the segment and slot offsets), and for scales the zero fill of tokens past L
+struct V5Chunk {
+    u32 dst;   // shared address in the stage, segment 0
+    int src;   // byte offset in the page, slot 0
+    int wtok;  // bytes per token of its section
+    int wz;    // scale bytes per token (0: copied whole)
+    int zoff;  // copied bytes = clamp((L - n0) wz - zoff, 0, 16)
+    bool ok;   // the thread has this chunk
+};
+
+__device__ __forceinline__ V5Chunk v5_small_chunk(int r, u32 stage) {
+    V5Chunk c;
+    c.ok = r < CH_SMALL;
+    c.wz = 0;
+    c.zoff = -16;
+    if (r < CH_R) {
+        c.dst = stage + SO_R + 16 * r, c.src = QMLA_OFF_RC + 16 * r, c.wtok = RB;
+    } else if ((r -= CH_R) < CH_CS) {
+        c.dst = stage + SO_CS + 16 * r, c.src = QMLA_OFF_CS + 16 * r, c.wtok = NGC * CSZ;
+        c.wz = NGC * CSZ, c.zoff = 16 * r;
+    } else if ((r -= CH_CS) < CH_CZ) {
+        c.dst = stage + SO_CZ + 16 * r, c.src = QMLA_OFF_CZ + 16 * r, c.wtok = NGC;
+    } else if ((r -= CH_CZ) < CH_RS) {
+        c.dst = stage + SO_RS + 16 * r, c.src = QMLA_OFF_RS + 16 * r, c.wtok = RSZ;
+        c.wz = RSZ, c.zoff = 16 * r;
+    } else {
+        r -= CH_RS;
+        c.dst = stage + SO_RZ + 16 * r, c.src = QMLA_OFF_RZ + 16 * r, c.wtok = 1;
+    }
+    return c;
+}
+
+// Page ids of the NSEG page segments of tile tt as the table holds them (-1 past L or the table): the
+// check against the pool is left to the copies, so that nothing waits on the load until they run.
+__device__ __forceinline__ void v5_load_pages(int tt, int (&pgs)[NSEG], const int* __restrict__ bt_row, int L,
+                                              int max_pages) {
+#pragma unroll
+    for (int sg = 0; sg < NSEG; ++sg) {
+        const int n0 = tt + sg * SEGT;
+        pgs[sg] = (n0 < L && n0 / QMLA_P < max_pages) ? bt_row[n0 / QMLA_P] : -1;
+    }
+}
+
+// tile tt -> the stage, as qmla_issue_stage: missing pages (pgs outside [0, num_pages)) skipped, scales of
+// tokens past L zero-filled.
+// c_dst / c_src: this thread's first content chunk (stage address, page offset) in segment 0.
+__device__ __forceinline__ void v5_issue_stage(const u8* __restrict__ pages, const int (&pgs)[NSEG], int num_pages, int tt, int L,
+                                               u32 c_dst, int c_src, const V5Chunk (&sk)[NSK], int tid) {
+#pragma unroll
+    for (int sg = 0; sg < NSEG; ++sg) {
+        if (pgs[sg] >= 0 && pgs[sg] < num_pages) {  // uniform
+            const int n0 = tt + sg * SEGT;
+            const int slot0 = (QMLA_P > T) ? n0 % QMLA_P : 0;  // else segments start pages
+            const u8* page = pages + (i64)pgs[sg] * QMLA_PAGE_BYTES;
+            v5_copy_content<0>(c_dst + sg * SEGT * CB, page + QMLA_OFF_CC + slot0 * CB + c_src, tid);
+#pragma unroll
+            for (int k = 0; k < NSK; ++k) {
+                if (sk[k].ok) {
+                    const int bytes = min(max((L - n0) * sk[k].wz - sk[k].zoff, 0), 16);
+                    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(sk[k].dst + sg * SEGT * sk[k].wtok),
+                                 "l"(page + sk[k].src + slot0 * sk[k].wtok), "r"(bytes)
+                                 : "memory");
+                }
+            }
+        }
+    }
+}
 
 extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
     const u16* __restrict__ q_lat, const u16* __restrict__ q_rope, const u8* __restrict__ pages,
@@ -151,6 +291,7 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
     u8* kt = wk + W_KT;
     u8* stg = wk + W_STG;
     float* red = (float*)(wk + W_RED);
+    u8* flg = wk + W_FLG;
 
     const int R = S_q * H;
     const int NCHK = (R + RT - 1) / RT;
@@ -188,28 +329,42 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
 
     if (t_begin < t_end) {
         // ------------------------------------------------------------ queries [RT][DT] in QK's channel order
-        // (rows >= R: zeros), one pair of channels at a time
-        for (int idx = threadIdx.x; idx < RT * (DT / 2); idx += NWG * NTH) {
-            const int row = idx / (DT / 2), lp = idx % (DT / 2), pc = v5_qk_channel(2 * lp);
-            u32 v = 0u;
+        // (rows >= R: zeros), one pair of channels per load; a thread's loads all go out before its stores
+        u32 qv[QLD];
+#pragma unroll
+        for (int k = 0; k < QLD; ++k) {
+            const int idx = threadIdx.x + k * NWG * NTH, row = idx / (DT / 2), pc = v5_qk_channel(2 * (idx % (DT / 2)));
+            qv[k] = 0u;
             if (rbase + row < R) {
                 const i64 qrow = (i64)b * R + rbase + row;
-                v = pc < DC ? *(const u32*)(q_lat + qrow * DC + pc) : *(const u32*)(q_rope + qrow * DR + (pc - DC));
+                qv[k] = pc < DC ? *(const u32*)(q_lat + qrow * DC + pc) : *(const u32*)(q_rope + qrow * DR + (pc - DC));
             }
-            *(u32*)(smem + QT_OFF + sw128_chunk(row, lp >> 2, RT) + 4 * (lp & 3)) = v;
         }
-        auto load_pages = [&](int tt, int (&pgs)[NSEG]) {
-            qmla_load_pages(tt, pgs, block_table + (i64)b * bt_stride, L, max_pages, num_pages);
-        };
+#pragma unroll
+        for (int k = 0; k < QLD; ++k) {
+            const int idx = threadIdx.x + k * NWG * NTH, row = idx / (DT / 2), lp = idx % (DT / 2);
+            *(u32*)(smem + QT_OFF + sw128_chunk(row, lp >> 2, RT) + 4 * (lp & 3)) = qv[k];
+        }
+        const int* bt_row = block_table + (i64)b * bt_stride;
+        // this thread's stage copies (fixed): its first content chunk, its small-section chunks
+        const u32 stg_s = smem_addr(stg);
+        const int ct = tid / NCT;
+        const u32 c_dst = stg_s + v5_coff(ct, tid % NCT);
+        const int c_src = 16 * tid;
+        V5Chunk sk[NSK];
+#pragma unroll
+        for (int k = 0; k < NSK; ++k) sk[k] = v5_small_chunk(tid + k * NTH, stg_s);
+        // page ids of the worker's next tile to stage, loaded one tile ahead of their use (v5_load_pages)
         int pgs[NSEG];
         const int my_begin = t_begin + wg * T;
         if (my_begin < t_end) {
             // zero the stage once: bytes never copied (missing pages) stay finite codes and scales
             for (int k = tid; k < STAGE_BYTES / 16; k += NTH) ((uint4*)stg)[k] = make_uint4(0u, 0u, 0u, 0u);
             v5_worker_sync(wg);
-            load_pages(my_begin, pgs);
-            qmla_issue_stage(stg, pages, pgs, my_begin, L, tid);
+            v5_load_pages(my_begin, pgs, bt_row, L, max_pages);
+            v5_issue_stage(pages, pgs, num_pages, my_begin, L, c_dst, c_src, sk, tid);
             cp_async_commit();
+            v5_load_pages(my_begin + NWG * T, pgs, bt_row, L, max_pages);
         }
         fence_proxy_async();  // the query stores, for wgmma's reads
         __syncthreads();      // queries visible to both workers
@@ -246,7 +401,7 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
                 const int t = tq[tk];
 #pragma unroll
                 for (int v = 0; v < BL / 16; ++v) {
-                    const uint4 x = *(const uint4*)(stg + qmla_coff(t, BL * q4 + 16 * v));
+                    const uint4 x = *(const uint4*)(stg + v5_coff(t, (BL / 16) * q4 + v));
                     wc[tk][4 * v] = x.x, wc[tk][4 * v + 1] = x.y, wc[tk][4 * v + 2] = x.z, wc[tk][4 * v + 3] = x.w;
                 }
                 if constexpr (RBL == 8) {
@@ -283,8 +438,11 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
             for (int mb = 0; mb < NMB; ++mb) wgmma_fence_operand(acc[mb]);
             v5_worker_sync(wg);  // every thread has read the stage and is past the previous tile's PV (K, P free)
             if (t0 + NWG * T < t_end) {
-                load_pages(t0 + NWG * T, pgs);
-                qmla_issue_stage(stg, pages, pgs, t0 + NWG * T, L, tid);
+                int cur[NSEG];
+#pragma unroll
+                for (int sg = 0; sg < NSEG; ++sg) cur[sg] = pgs[sg];
+                v5_load_pages(t0 + 2 * NWG * T, pgs, bt_row, L, max_pages);  // the next tile's copies use them
+                v5_issue_stage(pages, cur, num_pages, t0 + NWG * T, L, c_dst, c_src, sk, tid);
                 cp_async_commit();
             }
 
@@ -376,6 +534,12 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
                     mx[i][e] = m;
                 }
             }
+            // a column's maximum passed its reference maximum by more than the slack in this warp (a first
+            // finite score always does: -inf + slack)
+            const bool moved = __any_sync(0xffffffffu, mx[0][0] > m_run[0][0] + QMLA_V5_MAX_SLACK ||
+                                                           mx[0][1] > m_run[0][1] + QMLA_V5_MAX_SLACK ||
+                                                           mx[1][0] > m_run[1][0] + QMLA_V5_MAX_SLACK ||
+                                                           mx[1][1] > m_run[1][1] + QMLA_V5_MAX_SLACK);
             if (g8 == 0) {
 #pragma unroll
                 for (int i = 0; i < 2; ++i) {
@@ -383,31 +547,45 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
                     red[ww * RT + 8 * i + 2 * q4 + 1] = mx[i][1];
                 }
             }
-            v5_worker_sync(wg);  // the four warps' maxima
+            if (lane == 0) flg[ww] = moved ? 1 : 0;
 
             // -------------------------------------------------------- softmax (base 2), P^T to shared memory
-            float al[2][2];
+            // m_run is each column's reference maximum, not always the running one: P = 2^(S - m_run) stays
+            // below 2^QMLA_V5_MAX_SLACK, which float32 sums and bf16 P hold exactly as well as values <= 1. P is
+            // first made from it, so one barrier publishes P^T and the warps' flags; only where some warp saw
+            // a score past the slack (the first tiles) does every warp raise the reference to the maxima of the
+            // four warps and redo P behind a second barrier.
+            float al[2][2], ps[2][2];
+            v5_p_tile(S, m_run, ps, p_lane);
+            fence_proxy_async();
+            v5_worker_sync(wg);  // P^T, the flags and the maxima visible
+            if (*(const u32*)flg != 0u) {  // the same word for every thread of the worker: a uniform branch
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int col = 8 * i + 2 * q4 + e;
+                        const float mt = fmaxf(fmaxf(m_run[i][e], fmaxf(red[col], red[RT + col])),
+                                               fmaxf(red[2 * RT + col], red[3 * RT + col]));
+                        al[i][e] = exp2f(m_run[i][e] - ((mt == -QMLA_INF) ? 0.0f : mt));
+                        m_run[i][e] = mt;
+                    }
+                }
+                v5_p_tile(S, m_run, ps, p_lane);
+                fence_proxy_async();
+                v5_worker_sync(wg);  // the new P^T visible; every warp has read the maxima and flags
+            } else {
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) al[i][e] = (m_run[i][e] == -QMLA_INF) ? 0.0f : 1.0f;  // 2^(m - m), 2^-inf
+                }
+            }
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int col = 8 * i + 2 * q4 + e;
-                    const float mt = fmaxf(fmaxf(m_run[i][e], fmaxf(red[col], red[RT + col])),
-                                           fmaxf(red[2 * RT + col], red[3 * RT + col]));
-                    const float u = (mt == -QMLA_INF) ? 0.0f : mt;
-                    al[i][e] = exp2f(m_run[i][e] - u);
-                    m_run[i][e] = mt;
-                    const float p0 = exp2f(S[4 * i + e] - u), p1 = exp2f(S[4 * i + 2 + e] - u);
-                    S[4 * i + e] = p0;
-                    S[4 * i + 2 + e] = p1;
-                    l_run[i][e] = l_run[i][e] * al[i][e] + (p0 + p1);
-                }
+                for (int e = 0; e < 2; ++e) l_run[i][e] = l_run[i][e] * al[i][e] + ps[i][e];
             }
-            // matrix (i, h): tokens 16 ww + 8 h + g8, columns 8 i + 2 q4 (+ 1), stored as P^T rows 8 i + ...
-            stsm_x4_t(p_lane, pack_bf16x2(S[0], S[1]), pack_bf16x2(S[2], S[3]), pack_bf16x2(S[4], S[5]),
-                      pack_bf16x2(S[6], S[7]));
-            fence_proxy_async();
-            v5_worker_sync(wg);  // P^T visible (every warp's tokens); the maxima read
 
             // -------------------------------------------------------- PV: O^T[d_c][16] += K^T P^T
             if (!QMLA_V5_LAZY_RESCALE ||
