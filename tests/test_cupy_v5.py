@@ -30,6 +30,7 @@ from quantmla_core.backends.cupy.attention import (
     stage_bytes,
     v5_defines,
     v5_smem_bytes,
+    v5_stages,
     v5_unsupported_reasons,
 )
 from test_cupy_backend import (
@@ -78,6 +79,7 @@ def test_v5_compiles_without_spills(build):
     stmatrix, P^T by stmatrix.trans; ptxas serializes no wgmma."""
     rc, text, ptx = _compiled_v5()[build]
     assert rc == 0, f"nvcc failed for v5 {build}:\n{text[-4000:]}"
+    assert "warning #" not in text, text  # e.g. #549-D, a variable read in its own initializer (stop 21)
     use = ptxas_usage(text)
     print(f"v5 {build}: {use}")
     assert use["spill_stores"] == 0 and use["spill_loads"] == 0 and use["stack"] == 0, f"v5 {build} spills: {use}"
@@ -91,8 +93,8 @@ def test_v5_compiles_without_spills(build):
     assert ptx.count("wgmma.commit_group.sync.aligned") == chunks + 1
     assert ptx.count("wgmma.wait_group.sync.aligned 1") == chunks - 2
     assert ptx.count("wgmma.wait_group.sync.aligned 0") == 3  # QK; PV, deferred to the next tile or after the loop
-    # the stage by cp.async: content codes through L1 (.ca), with immediate offsets; the small sections by .cg
-    assert "cp.async.ca.shared.global [%r" in ptx and "cp.async.cg.shared.global" in ptx
+    # the stage by cp.async through L1 (.ca), the content codes with immediate offsets
+    assert "cp.async.ca.shared.global [%r" in ptx and "cp.async.cg" not in ptx
     assert ptx.count("stmatrix.sync.aligned.m8n8.x4.shared.b16") == dc // 16  # one per content k-step
     assert "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx and "fence.proxy.async.shared::cta" in ptx
     assert "mma.sync" not in ptx and "ldmatrix" not in ptx and "fma.rn.bf16x2" in ptx
@@ -111,6 +113,13 @@ def test_v5_smem_layout():
     assert v5_defines(fmt, lazy_rescale=False)["QMLA_V5_LAZY_RESCALE"] == 0
     small = qm.PackFormat.parse("C2R4", 256, 32)
     assert v5_smem_bytes(small) < v5_smem_bytes(fmt)
+    # two stages per worker wherever they fit (C2R4 at d_c 512: 64 x 189 B each), one for C4R4 at d_c 512
+    assert v5_stages(fmt) == 1 and v5_smem_bytes(fmt, 2) > smem_per_block((9, 0))
+    c2 = qm.PackFormat.parse("C2R4")
+    assert stage_bytes(c2, 64, False) == 64 * 189 and v5_stages(c2) == 2 == v5_defines(c2)["QMLA_V5_STAGES"]
+    assert v5_smem_bytes(c2) == 2 * (-(-(8 * 64 * 128 + 16 * 128 + 4 * 16 * 4 + 16 + 2 * 64 * 189) // 1024) * 1024) \
+        + 9 * 16 * 128 + 1024 <= smem_per_block((9, 0))
+    assert v5_stages(small) == 2
 
 
 def test_v5_unsupported_reasons():

@@ -41,6 +41,13 @@
 // H200, H16 C4R4/C2R4: 8 took 1-3 % off the time of an exact running maximum (0: every new maximum moves it)
 #define QMLA_V5_MAX_SLACK 8.0f
 #endif
+#ifndef QMLA_V5_STAGES
+// stages per worker: 2 where shared memory holds them (the launcher's v5_stages: not C4R4 at d_c 512), so a
+// tile's copies are issued two of the worker's tiles ahead; H200 profile, one stage: C2R4 warps stalled 7 %
+// of the time on the copies of the tile they were about to read
+#define QMLA_V5_STAGES 1
+#endif
+#define NSTG QMLA_V5_STAGES
 #ifndef QMLA_V5_LAZY_RESCALE
 #define QMLA_V5_LAZY_RESCALE 1  // skip the output rescale while no column's maximum moves (bit-identical)
 #endif
@@ -127,8 +134,8 @@ __device__ __forceinline__ u32 v5_code2(u32 x, u32 c43) {
 #define W_PT (T * NCBK * 128)           // P^T, bf16 [RT][T]: one swizzled 128-byte row per query row
 #define W_RED (W_PT + RT * T * 2)       // float [4 warps][RT]: column maxima, then row sums
 #define W_FLG (W_RED + 4 * RT * 4)      // u8 [4 warps]: a column maximum of the tile passed the running one
-#define W_STG (W_FLG + 16)              // the worker's stage
-#define WK_BYTES ((W_STG + STAGE_BYTES + 1023) / 1024 * 1024)
+#define W_STG (W_FLG + 16)              // the worker's NSTG stages
+#define WK_BYTES ((W_STG + NSTG * STAGE_BYTES + 1023) / 1024 * 1024)
 #define QT_OFF (NWG * WK_BYTES)         // queries, bf16 [NCB][RT][64]
 #define SMEM_TOTAL (QT_OFF + NCB * RT * 128 + 1024)
 #ifdef QMLA_V5_SMEM
@@ -187,7 +194,8 @@ __device__ __forceinline__ int v5_cswz(int t, int u) {
 // byte offset of content chunk u of token t in the stage
 __device__ __forceinline__ int v5_coff(int t, int u) { return t * CB + ((u ^ v5_cswz(t, u)) << 4); }
 
-// .ca (through L1) rather than .cg: H200, H16 B32/B128 L32K/L128K, 1.5-3 % faster for both formats (stop 21)
+// .ca (through L1) rather than .cg, here and for the small sections: the H200 profile counts 3 shared-memory
+// wavefronts per 128 bytes for .cg copies and 1 for .ca; H16 B32/B128 L32K/L128K 1.5-3 % faster (stop 21)
 template <int DOFF, int SOFF>
 __device__ __forceinline__ void v5_cp16(u32 dst, const u8* src) {
     asm volatile("cp.async.ca.shared.global [%0+%2], [%1+%3], 16;" ::"r"(dst), "l"(src), "n"(DOFF), "n"(SOFF)
@@ -249,21 +257,22 @@ __device__ __forceinline__ void v5_load_pages(int tt, int (&pgs)[NSEG], const in
 
 // tile tt -> the stage, as qmla_issue_stage: missing pages (pgs outside [0, num_pages)) skipped, scales of
 // tokens past L zero-filled.
-// c_dst / c_src: this thread's first content chunk (stage address, page offset) in segment 0.
+// c_dst / c_src: this thread's first content chunk (stage address, page offset) in segment 0; boff: the
+// stage's offset from stage 0.
 __device__ __forceinline__ void v5_issue_stage(const u8* __restrict__ pages, const int (&pgs)[NSEG], int num_pages, int tt, int L,
-                                               u32 c_dst, int c_src, const V5Chunk (&sk)[NSK], int tid) {
+                                               u32 c_dst, int c_src, const V5Chunk (&sk)[NSK], u32 boff, int tid) {
 #pragma unroll
     for (int sg = 0; sg < NSEG; ++sg) {
         if (pgs[sg] >= 0 && pgs[sg] < num_pages) {  // uniform
             const int n0 = tt + sg * SEGT;
             const int slot0 = (QMLA_P > T) ? n0 % QMLA_P : 0;  // else segments start pages
             const u8* page = pages + (i64)pgs[sg] * QMLA_PAGE_BYTES;
-            v5_copy_content<0>(c_dst + sg * SEGT * CB, page + QMLA_OFF_CC + slot0 * CB + c_src, tid);
+            v5_copy_content<0>(c_dst + boff + sg * SEGT * CB, page + QMLA_OFF_CC + slot0 * CB + c_src, tid);
 #pragma unroll
             for (int k = 0; k < NSK; ++k) {
                 if (sk[k].ok) {
                     const int bytes = min(max((L - n0) * sk[k].wz - sk[k].zoff, 0), 16);
-                    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(sk[k].dst + sg * SEGT * sk[k].wtok),
+                    asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"(sk[k].dst + boff + sg * SEGT * sk[k].wtok),
                                  "l"(page + sk[k].src + slot0 * sk[k].wtok), "r"(bytes)
                                  : "memory");
                 }
@@ -358,13 +367,18 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
         int pgs[NSEG];
         const int my_begin = t_begin + wg * T;
         if (my_begin < t_end) {
-            // zero the stage once: bytes never copied (missing pages) stay finite codes and scales
-            for (int k = tid; k < STAGE_BYTES / 16; k += NTH) ((uint4*)stg)[k] = make_uint4(0u, 0u, 0u, 0u);
+            // zero the stages once: bytes never copied (missing pages) stay finite codes and scales
+            for (int k = tid; k < NSTG * STAGE_BYTES / 16; k += NTH) ((uint4*)stg)[k] = make_uint4(0u, 0u, 0u, 0u);
             v5_worker_sync(wg);
-            v5_load_pages(my_begin, pgs, bt_row, L, max_pages);
-            v5_issue_stage(pages, pgs, num_pages, my_begin, L, c_dst, c_src, sk, tid);
-            cp_async_commit();
-            v5_load_pages(my_begin + NWG * T, pgs, bt_row, L, max_pages);
+#pragma unroll
+            for (int j = 0; j < NSTG; ++j) {  // the worker's first NSTG tiles, one commit group each
+                if (my_begin + j * NWG * T < t_end) {
+                    v5_load_pages(my_begin + j * NWG * T, pgs, bt_row, L, max_pages);
+                    v5_issue_stage(pages, pgs, num_pages, my_begin + j * NWG * T, L, c_dst, c_src, sk, j * STAGE_BYTES, tid);
+                }
+                cp_async_commit();
+            }
+            v5_load_pages(my_begin + NSTG * NWG * T, pgs, bt_row, L, max_pages);
         }
         fence_proxy_async();  // the query stores, for wgmma's reads
         __syncthreads();      // queries visible to both workers
@@ -385,9 +399,11 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
         const int mi = lane >> 3;
         const u32 p_lane = smem_s + wg * WK_BYTES + W_PT + sw128_chunk(8 * (mi >> 1) + (lane & 7), 2 * ww + (mi & 1), RT);
 
+        int sj = 0;  // the stage of tile t0
         for (int t0 = my_begin; t0 < t_end; t0 += NWG * T) {
-            cp_async_wait_all();
-            v5_worker_sync(wg);  // the tile staged by all
+            qmla_wait_group<NSTG - 1>();  // this thread's copies of tile t0 (the next tile's may stay in flight)
+            v5_worker_sync(wg);           // the tile staged by all
+            const u8* stt = stg + sj * STAGE_BYTES;  // tile t0's stage
             // this lane's codes, zero points and scales of both tokens, into registers
             u32 wc[2][BL / 4], wr[2][(RBL + 3) / 4], off2[2][KCH][NGL], roff2[2];
 #if QMLA_CSCALE_BF16
@@ -401,50 +417,51 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
                 const int t = tq[tk];
 #pragma unroll
                 for (int v = 0; v < BL / 16; ++v) {
-                    const uint4 x = *(const uint4*)(stg + v5_coff(t, (BL / 16) * q4 + v));
+                    const uint4 x = *(const uint4*)(stt + v5_coff(t, (BL / 16) * q4 + v));
                     wc[tk][4 * v] = x.x, wc[tk][4 * v + 1] = x.y, wc[tk][4 * v + 2] = x.z, wc[tk][4 * v + 3] = x.w;
                 }
                 if constexpr (RBL == 8) {
-                    const uint2 x = *(const uint2*)(stg + SO_R + t * RB + RBL * q4);
+                    const uint2 x = *(const uint2*)(stt + SO_R + t * RB + RBL * q4);
                     wr[tk][0] = x.x, wr[tk][1] = x.y;
                 } else {
-                    wr[tk][0] = *(const u32*)(stg + SO_R + t * RB + RBL * q4);
+                    wr[tk][0] = *(const u32*)(stt + SO_R + t * RB + RBL * q4);
                 }
 #pragma unroll
                 for (int c = 0; c < KCH; ++c) {
 #pragma unroll
                     for (int gl = 0; gl < NGL; ++gl) {
                         const int grp = (CB * c + BL * q4) / QMLA_GC + gl;
-                        const u32 z = stg[SO_CZ + t * NGC + grp];
+                        const u32 z = stt[SO_CZ + t * NGC + grp];
                         off2[tk][c][gl] = 0xc300c300u | z | (z << 16);
 #if QMLA_CSCALE_BF16
-                        const u32 sb = ((const u16*)(stg + SO_CS))[t * NGC + grp];
+                        const u32 sb = ((const u16*)(stt + SO_CS))[t * NGC + grp];
                         s2[tk][c][gl] = sb | (sb << 16);
 #else
-                        s2[tk][c][gl] = ((const float*)(stg + SO_CS))[t * NGC + grp];
+                        s2[tk][c][gl] = ((const float*)(stt + SO_CS))[t * NGC + grp];
 #endif
                     }
                 }
-                const u32 z = stg[SO_RZ + t];
+                const u32 z = stt[SO_RZ + t];
                 roff2[tk] = 0xc300c300u | z | (z << 16);
 #if QMLA_RSCALE_BF16
-                rs[tk] = bf16_bits_to_f32(((const u16*)(stg + SO_RS))[t]);
+                rs[tk] = bf16_bits_to_f32(((const u16*)(stt + SO_RS))[t]);
 #else
-                rs[tk] = ((const float*)(stg + SO_RS))[t];
+                rs[tk] = ((const float*)(stt + SO_RS))[t];
 #endif
             }
             wgmma_wait<0>();  // the previous tile's PV (it ran beside this tile's copy wait and loads)
 #pragma unroll
             for (int mb = 0; mb < NMB; ++mb) wgmma_fence_operand(acc[mb]);
             v5_worker_sync(wg);  // every thread has read the stage and is past the previous tile's PV (K, P free)
-            if (t0 + NWG * T < t_end) {
+            if (t0 + NSTG * NWG * T < t_end) {  // the worker's tile NSTG ahead, into the stage just read
                 int cur[NSEG];
 #pragma unroll
                 for (int sg = 0; sg < NSEG; ++sg) cur[sg] = pgs[sg];
-                v5_load_pages(t0 + 2 * NWG * T, pgs, bt_row, L, max_pages);  // the next tile's copies use them
-                v5_issue_stage(pages, cur, num_pages, t0 + NWG * T, L, c_dst, c_src, sk, tid);
-                cp_async_commit();
+                v5_load_pages(t0 + (NSTG + 1) * NWG * T, pgs, bt_row, L, max_pages);  // the next copies use them
+                v5_issue_stage(pages, cur, num_pages, t0 + NSTG * NWG * T, L, c_dst, c_src, sk, sj * STAGE_BYTES, tid);
             }
+            cp_async_commit();  // every tile commits a group (maybe empty): the wait above counts them
+            if constexpr (NSTG == 2) sj ^= 1;
 
             // -------------------------------------------------------- QK: S^T[64 tokens][16 rows], A from registers
             // chunks of KCK k-steps: dequantize into one of two A-fragment buffers, store the content fragments to
