@@ -10,18 +10,20 @@
 // cache stores it (bf16(s * (code - z)), common.cuh's pair conversions):
 //
 //   grid (B * ceil(R / 16), KV splits), 2 worker warpgroups per CTA. Worker wg takes tiles wg, wg + 2,
-//   wg + 4, ... of its CTA's split and runs flash-decoding over them on its own: its own stage, key
+//   wg + 4, ... of its CTA's split and runs flash-decoding over them on its own: its own stages, key
 //   tile, P tile, row statistics and partial slot (2 split + wg). The workers share only the query
 //   tile, so they meet at no barrier after the prologue, and one's dequantization overlaps the other's
 //   matmuls. Per tile:
 //   1. Each lane loads its share of its two tokens' codes, zero points and scales from the stage into
-//      registers; the stage then takes the worker's next tile.
+//      registers (v5_coff's chunk order: no bank conflicts); the stage then takes the worker's tile
+//      NSTG ahead (v5_issue_stage: per-thread offsets fixed for the kernel, page ids loaded a tile early).
 //   2. QK: S^T[64 tokens][16 rows] = K Q^T, (d_c + d_r) / 16 x m64n16k16 with A from registers: lanes
-//      dequantize straight into A fragments (warp ww: tokens 16 ww .. 16 ww + 15) in chunks of 4 k-steps,
-//      two chunks in flight; B = the queries, staged once per CTA in QK's channel order (v5_qk_channel).
-//      Each content fragment also goes to the key tile by stmatrix (PV's operand).
-//   3. Softmax in base 2 over the columns: maxima through shuffles and the worker's shared row
-//      statistics; row sums stay per thread until the end.
+//      dequantize straight into A fragments (warp ww: tokens 16 ww .. 16 ww + 15) in chunks of 4 k-steps
+//      (8 for 2-bit content), two chunks in flight; B = the queries, staged once per CTA in QK's channel
+//      order (v5_qk_channel). Each content fragment also goes to the key tile by stmatrix (PV's operand).
+//   3. Softmax in base 2 over the columns against a reference maximum per column that moves only when a
+//      score passes it by QMLA_V5_MAX_SLACK: column maxima through shuffles, one barrier per tile (two
+//      when the reference moves); row sums stay per thread until the end.
 //   4. P^T to shared memory as [16 rows][64 tokens] by one stmatrix.trans per warp.
 //   5. PV: O^T[d_c][16] += K^T P^T, d_c / 64 x 4 m64n16k16 (A = the key tile read MN-major, B = P^T,
 //      K-major); 64 accumulators per thread. Its rows are in QK's channel order. The worker waits for it
@@ -33,7 +35,13 @@
 // 270.6 us); reading QK's A from the registers the dequantization fills took it to 243 us. The staged
 // copies stay per-thread cp.async: one thread's bulk copies (cp.async.bulk on an mbarrier) measured
 // 2-5 % slower.
+// Stop 21 (H200 profile of stop 20's build, C4R4: 4-way bank conflicts on the stage reads, 29 % of all
+// shared-memory wavefronts excess; ~120 instructions per warp and tile to issue the copies; the block-table
+// load waited on at once): conflict-free reads, lean copies, .ca copies, the slack softmax and two stages
+// took H16 C4R4 B32 L32K from 239.9 to 194.6 us and B32 L128K from 888.6 to 756.9 (CUDA graphs, forced v5,
+// no protected tokens; the first number of each from one A/B call, the second from another).
 // Shared memory (C4R4): per worker 64 KB K + 2 KB P + 20 KB stage; 18 KB queries: one CTA per SM.
+// C2R4 and d_c 256 hold two stages per worker (v5_stages in attention.py).
 #include "common.cuh"
 
 #ifndef QMLA_V5_MAX_SLACK
