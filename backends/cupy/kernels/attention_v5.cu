@@ -141,7 +141,7 @@ __device__ __forceinline__ u32 v5_code2(u32 x, u32 c43) {
 #define W_KT 0                          // key tile (content channels, PV's A operand), bf16 [NCBK][T][64]
 #define W_PT (T * NCBK * 128)           // P^T, bf16 [RT][T]: one swizzled 128-byte row per query row
 #define W_RED (W_PT + RT * T * 2)       // float [4 warps][RT]: column maxima, then row sums
-#define W_FLG (W_RED + 4 * RT * 4)      // u8 [4 warps]: a column maximum of the tile passed the running one
+#define W_FLG (W_RED + 4 * RT * 4)      // u8 [4 warps]: a score of the tile passed its reference maximum + slack
 #define W_STG (W_FLG + 16)              // the worker's NSTG stages
 #define WK_BYTES ((W_STG + NSTG * STAGE_BYTES + 1023) / 1024 * 1024)
 #define QT_OFF (NWG * WK_BYTES)         // queries, bf16 [NCB][RT][64]
