@@ -551,9 +551,12 @@ def test_model_matches_kernel_source():
         "v2_cscale<PROT>(stg_c, tc, grp)",
         "const int t = t0s + r / NCT, u = r % NCT;",
         "cp_async16(base + t * CB + ((u ^ qmla_swz(t)) << 4), page + QMLA_OFF_CC + slot0 * CB + 16 * r);",
-        "bytes = min(max((L - n0) * (NGC * CSZ) - 16 * r, 0), 16);",
-        "bytes = min(max((L - n0) * RSZ - 16 * r, 0), 16);",
-        "cp_async16_zfill(dst, src, bytes);",
+        "c.dst = SO_CS + 16 * r, c.src = QMLA_OFF_CS + 16 * r, c.wtok = NGC * CSZ;",
+        "c.wz = NGC * CSZ, c.zoff = 16 * r;",
+        "c.dst = SO_RS + 16 * r, c.src = QMLA_OFF_RS + 16 * r, c.wtok = RSZ;",
+        "c.wz = RSZ, c.zoff = 16 * r;",
+        "return min(max((L - n0) * c.wz - c.zoff, 0), 16);",
+        "cp_async16_zfill(base + c.dst + t0s * c.wtok, page + c.src + slot0 * c.wtok, qmla_chunk_bytes(c, L, n0));",
         "base[SO_FL + tid] = (u8)(n >= L ? 2 : (prot_row(n) != nullptr ? 1 : 0));",
     ):
         assert expr in src, f"attention_v2.cu / stage.cuh no longer contain: {expr}"

@@ -18,10 +18,10 @@ import pytest
 
 import quantmla_core as qm
 from quantmla_core.backends.cupy.attention import attention_defines, stage_bytes
+from test_cupy_v5 import V5_BUILDS
 
 T, NTH = 64, 128  # tokens per tile, threads of one worker
-BUILDS = [("C4R4", 512, 64, 64, 64), ("C2R4", 512, 64, 64, 64), ("C4R4", 512, 64, 128, 16),
-          ("C2R4", 512, 64, 128, 128), ("C4R4", 256, 32, 64, 32), ("C2R4", 256, 32, 32, 64)]
+BUILDS = V5_BUILDS  # (format, d_c, d_r, group size, page size) of every v5 build the compile test checks
 
 
 class Stage:
@@ -94,7 +94,7 @@ def test_staged_code_reads_are_conflict_free(build):
 def test_copies_land_every_byte_where_the_reads_expect_it(build):
     """Content: thread tid's chunk k of segment sg goes from page byte 16 (tid + NTH k) (+ the segment's
     slot) to c_dst + k (NTH / NCT) CB + sg SEGT CB, which must be v5_coff of its token and chunk; the small
-    sections by V5Chunk. Every stage byte of the tile is written exactly once, from the page byte the
+    sections by stage.cuh's qmla_small_chunk. Every stage byte of the tile is written exactly once, from the page byte the
     layout names."""
     st = Stage(*build)
     nseg, ch_c = T // st.SEGT, st.SEGT * st.CB // 16
@@ -120,7 +120,7 @@ def test_copies_land_every_byte_where_the_reads_expect_it(build):
         small = [(src + 16 * i, dst + 16 * i, w) for src, dst, w in st.small for i in range(st.SEGT * w // 16)]
         for k in range(-(-len(small) // NTH)):
             r = tid + k * NTH
-            if r < len(small):  # V5Chunk.ok
+            if r < len(small):  # the guard against CH_SMALL
                 src, dst, w = small[r]
                 put(dst + sg * st.SEGT * w, src, sg)
     assert sorted(written) == list(range(st.SO_RZ + T))  # the whole stage but its padding
@@ -149,8 +149,8 @@ def test_model_matches_kernel_source():
         "const u32 c_dst = stg_s + v5_coff(ct, tid % NCT);",
         "const int c_src = 16 * tid;",
         "v5_copy_content<0>(c_dst + boff + sg * SEGT * CB, page + QMLA_OFF_CC + slot0 * CB + c_src, tid);",
-        "for (int k = 0; k < NSK; ++k) sk[k] = v5_small_chunk(tid + k * NTH, stg_s);",
-        '"r"(sk[k].dst + boff + sg * SEGT * sk[k].wtok), "l"(page + sk[k].src + slot0 * sk[k].wtok)',
+        "for (int k = 0; k < NSK; ++k) sk[k] = qmla_small_chunk(tid + k * NTH);",
+        '"r"(stg_s + boff + sk[k].dst + sg * SEGT * sk[k].wtok), "l"(page + sk[k].src + slot0 * sk[k].wtok)',
         "const int tq[2] = {16 * ww + g8, 16 * ww + g8 + 8};",
         "const uint4 x = *(const uint4*)(stt + v5_coff(t, (BL / 16) * q4 + v));",
         "#define W_STG (W_FLG + 16)",

@@ -23,9 +23,10 @@ Four attention kernels share the partials layout and the combine kernel:
   few-row counterpart of v4 on Hopper. The 64 tokens of a tile are the M dimension of warpgroup MMAs
   and 16 query rows their N; lanes dequantize straight into QK's A fragments (registers), which also
   go to a bf16 key tile in shared memory for PV. Two worker warpgroups per CTA take alternate tiles.
-  Serves what v4 serves over packed pages, packed tokens only. On the H200 (CUDA graphs, H16) it takes
-  0.87-0.98x of v3's time for C4R4 at L 32K (B 8-128) and 0.82-0.94x for C2R4; at L128K, with its own
-  split overhead (:data:`V5_CTA_OVERHEAD_TILES`), 0.92-0.93x (C4R4) and 0.78-0.82x (C2R4).
+  Serves what v4 serves over packed pages, packed tokens only. On the H200 (CUDA graphs, H16) its stop-20
+  build took 0.87-0.98x of v3's time for C4R4 at L 32K (B 8-128) and 0.82-0.94x for C2R4; at L128K, with
+  its own split overhead (:data:`V5_CTA_OVERHEAD_TILES`), 0.92-0.93x (C4R4) and 0.78-0.82x (C2R4). Stop 21
+  took another 8-18 % off (conflict-free stage reads, leaner copies; benchmarks/RESULTS.md).
 
 v5, v3 and v2 (``separate`` mode, the default) leave the sink and local-window tokens to
 ``kernels/protected.cu``, a bfloat16 flash-decoding kernel (one 32-token tile per CTA) whose

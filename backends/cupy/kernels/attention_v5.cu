@@ -181,7 +181,7 @@ static_assert(RT * (DT / 2) % (NWG * NTH) == 0, "the query pairs split evenly ov
 // instructions per warp and tile, H200 profile). Here a thread's chunks are fixed for the kernel: its
 // content chunk k lies 16 NTH k bytes after its first in the page and (NTH / NCT) CB k bytes after it in
 // the stage (v5_cswz depends on t % 2 only), so each is one cp.async with immediate offsets; its
-// small-section chunks (RoPE codes, scales, zero points) are worked out once.
+// small-section chunks (RoPE codes, scales, zero points: stage.cuh's qmla_small_chunk) are worked out once.
 #define NCC ((CH_C + NTH - 1) / NTH)     // content chunks per thread and segment
 #define NSK ((CH_SMALL + NTH - 1) / NTH) // small-section chunks ...
 static_assert(NTH % NCT == 0 && (NTH / NCT) % 2 == 0 && SEGT % 2 == 0 && NCT <= 16, "v5_cswz repeats every 2 tokens");
@@ -219,56 +219,13 @@ __device__ __forceinline__ void v5_copy_content(u32 dst, const u8* src, int tid)
     }
 }
 
-// one small-section chunk of this thread: stage and page offsets of segment 0, bytes per token of its
-// section (for the segment and slot offsets), and for scales the zero fill of tokens past L
-struct V5Chunk {
-    u32 dst;   // shared address in the stage, segment 0
-    int src;   // byte offset in the page, slot 0
-    int wtok;  // bytes per token of its section
-    int wz;    // scale bytes per token (0: copied whole)
-    int zoff;  // copied bytes = clamp((L - n0) wz - zoff, 0, 16)
-    bool ok;   // the thread has this chunk
-};
-
-__device__ __forceinline__ V5Chunk v5_small_chunk(int r, u32 stage) {
-    V5Chunk c;
-    c.ok = r < CH_SMALL;
-    c.wz = 0;
-    c.zoff = -16;
-    if (r < CH_R) {
-        c.dst = stage + SO_R + 16 * r, c.src = QMLA_OFF_RC + 16 * r, c.wtok = RB;
-    } else if ((r -= CH_R) < CH_CS) {
-        c.dst = stage + SO_CS + 16 * r, c.src = QMLA_OFF_CS + 16 * r, c.wtok = NGC * CSZ;
-        c.wz = NGC * CSZ, c.zoff = 16 * r;
-    } else if ((r -= CH_CS) < CH_CZ) {
-        c.dst = stage + SO_CZ + 16 * r, c.src = QMLA_OFF_CZ + 16 * r, c.wtok = NGC;
-    } else if ((r -= CH_CZ) < CH_RS) {
-        c.dst = stage + SO_RS + 16 * r, c.src = QMLA_OFF_RS + 16 * r, c.wtok = RSZ;
-        c.wz = RSZ, c.zoff = 16 * r;
-    } else {
-        r -= CH_RS;
-        c.dst = stage + SO_RZ + 16 * r, c.src = QMLA_OFF_RZ + 16 * r, c.wtok = 1;
-    }
-    return c;
-}
-
-// Page ids of the NSEG page segments of tile tt as the table holds them (-1 past L or the table): the
-// check against the pool is left to the copies, so that nothing waits on the load until they run.
-__device__ __forceinline__ void v5_load_pages(int tt, int (&pgs)[NSEG], const int* __restrict__ bt_row, int L,
-                                              int max_pages) {
-#pragma unroll
-    for (int sg = 0; sg < NSEG; ++sg) {
-        const int n0 = tt + sg * SEGT;
-        pgs[sg] = (n0 < L && n0 / QMLA_P < max_pages) ? bt_row[n0 / QMLA_P] : -1;
-    }
-}
-
-// tile tt -> the stage, as qmla_issue_stage: missing pages (pgs outside [0, num_pages)) skipped, scales of
-// tokens past L zero-filled.
-// c_dst / c_src: this thread's first content chunk (stage address, page offset) in segment 0; boff: the
-// stage's offset from stage 0.
+// tile tt -> the stage, as qmla_issue_stage: missing pages (pgs outside [0, num_pages): the ids come from
+// qmla_load_table_pages a tile ahead) skipped, scales of tokens past L zero-filled. c_dst / c_src: this
+// thread's first content chunk (stage address, page offset) in segment 0; sk: its small-section chunks
+// (qmla_small_chunk); stg_s + boff: the stage's shared address.
 __device__ __forceinline__ void v5_issue_stage(const u8* __restrict__ pages, const int (&pgs)[NSEG], int num_pages, int tt, int L,
-                                               u32 c_dst, int c_src, const V5Chunk (&sk)[NSK], u32 boff, int tid) {
+                                               u32 c_dst, int c_src, const QmlaChunk (&sk)[NSK], u32 stg_s, u32 boff,
+                                               int tid) {
 #pragma unroll
     for (int sg = 0; sg < NSEG; ++sg) {
         if (pgs[sg] >= 0 && pgs[sg] < num_pages) {  // uniform
@@ -278,10 +235,10 @@ __device__ __forceinline__ void v5_issue_stage(const u8* __restrict__ pages, con
             v5_copy_content<0>(c_dst + boff + sg * SEGT * CB, page + QMLA_OFF_CC + slot0 * CB + c_src, tid);
 #pragma unroll
             for (int k = 0; k < NSK; ++k) {
-                if (sk[k].ok) {
-                    const int bytes = min(max((L - n0) * sk[k].wz - sk[k].zoff, 0), 16);
-                    asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"(sk[k].dst + boff + sg * SEGT * sk[k].wtok),
-                                 "l"(page + sk[k].src + slot0 * sk[k].wtok), "r"(bytes)
+                if (CH_SMALL % NTH == 0 || k + 1 < NSK || tid + k * NTH < CH_SMALL) {
+                    asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;"
+                                 ::"r"(stg_s + boff + sk[k].dst + sg * SEGT * sk[k].wtok),
+                                 "l"(page + sk[k].src + slot0 * sk[k].wtok), "r"(qmla_chunk_bytes(sk[k], L, n0))
                                  : "memory");
                 }
             }
@@ -368,10 +325,10 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
         const int ct = tid / NCT;
         const u32 c_dst = stg_s + v5_coff(ct, tid % NCT);
         const int c_src = 16 * tid;
-        V5Chunk sk[NSK];
+        QmlaChunk sk[NSK];  // (past CH_SMALL: not copied)
 #pragma unroll
-        for (int k = 0; k < NSK; ++k) sk[k] = v5_small_chunk(tid + k * NTH, stg_s);
-        // page ids of the worker's next tile to stage, loaded one tile ahead of their use (v5_load_pages)
+        for (int k = 0; k < NSK; ++k) sk[k] = qmla_small_chunk(tid + k * NTH);
+        // page ids of the worker's next tile to stage, loaded one tile ahead of their use (qmla_load_table_pages)
         int pgs[NSEG];
         const int my_begin = t_begin + wg * T;
         if (my_begin < t_end) {
@@ -381,12 +338,12 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
 #pragma unroll
             for (int j = 0; j < NSTG; ++j) {  // the worker's first NSTG tiles, one commit group each
                 if (my_begin + j * NWG * T < t_end) {
-                    v5_load_pages(my_begin + j * NWG * T, pgs, bt_row, L, max_pages);
-                    v5_issue_stage(pages, pgs, num_pages, my_begin + j * NWG * T, L, c_dst, c_src, sk, j * STAGE_BYTES, tid);
+                    qmla_load_table_pages(my_begin + j * NWG * T, pgs, bt_row, L, max_pages);
+                    v5_issue_stage(pages, pgs, num_pages, my_begin + j * NWG * T, L, c_dst, c_src, sk, stg_s, j * STAGE_BYTES, tid);
                 }
                 cp_async_commit();
             }
-            v5_load_pages(my_begin + NSTG * NWG * T, pgs, bt_row, L, max_pages);
+            qmla_load_table_pages(my_begin + NSTG * NWG * T, pgs, bt_row, L, max_pages);
         }
         fence_proxy_async();  // the query stores, for wgmma's reads
         __syncthreads();      // queries visible to both workers
@@ -465,8 +422,8 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
                 int cur[NSEG];
 #pragma unroll
                 for (int sg = 0; sg < NSEG; ++sg) cur[sg] = pgs[sg];
-                v5_load_pages(t0 + (NSTG + 1) * NWG * T, pgs, bt_row, L, max_pages);  // the next copies use them
-                v5_issue_stage(pages, cur, num_pages, t0 + NSTG * NWG * T, L, c_dst, c_src, sk, sj * STAGE_BYTES, tid);
+                qmla_load_table_pages(t0 + (NSTG + 1) * NWG * T, pgs, bt_row, L, max_pages);  // the next copies use them
+                v5_issue_stage(pages, cur, num_pages, t0 + NSTG * NWG * T, L, c_dst, c_src, sk, stg_s, sj * STAGE_BYTES, tid);
             }
             cp_async_commit();  // every tile commits a group (maybe empty): the wait above counts them
             if constexpr (NSTG == 2) sj ^= 1;

@@ -1,5 +1,6 @@
 // QuantMLA CuPy backend: staging of a tile's raw page sections, shared by attention_v2.cu,
-// attention_v3.cu and attention_v4.cu.
+// attention_v3.cu and attention_v4.cu (attention_v5.cu: the layout, page ids and small-section chunks;
+// its own content order and copies).
 //
 // Included once the kernel has defined its tile: T (tokens per tile), NTH (threads per CTA), DC
 // (latent width), CB/RB (content/RoPE code bytes per token), NCT (16-byte chunks of a content code
@@ -73,20 +74,66 @@ __device__ __forceinline__ void qmla_wait_group() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// Page ids of the NSEG page segments of tile tt (-1: none: past L, past the table, or a page id
-// past the pool). bt_row: the request's row of the block table.
-__device__ __forceinline__ void qmla_load_pages(int tt, int (&pgs)[NSEG], const int* __restrict__ bt_row, int L,
-                                                int max_pages, int num_pages) {
+// Page ids of the NSEG page segments of tile tt as the block table holds them (-1 past L or past the
+// table; not checked against the pool, so a caller can load them ahead and check at use). bt_row: the
+// request's row of the block table.
+__device__ __forceinline__ void qmla_load_table_pages(int tt, int (&pgs)[NSEG], const int* __restrict__ bt_row, int L,
+                                                      int max_pages) {
 #pragma unroll
     for (int sg = 0; sg < NSEG; ++sg) {
         const int n0 = tt + sg * SEGT;
-        int pg = -1;
-        if (n0 < L && n0 / QMLA_P < max_pages) {
-            pg = bt_row[n0 / QMLA_P];
-            if (pg >= num_pages) pg = -1;
-        }
-        pgs[sg] = pg;
+        pgs[sg] = (n0 < L && n0 / QMLA_P < max_pages) ? bt_row[n0 / QMLA_P] : -1;
     }
+}
+
+// Page ids of the NSEG page segments of tile tt (-1: none: past L, past the table, or a page id
+// past the pool).
+__device__ __forceinline__ void qmla_load_pages(int tt, int (&pgs)[NSEG], const int* __restrict__ bt_row, int L,
+                                                int max_pages, int num_pages) {
+    qmla_load_table_pages(tt, pgs, bt_row, L, max_pages);
+#pragma unroll
+    for (int sg = 0; sg < NSEG; ++sg) {
+        if (pgs[sg] >= num_pages) pgs[sg] = -1;
+    }
+}
+
+// One 16-byte chunk r (< CH_SMALL) of a page segment's small sections (RoPE codes, scales, zero points),
+// in stage.cuh's order: its offsets in the stage and the page for segment row 0 and page slot 0, the
+// bytes per token of its section (each further segment row / page slot adds that much), and for scales
+// the zero fill of tokens past L: copied bytes = clamp((L - n0) wz - zoff, 0, 16) for a segment starting
+// at token n0 (wz = 0, zoff = -16: all 16).
+struct QmlaChunk {
+    int dst;   // byte offset in the stage
+    int src;   // byte offset in the page
+    int wtok;  // bytes per token of its section
+    int wz;    // scale bytes per token (0: copied whole)
+    int zoff;
+};
+
+__device__ __forceinline__ QmlaChunk qmla_small_chunk(int r) {
+    QmlaChunk c;
+    c.wz = 0;
+    c.zoff = -16;
+    if (r < CH_R) {
+        c.dst = SO_R + 16 * r, c.src = QMLA_OFF_RC + 16 * r, c.wtok = RB;
+    } else if ((r -= CH_R) < CH_CS) {
+        c.dst = SO_CS + 16 * r, c.src = QMLA_OFF_CS + 16 * r, c.wtok = NGC * CSZ;
+        c.wz = NGC * CSZ, c.zoff = 16 * r;  // scales past L read 0
+    } else if ((r -= CH_CS) < CH_CZ) {
+        c.dst = SO_CZ + 16 * r, c.src = QMLA_OFF_CZ + 16 * r, c.wtok = NGC;
+    } else if ((r -= CH_CZ) < CH_RS) {
+        c.dst = SO_RS + 16 * r, c.src = QMLA_OFF_RS + 16 * r, c.wtok = RSZ;
+        c.wz = RSZ, c.zoff = 16 * r;
+    } else {
+        r -= CH_RS;
+        c.dst = SO_RZ + 16 * r, c.src = QMLA_OFF_RZ + 16 * r, c.wtok = 1;
+    }
+    return c;
+}
+
+// copied bytes of chunk c for a segment starting at token n0
+__device__ __forceinline__ int qmla_chunk_bytes(const QmlaChunk& c, int L, int n0) {
+    return min(max((L - n0) * c.wz - c.zoff, 0), 16);
 }
 
 // Tile tt -> stage `base`: cp.async of every raw page section of the tile, by page segment, in
@@ -111,34 +158,14 @@ __device__ __forceinline__ void qmla_issue_stage(u8* base, const u8* __restrict_
                     cp_async16(base + t * CB + ((u ^ qmla_swz(t)) << 4), page + QMLA_OFF_CC + slot0 * CB + 16 * r);
                 }
             }
-            // the small sections (RoPE codes, scales, zero points): one chunk per thread
+            // the small sections (RoPE codes, scales, zero points): one chunk per thread; the rest of a
+            // chunk past its copied bytes is zero-filled
 #pragma unroll
             for (int k = 0; k < (CH_SMALL + NTH - 1) / NTH; ++k) {
-                int r = tid + k * NTH;
+                const int r = tid + k * NTH;
                 if (r < CH_SMALL) {
-                    u8* dst;
-                    const u8* src = page;
-                    int bytes = 16;  // copied; the rest of the chunk is zero-filled
-                    if (r < CH_R) {
-                        dst = base + SO_R + t0s * RB + 16 * r;
-                        src += QMLA_OFF_RC + slot0 * RB + 16 * r;
-                    } else if ((r -= CH_R) < CH_CS) {
-                        dst = base + SO_CS + t0s * NGC * CSZ + 16 * r;
-                        src += QMLA_OFF_CS + slot0 * NGC * CSZ + 16 * r;
-                        bytes = min(max((L - n0) * (NGC * CSZ) - 16 * r, 0), 16);  // scales past L read 0
-                    } else if ((r -= CH_CS) < CH_CZ) {
-                        dst = base + SO_CZ + t0s * NGC + 16 * r;
-                        src += QMLA_OFF_CZ + slot0 * NGC + 16 * r;
-                    } else if ((r -= CH_CZ) < CH_RS) {
-                        dst = base + SO_RS + t0s * RSZ + 16 * r;
-                        src += QMLA_OFF_RS + slot0 * RSZ + 16 * r;
-                        bytes = min(max((L - n0) * RSZ - 16 * r, 0), 16);
-                    } else {
-                        r -= CH_RS;
-                        dst = base + SO_RZ + t0s + 16 * r;
-                        src += QMLA_OFF_RZ + slot0 + 16 * r;
-                    }
-                    cp_async16_zfill(dst, src, bytes);
+                    const QmlaChunk c = qmla_small_chunk(r);
+                    cp_async16_zfill(base + c.dst + t0s * c.wtok, page + c.src + slot0 * c.wtok, qmla_chunk_bytes(c, L, n0));
                 }
             }
         }
