@@ -363,30 +363,22 @@ def v4_uses_wgmma(mma: str, capability: tuple[int, int] | None, nvrtc: tuple[int
     return mma == "wgmma" or (mma == "auto" and hopper and new_nvrtc)
 
 
-def v5_smem_bytes(fmt: PackFormat, stages: int | None = None) -> int:
-    """Dynamic shared memory of one v5 block (mirrors SMEM_TOTAL in attention_v5.cu) with ``stages``
-    stages per worker (default :func:`v5_stages`): per worker (1024-byte aligned) the 128-byte-swizzled
-    key tile of the content channels (64-channel column blocks of 64 rows), P^T (bf16 [16][64]), column
-    statistics (float [4][16]), 16 bytes of the warps' new-maximum flags and the stages; then the queries
-    (16 rows of d_c + d_r channels in column blocks), plus 1 KB to align the base."""
-    stages = v5_stages(fmt) if stages is None else stages
+def v5_smem_bytes(fmt: PackFormat) -> int:
+    """Dynamic shared memory of one v5 block (mirrors SMEM_TOTAL in attention_v5.cu): per worker
+    (1024-byte aligned) the 128-byte-swizzled key tile of the content channels (64-channel column blocks
+    of 64 rows), P^T (bf16 [16][64]), column statistics (float [4][16]) and 16 bytes of the warps'
+    new-maximum flags; then the queries (16 rows of d_c + d_r channels in column blocks), plus 1 KB to
+    align the base. No stage: the lanes load their codes from the pages into registers."""
     blocks = -(-(fmt.latent_dim + fmt.rope_dim) // 64)
-    worker = (V5_TILE * (fmt.latent_dim // 64) * 128 + V5_ROWS * V5_TILE * 2 + 4 * V5_ROWS * 4 + 16
-              + stages * stage_bytes(fmt, V5_TILE, flags=False))
+    worker = V5_TILE * (fmt.latent_dim // 64) * 128 + V5_ROWS * V5_TILE * 2 + 4 * V5_ROWS * 4 + 16
     return V5_WORKERS * (-(-worker // 1024) * 1024) + blocks * V5_ROWS * 128 + 1024
-
-
-def v5_stages(fmt: PackFormat) -> int:
-    """Stages per v5 worker: 2 where a block of two fits the H200's 227 KB of shared memory per block
-    (every served format but C4R4 at d_c 512), so each tile's copies are issued two tiles ahead."""
-    return 2 if v5_smem_bytes(fmt, 2) <= smem_per_block(V5_CAPABILITY) else 1
 
 
 def v5_defines(fmt: PackFormat, lazy_rescale: bool = True, index64: bool = True) -> dict[str, int]:
     """``-D`` defines of ``kernels/attention_v5.cu`` (bfloat16 queries; an sm_90a build,
     :data:`V4_WGMMA_ARCH`). ``index64``: int64 seq_lens / seq_ids (else int32)."""
     d = attention_defines(fmt, "bfloat16", index64)
-    d.update(QMLA_V5_SMEM=v5_smem_bytes(fmt), QMLA_V5_STAGES=v5_stages(fmt), QMLA_V5_LAZY_RESCALE=int(lazy_rescale))
+    d.update(QMLA_V5_SMEM=v5_smem_bytes(fmt), QMLA_V5_LAZY_RESCALE=int(lazy_rescale))
     return d
 
 

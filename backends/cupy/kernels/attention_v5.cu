@@ -10,13 +10,12 @@
 // cache stores it (bf16(s * (code - z)), common.cuh's pair conversions):
 //
 //   grid (B * ceil(R / 16), KV splits), 2 worker warpgroups per CTA. Worker wg takes tiles wg, wg + 2,
-//   wg + 4, ... of its CTA's split and runs flash-decoding over them on its own: its own stages, key
+//   wg + 4, ... of its CTA's split and runs flash-decoding over them on its own: its own key
 //   tile, P tile, row statistics and partial slot (2 split + wg). The workers share only the query
 //   tile, so they meet at no barrier after the prologue, and one's dequantization overlaps the other's
 //   matmuls. Per tile:
-//   1. Each lane loads its share of its two tokens' codes, zero points and scales from the stage into
-//      registers (v5_coff's chunk order: no bank conflicts); the stage then takes the worker's tile
-//      NSTG ahead (v5_issue_stage: per-thread offsets fixed for the kernel, page ids loaded a tile early).
+//   1. Each lane has its share of its two tokens' codes, zero points and scales in registers, loaded
+//      straight from the page a tile earlier (v5_load_tile), and issues the loads of the worker's next tile.
 //   2. QK: S^T[64 tokens][16 rows] = K Q^T, (d_c + d_r) / 16 x m64n16k16 with A from registers: lanes
 //      dequantize straight into A fragments (warp ww: tokens 16 ww .. 16 ww + 15) in chunks of 4 k-steps
 //      (8 for 2-bit content), two chunks in flight; B = the queries, staged once per CTA in QK's channel
@@ -27,21 +26,20 @@
 //   4. P^T to shared memory as [16 rows][64 tokens] by one stmatrix.trans per warp.
 //   5. PV: O^T[d_c][16] += K^T P^T, d_c / 64 x 4 m64n16k16 (A = the key tile read MN-major, B = P^T,
 //      K-major); 64 accumulators per thread. Its rows are in QK's channel order. The worker waits for it
-//      only after step 1 of its next tile, so the MMAs run beside that tile's copy wait and loads.
+//      only after step 1 of its next tile, so the MMAs run beside that tile's loads.
 //   Partials (unnormalized output, row maximum, row sum) leave in v1's layout through the key tile,
 //   each row's channels put back in place.
 // Why A from registers for QK: with N = 16 a wgmma from shared memory reads 2 KB of A per 512 B of B.
 // The first build read K from shared memory for both matmuls (H200, H16 B32 L32K C4R4, CUDA graphs:
-// 270.6 us); reading QK's A from the registers the dequantization fills took it to 243 us. The staged
-// copies stay per-thread cp.async: one thread's bulk copies (cp.async.bulk on an mbarrier) measured
-// 2-5 % slower.
+// 270.6 us); reading QK's A from the registers the dequantization fills took it to 243 us.
 // Stop 21 (H200 profile of stop 20's build, C4R4: 4-way bank conflicts on the stage reads, 29 % of all
 // shared-memory wavefronts excess; ~120 instructions per warp and tile to issue the copies; the block-table
 // load waited on at once): conflict-free reads, lean copies, .ca copies, the slack softmax and two stages
 // took H16 C4R4 B32 L32K from 239.9 to 194.6 us and B32 L128K from 888.6 to 756.9 (CUDA graphs, forced v5,
-// no protected tokens; the first number of each from one A/B call, the second from another).
-// Shared memory (C4R4): per worker 64 KB K + 2 KB P + 20 KB stage; 18 KB queries: one CTA per SM.
-// C2R4 and d_c 256 hold two stages per worker (v5_stages in attention.py).
+// no protected tokens; the first number of each from one A/B call, the second from another). Stop 22: the
+// lanes load their operands from the page themselves (no stage; see v5_load_tile).
+// Shared memory (d_c 512): per worker 64 KB K + 2 KB P; 18 KB queries: 153 KB, one CTA per SM (255 registers
+// per thread at most, so a third worker would spill).
 #include "common.cuh"
 
 #ifndef QMLA_V5_MAX_SLACK
@@ -49,13 +47,6 @@
 // H200, H16 C4R4/C2R4: 8 took 1-3 % off the time of an exact running maximum (0: every new maximum moves it)
 #define QMLA_V5_MAX_SLACK 8.0f
 #endif
-#ifndef QMLA_V5_STAGES
-// stages per worker: 2 where shared memory holds them (the launcher's v5_stages: not C4R4 at d_c 512), so a
-// tile's copies are issued two of the worker's tiles ahead; H200 profile, one stage: C2R4 warps stalled 7 %
-// of the time on the copies of the tile they were about to read
-#define QMLA_V5_STAGES 1
-#endif
-#define NSTG QMLA_V5_STAGES
 #ifndef QMLA_V5_LAZY_RESCALE
 #define QMLA_V5_LAZY_RESCALE 1  // skip the output rescale while no column's maximum moves (bit-identical)
 #endif
@@ -66,7 +57,7 @@
 #define T 64                  // tokens per tile: wgmma M
 #define RT 16                 // query rows per CTA: wgmma N
 #define NWG 2                 // worker warpgroups per CTA
-#define NTH 128               // threads of one worker (its stage copies and dequantization)
+#define NTH 128               // threads of one worker (its loads and dequantization)
 #define CBITS QMLA_CBITS
 #define KCH (8 / CBITS)       // codes per byte
 #define CB QMLA_CB
@@ -90,7 +81,7 @@ static_assert(QMLA_GC % 16 == 0, "a 16-channel dequantized run must lie inside o
 static_assert(QMLA_GR == DR, "one RoPE group per token");
 
 #include "wgmma.cuh"
-#include "stage.cuh"  // the stage layout (SO_*, STAGE_BYTES) and its copies, per worker (NTH threads)
+#include "stage.cuh"  // OT_STRIDE, qmla_store_partial_rows (the partials)
 
 // ---------------------------------------------------------------- QK's operand order
 // QK takes the key tile from registers (the wgmma A operand): lane (g8, q4) of warp ww holds tokens
@@ -142,8 +133,7 @@ __device__ __forceinline__ u32 v5_code2(u32 x, u32 c43) {
 #define W_PT (T * NCBK * 128)           // P^T, bf16 [RT][T]: one swizzled 128-byte row per query row
 #define W_RED (W_PT + RT * T * 2)       // float [4 warps][RT]: column maxima, then row sums
 #define W_FLG (W_RED + 4 * RT * 4)      // u8 [4 warps]: a score of the tile passed its reference maximum + slack
-#define W_STG (W_FLG + 16)              // the worker's NSTG stages
-#define WK_BYTES ((W_STG + NSTG * STAGE_BYTES + 1023) / 1024 * 1024)
+#define WK_BYTES ((W_FLG + 16 + 1023) / 1024 * 1024)
 #define QT_OFF (NWG * WK_BYTES)         // queries, bf16 [NCB][RT][64]
 #define SMEM_TOTAL (QT_OFF + NCB * RT * 128 + 1024)
 #ifdef QMLA_V5_SMEM
@@ -176,73 +166,72 @@ __device__ __forceinline__ void v5_p_tile(const float (&S)[8], const float (&m)[
 #define QLD (RT * (DT / 2) / (NWG * NTH))  // query channel pairs staged per thread
 static_assert(RT * (DT / 2) % (NWG * NTH) == 0, "the query pairs split evenly over the CTA");
 
-// ---------------------------------------------------------------- the stage copies of a tile
-// stage.cuh's qmla_issue_stage derives every address from the thread index on each call (~120 SASS
-// instructions per warp and tile, H200 profile). Here a thread's chunks are fixed for the kernel: its
-// content chunk k lies 16 NTH k bytes after its first in the page and (NTH / NCT) CB k bytes after it in
-// the stage (v5_cswz depends on t % 2 only), so each is one cp.async with immediate offsets; its
-// small-section chunks (RoPE codes, scales, zero points: stage.cuh's qmla_small_chunk) are worked out once.
-#define NCC ((CH_C + NTH - 1) / NTH)     // content chunks per thread and segment
-#define NSK ((CH_SMALL + NTH - 1) / NTH) // small-section chunks ...
-static_assert(NTH % NCT == 0 && (NTH / NCT) % 2 == 0 && SEGT % 2 == 0 && NCT <= 16, "v5_cswz repeats every 2 tokens");
+// ---------------------------------------------------------------- a lane's operands, straight from the page
+// Lane (g8, q4) of warp ww dequantizes tokens 16 ww + g8 (+ 8) of a tile, and only these bytes of them: content
+// code bytes BL q4 .. BL q4 + BL - 1, RoPE code bytes RBL q4 .., the zero points and scales of the groups they
+// lie in, the RoPE zero point and scale. It loads them from the page into registers itself, one tile of its
+// worker ahead of their use (the loads run beside a whole tile's work). A stage in shared memory (stop 21: cp.async
+// by page segment, then the lanes' reads) cost 65 of ~390 shared-memory wavefronts per warp and tile and a
+// barrier; without it (H200, H16 B32/B128 L32K/L128K, CUDA graphs) C4R4 took 1-5 % less time, C2R4 ~1 %.
+// Issued after QK into the same registers instead (no copy between tiles), the loads came too late: C2R4 +10 %.
+struct V5Regs {
+    u32 wc[2][BL / 4];         // content code bytes BL q4 .. of the lane's two tokens
+    u32 wr[2][(RBL + 3) / 4];  // RoPE code bytes RBL q4 ..
+    u32 cz[2][KCH][NGL];       // zero points of the groups of its content channels (slice c, group gl of the share)
+    u32 cs[2][KCH][NGL];       // their scales (raw bits: bf16 or float)
+    u32 rz[2], rs[2];          // RoPE zero point and scale (raw bits)
+};
 
-// v5's order of a content code row in the stage (not stage.cuh's): lane (g8, q4) reads 16-byte chunks
-// CPL q4 .. CPL q4 + CPL - 1 (CPL = BL / 16) of its tokens, one LDS.128 per chunk, and the 8 lanes of a
-// load phase (tokens t, t + 1 x quads 0..3) must hit 8 different 16-byte bank slots (chunk index mod 8).
-// Chunk u of token t sits at u ^ v5_cswz(t, u): CPL 4 (C4R4 at d_c 512) flips bit 0 by bit 3 of u (quads
-// 0 and 2 otherwise share a slot) and bit 1 by the token's parity; CPL 2 flips bit 0 by the parity; CPL 1
-// needs nothing (a row is half a bank window). stage.cuh's order measured 4-way conflicts on these loads
-// (C4R4; C2R4 2-way; H200 profile). Depends on t % 2 only, as the copies' immediate offsets need.
-__device__ __forceinline__ int v5_cswz(int t, int u) {
-    if constexpr (NCT >= 16) return ((u >> 3) & 1) ^ ((t & 1) << 1);
-    else if constexpr (NCT == 8) return t & 1;
-    else return 0;
+// page id of warp ww's 16 tokens of tile tt as the block table holds them (-1 past L or past the table);
+// 16 tokens never span two pages (P >= 16)
+__device__ __forceinline__ int v5_warp_page(int tt, int ww, const int* __restrict__ bt_row, int L, int max_pages) {
+    const int n = tt + 16 * ww;
+    return (n < L && n / QMLA_P < max_pages) ? bt_row[n / QMLA_P] : -1;
 }
 
-// byte offset of content chunk u of token t in the stage
-__device__ __forceinline__ int v5_coff(int t, int u) { return t * CB + ((u ^ v5_cswz(t, u)) << 4); }
-
-// .ca (through L1) rather than .cg, here and for the small sections: the H200 profile counts 3 shared-memory
-// wavefronts per 128 bytes for .cg copies and 1 for .ca; H16 B32/B128 L32K/L128K 1.5-3 % faster (stop 21)
-template <int DOFF, int SOFF>
-__device__ __forceinline__ void v5_cp16(u32 dst, const u8* src) {
-    asm volatile("cp.async.ca.shared.global [%0+%2], [%1+%3], 16;" ::"r"(dst), "l"(src), "n"(DOFF), "n"(SOFF)
-                 : "memory");
-}
-
-// content chunks K .. NCC - 1 of this thread (chunk index tid + NTH k < CH_C); whole rounds unguarded
-template <int K>
-__device__ __forceinline__ void v5_copy_content(u32 dst, const u8* src, int tid) {
-    if constexpr (K < NCC) {
-        if (CH_C % NTH == 0 || K + 1 < NCC || tid + K * NTH < CH_C) v5_cp16<K * (NTH / NCT) * CB, K * NTH * 16>(dst, src);
-        v5_copy_content<K + 1>(dst, src, tid);
-    }
-}
-
-// tile tt -> the stage, as qmla_issue_stage: missing pages (pgs outside [0, num_pages): the ids come from
-// qmla_load_table_pages a tile ahead) skipped, scales of tokens past L zero-filled. c_dst / c_src: this
-// thread's first content chunk (stage address, page offset) in segment 0; sk: its small-section chunks
-// (qmla_small_chunk); stg_s + boff: the stage's shared address.
-__device__ __forceinline__ void v5_issue_stage(const u8* __restrict__ pages, const int (&pgs)[NSEG], int num_pages, int tt, int L,
-                                               u32 c_dst, int c_src, const QmlaChunk (&sk)[NSK], u32 stg_s, u32 boff,
-                                               int tid) {
+// this lane's operands of tile tt from page pg (warp-uniform; t_lane: the lane's first token of a tile). A
+// token past L or on a page outside [0, num_pages) is not read: zero codes, zero points and scales, so its
+// keys dequantize to 0 (its scores are masked; 0 x a stale NaN could poison PV).
+__device__ __forceinline__ void v5_load_tile(V5Regs& r, const u8* __restrict__ pages, int pg, int num_pages, int tt,
+                                             int L, int t_lane, int q4) {
+    const bool page_ok = pg >= 0 && pg < num_pages;
+    const u8* page = pages + (i64)(page_ok ? pg : 0) * QMLA_PAGE_BYTES;
 #pragma unroll
-    for (int sg = 0; sg < NSEG; ++sg) {
-        if (pgs[sg] >= 0 && pgs[sg] < num_pages) {  // uniform
-            const int n0 = tt + sg * SEGT;
-            const int slot0 = (QMLA_P > T) ? n0 % QMLA_P : 0;  // else segments start pages
-            const u8* page = pages + (i64)pgs[sg] * QMLA_PAGE_BYTES;
-            v5_copy_content<0>(c_dst + boff + sg * SEGT * CB, page + QMLA_OFF_CC + slot0 * CB + c_src, tid);
+    for (int tk = 0; tk < 2; ++tk) {
+        const int n = tt + t_lane + 8 * tk, s = n % QMLA_P;
+        const bool ok = page_ok && n < L;
 #pragma unroll
-            for (int k = 0; k < NSK; ++k) {
-                if (CH_SMALL % NTH == 0 || k + 1 < NSK || tid + k * NTH < CH_SMALL) {
-                    asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;"
-                                 ::"r"(stg_s + boff + sk[k].dst + sg * SEGT * sk[k].wtok),
-                                 "l"(page + sk[k].src + slot0 * sk[k].wtok), "r"(qmla_chunk_bytes(sk[k], L, n0))
-                                 : "memory");
-                }
+        for (int v = 0; v < BL / 16; ++v) {
+            uint4 x = make_uint4(0u, 0u, 0u, 0u);
+            if (ok) x = *(const uint4*)(page + QMLA_OFF_CC + s * CB + BL * q4 + 16 * v);
+            r.wc[tk][4 * v] = x.x, r.wc[tk][4 * v + 1] = x.y, r.wc[tk][4 * v + 2] = x.z, r.wc[tk][4 * v + 3] = x.w;
+        }
+        if constexpr (RBL == 8) {
+            uint2 x = make_uint2(0u, 0u);
+            if (ok) x = *(const uint2*)(page + QMLA_OFF_RC + s * RB + RBL * q4);
+            r.wr[tk][0] = x.x, r.wr[tk][1] = x.y;
+        } else {
+            r.wr[tk][0] = ok ? *(const u32*)(page + QMLA_OFF_RC + s * RB + RBL * q4) : 0u;
+        }
+#pragma unroll
+        for (int c = 0; c < KCH; ++c) {
+#pragma unroll
+            for (int gl = 0; gl < NGL; ++gl) {
+                const int grp = (CB * c + BL * q4) / QMLA_GC + gl;
+                r.cz[tk][c][gl] = ok ? (u32)page[QMLA_OFF_CZ + s * NGC + grp] : 0u;
+#if QMLA_CSCALE_BF16
+                r.cs[tk][c][gl] = ok ? (u32)((const u16*)(page + QMLA_OFF_CS))[s * NGC + grp] : 0u;
+#else
+                r.cs[tk][c][gl] = ok ? ((const u32*)(page + QMLA_OFF_CS))[s * NGC + grp] : 0u;
+#endif
             }
         }
+        r.rz[tk] = ok ? (u32)page[QMLA_OFF_RZ + s] : 0u;
+#if QMLA_RSCALE_BF16
+        r.rs[tk] = ok ? (u32)((const u16*)(page + QMLA_OFF_RS))[s] : 0u;
+#else
+        r.rs[tk] = ok ? ((const u32*)(page + QMLA_OFF_RS))[s] : 0u;
+#endif
     }
 }
 
@@ -263,7 +252,6 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
     const int g8 = lane >> 2, q4 = lane & 3;
     u8* wk = smem + wg * WK_BYTES;
     u8* kt = wk + W_KT;
-    u8* stg = wk + W_STG;
     float* red = (float*)(wk + W_RED);
     u8* flg = wk + W_FLG;
 
@@ -320,31 +308,11 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
             *(u32*)(smem + QT_OFF + sw128_chunk(row, lp >> 2, RT) + 4 * (lp & 3)) = qv[k];
         }
         const int* bt_row = block_table + (i64)b * bt_stride;
-        // this thread's stage copies (fixed): its first content chunk, its small-section chunks
-        const u32 stg_s = smem_addr(stg);
-        const int ct = tid / NCT;
-        const u32 c_dst = stg_s + v5_coff(ct, tid % NCT);
-        const int c_src = 16 * tid;
-        QmlaChunk sk[NSK];  // (past CH_SMALL: not copied)
-#pragma unroll
-        for (int k = 0; k < NSK; ++k) sk[k] = qmla_small_chunk(tid + k * NTH);
-        // page ids of the worker's next tile to stage, loaded one tile ahead of their use (qmla_load_table_pages)
-        int pgs[NSEG];
         const int my_begin = t_begin + wg * T;
-        if (my_begin < t_end) {
-            // zero the stages once: bytes never copied (missing pages) stay finite codes and scales
-            for (int k = tid; k < NSTG * STAGE_BYTES / 16; k += NTH) ((uint4*)stg)[k] = make_uint4(0u, 0u, 0u, 0u);
-            v5_worker_sync(wg);
-#pragma unroll
-            for (int j = 0; j < NSTG; ++j) {  // the worker's first NSTG tiles, one commit group each
-                if (my_begin + j * NWG * T < t_end) {
-                    qmla_load_table_pages(my_begin + j * NWG * T, pgs, bt_row, L, max_pages);
-                    v5_issue_stage(pages, pgs, num_pages, my_begin + j * NWG * T, L, c_dst, c_src, sk, stg_s, j * STAGE_BYTES, tid);
-                }
-                cp_async_commit();
-            }
-            qmla_load_table_pages(my_begin + NSTG * NWG * T, pgs, bt_row, L, max_pages);
-        }
+        const int tq[2] = {16 * ww + g8, 16 * ww + g8 + 8};  // this thread's tokens of a tile (A-fragment rows)
+        V5Regs rg;
+        if (my_begin < t_end) v5_load_tile(rg, pages, v5_warp_page(my_begin, ww, bt_row, L, max_pages), num_pages, my_begin, L, tq[0], q4);
+        int pgn = v5_warp_page(my_begin + NWG * T, ww, bt_row, L, max_pages);  // page of the worker's next tile
         fence_proxy_async();  // the query stores, for wgmma's reads
         __syncthreads();      // queries visible to both workers
 
@@ -353,7 +321,6 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
         const u32 smem_s = smem_addr(smem), kt_s = smem_s + wg * WK_BYTES + W_KT;
         const u64 dq = sw128_desc(smem_s + QT_OFF, 16, 1024);
         const u64 dv = sw128_desc(kt_s, T * 128, 1024), dp = sw128_desc(smem_s + wg * WK_BYTES + W_PT, 16, 1024);
-        const int tq[2] = {16 * ww + g8, 16 * ww + g8 + 8};  // this thread's tokens of a tile (A-fragment rows)
         const u32 c43 = 0x43u | ((u32)L << 8);  // low byte 0x43 (all prmt reads); not a constant ptxas can fold
         // stmatrix row address of this lane for content k-step 0: matrix lane / 8 = (token half, k half)
         // -> token 16 ww + 8 (m & 1) + lane % 8, chunk (k half) of the k-step's 16 channels
@@ -364,13 +331,13 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
         const int mi = lane >> 3;
         const u32 p_lane = smem_s + wg * WK_BYTES + W_PT + sw128_chunk(8 * (mi >> 1) + (lane & 7), 2 * ww + (mi & 1), RT);
 
-        int sj = 0;  // the stage of tile t0
         for (int t0 = my_begin; t0 < t_end; t0 += NWG * T) {
-            qmla_wait_group<NSTG - 1>();  // this thread's copies of tile t0 (the next tile's may stay in flight)
-            v5_worker_sync(wg);           // the tile staged by all
-            const u8* stt = stg + sj * STAGE_BYTES;  // tile t0's stage
-            // this lane's codes, zero points and scales of both tokens, into registers
-            u32 wc[2][BL / 4], wr[2][(RBL + 3) / 4], off2[2][KCH][NGL], roff2[2];
+            const V5Regs cur = rg;  // tile t0's operands; the worker's next tile's load into rg beside this tile
+            if (t0 + NWG * T < t_end) {
+                v5_load_tile(rg, pages, pgn, num_pages, t0 + NWG * T, L, tq[0], q4);
+                pgn = v5_warp_page(t0 + 2 * NWG * T, ww, bt_row, L, max_pages);
+            }
+            u32 off2[2][KCH][NGL], roff2[2];
 #if QMLA_CSCALE_BF16
             u32 s2[2][KCH][NGL];  // bf16x2 content scales
 #else
@@ -379,54 +346,30 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
             float rs[2];
 #pragma unroll
             for (int tk = 0; tk < 2; ++tk) {
-                const int t = tq[tk];
-#pragma unroll
-                for (int v = 0; v < BL / 16; ++v) {
-                    const uint4 x = *(const uint4*)(stt + v5_coff(t, (BL / 16) * q4 + v));
-                    wc[tk][4 * v] = x.x, wc[tk][4 * v + 1] = x.y, wc[tk][4 * v + 2] = x.z, wc[tk][4 * v + 3] = x.w;
-                }
-                if constexpr (RBL == 8) {
-                    const uint2 x = *(const uint2*)(stt + SO_R + t * RB + RBL * q4);
-                    wr[tk][0] = x.x, wr[tk][1] = x.y;
-                } else {
-                    wr[tk][0] = *(const u32*)(stt + SO_R + t * RB + RBL * q4);
-                }
 #pragma unroll
                 for (int c = 0; c < KCH; ++c) {
 #pragma unroll
                     for (int gl = 0; gl < NGL; ++gl) {
-                        const int grp = (CB * c + BL * q4) / QMLA_GC + gl;
-                        const u32 z = stt[SO_CZ + t * NGC + grp];
+                        const u32 z = cur.cz[tk][c][gl];
                         off2[tk][c][gl] = 0xc300c300u | z | (z << 16);
 #if QMLA_CSCALE_BF16
-                        const u32 sb = ((const u16*)(stt + SO_CS))[t * NGC + grp];
-                        s2[tk][c][gl] = sb | (sb << 16);
+                        s2[tk][c][gl] = cur.cs[tk][c][gl] | (cur.cs[tk][c][gl] << 16);
 #else
-                        s2[tk][c][gl] = ((const float*)(stt + SO_CS))[t * NGC + grp];
+                        s2[tk][c][gl] = __uint_as_float(cur.cs[tk][c][gl]);
 #endif
                     }
                 }
-                const u32 z = stt[SO_RZ + t];
-                roff2[tk] = 0xc300c300u | z | (z << 16);
+                roff2[tk] = 0xc300c300u | cur.rz[tk] | (cur.rz[tk] << 16);
 #if QMLA_RSCALE_BF16
-                rs[tk] = bf16_bits_to_f32(((const u16*)(stt + SO_RS))[t]);
+                rs[tk] = bf16_bits_to_f32((u16)cur.rs[tk]);
 #else
-                rs[tk] = ((const float*)(stt + SO_RS))[t];
+                rs[tk] = __uint_as_float(cur.rs[tk]);
 #endif
             }
-            wgmma_wait<0>();  // the previous tile's PV (it ran beside this tile's copy wait and loads)
+            wgmma_wait<0>();  // the previous tile's PV (it ran beside the lines above)
 #pragma unroll
             for (int mb = 0; mb < NMB; ++mb) wgmma_fence_operand(acc[mb]);
-            v5_worker_sync(wg);  // every thread has read the stage and is past the previous tile's PV (K, P free)
-            if (t0 + NSTG * NWG * T < t_end) {  // the worker's tile NSTG ahead, into the stage just read
-                int cur[NSEG];
-#pragma unroll
-                for (int sg = 0; sg < NSEG; ++sg) cur[sg] = pgs[sg];
-                qmla_load_table_pages(t0 + (NSTG + 1) * NWG * T, pgs, bt_row, L, max_pages);  // the next copies use them
-                v5_issue_stage(pages, cur, num_pages, t0 + NSTG * NWG * T, L, c_dst, c_src, sk, stg_s, sj * STAGE_BYTES, tid);
-            }
-            cp_async_commit();  // every tile commits a group (maybe empty): the wait above counts them
-            if constexpr (NSTG == 2) sj ^= 1;
+            v5_worker_sync(wg);  // every thread is past the previous tile's PV (K, P free)
 
             // -------------------------------------------------------- QK: S^T[64 tokens][16 rows], A from registers
             // chunks of KCK k-steps: dequantize into one of two A-fragment buffers, store the content fragments to
@@ -448,7 +391,7 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
 #pragma unroll
                         for (int r = 0; r < 4; ++r) {  // a[j][tk + 2 hi]: token tk, slice 2 sp + hi
                             const int tk = r & 1, c = 2 * sp + (r >> 1);
-                            const u32 x = (wc[tk][bp >> 1] >> (CBITS * c)) & CMASK;
+                            const u32 x = (cur.wc[tk][bp >> 1] >> (CBITS * c)) & CMASK;
                             const u32 c2 = (bp & 1) ? v5_code2<1>(x, c43) : v5_code2<0>(x, c43);
 #if QMLA_CSCALE_BF16
                             a[j][r] = qmla_dq2_bf16(c2, off2[tk][c][gl], s2[tk][c][gl]);
@@ -461,7 +404,7 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
 #pragma unroll
                         for (int r = 0; r < 4; ++r) {
                             const int tk = r & 1, c = r >> 1;
-                            const u32 x = (wr[tk][bp >> 1] >> (4 * c)) & 0x0f0f0f0fu;
+                            const u32 x = (cur.wr[tk][bp >> 1] >> (4 * c)) & 0x0f0f0f0fu;
                             const u32 c2 = (bp & 1) ? v5_code2<1>(x, c43) : v5_code2<0>(x, c43);
                             a[j][r] = qmla_dq2_f32(c2, roff2[tk], rs[tk]);
                         }

@@ -1,6 +1,5 @@
 // QuantMLA CuPy backend: staging of a tile's raw page sections, shared by attention_v2.cu,
-// attention_v3.cu and attention_v4.cu (attention_v5.cu: the layout, page ids and small-section chunks;
-// its own content order and copies).
+// attention_v3.cu and attention_v4.cu (attention_v5.cu has no stage and takes only the partial-row store).
 //
 // Included once the kernel has defined its tile: T (tokens per tile), NTH (threads per CTA), DC
 // (latent width), CB/RB (content/RoPE code bytes per token), NCT (16-byte chunks of a content code

@@ -1,0 +1,140 @@
+"""Model of kernel v5's operand loads (``v5_load_tile`` in ``backends/cupy/kernels/attention_v5.cu``),
+checked without a GPU.
+
+v5 has no stage in shared memory: lane (g8, q4) of warp ww loads, for its tokens 16 ww + g8 and
+16 ww + g8 + 8 of a tile, content code bytes BL q4 .. BL q4 + BL - 1, RoPE code bytes RBL q4 .., and the
+zero points and scales of the groups its channels lie in, from the page the block table names for the
+warp's 16 tokens (one page id per warp). The model checks for every build the compile test checks that
+the lanes of a worker load each byte of the tile's code rows once, from the page and slot that hold the
+token, and that the groups the kernel loads are the groups of the channels it dequantizes with them; the
+negative controls show that each check can fail.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+import quantmla_core as qm
+from quantmla_core.backends.cupy.attention import attention_defines
+from test_cupy_v5 import V5_BUILDS
+
+T = 64  # tokens per tile (a worker's four warps, 16 tokens each)
+
+
+class Lanes:
+    """The kernel's load constants for one build."""
+
+    def __init__(self, name: str, dc: int, dr: int, gs: int, page: int):
+        fmt = qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr, group_size=gs, page_size=page)
+        d = attention_defines(fmt, "bfloat16")
+        self.CB, self.RB, self.P, self.GC = d["QMLA_CB"], d["QMLA_RB"], d["QMLA_P"], d["QMLA_GC"]
+        self.BL, self.RBL = self.CB // 4, self.RB // 4  # code bytes of one lane of a quad, per token
+        self.KCH = 8 // d["QMLA_CBITS"]  # codes per byte (slices)
+        self.NGL = self.BL // self.GC if self.BL >= self.GC else 1  # groups of a lane's share of a slice
+
+    def group_loaded(self, c: int, q4: int, gl: int) -> int:
+        """grp of v5_load_tile: the group whose zero point and scale land in cz/cs[tk][c][gl]."""
+        return (self.CB * c + self.BL * q4) // self.GC + gl
+
+    def group_used(self, bp: int) -> int:
+        """gl of the QK loop: the loaded group that byte pair bp of a lane's share is dequantized with."""
+        return 2 * bp // self.GC if self.BL >= self.GC else 0
+
+
+def _lane_tokens(rows_per_warp: int = 16):
+    """(warp, lane, token of the tile) for both tokens of every lane: tq = {16 ww + g8, 16 ww + g8 + 8}
+    (rows_per_warp 32: a warp taking 32 tokens, g8 and g8 + 16, as a control)."""
+    for ww, lane, tk in itertools.product(range(T // rows_per_warp), range(32), range(2)):
+        g8 = lane >> 2
+        yield ww, lane, rows_per_warp * ww + g8 + rows_per_warp // 2 * tk
+
+
+BUILD_IDS = {"ids": lambda v: "-".join(map(str, v))}
+
+
+@pytest.mark.parametrize("build", V5_BUILDS, **BUILD_IDS)
+def test_lanes_load_every_code_byte_of_a_tile_once(build):
+    ln = Lanes(*build)
+    content: dict[tuple[int, int], int] = {}
+    rope: dict[tuple[int, int], int] = {}
+    for _ww, lane, t in _lane_tokens():
+        q4 = lane & 3
+        for i in range(ln.BL):
+            key = (t, ln.BL * q4 + i)
+            content[key] = content.get(key, 0) + 1
+        for i in range(ln.RBL):
+            key = (t, ln.RBL * q4 + i)
+            rope[key] = rope.get(key, 0) + 1
+    assert sorted(content) == [(t, j) for t in range(T) for j in range(ln.CB)] and set(content.values()) == {1}
+    assert sorted(rope) == [(t, j) for t in range(T) for j in range(ln.RB)] and set(rope.values()) == {1}
+
+
+def _warp_page_misses(ln: Lanes, rows_per_warp: int) -> int:
+    """Tokens a lane would read from the wrong page or slot: the kernel takes the warp's page,
+    block_table[(tt + 16 ww) / P], and slot n % P for its token n = tt + t."""
+    misses = 0
+    for tt in range(0, 4 * max(ln.P, T), T):  # tile starts: multiples of 64, across several pages
+        for ww, _lane, t in _lane_tokens(rows_per_warp):
+            if rows_per_warp == 16:
+                assert t in (16 * ww + (_lane >> 2), 16 * ww + (_lane >> 2) + 8)
+            n = tt + t
+            page_of_warp = (tt + rows_per_warp * ww) // ln.P
+            misses += page_of_warp != n // ln.P
+    return misses
+
+
+@pytest.mark.parametrize("build", V5_BUILDS, **BUILD_IDS)
+def test_a_warps_tokens_lie_on_its_page(build):
+    ln = Lanes(*build)
+    assert _warp_page_misses(ln, 16) == 0
+    if ln.P < 32:  # a warp of 32 tokens would reach into the next page
+        assert _warp_page_misses(ln, 32) > 0
+
+
+@pytest.mark.parametrize("build", V5_BUILDS, **BUILD_IDS)
+def test_loaded_groups_are_the_groups_of_the_dequantized_channels(build):
+    """Byte j of a content code row holds channel j + CB c in slice c; byte pair bp of lane q4's share
+    is bytes BL q4 + 2 bp (+ 1)."""
+    ln = Lanes(*build)
+    for q4, c, bp, e in itertools.product(range(4), range(ln.KCH), range(ln.BL // 2), range(2)):
+        channel = ln.CB * c + ln.BL * q4 + 2 * bp + e
+        gl = ln.group_used(bp)
+        assert gl < ln.NGL
+        assert ln.group_loaded(c, q4, gl) == channel // ln.GC, (q4, c, bp, e)
+
+
+def test_a_wrong_group_index_is_caught():
+    """Negative control: taking lane q4's group as CB c / GC + q4 (right only where a share is one group)
+    mislabels channels in some build."""
+    wrong = 0
+    for build in V5_BUILDS:
+        ln = Lanes(*build)
+        for q4, c, bp in itertools.product(range(4), range(ln.KCH), range(ln.BL // 2)):
+            channel = ln.CB * c + ln.BL * q4 + 2 * bp
+            wrong += (ln.CB * c) // ln.GC + q4 + ln.group_used(bp) != channel // ln.GC
+    assert wrong > 0
+
+
+def test_model_matches_kernel_source():
+    """Pin the expressions this model encodes to the kernel text."""
+    from quantmla_core.backends.cupy import KERNEL_DIR
+
+    src = " ".join((KERNEL_DIR / "attention_v5.cu").read_text().split())
+    for expr in (
+        "#define BL (CB / 4)",
+        "#define RBL (RB / 4)",
+        "#define NGL ((BL >= QMLA_GC) ? BL / QMLA_GC : 1)",
+        "const int tq[2] = {16 * ww + g8, 16 * ww + g8 + 8};",
+        "const int n = tt + 16 * ww; return (n < L && n / QMLA_P < max_pages) ? bt_row[n / QMLA_P] : -1;",
+        "const int n = tt + t_lane + 8 * tk, s = n % QMLA_P;",
+        "x = *(const uint4*)(page + QMLA_OFF_CC + s * CB + BL * q4 + 16 * v);",
+        "x = *(const uint2*)(page + QMLA_OFF_RC + s * RB + RBL * q4);",
+        "const int grp = (CB * c + BL * q4) / QMLA_GC + gl;",
+        "gl = (BL >= QMLA_GC) ? 2 * bp / QMLA_GC : 0;",
+        "const u32 x = (cur.wc[tk][bp >> 1] >> (CBITS * c)) & CMASK;",
+        "v5_load_tile(rg, pages, pgn, num_pages, t0 + NWG * T, L, tq[0], q4);",
+        "pgn = v5_warp_page(t0 + 2 * NWG * T, ww, bt_row, L, max_pages);",
+    ):
+        assert expr in src, f"attention_v5.cu no longer contains: {expr}"
