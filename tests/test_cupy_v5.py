@@ -272,7 +272,7 @@ def test_v5_knobs(monkeypatch):
 
 #: few-row cases: one full 16-row chunk and partial ones (H 1, 8, 20 x S_q), S_q > 1 (causal), lengths at
 #: tile and page edges, an odd number of tiles per split (the second worker idle at the end), d_c 256
-#: with groups of 128, no protection, a sink of two tiles, two stages over 128-token pages
+#: with groups of 128, no protection, a sink of two tiles, 128-token pages
 V5_CASES = [
     Case(qm.PackFormat.parse("C4R4"), (64, 65, 4097, 128), heads=16, s_q=1, sink=4, local=128, seed=990),
     Case(qm.PackFormat.parse("C2R4", page_size=32), (1000, 129, 192), heads=16, s_q=1, sink=4, local=128, seed=991),
@@ -280,7 +280,7 @@ V5_CASES = [
     Case(qm.PackFormat.parse("C2R4", page_size=16), (300, 17), heads=20, s_q=2, sink=4, local=16, seed=993),
     Case(qm.PackFormat.parse("C4R4", page_size=128), (6000, 3000), heads=16, s_q=1, sink=0, local=0, seed=994),
     Case(qm.PackFormat.parse("C2R4"), (300, 70, 5), heads=1, s_q=1, sink=100, local=40, seed=995),
-    # two stages per worker over 128-token pages (a tile starts mid-page)
+    # 128-token pages: a tile starts mid-page
     Case(qm.PackFormat.parse("C2R4", page_size=128), (5000, 321), heads=16, s_q=1, sink=4, local=128, seed=996),
 ]
 

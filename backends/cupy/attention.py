@@ -1,6 +1,6 @@
 """CuPy decode-attention launcher: split-KV tensor-core kernels plus a log-sum-exp combine.
 
-Four attention kernels share the partials layout and the combine kernel:
+Five attention kernels share the partials layout and the combine kernel:
 
 * ``v1`` (``kernels/attention.cu``): dequantizes each tile to bf16 in shared memory, 16 query
   rows per CTA; serves every format and float32/bfloat16 queries.
@@ -26,7 +26,8 @@ Four attention kernels share the partials layout and the combine kernel:
   Serves what v4 serves over packed pages, packed tokens only. On the H200 (CUDA graphs, H16) its stop-20
   build took 0.87-0.98x of v3's time for C4R4 at L 32K (B 8-128) and 0.82-0.94x for C2R4; at L128K, with
   its own split overhead (:data:`V5_CTA_OVERHEAD_TILES`), 0.92-0.93x (C4R4) and 0.78-0.82x (C2R4). Stop 21
-  took another 8-18 % off (conflict-free stage reads, leaner copies; benchmarks/RESULTS.md).
+  took another 8-18 % off (conflict-free stage reads, leaner copies), stop 22 1-5 % (no stage: each lane
+  loads the codes it dequantizes straight from the pages a tile ahead; benchmarks/RESULTS.md).
 
 v5, v3 and v2 (``separate`` mode, the default) leave the sink and local-window tokens to
 ``kernels/protected.cu``, a bfloat16 flash-decoding kernel (one 32-token tile per CTA) whose
