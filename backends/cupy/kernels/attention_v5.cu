@@ -38,8 +38,9 @@
 // took H16 C4R4 B32 L32K from 239.9 to 194.6 us and B32 L128K from 888.6 to 756.9 (CUDA graphs, forced v5,
 // no protected tokens; the first number of each from one A/B call, the second from another). Stop 22: the
 // lanes load their operands from the page themselves (no stage; see v5_load_tile).
-// Shared memory (d_c 512): per worker 64 KB K + 2 KB P; 18 KB queries: 153 KB, one CTA per SM (255 registers
-// per thread at most, so a third worker would spill).
+// Shared memory (d_c 512): per worker 64 KB K + 2 KB P; 18 KB queries: 153 KB, one CTA per SM. A third worker
+// would fit shared memory but leaves 168 registers a thread: at d_c 512 that build spilled 460 B (C4R4) and ran
+// 1.7-2.1x slower (H200, stop 22).
 #include "common.cuh"
 
 #ifndef QMLA_V5_MAX_SLACK
