@@ -127,7 +127,7 @@ def test_model_matches_kernel_source():
         "#define RBL (RB / 4)",
         "#define NGL ((BL >= QMLA_GC) ? BL / QMLA_GC : 1)",
         "const int tq[2] = {16 * ww + g8, 16 * ww + g8 + 8};",
-        "const int n = tt + 16 * ww; return (n < L && n / QMLA_P < max_pages) ? bt_row[n / QMLA_P] : -1;",
+        "return qmla_table_page(tt + 16 * ww, bt_row, L, max_pages);",
         "const int n = tt + t_lane + 8 * tk, s = n % QMLA_P;",
         "x = *(const uint4*)(page + QMLA_OFF_CC + s * CB + BL * q4 + 16 * v);",
         "x = *(const uint2*)(page + QMLA_OFF_RC + s * RB + RBL * q4);",
@@ -138,3 +138,5 @@ def test_model_matches_kernel_source():
         "pgn = v5_warp_page(t0 + 2 * NWG * T, ww, bt_row, L, max_pages);",
     ):
         assert expr in src, f"attention_v5.cu no longer contains: {expr}"
+    stage = " ".join((KERNEL_DIR / "stage.cuh").read_text().split())
+    assert "return (n < L && n / QMLA_P < max_pages) ? bt_row[n / QMLA_P] : -1;" in stage  # qmla_table_page

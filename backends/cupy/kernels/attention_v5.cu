@@ -183,11 +183,10 @@ struct V5Regs {
     u32 rz[2], rs[2];          // RoPE zero point and scale (raw bits)
 };
 
-// page id of warp ww's 16 tokens of tile tt as the block table holds them (-1 past L or past the table);
+// page id of warp ww's 16 tokens of tile tt as the block table holds them (stage.cuh's qmla_table_page);
 // 16 tokens never span two pages (P >= 16)
 __device__ __forceinline__ int v5_warp_page(int tt, int ww, const int* __restrict__ bt_row, int L, int max_pages) {
-    const int n = tt + 16 * ww;
-    return (n < L && n / QMLA_P < max_pages) ? bt_row[n / QMLA_P] : -1;
+    return qmla_table_page(tt + 16 * ww, bt_row, L, max_pages);
 }
 
 // this lane's operands of tile tt from page pg (warp-uniform; t_lane: the lane's first token of a tile). A

@@ -73,26 +73,20 @@ __device__ __forceinline__ void qmla_wait_group() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// Page ids of the NSEG page segments of tile tt as the block table holds them (-1 past L or past the
-// table; not checked against the pool, so a caller can load them ahead and check at use). bt_row: the
-// request's row of the block table.
-__device__ __forceinline__ void qmla_load_table_pages(int tt, int (&pgs)[NSEG], const int* __restrict__ bt_row, int L,
-                                                      int max_pages) {
-#pragma unroll
-    for (int sg = 0; sg < NSEG; ++sg) {
-        const int n0 = tt + sg * SEGT;
-        pgs[sg] = (n0 < L && n0 / QMLA_P < max_pages) ? bt_row[n0 / QMLA_P] : -1;
-    }
+// Page id of token n as the block table holds it (-1 past L or past the table; not checked against the
+// pool). bt_row: the request's row of the block table.
+__device__ __forceinline__ int qmla_table_page(int n, const int* __restrict__ bt_row, int L, int max_pages) {
+    return (n < L && n / QMLA_P < max_pages) ? bt_row[n / QMLA_P] : -1;
 }
 
 // Page ids of the NSEG page segments of tile tt (-1: none: past L, past the table, or a page id
 // past the pool).
 __device__ __forceinline__ void qmla_load_pages(int tt, int (&pgs)[NSEG], const int* __restrict__ bt_row, int L,
                                                 int max_pages, int num_pages) {
-    qmla_load_table_pages(tt, pgs, bt_row, L, max_pages);
 #pragma unroll
     for (int sg = 0; sg < NSEG; ++sg) {
-        if (pgs[sg] >= num_pages) pgs[sg] = -1;
+        const int pg = qmla_table_page(tt + sg * SEGT, bt_row, L, max_pages);
+        pgs[sg] = pg < num_pages ? pg : -1;
     }
 }
 
