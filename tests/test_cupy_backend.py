@@ -28,6 +28,7 @@ from quantmla_core.backends.cupy.attention import (
     v3_defines,
     v4_defines,
     v5_defines,
+    v6_defines,
 )
 from quantmla_core.backends.cupy.writer import writer_defines
 
@@ -110,7 +111,8 @@ def test_sources_take_layout_from_packformat():
 
     fmt = qm.PackFormat.parse("C4R4")
     given = (set(writer_defines(fmt, "float32")) | set(attention_defines(fmt, "float32")) | set(v2_defines(fmt, 2))
-             | set(v3_defines(fmt)) | set(v4_defines(fmt)) | set(v5_defines(fmt)) | set(protected_defines(fmt)))
+             | set(v3_defines(fmt)) | set(v4_defines(fmt)) | set(v5_defines(fmt)) | set(v6_defines(fmt))
+             | set(protected_defines(fmt)))
     sources = list(KERNEL_DIR.glob("*.cu*"))
     defined_in_sources = {d for src in sources for d in re.findall(r"#define\s+(QMLA_[A-Z0-9_]+)", src.read_text())}
     for src in sources:

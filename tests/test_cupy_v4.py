@@ -159,9 +159,11 @@ def test_v4_smem_layout():
 def test_v4_selection(monkeypatch):
     c4 = qm.PackFormat.parse("C4R4")
     monkeypatch.delenv(VARIANT_ENV, raising=False)
-    # auto: v4 from V4_MIN_ROWS query rows per request, whatever the context length
-    assert select_variant(c4, "bfloat16", (9, 0), 4096, V4_MIN_ROWS) == ("v4", None)
-    assert select_variant(c4, "bfloat16", (9, 0), 1 << 20, 128) == ("v4", None)
+    # auto: from V4_MIN_ROWS query rows per request, whatever the context length, v6 over packed pages on
+    # an H200 (test_cupy_v6), else v4: on an H200 whose NVRTC cannot build sm_90a v4 runs mma.sync, saying why
+    assert select_variant(c4, "bfloat16", (9, 0), 4096, V4_MIN_ROWS) == ("v6", None)
+    v, why = select_variant(c4, "bfloat16", (9, 0), 1 << 20, 128, nvrtc=(11, 8))
+    assert v == "v4" and why == "v6 needs NVRTC 12.0+ to build for sm_90a, got 11.8"
     assert select_variant(c4, "bfloat16", (9, 0), 1 << 20, V4_MIN_ROWS - 1) == ("v5", None)
     assert select_variant(c4, "bfloat16", (9, 0), 1 << 20) == ("v5", None)  # rows unknown: few
     # on an A100 the 512-wide v4 does not fit: auto keeps v3/v2's rule

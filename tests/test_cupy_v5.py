@@ -20,6 +20,7 @@ from quantmla_core.backends.cupy.attention import (
     V3_MIN_TOKENS,
     V4_MIN_ROWS,
     V5_MIN_BATCH_TOKENS,
+    V5_WORKER_CHOICES,
     V4_WGMMA_ARCH,
     VARIANT_ENV,
     V5Knobs,
@@ -136,7 +137,7 @@ def test_v5_selection(monkeypatch):
     assert select_variant(c4, "bfloat16", (9, 0), V3_MIN_TOKENS, 16) == ("v5", None)
     assert select_variant(c4, "bfloat16", (9, 0), 1 << 20, V4_MIN_ROWS - 1) == ("v5", None)
     assert select_variant(c4, "bfloat16", (9, 0), 1 << 20) == ("v5", None)  # rows unknown: few
-    assert select_variant(c4, "bfloat16", (9, 0), 1 << 20, V4_MIN_ROWS) == ("v4", None)
+    assert select_variant(c4, "bfloat16", (9, 0), 1 << 20, V4_MIN_ROWS) == ("v6", None)  # many rows: test_cupy_v6
     assert select_variant(c4, "bfloat16", (9, 0), V3_MIN_TOKENS - 64, 16)[0] == "v2"  # short: v2 as before
     # elsewhere v3, as before; on an H200 whose NVRTC cannot build sm_90a, saying so
     assert select_variant(c4, "bfloat16", (8, 0), 1 << 20, 16) == ("v3", None)
@@ -216,7 +217,7 @@ def test_v5_auto_on_large_batches(monkeypatch):
     assert select_variant(c4, "bfloat16", (9, 0), per, 16)[0] == "v2"  # batch unknown: few
     assert select_variant(c4, "bfloat16", (8, 0), per, 16, batch=1024)[0] == "v2"
     assert select_variant(c4, "bfloat16", (9, 0), per, 16, nvrtc=(11, 8), batch=1024)[0] == "v2"
-    assert select_variant(c4, "bfloat16", (9, 0), per, V4_MIN_ROWS, batch=1024) == ("v4", None)
+    assert select_variant(c4, "bfloat16", (9, 0), per, V4_MIN_ROWS, batch=1024) == ("v6", None)
     # the launcher asks with its batch size
     from quantmla_core.backends.cupy import attention as A
 
@@ -287,12 +288,14 @@ V5_CASES = [
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("workers", V5_WORKER_CHOICES)
 @pytest.mark.parametrize("case", [c for c in V2_CASES + BIG[:3] if c.fmt.quantized] + V5_CASES, ids=str)
-def test_attention_v5_matches_reference(case, monkeypatch):
+def test_attention_v5_matches_reference(case, workers, monkeypatch):
     cap = torch.cuda.get_device_capability()
     if tuple(cap) != (9, 0):
         pytest.skip(f"v5 is an sm_90a kernel: this GPU is compute capability {cap[0]}.{cap[1]}")
     monkeypatch.setenv(VARIANT_ENV, "v5")
+    monkeypatch.setenv("QUANTMLA_CUPY_V5_WORKERS", str(workers))
     check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
 
 

@@ -29,16 +29,22 @@ Five attention kernels share the partials layout and the combine kernel:
   took another 8-18 % off (conflict-free stage reads, leaner copies), stop 22 1-5 % (no stage: each lane
   loads the codes it dequantizes straight from the pages a tile ahead; benchmarks/RESULTS.md).
 
-v5, v3 and v2 (``separate`` mode, the default) leave the sink and local-window tokens to
+* ``v6`` (``kernels/attention_v6.cu``, compute capability 9.0 only: an NVRTC build for sm_90a): v4's
+  64 rows per CTA over packed pages with the work split by kind: one warpgroup dequantizes the next tile
+  into the second of two key tiles (codes loaded straight from the pages into registers) while the
+  other runs this tile's QK over all channels, the softmax and half of PV (the dequantizer takes the
+  other half). On the H200 (CUDA graphs, H128/H64, C4R4/C2R4, stop 23) it took 0.75-0.84x of v4's time.
+
+v6, v5, v3 and v2 (``separate`` mode, the default) leave the sink and local-window tokens to
 ``kernels/protected.cu``, a bfloat16 flash-decoding kernel (one 32-token tile per CTA) whose
 partials the combine merges with the split kernel's; it may run on a second stream beside the
 split kernel (:func:`protected_on_side_stream`).
 
-``QUANTMLA_CUPY_ATTENTION`` (``auto``, the default: v4 where it serves and a request has at least
-:data:`V4_MIN_ROWS` query rows, else, where the block table holds at least :data:`V3_MIN_TOKENS`
+``QUANTMLA_CUPY_ATTENTION`` (``auto``, the default: v6, else v4, where it serves and a request has at
+least :data:`V4_MIN_ROWS` query rows, else, where the block table holds at least :data:`V3_MIN_TOKENS`
 tokens, v5 where it serves and v3 where it does not, else v5 where it serves and the batch's block
 tables hold at least :data:`V5_MIN_BATCH_TOKENS` tokens, else v2 where it serves, else v1; or ``v1`` /
-``v2`` / ``v3`` / ``v4`` / ``v5``; read on every call, nothing global is rewritten) picks the kernel.
+``v2`` / ``v3`` / ``v4`` / ``v5`` / ``v6``; read on every call, nothing global is rewritten) picks the kernel.
 ``QUANTMLA_CUPY_V2_RG`` (1 or 2 row groups per CTA; default 2 when the
 row-group count is even), ``QUANTMLA_CUPY_V2_STAGES`` (cp.async ring depth 3-5, default 4),
 ``QUANTMLA_CUPY_V2_MINB`` (minimum blocks per SM given to ``__launch_bounds__``, default 1),
@@ -51,7 +57,7 @@ tokens; ``inline``: sink/local tokens inside the split kernel, from the bf16 buf
 ``QUANTMLA_CUPY_V3_MINB`` / ``QUANTMLA_CUPY_V3_LAZY_RESCALE`` (default 1: measured 1-2 % faster,
 bit-identical) / ``QUANTMLA_CUPY_V3_WARPS`` (4 or 8) and ``QUANTMLA_CUPY_V4_STAGES`` (2 or 3) /
 ``QUANTMLA_CUPY_V4_LAZY_RESCALE`` (default 1) / ``QUANTMLA_CUPY_V4_MMA`` (``auto``, ``wgmma``, ``mma``)
-and ``QUANTMLA_CUPY_V5_LAZY_RESCALE`` (default 1) are tuning knobs for measurements, also read per call.
+and ``QUANTMLA_CUPY_V5_LAZY_RESCALE`` (default 1) / ``QUANTMLA_CUPY_V5_WORKERS`` (2 or 3) are tuning knobs for measurements, also read per call.
 :func:`select_variant` says which kernel a call will run, and why.
 """
 
@@ -83,7 +89,7 @@ from . import (
 
 #: environment variable that selects the attention kernel (read per call)
 VARIANT_ENV = "QUANTMLA_CUPY_ATTENTION"
-VARIANTS = ("auto", "v1", "v2", "v3", "v4", "v5")
+VARIANTS = ("auto", "v1", "v2", "v3", "v4", "v5", "v6")
 #: v2: default tokens per tile (QMLA_V2_T) and the sizes QUANTMLA_CUPY_V2_TILE may ask for (64 spreads
 #: the per-tile work over twice the tokens: offline SASS 177 -> 159 instructions per token, not yet timed)
 V2_TILE = 32
@@ -135,8 +141,16 @@ V4_INGRID_MIN_TILES = 64
 V5_TILE = 64
 V5_ROWS = 16
 V5_WORKERS = 2
+#: worker counts the kernel builds with (``QUANTMLA_CUPY_V5_WORKERS``): three fit shared memory at
+#: 168 registers a thread, with the loads issued after QK and QK chunks of 2 k-steps
+V5_WORKER_CHOICES = (2, 3)
 #: the only compute capability v5's sm_90a build runs on
 V5_CAPABILITY = (9, 0)
+#: v6 (``kernels/attention_v6.cu``, sm_90a only): tokens per tile, query rows per CTA, threads per CTA
+#: (an attending and a dequantizing warpgroup)
+V6_TILE = 64
+V6_ROWS = 64
+V6_THREADS = 256
 
 def smem_per_block(capability: tuple[int, int] | None) -> int:
     """Opt-in dynamic shared memory per block (bytes): 227 KB on sm_90 (and when the GPU is not
@@ -217,8 +231,9 @@ def select_variant(fmt: PackFormat, dtype: str, capability: tuple[int, int] | No
                    nvrtc: tuple[int, int] = V4_WGMMA_NVRTC, batch: int | None = None) -> tuple[str, str | None]:
     """(kernel a call runs, why a faster kernel does not run, or None). No side effects.
 
-    ``auto`` runs v4 where it serves the problem and a request has at least :data:`V4_MIN_ROWS`
-    query rows (``rows`` = S_q * H; None: unknown, treated as few); with fewer rows and a block
+    ``auto`` runs, where a request has at least :data:`V4_MIN_ROWS` query rows (``rows`` = S_q * H;
+    None: unknown, treated as few), v6 where it serves (packed 2/4-bit pages on compute capability 9.0),
+    else v4 where it serves (H200, H64/H128: v6 took 0.75-0.84x of v4's time); with fewer rows and a block
     table that can hold at least :data:`V3_MIN_TOKENS` tokens per request (``max_tokens``; None:
     unknown, treated as short) v5 where it serves (compute capability 9.0, ``nvrtc`` the NVRTC
     version), else v3 where it serves; with a shorter table, v5 where it serves and ``batch``
@@ -254,12 +269,17 @@ def _decide_variant(want: str, fmt: PackFormat, dtype: str, capability: tuple[in
     if want == "v2":
         return "v2", None
     why5 = v5_unsupported_reasons(fmt, capability, dtype, nvrtc)
-    if want in ("v3", "v4", "v5"):
+    if want in ("v3", "v4", "v5", "v6"):
         why_w = {"v3": lambda: v3_unsupported_reasons(fmt), "v4": lambda: v4_unsupported_reasons(fmt, capability),
-                 "v5": lambda: why5}[want]()
+                 "v5": lambda: why5, "v6": lambda: v6_unsupported_reasons(fmt, capability, dtype, nvrtc)}[want]()
         return (want, None) if not why_w else ("v2", "; ".join(why_w))
-    if wide and not v4_unsupported_reasons(fmt, capability):
-        return "v4", None
+    if wide:
+        why6 = v6_unsupported_reasons(fmt, capability, dtype, nvrtc)
+        if not why6:
+            return "v6", None
+        if not v4_unsupported_reasons(fmt, capability):
+            # on an H200 with too old an NVRTC, say what v6 needs; elsewhere v4 is the fastest there is
+            return "v4", ("; ".join(why6) if capability == V5_CAPABILITY else None)
     if (long_ctx or busy) and not why5:
         return "v5", None
     why3 = v3_unsupported_reasons(fmt)
@@ -364,22 +384,28 @@ def v4_uses_wgmma(mma: str, capability: tuple[int, int] | None, nvrtc: tuple[int
     return mma == "wgmma" or (mma == "auto" and hopper and new_nvrtc)
 
 
-def v5_smem_bytes(fmt: PackFormat) -> int:
+def v5_smem_bytes(fmt: PackFormat, workers: int = V5_WORKERS) -> int:
     """Dynamic shared memory of one v5 block (mirrors SMEM_TOTAL in attention_v5.cu): per worker
     (1024-byte aligned) the 128-byte-swizzled key tile of the content channels (64-channel column blocks
     of 64 rows), P^T (bf16 [16][64]), column statistics (float [4][16]) and 16 bytes of the warps'
     new-maximum flags; then the queries (16 rows of d_c + d_r channels in column blocks), plus 1 KB to
-    align the base. No stage: the lanes load their codes from the pages into registers."""
+    align the base. No stage: the lanes load their codes from the pages into registers. ``workers``:
+    worker warpgroups per CTA (2 or 3)."""
     blocks = -(-(fmt.latent_dim + fmt.rope_dim) // 64)
     worker = V5_TILE * (fmt.latent_dim // 64) * 128 + V5_ROWS * V5_TILE * 2 + 4 * V5_ROWS * 4 + 16
-    return V5_WORKERS * (-(-worker // 1024) * 1024) + blocks * V5_ROWS * 128 + 1024
+    return workers * (-(-worker // 1024) * 1024) + blocks * V5_ROWS * 128 + 1024
 
 
-def v5_defines(fmt: PackFormat, lazy_rescale: bool = True, index64: bool = True) -> dict[str, int]:
+def v5_defines(fmt: PackFormat, lazy_rescale: bool = True, index64: bool = True,
+               workers: int = V5_WORKERS) -> dict[str, int]:
     """``-D`` defines of ``kernels/attention_v5.cu`` (bfloat16 queries; an sm_90a build,
-    :data:`V4_WGMMA_ARCH`). ``index64``: int64 seq_lens / seq_ids (else int32)."""
+    :data:`V4_WGMMA_ARCH`). ``index64``: int64 seq_lens / seq_ids (else int32); ``workers``: worker
+    warpgroups per CTA."""
+    if workers not in V5_WORKER_CHOICES:
+        raise ValueError(f"workers: expected one of {V5_WORKER_CHOICES}, got {workers!r}")
     d = attention_defines(fmt, "bfloat16", index64)
-    d.update(QMLA_V5_SMEM=v5_smem_bytes(fmt), QMLA_V5_LAZY_RESCALE=int(lazy_rescale))
+    d.update(QMLA_V5_SMEM=v5_smem_bytes(fmt, workers), QMLA_V5_LAZY_RESCALE=int(lazy_rescale),
+             QMLA_V5_WORKERS=workers)
     return d
 
 
@@ -396,6 +422,32 @@ def v5_unsupported_reasons(fmt: PackFormat, capability: tuple[int, int] | None, 
         reasons.append(f"v5 needs NVRTC {V4_WGMMA_NVRTC[0]}.{V4_WGMMA_NVRTC[1]}+ to build for sm_90a, "
                        f"got {nvrtc[0]}.{nvrtc[1]}")
     return reasons
+
+
+def v6_smem_bytes(fmt: PackFormat) -> int:
+    """Dynamic shared memory of one v6 block (mirrors SMEM_TOTAL in attention_v6.cu): two key tiles and
+    the queries (64 rows of d_c + d_r channels each, 128-byte-swizzled column blocks), P (bf16 [64][64]),
+    the rows' rescale factors and, for the partials, maxima and sums (float [3][64]), plus 1 KB to align
+    the base. No stage: the dequantizing warpgroup loads its codes from the pages into registers."""
+    blocks = -(-(fmt.latent_dim + fmt.rope_dim) // 64)
+    tile = V6_TILE * blocks * 128
+    return 2 * tile + V6_ROWS * blocks * 128 + V6_ROWS * V6_TILE * 2 + 3 * V6_ROWS * 4 + 1024
+
+
+def v6_defines(fmt: PackFormat, index64: bool = True) -> dict[str, int]:
+    """``-D`` defines of ``kernels/attention_v6.cu`` (bfloat16 queries; an sm_90a build,
+    :data:`V4_WGMMA_ARCH`). ``index64``: int64 seq_lens / seq_ids (else int32)."""
+    d = attention_defines(fmt, "bfloat16", index64)
+    d.update(QMLA_V6_SMEM=v6_smem_bytes(fmt))
+    return d
+
+
+def v6_unsupported_reasons(fmt: PackFormat, capability: tuple[int, int] | None, dtype: str = "bfloat16",
+                           nvrtc: tuple[int, int] = V4_WGMMA_NVRTC) -> list[str]:
+    """Why kernel v6 cannot serve ``fmt`` with ``dtype`` queries on a GPU of ``capability`` (empty: it
+    can): what v5 serves (2/4-bit content and 4-bit RoPE codes over packed pages, bf16 queries, compute
+    capability 9.0, an NVRTC that builds sm_90a)."""
+    return [r.replace("v5 ", "v6 ", 1) for r in v5_unsupported_reasons(fmt, capability, dtype, nvrtc)]
 
 
 def v3_defines(fmt: PackFormat, stages: int = V3_STAGES, min_blocks: int | None = None, lazy_rescale: bool = True,
@@ -569,10 +621,10 @@ def prepare(cache, block_table, seq_lens, seq_ids, batch: int, s_q: int, heads: 
     variant, _ = select_variant(fmt, dtype, capability, max_tokens, s_q * heads, nvrtc, batch)
     index64 = True
     side_default = False
-    if variant in ("v2", "v3", "v4", "v5"):
+    if variant in ("v2", "v3", "v4", "v5", "v6"):
         # only this variant's QUANTMLA_CUPY_* knobs are read (each read is host time of every call)
         make_plan, knob_type = {"v2": (v2_plan, V2Knobs), "v3": (v3_plan, V3Knobs), "v4": (v4_plan, V4Knobs),
-                                "v5": (v5_plan, V5Knobs)}[variant]
+                                "v5": (v5_plan, V5Knobs), "v6": (v6_plan, V6Knobs)}[variant]
         knobs = knob_type.from_env()
         no_prot = cache.sink == 0 and cache.local == 0
         # int32 seq_lens and seq_ids get an int32 build rather than a conversion on every call
@@ -760,14 +812,14 @@ def v3_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
 def _packed_split_plan(key: tuple, attn, smem: int, threads: int, tile: int, slots_per_cta: int, fmt: PackFormat,
                        dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool, min_tiles: int,
                        sink: int, local: int, index64: bool,
-                       overhead_tiles: float = CTA_OVERHEAD_TILES) -> SplitPlan:
-    """The plan of a split kernel over packed tokens only (v3, v5): ``attn`` over 16-row chunks and
+                       overhead_tiles: float = CTA_OVERHEAD_TILES, rows_per_cta: int = 16) -> SplitPlan:
+    """The plan of a split kernel over packed tokens only (v3, v5, v6): ``attn`` over ``rows_per_cta``-row chunks and
     wave-planned splits of ``tile``-token tiles (``overhead_tiles``: a CTA's fixed work, see
     :func:`~quantmla_core.backends.splits.plan_kv_splits`), each CTA writing ``slots_per_cta`` partials,
     then, when the cache keeps sink/local tokens, the protected-only launch adding them as the last
     partials of each row; cached under ``key``."""
     resident = resident_ctas(attn, threads, smem, dev, sm_count)
-    chunks = -(-rows // 16)
+    chunks = -(-rows // rows_per_cta)
     splits, per = plan_splits_v2(batch, chunks, max(1, max_pages) * fmt.page_size, resident, min_tiles, tile,
                                  overhead_tiles)
     launches = [(attn, (batch * chunks, splits), (threads,), smem)]
@@ -842,24 +894,26 @@ def v4_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
     return plan
 
 
-def _v5_kernel(fmt: PackFormat, dev: int, lazy: bool, index64: bool):
+def _v5_kernel(fmt: PackFormat, dev: int, lazy: bool, index64: bool, workers: int = V5_WORKERS):
     """Compiled ``qmla_attn_v5`` (cached, an sm_90a build) and its dynamic shared memory."""
-    return _split_kernel(("v5", fmt, dev, lazy, index64), "v5", dev, v5_smem_bytes(fmt),
-                         lambda: v5_defines(fmt, lazy, index64), V4_WGMMA_ARCH)
+    return _split_kernel(("v5", fmt, dev, lazy, index64, workers), "v5", dev, v5_smem_bytes(fmt, workers),
+                         lambda: v5_defines(fmt, lazy, index64, workers), V4_WGMMA_ARCH)
 
 
 @dataclass(frozen=True)
 class V5Knobs:
     """The ``QUANTMLA_CUPY_V5_*`` tuning variables of one call (lazy: skip the output rescale while
-    no row's maximum moves) and v2's split floor."""
+    no row's maximum moves; workers: worker warpgroups per CTA) and v2's split floor."""
 
     lazy: bool = True
     min_tiles: int = V2_MIN_TILES_PER_SPLIT
+    workers: int = V5_WORKERS
 
     @staticmethod
     def from_env() -> "V5Knobs":
         return V5Knobs(bool(_env_int("QUANTMLA_CUPY_V5_LAZY_RESCALE", 1, (0, 1))),
-                       _env_int("QUANTMLA_CUPY_V2_MIN_TILES", V2_MIN_TILES_PER_SPLIT, (1, 2, 4, 8, 16)))
+                       _env_int("QUANTMLA_CUPY_V2_MIN_TILES", V2_MIN_TILES_PER_SPLIT, (1, 2, 4, 8, 16)),
+                       _env_int("QUANTMLA_CUPY_V5_WORKERS", V5_WORKERS, V5_WORKER_CHOICES))
 
 
 def v5_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool,
@@ -870,10 +924,36 @@ def v5_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
     key = ("v5", fmt, dev, sm_count, batch, rows, max_pages, no_prot, knobs, sink, local, index64)
     plan = _PLANS.get(key)
     if plan is None:
-        attn, smem = _v5_kernel(fmt, dev, knobs.lazy, index64)
-        plan = _packed_split_plan(key, attn, smem, V5_WORKERS * 128, V5_TILE, V5_WORKERS, fmt, dev, sm_count, batch,
+        attn, smem = _v5_kernel(fmt, dev, knobs.lazy, index64, knobs.workers)
+        plan = _packed_split_plan(key, attn, smem, knobs.workers * 128, V5_TILE, knobs.workers, fmt, dev, sm_count, batch,
                                   rows, max_pages, no_prot, knobs.min_tiles, sink, local, index64,
                                   V5_CTA_OVERHEAD_TILES)
+    return plan
+
+
+@dataclass(frozen=True)
+class V6Knobs:
+    """The tuning variables of one v6 call: v2's split floor (``QUANTMLA_CUPY_V2_MIN_TILES``)."""
+
+    min_tiles: int = V2_MIN_TILES_PER_SPLIT
+
+    @staticmethod
+    def from_env() -> "V6Knobs":
+        return V6Knobs(_env_int("QUANTMLA_CUPY_V2_MIN_TILES", V2_MIN_TILES_PER_SPLIT, (1, 2, 4, 8, 16)))
+
+
+def v6_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool,
+            knobs: V6Knobs, sink: int = 0, local: int = 0, index64: bool = True) -> SplitPlan:
+    """The launch plan of kernel v6 (64 query rows per CTA, an attending and a dequantizing warpgroup):
+    its split kernel over packed tokens, one partial per CTA, and, when the cache keeps sink/local tokens,
+    the protected-only launch adding them as the last partials of each row."""
+    key = ("v6", fmt, dev, sm_count, batch, rows, max_pages, no_prot, knobs, sink, local, index64)
+    plan = _PLANS.get(key)
+    if plan is None:
+        attn, smem = _split_kernel(("v6", fmt, dev, index64), "v6", dev, v6_smem_bytes(fmt),
+                                   lambda: v6_defines(fmt, index64), V4_WGMMA_ARCH)
+        plan = _packed_split_plan(key, attn, smem, V6_THREADS, V6_TILE, 1, fmt, dev, sm_count, batch, rows, max_pages,
+                                  no_prot, knobs.min_tiles, sink, local, index64, rows_per_cta=V6_ROWS)
     return plan
 
 

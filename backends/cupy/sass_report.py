@@ -14,7 +14,8 @@ counts per tile and warp (benchmarks/RESULTS.md compares them with Nsight Comput
     python -m quantmla_core.backends.cupy.sass_report C4R4 256 32
 
 Kernel v4 is reported in its wgmma build (sm_90a, what the launcher runs on an H100/H200), over
-packed pages and over bf16 pages; kernel v5 (sm_90a only) per worker warp.
+packed pages and over bf16 pages; kernel v5 (sm_90a only) per worker warp; kernel v6 (sm_90a only) per
+warp of each warpgroup.
 
 Needs ``nvcc`` (CUDA 12.4+) and ``cuobjdump`` + ``nvdisasm`` on PATH or from the
 ``nvidia-cuda-cuobjdump`` / ``nvidia-cuda-nvdisasm`` wheels (the ``dev`` extra on x86-64 Linux).
@@ -38,11 +39,14 @@ from . import KERNEL_DIR, define_options
 from .attention import (
     V3_STAGES,
     V4_WGMMA_ARCH,
+    V5_WORKER_CHOICES,
+    V5_WORKERS,
     v2_default_stages,
     v2_defines,
     v3_defines,
     v4_defines,
     v5_defines,
+    v6_defines,
 )
 
 _INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*(.*?);")
@@ -107,9 +111,15 @@ def compile_sass_v4(fmt: PackFormat, wgmma: bool = True) -> tuple[str, str]:
     return _build_sass("attention_v4.cu", v4_defines(fmt, wgmma=wgmma), V4_WGMMA_ARCH if wgmma else "sm_90")
 
 
-def compile_sass_v5(fmt: PackFormat) -> tuple[str, str]:
-    """(SASS text, ptxas -v output) of ``qmla_attn_v5`` for ``fmt`` (an sm_90a build)."""
-    return _build_sass("attention_v5.cu", v5_defines(fmt), V4_WGMMA_ARCH)
+def compile_sass_v5(fmt: PackFormat, workers: int = V5_WORKERS) -> tuple[str, str]:
+    """(SASS text, ptxas -v output) of ``qmla_attn_v5`` for ``fmt`` with ``workers`` worker warpgroups
+    per CTA (an sm_90a build)."""
+    return _build_sass("attention_v5.cu", v5_defines(fmt, workers=workers), V4_WGMMA_ARCH)
+
+
+def compile_sass_v6(fmt: PackFormat) -> tuple[str, str]:
+    """(SASS text, ptxas -v output) of ``qmla_attn_v6`` for ``fmt`` (an sm_90a build)."""
+    return _build_sass("attention_v6.cu", v6_defines(fmt), V4_WGMMA_ARCH)
 
 
 def _build_sass(source: str, defines: dict[str, int], arch: str = "sm_90") -> tuple[str, str]:
@@ -160,10 +170,10 @@ def tile_loop_v4(fmt: PackFormat, wgmma: bool = True) -> LoopReport:
     return loops(compile_sass_v4(fmt, wgmma)[0])[0]
 
 
-def tile_loop_v5(fmt: PackFormat) -> LoopReport:
+def tile_loop_v5(fmt: PackFormat, workers: int = V5_WORKERS) -> LoopReport:
     """The 64-token tile loop of one ``qmla_attn_v5`` worker (the largest loop) for ``fmt``: every
     instruction of its body (masked and unmasked softmax paths, the eager and the skipped rescale)."""
-    return loops(compile_sass_v5(fmt)[0])[0]
+    return loops(compile_sass_v5(fmt, workers)[0])[0]
 
 
 def main(argv: list[str]) -> None:
@@ -195,10 +205,29 @@ def main(argv: list[str]) -> None:
         print(f"{name} {dc}/{dr} kernel v4, wgmma build (64 rows x 64-token tiles, 8 warps): {loop.total} instructions "
               f"per warp per tile, {loop.count('HGMMA')} HGMMA, {regs} registers\n    {top}")
     for name, dc, dr in cases:
-        loop, regs, top = _loop_summary(*compile_sass_v5(PackFormat.parse(name, latent_dim=dc, rope_dim=dr)))
-        print(f"{name} {dc}/{dr} kernel v5 (16 rows x 64-token tiles, a worker of 4 warps): {loop.total} instructions "
-              f"per warp per tile ({loop.total * 4 / 64:.0f} per token), {loop.count('HGMMA')} HGMMA, {regs} registers"
-              f"\n    {top}")
+        for workers in V5_WORKER_CHOICES:
+            sass, ptxas = compile_sass_v5(PackFormat.parse(name, latent_dim=dc, rope_dim=dr), workers)
+            loop, regs, top = _loop_summary(sass, ptxas)
+            spills = re.search(r"(\d+) bytes spill stores", ptxas)
+            print(f"{name} {dc}/{dr} kernel v5, {workers} workers (16 rows x 64-token tiles, a worker of 4 warps): "
+                  f"{loop.total} instructions per warp per tile ({loop.total * 4 / 64:.0f} per token), "
+                  f"{loop.count('HGMMA')} HGMMA, {regs} registers, {spills.group(1) if spills else '?'} B spilled, "
+                  f"{loop.count('LDL', 'STL')} local loads/stores in the loop\n    {top}")
+    for name, dc, dr in cases:
+        print(f"{name} {dc}/{dr} kernel v6 (64 rows x 64-token tiles, an attending and a dequantizing warpgroup): "
+              + _v6_summary(PackFormat.parse(name, latent_dim=dc, rope_dim=dr)))
+
+
+def _v6_summary(fmt: PackFormat) -> str:
+    """The two tile loops of ``qmla_attn_v6`` (the dequantizer's and the attender's, per warp and tile)."""
+    sass, ptxas = compile_sass_v6(fmt)
+    regs = re.search(r"Used (\d+) registers", ptxas)
+    text = []
+    for loop in loops(sass)[:2]:
+        role = "attender" if loop.count("HGMMA") > 8 else "dequantizer"
+        top = ", ".join(f"{k} {v}" for k, v in sorted(loop.opcodes.items(), key=lambda kv: -kv[1])[:12])
+        text.append(f"    {role}: {loop.total} instructions per warp per tile, {loop.count('HGMMA')} HGMMA: {top}")
+    return f"{regs.group(1) if regs else '?'} registers\n" + "\n".join(text)
 
 
 def _loop_summary(sass: str, ptxas: str) -> tuple[LoopReport, str, str]:

@@ -57,7 +57,10 @@
 #define DT (QMLA_DC + QMLA_DR)
 #define T 64                  // tokens per tile: wgmma M
 #define RT 16                 // query rows per CTA: wgmma N
-#define NWG 2                 // worker warpgroups per CTA
+#ifndef QMLA_V5_WORKERS
+#define QMLA_V5_WORKERS 2     // worker warpgroups per CTA (2 or 3; the launcher's V5Knobs.workers)
+#endif
+#define NWG QMLA_V5_WORKERS
 #define NTH 128               // threads of one worker (its loads and dequantization)
 #define CBITS QMLA_CBITS
 #define KCH (8 / CBITS)       // codes per byte
@@ -94,16 +97,23 @@ static_assert(QMLA_GR == DR, "one RoPE group per token");
 #define RBL (RB / 4)          // RoPE code bytes ...
 #define SPC (KCH / 2)         // slice pairs of a byte pair (k-steps per byte pair)
 #define KSC (DC / 16)         // content k-steps
+#ifndef QMLA_V5_EARLY_LOADS
+// 1: a lane loads its next tile's operands at the start of a tile, into a second set of registers;
+// 0: after the tile's QK, into the registers QK has just read (V5Regs once, not twice: what three workers,
+// at 168 registers a thread, can hold)
+#define QMLA_V5_EARLY_LOADS (NWG == 2)
+#endif
 #ifndef QMLA_V5_KCHUNK
 // QK k-steps per chunk of A fragments (double-buffered). H200, H16 B32/B128 L32K/L128K: 8 took 3-4 % off
-// C2R4 and nothing off C4R4 (stop 21); 4 holds fewer registers
-#define QMLA_V5_KCHUNK ((CBITS == 2) ? 8 : 4)
+// C2R4 and nothing off C4R4 (stop 21); 4 holds fewer registers, 2 fewer still (three workers)
+#define QMLA_V5_KCHUNK ((NWG == 3) ? 2 : (CBITS == 2) ? 8 : 4)
 #endif
 #define KCK QMLA_V5_KCHUNK
 #define NKC ((KSTEPS + KCK - 1) / KCK)  // QK chunks
 #define NGL ((BL >= QMLA_GC) ? BL / QMLA_GC : 1)  // scale groups of one lane's share of a slice
 static_assert(BL >= 16 && BL <= 64 && (DR == 32 || DR == 64), "d_c 256/512, d_r 32/64");
-static_assert((KCK == 4 || KCK == 8) && KSC % KCK == 0 && (4 * KCK) % (4 * SPC) == 0, "chunks of whole 8-channel stores");
+static_assert(NWG == 2 || NWG == 3, "two or three worker warpgroups");
+static_assert((KCK == 2 || KCK == 4 || KCK == 8) && KSC % KCK == 0 && (4 * KCK) % (4 * SPC) == 0, "chunks of whole 8-channel stores");
 static_assert(BL % QMLA_GC == 0 || QMLA_GC % BL == 0, "a lane's share of a slice holds whole groups or lies in one");
 
 // physical channel ([d_c | d_r]) of QK's channel lc
@@ -332,11 +342,15 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
         const u32 p_lane = smem_s + wg * WK_BYTES + W_PT + sw128_chunk(8 * (mi >> 1) + (lane & 7), 2 * ww + (mi & 1), RT);
 
         for (int t0 = my_begin; t0 < t_end; t0 += NWG * T) {
+#if QMLA_V5_EARLY_LOADS
             const V5Regs cur = rg;  // tile t0's operands; the worker's next tile's load into rg beside this tile
             if (t0 + NWG * T < t_end) {
                 v5_load_tile(rg, pages, pgn, num_pages, t0 + NWG * T, L, tq[0], q4);
                 pgn = v5_warp_page(t0 + 2 * NWG * T, ww, bt_row, L, max_pages);
             }
+#else
+            const V5Regs& cur = rg;  // tile t0's operands; the next tile's load into rg once QK has read them
+#endif
             u32 off2[2][KCH][NGL], roff2[2];
 #if QMLA_CSCALE_BF16
             u32 s2[2][KCH][NGL];  // bf16x2 content scales
@@ -430,6 +444,12 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
                 }
                 wgmma_commit();
             }
+#if !QMLA_V5_EARLY_LOADS
+            if (t0 + NWG * T < t_end) {
+                v5_load_tile(rg, pages, pgn, num_pages, t0 + NWG * T, L, tq[0], q4);
+                pgn = v5_warp_page(t0 + 2 * NWG * T, ww, bt_row, L, max_pages);
+            }
+#endif
             wgmma_wait<0>();
             wgmma_fence_operand(A[0]);
             wgmma_fence_operand(A[1]);

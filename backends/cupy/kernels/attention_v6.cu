@@ -1,0 +1,472 @@
+// QuantMLA CuPy backend: decode attention v6 (many query rows on Hopper: one warpgroup dequantizes
+// the next tile while the other attends to this one).
+//
+// Serves what v4 serves over packed pages (bf16 queries; 2/4-bit content and 4-bit RoPE codes; d_c/d_r
+// 512/64 and 256/32), packed tokens only (protected.cu adds the sink and local-window tokens), sm_90a.
+//
+// ================================================================ design note
+// Why: v4 runs each 64-token tile in phases that wait for each other (dequantize, barrier, QK, score
+// exchange, softmax, barrier, PV), so the tensor cores idle while the codes are converted and the softmax
+// runs (H200, H128 B32 L32K C4R4: 1.48x FlashInfer BF16, which itself runs at ~2/3 of the tensor peak).
+// Here the two warpgroups of a CTA (64 query rows) split the work by kind and meet at named barriers:
+//
+//   grid (B * ceil(R / 64), KV splits), 256 threads; two key tiles (double buffer), the queries, P:
+//   attender (warpgroup 0)                       dequantizer (warpgroup 1)
+//                                                codes of tile i + 1 -> registers (global loads), earlier
+//   wait FULL[i % 2]                             wait EMPTY[(i + 1) % 2] (tile i - 1 is done with it)
+//   QK(i): S[64 rows][64 tokens], all channels,  dequantize tile i + 1 into K[(i + 1) % 2]
+//     36 m64n64k16 (A = queries, B = K)          arrive FULL[(i + 1) % 2]; load the codes of tile i + 2
+//   after its own PV(i - 1): arrive EMPTY
+//   softmax of its 64 rows (no exchange: a warp  wait PREADY
+//     holds whole rows), wait PFREE (PV(i - 1)   rescale its half of O by alpha(i) (from shared memory)
+//     of the dequantizer), P(i), alpha -> smem   PV(i): O[64][d_c/2 ..] += P K, m64n256k16, then waits for it
+//   arrive PREADY; rescale its half of O         arrive PFREE
+//   PV(i): O[64][0 .. d_c/2) += P K (async)
+// So the dequantization of tile i + 1 runs beside QK(i), the softmax and PV(i). Both halves of O take 128
+// accumulators a thread. The barriers are bar.arrive / bar.sync pairs of 256 threads, each used in
+// strict alternation (every arrive of one side is matched by the other side's sync before its next one).
+// H200 (stop 23, CUDA graphs, sink 4 + local 128, FlashInfer BF16 in the same process): H128 B32 L32K C4R4
+// 834.9 us (v4) -> 672.6 (1.43x -> 1.15x FlashInfer), C2R4 802.9 -> 621.7 (1.37x -> 1.06x); H64 B32 L32K C2R4
+// 0.99x. Not kept: an L2 prefetch of tile i + 3 by the dequantizer (prefetch.global.L2 of its lines) ran 23-25 %
+// slower; reloading each half of the code registers as soon as it was converted (the first half's loads half a
+// dequantization earlier), 5-10 % slower.
+// The attender retires its PV before issuing the next QK: issued while that PV ran, ptxas serialized every
+// wgmma of the kernel (C7514: it saw the accumulators read inside the PV's pipeline stage).
+// Shared memory (d_c 512): 2 x 72 KB key tiles + 72 KB queries + 8 KB P + 1 KB row factors + 1 KB
+// alignment: 226 KB, one CTA per SM; there is no room for a stage, so the dequantizer loads the codes
+// straight from the pages into registers.
+#include "common.cuh"
+
+#ifndef QMLA_V6_PROBE
+// measurement builds (benchmarks/run_h200_kernels.sh v6, never the launcher): 1 skips the dequantization
+// (the key tiles keep whatever they hold), 2 skips the code loads (zeros); both give wrong outputs. H200,
+// H128 B32 L32K, sink 4 + local 128, CUDA graphs (stop 23): C4R4 664.6 us, 514.4 without the dequantization,
+// 547.4 without the loads; C2R4 623.9 / 511.8 / 562.6; FlashInfer BF16 ~585
+#define QMLA_V6_PROBE 0
+#endif
+
+#define DC QMLA_DC
+#define DR QMLA_DR
+#define DT (QMLA_DC + QMLA_DR)
+#define T 64                  // tokens per tile
+#define RT 64                 // query rows per CTA
+#define NTH 256               // threads per CTA (stage.cuh's partial-row store)
+#define WGT 128               // threads per warpgroup
+#define CBITS QMLA_CBITS
+#define KCH (8 / CBITS)
+#define CB QMLA_CB
+#define RB QMLA_RB
+#define NCT (CB / 16)         // 16-byte chunks of a content code row
+#define NGC (DC / QMLA_GC)
+#define CMASK ((CBITS == 4) ? 0x0f0f0f0fu : 0x03030303u)
+#define CSZ (QMLA_CSCALE_BF16 ? 2 : 4)
+#define RSZ (QMLA_RSCALE_BF16 ? 2 : 4)
+#define NCB ((DT + 63) / 64)  // 64-channel column blocks of the key and query tiles
+#define KSTEPS (DT / 16)
+#define RCK (RB / 16)         // 16-byte chunks of a RoPE code row
+
+#if !QMLA_IN_BF16 || !(QMLA_QUANT && (CBITS == 2 || CBITS == 4) && QMLA_RBITS == 4)
+#error "attention_v6.cu serves bf16 queries over 2/4-bit content with 4-bit RoPE codes"
+#endif
+static_assert(CB == DC * CBITS / 8 && RB == DR / 2, "code bytes per token");
+static_assert(CB % 64 == 0 && (RB == 16 || RB == 32), "d_c 256/512 and d_r 32/64");
+static_assert(QMLA_GC % 16 == 0, "a 16-channel dequantized run must lie inside one scale group");
+static_assert(QMLA_GR == DR, "one RoPE group per token");
+static_assert(NCT % 4 == 0 && T * RCK <= WGT, "code rows of whole 64-byte groups; one RoPE chunk per thread at most");
+
+#include "wgmma.cuh"
+#include "stage.cuh"  // qmla_table_page, OT_STRIDE, qmla_store_partial_rows
+#define QMLA_KT_SW128 1
+#include "tile_dequant.cuh"  // qmla_store16
+
+// ---------------------------------------------------------------- shared memory layout (1024-byte aligned base)
+#define KT_BYTES (T * NCB * 128)         // one key tile, bf16 [NCB][T][64], 128-byte swizzle
+#define QT_OFF (2 * KT_BYTES)            // queries, bf16 [NCB][RT][64]
+#define PT_OFF (QT_OFF + RT * NCB * 128)  // P, bf16 [RT][T]: one swizzled 128-byte row per query row
+#define AL_OFF (PT_OFF + RT * T * 2)     // float [RT]: the rows' rescale factors of the current tile
+#define RED_OFF (AL_OFF + RT * 4)        // float [2][RT]: row maxima and sums, for the partials
+#define SMEM_TOTAL (RED_OFF + 2 * RT * 4 + 1024)
+#ifdef QMLA_V6_SMEM
+static_assert(SMEM_TOTAL == QMLA_V6_SMEM, "launcher's v6_smem_bytes() disagrees with the kernel's layout");
+#endif
+static_assert(SMEM_TOTAL <= 227 * 1024, "shared memory per block");
+static_assert(RT * OT_STRIDE * 4 <= QT_OFF, "the partial-output tile reuses the key tiles");
+
+// named barriers (ids 1-6), each of both warpgroups: one side arrives, the other waits
+#define BAR_FULL 1    // + buffer: key tile dequantized (dequantizer -> attender)
+#define BAR_EMPTY 3   // + buffer: the attender is done with a key tile (attender -> dequantizer)
+#define BAR_PREADY 5  // P and the rescale factors of the tile written (attender -> dequantizer)
+#define BAR_PFREE 6   // the dequantizer's PV of the tile retired: P may be rewritten (dequantizer -> attender)
+__device__ __forceinline__ void v6_arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory"); }
+__device__ __forceinline__ void v6_wait(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
+
+// ---------------------------------------------------------------- the dequantizer's codes of one tile
+// Thread p of the dequantizer takes tokens p / 4 and p / 4 + 32 of a tile and, of each, the content chunks
+// uu + 4 r (uu = p % 4) and the token's zero points and scales; and RoPE chunk p % RCK of token p / RCK.
+// Eight consecutive threads (two tokens x four chunk columns) store to eight different 16-byte groups of
+// the swizzled key tile (tile_dequant.cuh's mapping).
+#define ZW ((NGC + 3) / 4)         // words of a token's content zero points
+#define SW ((NGC * CSZ + 3) / 4)   // words of its content scales
+struct V6Codes {
+    uint4 c[2][NCT / 4];  // content chunks uu + 4 r of the thread's two tokens
+    u32 z[2][ZW];         // their zero points (all groups)
+    u32 s[2][SW];         // their scales (raw bits)
+    uint4 rc;             // RoPE chunk
+    u32 rz, rs;           // RoPE zero point and scale (raw bits)
+};
+
+// N bytes (2 to 32, a power of two, N-aligned) at p as words
+template <int N>
+__device__ __forceinline__ void v6_load_row(const u8* p, u32* w) {
+    if constexpr (N >= 16) {
+#pragma unroll
+        for (int k = 0; k < N / 16; ++k) {
+            const uint4 v = ((const uint4*)p)[k];
+            w[4 * k] = v.x, w[4 * k + 1] = v.y, w[4 * k + 2] = v.z, w[4 * k + 3] = v.w;
+        }
+    } else if constexpr (N == 8) {
+        const uint2 v = *(const uint2*)p;
+        w[0] = v.x, w[1] = v.y;
+    } else if constexpr (N == 4) {
+        w[0] = *(const u32*)p;
+    } else {
+        static_assert(N == 2, "2 to 32 bytes");
+        w[0] = *(const u16*)p;
+    }
+}
+
+// page and slot of token n of request row bt_row, or page < 0 where it is not read (past L, past the
+// table, a page outside the pool)
+__device__ __forceinline__ const u8* v6_token_page(int n, const u8* __restrict__ pages, const int* __restrict__ bt_row,
+                                                   int L, int max_pages, int num_pages) {
+    const int pg = qmla_table_page(n, bt_row, L, max_pages);
+    return (pg >= 0 && pg < num_pages) ? pages + (i64)pg * QMLA_PAGE_BYTES : nullptr;
+}
+
+// the thread's codes of tile tt (tokens not read: zeros, so their keys dequantize to 0; P is 0 there,
+// and 0 x a stale NaN could poison PV)
+__device__ __forceinline__ void v6_load_codes(V6Codes& r, const u8* __restrict__ pages, const int* __restrict__ bt_row,
+                                              int tt, int L, int max_pages, int num_pages, int p) {
+    if (QMLA_V6_PROBE == 2) pages = nullptr, bt_row = nullptr, L = 0;  // every token past L: nothing read
+    const int uu = p & 3;
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+        const int n = tt + (p >> 2) + 32 * k, s = n % QMLA_P;
+        const u8* page = v6_token_page(n, pages, bt_row, L, max_pages, num_pages);
+#pragma unroll
+        for (int q = 0; q < NCT / 4; ++q) {
+            r.c[k][q] = page ? *(const uint4*)(page + QMLA_OFF_CC + s * CB + 16 * (uu + 4 * q)) : make_uint4(0u, 0u, 0u, 0u);
+        }
+#pragma unroll
+        for (int q = 0; q < ZW; ++q) r.z[k][q] = 0u;
+#pragma unroll
+        for (int q = 0; q < SW; ++q) r.s[k][q] = 0u;
+        if (page) {
+            v6_load_row<NGC>(page + QMLA_OFF_CZ + s * NGC, r.z[k]);
+            v6_load_row<NGC * CSZ>(page + QMLA_OFF_CS + s * NGC * CSZ, r.s[k]);
+        }
+    }
+    r.rc = make_uint4(0u, 0u, 0u, 0u);
+    r.rz = r.rs = 0u;
+    if (p < T * RCK) {
+        const int n = tt + p / RCK, s = n % QMLA_P;
+        const u8* page = v6_token_page(n, pages, bt_row, L, max_pages, num_pages);
+        if (page) {
+            r.rc = *(const uint4*)(page + QMLA_OFF_RC + s * RB + 16 * (p % RCK));
+            r.rz = page[QMLA_OFF_RZ + s];
+            r.rs = QMLA_RSCALE_BF16 ? (u32)((const u16*)(page + QMLA_OFF_RS))[s] : ((const u32*)(page + QMLA_OFF_RS))[s];
+        }
+    }
+}
+
+// element i of BITS bits (8, 16 or 32) of the words w, by selects (a register array indexed at run time
+// would live in local memory; a compile-time i folds to one shift)
+template <int BITS, int N>
+__device__ __forceinline__ u32 v6_pick(const u32 (&w)[N], int i) {
+    constexpr int PER = 32 / BITS;
+    u32 v = w[0];
+#pragma unroll
+    for (int q = 1; q < N; ++q) v = (i / PER == q) ? w[q] : v;
+    return BITS == 32 ? v : (v >> (BITS * (i % PER))) & ((1u << BITS) - 1u);
+}
+
+// the thread's codes -> the key tile kt as bf16 s * (code - z), rounded once (qmla_store16)
+__device__ __forceinline__ void v6_dequantize(const V6Codes& r, u8* kt, int p) {
+    if (QMLA_V6_PROBE == 1) return;
+    const int uu = p & 3;
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+        const int t = (p >> 2) + 32 * k;
+        u8* lo = kt + sw128_chunk(t, 2 * uu, T);  // channels 16 uu .. 16 uu + 7 of column block 0
+        u8* hi = kt + sw128_chunk(t, 2 * uu + 1, T);
+#pragma unroll
+        for (int q = 0; q < NCT / 4; ++q) {
+            const uint4 v = r.c[k][q];
+            const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int c = 0; c < KCH; ++c) {
+                // channels CB c + 64 q + 16 uu ..: column block CB c / 64 + q; their group (16 | GC, 16 uu < 64)
+                const int blk = CB * c / 64 + q;
+                const u32 x[4] = {(w[0] >> (CBITS * c)) & CMASK, (w[1] >> (CBITS * c)) & CMASK,
+                                  (w[2] >> (CBITS * c)) & CMASK, (w[3] >> (CBITS * c)) & CMASK};
+                // their group: a compile-time index where groups are 64 channels or wider, else uu picks it
+                const int grp = (CB * c + 64 * q) / QMLA_GC + (16 * uu) / QMLA_GC;
+                const u32 z = v6_pick<8>(r.z[k], grp);
+                const u32 off2 = 0xc300c300u | z | (z << 16);
+#if QMLA_CSCALE_BF16
+                const u32 sb = v6_pick<16>(r.s[k], grp);
+                qmla_store16<false>(lo + blk * (T * 128), hi + blk * (T * 128), x, off2, sb | (sb << 16), 0.0f, false);
+#else
+                qmla_store16<true>(lo + blk * (T * 128), hi + blk * (T * 128), x, off2, 0u,
+                                   __uint_as_float(v6_pick<32>(r.s[k], grp)), false);
+#endif
+            }
+        }
+    }
+    if (p < T * RCK) {
+        const int t = p / RCK, u = p % RCK;
+        const u32 w[4] = {r.rc.x, r.rc.y, r.rc.z, r.rc.w};
+        const u32 off2 = 0xc300c300u | r.rz | (r.rz << 16);
+        const float s = QMLA_RSCALE_BF16 ? bf16_bits_to_f32(r.rs) : __uint_as_float(r.rs);
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            const u32 x[4] = {(w[0] >> (4 * c)) & 0x0f0f0f0fu, (w[1] >> (4 * c)) & 0x0f0f0f0fu,
+                              (w[2] >> (4 * c)) & 0x0f0f0f0fu, (w[3] >> (4 * c)) & 0x0f0f0f0fu};
+            const int chunk = (DC + RB * c + 16 * u) / 8;
+            qmla_store16<true>(kt + sw128_chunk(t, chunk, T), kt + sw128_chunk(t, chunk + 1, T), x, off2, 0u, s, false);
+        }
+    }
+}
+
+// O[64 rows][this warpgroup's half of d_c] += P K (A = P, K-major; B = the key tile read MN-major)
+__device__ __forceinline__ void v6_pv(float (&acc)[DC / 16][4], u64 dp, u64 dv) {
+    wgmma_fence_operand(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < T / 16; ++kk) {
+        const u64 da = desc_advance(dp, 32 * kk), db = desc_advance(dv, 2048 * kk);
+#if DC == 512
+        wgmma_m64n256k16_ss<1>(acc, da, db, 1);
+#else
+        wgmma_m64n128k16_ss<1>(acc, da, db, 1);
+#endif
+    }
+    wgmma_commit();
+}
+
+// acc *= the rescale factors of its rows (a0: row 16 w + g8, a1: + 8), skipped while every factor of the
+// warp is 1 (bit-identical)
+__device__ __forceinline__ void v6_rescale(float (&acc)[DC / 16][4], float a0, float a1) {
+    if (__any_sync(0xffffffffu, a0 != 1.0f || a1 != 1.0f)) {
+#pragma unroll
+        for (int n = 0; n < DC / 16; ++n) {
+            acc[n][0] *= a0;
+            acc[n][1] *= a0;
+            acc[n][2] *= a1;
+            acc[n][3] *= a1;
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v6(
+    const u16* __restrict__ q_lat, const u16* __restrict__ q_rope, const u8* __restrict__ pages,
+    const u16* __restrict__ sink_buf, const u16* __restrict__ local_buf, const int* __restrict__ block_table,
+    const qmla_index_t* __restrict__ seq_lens, const qmla_index_t* __restrict__ seq_ids, float* __restrict__ o_part,
+    float2* __restrict__ ml_part, int S_q, int H, int max_pages, int bt_stride, int num_pages, int max_seqs,
+    int sink, int local, int tiles_per_split, int num_splits, float scale_log2) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    u8* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);  // the swizzle needs 1024-byte tiles
+    float* al_s = (float*)(smem + AL_OFF);
+    float* red = (float*)(smem + RED_OFF);
+
+    // wg through a shuffle is provably warp-uniform: the wgmma on each side are not on a divergent path for ptxas
+    const int wg = __shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0);
+    const int tid = threadIdx.x, p = tid & (WGT - 1);
+    const int w = p >> 5, lane = tid & 31;
+    const int g8 = lane >> 2, q4 = lane & 3;
+    const int rw0 = 16 * w + g8;  // this thread's rows of the CTA's 64: rw0 and rw0 + 8 (both warpgroups)
+
+    const int R = S_q * H;
+    const int NCHK = (R + RT - 1) / RT;
+    const int b = blockIdx.x / NCHK, rbase = (blockIdx.x % NCHK) * RT;
+    const int L = (int)seq_lens[b];
+    const i64 sid = seq_ids[b];
+    const bool sid_ok = sid >= 0 && sid < max_seqs;
+    // packed tokens: [keep_lo, keep_hi) = [sink_end, local_start), between the sink and the local window
+    const int keep_lo = sid_ok ? min(sink, L) : 0;
+    const int keep_hi = (sid_ok && local > 0) ? max(keep_lo, L - local) : L;
+    const int split = blockIdx.y;
+    const int t_begin = max(split * tiles_per_split * T, keep_lo / T * T);
+    const int t_end = min(keep_hi, (split + 1) * tiles_per_split * T);
+    const int ntiles = t_begin < t_end ? (t_end - t_begin + T - 1) / T : 0;
+
+    float acc[DC / 16][4];  // this warpgroup's half of O: rows rw0 (+ 8) x channels DC / 2 * wg + 8 n + 2 q4 (+ 1)
+#pragma unroll
+    for (int n = 0; n < DC / 16; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    float m_run[2] = {-QMLA_INF, -QMLA_INF};
+    float l_run[2] = {0.0f, 0.0f};  // the attender's share of the row sums
+
+    if (ntiles > 0) {
+        // ------------------------------------------------------------ queries [RT][DT] (rows >= R: zeros)
+        for (int idx = tid; idx < RT * (DT / 8); idx += NTH) {
+            const int row = idx / (DT / 8), ck = idx % (DT / 8);
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (rbase + row < R) {
+                const i64 qrow = (i64)b * R + rbase + row;
+                v = ck < DC / 8 ? *(const uint4*)(q_lat + qrow * DC + 8 * ck)
+                                : *(const uint4*)(q_rope + qrow * DR + 8 * (ck - DC / 8));
+            }
+            *(uint4*)(smem + QT_OFF + sw128_chunk(row, ck, RT)) = v;
+        }
+        fence_proxy_async();
+        __syncthreads();  // queries visible to wgmma
+
+        const u32 smem_s = smem_addr(smem);
+        const u64 dp = sw128_desc(smem_s + PT_OFF, 16, 1024);
+        // PV's B: this warpgroup's column blocks (DC / 128) of key tile 0 (+ KT_BYTES for tile 1), MN-major
+        const u64 dv = sw128_desc(smem_s + wg * (DC / 128) * T * 128, T * 128, 1024);
+        const int* bt_row = block_table + (i64)b * bt_stride;
+
+        if (wg == 0) {
+            // ======================================================== attender
+            const u64 dq = sw128_desc(smem_s + QT_OFF, 16, 1024), dk = sw128_desc(smem_s, 16, 1024);
+            const int lim[2] = {min(keep_hi, L - S_q + (rbase + rw0) / H + 1), min(keep_hi, L - S_q + (rbase + rw0 + 8) / H + 1)};
+            for (int i = 0; i < ntiles; ++i) {
+                const int t0 = t_begin + i * T, buf = i & 1;
+                v6_wait(BAR_FULL + buf);
+                // its PV of the previous tile retired (issuing QK first, while that PV runs, made ptxas serialize
+                // every wgmma: it then sees the accumulators read inside the PV's pipeline stage)
+                wgmma_wait<0>();
+                wgmma_fence_operand(acc);
+                if (i >= 1 && i + 1 < ntiles) v6_arrive(BAR_EMPTY + (buf ^ 1));  // that key tile is done
+                float S[8][4];  // rows rw0 (+ 8) x tokens 8 j + 2 q4 (+ 1)
+                wgmma_fence_operand(S);
+                wgmma_fence();
+#pragma unroll
+                for (int ks = 0; ks < KSTEPS; ++ks) {
+                    const u32 off = (ks >> 2) * (T * 128) + 32 * (ks & 3);
+                    wgmma_m64n64k16_ss<0>(S, desc_advance(dq, off), desc_advance(dk, buf * KT_BYTES + off), ks > 0);
+                }
+                wgmma_commit();
+                wgmma_wait<0>();
+                wgmma_fence_operand(S);
+
+                // ---------------------------------------------------- mask, row maxima (a quad holds a row's 64 tokens)
+                float mx[2] = {-QMLA_INF, -QMLA_INF};
+                if (t0 >= keep_lo && t0 + T <= min(lim[0], lim[1])) {
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+                        for (int k = 0; k < 4; ++k) {
+                            S[j][k] *= scale_log2;
+                            mx[k >> 1] = fmaxf(mx[k >> 1], S[j][k]);
+                        }
+                    }
+                } else {
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+                        for (int k = 0; k < 4; ++k) {
+                            const int n = t0 + 8 * j + 2 * q4 + (k & 1);
+                            S[j][k] = (n >= keep_lo && n < lim[k >> 1]) ? S[j][k] * scale_log2 : -QMLA_INF;
+                            mx[k >> 1] = fmaxf(mx[k >> 1], S[j][k]);
+                        }
+                    }
+                }
+#pragma unroll
+                for (int o = 1; o <= 2; o <<= 1) {
+                    mx[0] = fmaxf(mx[0], __shfl_xor_sync(0xffffffffu, mx[0], o));
+                    mx[1] = fmaxf(mx[1], __shfl_xor_sync(0xffffffffu, mx[1], o));
+                }
+                float al[2];
+#pragma unroll
+                for (int k = 0; k < 2; ++k) {
+                    const float mt = fmaxf(m_run[k], mx[k]);
+                    const float u = (mt == -QMLA_INF) ? 0.0f : mt;
+                    al[k] = exp2f(m_run[k] - u);
+                    m_run[k] = mt;
+                    l_run[k] *= al[k];
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) {
+                        S[j][2 * k] = exp2f(S[j][2 * k] - u);
+                        S[j][2 * k + 1] = exp2f(S[j][2 * k + 1] - u);
+                        l_run[k] += S[j][2 * k] + S[j][2 * k + 1];
+                    }
+                }
+                // ---------------------------------------------------- P and the rescale factors, once the previous P is read
+                if (i >= 1) v6_wait(BAR_PFREE);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    *(u32*)(smem + PT_OFF + sw128_chunk(rw0, j, RT) + 4 * q4) = pack_bf16x2(S[j][0], S[j][1]);
+                    *(u32*)(smem + PT_OFF + sw128_chunk(rw0 + 8, j, RT) + 4 * q4) = pack_bf16x2(S[j][2], S[j][3]);
+                }
+                if (q4 == 0) {
+                    al_s[rw0] = al[0];
+                    al_s[rw0 + 8] = al[1];
+                }
+                fence_proxy_async();
+                v6_arrive(BAR_PREADY);
+                v6_rescale(acc, al[0], al[1]);
+                v6_pv(acc, dp, desc_advance(dv, buf * KT_BYTES));  // retired by the next tile's wait, or below
+            }
+            wgmma_wait<0>();
+            wgmma_fence_operand(acc);
+            v6_wait(BAR_PFREE);  // the dequantizer's last PV retired (and every arrive matched)
+        } else {
+            // ======================================================== dequantizer
+            V6Codes cd;
+            v6_load_codes(cd, pages, bt_row, t_begin, L, max_pages, num_pages, p);
+            v6_dequantize(cd, smem, p);
+            fence_proxy_async();  // the key-tile stores, for wgmma's reads
+            v6_arrive(BAR_FULL);
+            if (ntiles > 1) v6_load_codes(cd, pages, bt_row, t_begin + T, L, max_pages, num_pages, p);
+            for (int i = 0; i < ntiles; ++i) {
+                const int buf = i & 1;
+                if (i + 1 < ntiles) {
+                    if (i + 1 >= 2) v6_wait(BAR_EMPTY + (buf ^ 1));  // the attender is done with tile i - 1
+                    v6_dequantize(cd, smem + (buf ^ 1) * KT_BYTES, p);
+                    fence_proxy_async();
+                    v6_arrive(BAR_FULL + (buf ^ 1));
+                    if (i + 2 < ntiles) v6_load_codes(cd, pages, bt_row, t_begin + (i + 2) * T, L, max_pages, num_pages, p);
+                }
+                v6_wait(BAR_PREADY);
+                v6_rescale(acc, al_s[rw0], al_s[rw0 + 8]);
+                v6_pv(acc, dp, desc_advance(dv, buf * KT_BYTES));
+                wgmma_wait<0>();
+                wgmma_fence_operand(acc);
+                v6_arrive(BAR_PFREE);
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------- partial results (v1 layout)
+    if (wg == 0) {
+#pragma unroll
+        for (int o = 1; o <= 2; o <<= 1) {
+            l_run[0] += __shfl_xor_sync(0xffffffffu, l_run[0], o);
+            l_run[1] += __shfl_xor_sync(0xffffffffu, l_run[1], o);
+        }
+    }
+    __syncthreads();  // every wgmma has retired: the key tiles are free
+    if (wg == 0 && q4 == 0) {
+        red[rw0] = m_run[0];
+        red[rw0 + 8] = m_run[1];
+        red[RT + rw0] = l_run[0];
+        red[RT + rw0 + 8] = l_run[1];
+    }
+    float* ot = (float*)smem;  // [RT][OT_STRIDE]
+#pragma unroll
+    for (int n = 0; n < DC / 16; ++n) {
+        const int ch = DC / 2 * wg + 8 * n + 2 * q4;
+        *(float2*)(ot + rw0 * OT_STRIDE + ch) = make_float2(acc[n][0], acc[n][1]);
+        *(float2*)(ot + (rw0 + 8) * OT_STRIDE + ch) = make_float2(acc[n][2], acc[n][3]);
+    }
+    __syncthreads();
+    if (tid < RT && rbase + tid < R) {
+        ml_part[((i64)b * R + rbase + tid) * num_splits + split] = make_float2(red[tid], red[RT + tid]);
+    }
+#pragma unroll
+    for (int j = 0; j < RT / 16; ++j) {
+        qmla_store_partial_rows(o_part, ot + 16 * j * OT_STRIDE, b, R, rbase + 16 * j, num_splits, split, tid);
+    }
+}

@@ -1,0 +1,199 @@
+"""CuPy attention kernel v6 (many query rows on Hopper: one warpgroup dequantizes the next tile while the
+other attends to this one, ``kernels/attention_v6.cu``).
+
+CPU: the sm_90a build compiles without spills or serialized wgmma at every served format, dims, group
+and page size, runs QK as (d_c + d_r) / 16 m64n64k16 and PV as 2 x 4 MN-major MMAs, hands work between
+its warpgroups by bar.arrive / bar.sync pairs, and its shared-memory layout matches the launcher's; a
+forced v6 runs where it serves and says why elsewhere; the stubbed launch matches the kernel's
+signature and adds the protected-only launch. GPU: conformance against the reference (edge lengths,
+several requests, S_q > 1, row counts that do not fill a 64-row chunk, every page size, d_c 256)."""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+
+import numpy as np
+import pytest
+import torch
+from conformance import Case, check_attention_case
+from quantmla_core.backends.cupy.attention import (
+    V4_WGMMA_ARCH,
+    VARIANT_ENV,
+    V6Knobs,
+    protected_ctas,
+    select_variant,
+    smem_per_block,
+    v6_defines,
+    v6_smem_bytes,
+    v6_unsupported_reasons,
+)
+from test_cupy_backend import (
+    BIG,
+    NVCC,
+    V2_CASES,
+    _kernel_params,
+    _run_v2_stubbed,
+    compile_all,
+    compile_cubin_and_ptx,
+    gpu,
+    ptxas_usage,
+)
+from test_cupy_v4 import V4_CASES
+
+import quantmla_core as qm
+
+#: (format, d_c, d_r, group size, page size)
+V6_BUILDS = [
+    ("C4R4", 512, 64, 64, 64),
+    ("C2R4", 512, 64, 64, 64),
+    ("C4R4", 512, 64, 128, 16),
+    ("C2R4", 512, 64, 128, 128),
+    ("C4R4", 256, 32, 64, 32),
+    ("C2R4", 256, 32, 32, 64),
+]
+
+
+def _compile_v6(v: tuple) -> tuple[int, str, str]:
+    name, dc, dr, gs, page = v
+    fmt = qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr, group_size=gs, page_size=page)
+    return compile_cubin_and_ptx("attention_v6.cu", V4_WGMMA_ARCH, v6_defines(fmt))
+
+
+@lru_cache(maxsize=1)
+def _compiled_v6() -> dict:
+    return compile_all(V6_BUILDS, _compile_v6)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
+@pytest.mark.parametrize("build", V6_BUILDS, ids=lambda v: "-".join(map(str, v)))
+def test_v6_compiles_without_spills(build):
+    """Every served build compiles for sm_90a without spills and without serialized wgmma; QK is
+    (d_c + d_r) / 16 m64n64k16 from shared memory (one commit), PV 4 m64n256k16 (m64n128k16 at d_c 256)
+    per warpgroup with the key tile read MN-major; the codes come from global memory (no stage, no
+    cp.async), and the six named barriers are used by arrive on one side and sync on the other."""
+    rc, text, ptx = _compiled_v6()[build]
+    assert rc == 0, f"nvcc failed for v6 {build}:\n{text[-4000:]}"
+    assert "warning #" not in text, text
+    use = ptxas_usage(text)
+    print(f"v6 {build}: {use}")
+    assert use["spill_stores"] == 0 and use["spill_loads"] == 0 and use["stack"] == 0, f"v6 {build} spills: {use}"
+    assert "C7514" not in text and "C7515" not in text and "serialized" not in text, text
+    _name, dc, dr = build[:3]
+    qk = "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16"
+    pv = f"wgmma.mma_async.sync.aligned.m64n{dc // 2}k16.f32.bf16.bf16"
+    assert ptx.count(qk) == (dc + dr) // 16
+    assert ptx.count(pv) == 2 * 4  # one PV of 4 k-steps per warpgroup (two inlined call sites)
+    assert ptx.count("wgmma.commit_group.sync.aligned") == 3
+    assert "cp.async" not in ptx and "ld.global.nc.v4.u32" in ptx and "mma.sync" not in ptx
+    arrives = set(re.findall(r"bar(?:rier)?\.arrive(?:\.aligned)? (\S+), 256;", ptx))
+    syncs = set(re.findall(r"bar(?:rier)?\.sync(?:\.aligned)? (\S+), 256;", ptx))
+    assert arrives and syncs, "named barriers of 256 threads: one side arrives, the other waits"
+
+
+def test_v6_smem_layout():
+    # C4R4: two key tiles and the queries (9 column blocks x 64 rows x 128 B each), P 64 x 128 B, three
+    # rows of 64 floats, 1 KB to align the base: just under the 227 KB an SM gives one block
+    fmt = qm.PackFormat.parse("C4R4")
+    tile = 9 * 64 * 128
+    assert v6_smem_bytes(fmt) == 3 * tile + 64 * 128 + 3 * 64 * 4 + 1024 == 231_168 <= smem_per_block((9, 0))
+    assert v6_smem_bytes(qm.PackFormat.parse("C2R4")) == v6_smem_bytes(fmt)
+    assert v6_defines(fmt)["QMLA_V6_SMEM"] == v6_smem_bytes(fmt)
+    small = qm.PackFormat.parse("C4R4", 256, 32)
+    assert v6_smem_bytes(small) == 3 * 5 * 64 * 128 + 64 * 128 + 3 * 64 * 4 + 1024
+
+
+def test_v6_unsupported_reasons():
+    c4 = qm.PackFormat.parse("C4R4")
+    assert v6_unsupported_reasons(c4, (9, 0)) == []
+    assert v6_unsupported_reasons(c4, (8, 0)) == ["v6 needs compute capability 9.0 (sm_90a wgmma), got 8.0"]
+    assert v6_unsupported_reasons(c4, None) == ["v6 needs compute capability 9.0 (sm_90a wgmma), got an unknown GPU"]
+    assert v6_unsupported_reasons(c4, (9, 0), nvrtc=(11, 8)) == ["v6 needs NVRTC 12.0+ to build for sm_90a, got 11.8"]
+    assert v6_unsupported_reasons(c4, (9, 0), "float32") == ["v6 serves bfloat16 queries (got float32)"]
+    for name in ("C8R8", "BF16"):
+        why = v6_unsupported_reasons(qm.PackFormat.parse(name), (9, 0))
+        assert len(why) == 1 and why[0].startswith("v6 serves 2/4-bit content")
+
+
+def test_v6_auto_selection(monkeypatch):
+    """auto runs v6 from V4_MIN_ROWS query rows over 2/4-bit pages on compute capability 9.0 (H200: 0.75-0.84x
+    of v4's time), v4 over bf16 pages and where v6 cannot run, v5/v3/v2 for fewer rows as before."""
+    monkeypatch.delenv(VARIANT_ENV, raising=False)
+    c4, c2 = qm.PackFormat.parse("C4R4"), qm.PackFormat.parse("C2R4", 256, 32)
+    for fmt in (c4, c2):
+        assert select_variant(fmt, "bfloat16", (9, 0), 4096, 64) == ("v6", None)
+        assert select_variant(fmt, "bfloat16", (9, 0), 1 << 20, 128) == ("v6", None)
+        assert select_variant(fmt, "bfloat16", (9, 0), 1 << 20, 63)[0] == "v5"
+    assert select_variant(qm.PackFormat.parse("BF16"), "bfloat16", (9, 0), 4096, 128) == ("v4", None)
+    v, why = select_variant(c4, "bfloat16", (9, 0), 4096, 128, nvrtc=(11, 8))
+    assert v == "v4" and "v6 needs NVRTC 12.0+" in why
+    assert select_variant(c4, "bfloat16", (8, 0), 1 << 20, 128)[0] == "v3"  # neither v6 nor v4 fits an A100
+
+
+def test_v6_forced_selection(monkeypatch):
+    c4 = qm.PackFormat.parse("C4R4")
+    monkeypatch.setenv(VARIANT_ENV, "v6")
+    assert select_variant(c4, "bfloat16", (9, 0), 64, 128) == ("v6", None)
+    assert select_variant(c4, "bfloat16", (9, 0), 1 << 20, 16) == ("v6", None)
+    v, why = select_variant(c4, "bfloat16", (8, 0), 1 << 20, 128)
+    assert v == "v2" and "compute capability 9.0" in why
+    v, why = select_variant(qm.PackFormat.parse("C8R8"), "bfloat16", (9, 0), 1 << 20, 128)
+    assert v == "v1" and "2/4-bit content" in why
+
+
+@pytest.mark.parametrize("h,s_q,prot", [(128, 1, True), (64, 1, False), (20, 4, True), (1, 1, False)])
+def test_v6_launches_match_kernel_signatures(monkeypatch, h, s_q, prot):
+    """One v6 launch over 64-row chunks (256 threads, an sm_90a build), one partial per CTA, then
+    protected.cu's partials and the combine."""
+    launches, _kernels, fmt, b = _run_v2_stubbed(monkeypatch, h, s_q, prot, {}, variant="v6", pages_per=9, length=500)
+    params = _kernel_params("attention_v6.cu", "qmla_attn_v6")
+    assert params == _kernel_params("attention_v3.cu", "qmla_attn_v3")  # one argument list for all split kernels
+    (attn, grid, block, args, smem), _stream = launches.of("qmla_attn_v6")
+    assert attn.source == "attention_v6.cu" and attn.arch == "sm_90a"
+    assert len(args) == len(params)
+    for a, p in zip(args, params):
+        assert isinstance(a, np.uint64 if "*" in p else np.int32 if p.startswith("int ") else np.float32), p
+    rows = s_q * h
+    assert grid[0] == b * (-(-rows // 64)) and block == (256,)
+    assert smem == v6_smem_bytes(fmt) == attn.defines["QMLA_V6_SMEM"]
+    per = int(args[params.index("int tiles_per_split")])
+    slots = int(args[params.index("int num_splits")])
+    splits = grid[1]
+    assert splits * per * 64 >= 9 * fmt.page_size and (splits - 1) * per * 64 < 9 * fmt.page_size
+    kernels = [rec[0].kernel for rec in launches]
+    if prot:
+        assert "qmla_attn_protected" in kernels and slots == splits + protected_ctas(4, 128)
+    else:
+        assert kernels == ["qmla_attn_v6", "qmla_combine"] and slots == splits
+    assert launches[-1][0].kernel == "qmla_combine" and int(launches[-1][3][-1]) == slots
+
+
+def test_v6_knobs(monkeypatch):
+    assert V6Knobs.from_env() == V6Knobs()
+    monkeypatch.setenv("QUANTMLA_CUPY_V2_MIN_TILES", "4")
+    assert V6Knobs.from_env() == V6Knobs(4)
+    monkeypatch.setenv("QUANTMLA_CUPY_V2_MIN_TILES", "3")
+    with pytest.raises(ValueError, match="QUANTMLA_CUPY_V2_MIN_TILES"):
+        V6Knobs.from_env()
+
+
+
+#: many-row cases beyond v4's: one tile (the dequantizer has no next tile), two tiles (one key buffer each),
+#: three (a buffer reused), a split whose last tile is partial, 128-token pages (a tile mid-page)
+V6_CASES = [
+    Case(qm.PackFormat.parse("C4R4"), (64, 128, 192), heads=128, s_q=1, sink=0, local=0, seed=960),
+    Case(qm.PackFormat.parse("C2R4", page_size=128), (5000, 321), heads=64, s_q=1, sink=4, local=128, seed=961),
+    Case(qm.PackFormat.parse("C4R4", 256, 32, group_size=128), (900, 2), heads=128, s_q=2, sink=4,
+         local=128, seed=962),
+]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", [c for c in V2_CASES + BIG[:3] + V4_CASES + V6_CASES if c.fmt.quantized], ids=str)
+def test_attention_v6_matches_reference(case, monkeypatch):
+    cap = torch.cuda.get_device_capability()
+    if tuple(cap) != (9, 0):
+        pytest.skip(f"v6 is an sm_90a kernel: this GPU is compute capability {cap[0]}.{cap[1]}")
+    monkeypatch.setenv(VARIANT_ENV, "v6")
+    check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
