@@ -14,6 +14,8 @@
 #       (AB_VARIANT=v2 V3_BASE=path/to/old/attention_v2.cu: the same for kernel v2, at its shorter contexts)
 #   bash benchmarks/run_h200_kernels.sh v4       # CuPy v4 (64 rows per CTA): conformance, sanitizers, v3 vs v4 graphed
 #       over V4_SHAPES (FlashInfer BF16 in the same run), ncu of v4 at H128 B32 L32K
+#   bash benchmarks/run_h200_kernels.sh v6       # CuPy v6 (64 rows, a dequantizing and an attending warpgroup):
+#       conformance, memcheck, v4 vs v6 graphed over V6_SHAPES, and the builds without dequantization / code loads
 # Results land in $OUT.
 set -u
 MODE=${1:-check}
@@ -79,6 +81,23 @@ elif [ "$MODE" = v4 ]; then
     > "$OUT/ncu_v4.txt" 2>&1
   grep -E "Duration|Executed Ipc A|Issue Slots Busy|Registers Per|Theoretical Occ|Pipe|Shared|Bank|Executed Instructions  " \
     "$OUT/ncu_v4.txt" | head -24
+elif [ "$MODE" = v6 ]; then
+  echo "=== cupy v6 conformance"; timeout 200 $T tests/test_cupy_v6.py 2>&1 | tail -3 | tee "$OUT/cupy_v6.txt"
+  echo "=== cupy v6 memcheck"; timeout 100 compute-sanitizer --tool memcheck $T tests/test_cupy_v6.py \
+    -k "matches_reference and (L64_128_192 or L5000_321 or L900_2 or L2100)" 2>&1 | tail -2
+  echo "=== v4 vs v6 (CUDA graphs)"; timeout 280 python3 -P benchmarks/graph_probe.py --backends cupy \
+    --sweep QUANTMLA_CUPY_ATTENTION=v4,v6 --formats C4R4,C2R4 \
+    --shapes ${V6_SHAPES:-128x32x32768,128x8x4096,64x32x32768,128x128x32768,128x32x131072} \
+    --json "$OUT/graph_v4_v6.json" 2>&1 | grep -v "^{" | tail -20
+  # what each side costs: the measurement builds of attention_v6.cu (QMLA_V6_PROBE: 1 no dequantization,
+  # 2 no code loads; wrong outputs), one process each
+  KDIR=/tmp/qm/quantmla_core/backends/cupy/kernels; cp "$KDIR/attention_v6.cu" /tmp/attention_v6_kept.cu
+  for probe in 0 1 2; do
+    (echo "#define QMLA_V6_PROBE $probe"; cat /tmp/attention_v6_kept.cu) > "$KDIR/attention_v6.cu"
+    echo "=== v6 probe $probe"; timeout 100 python3 -P benchmarks/graph_probe.py --backends cupy --settings QUANTMLA_CUPY_ATTENTION=v6 \
+      --shapes 128x32x32768 --formats C4R4,C2R4 --json "$OUT/graph_v6_probe$probe.json" 2>&1 | grep -v "^{" | tail -2
+  done
+  cp /tmp/attention_v6_kept.cu "$KDIR/attention_v6.cu"
 elif [ "$MODE" = protected ]; then
   echo "=== protected kernel conformance, side stream, graph capture"; timeout 200 $T tests/test_cupy_protected.py \
     tests/test_cupy_v3.py tests/test_cupy_backend.py -k "protected or side_stream or cuda_graph" 2>&1 | tail -3 | tee "$OUT/protected_conformance.txt"

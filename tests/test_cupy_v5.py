@@ -100,6 +100,38 @@ def test_v5_compiles_without_spills(build):
     assert "C7515" not in text and "serialized" not in text, text  # ptxas: "wgmma ... serialized"
 
 
+def _compile_v5_three(v: tuple) -> tuple[int, str, str]:
+    name, dc, dr, gs, page = v
+    fmt = qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr, group_size=gs, page_size=page)
+    return compile_cubin_and_ptx("attention_v5.cu", V4_WGMMA_ARCH, v5_defines(fmt, workers=3))
+
+
+@lru_cache(maxsize=1)
+def _compiled_v5_three() -> dict:
+    return compile_all(V5_BUILDS, _compile_v5_three)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
+@pytest.mark.parametrize("build", V5_BUILDS, ids=lambda v: "-".join(map(str, v)))
+def test_v5_three_workers_compile(build):
+    """QUANTMLA_CUPY_V5_WORKERS=3 (384 threads, 168 registers a thread): the loads go after QK into the
+    registers QK read (no second set) and QK runs in chunks of 2 k-steps, so every build fits with at most
+    24 bytes spilled (d_c 512; none at d_c 256) and no serialized wgmma."""
+    rc, text, ptx = _compiled_v5_three()[build]
+    assert rc == 0, f"nvcc failed for v5 x3 {build}:\n{text[-4000:]}"
+    use = ptxas_usage(text)
+    print(f"v5 x3 {build}: {use}")
+    assert use["registers"] <= 168 and use["spill_stores"] <= 24, use
+    if build[1] == 256:
+        assert use["spill_stores"] == 0, use
+    assert "C7515" not in text and "C7514" not in text and "serialized" not in text, text
+    ksteps = (build[1] + build[2]) // 16
+    assert ptx.count("wgmma.commit_group.sync.aligned") == -(-ksteps // 2) + 1
+    assert v5_defines(qm.PackFormat.parse(build[0]), workers=3)["QMLA_V5_WORKERS"] == 3
+    with pytest.raises(ValueError, match="workers: expected one of"):
+        v5_defines(qm.PackFormat.parse(build[0]), workers=4)
+
+
 def test_v5_smem_layout():
     # C4R4: per worker the key tile (the 8 content column blocks of 64 rows x 128 B), P^T 16 x 128 B, the
     # column statistics 4 x 16 floats and 16 bytes of new-maximum flags, rounded to 1 KB; the queries
@@ -114,6 +146,9 @@ def test_v5_smem_layout():
     assert "QMLA_V5_STAGES" not in v5_defines(fmt)
     small = qm.PackFormat.parse("C2R4", 256, 32)
     assert v5_smem_bytes(small) == 2 * 35 * 1024 + 5 * 16 * 128 + 1024 < v5_smem_bytes(fmt)
+    # three workers (QUANTMLA_CUPY_V5_WORKERS=3): one more worker area, still one block per SM
+    assert v5_smem_bytes(fmt, 3) == 3 * worker + 9 * 16 * 128 + 1024 <= smem_per_block((9, 0))
+    assert v5_defines(fmt, workers=3)["QMLA_V5_SMEM"] == v5_smem_bytes(fmt, 3)
 
 
 def test_v5_unsupported_reasons():
@@ -261,6 +296,17 @@ def test_v5_plans_splits_with_its_own_overhead(monkeypatch):
 
 def test_v5_knobs(monkeypatch):
     assert V5Knobs.from_env() == V5Knobs(True)
+    monkeypatch.setenv("QUANTMLA_CUPY_V5_WORKERS", "3")
+    assert V5Knobs.from_env() == V5Knobs(True, workers=3)
+    launches, *_ = _run_v5_stubbed(monkeypatch, 16, 1, False)
+    (attn, grid, block, args, smem), _ = launches.of("qmla_attn_v5")
+    assert attn.defines["QMLA_V5_WORKERS"] == 3 and block == (384,) and smem == attn.defines["QMLA_V5_SMEM"]
+    params = _kernel_params("attention_v5.cu", "qmla_attn_v5")
+    assert int(args[params.index("int num_splits")]) == 3 * grid[1]  # one partial per worker
+    monkeypatch.setenv("QUANTMLA_CUPY_V5_WORKERS", "4")
+    with pytest.raises(ValueError, match="QUANTMLA_CUPY_V5_WORKERS"):
+        V5Knobs.from_env()
+    monkeypatch.delenv("QUANTMLA_CUPY_V5_WORKERS")
     monkeypatch.setenv("QUANTMLA_CUPY_V5_LAZY_RESCALE", "0")
     assert V5Knobs.from_env() == V5Knobs(False)
     launches, *_ = _run_v5_stubbed(monkeypatch, 16, 1, False)

@@ -39,8 +39,10 @@
 // no protected tokens; the first number of each from one A/B call, the second from another). Stop 22: the
 // lanes load their operands from the page themselves (no stage; see v5_load_tile).
 // Shared memory (d_c 512): per worker 64 KB K + 2 KB P; 18 KB queries: 153 KB, one CTA per SM. A third worker
-// would fit shared memory but leaves 168 registers a thread: at d_c 512 that build spilled 460 B (C4R4) and ran
-// 1.7-2.1x slower (H200, stop 22).
+// (QMLA_V5_WORKERS 3, the launcher's QUANTMLA_CUPY_V5_WORKERS) fits shared memory (220 KB) but leaves 168
+// registers a thread: with the loads issued after QK into the registers QK read and 2-k-step QK chunks it spills
+// 16-24 B at d_c 512, and ran 4-15 % slower than two workers (H200, H16 B32-B128 L4K-L128K, stop 23; stop 22's
+// build with this design's register use spilled 460 B and ran 1.7-2.1x slower).
 #include "common.cuh"
 
 #ifndef QMLA_V5_MAX_SLACK

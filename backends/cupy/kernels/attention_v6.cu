@@ -7,29 +7,30 @@
 // ================================================================ design note
 // Why: v4 runs each 64-token tile in phases that wait for each other (dequantize, barrier, QK, score
 // exchange, softmax, barrier, PV), so the tensor cores idle while the codes are converted and the softmax
-// runs (H200, H128 B32 L32K C4R4: 1.48x FlashInfer BF16, which itself runs at ~2/3 of the tensor peak).
+// runs (H200, H128 B32 L32K C4R4: 1.43-1.50x FlashInfer BF16).
 // Here the two warpgroups of a CTA (64 query rows) split the work by kind and meet at named barriers:
 //
 //   grid (B * ceil(R / 64), KV splits), 256 threads; two key tiles (double buffer), the queries, P:
 //   attender (warpgroup 0)                       dequantizer (warpgroup 1)
 //                                                codes of tile i + 1 -> registers (global loads), earlier
-//   wait FULL[i % 2]                             wait EMPTY[(i + 1) % 2] (tile i - 1 is done with it)
-//   QK(i): S[64 rows][64 tokens], all channels,  dequantize tile i + 1 into K[(i + 1) % 2]
-//     36 m64n64k16 (A = queries, B = K)          arrive FULL[(i + 1) % 2]; load the codes of tile i + 2
-//   after its own PV(i - 1): arrive EMPTY
-//   softmax of its 64 rows (no exchange: a warp  wait PREADY
-//     holds whole rows), wait PFREE (PV(i - 1)   rescale its half of O by alpha(i) (from shared memory)
-//     of the dequantizer), P(i), alpha -> smem   PV(i): O[64][d_c/2 ..] += P K, m64n256k16, then waits for it
-//   arrive PREADY; rescale its half of O         arrive PFREE
+//   wait FULL[i % 2]; retire its PV(i - 1),      wait EMPTY[(i + 1) % 2] (tile i - 1 is done with it)
+//     arrive EMPTY[(i + 1) % 2]                  dequantize tile i + 1 into K[(i + 1) % 2]
+//   QK(i): S[64 rows][64 tokens], all channels,  arrive FULL[(i + 1) % 2]; load the codes of tile i + 2
+//     36 m64n64k16 (A = queries, B = K)          wait PREADY
+//   softmax of its 64 rows (no exchange: a warp  rescale its half of O by alpha(i) (from shared memory)
+//     holds whole rows), wait PFREE (PV(i - 1)   PV(i): O[64][d_c/2 ..] += P K, m64n256k16, then waits for it
+//     of the dequantizer), P(i), alpha -> smem   arrive PFREE
+//   arrive PREADY; rescale its half of O
 //   PV(i): O[64][0 .. d_c/2) += P K (async)
-// So the dequantization of tile i + 1 runs beside QK(i), the softmax and PV(i). Both halves of O take 128
+// So the dequantization of tile i + 1 runs beside QK(i) and the softmax (and PV(i) when it takes longer). Both halves of O take 128
 // accumulators a thread. The barriers are bar.arrive / bar.sync pairs of 256 threads, each used in
 // strict alternation (every arrive of one side is matched by the other side's sync before its next one).
 // H200 (stop 23, CUDA graphs, sink 4 + local 128, FlashInfer BF16 in the same process): H128 B32 L32K C4R4
 // 834.9 us (v4) -> 672.6 (1.43x -> 1.15x FlashInfer), C2R4 802.9 -> 621.7 (1.37x -> 1.06x); H64 B32 L32K C2R4
 // 0.99x. Not kept: an L2 prefetch of tile i + 3 by the dequantizer (prefetch.global.L2 of its lines) ran 23-25 %
 // slower; reloading each half of the code registers as soon as it was converted (the first half's loads half a
-// dequantization earlier), 5-10 % slower.
+// dequantization earlier), 5-10 % slower; the attender converting the next tile's RoPE block while its QK ran
+// (only QK reads it), 0-4 % slower.
 // The attender retires its PV before issuing the next QK: issued while that PV ran, ptxas serialized every
 // wgmma of the kernel (C7514: it saw the accumulators read inside the PV's pipeline stage).
 // Shared memory (d_c 512): 2 x 72 KB key tiles + 72 KB queries + 8 KB P + 1 KB row factors + 1 KB
@@ -107,12 +108,15 @@ __device__ __forceinline__ void v6_wait(int id) { asm volatile("bar.sync %0, 256
 // the swizzled key tile (tile_dequant.cuh's mapping).
 #define ZW ((NGC + 3) / 4)         // words of a token's content zero points
 #define SW ((NGC * CSZ + 3) / 4)   // words of its content scales
+struct V6Rope {
+    uint4 c;    // RoPE chunk p % RCK of token p / RCK
+    u32 z, s;   // its zero point and scale (raw bits)
+};
 struct V6Codes {
     uint4 c[2][NCT / 4];  // content chunks uu + 4 r of the thread's two tokens
     u32 z[2][ZW];         // their zero points (all groups)
     u32 s[2][SW];         // their scales (raw bits)
-    uint4 rc;             // RoPE chunk
-    u32 rz, rs;           // RoPE zero point and scale (raw bits)
+    V6Rope r;             // the RoPE chunk
 };
 
 // N bytes (2 to 32, a power of two, N-aligned) at p as words
@@ -143,6 +147,41 @@ __device__ __forceinline__ const u8* v6_token_page(int n, const u8* __restrict__
     return (pg >= 0 && pg < num_pages) ? pages + (i64)pg * QMLA_PAGE_BYTES : nullptr;
 }
 
+// thread p's RoPE chunk of tile tt (zeros where not read, as v6_load_codes)
+__device__ __forceinline__ void v6_load_rope(V6Rope& r, const u8* __restrict__ pages, const int* __restrict__ bt_row,
+                                             int tt, int L, int max_pages, int num_pages, int p) {
+    if (QMLA_V6_PROBE == 2) pages = nullptr, bt_row = nullptr, L = 0;
+    r.c = make_uint4(0u, 0u, 0u, 0u);
+    r.z = r.s = 0u;
+    if (p < T * RCK) {
+        const int n = tt + p / RCK, s = n % QMLA_P;
+        const u8* page = v6_token_page(n, pages, bt_row, L, max_pages, num_pages);
+        if (page) {
+            r.c = *(const uint4*)(page + QMLA_OFF_RC + s * RB + 16 * (p % RCK));
+            r.z = page[QMLA_OFF_RZ + s];
+            r.s = QMLA_RSCALE_BF16 ? (u32)((const u16*)(page + QMLA_OFF_RS))[s] : ((const u32*)(page + QMLA_OFF_RS))[s];
+        }
+    }
+}
+
+// thread p's RoPE chunk -> column block DC / 64 of the key tile kt (float scale: products and one rounding)
+__device__ __forceinline__ void v6_dequantize_rope(const V6Rope& r, u8* kt, int p) {
+    if (QMLA_V6_PROBE == 1) return;
+    if (p < T * RCK) {
+        const int t = p / RCK, u = p % RCK;
+        const u32 w[4] = {r.c.x, r.c.y, r.c.z, r.c.w};
+        const u32 off2 = 0xc300c300u | r.z | (r.z << 16);
+        const float s = QMLA_RSCALE_BF16 ? bf16_bits_to_f32(r.s) : __uint_as_float(r.s);
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            const u32 x[4] = {(w[0] >> (4 * c)) & 0x0f0f0f0fu, (w[1] >> (4 * c)) & 0x0f0f0f0fu,
+                              (w[2] >> (4 * c)) & 0x0f0f0f0fu, (w[3] >> (4 * c)) & 0x0f0f0f0fu};
+            const int chunk = (DC + RB * c + 16 * u) / 8;
+            qmla_store16<true>(kt + sw128_chunk(t, chunk, T), kt + sw128_chunk(t, chunk + 1, T), x, off2, 0u, s, false);
+        }
+    }
+}
+
 // the thread's codes of tile tt (tokens not read: zeros, so their keys dequantize to 0; P is 0 there,
 // and 0 x a stale NaN could poison PV)
 __device__ __forceinline__ void v6_load_codes(V6Codes& r, const u8* __restrict__ pages, const int* __restrict__ bt_row,
@@ -166,17 +205,7 @@ __device__ __forceinline__ void v6_load_codes(V6Codes& r, const u8* __restrict__
             v6_load_row<NGC * CSZ>(page + QMLA_OFF_CS + s * NGC * CSZ, r.s[k]);
         }
     }
-    r.rc = make_uint4(0u, 0u, 0u, 0u);
-    r.rz = r.rs = 0u;
-    if (p < T * RCK) {
-        const int n = tt + p / RCK, s = n % QMLA_P;
-        const u8* page = v6_token_page(n, pages, bt_row, L, max_pages, num_pages);
-        if (page) {
-            r.rc = *(const uint4*)(page + QMLA_OFF_RC + s * RB + 16 * (p % RCK));
-            r.rz = page[QMLA_OFF_RZ + s];
-            r.rs = QMLA_RSCALE_BF16 ? (u32)((const u16*)(page + QMLA_OFF_RS))[s] : ((const u32*)(page + QMLA_OFF_RS))[s];
-        }
-    }
+    v6_load_rope(r.r, pages, bt_row, tt, L, max_pages, num_pages, p);
 }
 
 // element i of BITS bits (8, 16 or 32) of the words w, by selects (a register array indexed at run time
@@ -223,19 +252,7 @@ __device__ __forceinline__ void v6_dequantize(const V6Codes& r, u8* kt, int p) {
             }
         }
     }
-    if (p < T * RCK) {
-        const int t = p / RCK, u = p % RCK;
-        const u32 w[4] = {r.rc.x, r.rc.y, r.rc.z, r.rc.w};
-        const u32 off2 = 0xc300c300u | r.rz | (r.rz << 16);
-        const float s = QMLA_RSCALE_BF16 ? bf16_bits_to_f32(r.rs) : __uint_as_float(r.rs);
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-            const u32 x[4] = {(w[0] >> (4 * c)) & 0x0f0f0f0fu, (w[1] >> (4 * c)) & 0x0f0f0f0fu,
-                              (w[2] >> (4 * c)) & 0x0f0f0f0fu, (w[3] >> (4 * c)) & 0x0f0f0f0fu};
-            const int chunk = (DC + RB * c + 16 * u) / 8;
-            qmla_store16<true>(kt + sw128_chunk(t, chunk, T), kt + sw128_chunk(t, chunk + 1, T), x, off2, 0u, s, false);
-        }
-    }
+    v6_dequantize_rope(r.r, kt, p);
 }
 
 // O[64 rows][this warpgroup's half of d_c] += P K (A = P, K-major; B = the key tile read MN-major)
