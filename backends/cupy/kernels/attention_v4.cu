@@ -412,29 +412,11 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v4(
             }
 
             // -------------------------------------------------------- mask, row maxima of the pair
-            float mx[2] = {-QMLA_INF, -QMLA_INF};
             // the wgmma build skips the masks where both rows attend to the whole tile (the mma.sync build,
             // with fewer registers to spare, always masks)
-            if (QMLA_V4_WGMMA && t0 >= keep_lo && t0 + T <= min(lim[0], lim[1])) {
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-#pragma unroll
-                    for (int k = 0; k < 4; ++k) {
-                        S[j][k] *= scale_log2;
-                        mx[k >> 1] = fmaxf(mx[k >> 1], S[j][k]);
-                    }
-                }
-            } else {
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-#pragma unroll
-                    for (int k = 0; k < 4; ++k) {
-                        const int n = t0 + 32 * hh + 8 * j + 2 * q4 + (k & 1);
-                        S[j][k] = (n >= keep_lo && n < lim[k >> 1]) ? S[j][k] * scale_log2 : -QMLA_INF;
-                        mx[k >> 1] = fmaxf(mx[k >> 1], S[j][k]);
-                    }
-                }
-            }
+            float mx[2];
+            qmla_mask_row_max(S, t0 + 32 * hh, q4, keep_lo, lim, scale_log2,
+                              QMLA_V4_WGMMA && t0 >= keep_lo && t0 + T <= min(lim[0], lim[1]), mx);
 #pragma unroll
             for (int o = 1; o <= 2; o <<= 1) {
                 mx[0] = fmaxf(mx[0], __shfl_xor_sync(0xffffffffu, mx[0], o));
@@ -449,18 +431,8 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v4(
             float al[2];
 #pragma unroll
             for (int k = 0; k < 2; ++k) {
-                const float mt = fmaxf(m_run[k], fmaxf(red[rw0 + 8 * k], red[RT + rw0 + 8 * k]));
-                const float u = (mt == -QMLA_INF) ? 0.0f : mt;
-                al[k] = exp2f(m_run[k] - u);
+                qmla_rows_exp(S, fmaxf(m_run[k], fmaxf(red[rw0 + 8 * k], red[RT + rw0 + 8 * k])), k, m_run, l_run, al);
                 if (!QMLA_V4_WGMMA && hh == 0 && q4 == 0) red[2 * RT + rw0 + 8 * k] = al[k];  // for the mma.sync PV's warps
-                m_run[k] = mt;
-                l_run[k] *= al[k];
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    S[j][2 * k] = exp2f(S[j][2 * k] - u);
-                    S[j][2 * k + 1] = exp2f(S[j][2 * k + 1] - u);
-                    l_run[k] += S[j][2 * k] + S[j][2 * k + 1];
-                }
             }
 #if QMLA_V4_WGMMA
             // P [64 rows][64 tokens], one swizzled 128-byte row per query row; this warp's tokens
@@ -474,29 +446,10 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v4(
             __syncthreads();  // all of P visible: each warpgroup multiplies every row by every token
 
             // -------------------------------------------------------- PV: all 64 rows x channel half hh (wgmma)
-            if (!QMLA_V4_LAZY_RESCALE || __any_sync(0xffffffffu, al[0] != 1.0f || al[1] != 1.0f)) {
-#pragma unroll
-                for (int n = 0; n < DC / 16; ++n) {
-                    acc[n][0] *= al[0];
-                    acc[n][1] *= al[0];
-                    acc[n][2] *= al[1];
-                    acc[n][3] *= al[1];
-                }
-            }
-            wgmma_fence_operand(acc);
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < T / 16; ++kk) {
-                // A: P, tokens 16 kk .. 16 kk + 15 (32 bytes into the rows); B: K read MN-major, tokens
-                // 16 kk .. (2048 bytes per 16 rows), column blocks DC / 128 * hh .. (LBO 8192 bytes apart)
-                const u64 da = desc_advance(dp, 32 * kk), db = desc_advance(dv, 2048 * kk);
-#if DC == 512
-                wgmma_m64n256k16_ss<1>(acc, da, db, 1);
-#else
-                wgmma_m64n128k16_ss<1>(acc, da, db, 1);
-#endif
-            }
-            wgmma_commit();
+            qmla_rescale_rows<QMLA_V4_LAZY_RESCALE>(acc, al[0], al[1]);
+            // A: P, tokens 16 kk .. 16 kk + 15 per k-step; B: K read MN-major, column blocks DC / 128 * hh ..
+            // (LBO 8192 bytes apart)
+            wgmma_pv_rows64<DC / 16, T / 16>(acc, dp, dv);
             wgmma_wait<0>();
             wgmma_fence_operand(acc);
 #else

@@ -256,34 +256,7 @@ __device__ __forceinline__ void v6_dequantize(const V6Codes& r, u8* kt, int p) {
 }
 
 // O[64 rows][this warpgroup's half of d_c] += P K (A = P, K-major; B = the key tile read MN-major)
-__device__ __forceinline__ void v6_pv(float (&acc)[DC / 16][4], u64 dp, u64 dv) {
-    wgmma_fence_operand(acc);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < T / 16; ++kk) {
-        const u64 da = desc_advance(dp, 32 * kk), db = desc_advance(dv, 2048 * kk);
-#if DC == 512
-        wgmma_m64n256k16_ss<1>(acc, da, db, 1);
-#else
-        wgmma_m64n128k16_ss<1>(acc, da, db, 1);
-#endif
-    }
-    wgmma_commit();
-}
-
-// acc *= the rescale factors of its rows (a0: row 16 w + g8, a1: + 8), skipped while every factor of the
-// warp is 1 (bit-identical)
-__device__ __forceinline__ void v6_rescale(float (&acc)[DC / 16][4], float a0, float a1) {
-    if (__any_sync(0xffffffffu, a0 != 1.0f || a1 != 1.0f)) {
-#pragma unroll
-        for (int n = 0; n < DC / 16; ++n) {
-            acc[n][0] *= a0;
-            acc[n][1] *= a0;
-            acc[n][2] *= a1;
-            acc[n][3] *= a1;
-        }
-    }
-}
+__device__ __forceinline__ void v6_pv(float (&acc)[DC / 16][4], u64 dp, u64 dv) { wgmma_pv_rows64<DC / 16, T / 16>(acc, dp, dv); }
 
 extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v6(
     const u16* __restrict__ q_lat, const u16* __restrict__ q_rope, const u8* __restrict__ pages,
@@ -369,27 +342,8 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v6(
                 wgmma_fence_operand(S);
 
                 // ---------------------------------------------------- mask, row maxima (a quad holds a row's 64 tokens)
-                float mx[2] = {-QMLA_INF, -QMLA_INF};
-                if (t0 >= keep_lo && t0 + T <= min(lim[0], lim[1])) {
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) {
-#pragma unroll
-                        for (int k = 0; k < 4; ++k) {
-                            S[j][k] *= scale_log2;
-                            mx[k >> 1] = fmaxf(mx[k >> 1], S[j][k]);
-                        }
-                    }
-                } else {
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) {
-#pragma unroll
-                        for (int k = 0; k < 4; ++k) {
-                            const int n = t0 + 8 * j + 2 * q4 + (k & 1);
-                            S[j][k] = (n >= keep_lo && n < lim[k >> 1]) ? S[j][k] * scale_log2 : -QMLA_INF;
-                            mx[k >> 1] = fmaxf(mx[k >> 1], S[j][k]);
-                        }
-                    }
-                }
+                float mx[2];
+                qmla_mask_row_max(S, t0, q4, keep_lo, lim, scale_log2, t0 >= keep_lo && t0 + T <= min(lim[0], lim[1]), mx);
 #pragma unroll
                 for (int o = 1; o <= 2; o <<= 1) {
                     mx[0] = fmaxf(mx[0], __shfl_xor_sync(0xffffffffu, mx[0], o));
@@ -397,19 +351,7 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v6(
                 }
                 float al[2];
 #pragma unroll
-                for (int k = 0; k < 2; ++k) {
-                    const float mt = fmaxf(m_run[k], mx[k]);
-                    const float u = (mt == -QMLA_INF) ? 0.0f : mt;
-                    al[k] = exp2f(m_run[k] - u);
-                    m_run[k] = mt;
-                    l_run[k] *= al[k];
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) {
-                        S[j][2 * k] = exp2f(S[j][2 * k] - u);
-                        S[j][2 * k + 1] = exp2f(S[j][2 * k + 1] - u);
-                        l_run[k] += S[j][2 * k] + S[j][2 * k + 1];
-                    }
-                }
+                for (int k = 0; k < 2; ++k) qmla_rows_exp(S, fmaxf(m_run[k], mx[k]), k, m_run, l_run, al);
                 // ---------------------------------------------------- P and the rescale factors, once the previous P is read
                 if (i >= 1) v6_wait(BAR_PFREE);
 #pragma unroll
@@ -423,7 +365,7 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v6(
                 }
                 fence_proxy_async();
                 v6_arrive(BAR_PREADY);
-                v6_rescale(acc, al[0], al[1]);
+                qmla_rescale_rows<true>(acc, al[0], al[1]);  // skipped while every factor is 1
                 v6_pv(acc, dp, desc_advance(dv, buf * KT_BYTES));  // retired by the next tile's wait, or below
             }
             wgmma_wait<0>();
@@ -447,7 +389,7 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v6(
                     if (i + 2 < ntiles) v6_load_codes(cd, pages, bt_row, t_begin + (i + 2) * T, L, max_pages, num_pages, p);
                 }
                 v6_wait(BAR_PREADY);
-                v6_rescale(acc, al_s[rw0], al_s[rw0 + 8]);
+                qmla_rescale_rows<true>(acc, al_s[rw0], al_s[rw0 + 8]);
                 v6_pv(acc, dp, desc_advance(dv, buf * KT_BYTES));
                 wgmma_wait<0>();
                 wgmma_fence_operand(acc);

@@ -127,6 +127,69 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
+// ---------------------------------------------------------------- many-row softmax steps (attention_v4.cu, attention_v6.cu)
+// A lane holds two query rows (k >> 1) of NJ 8-token groups: S[j][k] is token n0 + 8 j + 2 q4 + (k & 1).
+
+// Scale the lane's scores to base 2 and take each row's maximum over them; where not `whole` (both rows
+// attend to every token of the tile), tokens outside [keep_lo, lim[row]) become -inf.
+template <int NJ>
+__device__ __forceinline__ void qmla_mask_row_max(float (&S)[NJ][4], int n0, int q4, int keep_lo, const int (&lim)[2],
+                                                  float scale_log2, bool whole, float (&mx)[2]) {
+    mx[0] = mx[1] = -QMLA_INF;
+    if (whole) {
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                S[j][k] *= scale_log2;
+                mx[k >> 1] = fmaxf(mx[k >> 1], S[j][k]);
+            }
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const int n = n0 + 8 * j + 2 * q4 + (k & 1);
+                S[j][k] = (n >= keep_lo && n < lim[k >> 1]) ? S[j][k] * scale_log2 : -QMLA_INF;
+                mx[k >> 1] = fmaxf(mx[k >> 1], S[j][k]);
+            }
+        }
+    }
+}
+
+// With each row's new maximum mt[k] (>= m_run[k]): al = 2^(m_run - mt), S = 2^(S - mt) (a row still at -inf
+// subtracts 0 and keeps zeros), m_run = mt, l_run = l_run al + the lane's new sums
+template <int NJ>
+__device__ __forceinline__ void qmla_rows_exp(float (&S)[NJ][4], float mt, int k, float (&m_run)[2], float (&l_run)[2],
+                                              float (&al)[2]) {
+    const float u = (mt == -QMLA_INF) ? 0.0f : mt;
+    al[k] = exp2f(m_run[k] - u);
+    m_run[k] = mt;
+    l_run[k] *= al[k];
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+        S[j][2 * k] = exp2f(S[j][2 * k] - u);
+        S[j][2 * k + 1] = exp2f(S[j][2 * k + 1] - u);
+        l_run[k] += S[j][2 * k] + S[j][2 * k + 1];
+    }
+}
+
+// acc (mma / wgmma C fragments: rows g8 and g8 + 8 in elements 0-1 and 2-3) *= the rows' factors a0, a1;
+// LAZY skips it while every factor of the warp is exactly 1 (bit-identical; all 32 lanes active)
+template <bool LAZY, int N>
+__device__ __forceinline__ void qmla_rescale_rows(float (&acc)[N][4], float a0, float a1) {
+    if (!LAZY || __any_sync(0xffffffffu, a0 != 1.0f || a1 != 1.0f)) {
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+            acc[n][0] *= a0;
+            acc[n][1] *= a0;
+            acc[n][2] *= a1;
+            acc[n][3] *= a1;
+        }
+    }
+}
+
 // ---------------------------------------------------------------- split-KV softmax steps
 // Shared by attention.cu and attention_v2.cu. Scores of one 16-row x (8 * NTQ_)-token tile live
 // in mma C-fragment order: lane (g, q) holds rows g and g + 8, tokens 8j + 2q and 8j + 2q + 1.
@@ -190,13 +253,5 @@ __device__ __forceinline__ void qmla_online_softmax(float (&S)[NTQ_][4], float& 
         l0 += S[j][0] + S[j][1];
         l1 += S[j][2] + S[j][3];
     }
-    if (!LAZY || __any_sync(0xffffffffu, al0 != 1.0f || al1 != 1.0f)) {
-#pragma unroll
-        for (int i = 0; i < NTP_; ++i) {
-            acc[i][0] *= al0;
-            acc[i][1] *= al0;
-            acc[i][2] *= al1;
-            acc[i][3] *= al1;
-        }
-    }
+    qmla_rescale_rows<LAZY>(acc, al0, al1);
 }

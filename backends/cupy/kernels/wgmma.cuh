@@ -194,3 +194,23 @@ __device__ __forceinline__ void wgmma_m64n256k16_ss(float (&d)[32][4], u64 da, u
           "+f"(d[31][2]), "+f"(d[31][3])
         : "l"(da), "l"(db), "r"(scale_d), "n"(TNSP_B));
 }
+
+// O[64 rows][8 NB channels] += P[64][16 KS tokens] V[16 KS tokens][8 NB channels] (NB 16 or 32: m64n128k16 or
+// m64n256k16), committed as one group: A = P, K-major (a k-step 32 bytes into its 128-byte rows); B = V read
+// MN-major (a k-step 2048 bytes on: 16 rows of 128 bytes). The many-row kernels' PV (attention_v4.cu, _v6.cu).
+template <int NB, int KS>
+__device__ __forceinline__ void wgmma_pv_rows64(float (&acc)[NB][4], u64 dp, u64 dv) {
+    static_assert(NB == 16 || NB == 32, "128 or 256 channels");
+    wgmma_fence_operand(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) {
+        const u64 da = desc_advance(dp, 32 * kk), db = desc_advance(dv, 2048 * kk);
+        if constexpr (NB == 32) {
+            wgmma_m64n256k16_ss<1>(acc, da, db, 1);
+        } else {
+            wgmma_m64n128k16_ss<1>(acc, da, db, 1);
+        }
+    }
+    wgmma_commit();
+}
