@@ -1,0 +1,212 @@
+"""The handoff protocol of CuPy kernel v6 (``kernels/attention_v6.cu``), checked on the CPU.
+
+The attending and the dequantizing warpgroup meet at six named barriers, one side ``bar.arrive``, the
+other ``bar.sync`` (compute-sanitizer's racecheck does not model that ordering, RESULTS.md stop 23). A
+Python model of both roles, pinned to the kernel by the order of its synchronizing statements, runs
+under many random interleavings and asserts: no deadlock; no barrier gets a second arrival before its
+waiting side has synced (256 threads of one side would complete it alone); every barrier ends balanced;
+a key tile is rewritten only once QK and both PVs of the tile it held have retired; P and the rescale
+factors are rewritten only once the previous tile's readers are done; each read sees its own tile.
+Negative controls drop one wait and expect the checker to object."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+from quantmla_core.backends.cupy import KERNEL_DIR
+
+FULL, EMPTY, PREADY, PFREE = "FULL", "EMPTY", "PREADY", "PFREE"
+
+
+def attender(n: int, drop: str | None = None):
+    """Warpgroup 0 over n tiles: (op, *args) events in the kernel's order."""
+    for i in range(n):
+        buf = i & 1
+        yield ("wait", (FULL, buf))
+        if i >= 1:
+            yield ("retire", "PV0", i - 1)  # wgmma_wait<0> at the top: its PV of the previous tile
+        if i >= 1 and i + 1 < n:
+            yield ("arrive", (EMPTY, buf ^ 1))
+        yield ("read_k", buf, i)  # QK(i), issued and retired before the softmax
+        if i >= 1 and drop != "PFREE":
+            yield ("wait", (PFREE, 0))
+        yield ("write_p", i)
+        yield ("arrive", (PREADY, 0))
+        yield ("issue", "PV0", buf, i)  # reads K[buf] and P until retired
+    if n:
+        yield ("retire", "PV0", n - 1)
+        if drop != "PFREE":
+            yield ("wait", (PFREE, 0))
+
+
+def dequantizer(n: int, drop: str | None = None):
+    """Warpgroup 1 over n tiles."""
+    if not n:
+        return
+    yield ("write_k", 0, 0)
+    yield ("arrive", (FULL, 0))
+    for i in range(n):
+        buf = i & 1
+        if i + 1 < n:
+            if i + 1 >= 2 and drop != "EMPTY":
+                yield ("wait", (EMPTY, buf ^ 1))
+            yield ("write_k", buf ^ 1, i + 1)
+            yield ("arrive", (FULL, buf ^ 1))
+        if drop != "PREADY":
+            yield ("wait", (PREADY, 0))
+        yield ("read_p", i)  # the rescale factors, then P by its PV
+        yield ("issue", "PV1", buf, i)
+        yield ("retire", "PV1", i)
+        yield ("arrive", (PFREE, 0))
+
+
+class Violation(AssertionError):
+    pass
+
+
+def run_protocol(n: int, rng: random.Random, drop: str | None = None) -> None:
+    """One random interleaving of both roles; raises Violation on a broken rule."""
+    roles = {"A": attender(n, drop), "D": dequantizer(n, drop)}
+    pending: dict = {}  # barrier -> arrivals not yet matched by the other side's sync
+    blocked: dict = {}  # role -> the barrier it waits at
+    held = {0: None, 1: None}  # key tile buffer -> tile it holds
+    k_readers = {0: set(), 1: set()}  # buffer -> PVs in flight on it
+    p_tile, p_readers = None, set()
+    done_reading: dict = {}  # tile -> readers of its key tile that retired
+    events = {"A": None, "D": None}
+    finished = set()
+
+    def step(role):
+        nonlocal p_tile
+        ev = events[role]
+        op = ev[0]
+        if op == "wait":
+            pending[ev[1]] -= 1
+        elif op == "arrive":
+            if pending.get(ev[1], 0) >= 1:
+                raise Violation(f"{ev[1]}: a second arrival before the other side synced")
+            pending[ev[1]] = pending.get(ev[1], 0) + 1
+        elif op == "write_k":
+            buf, tile = ev[1], ev[2]
+            if k_readers[buf]:
+                raise Violation(f"key tile {buf} rewritten for tile {tile} while {k_readers[buf]} read it")
+            old = held[buf]
+            if old is not None and done_reading.get(old, set()) != {"QK", "PV0", "PV1"}:
+                raise Violation(f"key tile {buf} rewritten for tile {tile} before tile {old}'s readers retired")
+            held[buf] = tile
+        elif op == "read_k":
+            buf, tile = ev[1], ev[2]
+            if held[buf] != tile:
+                raise Violation(f"QK of tile {tile} read key tile {buf} holding {held[buf]}")
+            done_reading.setdefault(tile, set()).add("QK")
+        elif op == "write_p":
+            if p_readers:
+                raise Violation(f"P rewritten for tile {ev[1]} while {p_readers} read tile {p_tile}")
+            if p_tile is not None and p_tile != ev[1] - 1:
+                raise Violation(f"P skipped a tile: {p_tile} -> {ev[1]}")
+            if ev[1] >= 1 and ("read_p", ev[1] - 1) not in seen_reads:
+                raise Violation(f"rescale factors of tile {ev[1] - 1} overwritten before the dequantizer read them")
+            p_tile = ev[1]
+        elif op == "read_p":
+            if p_tile != ev[1]:
+                raise Violation(f"the dequantizer read P / factors of tile {p_tile} for tile {ev[1]}")
+            seen_reads.add(("read_p", ev[1]))
+        elif op == "issue":
+            name, buf, tile = ev[1:]
+            if held[buf] != tile or p_tile != tile:
+                raise Violation(f"{name} of tile {tile} on key tile {held[buf]}, P of tile {p_tile}")
+            k_readers[buf].add((name, tile))
+            p_readers.add((name, tile))
+        elif op == "retire":
+            name, tile = ev[1], ev[2]
+            for buf in (0, 1):
+                k_readers[buf].discard((name, tile))
+            p_readers.discard((name, tile))
+            done_reading.setdefault(tile, set()).add(name)
+        events[role] = None
+
+    seen_reads: set = set()
+    while len(finished) < 2:
+        ready = []
+        for role, gen in roles.items():
+            if role in finished:
+                continue
+            if events[role] is None:
+                events[role] = next(gen, None)
+                if events[role] is None:
+                    finished.add(role)
+                    continue
+            ev = events[role]
+            if ev[0] != "wait" or pending.get(ev[1], 0) >= 1:
+                ready.append(role)
+        if not ready:
+            if len(finished) < 2:
+                raise Violation(f"deadlock: {[(r, events[r]) for r in roles if r not in finished]}")
+            break
+        step(rng.choice(ready))
+    if any(pending.values()):
+        raise Violation(f"unmatched arrivals at the end: {pending}")
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7])
+def test_v6_protocol_holds_under_random_interleavings(n):
+    rng = random.Random(1000 + n)
+    for _ in range(300):
+        run_protocol(n, rng)
+
+
+@pytest.mark.parametrize("drop", ["EMPTY", "PFREE", "PREADY"])
+def test_v6_protocol_checker_catches_a_missing_wait(drop):
+    """Negative controls: without the dequantizer's EMPTY wait, the attender's PFREE waits or the
+    dequantizer's PREADY wait, some interleaving breaks a rule."""
+    rng = random.Random(7)
+    with pytest.raises(Violation):
+        for _ in range(300):
+            run_protocol(4, rng, drop)
+
+
+def _sync_statements(role_src: str) -> list[str]:
+    """The synchronizing statements of one role's code, in order, with their guards."""
+    keep = re.compile(r"v6_wait|v6_arrive|wgmma_wait<0>|v6_pv\(|v6_dequantize\(|al_s\[|PT_OFF|for \(int i")
+    return [ln.strip().split("  //")[0] for ln in role_src.splitlines() if keep.search(ln)]
+
+
+def test_v6_model_follows_the_kernel():
+    """The model's order of waits, arrivals, writes and MMAs is the kernel's (a change to either must
+    change this list, and then the model)."""
+    src = (KERNEL_DIR / "attention_v6.cu").read_text()
+    att = src[src.index("// ======================================================== attender"):src.index("} else {\n            // ===")]
+    deq = src[src.index("// ======================================================== dequantizer"):src.index("// ---------------------------------------------------------------- partial results")]
+    assert _sync_statements(att) == [
+        "for (int i = 0; i < ntiles; ++i) {",
+        "v6_wait(BAR_FULL + buf);",
+        "wgmma_wait<0>();",  # its PV of tile i - 1 ("retire PV0")
+        "if (i >= 1 && i + 1 < ntiles) v6_arrive(BAR_EMPTY + (buf ^ 1));",
+        "wgmma_wait<0>();",  # QK(i) ("read_k")
+        "if (i >= 1) v6_wait(BAR_PFREE);",
+        "*(u32*)(smem + PT_OFF + sw128_chunk(rw0, j, RT) + 4 * q4) = pack_bf16x2(S[j][0], S[j][1]);",
+        "*(u32*)(smem + PT_OFF + sw128_chunk(rw0 + 8, j, RT) + 4 * q4) = pack_bf16x2(S[j][2], S[j][3]);",
+        "al_s[rw0] = al[0];",
+        "al_s[rw0 + 8] = al[1];",
+        "v6_arrive(BAR_PREADY);",
+        "v6_pv(acc, dp, desc_advance(dv, buf * KT_BYTES));",
+        "wgmma_wait<0>();",
+        "v6_wait(BAR_PFREE);",
+    ]
+    assert _sync_statements(deq) == [
+        "v6_dequantize(cd, smem, p);",
+        "v6_arrive(BAR_FULL);",
+        "for (int i = 0; i < ntiles; ++i) {",
+        "if (i + 1 >= 2) v6_wait(BAR_EMPTY + (buf ^ 1));",
+        "v6_dequantize(cd, smem + (buf ^ 1) * KT_BYTES, p);",
+        "v6_arrive(BAR_FULL + (buf ^ 1));",
+        "v6_wait(BAR_PREADY);",
+        "qmla_rescale_rows<true>(acc, al_s[rw0], al_s[rw0 + 8]);",
+        "v6_pv(acc, dp, desc_advance(dv, buf * KT_BYTES));",
+        "wgmma_wait<0>();",
+        "v6_arrive(BAR_PFREE);",
+    ]
+    # the dequantizer's next tile is guarded by i + 1 < ntiles, as in the model
+    assert "if (i + 1 < ntiles) {\n                    if (i + 1 >= 2) v6_wait(BAR_EMPTY" in deq
