@@ -1,6 +1,6 @@
 """CuPy decode-attention launcher: split-KV tensor-core kernels plus a log-sum-exp combine.
 
-Five attention kernels share the partials layout and the combine kernel:
+Six attention kernels share the partials layout and the combine kernel:
 
 * ``v1`` (``kernels/attention.cu``): dequantizes each tile to bf16 in shared memory, 16 query
   rows per CTA; serves every format and float32/bfloat16 queries.
