@@ -6,7 +6,7 @@ CuPy attention for C4R4, C2R4 and the in-library BF16 format with CUDA-event med
 (``triton.testing.do_bench`` when available). Also times the writer on a long prompt.
 Ratios use the FlashInfer BF16 anchors of shared/PERFORMANCE.md (measured 2026-11-30).
 
-    python benchmarks/cupy_probe.py [--quick] [--variant auto|v1|v2|v3|v4|v5|both|v2v3|v3v4|v3v5] [--json OUT.json]
+    python benchmarks/cupy_probe.py [--quick] [--variant auto|v1|v2|v3|v4|v5|v6|both|v2v3|v3v4|v3v5|v4v6] [--json OUT.json]
 
 ``--variant`` picks the attention kernel through ``QUANTMLA_CUPY_ATTENTION`` (``both``: each
 configuration is checked and timed with v1 and then v2 in the same process, side by side;
@@ -174,14 +174,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--variant", choices=("auto", "v1", "v2", "v3", "v4", "v5", "both", "v2v3", "v3v4", "v3v5"), default="auto",
+    ap.add_argument("--variant", choices=("auto", "v1", "v2", "v3", "v4", "v5", "v6", "both", "v2v3", "v3v4", "v3v5", "v4v6"), default="auto",
                     help="attention kernel(s) to time (both: v1 then v2 on the same inputs)")
     ap.add_argument("--shapes", default=None, help="comma-separated HxBxL, e.g. 16x32x32768,128x32x32768")
     ap.add_argument("--formats", default="C4R4,C2R4,BF16")
     ap.add_argument("--protection", default="4,128", help="sink,local of the probed caches (0,0: none)")
     ap.add_argument("--no-writer", action="store_true", help="skip the writer timing")
     args = ap.parse_args()
-    variants = {"both": ("v1", "v2"), "v2v3": ("v2", "v3"), "v3v4": ("v3", "v4"), "v3v5": ("v3", "v5")}.get(args.variant, (args.variant,))
+    variants = {"both": ("v1", "v2"), "v2v3": ("v2", "v3"), "v3v4": ("v3", "v4"), "v3v5": ("v3", "v5"), "v4v6": ("v4", "v6")}.get(args.variant, (args.variant,))
     protection = tuple(int(x) for x in args.protection.split(","))
     import cupy
 
