@@ -33,6 +33,7 @@ from test_cupy_backend import (
     NVCC,
     V2_CASES,
     _kernel_params,
+    _nvcc_ptx,
     _run_v2_stubbed,
     compile_all,
     compile_cubin_and_ptx,
@@ -89,6 +90,16 @@ def test_v6_compiles_without_spills(build):
     arrives = set(re.findall(r"bar(?:rier)?\.arrive(?:\.aligned)? (\S+), 256;", ptx))
     syncs = set(re.findall(r"bar(?:rier)?\.sync(?:\.aligned)? (\S+), 256;", ptx))
     assert arrives and syncs, "named barriers of 256 threads: one side arrives, the other waits"
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_v6_refuses_other_targets(arch):
+    """Built for anything but sm_90a (the only target with wgmma), the
+    source stops with wgmma.cuh's message instead of producing a kernel; the launcher never asks (v6 is
+    served on compute capability 9.0 only, as sm_90a)."""
+    rc, text = _nvcc_ptx("attention_v6.cu", v6_defines(qm.PackFormat.parse("C4R4")), arch)
+    assert rc != 0 and "wgmma.cuh needs sm_90a" in text, text[-2000:]
 
 
 def test_v6_smem_layout():
