@@ -1,4 +1,4 @@
-"""Instruction budget of the CuPy kernels v2 and v3 hot loops, from its sm_90 SASS (no GPU needed).
+"""Instruction budget of the CuPy kernels' hot loops (v2 to v6), from their sm_90 SASS (no GPU needed).
 
 On the H200 the kernel is limited by instructions per cached token, not by bytes
 (benchmarks/RESULTS.md: ncu, ~54 % issue-slot use). These tests pin the tile loop of the
@@ -154,3 +154,26 @@ def test_v5_tile_loop_within_budget(name, dc, dr):
     assert loop.count("HGMMA") == hgmma and loop.count("HMMA") == 0, loop.opcodes
     assert loop.total <= budget, f"{name}: {loop.total} instructions per warp per tile (budget {budget})"
     assert loop.count("LDL", "STL") == 0, "local-memory traffic (spills) in the tile loop"
+
+
+#: kernel v6 per warp and 64-token tile, by role: (attender HGMMA, attender budget, dequantizer budget). Stop 23
+#: measured the attender at 936 / 913 / 737 / 737 instructions (QK's (d_c + d_r) / 16 HGMMA, the softmax, half of
+#: PV's 4) and the dequantizer at 1,096 / 1,090 / 715 / 702 (its codes' conversion and stores, half of PV)
+V6_BUDGETS = {("C4R4", 512, 64): (40, 970, 1130), ("C2R4", 512, 64): (40, 945, 1125), ("C4R4", 256, 32): (22, 765, 740),
+              ("C2R4", 256, 32): (22, 765, 725)}
+
+
+@pytest.mark.parametrize("name,dc,dr", list(V6_BUDGETS), ids=lambda v: str(v))
+def test_v6_tile_loops_within_budget(name, dc, dr):
+    """v6's two loops: the attender's holds QK's HGMMA and its half of PV's, the dequantizer's only its half
+    of PV's 4; no HMMA, no local memory, and neither loop grows past what the H200 runs were measured on."""
+    from quantmla_core.backends.cupy.sass_report import tile_loops_v6
+
+    loops, _regs = tile_loops_v6(qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr))
+    hgmma, att_budget, deq_budget = V6_BUDGETS[(name, dc, dr)]
+    att, deq = loops["attender"], loops["dequantizer"]
+    assert att.count("HGMMA") == hgmma and deq.count("HGMMA") == 4, (att.opcodes, deq.opcodes)
+    assert att.count("HMMA") == 0 and deq.count("HMMA") == 0
+    assert att.total <= att_budget, f"{name}: attender {att.total} instructions per warp per tile (budget {att_budget})"
+    assert deq.total <= deq_budget, f"{name}: dequantizer {deq.total} instructions per warp per tile (budget {deq_budget})"
+    assert att.count("LDL", "STL") == 0 and deq.count("LDL", "STL") == 0, "local-memory traffic (spills) in a tile loop"

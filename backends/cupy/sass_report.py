@@ -218,16 +218,24 @@ def main(argv: list[str]) -> None:
               + _v6_summary(PackFormat.parse(name, latent_dim=dc, rope_dim=dr)))
 
 
-def _v6_summary(fmt: PackFormat) -> str:
-    """The two tile loops of ``qmla_attn_v6`` (the dequantizer's and the attender's, per warp and tile)."""
+def tile_loops_v6(fmt: PackFormat) -> tuple[dict[str, LoopReport], str]:
+    """The two tile loops of ``qmla_attn_v6`` by role, {"dequantizer": ..., "attender": ...} (the attender's
+    holds QK's HGMMA, the dequantizer's only its half of PV), and ptxas's register count ("?" if absent)."""
     sass, ptxas = compile_sass_v6(fmt)
     regs = re.search(r"Used (\d+) registers", ptxas)
+    two = loops(sass)[:2]
+    by_role = {("attender" if loop.count("HGMMA") > 8 else "dequantizer"): loop for loop in two}
+    return by_role, regs.group(1) if regs else "?"
+
+
+def _v6_summary(fmt: PackFormat) -> str:
+    """The two tile loops of ``qmla_attn_v6`` (the dequantizer's and the attender's, per warp and tile)."""
+    by_role, regs = tile_loops_v6(fmt)
     text = []
-    for loop in loops(sass)[:2]:
-        role = "attender" if loop.count("HGMMA") > 8 else "dequantizer"
+    for role, loop in by_role.items():
         top = ", ".join(f"{k} {v}" for k, v in sorted(loop.opcodes.items(), key=lambda kv: -kv[1])[:12])
         text.append(f"    {role}: {loop.total} instructions per warp per tile, {loop.count('HGMMA')} HGMMA: {top}")
-    return f"{regs.group(1) if regs else '?'} registers\n" + "\n".join(text)
+    return f"{regs} registers\n" + "\n".join(text)
 
 
 def _loop_summary(sass: str, ptxas: str) -> tuple[LoopReport, str, str]:
