@@ -511,15 +511,7 @@ extern "C" __global__ void __launch_bounds__(NTH, QMLA_V3_MINB) qmla_attn_v3(
             cp_async_commit();
 
             // -------------------------------------------------------- PV over this warp's channel slice
-            if (!QMLA_V3_LAZY_RESCALE || __any_sync(0xffffffffu, al0 != 1.0f || al1 != 1.0f)) {
-#pragma unroll
-                for (int nt = 0; nt < NTP; ++nt) {
-                    acc[nt][0] *= al0;
-                    acc[nt][1] *= al0;
-                    acc[nt][2] *= al1;
-                    acc[nt][3] *= al1;
-                }
-            }
+            qmla_rescale_rows<QMLA_V3_LAZY_RESCALE>(acc, al0, al1);
 #pragma unroll
             for (int kt = 0; kt < T / 16; ++kt) {
                 const int ta = 16 * kt + 2 * q4;

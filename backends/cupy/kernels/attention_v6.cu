@@ -78,7 +78,7 @@ static_assert(NCT % 4 == 0 && T * RCK <= WGT, "code rows of whole 64-byte groups
 #include "wgmma.cuh"
 #include "stage.cuh"  // qmla_table_page, OT_STRIDE, qmla_store_partial_rows
 #define QMLA_KT_SW128 1
-#include "tile_dequant.cuh"  // qmla_store16
+#include "tile_dequant.cuh"  // qmla_store16, qmla_store_rope_chunk
 
 // ---------------------------------------------------------------- shared memory layout (1024-byte aligned base)
 #define KT_BYTES (T * NCB * 128)         // one key tile, bf16 [NCB][T][64], 128-byte swizzle
@@ -168,17 +168,8 @@ __device__ __forceinline__ void v6_load_rope(V6Rope& r, const u8* __restrict__ p
 __device__ __forceinline__ void v6_dequantize_rope(const V6Rope& r, u8* kt, int p) {
     if (QMLA_V6_PROBE == 1) return;
     if (p < T * RCK) {
-        const int t = p / RCK, u = p % RCK;
-        const u32 w[4] = {r.c.x, r.c.y, r.c.z, r.c.w};
-        const u32 off2 = 0xc300c300u | r.z | (r.z << 16);
-        const float s = QMLA_RSCALE_BF16 ? bf16_bits_to_f32(r.s) : __uint_as_float(r.s);
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-            const u32 x[4] = {(w[0] >> (4 * c)) & 0x0f0f0f0fu, (w[1] >> (4 * c)) & 0x0f0f0f0fu,
-                              (w[2] >> (4 * c)) & 0x0f0f0f0fu, (w[3] >> (4 * c)) & 0x0f0f0f0fu};
-            const int chunk = (DC + RB * c + 16 * u) / 8;
-            qmla_store16<true>(kt + sw128_chunk(t, chunk, T), kt + sw128_chunk(t, chunk + 1, T), x, off2, 0u, s, false);
-        }
+        qmla_store_rope_chunk(kt, p / RCK, p % RCK, r.c, r.z,
+                              QMLA_RSCALE_BF16 ? bf16_bits_to_f32(r.s) : __uint_as_float(r.s));
     }
 }
 

@@ -1,5 +1,6 @@
-// QuantMLA CuPy backend: a staged tile of codes -> a bf16 key tile in shared memory (attention_v4.cu),
-// made of common.cuh's pair conversions (qmla_code2, qmla_dq2_bf16, qmla_dq2_f32).
+// QuantMLA CuPy backend: codes -> a bf16 key tile in shared memory (attention_v4.cu from its stage,
+// attention_v6.cu from registers through qmla_store16 and qmla_store_rope_chunk), made of common.cuh's pair
+// conversions (qmla_code2, qmla_dq2_bf16, qmla_dq2_f32).
 //
 // Included after stage.cuh by a kernel that defines T, NTH (threads that dequantize together), DC,
 // CB/RB, CBITS, KCH, CMASK, NCT, NGC and QMLA_KT_SW128: 1 for the 128-byte-swizzled tile of wgmma.cuh
@@ -37,6 +38,20 @@ __device__ __forceinline__ void qmla_store16(u8* lo, u8* hi, const u32 (&x)[4], 
     }
     *(uint4*)(upper_first ? hi : lo) = make_uint4(o[0], o[1], o[2], o[3]);
     *(uint4*)(upper_first ? lo : hi) = make_uint4(o[4], o[5], o[6], o[7]);
+}
+
+// RoPE code chunk u (16 bytes, 32 4-bit codes: 16-channel runs from the low and the high nibbles, split-half
+// order) of token t -> the key tile kt as bf16 s * (code - z), s a float: products and one rounding
+__device__ __forceinline__ void qmla_store_rope_chunk(u8* kt, int t, int u, uint4 v, u32 z, float s) {
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+    const u32 off2 = 0xc300c300u | z | (z << 16);
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+        const u32 x[4] = {(w[0] >> (4 * c)) & 0x0f0f0f0fu, (w[1] >> (4 * c)) & 0x0f0f0f0fu,
+                          (w[2] >> (4 * c)) & 0x0f0f0f0fu, (w[3] >> (4 * c)) & 0x0f0f0f0fu};
+        const int chunk = (DC + RB * c + 16 * u) / 8;
+        qmla_store16<true>(kt + qmla_kt_chunk(t, chunk, T), kt + qmla_kt_chunk(t, chunk + 1, T), x, off2, 0u, s, false);
+    }
 }
 
 #if QMLA_QUANT
@@ -116,22 +131,12 @@ __device__ __forceinline__ void qmla_dequantize_tile(const u8* stg, u8* kt, int 
     constexpr int RCH = RB / 16;  // 16-byte chunks of a RoPE code row
     if (tid < T * RCH) {
         const int t = tid / RCH, u = tid % RCH;
-        const uint4 v = *(const uint4*)(stg + SO_R + t * RB + 16 * u);
-        const u32 w[4] = {v.x, v.y, v.z, v.w};
-        const u32 z = stg[SO_RZ + t];
-        const u32 off2 = 0xc300c300u | z | (z << 16);
 #if QMLA_RSCALE_BF16
         const float s = bf16_bits_to_f32(((const u16*)(stg + SO_RS))[t]);
 #else
         const float s = ((const float*)(stg + SO_RS))[t];
 #endif
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-            const u32 x[4] = {(w[0] >> (4 * c)) & 0x0f0f0f0fu, (w[1] >> (4 * c)) & 0x0f0f0f0fu,
-                              (w[2] >> (4 * c)) & 0x0f0f0f0fu, (w[3] >> (4 * c)) & 0x0f0f0f0fu};
-            const int chunk = (DC + RB * c + 16 * u) / 8;
-            qmla_store16<true>(kt + qmla_kt_chunk(t, chunk, T), kt + qmla_kt_chunk(t, chunk + 1, T), x, off2, 0u, s, false);
-        }
+        qmla_store_rope_chunk(kt, t, u, *(const uint4*)(stg + SO_R + t * RB + 16 * u), stg[SO_RZ + t], s);
     }
 }
 #endif  // QMLA_QUANT
