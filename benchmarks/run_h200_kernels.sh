@@ -16,6 +16,11 @@
 #       over V4_SHAPES (FlashInfer BF16 in the same run), ncu of v4 at H128 B32 L32K
 #   bash benchmarks/run_h200_kernels.sh v6       # CuPy v6 (64 rows, a dequantizing and an attending warpgroup):
 #       conformance, memcheck, v4 vs v6 graphed over V6_SHAPES, and the builds without dequantization / code loads
+#   bash benchmarks/run_h200_kernels.sh v6knobs  # v6's knobs (QUANTMLA_CUPY_V6_PV_AT, _PAGE_AHEAD) side by side (CUDA
+#       graphs, V6_SHAPES, FlashInfer BF16 in the same process), then conformance and memcheck of V6_KNOB_CHECK
+#   bash benchmarks/run_h200_kernels.sh v6ncu    # Nsight Compute of v6 at H128 B32 L32K C4R4 (V6_NCU_SETTINGS: env per run)
+#   bash benchmarks/run_h200_kernels.sh v6small  # where v6's time goes at short contexts: each kernel's duration
+#       (ncu) at V6_SMALL_SHAPES, then CUDA graphs of V6_SMALL_SETTINGS (FlashInfer BF16 in the same process)
 # Results land in $OUT.
 set -u
 MODE=${1:-check}
@@ -98,6 +103,38 @@ elif [ "$MODE" = v6 ]; then
       --shapes 128x32x32768 --formats C4R4,C2R4 --json "$OUT/graph_v6_probe$probe.json" 2>&1 | grep -v "^{" | tail -2
   done
   cp /tmp/attention_v6_kept.cu "$KDIR/attention_v6.cu"
+elif [ "$MODE" = v6knobs ]; then
+  PV=QUANTMLA_CUPY_V6_PV_AT; PA=QUANTMLA_CUPY_V6_PAGE_AHEAD
+  echo "=== v6 knobs (CUDA graphs)"; timeout 400 python3 -P benchmarks/graph_probe.py --backends cupy \
+    --settings "${V6_KNOB_SETTINGS:-$PV=3 $PA=0;$PV=3 $PA=1;$PV=2 $PA=0;$PV=2 $PA=1;$PV=1 $PA=0;$PV=1 $PA=1}" --formats C4R4,C2R4 \
+    --shapes ${V6_SHAPES:-128x32x32768,128x128x32768,64x32x32768,128x8x4096} --json "$OUT/graph_v6_knobs.json" 2>&1 | grep -v "^{" | tail -60
+  for setting in ${V6_KNOB_CHECK:-"$PV=2 $PA=1" "$PV=1 $PA=1"}; do
+    echo "=== v6 conformance, $setting"; env $setting timeout 150 $T tests/test_cupy_v6.py -k matches_reference 2>&1 | tail -2
+    echo "=== v6 memcheck, $setting"; env $setting timeout 90 compute-sanitizer --tool memcheck $T tests/test_cupy_v6.py \
+      -k "matches_reference and (L64_128_192 or L5000_321 or L900_2)" 2>&1 | tail -2
+  done
+elif [ "$MODE" = v6ncu ]; then
+  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+  SECS="--section SpeedOfLight --section WarpStateStats --section SchedulerStats --section InstructionStats --section SourceCounters --section MemoryWorkloadAnalysis"
+  IFS=';' read -ra RUNS <<< "${V6_NCU_SETTINGS:-QUANTMLA_CUPY_V6_PV_AT=3}"
+  for setting in "${RUNS[@]}"; do
+    tag=$(echo "$setting" | tr -c 'A-Za-z0-9\n' _); echo "=== ncu v6 $setting"
+    env $setting timeout 200 $NCU -k regex:qmla_attn_v6 -s 2 -c 1 --clock-control none $SECS python3 -P benchmarks/cupy_probe.py --variant v6 \
+      --shapes 128x32x32768 --formats C4R4 --no-writer --protection 0,0 > "$OUT/ncu_v6_$tag.txt" 2>&1
+    grep -v "^==PROF==" "$OUT/ncu_v6_$tag.txt" | grep -E "Duration|Issue Slots Busy|Warp Cycles Per Issued|Stall|Throughput|Bank" | head -40
+  done
+elif [ "$MODE" = v6small ]; then
+  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+  for shape in ${V6_SMALL_SHAPES:-128x8x4096 128x32x4096}; do
+    echo "=== per-kernel durations, $shape C4R4 (ncu, eager; the first call's launches skipped)"
+    timeout 200 $NCU -k regex:qmla -s 3 -c 6 --metrics gpu__time_duration.sum,dram__bytes.sum,sm__cycles_active.avg \
+      python3 -P benchmarks/cupy_probe.py --variant v6 --shapes $shape --formats C4R4 --no-writer > "$OUT/ncu_v6small_$shape.txt" 2>&1
+    grep -E "qmla_|gpu__time_duration|dram__bytes|sm__cycles_active" "$OUT/ncu_v6small_$shape.txt" | head -40
+  done
+  echo "=== CUDA graphs"; timeout 300 python3 -P benchmarks/graph_probe.py --backends cupy \
+    --settings "${V6_SMALL_SETTINGS:-QUANTMLA_CUPY_ATTENTION=auto;QUANTMLA_CUPY_PROTECTED_STREAM=0;QUANTMLA_CUPY_ATTENTION=v4}" \
+    --formats C4R4,C2R4 --shapes ${V6_SMALL_GRAPH_SHAPES:-128x8x4096,128x32x4096,128x8x32768} \
+    --json "$OUT/graph_v6small.json" 2>&1 | grep -v "^{" | tail -40
 elif [ "$MODE" = protected ]; then
   echo "=== protected kernel conformance, side stream, graph capture"; timeout 200 $T tests/test_cupy_protected.py \
     tests/test_cupy_v3.py tests/test_cupy_backend.py -k "protected or side_stream or cuda_graph" 2>&1 | tail -3 | tee "$OUT/protected_conformance.txt"

@@ -18,6 +18,7 @@ import pytest
 import torch
 from conformance import Case, check_attention_case
 from quantmla_core.backends.cupy.attention import (
+    V2_MIN_TILES_PER_SPLIT,
     V4_WGMMA_ARCH,
     VARIANT_ENV,
     V6Knobs,
@@ -55,24 +56,25 @@ V6_BUILDS = [
 ]
 
 
+#: the measurement knobs' builds (V6Knobs pv_at, page_ahead) beside the default (3, False), at d_c 512
+V6_KNOB_BUILDS = [(name, pv_at, ahead) for name in ("C4R4", "C2R4") for pv_at in (1, 2, 3) for ahead in (False, True)
+                  if (pv_at, ahead) != (3, False)]
+
+
 def _compile_v6(v: tuple) -> tuple[int, str, str]:
-    name, dc, dr, gs, page = v
+    name, dc, dr, gs, page = v[:5]
+    pv_at, ahead = v[5:] or (3, False)
     fmt = qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr, group_size=gs, page_size=page)
-    return compile_cubin_and_ptx("attention_v6.cu", V4_WGMMA_ARCH, v6_defines(fmt))
+    return compile_cubin_and_ptx("attention_v6.cu", V4_WGMMA_ARCH, v6_defines(fmt, True, pv_at, ahead))
 
 
 @lru_cache(maxsize=1)
 def _compiled_v6() -> dict:
-    return compile_all(V6_BUILDS, _compile_v6)
+    knob_builds = [(name, 512, 64, 64, 64, pv_at, ahead) for name, pv_at, ahead in V6_KNOB_BUILDS]
+    return compile_all(V6_BUILDS + knob_builds, _compile_v6)
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
-@pytest.mark.parametrize("build", V6_BUILDS, ids=lambda v: "-".join(map(str, v)))
-def test_v6_compiles_without_spills(build):
-    """Every served build compiles for sm_90a without spills and without serialized wgmma; QK is
-    (d_c + d_r) / 16 m64n64k16 from shared memory (one commit), PV 4 m64n256k16 (m64n128k16 at d_c 256)
-    per warpgroup with the key tile read MN-major; the codes come from global memory (no stage, no
-    cp.async), and the six named barriers are used by arrive on one side and sync on the other."""
+def _check_v6_build(build: tuple) -> None:
     rc, text, ptx = _compiled_v6()[build]
     assert rc == 0, f"nvcc failed for v6 {build}:\n{text[-4000:]}"
     assert "warning #" not in text, text
@@ -90,6 +92,32 @@ def test_v6_compiles_without_spills(build):
     arrives = set(re.findall(r"bar(?:rier)?\.arrive(?:\.aligned)? (\S+), 256;", ptx))
     syncs = set(re.findall(r"bar(?:rier)?\.sync(?:\.aligned)? (\S+), 256;", ptx))
     assert arrives and syncs, "named barriers of 256 threads: one side arrives, the other waits"
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
+@pytest.mark.parametrize("build", V6_BUILDS, ids=lambda v: "-".join(map(str, v)))
+def test_v6_compiles_without_spills(build):
+    """Every served build compiles for sm_90a without spills and without serialized wgmma; QK is
+    (d_c + d_r) / 16 m64n64k16 from shared memory (one commit), PV 4 m64n256k16 (m64n128k16 at d_c 256)
+    per warpgroup with the key tile read MN-major; the codes come from global memory (no stage, no
+    cp.async), and the six named barriers are used by arrive on one side and sync on the other."""
+    _check_v6_build(build)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
+@pytest.mark.parametrize("knobs", V6_KNOB_BUILDS, ids=lambda v: f"{v[0]}-pv_at{v[1]}-ahead{int(v[2])}")
+def test_v6_knob_builds_compile_without_spills(knobs):
+    """The builds QUANTMLA_CUPY_V6_PV_AT / _PAGE_AHEAD select hold to the default build's rules."""
+    name, pv_at, ahead = knobs
+    _check_v6_build((name, 512, 64, 64, 64, pv_at, ahead))
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
+def test_v6_knob_builds_differ():
+    """Each knob changes the code (a knob the preprocessor ignored would compile to the default PTX)."""
+    base = _compiled_v6()[("C4R4", 512, 64, 64, 64)][2]
+    for pv_at, ahead in ((1, False), (2, False), (3, True)):
+        assert _compiled_v6()[("C4R4", 512, 64, 64, 64, pv_at, ahead)][2] != base, (pv_at, ahead)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
@@ -180,13 +208,28 @@ def test_v6_launches_match_kernel_signatures(monkeypatch, h, s_q, prot):
 
 
 def test_v6_knobs(monkeypatch):
-    assert V6Knobs.from_env() == V6Knobs()
+    assert V6Knobs.from_env() == V6Knobs() == V6Knobs(V2_MIN_TILES_PER_SPLIT, 3, False)
     monkeypatch.setenv("QUANTMLA_CUPY_V2_MIN_TILES", "4")
     assert V6Knobs.from_env() == V6Knobs(4)
-    monkeypatch.setenv("QUANTMLA_CUPY_V2_MIN_TILES", "3")
-    with pytest.raises(ValueError, match="QUANTMLA_CUPY_V2_MIN_TILES"):
-        V6Knobs.from_env()
+    monkeypatch.setenv("QUANTMLA_CUPY_V6_PV_AT", "1")
+    monkeypatch.setenv("QUANTMLA_CUPY_V6_PAGE_AHEAD", "1")
+    assert V6Knobs.from_env() == V6Knobs(4, 1, True)
+    for env, bad in (("QUANTMLA_CUPY_V2_MIN_TILES", "3"), ("QUANTMLA_CUPY_V6_PV_AT", "4"),
+                     ("QUANTMLA_CUPY_V6_PAGE_AHEAD", "2")):
+        monkeypatch.setenv(env, bad)
+        with pytest.raises(ValueError, match=env):
+            V6Knobs.from_env()
+        monkeypatch.delenv(env)
 
+
+@pytest.mark.parametrize("env,pv_at,ahead", [({}, 3, 0), ({"QUANTMLA_CUPY_V6_PV_AT": "2"}, 2, 0),
+                                             ({"QUANTMLA_CUPY_V6_PAGE_AHEAD": "1", "QUANTMLA_CUPY_V6_PV_AT": "1"}, 1, 1)])
+def test_v6_knobs_select_their_build(monkeypatch, env, pv_at, ahead):
+    """The call's knobs reach the kernel's -D defines (the default build without any set)."""
+    launches, _kernels, _fmt, _b = _run_v2_stubbed(monkeypatch, 128, 1, False, env, variant="v6", pages_per=9,
+                                                   length=500)
+    attn = launches.of("qmla_attn_v6")[0][0]
+    assert (attn.defines["QMLA_V6_PV_AT"], attn.defines["QMLA_V6_PAGE_AHEAD"]) == (pv_at, ahead)
 
 
 #: many-row cases beyond v4's: one tile (the dequantizer has no next tile), two tiles (one key buffer each),
@@ -207,4 +250,19 @@ def test_attention_v6_matches_reference(case, monkeypatch):
     if tuple(cap) != (9, 0):
         pytest.skip(f"v6 is an sm_90a kernel: this GPU is compute capability {cap[0]}.{cap[1]}")
     monkeypatch.setenv(VARIANT_ENV, "v6")
+    check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("pv_at,ahead", [(1, 1), (2, 0), (3, 1)])
+@pytest.mark.parametrize("case", V6_CASES, ids=str)
+def test_attention_v6_knob_builds_match_reference(case, pv_at, ahead, monkeypatch):
+    """The measurement knobs' builds compute the same attention (RESULTS.md stop 24: all slower than the default)."""
+    cap = torch.cuda.get_device_capability()
+    if tuple(cap) != (9, 0):
+        pytest.skip(f"v6 is an sm_90a kernel: this GPU is compute capability {cap[0]}.{cap[1]}")
+    monkeypatch.setenv(VARIANT_ENV, "v6")
+    monkeypatch.setenv("QUANTMLA_CUPY_V6_PV_AT", str(pv_at))
+    monkeypatch.setenv("QUANTMLA_CUPY_V6_PAGE_AHEAD", str(ahead))
     check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")

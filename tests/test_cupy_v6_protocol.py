@@ -41,23 +41,29 @@ def attender(n: int, drop: str | None = None):
             yield ("wait", (PFREE, 0))
 
 
-def dequantizer(n: int, drop: str | None = None):
-    """Warpgroup 1 over n tiles."""
+def dequantizer(n: int, drop: str | None = None, split: bool = False):
+    """Warpgroup 1 over n tiles. ``split``: QMLA_V6_PV_AT < 3, the next key tile is written in two parts, one
+    before and one beside its PV, and announced after the second."""
     if not n:
         return
-    yield ("write_k", 0, 0)
+    yield ("write_k", 0, 0, "all")
     yield ("arrive", (FULL, 0))
     for i in range(n):
         buf = i & 1
-        if i + 1 < n:
+        nxt = i + 1 < n
+        if nxt:
             if i + 1 >= 2 and drop != "EMPTY":
                 yield ("wait", (EMPTY, buf ^ 1))
-            yield ("write_k", buf ^ 1, i + 1)
-            yield ("arrive", (FULL, buf ^ 1))
+            yield ("write_k", buf ^ 1, i + 1, "first" if split else "all")
+            if not split:
+                yield ("arrive", (FULL, buf ^ 1))
         if drop != "PREADY":
             yield ("wait", (PREADY, 0))
         yield ("read_p", i)  # the rescale factors, then P by its PV
         yield ("issue", "PV1", buf, i)
+        if split and nxt:
+            yield ("write_k", buf ^ 1, i + 1, "rest")
+            yield ("arrive", (FULL, buf ^ 1))
         yield ("retire", "PV1", i)
         yield ("arrive", (PFREE, 0))
 
@@ -66,9 +72,10 @@ class Violation(AssertionError):
     pass
 
 
-def run_protocol(n: int, rng: random.Random, drop: str | None = None) -> None:
-    """One random interleaving of both roles; raises Violation on a broken rule."""
-    roles = {"A": attender(n, drop), "D": dequantizer(n, drop)}
+def run_protocol(n: int, rng: random.Random, drop: str | None = None, split: bool = False, deq=None) -> None:
+    """One random interleaving of both roles (``deq``: the dequantizer's events, default :func:`dequantizer`);
+    raises Violation on a broken rule."""
+    roles = {"A": attender(n, drop), "D": deq if deq is not None else dequantizer(n, drop, split)}
     pending: dict = {}  # barrier -> arrivals not yet matched by the other side's sync
     blocked: dict = {}  # role -> the barrier it waits at
     held = {0: None, 1: None}  # key tile buffer -> tile it holds
@@ -90,15 +97,17 @@ def run_protocol(n: int, rng: random.Random, drop: str | None = None) -> None:
             pending[ev[1]] = pending.get(ev[1], 0) + 1
         elif op == "write_k":
             buf, tile = ev[1], ev[2]
+            if ev[3] != "first":
+                complete.add((buf, tile))
             if k_readers[buf]:
                 raise Violation(f"key tile {buf} rewritten for tile {tile} while {k_readers[buf]} read it")
-            old = held[buf]
-            if old is not None and done_reading.get(old, set()) != {"QK", "PV0", "PV1"}:
+            old = held[buf]  # the same tile: the second part of a split write
+            if old is not None and old != tile and done_reading.get(old, set()) != {"QK", "PV0", "PV1"}:
                 raise Violation(f"key tile {buf} rewritten for tile {tile} before tile {old}'s readers retired")
             held[buf] = tile
         elif op == "read_k":
             buf, tile = ev[1], ev[2]
-            if held[buf] != tile:
+            if held[buf] != tile or (buf, tile) not in complete:
                 raise Violation(f"QK of tile {tile} read key tile {buf} holding {held[buf]}")
             done_reading.setdefault(tile, set()).add("QK")
         elif op == "write_p":
@@ -128,6 +137,7 @@ def run_protocol(n: int, rng: random.Random, drop: str | None = None) -> None:
         events[role] = None
 
     seen_reads: set = set()
+    complete: set = set()  # (buffer, tile) written in full
     while len(finished) < 2:
         ready = []
         for role, gen in roles.items():
@@ -150,26 +160,46 @@ def run_protocol(n: int, rng: random.Random, drop: str | None = None) -> None:
         raise Violation(f"unmatched arrivals at the end: {pending}")
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["pv_at3", "pv_at1_2"])
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 7])
-def test_v6_protocol_holds_under_random_interleavings(n):
+def test_v6_protocol_holds_under_random_interleavings(n, split):
     rng = random.Random(1000 + n)
     for _ in range(300):
-        run_protocol(n, rng)
+        run_protocol(n, rng, split=split)
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["pv_at3", "pv_at1_2"])
 @pytest.mark.parametrize("drop", ["EMPTY", "PFREE", "PREADY"])
-def test_v6_protocol_checker_catches_a_missing_wait(drop):
+def test_v6_protocol_checker_catches_a_missing_wait(drop, split):
     """Negative controls: without the dequantizer's EMPTY wait, the attender's PFREE waits or the
     dequantizer's PREADY wait, some interleaving breaks a rule."""
     rng = random.Random(7)
     with pytest.raises(Violation):
         for _ in range(300):
-            run_protocol(4, rng, drop)
+            run_protocol(4, rng, drop, split)
+
+
+def test_v6_protocol_checker_catches_an_early_full_arrival():
+    """Negative control of the split write: announcing the key tile after its first part lets QK read a
+    half-written tile."""
+    rng = random.Random(11)
+
+    def early(n):
+        for ev in dequantizer(n, split=True):
+            if ev[0] == "arrive" and ev[1][0] == FULL:
+                continue  # announced below, after the first part
+            yield ev
+            if ev[0] == "write_k" and ev[3] != "rest":
+                yield ("arrive", (FULL, ev[1]))
+
+    with pytest.raises(Violation, match="read key tile"):
+        for _ in range(300):
+            run_protocol(4, rng, split=True, deq=early(4))
 
 
 def _sync_statements(role_src: str) -> list[str]:
     """The synchronizing statements of one role's code, in order, with their guards."""
-    keep = re.compile(r"v6_wait|v6_arrive|wgmma_wait<0>|v6_pv\(|v6_dequantize\(|al_s\[|PT_OFF|for \(int i")
+    keep = re.compile(r"v6_wait|v6_arrive|wgmma_wait<0>|v6_pv\(|v6_dequantize<|al_s\[|PT_OFF|for \(int i|if \(QMLA_V6_PV_AT")
     return [ln.strip().split("  //")[0] for ln in role_src.splitlines() if keep.search(ln)]
 
 
@@ -196,17 +226,21 @@ def test_v6_model_follows_the_kernel():
         "v6_wait(BAR_PFREE);",
     ]
     assert _sync_statements(deq) == [
-        "v6_dequantize(cd, smem, p);",
+        "v6_dequantize<0, 3>(cd, smem, p);",  # tile 0 in one part
         "v6_arrive(BAR_FULL);",
         "for (int i = 0; i < ntiles; ++i) {",
         "if (i + 1 >= 2) v6_wait(BAR_EMPTY + (buf ^ 1));",
-        "v6_dequantize(cd, smem + (buf ^ 1) * KT_BYTES, p);",
+        "v6_dequantize<0, QMLA_V6_PV_AT>(cd, kn, p);",  # "first" (or "all")
+        "if (QMLA_V6_PV_AT == 3 && next) {",
         "v6_arrive(BAR_FULL + (buf ^ 1));",
         "v6_wait(BAR_PREADY);",
         "qmla_rescale_rows<true>(acc, al_s[rw0], al_s[rw0 + 8]);",
         "v6_pv(acc, dp, desc_advance(dv, buf * KT_BYTES));",
+        "if (QMLA_V6_PV_AT < 3 && next) {",
+        "v6_dequantize<QMLA_V6_PV_AT, 3>(cd, kn, p);",  # "rest", then announced
+        "v6_arrive(BAR_FULL + (buf ^ 1));",
         "wgmma_wait<0>();",
         "v6_arrive(BAR_PFREE);",
     ]
     # the dequantizer's next tile is guarded by i + 1 < ntiles, as in the model
-    assert "if (i + 1 < ntiles) {\n                    if (i + 1 >= 2) v6_wait(BAR_EMPTY" in deq
+    assert "if (next) {\n                    if (i + 1 >= 2) v6_wait(BAR_EMPTY" in deq and "const bool next = i + 1 < ntiles;" in deq

@@ -57,7 +57,8 @@ tokens; ``inline``: sink/local tokens inside the split kernel, from the bf16 buf
 ``QUANTMLA_CUPY_V3_MINB`` / ``QUANTMLA_CUPY_V3_LAZY_RESCALE`` (default 1: measured 1-2 % faster,
 bit-identical) / ``QUANTMLA_CUPY_V3_WARPS`` (4 or 8) and ``QUANTMLA_CUPY_V4_STAGES`` (2 or 3) /
 ``QUANTMLA_CUPY_V4_LAZY_RESCALE`` (default 1) / ``QUANTMLA_CUPY_V4_MMA`` (``auto``, ``wgmma``, ``mma``)
-and ``QUANTMLA_CUPY_V5_LAZY_RESCALE`` (default 1) / ``QUANTMLA_CUPY_V5_WORKERS`` (2 or 3) are tuning knobs for measurements, also read per call.
+and ``QUANTMLA_CUPY_V5_LAZY_RESCALE`` (default 1) / ``QUANTMLA_CUPY_V5_WORKERS`` (2 or 3) and ``QUANTMLA_CUPY_V6_PV_AT`` (1-3) / ``QUANTMLA_CUPY_V6_PAGE_AHEAD``
+(0/1) are tuning knobs for measurements, also read per call.
 :func:`select_variant` says which kernel a call will run, and why.
 """
 
@@ -151,6 +152,10 @@ V5_CAPABILITY = (9, 0)
 V6_TILE = 64
 V6_ROWS = 64
 V6_THREADS = 256
+#: v6's defaults of :class:`V6Knobs` ``pv_at`` and ``page_ahead``
+V6_PV_AT = 3
+V6_PAGE_AHEAD = False
+
 
 def smem_per_block(capability: tuple[int, int] | None) -> int:
     """Opt-in dynamic shared memory per block (bytes): 227 KB on sm_90 (and when the GPU is not
@@ -434,11 +439,12 @@ def v6_smem_bytes(fmt: PackFormat) -> int:
     return 2 * tile + V6_ROWS * blocks * 128 + V6_ROWS * V6_TILE * 2 + 3 * V6_ROWS * 4 + 1024
 
 
-def v6_defines(fmt: PackFormat, index64: bool = True) -> dict[str, int]:
+def v6_defines(fmt: PackFormat, index64: bool = True, pv_at: int = 3, page_ahead: bool = False) -> dict[str, int]:
     """``-D`` defines of ``kernels/attention_v6.cu`` (bfloat16 queries; an sm_90a build,
-    :data:`V4_WGMMA_ARCH`). ``index64``: int64 seq_lens / seq_ids (else int32)."""
+    :data:`V4_WGMMA_ARCH`). ``index64``: int64 seq_lens / seq_ids (else int32); ``pv_at`` and
+    ``page_ahead``: :class:`V6Knobs`."""
     d = attention_defines(fmt, "bfloat16", index64)
-    d.update(QMLA_V6_SMEM=v6_smem_bytes(fmt))
+    d.update(QMLA_V6_SMEM=v6_smem_bytes(fmt), QMLA_V6_PV_AT=pv_at, QMLA_V6_PAGE_AHEAD=int(page_ahead))
     return d
 
 
@@ -933,13 +939,20 @@ def v5_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
 
 @dataclass(frozen=True)
 class V6Knobs:
-    """The tuning variables of one v6 call: v2's split floor (``QUANTMLA_CUPY_V2_MIN_TILES``)."""
+    """The tuning variables of one v6 call: v2's split floor (``QUANTMLA_CUPY_V2_MIN_TILES``); ``pv_at``
+    (``QUANTMLA_CUPY_V6_PV_AT``, 1-3): how many of the next tile's three parts (two tokens' content, RoPE) a
+    dequantizing thread converts before it issues its PV, the rest running beside that PV; ``page_ahead``
+    (``QUANTMLA_CUPY_V6_PAGE_AHEAD``, 0/1): read a tile's page ids one tile before its codes."""
 
     min_tiles: int = V2_MIN_TILES_PER_SPLIT
+    pv_at: int = V6_PV_AT
+    page_ahead: bool = V6_PAGE_AHEAD
 
     @staticmethod
     def from_env() -> "V6Knobs":
-        return V6Knobs(_env_int("QUANTMLA_CUPY_V2_MIN_TILES", V2_MIN_TILES_PER_SPLIT, (1, 2, 4, 8, 16)))
+        return V6Knobs(_env_int("QUANTMLA_CUPY_V2_MIN_TILES", V2_MIN_TILES_PER_SPLIT, (1, 2, 4, 8, 16)),
+                       _env_int("QUANTMLA_CUPY_V6_PV_AT", V6_PV_AT, (1, 2, 3)),
+                       bool(_env_int("QUANTMLA_CUPY_V6_PAGE_AHEAD", int(V6_PAGE_AHEAD), (0, 1))))
 
 
 def v6_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool,
@@ -950,8 +963,9 @@ def v6_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
     key = ("v6", fmt, dev, sm_count, batch, rows, max_pages, no_prot, knobs, sink, local, index64)
     plan = _PLANS.get(key)
     if plan is None:
-        attn, smem = _split_kernel(("v6", fmt, dev, index64), "v6", dev, v6_smem_bytes(fmt),
-                                   lambda: v6_defines(fmt, index64), V4_WGMMA_ARCH)
+        attn, smem = _split_kernel(("v6", fmt, dev, index64, knobs.pv_at, knobs.page_ahead), "v6", dev,
+                                   v6_smem_bytes(fmt), lambda: v6_defines(fmt, index64, knobs.pv_at, knobs.page_ahead),
+                                   V4_WGMMA_ARCH)
         plan = _packed_split_plan(key, attn, smem, V6_THREADS, V6_TILE, 1, fmt, dev, sm_count, batch, rows, max_pages,
                                   no_prot, knobs.min_tiles, sink, local, index64, rows_per_cta=V6_ROWS)
     return plan

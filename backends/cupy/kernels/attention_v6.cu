@@ -46,6 +46,17 @@
 #define QMLA_V6_PROBE 0
 #endif
 
+#ifndef QMLA_V6_PV_AT
+// the dequantizer issues its PV of tile i once it has converted this many of tile i + 1's three parts (its two
+// tokens' content, then RoPE); 3: after the whole tile (stop 23's order), so its PV and the conversion serialize
+#define QMLA_V6_PV_AT 3
+#endif
+#ifndef QMLA_V6_PAGE_AHEAD
+// 1: the page ids of a tile are read from the block table one tile before its codes are loaded
+#define QMLA_V6_PAGE_AHEAD 0
+#endif
+static_assert(QMLA_V6_PV_AT >= 1 && QMLA_V6_PV_AT <= 3, "QMLA_V6_PV_AT: 1, 2 or 3 parts converted before the PV");
+
 #define DC QMLA_DC
 #define DR QMLA_DR
 #define DT (QMLA_DC + QMLA_DR)
@@ -147,20 +158,33 @@ __device__ __forceinline__ const u8* v6_token_page(int n, const u8* __restrict__
     return (pg >= 0 && pg < num_pages) ? pages + (i64)pg * QMLA_PAGE_BYTES : nullptr;
 }
 
-// thread p's RoPE chunk of tile tt (zeros where not read, as v6_load_codes)
-__device__ __forceinline__ void v6_load_rope(V6Rope& r, const u8* __restrict__ pages, const int* __restrict__ bt_row,
-                                             int tt, int L, int max_pages, int num_pages, int p) {
-    if (QMLA_V6_PROBE == 2) pages = nullptr, bt_row = nullptr, L = 0;
+// the pages thread p reads its codes of tile tt from (nullptr: not read, see v6_token_page)
+struct V6Pages {
+    const u8* c[2];  // tokens tt + p / 4 and tt + p / 4 + 32
+    const u8* r;     // token tt + p / RCK (its RoPE chunk)
+};
+__device__ __forceinline__ V6Pages v6_pages(int tt, const u8* __restrict__ pages, const int* __restrict__ bt_row, int L,
+                                            int max_pages, int num_pages, int p) {
+    V6Pages g;
+    if (QMLA_V6_PROBE == 2) {  // every token past L: nothing read
+        g.c[0] = g.c[1] = g.r = nullptr;
+        return g;
+    }
+#pragma unroll
+    for (int k = 0; k < 2; ++k) g.c[k] = v6_token_page(tt + (p >> 2) + 32 * k, pages, bt_row, L, max_pages, num_pages);
+    g.r = p < T * RCK ? v6_token_page(tt + p / RCK, pages, bt_row, L, max_pages, num_pages) : nullptr;
+    return g;
+}
+
+// thread p's RoPE chunk of tile tt from page pg (zeros where not read, as v6_load_codes)
+__device__ __forceinline__ void v6_load_rope(V6Rope& r, const u8* pg, int tt, int p) {
     r.c = make_uint4(0u, 0u, 0u, 0u);
     r.z = r.s = 0u;
-    if (p < T * RCK) {
-        const int n = tt + p / RCK, s = n % QMLA_P;
-        const u8* page = v6_token_page(n, pages, bt_row, L, max_pages, num_pages);
-        if (page) {
-            r.c = *(const uint4*)(page + QMLA_OFF_RC + s * RB + 16 * (p % RCK));
-            r.z = page[QMLA_OFF_RZ + s];
-            r.s = QMLA_RSCALE_BF16 ? (u32)((const u16*)(page + QMLA_OFF_RS))[s] : ((const u32*)(page + QMLA_OFF_RS))[s];
-        }
+    if (pg) {
+        const int s = (tt + p / RCK) % QMLA_P;
+        r.c = *(const uint4*)(pg + QMLA_OFF_RC + s * RB + 16 * (p % RCK));
+        r.z = pg[QMLA_OFF_RZ + s];
+        r.s = QMLA_RSCALE_BF16 ? (u32)((const u16*)(pg + QMLA_OFF_RS))[s] : ((const u32*)(pg + QMLA_OFF_RS))[s];
     }
 }
 
@@ -173,16 +197,14 @@ __device__ __forceinline__ void v6_dequantize_rope(const V6Rope& r, u8* kt, int 
     }
 }
 
-// the thread's codes of tile tt (tokens not read: zeros, so their keys dequantize to 0; P is 0 there,
-// and 0 x a stale NaN could poison PV)
-__device__ __forceinline__ void v6_load_codes(V6Codes& r, const u8* __restrict__ pages, const int* __restrict__ bt_row,
-                                              int tt, int L, int max_pages, int num_pages, int p) {
-    if (QMLA_V6_PROBE == 2) pages = nullptr, bt_row = nullptr, L = 0;  // every token past L: nothing read
+// the thread's codes of tile tt from the pages g (tokens not read: zeros, so their keys dequantize to 0; P is
+// 0 there, and 0 x a stale NaN could poison PV)
+__device__ __forceinline__ void v6_load_codes(V6Codes& r, const V6Pages& g, int tt, int p) {
     const int uu = p & 3;
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
-        const int n = tt + (p >> 2) + 32 * k, s = n % QMLA_P;
-        const u8* page = v6_token_page(n, pages, bt_row, L, max_pages, num_pages);
+        const int s = (tt + (p >> 2) + 32 * k) % QMLA_P;
+        const u8* page = g.c[k];
 #pragma unroll
         for (int q = 0; q < NCT / 4; ++q) {
             r.c[k][q] = page ? *(const uint4*)(page + QMLA_OFF_CC + s * CB + 16 * (uu + 4 * q)) : make_uint4(0u, 0u, 0u, 0u);
@@ -196,7 +218,16 @@ __device__ __forceinline__ void v6_load_codes(V6Codes& r, const u8* __restrict__
             v6_load_row<NGC * CSZ>(page + QMLA_OFF_CS + s * NGC * CSZ, r.s[k]);
         }
     }
-    v6_load_rope(r.r, pages, bt_row, tt, L, max_pages, num_pages, p);
+    v6_load_rope(r.r, g.r, tt, p);
+}
+
+// loads the thread's codes of tile tt; g: their pages, looked up here or, with QMLA_V6_PAGE_AHEAD, by the previous
+// call (then it looks up tile tt + T's for the next one)
+__device__ __forceinline__ void v6_next_codes(V6Codes& r, V6Pages& g, int tt, const u8* __restrict__ pages,
+                                              const int* __restrict__ bt_row, int L, int max_pages, int num_pages, int p) {
+    if (!QMLA_V6_PAGE_AHEAD) g = v6_pages(tt, pages, bt_row, L, max_pages, num_pages, p);
+    v6_load_codes(r, g, tt, p);
+    if (QMLA_V6_PAGE_AHEAD) g = v6_pages(tt + T, pages, bt_row, L, max_pages, num_pages, p);
 }
 
 // element i of BITS bits (8, 16 or 32) of the words w, by selects (a register array indexed at run time
@@ -210,40 +241,50 @@ __device__ __forceinline__ u32 v6_pick(const u32 (&w)[N], int i) {
     return BITS == 32 ? v : (v >> (BITS * (i % PER))) & ((1u << BITS) - 1u);
 }
 
-// the thread's codes -> the key tile kt as bf16 s * (code - z), rounded once (qmla_store16)
-__device__ __forceinline__ void v6_dequantize(const V6Codes& r, u8* kt, int p) {
+// part k (0, 1) of the thread's codes, its token k's content, -> the key tile kt as bf16 s * (code - z), rounded
+// once (qmla_store16); part 2 is its RoPE chunk
+__device__ __forceinline__ void v6_dequantize_token(const V6Codes& r, u8* kt, int p, int k) {
     if (QMLA_V6_PROBE == 1) return;
     const int uu = p & 3;
+    const int t = (p >> 2) + 32 * k;
+    u8* lo = kt + sw128_chunk(t, 2 * uu, T);  // channels 16 uu .. 16 uu + 7 of column block 0
+    u8* hi = kt + sw128_chunk(t, 2 * uu + 1, T);
 #pragma unroll
-    for (int k = 0; k < 2; ++k) {
-        const int t = (p >> 2) + 32 * k;
-        u8* lo = kt + sw128_chunk(t, 2 * uu, T);  // channels 16 uu .. 16 uu + 7 of column block 0
-        u8* hi = kt + sw128_chunk(t, 2 * uu + 1, T);
+    for (int q = 0; q < NCT / 4; ++q) {
+        const uint4 v = r.c[k][q];
+        const u32 w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-        for (int q = 0; q < NCT / 4; ++q) {
-            const uint4 v = r.c[k][q];
-            const u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int c = 0; c < KCH; ++c) {
-                // channels CB c + 64 q + 16 uu ..: column block CB c / 64 + q; their group (16 | GC, 16 uu < 64)
-                const int blk = CB * c / 64 + q;
-                const u32 x[4] = {(w[0] >> (CBITS * c)) & CMASK, (w[1] >> (CBITS * c)) & CMASK,
-                                  (w[2] >> (CBITS * c)) & CMASK, (w[3] >> (CBITS * c)) & CMASK};
-                // their group: a compile-time index where groups are 64 channels or wider, else uu picks it
-                const int grp = (CB * c + 64 * q) / QMLA_GC + (16 * uu) / QMLA_GC;
-                const u32 z = v6_pick<8>(r.z[k], grp);
-                const u32 off2 = 0xc300c300u | z | (z << 16);
+        for (int c = 0; c < KCH; ++c) {
+            // channels CB c + 64 q + 16 uu ..: column block CB c / 64 + q; their group (16 | GC, 16 uu < 64)
+            const int blk = CB * c / 64 + q;
+            const u32 x[4] = {(w[0] >> (CBITS * c)) & CMASK, (w[1] >> (CBITS * c)) & CMASK,
+                              (w[2] >> (CBITS * c)) & CMASK, (w[3] >> (CBITS * c)) & CMASK};
+            // their group: a compile-time index where groups are 64 channels or wider, else uu picks it
+            const int grp = (CB * c + 64 * q) / QMLA_GC + (16 * uu) / QMLA_GC;
+            const u32 z = v6_pick<8>(r.z[k], grp);
+            const u32 off2 = 0xc300c300u | z | (z << 16);
 #if QMLA_CSCALE_BF16
-                const u32 sb = v6_pick<16>(r.s[k], grp);
-                qmla_store16<false>(lo + blk * (T * 128), hi + blk * (T * 128), x, off2, sb | (sb << 16), 0.0f, false);
+            const u32 sb = v6_pick<16>(r.s[k], grp);
+            qmla_store16<false>(lo + blk * (T * 128), hi + blk * (T * 128), x, off2, sb | (sb << 16), 0.0f, false);
 #else
-                qmla_store16<true>(lo + blk * (T * 128), hi + blk * (T * 128), x, off2, 0u,
-                                   __uint_as_float(v6_pick<32>(r.s[k], grp)), false);
+            qmla_store16<true>(lo + blk * (T * 128), hi + blk * (T * 128), x, off2, 0u,
+                               __uint_as_float(v6_pick<32>(r.s[k], grp)), false);
 #endif
-            }
         }
     }
-    v6_dequantize_rope(r.r, kt, p);
+}
+
+// parts [P0, P1) of the thread's codes -> the key tile kt
+template <int P0, int P1>
+__device__ __forceinline__ void v6_dequantize(const V6Codes& r, u8* kt, int p) {
+#pragma unroll
+    for (int part = P0; part < P1; ++part) {
+        if (part < 2) {
+            v6_dequantize_token(r, kt, p, part);
+        } else {
+            v6_dequantize_rope(r.r, kt, p);
+        }
+    }
 }
 
 // O[64 rows][this warpgroup's half of d_c] += P K (A = P, K-major; B = the key tile read MN-major)
@@ -364,24 +405,38 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v6(
             v6_wait(BAR_PFREE);  // the dequantizer's last PV retired (and every arrive matched)
         } else {
             // ======================================================== dequantizer
+            // Its PV of tile i is issued after QMLA_V6_PV_AT parts of tile i + 1 are converted, and the rest of the
+            // conversion runs beside it; the next tile's codes are loaded once the conversion is done.
             V6Codes cd;
-            v6_load_codes(cd, pages, bt_row, t_begin, L, max_pages, num_pages, p);
-            v6_dequantize(cd, smem, p);
+            V6Pages pg;
+            if (QMLA_V6_PAGE_AHEAD) pg = v6_pages(t_begin, pages, bt_row, L, max_pages, num_pages, p);
+            v6_next_codes(cd, pg, t_begin, pages, bt_row, L, max_pages, num_pages, p);
+            v6_dequantize<0, 3>(cd, smem, p);
             fence_proxy_async();  // the key-tile stores, for wgmma's reads
             v6_arrive(BAR_FULL);
-            if (ntiles > 1) v6_load_codes(cd, pages, bt_row, t_begin + T, L, max_pages, num_pages, p);
+            if (ntiles > 1) v6_next_codes(cd, pg, t_begin + T, pages, bt_row, L, max_pages, num_pages, p);
             for (int i = 0; i < ntiles; ++i) {
                 const int buf = i & 1;
-                if (i + 1 < ntiles) {
+                const bool next = i + 1 < ntiles;
+                u8* kn = smem + (buf ^ 1) * KT_BYTES;  // tile i + 1's key tile
+                if (next) {
                     if (i + 1 >= 2) v6_wait(BAR_EMPTY + (buf ^ 1));  // the attender is done with tile i - 1
-                    v6_dequantize(cd, smem + (buf ^ 1) * KT_BYTES, p);
+                    v6_dequantize<0, QMLA_V6_PV_AT>(cd, kn, p);
+                }
+                if (QMLA_V6_PV_AT == 3 && next) {
                     fence_proxy_async();
                     v6_arrive(BAR_FULL + (buf ^ 1));
-                    if (i + 2 < ntiles) v6_load_codes(cd, pages, bt_row, t_begin + (i + 2) * T, L, max_pages, num_pages, p);
+                    if (i + 2 < ntiles) v6_next_codes(cd, pg, t_begin + (i + 2) * T, pages, bt_row, L, max_pages, num_pages, p);
                 }
                 v6_wait(BAR_PREADY);
                 qmla_rescale_rows<true>(acc, al_s[rw0], al_s[rw0 + 8]);
                 v6_pv(acc, dp, desc_advance(dv, buf * KT_BYTES));
+                if (QMLA_V6_PV_AT < 3 && next) {
+                    v6_dequantize<QMLA_V6_PV_AT, 3>(cd, kn, p);
+                    fence_proxy_async();
+                    v6_arrive(BAR_FULL + (buf ^ 1));
+                    if (i + 2 < ntiles) v6_next_codes(cd, pg, t_begin + (i + 2) * T, pages, bt_row, L, max_pages, num_pages, p);
+                }
                 wgmma_wait<0>();
                 wgmma_fence_operand(acc);
                 v6_arrive(BAR_PFREE);
