@@ -19,6 +19,10 @@
 #   bash benchmarks/run_h200_kernels.sh v6knobs  # v6's knobs (QUANTMLA_CUPY_V6_PV_AT, _PAGE_AHEAD) side by side (CUDA
 #       graphs, V6_SHAPES, FlashInfer BF16 in the same process), then conformance and memcheck of V6_KNOB_CHECK
 #   bash benchmarks/run_h200_kernels.sh v6ncu    # Nsight Compute of v6 at H128 B32 L32K C4R4 (V6_NCU_SETTINGS: env per run)
+#   bash benchmarks/run_h200_kernels.sh v6prot   # v6 attending to the sink/local tokens itself: conformance (every
+#       v6 test), memcheck on protected-heavy cases, inline vs separate (QUANTMLA_CUPY_V6_PROTECTED) graphed over V6P_SHAPES
+#   SRCAB_SOURCES="kept probe_tmp/old.cu kept" SRCAB_ARGS="..." bash benchmarks/run_h200_kernels.sh srcab  # one kernel
+#       source (SRCAB_KERNEL, default attention_v6.cu) against others from the working tree, one process each
 #   bash benchmarks/run_h200_kernels.sh v6small  # where v6's time goes at short contexts: each kernel's duration
 #       (ncu) at V6_SMALL_SHAPES, then CUDA graphs of V6_SMALL_SETTINGS (FlashInfer BF16 in the same process)
 # Results land in $OUT.
@@ -123,6 +127,23 @@ elif [ "$MODE" = v6ncu ]; then
       --shapes 128x32x32768 --formats C4R4 --no-writer --protection 0,0 > "$OUT/ncu_v6_$tag.txt" 2>&1
     grep -v "^==PROF==" "$OUT/ncu_v6_$tag.txt" | grep -E "Duration|Issue Slots Busy|Warp Cycles Per Issued|Stall|Throughput|Bank" | head -40
   done
+elif [ "$MODE" = v6prot ]; then
+  echo "=== v6 conformance (with the knob builds), plan.run"; timeout 300 $T tests/test_cupy_v6.py tests/test_plan.py 2>&1 | tail -3 | tee "$OUT/v6_conformance.txt"
+  echo "=== v6 memcheck"; timeout 150 compute-sanitizer --tool memcheck $T tests/test_cupy_v6.py \
+    -k "v6_matches and (L70_9000_200 or L17_31_100 or L2049_33_700 or L40_33 or L900_16)" 2>&1 | tail -2
+  echo "=== inline vs separate (CUDA graphs)"; timeout 400 python3 -P benchmarks/graph_probe.py --backends cupy \
+    --settings "QUANTMLA_CUPY_V6_PROTECTED=inline;QUANTMLA_CUPY_V6_PROTECTED=separate" --formats C4R4,C2R4 \
+    --shapes ${V6P_SHAPES:-128x8x4096,128x32x4096,128x32x32768,128x128x32768,128x32x131072,64x32x32768} \
+    --json "$OUT/graph_v6_protected.json" 2>&1 | grep -v "^{" | tail -30
+elif [ "$MODE" = srcab ]; then
+  KDIR=/tmp/qm/quantmla_core/backends/cupy/kernels; K=${SRCAB_KERNEL:-attention_v6.cu}; cp "$KDIR/$K" /tmp/srcab_kept.cu
+  n=0
+  for src in ${SRCAB_SOURCES:-kept}; do
+    n=$((n + 1)); [ "$src" = kept ] && cp /tmp/srcab_kept.cu "$KDIR/$K" || cp "$src" "$KDIR/$K"
+    echo "=== $K from $src"; timeout 200 python3 -P benchmarks/graph_probe.py $SRCAB_ARGS \
+      --json "$OUT/srcab_${n}_$(basename "$src" .cu).json" 2>&1 | grep -v "^{" | tail -12
+  done
+  cp /tmp/srcab_kept.cu "$KDIR/$K"
 elif [ "$MODE" = v6small ]; then
   NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
   for shape in ${V6_SMALL_SHAPES:-128x8x4096 128x32x4096}; do

@@ -86,9 +86,14 @@ def _check_v6_build(build: tuple) -> None:
     qk = "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16"
     pv = f"wgmma.mma_async.sync.aligned.m64n{dc // 2}k16.f32.bf16.bf16"
     assert ptx.count(qk) == (dc + dr) // 16
-    assert ptx.count(pv) == 2 * 4  # one PV of 4 k-steps per warpgroup (two inlined call sites)
-    assert ptx.count("wgmma.commit_group.sync.aligned") == 3
-    assert "cp.async" not in ptx and "ld.global.nc.v4.u32" in ptx and "mma.sync" not in ptx
+    # one PV of 4 k-steps per warpgroup: inlined at the attender's and the dequantizer's two loops (packed tiles,
+    # protected tiles)
+    assert ptx.count(pv) == 3 * 4
+    assert ptx.count("wgmma.commit_group.sync.aligned") == 4
+    assert "ld.global.nc.v4.u32" in ptx and "mma.sync" not in ptx
+    # cp.async only copies the protected bf16 rows (16-byte chunks, zero-filled outside the tile's tokens)
+    assert set(re.findall(r"cp\.async[.\w]*", ptx)) == {"cp.async.cg.shared.global", "cp.async.commit_group",
+                                                        "cp.async.wait_all"}
     arrives = set(re.findall(r"bar(?:rier)?\.arrive(?:\.aligned)? (\S+), 256;", ptx))
     syncs = set(re.findall(r"bar(?:rier)?\.sync(?:\.aligned)? (\S+), 256;", ptx))
     assert arrives and syncs, "named barriers of 256 threads: one side arrives, the other waits"
@@ -99,8 +104,8 @@ def _check_v6_build(build: tuple) -> None:
 def test_v6_compiles_without_spills(build):
     """Every served build compiles for sm_90a without spills and without serialized wgmma; QK is
     (d_c + d_r) / 16 m64n64k16 from shared memory (one commit), PV 4 m64n256k16 (m64n128k16 at d_c 256)
-    per warpgroup with the key tile read MN-major; the codes come from global memory (no stage, no
-    cp.async), and the six named barriers are used by arrive on one side and sync on the other."""
+    per warpgroup with the key tile read MN-major; the codes come from global memory into registers (no
+    stage; cp.async only for the protected bf16 rows), and the six named barriers are used by arrive on one side and sync on the other."""
     _check_v6_build(build)
 
 
@@ -182,8 +187,8 @@ def test_v6_forced_selection(monkeypatch):
 
 @pytest.mark.parametrize("h,s_q,prot", [(128, 1, True), (64, 1, False), (20, 4, True), (1, 1, False)])
 def test_v6_launches_match_kernel_signatures(monkeypatch, h, s_q, prot):
-    """One v6 launch over 64-row chunks (256 threads, an sm_90a build), one partial per CTA, then
-    protected.cu's partials and the combine."""
+    """One v6 launch over 64-row chunks (256 threads, an sm_90a build), one partial per CTA (the sink and
+    local tokens inside, no protected-only launch), then the combine."""
     launches, _kernels, fmt, b = _run_v2_stubbed(monkeypatch, h, s_q, prot, {}, variant="v6", pages_per=9, length=500)
     params = _kernel_params("attention_v6.cu", "qmla_attn_v6")
     assert params == _kernel_params("attention_v3.cu", "qmla_attn_v3")  # one argument list for all split kernels
@@ -200,10 +205,9 @@ def test_v6_launches_match_kernel_signatures(monkeypatch, h, s_q, prot):
     splits = grid[1]
     assert splits * per * 64 >= 9 * fmt.page_size and (splits - 1) * per * 64 < 9 * fmt.page_size
     kernels = [rec[0].kernel for rec in launches]
-    if prot:
-        assert "qmla_attn_protected" in kernels and slots == splits + protected_ctas(4, 128)
-    else:
-        assert kernels == ["qmla_attn_v6", "qmla_combine"] and slots == splits
+    assert kernels == ["qmla_attn_v6", "qmla_combine"] and slots == splits
+    assert int(args[params.index("int sink")]) == (4 if prot else 0)
+    assert int(args[params.index("int local")]) == (128 if prot else 0)
     assert launches[-1][0].kernel == "qmla_combine" and int(launches[-1][3][-1]) == slots
 
 
@@ -214,31 +218,46 @@ def test_v6_knobs(monkeypatch):
     monkeypatch.setenv("QUANTMLA_CUPY_V6_PV_AT", "1")
     monkeypatch.setenv("QUANTMLA_CUPY_V6_PAGE_AHEAD", "1")
     assert V6Knobs.from_env() == V6Knobs(4, 1, True)
+    monkeypatch.setenv("QUANTMLA_CUPY_V6_PROTECTED", "separate")
+    assert V6Knobs.from_env() == V6Knobs(4, 1, True, True)
     for env, bad in (("QUANTMLA_CUPY_V2_MIN_TILES", "3"), ("QUANTMLA_CUPY_V6_PV_AT", "4"),
-                     ("QUANTMLA_CUPY_V6_PAGE_AHEAD", "2")):
+                     ("QUANTMLA_CUPY_V6_PAGE_AHEAD", "2"), ("QUANTMLA_CUPY_V6_PROTECTED", "in")):
         monkeypatch.setenv(env, bad)
         with pytest.raises(ValueError, match=env):
             V6Knobs.from_env()
         monkeypatch.delenv(env)
 
 
-@pytest.mark.parametrize("env,pv_at,ahead", [({}, 3, 0), ({"QUANTMLA_CUPY_V6_PV_AT": "2"}, 2, 0),
-                                             ({"QUANTMLA_CUPY_V6_PAGE_AHEAD": "1", "QUANTMLA_CUPY_V6_PV_AT": "1"}, 1, 1)])
-def test_v6_knobs_select_their_build(monkeypatch, env, pv_at, ahead):
-    """The call's knobs reach the kernel's -D defines (the default build without any set)."""
-    launches, _kernels, _fmt, _b = _run_v2_stubbed(monkeypatch, 128, 1, False, env, variant="v6", pages_per=9,
+@pytest.mark.parametrize("env,pv_at,ahead,inline", [({}, 3, 0, 1), ({"QUANTMLA_CUPY_V6_PV_AT": "2"}, 2, 0, 1),
+                                                    ({"QUANTMLA_CUPY_V6_PAGE_AHEAD": "1", "QUANTMLA_CUPY_V6_PV_AT": "1"}, 1, 1, 1),
+                                                    ({"QUANTMLA_CUPY_V6_PROTECTED": "separate"}, 3, 0, 0)])
+def test_v6_knobs_select_their_build(monkeypatch, env, pv_at, ahead, inline):
+    """The call's knobs reach the kernel's -D defines (the default build without any set); with the protected
+    tokens left to protected.cu (``separate``) its launch comes back, with its partial slots."""
+    launches, _kernels, _fmt, _b = _run_v2_stubbed(monkeypatch, 128, 1, True, env, variant="v6", pages_per=9,
                                                    length=500)
-    attn = launches.of("qmla_attn_v6")[0][0]
+    (attn, grid, _block, args, _smem), _stream = launches.of("qmla_attn_v6")
     assert (attn.defines["QMLA_V6_PV_AT"], attn.defines["QMLA_V6_PAGE_AHEAD"]) == (pv_at, ahead)
+    assert attn.defines["QMLA_V6_PROTECTED"] == inline
+    params = _kernel_params("attention_v6.cu", "qmla_attn_v6")
+    slots = int(args[params.index("int num_splits")])
+    kernels = [rec[0].kernel for rec in launches]
+    if inline:
+        assert "qmla_attn_protected" not in kernels and slots == grid[1]
+    else:
+        assert "qmla_attn_protected" in kernels and slots == grid[1] + protected_ctas(4, 128)
 
 
 #: many-row cases beyond v4's: one tile (the dequantizer has no next tile), two tiles (one key buffer each),
-#: three (a buffer reused), a split whose last tile is partial, 128-token pages (a tile mid-page)
+#: three (a buffer reused), a split whose last tile is partial, 128-token pages (a tile mid-page), protected tiles
 V6_CASES = [
     Case(qm.PackFormat.parse("C4R4"), (64, 128, 192), heads=128, s_q=1, sink=0, local=0, seed=960),
     Case(qm.PackFormat.parse("C2R4", page_size=128), (5000, 321), heads=64, s_q=1, sink=4, local=128, seed=961),
     Case(qm.PackFormat.parse("C4R4", 256, 32, group_size=128), (900, 2), heads=128, s_q=2, sink=4,
          local=128, seed=962),
+    # protected tiles: two sink tiles, a local window over three tiles, short requests whose protected split
+    # is one past their packed tokens, causal rows (S_q 2) inside the window
+    Case(qm.PackFormat.parse("C2R4"), (70, 9000, 200), heads=64, s_q=2, sink=80, local=100, seed=963),
 ]
 
 
@@ -255,9 +274,10 @@ def test_attention_v6_matches_reference(case, monkeypatch):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("pv_at,ahead", [(1, 1), (2, 0), (3, 1)])
+@pytest.mark.parametrize("pv_at,ahead,protected", [(1, 1, "inline"), (2, 0, "inline"), (3, 1, "inline"),
+                                                   (3, 0, "separate")])
 @pytest.mark.parametrize("case", V6_CASES, ids=str)
-def test_attention_v6_knob_builds_match_reference(case, pv_at, ahead, monkeypatch):
+def test_attention_v6_knob_builds_match_reference(case, pv_at, ahead, protected, monkeypatch):
     """The measurement knobs' builds compute the same attention (RESULTS.md stop 24: all slower than the default)."""
     cap = torch.cuda.get_device_capability()
     if tuple(cap) != (9, 0):
@@ -265,4 +285,5 @@ def test_attention_v6_knob_builds_match_reference(case, pv_at, ahead, monkeypatc
     monkeypatch.setenv(VARIANT_ENV, "v6")
     monkeypatch.setenv("QUANTMLA_CUPY_V6_PV_AT", str(pv_at))
     monkeypatch.setenv("QUANTMLA_CUPY_V6_PAGE_AHEAD", str(ahead))
+    monkeypatch.setenv("QUANTMLA_CUPY_V6_PROTECTED", protected)
     check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")

@@ -199,25 +199,29 @@ def test_v6_protocol_checker_catches_an_early_full_arrival():
 
 def _sync_statements(role_src: str) -> list[str]:
     """The synchronizing statements of one role's code, in order, with their guards."""
-    keep = re.compile(r"v6_wait|v6_arrive|wgmma_wait<0>|v6_pv\(|v6_dequantize<|al_s\[|PT_OFF|for \(int i|if \(QMLA_V6_PV_AT")
+    keep = re.compile(r"v6_wait|v6_arrive|wgmma_wait<0>|v6_pv\(|v6_dequantize<|v6_copy_protected\(|al_s\[|PT_OFF"
+                      r"|for \(int seg|for \(int j|for \(;|if \(QMLA_V6_PV_AT")
     return [ln.strip().split("  //")[0] for ln in role_src.splitlines() if keep.search(ln)]
 
 
 def test_v6_model_follows_the_kernel():
     """The model's order of waits, arrivals, writes and MMAs is the kernel's (a change to either must
-    change this list, and then the model)."""
+    change this list, and then the model). The attender runs the model's loop over the segments of its tiles
+    (packed, sink, local); the dequantizer over packed next tiles, then protected ones (written whole, as
+    "all": the model's ``split`` covers every tile, a superset of the kernel's orders)."""
     src = (KERNEL_DIR / "attention_v6.cu").read_text()
     att = src[src.index("// ======================================================== attender"):src.index("} else {\n            // ===")]
     deq = src[src.index("// ======================================================== dequantizer"):src.index("// ---------------------------------------------------------------- partial results")]
     assert _sync_statements(att) == [
-        "for (int i = 0; i < ntiles; ++i) {",
+        "for (int seg = 0; seg < 3; ++seg) {",
+        "for (int j = 0; j < sg.n; ++j, ++i) {",  # i: the model's tile index
         "v6_wait(BAR_FULL + buf);",
         "wgmma_wait<0>();",  # its PV of tile i - 1 ("retire PV0")
         "if (i >= 1 && i + 1 < ntiles) v6_arrive(BAR_EMPTY + (buf ^ 1));",
         "wgmma_wait<0>();",  # QK(i) ("read_k")
         "if (i >= 1) v6_wait(BAR_PFREE);",
-        "*(u32*)(smem + PT_OFF + sw128_chunk(rw0, j, RT) + 4 * q4) = pack_bf16x2(S[j][0], S[j][1]);",
-        "*(u32*)(smem + PT_OFF + sw128_chunk(rw0 + 8, j, RT) + 4 * q4) = pack_bf16x2(S[j][2], S[j][3]);",
+        "*(u32*)(smem + PT_OFF + sw128_chunk(rw0, c, RT) + 4 * q4) = pack_bf16x2(S[c][0], S[c][1]);",
+        "*(u32*)(smem + PT_OFF + sw128_chunk(rw0 + 8, c, RT) + 4 * q4) = pack_bf16x2(S[c][2], S[c][3]);",
         "al_s[rw0] = al[0];",
         "al_s[rw0 + 8] = al[1];",
         "v6_arrive(BAR_PREADY);",
@@ -225,22 +229,31 @@ def test_v6_model_follows_the_kernel():
         "wgmma_wait<0>();",
         "v6_wait(BAR_PFREE);",
     ]
+    handoff = ["v6_wait(BAR_PREADY);", "qmla_rescale_rows<true>(acc, al_s[rw0], al_s[rw0 + 8]);",
+               "v6_pv(acc, dp, desc_advance(dv, buf * KT_BYTES));"]
     assert _sync_statements(deq) == [
-        "v6_dequantize<0, 3>(cd, smem, p);",  # tile 0 in one part
+        "v6_dequantize<0, 3>(cd, smem, p);",  # tile 0 in one part, packed
+        "v6_copy_protected(smem, v6_protected_tile(sp, 0), pr, p);",  # or protected
         "v6_arrive(BAR_FULL);",
-        "for (int i = 0; i < ntiles; ++i) {",
+        "for (; i + 1 < sp.np; ++i) {",  # the next tile packed
         "if (i + 1 >= 2) v6_wait(BAR_EMPTY + (buf ^ 1));",
         "v6_dequantize<0, QMLA_V6_PV_AT>(cd, kn, p);",  # "first" (or "all")
-        "if (QMLA_V6_PV_AT == 3 && next) {",
+        "if (QMLA_V6_PV_AT == 3) {",
         "v6_arrive(BAR_FULL + (buf ^ 1));",
-        "v6_wait(BAR_PREADY);",
-        "qmla_rescale_rows<true>(acc, al_s[rw0], al_s[rw0 + 8]);",
-        "v6_pv(acc, dp, desc_advance(dv, buf * KT_BYTES));",
-        "if (QMLA_V6_PV_AT < 3 && next) {",
+        *handoff,
+        "if (QMLA_V6_PV_AT < 3) {",
         "v6_dequantize<QMLA_V6_PV_AT, 3>(cd, kn, p);",  # "rest", then announced
         "v6_arrive(BAR_FULL + (buf ^ 1));",
         "wgmma_wait<0>();",
         "v6_arrive(BAR_PFREE);",
+        "for (; i < ntiles; ++i) {",  # the next tile, if any, protected: written whole ("all")
+        "if (i + 1 >= 2) v6_wait(BAR_EMPTY + (buf ^ 1));",
+        "v6_copy_protected(smem + (buf ^ 1) * KT_BYTES, v6_protected_tile(sp, i + 1 - sp.np), pr, p);",
+        "v6_arrive(BAR_FULL + (buf ^ 1));",
+        *handoff,
+        "wgmma_wait<0>();",
+        "v6_arrive(BAR_PFREE);",
     ]
-    # the dequantizer's next tile is guarded by i + 1 < ntiles, as in the model
-    assert "if (next) {\n                    if (i + 1 >= 2) v6_wait(BAR_EMPTY" in deq and "const bool next = i + 1 < ntiles;" in deq
+    # the next tile is guarded by i + 1 < ntiles in both loops, as in the model (np <= ntiles)
+    assert "if (i + 1 < ntiles) {\n                    if (i + 1 >= 2) v6_wait(BAR_EMPTY" in deq
+    assert "const int ntiles = sp.np + sp.ns + sp.nl;" in src

@@ -35,7 +35,8 @@ Six attention kernels share the partials layout and the combine kernel:
   other runs this tile's QK over all channels, the softmax and half of PV (the dequantizer takes the
   other half). On the H200 (CUDA graphs, H128/H64, C4R4/C2R4, stop 23) it took 0.75-0.84x of v4's time.
 
-v6, v5, v3 and v2 (``separate`` mode, the default) leave the sink and local-window tokens to
+v6 attends to the sink and local-window tokens itself: they are the last tiles of one split per row
+chunk, copied as bf16 rows into its key tile. v5, v3 and v2 (``separate`` mode, the default) leave them to
 ``kernels/protected.cu``, a bfloat16 flash-decoding kernel (one 32-token tile per CTA) whose
 partials the combine merges with the split kernel's; it may run on a second stream beside the
 split kernel (:func:`protected_on_side_stream`).
@@ -58,7 +59,7 @@ tokens; ``inline``: sink/local tokens inside the split kernel, from the bf16 buf
 bit-identical) / ``QUANTMLA_CUPY_V3_WARPS`` (4 or 8) and ``QUANTMLA_CUPY_V4_STAGES`` (2 or 3) /
 ``QUANTMLA_CUPY_V4_LAZY_RESCALE`` (default 1) / ``QUANTMLA_CUPY_V4_MMA`` (``auto``, ``wgmma``, ``mma``)
 and ``QUANTMLA_CUPY_V5_LAZY_RESCALE`` (default 1) / ``QUANTMLA_CUPY_V5_WORKERS`` (2 or 3) and ``QUANTMLA_CUPY_V6_PV_AT`` (1-3) / ``QUANTMLA_CUPY_V6_PAGE_AHEAD``
-(0/1) are tuning knobs for measurements, also read per call.
+(0/1) / ``QUANTMLA_CUPY_V6_PROTECTED`` (``inline``, ``separate``) are tuning knobs for measurements, also read per call.
 :func:`select_variant` says which kernel a call will run, and why.
 """
 
@@ -439,12 +440,14 @@ def v6_smem_bytes(fmt: PackFormat) -> int:
     return 2 * tile + V6_ROWS * blocks * 128 + V6_ROWS * V6_TILE * 2 + 3 * V6_ROWS * 4 + 1024
 
 
-def v6_defines(fmt: PackFormat, index64: bool = True, pv_at: int = 3, page_ahead: bool = False) -> dict[str, int]:
+def v6_defines(fmt: PackFormat, index64: bool = True, pv_at: int = 3, page_ahead: bool = False,
+               protected: bool = True) -> dict[str, int]:
     """``-D`` defines of ``kernels/attention_v6.cu`` (bfloat16 queries; an sm_90a build,
-    :data:`V4_WGMMA_ARCH`). ``index64``: int64 seq_lens / seq_ids (else int32); ``pv_at`` and
-    ``page_ahead``: :class:`V6Knobs`."""
+    :data:`V4_WGMMA_ARCH`). ``index64``: int64 seq_lens / seq_ids (else int32); ``pv_at``, ``page_ahead``
+    and ``protected`` (the sink/local tokens as the kernel's own tiles): :class:`V6Knobs`."""
     d = attention_defines(fmt, "bfloat16", index64)
-    d.update(QMLA_V6_SMEM=v6_smem_bytes(fmt), QMLA_V6_PV_AT=pv_at, QMLA_V6_PAGE_AHEAD=int(page_ahead))
+    d.update(QMLA_V6_SMEM=v6_smem_bytes(fmt), QMLA_V6_PV_AT=pv_at, QMLA_V6_PAGE_AHEAD=int(page_ahead),
+             QMLA_V6_PROTECTED=int(protected))
     return d
 
 
@@ -818,20 +821,23 @@ def v3_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
 def _packed_split_plan(key: tuple, attn, smem: int, threads: int, tile: int, slots_per_cta: int, fmt: PackFormat,
                        dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool, min_tiles: int,
                        sink: int, local: int, index64: bool,
-                       overhead_tiles: float = CTA_OVERHEAD_TILES, rows_per_cta: int = 16) -> SplitPlan:
-    """The plan of a split kernel over packed tokens only (v3, v5, v6): ``attn`` over ``rows_per_cta``-row chunks and
+                       overhead_tiles: float = CTA_OVERHEAD_TILES, rows_per_cta: int = 16,
+                       kernel_protects: bool = False) -> SplitPlan:
+    """The plan of a split kernel (v3, v5, v6): ``attn`` over ``rows_per_cta``-row chunks and
     wave-planned splits of ``tile``-token tiles (``overhead_tiles``: a CTA's fixed work, see
     :func:`~quantmla_core.backends.splits.plan_kv_splits`), each CTA writing ``slots_per_cta`` partials,
-    then, when the cache keeps sink/local tokens, the protected-only launch adding them as the last
-    partials of each row; cached under ``key``."""
+    then, when the cache keeps sink/local tokens and the kernel reads packed tokens only
+    (``kernel_protects`` False), the protected-only launch adding them as the last partials of each row;
+    cached under ``key``."""
     resident = resident_ctas(attn, threads, smem, dev, sm_count)
     chunks = -(-rows // rows_per_cta)
     splits, per = plan_splits_v2(batch, chunks, max(1, max_pages) * fmt.page_size, resident, min_tiles, tile,
                                  overhead_tiles)
     launches = [(attn, (batch * chunks, splits), (threads,), smem)]
-    if not no_prot:
+    separate = not no_prot and not kernel_protects
+    if separate:
         launches.append(_protected_launch(fmt, dev, batch, rows, sink, local, index64))
-    nprot = 0 if no_prot else protected_ctas(sink, local)
+    nprot = protected_ctas(sink, local) if separate else 0
     plan = SplitPlan(tuple(launches), _combine_kernel(fmt, dev), per, slots_per_cta * splits + nprot)
     with _CACHE_LOCK:
         _PLANS[key] = plan
@@ -942,32 +948,39 @@ class V6Knobs:
     """The tuning variables of one v6 call: v2's split floor (``QUANTMLA_CUPY_V2_MIN_TILES``); ``pv_at``
     (``QUANTMLA_CUPY_V6_PV_AT``, 1-3): how many of the next tile's three parts (two tokens' content, RoPE) a
     dequantizing thread converts before it issues its PV, the rest running beside that PV; ``page_ahead``
-    (``QUANTMLA_CUPY_V6_PAGE_AHEAD``, 0/1): read a tile's page ids one tile before its codes."""
+    (``QUANTMLA_CUPY_V6_PAGE_AHEAD``, 0/1): read a tile's page ids one tile before its codes; ``separate``
+    (``QUANTMLA_CUPY_V6_PROTECTED``, ``inline`` (default) or ``separate``): leave the sink/local tokens to the
+    protected-only launch, as v5 does, instead of attending to them as the kernel's own tiles."""
 
     min_tiles: int = V2_MIN_TILES_PER_SPLIT
     pv_at: int = V6_PV_AT
     page_ahead: bool = V6_PAGE_AHEAD
+    separate: bool = False
 
     @staticmethod
     def from_env() -> "V6Knobs":
         return V6Knobs(_env_int("QUANTMLA_CUPY_V2_MIN_TILES", V2_MIN_TILES_PER_SPLIT, (1, 2, 4, 8, 16)),
                        _env_int("QUANTMLA_CUPY_V6_PV_AT", V6_PV_AT, (1, 2, 3)),
-                       bool(_env_int("QUANTMLA_CUPY_V6_PAGE_AHEAD", int(V6_PAGE_AHEAD), (0, 1))))
+                       bool(_env_int("QUANTMLA_CUPY_V6_PAGE_AHEAD", int(V6_PAGE_AHEAD), (0, 1))),
+                       _env_choice("QUANTMLA_CUPY_V6_PROTECTED", "inline", ("inline", "separate")) == "separate")
 
 
 def v6_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool,
             knobs: V6Knobs, sink: int = 0, local: int = 0, index64: bool = True) -> SplitPlan:
     """The launch plan of kernel v6 (64 query rows per CTA, an attending and a dequantizing warpgroup):
-    its split kernel over packed tokens, one partial per CTA, and, when the cache keeps sink/local tokens,
-    the protected-only launch adding them as the last partials of each row."""
+    one launch, one partial per CTA; the sink/local tokens are the last tiles of one split per row chunk
+    (``attention_v6.cu``'s ``v6_protected_split``), so there is no protected-only launch (but with
+    ``knobs.separate``)."""
     key = ("v6", fmt, dev, sm_count, batch, rows, max_pages, no_prot, knobs, sink, local, index64)
     plan = _PLANS.get(key)
     if plan is None:
-        attn, smem = _split_kernel(("v6", fmt, dev, index64, knobs.pv_at, knobs.page_ahead), "v6", dev,
-                                   v6_smem_bytes(fmt), lambda: v6_defines(fmt, index64, knobs.pv_at, knobs.page_ahead),
+        attn, smem = _split_kernel(("v6", fmt, dev, index64, knobs.pv_at, knobs.page_ahead, knobs.separate), "v6", dev,
+                                   v6_smem_bytes(fmt),
+                                   lambda: v6_defines(fmt, index64, knobs.pv_at, knobs.page_ahead, not knobs.separate),
                                    V4_WGMMA_ARCH)
         plan = _packed_split_plan(key, attn, smem, V6_THREADS, V6_TILE, 1, fmt, dev, sm_count, batch, rows, max_pages,
-                                  no_prot, knobs.min_tiles, sink, local, index64, rows_per_cta=V6_ROWS)
+                                  no_prot, knobs.min_tiles, sink, local, index64, rows_per_cta=V6_ROWS,
+                                  kernel_protects=not knobs.separate)
     return plan
 
 

@@ -219,12 +219,19 @@ def main(argv: list[str]) -> None:
 
 
 def tile_loops_v6(fmt: PackFormat) -> tuple[dict[str, LoopReport], str]:
-    """The two tile loops of ``qmla_attn_v6`` by role, {"dequantizer": ..., "attender": ...} (the attender's
-    holds QK's HGMMA, the dequantizer's only its half of PV), and ptxas's register count ("?" if absent)."""
+    """The tile loops of ``qmla_attn_v6`` by role, {"dequantizer": ..., "attender": ..., "protected": ...}, and
+    ptxas's register count ("?" if absent). The attender's loop holds QK's HGMMA (the innermost such loop: an
+    outer one steps through the segments); the dequantizer's only its half of PV (the largest such loop: the
+    packed tiles); "protected": the dequantizer's loop that copies protected tiles (cp.async, LDGSTS)."""
     sass, ptxas = compile_sass_v6(fmt)
     regs = re.search(r"Used (\d+) registers", ptxas)
-    two = loops(sass)[:2]
-    by_role = {("attender" if loop.count("HGMMA") > 8 else "dequantizer"): loop for loop in two}
+    found = loops(sass)
+    by_role = {
+        "attender": min((lp for lp in found if lp.count("HGMMA") > 8), key=lambda lp: lp.total),
+        "dequantizer": max((lp for lp in found if 0 < lp.count("HGMMA") <= 8 and not lp.count("LDGSTS")),
+                           key=lambda lp: lp.total),
+        "protected": max((lp for lp in found if lp.count("LDGSTS")), key=lambda lp: lp.total),
+    }
     return by_role, regs.group(1) if regs else "?"
 
 

@@ -2,7 +2,9 @@
 // the next tile while the other attends to this one).
 //
 // Serves what v4 serves over packed pages (bf16 queries; 2/4-bit content and 4-bit RoPE codes; d_c/d_r
-// 512/64 and 256/32), packed tokens only (protected.cu adds the sink and local-window tokens), sm_90a.
+// 512/64 and 256/32), sm_90a. The sink and local-window tokens are the last tiles of one split per row chunk
+// (v6_protected_split), copied as bf16 rows from the protection buffers into the key tile; no other kernel
+// adds them, so v1's qmla_combine merges one partial per split.
 //
 // ================================================================ design note
 // Why: v4 runs each 64-token tile in phases that wait for each other (dequantize, barrier, QK, score
@@ -30,7 +32,10 @@
 // 0.99x. Not kept: an L2 prefetch of tile i + 3 by the dequantizer (prefetch.global.L2 of its lines) ran 23-25 %
 // slower; reloading each half of the code registers as soon as it was converted (the first half's loads half a
 // dequantization earlier), 5-10 % slower; the attender converting the next tile's RoPE block while its QK ran
-// (only QK reads it), 0-4 % slower.
+// (only QK reads it), 0-4 % slower; issuing the dequantizer's PV after 1 or 2 of the next tile's 3 parts
+// (QMLA_V6_PV_AT) and reading page ids a tile ahead (QMLA_V6_PAGE_AHEAD), none faster, up to 10 % slower (stop 24).
+// Stop 25: the protected tiles inside v6 instead of protected.cu's launch: H128 B32 L32K C4R4 655.7 -> 618.7 us,
+// C2R4 620.1 -> 577.7 (0.98x FlashInfer), B8 L4K 54.7 -> 46.4 (CUDA graphs, sink 4 + local 128).
 // The attender retires its PV before issuing the next QK: issued while that PV ran, ptxas serialized every
 // wgmma of the kernel (C7514: it saw the accumulators read inside the PV's pipeline stage).
 // Shared memory (d_c 512): 2 x 72 KB key tiles + 72 KB queries + 8 KB P + 1 KB row factors + 1 KB
@@ -54,6 +59,11 @@
 #ifndef QMLA_V6_PAGE_AHEAD
 // 1: the page ids of a tile are read from the block table one tile before its codes are loaded
 #define QMLA_V6_PAGE_AHEAD 0
+#endif
+#ifndef QMLA_V6_PROTECTED
+// 1: the sink and local-window tokens are tiles of this kernel (v6_protected_split); 0: packed tokens only, for the
+// launcher's protected-only launch (QUANTMLA_CUPY_V6_PROTECTED=separate, a measurement knob)
+#define QMLA_V6_PROTECTED 1
 #endif
 static_assert(QMLA_V6_PV_AT >= 1 && QMLA_V6_PV_AT <= 3, "QMLA_V6_PV_AT: 1, 2 or 3 parts converted before the PV");
 
@@ -174,6 +184,77 @@ __device__ __forceinline__ V6Pages v6_pages(int tt, const u8* __restrict__ pages
     for (int k = 0; k < 2; ++k) g.c[k] = v6_token_page(tt + (p >> 2) + 32 * k, pages, bt_row, L, max_pages, num_pages);
     g.r = p < T * RCK ? v6_token_page(tt + p / RCK, pages, bt_row, L, max_pages, num_pages) : nullptr;
     return g;
+}
+
+// ---------------------------------------------------------------- a CTA's tiles: packed, then protected
+// A CTA's tiles come in up to three segments: its run of packed tiles, then, in the split v6_protected_split
+// picks, the tiles of the sink [0, sink_end) and those the local window [local_start, L) touches, whose rows come
+// from the bf16 protection buffers. [lo, hi): the tokens a segment's tiles attend to (a row's causal limit comes
+// on top). Each role runs the packed tiles in a loop of their own (loop-invariant masks; no protected copy in
+// the dequantizer's): on the H200 one loop over all tiles ran 7 % slower over packed tiles (stop 25).
+struct V6Seg {
+    int t0, n, lo, hi;  // first tile's token, tiles, attended tokens [lo, hi)
+};
+struct V6Span {
+    int t_begin, np, ns, nl;  // the first packed tile's token; packed, sink and local tiles
+    int keep_lo, keep_hi, L;  // packed tokens [keep_lo, keep_hi) = [sink_end, local_start); L
+};
+__device__ __forceinline__ V6Seg v6_segment(const V6Span& s, int k) {
+    if (k == 0) return {s.t_begin, s.np, s.keep_lo, s.keep_hi};
+    if (k == 1) return {0, s.ns, 0, s.keep_lo};
+    return {s.keep_hi / T * T, s.nl, s.keep_hi, s.L};
+}
+// protected tile j (0 .. ns + nl - 1) as a one-tile segment
+__device__ __forceinline__ V6Seg v6_protected_tile(const V6Span& s, int j) {
+    const V6Seg g = v6_segment(s, j < s.ns ? 1 : 2);
+    return {g.t0 + (j < s.ns ? j : j - s.ns) * T, 1, g.lo, g.hi};
+}
+
+// the split that adds a row chunk's protected tiles: the first one past its packed tokens (an empty split of a
+// request shorter than the batch's longest), else the last (it holds the remainder of the packed run)
+__device__ __forceinline__ int v6_protected_split(int keep_lo, int keep_hi, int tiles_per_split, int splits) {
+    const int last = keep_hi > keep_lo ? (keep_hi - 1) / (tiles_per_split * T) : -1;
+    return min(last + 1, splits - 1);
+}
+
+// where the protected rows live: token n < sink at sink[n], else local[n % local] (a ring), bf16 [d_c | d_r]
+struct V6Prot {
+    const u16* sink;   // this request's sink rows
+    const u16* local;  // its local-window ring
+    int nsink, nlocal;
+};
+
+// 16-byte cp.async from global address g + GOFF to shared address s + SOFF (bytes 0 or 16; the rest zero-filled):
+// the offsets are immediates of the instruction
+template <int SOFF, int GOFF>
+__device__ __forceinline__ void v6_cp16(u32 s, u64 g, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0+%3], [%1+%4], 16, %2;" ::"r"(s), "l"(g), "r"(bytes), "n"(SOFF), "n"(GOFF)
+                 : "memory");
+}
+// chunks 8 m + 2 k + h (J = 4 m + k) of a protected row: column block m of the key tile, swizzled place dst[k]
+template <int J>
+__device__ __forceinline__ void v6_copy_row_chunks(const u32 (&dst)[4], u64 g, int bytes) {
+    if constexpr (J < DT / 16) {
+        v6_cp16<(J >> 2) * T * 128, 32 * J>(dst[J & 3], g, bytes);
+        v6_copy_row_chunks<J + 1>(dst, g, bytes);
+    }
+}
+
+// the protected rows of tile tl (a one-tile segment) -> the key tile kt by cp.async, two threads a row (16-byte chunks p % 2 + 2 j;
+// rows outside [lo, hi): zeros, their copies read 0 bytes of a row inside); waits for this thread's copies
+static_assert(DT % 16 == 0 && WGT == 2 * T, "two threads per protected row, 16-byte chunks");
+__device__ __forceinline__ void v6_copy_protected(u8* kt, const V6Seg& tl, const V6Prot& pr, int p) {
+    const int r = p >> 1, n = tl.t0 + r, h = p & 1;
+    const int nc = min(max(n, tl.lo), tl.hi - 1);  // a protected row of the tile (lo < hi)
+    const u16* src = (nc < pr.nsink ? pr.sink + (i64)nc * DT : pr.local + (i64)(nc % pr.nlocal) * DT) + 8 * h;
+    u64 g;
+    asm("cvta.to.global.u64 %0, %1;" : "=l"(g) : "l"(src));
+    u32 dst[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) dst[k] = smem_addr(kt) + r * 128 + (((2 * k + h) ^ (r & 7)) << 4);
+    v6_copy_row_chunks<0>(dst, g, n >= tl.lo && n < tl.hi ? 16 : 0);
+    cp_async_commit();
+    cp_async_wait_all();
 }
 
 // thread p's RoPE chunk of tile tt from page pg (zeros where not read, as v6_load_codes)
@@ -318,9 +399,15 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v6(
     const int keep_lo = sid_ok ? min(sink, L) : 0;
     const int keep_hi = (sid_ok && local > 0) ? max(keep_lo, L - local) : L;
     const int split = blockIdx.y;
-    const int t_begin = max(split * tiles_per_split * T, keep_lo / T * T);
+    V6Span sp;
+    sp.t_begin = max(split * tiles_per_split * T, keep_lo / T * T);
     const int t_end = min(keep_hi, (split + 1) * tiles_per_split * T);
-    const int ntiles = t_begin < t_end ? (t_end - t_begin + T - 1) / T : 0;
+    sp.np = sp.t_begin < t_end ? (t_end - sp.t_begin + T - 1) / T : 0;
+    sp.keep_lo = keep_lo, sp.keep_hi = keep_hi, sp.L = L;
+    const bool prot = QMLA_V6_PROTECTED && sid_ok && split == v6_protected_split(keep_lo, keep_hi, tiles_per_split, (int)gridDim.y);
+    sp.ns = prot ? (keep_lo + T - 1) / T : 0;
+    sp.nl = prot && keep_hi < L ? (L - 1) / T - keep_hi / T + 1 : 0;
+    const int ntiles = sp.np + sp.ns + sp.nl;
 
     float acc[DC / 16][4];  // this warpgroup's half of O: rows rw0 (+ 8) x channels DC / 2 * wg + 8 n + 2 q4 (+ 1)
 #pragma unroll
@@ -352,9 +439,14 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v6(
         if (wg == 0) {
             // ======================================================== attender
             const u64 dq = sw128_desc(smem_s + QT_OFF, 16, 1024), dk = sw128_desc(smem_s, 16, 1024);
-            const int lim[2] = {min(keep_hi, L - S_q + (rbase + rw0) / H + 1), min(keep_hi, L - S_q + (rbase + rw0 + 8) / H + 1)};
-            for (int i = 0; i < ntiles; ++i) {
-                const int t0 = t_begin + i * T, buf = i & 1;
+            const int causal[2] = {L - S_q + (rbase + rw0) / H + 1, L - S_q + (rbase + rw0 + 8) / H + 1};
+            int i = 0;  // tiles so far: the key buffer's parity and the handoffs count them
+#pragma unroll 1
+            for (int seg = 0; seg < 3; ++seg) {
+              const V6Seg sg = v6_segment(sp, seg);
+              const int lim[2] = {min(sg.hi, causal[0]), min(sg.hi, causal[1])};
+              for (int j = 0; j < sg.n; ++j, ++i) {
+                const int t0 = sg.t0 + j * T, buf = i & 1;
                 v6_wait(BAR_FULL + buf);
                 // its PV of the previous tile retired (issuing QK first, while that PV runs, made ptxas serialize
                 // every wgmma: it then sees the accumulators read inside the PV's pipeline stage)
@@ -375,7 +467,7 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v6(
 
                 // ---------------------------------------------------- mask, row maxima (a quad holds a row's 64 tokens)
                 float mx[2];
-                qmla_mask_row_max(S, t0, q4, keep_lo, lim, scale_log2, t0 >= keep_lo && t0 + T <= min(lim[0], lim[1]), mx);
+                qmla_mask_row_max(S, t0, q4, sg.lo, lim, scale_log2, t0 >= sg.lo && t0 + T <= min(lim[0], lim[1]), mx);
 #pragma unroll
                 for (int o = 1; o <= 2; o <<= 1) {
                     mx[0] = fmaxf(mx[0], __shfl_xor_sync(0xffffffffu, mx[0], o));
@@ -387,9 +479,9 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v6(
                 // ---------------------------------------------------- P and the rescale factors, once the previous P is read
                 if (i >= 1) v6_wait(BAR_PFREE);
 #pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    *(u32*)(smem + PT_OFF + sw128_chunk(rw0, j, RT) + 4 * q4) = pack_bf16x2(S[j][0], S[j][1]);
-                    *(u32*)(smem + PT_OFF + sw128_chunk(rw0 + 8, j, RT) + 4 * q4) = pack_bf16x2(S[j][2], S[j][3]);
+                for (int c = 0; c < 8; ++c) {
+                    *(u32*)(smem + PT_OFF + sw128_chunk(rw0, c, RT) + 4 * q4) = pack_bf16x2(S[c][0], S[c][1]);
+                    *(u32*)(smem + PT_OFF + sw128_chunk(rw0 + 8, c, RT) + 4 * q4) = pack_bf16x2(S[c][2], S[c][3]);
                 }
                 if (q4 == 0) {
                     al_s[rw0] = al[0];
@@ -399,6 +491,7 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v6(
                 v6_arrive(BAR_PREADY);
                 qmla_rescale_rows<true>(acc, al[0], al[1]);  // skipped while every factor is 1
                 v6_pv(acc, dp, desc_advance(dv, buf * KT_BYTES));  // retired by the next tile's wait, or below
+              }
             }
             wgmma_wait<0>();
             wgmma_fence_operand(acc);
@@ -407,36 +500,57 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v6(
             // ======================================================== dequantizer
             // Its PV of tile i is issued after QMLA_V6_PV_AT parts of tile i + 1 are converted, and the rest of the
             // conversion runs beside it; the next tile's codes are loaded once the conversion is done.
+            // (read only in the protected split, where sid_ok holds)
+            const V6Prot pr = {sid_ok ? sink_buf + sid * sink * DT : sink_buf, sid_ok ? local_buf + sid * local * DT : local_buf,
+                               sink, local};
             V6Codes cd;
             V6Pages pg;
+            const int t_begin = sp.t_begin;
             if (QMLA_V6_PAGE_AHEAD) pg = v6_pages(t_begin, pages, bt_row, L, max_pages, num_pages, p);
-            v6_next_codes(cd, pg, t_begin, pages, bt_row, L, max_pages, num_pages, p);
-            v6_dequantize<0, 3>(cd, smem, p);
+            if (sp.np > 0) {
+                v6_next_codes(cd, pg, t_begin, pages, bt_row, L, max_pages, num_pages, p);
+                v6_dequantize<0, 3>(cd, smem, p);
+            } else {
+                v6_copy_protected(smem, v6_protected_tile(sp, 0), pr, p);
+            }
             fence_proxy_async();  // the key-tile stores, for wgmma's reads
             v6_arrive(BAR_FULL);
-            if (ntiles > 1) v6_next_codes(cd, pg, t_begin + T, pages, bt_row, L, max_pages, num_pages, p);
-            for (int i = 0; i < ntiles; ++i) {
+            if (sp.np > 1) v6_next_codes(cd, pg, t_begin + T, pages, bt_row, L, max_pages, num_pages, p);
+            int i = 0;
+            for (; i + 1 < sp.np; ++i) {  // the next tile packed
                 const int buf = i & 1;
-                const bool next = i + 1 < ntiles;
                 u8* kn = smem + (buf ^ 1) * KT_BYTES;  // tile i + 1's key tile
-                if (next) {
-                    if (i + 1 >= 2) v6_wait(BAR_EMPTY + (buf ^ 1));  // the attender is done with tile i - 1
-                    v6_dequantize<0, QMLA_V6_PV_AT>(cd, kn, p);
-                }
-                if (QMLA_V6_PV_AT == 3 && next) {
+                if (i + 1 >= 2) v6_wait(BAR_EMPTY + (buf ^ 1));  // the attender is done with tile i - 1
+                v6_dequantize<0, QMLA_V6_PV_AT>(cd, kn, p);
+                if (QMLA_V6_PV_AT == 3) {
                     fence_proxy_async();
                     v6_arrive(BAR_FULL + (buf ^ 1));
-                    if (i + 2 < ntiles) v6_next_codes(cd, pg, t_begin + (i + 2) * T, pages, bt_row, L, max_pages, num_pages, p);
+                    if (i + 2 < sp.np) v6_next_codes(cd, pg, t_begin + (i + 2) * T, pages, bt_row, L, max_pages, num_pages, p);
                 }
                 v6_wait(BAR_PREADY);
                 qmla_rescale_rows<true>(acc, al_s[rw0], al_s[rw0 + 8]);
                 v6_pv(acc, dp, desc_advance(dv, buf * KT_BYTES));
-                if (QMLA_V6_PV_AT < 3 && next) {
+                if (QMLA_V6_PV_AT < 3) {
                     v6_dequantize<QMLA_V6_PV_AT, 3>(cd, kn, p);
                     fence_proxy_async();
                     v6_arrive(BAR_FULL + (buf ^ 1));
-                    if (i + 2 < ntiles) v6_next_codes(cd, pg, t_begin + (i + 2) * T, pages, bt_row, L, max_pages, num_pages, p);
+                    if (i + 2 < sp.np) v6_next_codes(cd, pg, t_begin + (i + 2) * T, pages, bt_row, L, max_pages, num_pages, p);
                 }
+                wgmma_wait<0>();
+                wgmma_fence_operand(acc);
+                v6_arrive(BAR_PFREE);
+            }
+            for (; i < ntiles; ++i) {  // the next tile, if any, protected
+                const int buf = i & 1;
+                if (i + 1 < ntiles) {
+                    if (i + 1 >= 2) v6_wait(BAR_EMPTY + (buf ^ 1));
+                    v6_copy_protected(smem + (buf ^ 1) * KT_BYTES, v6_protected_tile(sp, i + 1 - sp.np), pr, p);
+                    fence_proxy_async();
+                    v6_arrive(BAR_FULL + (buf ^ 1));
+                }
+                v6_wait(BAR_PREADY);
+                qmla_rescale_rows<true>(acc, al_s[rw0], al_s[rw0 + 8]);
+                v6_pv(acc, dp, desc_advance(dv, buf * KT_BYTES));
                 wgmma_wait<0>();
                 wgmma_fence_operand(acc);
                 v6_arrive(BAR_PFREE);
