@@ -681,14 +681,19 @@ def test_v1_launch_arguments_match_kernel_signature(monkeypatch, variant, dtype)
 @pytest.mark.parametrize("backend,name,dtype,env", [
     ("cupy", "C4R4", "bfloat16", {}), ("cupy", "C8R8", "float32", {}), ("triton", "C4R4", "bfloat16", {}),
     ("cupy", "C4R4", "bfloat16", {"QUANTMLA_CUPY_ATTENTION": "v3", "QUANTMLA_CUPY_PROTECTED_STREAM": "1"}),
-], ids=["cupy-v2", "cupy-v1", "triton-v2", "cupy-v3-side-stream"])
+    ("cupy", "C2R4", "bfloat16", {"QUANTMLA_CUPY_ATTENTION": "v6"}),
+], ids=["cupy-v2", "cupy-v1", "triton-v2", "cupy-v3-side-stream", "cupy-v6-protected-tiles"])
 def test_cuda_graph_capture_and_replay(backend, name, dtype, env, monkeypatch):
     """A captured attention call replays bit-identically to the eager call, also after the memory
     the capture freed has been reused, and follows new queries copied into its static inputs
-    (v3 with its protected launch on a second stream: captured as a fork and a join)."""
+    (v3 with its protected launch on a second stream: captured as a fork and a join; v6, at 128 heads,
+    with the sink and local tokens as its own tiles)."""
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    case = Case(qm.PackFormat.parse(name), (300, 1000, 77), heads=16, seed=23)
+    v6 = env.get("QUANTMLA_CUPY_ATTENTION") == "v6"
+    if v6 and tuple(torch.cuda.get_device_capability()) != (9, 0):
+        pytest.skip("v6 is an sm_90a kernel: compute capability 9.0 only")
+    case = Case(qm.PackFormat.parse(name), (300, 1000, 77), heads=128 if v6 else 16, seed=23)
     batch = build(case)
     args = batch.to("cuda", dtype)
     cache = allocate(case, batch, "cuda")
