@@ -240,8 +240,9 @@ __device__ __forceinline__ void v6_copy_row_chunks(const u32 (&dst)[4], u64 g, i
     }
 }
 
-// the protected rows of tile tl (a one-tile segment) -> the key tile kt by cp.async, two threads a row (16-byte chunks p % 2 + 2 j;
-// rows outside [lo, hi): zeros, their copies read 0 bytes of a row inside); waits for this thread's copies
+// the protected rows of tile tl (a one-tile segment) -> the key tile kt by cp.async, two threads a row (16-byte
+// chunks p % 2 + 2 j; rows outside [lo, hi): zeros, their copies read 0 bytes of a row inside [lo, hi), which
+// every protected tile overlaps); waits for this thread's copies
 static_assert(DT % 16 == 0 && WGT == 2 * T, "two threads per protected row, 16-byte chunks");
 __device__ __forceinline__ void v6_copy_protected(u8* kt, const V6Seg& tl, const V6Prot& pr, int p) {
     const int r = p >> 1, n = tl.t0 + r, h = p & 1;
