@@ -440,7 +440,7 @@ def v6_smem_bytes(fmt: PackFormat) -> int:
     return 2 * tile + V6_ROWS * blocks * 128 + V6_ROWS * V6_TILE * 2 + 3 * V6_ROWS * 4 + 1024
 
 
-def v6_defines(fmt: PackFormat, index64: bool = True, pv_at: int = 3, page_ahead: bool = False,
+def v6_defines(fmt: PackFormat, index64: bool = True, pv_at: int = V6_PV_AT, page_ahead: bool = V6_PAGE_AHEAD,
                protected: bool = True) -> dict[str, int]:
     """``-D`` defines of ``kernels/attention_v6.cu`` (bfloat16 queries; an sm_90a build,
     :data:`V4_WGMMA_ARCH`). ``index64``: int64 seq_lens / seq_ids (else int32); ``pv_at``, ``page_ahead``
@@ -821,23 +821,20 @@ def v3_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
 def _packed_split_plan(key: tuple, attn, smem: int, threads: int, tile: int, slots_per_cta: int, fmt: PackFormat,
                        dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool, min_tiles: int,
                        sink: int, local: int, index64: bool,
-                       overhead_tiles: float = CTA_OVERHEAD_TILES, rows_per_cta: int = 16,
-                       kernel_protects: bool = False) -> SplitPlan:
+                       overhead_tiles: float = CTA_OVERHEAD_TILES, rows_per_cta: int = 16) -> SplitPlan:
     """The plan of a split kernel (v3, v5, v6): ``attn`` over ``rows_per_cta``-row chunks and
     wave-planned splits of ``tile``-token tiles (``overhead_tiles``: a CTA's fixed work, see
     :func:`~quantmla_core.backends.splits.plan_kv_splits`), each CTA writing ``slots_per_cta`` partials,
-    then, when the cache keeps sink/local tokens and the kernel reads packed tokens only
-    (``kernel_protects`` False), the protected-only launch adding them as the last partials of each row;
-    cached under ``key``."""
+    then, unless ``no_prot`` (no sink/local tokens, or a kernel that attends to them itself), the
+    protected-only launch adding them as the last partials of each row; cached under ``key``."""
     resident = resident_ctas(attn, threads, smem, dev, sm_count)
     chunks = -(-rows // rows_per_cta)
     splits, per = plan_splits_v2(batch, chunks, max(1, max_pages) * fmt.page_size, resident, min_tiles, tile,
                                  overhead_tiles)
     launches = [(attn, (batch * chunks, splits), (threads,), smem)]
-    separate = not no_prot and not kernel_protects
-    if separate:
+    if not no_prot:
         launches.append(_protected_launch(fmt, dev, batch, rows, sink, local, index64))
-    nprot = protected_ctas(sink, local) if separate else 0
+    nprot = 0 if no_prot else protected_ctas(sink, local)
     plan = SplitPlan(tuple(launches), _combine_kernel(fmt, dev), per, slots_per_cta * splits + nprot)
     with _CACHE_LOCK:
         _PLANS[key] = plan
@@ -978,9 +975,10 @@ def v6_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
                                    v6_smem_bytes(fmt),
                                    lambda: v6_defines(fmt, index64, knobs.pv_at, knobs.page_ahead, not knobs.separate),
                                    V4_WGMMA_ARCH)
+        # the kernel attends to the sink/local tokens itself unless knobs.separate: no protected-only launch
         plan = _packed_split_plan(key, attn, smem, V6_THREADS, V6_TILE, 1, fmt, dev, sm_count, batch, rows, max_pages,
-                                  no_prot, knobs.min_tiles, sink, local, index64, rows_per_cta=V6_ROWS,
-                                  kernel_protects=not knobs.separate)
+                                  no_prot or not knobs.separate, knobs.min_tiles, sink, local, index64,
+                                  rows_per_cta=V6_ROWS)
     return plan
 
 
