@@ -75,7 +75,8 @@ def test_v5_compiles_without_spills(build):
     shared-memory size) without spills; QK is (d_c + d_r) / 16 m64n16k16 wgmma with A from registers,
     committed in chunks of 4 k-steps (8 for 2-bit content) of which one may stay in flight, PV d_c / 64 x 4 from shared memory
     (A, the key tile, read MN-major) with one commit; the content fragments go to the key tile by
-    stmatrix, P^T by stmatrix.trans; ptxas serializes no wgmma."""
+    stmatrix, P^T by stmatrix.trans; ptxas serializes no wgmma. The tile's code is there twice: for the
+    packed tiles (A dequantized from codes) and the protected ones (A loaded as bf16 pairs)."""
     rc, text, ptx = _compiled_v5()[build]
     assert rc == 0, f"nvcc failed for v5 {build}:\n{text[-4000:]}"
     assert "warning #" not in text, text  # e.g. #549-D, a variable read in its own initializer (stop 21)
@@ -84,17 +85,19 @@ def test_v5_compiles_without_spills(build):
     assert use["spill_stores"] == 0 and use["spill_loads"] == 0 and use["stack"] == 0, f"v5 {build} spills: {use}"
     _name, dc, dr = build[:3]
     wgmma = "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16"
-    ksteps = (dc + dr) // 16
-    assert ptx.count(wgmma) == ksteps + dc // 64 * 4
-    assert ptx.count("p, 1, 1, 1, 0;") == dc // 64 * 4  # PV: A (the key tile) read MN-major
-    assert ptx.count("p, 1, 1, 0; }") == ksteps  # QK: A from registers
+    ksteps, bodies = (dc + dr) // 16, 2  # the tile's code for packed and for protected tiles
+    assert ptx.count(wgmma) == bodies * (ksteps + dc // 64 * 4)
+    assert ptx.count("p, 1, 1, 1, 0;") == bodies * dc // 64 * 4  # PV: A (the key tile) read MN-major
+    assert ptx.count("p, 1, 1, 0; }") == bodies * ksteps  # QK: A from registers
     chunks = -(-ksteps // (8 if _name.startswith("C2") else 4))  # QMLA_V5_KCHUNK: 8 k-steps for 2-bit content
-    assert ptx.count("wgmma.commit_group.sync.aligned") == chunks + 1
-    assert ptx.count("wgmma.wait_group.sync.aligned 1") == chunks - 2
-    assert ptx.count("wgmma.wait_group.sync.aligned 0") == 3  # QK; PV, deferred to the next tile or after the loop
-    # no stage: the lanes load their codes from global memory into registers (16-byte loads of content codes)
-    assert "cp.async" not in ptx and "ld.global.nc.v4.u32" in ptx
-    assert ptx.count("stmatrix.sync.aligned.m8n8.x4.shared.b16") == dc // 16  # one per content k-step
+    assert ptx.count("wgmma.commit_group.sync.aligned") == bodies * (chunks + 1)
+    assert ptx.count("wgmma.wait_group.sync.aligned 1") == bodies * (chunks - 2)
+    # per body QK's and the previous tile's PV (deferred to the next tile), then the last PV after the loops
+    assert ptx.count("wgmma.wait_group.sync.aligned 0") == 2 * bodies + 1
+    # no stage: the lanes load their codes from global memory into registers (16-byte loads of content codes),
+    # and a protected tile's bf16 pairs (4-byte loads)
+    assert "cp.async" not in ptx and "ld.global.nc.v4.u32" in ptx and "ld.global.nc.u32" in ptx
+    assert ptx.count("stmatrix.sync.aligned.m8n8.x4.shared.b16") == bodies * dc // 16  # one per content k-step
     assert "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx and "fence.proxy.async.shared::cta" in ptx
     assert "mma.sync" not in ptx and "ldmatrix" not in ptx and "fma.rn.bf16x2" in ptx
     assert "C7515" not in text and "serialized" not in text, text  # ptxas: "wgmma ... serialized"
@@ -116,17 +119,18 @@ def _compiled_v5_three() -> dict:
 def test_v5_three_workers_compile(build):
     """QUANTMLA_CUPY_V5_WORKERS=3 (384 threads, 168 registers a thread): the loads go after QK into the
     registers QK read (no second set) and QK runs in chunks of 2 k-steps, so every build fits with at most
-    24 bytes spilled (d_c 512; none at d_c 256) and no serialized wgmma."""
+    40 bytes spilled (d_c 512, where the protected tiles' code took it from 16-24 to 20-36; none at d_c 256)
+    and no serialized wgmma."""
     rc, text, ptx = _compiled_v5_three()[build]
     assert rc == 0, f"nvcc failed for v5 x3 {build}:\n{text[-4000:]}"
     use = ptxas_usage(text)
     print(f"v5 x3 {build}: {use}")
-    assert use["registers"] <= 168 and use["spill_stores"] <= 24, use
+    assert use["registers"] <= 168 and use["spill_stores"] <= 40, use
     if build[1] == 256:
         assert use["spill_stores"] == 0, use
     assert "C7515" not in text and "C7514" not in text and "serialized" not in text, text
     ksteps = (build[1] + build[2]) // 16
-    assert ptx.count("wgmma.commit_group.sync.aligned") == -(-ksteps // 2) + 1
+    assert ptx.count("wgmma.commit_group.sync.aligned") == 2 * (-(-ksteps // 2) + 1)  # packed and protected tiles
     assert v5_defines(qm.PackFormat.parse(build[0]), workers=3)["QMLA_V5_WORKERS"] == 3
     with pytest.raises(ValueError, match="workers: expected one of"):
         v5_defines(qm.PackFormat.parse(build[0]), workers=4)
@@ -194,11 +198,15 @@ def _run_v5_stubbed(monkeypatch, h: int, s_q: int, prot: bool, length: int = 500
     return _run_v2_stubbed(monkeypatch, h, s_q, prot, {}, variant="v5", pages_per=pages_per, length=length)
 
 
+@pytest.mark.parametrize("separate", [False, True], ids=["inline", "separate"])
 @pytest.mark.parametrize("h,s_q,prot", [(16, 1, True), (16, 1, False), (8, 3, True), (1, 1, False), (20, 16, True)])
-def test_v5_launches_match_kernel_signatures(monkeypatch, h, s_q, prot):
+def test_v5_launches_match_kernel_signatures(monkeypatch, h, s_q, prot, separate):
     """One v5 launch over 16-row chunks (two workers of 128 threads, an sm_90a build), each CTA
-    writing one partial per worker, then protected.cu's partials (on the same stream: an eager call over
-    a short table) and the combine."""
+    writing one partial per worker (the sink and local tokens inside), then the combine; with
+    QUANTMLA_CUPY_V5_PROTECTED=separate a packed-only build and protected.cu's partials (on the same
+    stream: an eager call over a short table) before the combine."""
+    if separate:
+        monkeypatch.setenv("QUANTMLA_CUPY_V5_PROTECTED", "separate")
     launches, _kernels, fmt, b = _run_v5_stubbed(monkeypatch, h, s_q, prot)
     params = _kernel_params("attention_v5.cu", "qmla_attn_v5")
     assert params == _kernel_params("attention_v3.cu", "qmla_attn_v3")  # one argument list for all split kernels
@@ -210,12 +218,15 @@ def test_v5_launches_match_kernel_signatures(monkeypatch, h, s_q, prot):
     rows = s_q * h
     assert grid[0] == b * (-(-rows // 16)) and block == (256,)
     assert smem == v5_smem_bytes(fmt) == attn.defines["QMLA_V5_SMEM"] and attn.defines["QMLA_V5_LAZY_RESCALE"] == 1
+    assert attn.defines["QMLA_V5_PROTECTED"] == (0 if separate else 1)
+    assert int(args[params.index("int sink")]) == (4 if prot else 0)
+    assert int(args[params.index("int local")]) == (128 if prot else 0)
     per = int(args[params.index("int tiles_per_split")])
     slots = int(args[params.index("int num_splits")])
     splits = grid[1]
     assert splits * per * 64 >= 9 * fmt.page_size and (splits - 1) * per * 64 < 9 * fmt.page_size
     kernels = [rec[0].kernel for rec in launches]
-    if prot:
+    if prot and separate:
         (prot_k, pgrid, _pblock, pargs, psmem), pstream = launches.of("qmla_attn_protected")
         assert prot_k.source == "protected.cu" and pstream is None and pargs == args  # eager, short table
         assert psmem == protected_smem_bytes(fmt) and pgrid == (b * (-(-rows // 16)), protected_ctas(4, 128))
@@ -231,8 +242,7 @@ def test_v5_auto_on_long_tables(monkeypatch):
     (NVRTC 13.0), and v3 where NVRTC is older than 12.0."""
     long_pages = V3_MIN_TOKENS // 64
     launches, *_ = _run_v2_stubbed(monkeypatch, 16, 1, True, {}, variant="auto", pages_per=long_pages, length=3000)
-    # the protected-only launch goes first, onto the side stream
-    assert [rec[0].kernel for rec in launches] == ["qmla_attn_protected", "qmla_attn_v5", "qmla_combine"]
+    assert [rec[0].kernel for rec in launches] == ["qmla_attn_v5", "qmla_combine"]  # the protected tiles inside
     launches, *_ = _run_v2_stubbed(monkeypatch, 16, 1, True, {}, variant="auto", pages_per=long_pages, length=3000,
                                    nvrtc=(11, 8))
     assert launches[1][0].kernel == "qmla_attn_v3"
@@ -266,8 +276,9 @@ def test_v5_auto_on_large_batches(monkeypatch):
 def test_protected_side_stream_rule(monkeypatch, variant, heads):
     """The protected-only launch forks onto the side stream under CUDA-graph capture (every variant)
     and in eager v3/v4/v5 calls over tables of >= V3_MIN_TOKENS tokens; shorter eager calls, host-bound,
-    keep one stream (the fork costs host time)."""
+    keep one stream (the fork costs host time). v5 has that launch only with QUANTMLA_CUPY_V5_PROTECTED=separate."""
     long_pages = V3_MIN_TOKENS // 64
+    monkeypatch.setenv("QUANTMLA_CUPY_V5_PROTECTED", "separate")
 
     def stream_of_protected(pages_per, capturing):
         launches, *_ = _run_v2_stubbed(monkeypatch, heads, 1, True, {}, variant=variant, pages_per=pages_per,
@@ -295,7 +306,13 @@ def test_v5_plans_splits_with_its_own_overhead(monkeypatch):
 
 
 def test_v5_knobs(monkeypatch):
-    assert V5Knobs.from_env() == V5Knobs(True)
+    assert V5Knobs.from_env() == V5Knobs(True) == V5Knobs(True, separate=False)
+    monkeypatch.setenv("QUANTMLA_CUPY_V5_PROTECTED", "separate")
+    assert V5Knobs.from_env() == V5Knobs(True, separate=True)
+    monkeypatch.setenv("QUANTMLA_CUPY_V5_PROTECTED", "in")
+    with pytest.raises(ValueError, match="QUANTMLA_CUPY_V5_PROTECTED"):
+        V5Knobs.from_env()
+    monkeypatch.delenv("QUANTMLA_CUPY_V5_PROTECTED")
     monkeypatch.setenv("QUANTMLA_CUPY_V5_WORKERS", "3")
     assert V5Knobs.from_env() == V5Knobs(True, workers=3)
     launches, *_ = _run_v5_stubbed(monkeypatch, 16, 1, False)
@@ -329,6 +346,9 @@ V5_CASES = [
     Case(qm.PackFormat.parse("C2R4"), (300, 70, 5), heads=1, s_q=1, sink=100, local=40, seed=995),
     # 128-token pages: a tile starts mid-page
     Case(qm.PackFormat.parse("C2R4", page_size=128), (5000, 321), heads=16, s_q=1, sink=4, local=128, seed=996),
+    # protected tiles with S_q 4 (four 16-row chunks, causal limits inside the local window), a request of one token
+    # (its sink tile only) and one whose protected split is past its packed tokens
+    Case(qm.PackFormat.parse("C4R4"), (2000, 1, 150), heads=16, s_q=4, sink=4, local=128, seed=997),
 ]
 
 
@@ -342,6 +362,20 @@ def test_attention_v5_matches_reference(case, workers, monkeypatch):
         pytest.skip(f"v5 is an sm_90a kernel: this GPU is compute capability {cap[0]}.{cap[1]}")
     monkeypatch.setenv(VARIANT_ENV, "v5")
     monkeypatch.setenv("QUANTMLA_CUPY_V5_WORKERS", str(workers))
+    check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", [c for c in V5_CASES if c.sink or c.local], ids=str)
+def test_attention_v5_separate_protected_matches_reference(case, monkeypatch):
+    """QUANTMLA_CUPY_V5_PROTECTED=separate (packed tokens in v5, the sink and local tokens by protected.cu)
+    passes the same check as the default build, which attends to them itself."""
+    cap = torch.cuda.get_device_capability()
+    if tuple(cap) != (9, 0):
+        pytest.skip(f"v5 is an sm_90a kernel: this GPU is compute capability {cap[0]}.{cap[1]}")
+    monkeypatch.setenv(VARIANT_ENV, "v5")
+    monkeypatch.setenv("QUANTMLA_CUPY_V5_PROTECTED", "separate")
     check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
 
 

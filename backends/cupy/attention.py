@@ -23,7 +23,7 @@ Six attention kernels share the partials layout and the combine kernel:
   few-row counterpart of v4 on Hopper. The 64 tokens of a tile are the M dimension of warpgroup MMAs
   and 16 query rows their N; lanes dequantize straight into QK's A fragments (registers), which also
   go to a bf16 key tile in shared memory for PV. Two worker warpgroups per CTA take alternate tiles.
-  Serves what v4 serves over packed pages, packed tokens only. On the H200 (CUDA graphs, H16) its stop-20
+  Serves what v4 serves over packed pages. On the H200 (CUDA graphs, H16) its stop-20
   build took 0.87-0.98x of v3's time for C4R4 at L 32K (B 8-128) and 0.82-0.94x for C2R4; at L128K, with
   its own split overhead (:data:`V5_CTA_OVERHEAD_TILES`), 0.92-0.93x (C4R4) and 0.78-0.82x (C2R4). Stop 21
   took another 8-18 % off (conflict-free stage reads, leaner copies), stop 22 1-5 % (no stage: each lane
@@ -35,9 +35,9 @@ Six attention kernels share the partials layout and the combine kernel:
   other runs this tile's QK over all channels, the softmax and half of PV (the dequantizer takes the
   other half). On the H200 (CUDA graphs, H128/H64, C4R4/C2R4, stop 23) it took 0.75-0.84x of v4's time.
 
-v6 attends to the sink and local-window tokens itself: they are the last tiles of one split per row
-chunk, copied as bf16 rows into its key tile. v5, v3 and v2 (``separate`` mode, the default) leave them to
-``kernels/protected.cu``, a bfloat16 flash-decoding kernel (one 32-token tile per CTA) whose
+v6 and v5 attend to the sink and local-window tokens themselves: they are the last tiles of one split
+per row chunk, their bf16 rows copied into v6's key tile or loaded into v5's QK operands. v3 and v2
+(``separate`` mode, the default) leave them to ``kernels/protected.cu``, a bfloat16 flash-decoding kernel (one 32-token tile per CTA) whose
 partials the combine merges with the split kernel's; it may run on a second stream beside the
 split kernel (:func:`protected_on_side_stream`).
 
@@ -58,8 +58,9 @@ tokens; ``inline``: sink/local tokens inside the split kernel, from the bf16 buf
 ``QUANTMLA_CUPY_V3_MINB`` / ``QUANTMLA_CUPY_V3_LAZY_RESCALE`` (default 1: measured 1-2 % faster,
 bit-identical) / ``QUANTMLA_CUPY_V3_WARPS`` (4 or 8) and ``QUANTMLA_CUPY_V4_STAGES`` (2 or 3) /
 ``QUANTMLA_CUPY_V4_LAZY_RESCALE`` (default 1) / ``QUANTMLA_CUPY_V4_MMA`` (``auto``, ``wgmma``, ``mma``)
-and ``QUANTMLA_CUPY_V5_LAZY_RESCALE`` (default 1) / ``QUANTMLA_CUPY_V5_WORKERS`` (2 or 3) and ``QUANTMLA_CUPY_V6_PV_AT`` (1-3) / ``QUANTMLA_CUPY_V6_PAGE_AHEAD``
-(0/1) / ``QUANTMLA_CUPY_V6_PROTECTED`` (``inline``, ``separate``) are tuning knobs for measurements, also read per call.
+and ``QUANTMLA_CUPY_V5_LAZY_RESCALE`` (default 1) / ``QUANTMLA_CUPY_V5_WORKERS`` (2 or 3) /
+``QUANTMLA_CUPY_V5_PROTECTED`` (``inline``, ``separate``) and ``QUANTMLA_CUPY_V6_PV_AT`` (1-3) /
+``QUANTMLA_CUPY_V6_PAGE_AHEAD`` (0/1) / ``QUANTMLA_CUPY_V6_PROTECTED`` (``inline``, ``separate``) are tuning knobs for measurements, also read per call.
 :func:`select_variant` says which kernel a call will run, and why.
 """
 
@@ -403,15 +404,16 @@ def v5_smem_bytes(fmt: PackFormat, workers: int = V5_WORKERS) -> int:
 
 
 def v5_defines(fmt: PackFormat, lazy_rescale: bool = True, index64: bool = True,
-               workers: int = V5_WORKERS) -> dict[str, int]:
+               workers: int = V5_WORKERS, protected: bool = True) -> dict[str, int]:
     """``-D`` defines of ``kernels/attention_v5.cu`` (bfloat16 queries; an sm_90a build,
     :data:`V4_WGMMA_ARCH`). ``index64``: int64 seq_lens / seq_ids (else int32); ``workers``: worker
-    warpgroups per CTA."""
+    warpgroups per CTA; ``protected``: the sink/local tokens as the kernel's own tiles (else packed
+    tokens only, for the protected-only launch)."""
     if workers not in V5_WORKER_CHOICES:
         raise ValueError(f"workers: expected one of {V5_WORKER_CHOICES}, got {workers!r}")
     d = attention_defines(fmt, "bfloat16", index64)
     d.update(QMLA_V5_SMEM=v5_smem_bytes(fmt, workers), QMLA_V5_LAZY_RESCALE=int(lazy_rescale),
-             QMLA_V5_WORKERS=workers)
+             QMLA_V5_WORKERS=workers, QMLA_V5_PROTECTED=int(protected))
     return d
 
 
@@ -903,39 +905,45 @@ def v4_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
     return plan
 
 
-def _v5_kernel(fmt: PackFormat, dev: int, lazy: bool, index64: bool, workers: int = V5_WORKERS):
+def _v5_kernel(fmt: PackFormat, dev: int, lazy: bool, index64: bool, workers: int = V5_WORKERS,
+               protected: bool = True):
     """Compiled ``qmla_attn_v5`` (cached, an sm_90a build) and its dynamic shared memory."""
-    return _split_kernel(("v5", fmt, dev, lazy, index64, workers), "v5", dev, v5_smem_bytes(fmt, workers),
-                         lambda: v5_defines(fmt, lazy, index64, workers), V4_WGMMA_ARCH)
+    return _split_kernel(("v5", fmt, dev, lazy, index64, workers, protected), "v5", dev, v5_smem_bytes(fmt, workers),
+                         lambda: v5_defines(fmt, lazy, index64, workers, protected), V4_WGMMA_ARCH)
 
 
 @dataclass(frozen=True)
 class V5Knobs:
     """The ``QUANTMLA_CUPY_V5_*`` tuning variables of one call (lazy: skip the output rescale while
-    no row's maximum moves; workers: worker warpgroups per CTA) and v2's split floor."""
+    no row's maximum moves; workers: worker warpgroups per CTA; separate (``QUANTMLA_CUPY_V5_PROTECTED``,
+    ``inline`` (default) or ``separate``): leave the sink/local tokens to the protected-only launch instead
+    of attending to them as the kernel's own tiles) and v2's split floor."""
 
     lazy: bool = True
     min_tiles: int = V2_MIN_TILES_PER_SPLIT
     workers: int = V5_WORKERS
+    separate: bool = False
 
     @staticmethod
     def from_env() -> "V5Knobs":
         return V5Knobs(bool(_env_int("QUANTMLA_CUPY_V5_LAZY_RESCALE", 1, (0, 1))),
                        _env_int("QUANTMLA_CUPY_V2_MIN_TILES", V2_MIN_TILES_PER_SPLIT, (1, 2, 4, 8, 16)),
-                       _env_int("QUANTMLA_CUPY_V5_WORKERS", V5_WORKERS, V5_WORKER_CHOICES))
+                       _env_int("QUANTMLA_CUPY_V5_WORKERS", V5_WORKERS, V5_WORKER_CHOICES),
+                       _env_choice("QUANTMLA_CUPY_V5_PROTECTED", "inline", ("inline", "separate")) == "separate")
 
 
 def v5_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool,
             knobs: V5Knobs, sink: int = 0, local: int = 0, index64: bool = True) -> SplitPlan:
-    """The launch plan of kernel v5 (16 query rows per CTA, two worker warpgroups): its split kernel
-    over packed tokens, each CTA writing one partial per worker, and, when the cache keeps sink/local
-    tokens, the protected-only launch adding them as the last partials of each row."""
+    """The launch plan of kernel v5 (16 query rows per CTA, two worker warpgroups): one launch, each CTA
+    writing one partial per worker; the sink/local tokens are the last tiles of one split per row chunk
+    (``stage.cuh``'s ``qmla_protected_split``), so there is no protected-only launch (but with
+    ``knobs.separate``)."""
     key = ("v5", fmt, dev, sm_count, batch, rows, max_pages, no_prot, knobs, sink, local, index64)
     plan = _PLANS.get(key)
     if plan is None:
-        attn, smem = _v5_kernel(fmt, dev, knobs.lazy, index64, knobs.workers)
+        attn, smem = _v5_kernel(fmt, dev, knobs.lazy, index64, knobs.workers, not knobs.separate)
         plan = _packed_split_plan(key, attn, smem, knobs.workers * 128, V5_TILE, knobs.workers, fmt, dev, sm_count, batch,
-                                  rows, max_pages, no_prot, knobs.min_tiles, sink, local, index64,
+                                  rows, max_pages, no_prot or not knobs.separate, knobs.min_tiles, sink, local, index64,
                                   V5_CTA_OVERHEAD_TILES)
     return plan
 
@@ -966,7 +974,7 @@ def v6_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
             knobs: V6Knobs, sink: int = 0, local: int = 0, index64: bool = True) -> SplitPlan:
     """The launch plan of kernel v6 (64 query rows per CTA, an attending and a dequantizing warpgroup):
     one launch, one partial per CTA; the sink/local tokens are the last tiles of one split per row chunk
-    (``attention_v6.cu``'s ``v6_protected_split``), so there is no protected-only launch (but with
+    (``stage.cuh``'s ``qmla_protected_split``), so there is no protected-only launch (but with
     ``knobs.separate``)."""
     key = ("v6", fmt, dev, sm_count, batch, rows, max_pages, no_prot, knobs, sink, local, index64)
     plan = _PLANS.get(key)

@@ -50,6 +50,11 @@
 // H200, H16 C4R4/C2R4: 8 took 1-3 % off the time of an exact running maximum (0: every new maximum moves it)
 #define QMLA_V5_MAX_SLACK 8.0f
 #endif
+#ifndef QMLA_V5_PROTECTED
+// 1: the sink and local-window tokens are tiles of this kernel (stage.cuh's qmla_protected_split); 0: packed tokens
+// only, for the launcher's protected-only launch (QUANTMLA_CUPY_V5_PROTECTED=separate, a measurement knob)
+#define QMLA_V5_PROTECTED 1
+#endif
 #ifndef QMLA_V5_LAZY_RESCALE
 #define QMLA_V5_LAZY_RESCALE 1  // skip the output rescale while no column's maximum moves (bit-identical)
 #endif
@@ -137,6 +142,13 @@ __device__ __forceinline__ u32 v5_code2(u32 x, u32 c43) {
     u32 d;
     asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(x), "r"(c43), "n"(HI ? 0x4342 : 0x4140));
     return d;
+}
+
+// x, hidden from the compiler's algebra: with the descriptors' fields visible, the tile loop's desc_advance adds
+// became an add and an or each (75 more uniform instructions per warp and tile)
+__device__ __forceinline__ u64 v5_opaque(u64 x) {
+    asm("mov.b64 %0, %0;" : "+l"(x));
+    return x;
 }
 
 // ---------------------------------------------------------------- shared memory layout
@@ -279,6 +291,14 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
     const int split = blockIdx.y, slot = NWG * split + wg;
     const int t_begin = max(split * tiles_per_split * T, keep_lo / T * T);
     const int t_end = min(keep_hi, (split + 1) * tiles_per_split * T);
+    // the CTA's tiles: np packed ones from t_begin, then, in the split that attends to the row chunk's protected
+    // tokens (stage.cuh's qmla_protected_split), the ns tiles of the sink [0, keep_lo) and the nl tiles the local
+    // window [keep_hi, L) touches
+    const bool prot = QMLA_V5_PROTECTED && sid_ok &&
+                      split == qmla_protected_split(keep_lo, keep_hi, tiles_per_split, T, (int)gridDim.y);
+    const int np = t_begin < t_end ? (t_end - t_begin + T - 1) / T : 0;
+    const int ns = prot ? (keep_lo + T - 1) / T : 0;
+    const int nl = (prot && keep_hi < L) ? (L - 1) / T - keep_hi / T + 1 : 0;
 
     // this thread's columns (query rows rbase + 8 i + 2 q4 + e) and the tokens each attends to: n < lim
     int lim[2][2];
@@ -301,7 +321,7 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
     float m_run[2][2] = {{-QMLA_INF, -QMLA_INF}, {-QMLA_INF, -QMLA_INF}};
     float l_run[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};  // this thread's share of the column sums
 
-    if (t_begin < t_end) {
+    if (np + ns + nl > 0) {
         // ------------------------------------------------------------ queries [RT][DT] in QK's channel order
         // (rows >= R: zeros), one pair of channels per load; a thread's loads all go out before its stores
         u32 qv[QLD];
@@ -331,8 +351,6 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
         // descriptors: queries (QK's B, K-major), K (PV's A, MN-major) and P^T (PV's B, K-major); shared
         // addresses as the block's base plus uniform offsets keep them in uniform registers
         const u32 smem_s = smem_addr(smem), kt_s = smem_s + wg * WK_BYTES + W_KT;
-        const u64 dq = sw128_desc(smem_s + QT_OFF, 16, 1024);
-        const u64 dv = sw128_desc(kt_s, T * 128, 1024), dp = sw128_desc(smem_s + wg * WK_BYTES + W_PT, 16, 1024);
         const u32 c43 = 0x43u | ((u32)L << 8);  // low byte 0x43 (all prmt reads); not a constant ptxas can fold
         // stmatrix row address of this lane for content k-step 0: matrix lane / 8 = (token half, k half)
         // -> token 16 ww + 8 (m & 1) + lane % 8, chunk (k half) of the k-step's 16 channels
@@ -343,46 +361,15 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
         const int mi = lane >> 3;
         const u32 p_lane = smem_s + wg * WK_BYTES + W_PT + sw128_chunk(8 * (mi >> 1) + (lane & 7), 2 * ww + (mi & 1), RT);
 
-        for (int t0 = my_begin; t0 < t_end; t0 += NWG * T) {
-#if QMLA_V5_EARLY_LOADS
-            const V5Regs cur = rg;  // tile t0's operands; the worker's next tile's load into rg beside this tile
-            if (t0 + NWG * T < t_end) {
-                v5_load_tile(rg, pages, pgn, num_pages, t0 + NWG * T, L, tq[0], q4);
-                pgn = v5_warp_page(t0 + 2 * NWG * T, ww, bt_row, L, max_pages);
-            }
-#else
-            const V5Regs& cur = rg;  // tile t0's operands; the next tile's load into rg once QK has read them
-#endif
-            u32 off2[2][KCH][NGL], roff2[2];
-#if QMLA_CSCALE_BF16
-            u32 s2[2][KCH][NGL];  // bf16x2 content scales
-#else
-            float s2[2][KCH][NGL];
-#endif
-            float rs[2];
-#pragma unroll
-            for (int tk = 0; tk < 2; ++tk) {
-#pragma unroll
-                for (int c = 0; c < KCH; ++c) {
-#pragma unroll
-                    for (int gl = 0; gl < NGL; ++gl) {
-                        const u32 z = cur.cz[tk][c][gl];
-                        off2[tk][c][gl] = 0xc300c300u | z | (z << 16);
-#if QMLA_CSCALE_BF16
-                        s2[tk][c][gl] = cur.cs[tk][c][gl] | (cur.cs[tk][c][gl] << 16);
-#else
-                        s2[tk][c][gl] = __uint_as_float(cur.cs[tk][c][gl]);
-#endif
-                    }
-                }
-                roff2[tk] = 0xc300c300u | cur.rz[tk] | (cur.rz[tk] << 16);
-#if QMLA_RSCALE_BF16
-                rs[tk] = bf16_bits_to_f32((u16)cur.rs[tk]);
-#else
-                rs[tk] = __uint_as_float(cur.rs[tk]);
-#endif
-            }
-            wgmma_wait<0>();  // the previous tile's PV (it ran beside the lines above)
+        // one tile of this worker at token t0: QK over the A fragments fill(a, kc) makes for chunk kc (packed
+        // tiles dequantize their codes, protected ones load bf16 rows), after_qk() once QK is issued, then the mask
+        // (tokens n in [lo, lm) attend; lm_min: the least lm), the softmax and PV
+        auto attend_tile = [&](const int t0, const int lo, const int (&lm)[2][2], const int lm_min, auto&& fill,
+                               auto&& after_qk) {
+            const u64 dq = v5_opaque(sw128_desc(smem_s + QT_OFF, 16, 1024));
+            const u64 dv = v5_opaque(sw128_desc(kt_s, T * 128, 1024));
+            const u64 dp = v5_opaque(sw128_desc(smem_s + wg * WK_BYTES + W_PT, 16, 1024));
+            wgmma_wait<0>();  // the previous tile's PV (it ran beside the lines before this call)
 #pragma unroll
             for (int mb = 0; mb < NMB; ++mb) wgmma_fence_operand(acc[mb]);
             v5_worker_sync(wg);  // every thread is past the previous tile's PV (K, P free)
@@ -399,33 +386,7 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
                     wgmma_wait<1>();
                     wgmma_fence_operand(a);
                 }
-#pragma unroll
-                for (int j = 0; j < KCK; ++j) {
-                    const int ks = KCK * kc + j;
-                    if (ks < KSC) {
-                        const int bp = ks / SPC, sp = ks % SPC, gl = (BL >= QMLA_GC) ? 2 * bp / QMLA_GC : 0;
-#pragma unroll
-                        for (int r = 0; r < 4; ++r) {  // a[j][tk + 2 hi]: token tk, slice 2 sp + hi
-                            const int tk = r & 1, c = 2 * sp + (r >> 1);
-                            const u32 x = (cur.wc[tk][bp >> 1] >> (CBITS * c)) & CMASK;
-                            const u32 c2 = (bp & 1) ? v5_code2<1>(x, c43) : v5_code2<0>(x, c43);
-#if QMLA_CSCALE_BF16
-                            a[j][r] = qmla_dq2_bf16(c2, off2[tk][c][gl], s2[tk][c][gl]);
-#else
-                            a[j][r] = qmla_dq2_f32(c2, off2[tk][c][gl], s2[tk][c][gl]);
-#endif
-                        }
-                    } else if (ks < KSTEPS) {
-                        const int bp = ks - KSC;
-#pragma unroll
-                        for (int r = 0; r < 4; ++r) {
-                            const int tk = r & 1, c = r >> 1;
-                            const u32 x = (cur.wr[tk][bp >> 1] >> (4 * c)) & 0x0f0f0f0fu;
-                            const u32 c2 = (bp & 1) ? v5_code2<1>(x, c43) : v5_code2<0>(x, c43);
-                            a[j][r] = qmla_dq2_f32(c2, roff2[tk], rs[tk]);
-                        }
-                    }
-                }
+                fill(a, kc);
 #pragma unroll
                 for (int j = 0; j < KCK; ++j) {  // content k-step ks: chunks 2 ks, 2 ks + 1 of the key tile
                     const int ks = KCK * kc + j;
@@ -446,12 +407,7 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
                 }
                 wgmma_commit();
             }
-#if !QMLA_V5_EARLY_LOADS
-            if (t0 + NWG * T < t_end) {
-                v5_load_tile(rg, pages, pgn, num_pages, t0 + NWG * T, L, tq[0], q4);
-                pgn = v5_warp_page(t0 + 2 * NWG * T, ww, bt_row, L, max_pages);
-            }
-#endif
+            after_qk();
             wgmma_wait<0>();
             wgmma_fence_operand(A[0]);
             wgmma_fence_operand(A[1]);
@@ -459,7 +415,7 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
             fence_proxy_async();  // this thread's key-tile stores, for PV's wgmma (published by the next barrier)
 
             // -------------------------------------------------------- mask, column maxima
-            if (t0 >= keep_lo && t0 + T <= lim_min) {  // this thread's columns attend to the whole tile
+            if (t0 >= lo && t0 + T <= lm_min) {  // this thread's columns attend to the whole tile
 #pragma unroll
                 for (int k = 0; k < 8; ++k) S[k] *= scale_log2;
             } else {
@@ -467,7 +423,7 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
 #pragma unroll
                 for (int k = 0; k < 8; ++k) {
                     const int n = n0 + 8 * ((k >> 1) & 1);
-                    S[k] = (n >= keep_lo && n < lim[k >> 2][k & 1]) ? S[k] * scale_log2 : -QMLA_INF;
+                    S[k] = (n >= lo && n < lm[k >> 2][k & 1]) ? S[k] * scale_log2 : -QMLA_INF;
                 }
             }
             float mx[2][2];
@@ -557,6 +513,132 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
                 }
             }
             wgmma_commit();  // waited for in the next tile, or below
+        };
+
+        for (int t0 = my_begin; t0 < t_end; t0 += NWG * T) {
+#if QMLA_V5_EARLY_LOADS
+            const V5Regs cur = rg;  // tile t0's operands; the worker's next tile's load into rg beside this tile
+            if (t0 + NWG * T < t_end) {
+                v5_load_tile(rg, pages, pgn, num_pages, t0 + NWG * T, L, tq[0], q4);
+                pgn = v5_warp_page(t0 + 2 * NWG * T, ww, bt_row, L, max_pages);
+            }
+#else
+            const V5Regs& cur = rg;  // tile t0's operands; the next tile's load into rg once QK has read them
+#endif
+            u32 off2[2][KCH][NGL], roff2[2];
+#if QMLA_CSCALE_BF16
+            u32 s2[2][KCH][NGL];  // bf16x2 content scales
+#else
+            float s2[2][KCH][NGL];
+#endif
+            float rs[2];
+#pragma unroll
+            for (int tk = 0; tk < 2; ++tk) {
+#pragma unroll
+                for (int c = 0; c < KCH; ++c) {
+#pragma unroll
+                    for (int gl = 0; gl < NGL; ++gl) {
+                        const u32 z = cur.cz[tk][c][gl];
+                        off2[tk][c][gl] = 0xc300c300u | z | (z << 16);
+#if QMLA_CSCALE_BF16
+                        s2[tk][c][gl] = cur.cs[tk][c][gl] | (cur.cs[tk][c][gl] << 16);
+#else
+                        s2[tk][c][gl] = __uint_as_float(cur.cs[tk][c][gl]);
+#endif
+                    }
+                }
+                roff2[tk] = 0xc300c300u | cur.rz[tk] | (cur.rz[tk] << 16);
+#if QMLA_RSCALE_BF16
+                rs[tk] = bf16_bits_to_f32((u16)cur.rs[tk]);
+#else
+                rs[tk] = __uint_as_float(cur.rs[tk]);
+#endif
+            }
+            const auto dequantize = [&](u32 (&a)[KCK][4], const int kc) {
+#pragma unroll
+                for (int j = 0; j < KCK; ++j) {
+                    const int ks = KCK * kc + j;
+                    if (ks < KSC) {
+                        const int bp = ks / SPC, sp = ks % SPC, gl = (BL >= QMLA_GC) ? 2 * bp / QMLA_GC : 0;
+#pragma unroll
+                        for (int r = 0; r < 4; ++r) {  // a[j][tk + 2 hi]: token tk, slice 2 sp + hi
+                            const int tk = r & 1, c = 2 * sp + (r >> 1);
+                            const u32 x = (cur.wc[tk][bp >> 1] >> (CBITS * c)) & CMASK;
+                            const u32 c2 = (bp & 1) ? v5_code2<1>(x, c43) : v5_code2<0>(x, c43);
+#if QMLA_CSCALE_BF16
+                            a[j][r] = qmla_dq2_bf16(c2, off2[tk][c][gl], s2[tk][c][gl]);
+#else
+                            a[j][r] = qmla_dq2_f32(c2, off2[tk][c][gl], s2[tk][c][gl]);
+#endif
+                        }
+                    } else if (ks < KSTEPS) {
+                        const int bp = ks - KSC;
+#pragma unroll
+                        for (int r = 0; r < 4; ++r) {
+                            const int tk = r & 1, c = r >> 1;
+                            const u32 x = (cur.wr[tk][bp >> 1] >> (4 * c)) & 0x0f0f0f0fu;
+                            const u32 c2 = (bp & 1) ? v5_code2<1>(x, c43) : v5_code2<0>(x, c43);
+                            a[j][r] = qmla_dq2_f32(c2, roff2[tk], rs[tk]);
+                        }
+                    }
+                }
+            };
+            attend_tile(t0, keep_lo, lim, lim_min, dequantize, [&]() {
+#if !QMLA_V5_EARLY_LOADS  // the next tile's loads once QK has read this tile's registers
+                if (t0 + NWG * T < t_end) {
+                    v5_load_tile(rg, pages, pgn, num_pages, t0 + NWG * T, L, tq[0], q4);
+                    pgn = v5_warp_page(t0 + 2 * NWG * T, ww, bt_row, L, max_pages);
+                }
+#endif
+            });
+        }
+
+        // the protected tiles (ns + nl: none but in the split qmla_protected_split picks): the worker goes on with its
+        // share of the CTA's tiles (np packed ones, then these), each tile's rows loaded as bf16 pairs straight into
+        // the A fragments from the protection buffers
+        const u16* sink_rows = sink_buf + (sid_ok ? sid : 0) * sink * DT;  // read only where sid_ok
+        const u16* local_rows = local_buf + (sid_ok ? sid : 0) * local * DT;
+        for (int j = (wg - np % NWG + NWG) % NWG; j < ns + nl; j += NWG) {
+            const bool in_sink = j < ns;
+            const int t0 = in_sink ? T * j : keep_hi / T * T + T * (j - ns);
+            const int lo = in_sink ? 0 : keep_hi, hi = in_sink ? keep_lo : L;
+            int lm[2][2];
+            int lm_min = hi;
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    lm[i][e] = min(hi, L - S_q + (rbase + 8 * i + 2 * q4 + e) / H + 1);
+                    lm_min = min(lm_min, lm[i][e]);
+                }
+            }
+            // the lane's content pairs (BL q4 .. of each slice) and RoPE pairs of its two tokens' rows; a token outside
+            // [lo, hi) reads a row inside (finite values; its scores are masked)
+            const u16* crow[2];
+            const u16* rrow[2];
+#pragma unroll
+            for (int tk = 0; tk < 2; ++tk) {
+                const int nc = min(max(t0 + tq[tk], lo), hi - 1);
+                const u16* row = in_sink ? sink_rows + (i64)nc * DT : local_rows + (i64)(nc % local) * DT;
+                crow[tk] = row + BL * q4;
+                rrow[tk] = row + DC + RBL * q4;
+            }
+            const auto load_rows = [&](u32 (&a)[KCK][4], const int kc) {
+#pragma unroll
+                for (int jj = 0; jj < KCK; ++jj) {
+                    const int ks = KCK * kc + jj;
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) {  // a[jj][tk + 2 kh]: QK channels 16 ks + 8 kh + 2 q4 (+ 1) (v5_qk_channel)
+                        const int tk = r & 1, kh = r >> 1;
+                        if (ks < KSC) {
+                            a[jj][r] = __ldg((const u32*)(crow[tk] + CB * (2 * (ks % SPC) + kh) + 2 * (ks / SPC)));
+                        } else if (ks < KSTEPS) {
+                            a[jj][r] = __ldg((const u32*)(rrow[tk] + RB * kh + 2 * (ks - KSC)));
+                        }
+                    }
+                }
+            };
+            attend_tile(t0, lo, lm, lm_min, load_rows, [] {});
         }
         wgmma_wait<0>();  // the last tile's PV
 #pragma unroll

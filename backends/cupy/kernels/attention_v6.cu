@@ -3,8 +3,8 @@
 //
 // Serves what v4 serves over packed pages (bf16 queries; 2/4-bit content and 4-bit RoPE codes; d_c/d_r
 // 512/64 and 256/32), sm_90a. The sink and local-window tokens are the last tiles of one split per row chunk
-// (v6_protected_split), copied as bf16 rows from the protection buffers into the key tile; no other kernel
-// adds them, so v1's qmla_combine merges one partial per split.
+// (stage.cuh's qmla_protected_split), copied as bf16 rows from the protection buffers into the key tile; no other
+// kernel adds them, so v1's qmla_combine merges one partial per split.
 //
 // ================================================================ design note
 // Why: v4 runs each 64-token tile in phases that wait for each other (dequantize, barrier, QK, score
@@ -61,8 +61,8 @@
 #define QMLA_V6_PAGE_AHEAD 0
 #endif
 #ifndef QMLA_V6_PROTECTED
-// 1: the sink and local-window tokens are tiles of this kernel (v6_protected_split); 0: packed tokens only, for the
-// launcher's protected-only launch (QUANTMLA_CUPY_V6_PROTECTED=separate, a measurement knob)
+// 1: the sink and local-window tokens are tiles of this kernel (stage.cuh's qmla_protected_split); 0: packed tokens
+// only, for the launcher's protected-only launch (QUANTMLA_CUPY_V6_PROTECTED=separate, a measurement knob)
 #define QMLA_V6_PROTECTED 1
 #endif
 static_assert(QMLA_V6_PV_AT >= 1 && QMLA_V6_PV_AT <= 3, "QMLA_V6_PV_AT: 1, 2 or 3 parts converted before the PV");
@@ -187,10 +187,10 @@ __device__ __forceinline__ V6Pages v6_pages(int tt, const u8* __restrict__ pages
 }
 
 // ---------------------------------------------------------------- a CTA's tiles: packed, then protected
-// A CTA's tiles come in up to three segments: its run of packed tiles, then, in the split v6_protected_split
-// picks, the tiles of the sink [0, sink_end) and those the local window [local_start, L) touches, whose rows come
-// from the bf16 protection buffers. [lo, hi): the tokens a segment's tiles attend to (a row's causal limit comes
-// on top). Each role runs the packed tiles in a loop of their own (loop-invariant masks; no protected copy in
+// A CTA's tiles come in up to three segments: its run of packed tiles, then, in the split stage.cuh's
+// qmla_protected_split picks, the tiles of the sink [0, sink_end) and those the local window [local_start, L)
+// touches, whose rows come from the bf16 protection buffers. [lo, hi): the tokens a segment's tiles attend to (a
+// row's causal limit comes on top). Each role runs the packed tiles in a loop of their own (loop-invariant masks; no protected copy in
 // the dequantizer's): on the H200 one loop over all tiles ran 7 % slower over packed tiles (stop 25).
 struct V6Seg {
     int t0, n, lo, hi;  // first tile's token, tiles, attended tokens [lo, hi)
@@ -208,13 +208,6 @@ __device__ __forceinline__ V6Seg v6_segment(const V6Span& s, int k) {
 __device__ __forceinline__ V6Seg v6_protected_tile(const V6Span& s, int j) {
     const V6Seg g = v6_segment(s, j < s.ns ? 1 : 2);
     return {g.t0 + (j < s.ns ? j : j - s.ns) * T, 1, g.lo, g.hi};
-}
-
-// the split that adds a row chunk's protected tiles: the first one past its packed tokens (an empty split of a
-// request shorter than the batch's longest), else the last (it holds the remainder of the packed run)
-__device__ __forceinline__ int v6_protected_split(int keep_lo, int keep_hi, int tiles_per_split, int splits) {
-    const int last = keep_hi > keep_lo ? (keep_hi - 1) / (tiles_per_split * T) : -1;
-    return min(last + 1, splits - 1);
 }
 
 // where the protected rows live: token n < sink at sink[n], else local[n % local] (a ring), bf16 [d_c | d_r]
@@ -405,7 +398,7 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v6(
     const int t_end = min(keep_hi, (split + 1) * tiles_per_split * T);
     sp.np = sp.t_begin < t_end ? (t_end - sp.t_begin + T - 1) / T : 0;
     sp.keep_lo = keep_lo, sp.keep_hi = keep_hi, sp.L = L;
-    const bool prot = QMLA_V6_PROTECTED && sid_ok && split == v6_protected_split(keep_lo, keep_hi, tiles_per_split, (int)gridDim.y);
+    const bool prot = QMLA_V6_PROTECTED && sid_ok && split == qmla_protected_split(keep_lo, keep_hi, tiles_per_split, T, (int)gridDim.y);
     sp.ns = prot ? (keep_lo + T - 1) / T : 0;
     sp.nl = prot && keep_hi < L ? (L - 1) / T - keep_hi / T + 1 : 0;
     const int ntiles = sp.np + sp.ns + sp.nl;

@@ -79,6 +79,15 @@ __device__ __forceinline__ int qmla_table_page(int n, const int* __restrict__ bt
     return (n < L && n / QMLA_P < max_pages) ? bt_row[n / QMLA_P] : -1;
 }
 
+// The split that attends to a row chunk's sink and local-window tokens (kernels v5, v6, which take them as tiles
+// of their own after the packed ones): the first split past the packed tokens [keep_lo, keep_hi) (an empty split of
+// a request shorter than the batch's longest), else the last (it holds the remainder of the packed run).
+__device__ __forceinline__ int qmla_protected_split(int keep_lo, int keep_hi, int tiles_per_split, int tile,
+                                                    int splits) {
+    const int last = keep_hi > keep_lo ? (keep_hi - 1) / (tiles_per_split * tile) : -1;
+    return min(last + 1, splits - 1);
+}
+
 // Page ids of the NSEG page segments of tile tt (-1: none: past L, past the table, or a page id
 // past the pool).
 __device__ __forceinline__ void qmla_load_pages(int tt, int (&pgs)[NSEG], const int* __restrict__ bt_row, int L,
