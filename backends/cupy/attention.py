@@ -60,7 +60,9 @@ bit-identical) / ``QUANTMLA_CUPY_V3_WARPS`` (4 or 8) and ``QUANTMLA_CUPY_V4_STAG
 ``QUANTMLA_CUPY_V4_LAZY_RESCALE`` (default 1) / ``QUANTMLA_CUPY_V4_MMA`` (``auto``, ``wgmma``, ``mma``)
 and ``QUANTMLA_CUPY_V5_LAZY_RESCALE`` (default 1) / ``QUANTMLA_CUPY_V5_WORKERS`` (2 or 3) /
 ``QUANTMLA_CUPY_V5_PROTECTED`` (``inline``, ``separate``) and ``QUANTMLA_CUPY_V6_PV_AT`` (1-3) /
-``QUANTMLA_CUPY_V6_PAGE_AHEAD`` (0/1) / ``QUANTMLA_CUPY_V6_PROTECTED`` (``inline``, ``separate``) are tuning knobs for measurements, also read per call.
+``QUANTMLA_CUPY_V6_PAGE_AHEAD`` (0/1) / ``QUANTMLA_CUPY_V6_PROTECTED`` (``inline``, ``separate``) and
+``QUANTMLA_CUPY_PLAN_PROTECTED`` (0/1, default 1: v5 and v6 count the sink/local tiles they append to one split in
+the split plan) are tuning knobs for measurements, also read per call.
 :func:`select_variant` says which kernel a call will run, and why.
 """
 
@@ -823,16 +825,20 @@ def v3_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
 def _packed_split_plan(key: tuple, attn, smem: int, threads: int, tile: int, slots_per_cta: int, fmt: PackFormat,
                        dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool, min_tiles: int,
                        sink: int, local: int, index64: bool,
-                       overhead_tiles: float = CTA_OVERHEAD_TILES, rows_per_cta: int = 16) -> SplitPlan:
+                       overhead_tiles: float = CTA_OVERHEAD_TILES, rows_per_cta: int = 16,
+                       own_protected_tiles: int = 0) -> SplitPlan:
     """The plan of a split kernel (v3, v5, v6): ``attn`` over ``rows_per_cta``-row chunks and
     wave-planned splits of ``tile``-token tiles (``overhead_tiles``: a CTA's fixed work, see
     :func:`~quantmla_core.backends.splits.plan_kv_splits`), each CTA writing ``slots_per_cta`` partials,
     then, unless ``no_prot`` (no sink/local tokens, or a kernel that attends to them itself), the
-    protected-only launch adding them as the last partials of each row; cached under ``key``."""
+    protected-only launch adding them as the last partials of each row; cached under ``key``.
+    ``own_protected_tiles``: the sink/local tiles a kernel that attends to them itself appends to one
+    split per row chunk (the last, or the first past the packed tokens), planned as that many more tiles
+    of table, so that the last split's packed run leaves room for them."""
     resident = resident_ctas(attn, threads, smem, dev, sm_count)
     chunks = -(-rows // rows_per_cta)
-    splits, per = plan_splits_v2(batch, chunks, max(1, max_pages) * fmt.page_size, resident, min_tiles, tile,
-                                 overhead_tiles)
+    tokens = max(1, max_pages) * fmt.page_size + own_protected_tiles * tile
+    splits, per = plan_splits_v2(batch, chunks, tokens, resident, min_tiles, tile, overhead_tiles)
     launches = [(attn, (batch * chunks, splits), (threads,), smem)]
     if not no_prot:
         launches.append(_protected_launch(fmt, dev, batch, rows, sink, local, index64))
@@ -917,19 +923,22 @@ class V5Knobs:
     """The ``QUANTMLA_CUPY_V5_*`` tuning variables of one call (lazy: skip the output rescale while
     no row's maximum moves; workers: worker warpgroups per CTA; separate (``QUANTMLA_CUPY_V5_PROTECTED``,
     ``inline`` (default) or ``separate``): leave the sink/local tokens to the protected-only launch instead
-    of attending to them as the kernel's own tiles) and v2's split floor."""
+    of attending to them as the kernel's own tiles; plan_protected (``QUANTMLA_CUPY_PLAN_PROTECTED``, 0/1,
+    default 1): count those tiles in the split plan) and v2's split floor."""
 
     lazy: bool = True
     min_tiles: int = V2_MIN_TILES_PER_SPLIT
     workers: int = V5_WORKERS
     separate: bool = False
+    plan_protected: bool = True
 
     @staticmethod
     def from_env() -> "V5Knobs":
         return V5Knobs(bool(_env_int("QUANTMLA_CUPY_V5_LAZY_RESCALE", 1, (0, 1))),
                        _env_int("QUANTMLA_CUPY_V2_MIN_TILES", V2_MIN_TILES_PER_SPLIT, (1, 2, 4, 8, 16)),
                        _env_int("QUANTMLA_CUPY_V5_WORKERS", V5_WORKERS, V5_WORKER_CHOICES),
-                       _env_choice("QUANTMLA_CUPY_V5_PROTECTED", "inline", ("inline", "separate")) == "separate")
+                       _env_choice("QUANTMLA_CUPY_V5_PROTECTED", "inline", ("inline", "separate")) == "separate",
+                       bool(_env_int("QUANTMLA_CUPY_PLAN_PROTECTED", 1, (0, 1))))
 
 
 def v5_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool,
@@ -942,9 +951,10 @@ def v5_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
     plan = _PLANS.get(key)
     if plan is None:
         attn, smem = _v5_kernel(fmt, dev, knobs.lazy, index64, knobs.workers, not knobs.separate)
+        own = 0 if no_prot or knobs.separate or not knobs.plan_protected else protected_ctas(sink, local, V5_TILE)
         plan = _packed_split_plan(key, attn, smem, knobs.workers * 128, V5_TILE, knobs.workers, fmt, dev, sm_count, batch,
                                   rows, max_pages, no_prot or not knobs.separate, knobs.min_tiles, sink, local, index64,
-                                  V5_CTA_OVERHEAD_TILES)
+                                  V5_CTA_OVERHEAD_TILES, own_protected_tiles=own)
     return plan
 
 
@@ -955,19 +965,22 @@ class V6Knobs:
     dequantizing thread converts before it issues its PV, the rest running beside that PV; ``page_ahead``
     (``QUANTMLA_CUPY_V6_PAGE_AHEAD``, 0/1): read a tile's page ids one tile before its codes; ``separate``
     (``QUANTMLA_CUPY_V6_PROTECTED``, ``inline`` (default) or ``separate``): leave the sink/local tokens to the
-    protected-only launch, as v5 does, instead of attending to them as the kernel's own tiles."""
+    protected-only launch instead of attending to them as the kernel's own tiles; ``plan_protected``
+    (``QUANTMLA_CUPY_PLAN_PROTECTED``, 0/1, default 1): count those tiles in the split plan."""
 
     min_tiles: int = V2_MIN_TILES_PER_SPLIT
     pv_at: int = V6_PV_AT
     page_ahead: bool = V6_PAGE_AHEAD
     separate: bool = False
+    plan_protected: bool = True
 
     @staticmethod
     def from_env() -> "V6Knobs":
         return V6Knobs(_env_int("QUANTMLA_CUPY_V2_MIN_TILES", V2_MIN_TILES_PER_SPLIT, (1, 2, 4, 8, 16)),
                        _env_int("QUANTMLA_CUPY_V6_PV_AT", V6_PV_AT, (1, 2, 3)),
                        bool(_env_int("QUANTMLA_CUPY_V6_PAGE_AHEAD", int(V6_PAGE_AHEAD), (0, 1))),
-                       _env_choice("QUANTMLA_CUPY_V6_PROTECTED", "inline", ("inline", "separate")) == "separate")
+                       _env_choice("QUANTMLA_CUPY_V6_PROTECTED", "inline", ("inline", "separate")) == "separate",
+                       bool(_env_int("QUANTMLA_CUPY_PLAN_PROTECTED", 1, (0, 1))))
 
 
 def v6_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool,
@@ -984,9 +997,10 @@ def v6_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
                                    lambda: v6_defines(fmt, index64, knobs.pv_at, knobs.page_ahead, not knobs.separate),
                                    V4_WGMMA_ARCH)
         # the kernel attends to the sink/local tokens itself unless knobs.separate: no protected-only launch
+        own = 0 if no_prot or knobs.separate or not knobs.plan_protected else protected_ctas(sink, local, V6_TILE)
         plan = _packed_split_plan(key, attn, smem, V6_THREADS, V6_TILE, 1, fmt, dev, sm_count, batch, rows, max_pages,
                                   no_prot or not knobs.separate, knobs.min_tiles, sink, local, index64,
-                                  rows_per_cta=V6_ROWS)
+                                  rows_per_cta=V6_ROWS, own_protected_tiles=own)
     return plan
 
 
