@@ -119,8 +119,8 @@ def _compiled_v5_three() -> dict:
 def test_v5_three_workers_compile(build):
     """QUANTMLA_CUPY_V5_WORKERS=3 (384 threads, 168 registers a thread): the loads go after QK into the
     registers QK read (no second set) and QK runs in chunks of 2 k-steps, so every build fits with at most
-    48 bytes spilled (d_c 512, where the protected tiles' code and their prefetch took it from 16-24 B to
-    0-44 B, 8 local loads/stores in C2R4's packed tile loop; none at d_c 256) and no serialized wgmma."""
+    48 bytes spilled (d_c 512, where the protected tiles' code took it from 16-24 B to 20-36 B; none at
+    d_c 256) and no serialized wgmma."""
     rc, text, ptx = _compiled_v5_three()[build]
     assert rc == 0, f"nvcc failed for v5 x3 {build}:\n{text[-4000:]}"
     use = ptxas_usage(text)
@@ -239,10 +239,10 @@ def test_v5_launches_match_kernel_signatures(monkeypatch, h, s_q, prot, separate
     assert combine[0].kernel == "qmla_combine" and int(combine[3][-1]) == slots
 
 
-@pytest.mark.parametrize("variant,heads", [("v5", 16), ("v6", 128)])
-def test_split_plan_counts_own_protected_tiles(monkeypatch, variant, heads):
+@pytest.mark.parametrize("variant,heads,default", [("v5", 16, "1"), ("v6", 128, "0")])
+def test_split_plan_counts_own_protected_tiles(monkeypatch, variant, heads, default):
     """v5 and v6 plan their splits over the table plus the sink/local tiles they append to one split
-    (QUANTMLA_CUPY_PLAN_PROTECTED=1, the default), over the table alone with 0."""
+    with QUANTMLA_CUPY_PLAN_PROTECTED=1 (v5's default), over the table alone with 0 (v6's)."""
     params = _kernel_params(f"attention_{variant}.cu", f"qmla_attn_{variant}")
 
     def covered(env):
@@ -253,7 +253,8 @@ def test_split_plan_counts_own_protected_tiles(monkeypatch, variant, heads):
         (_attn, grid, _block, args, _smem), _ = launches.of(f"qmla_attn_{variant}")
         return grid[1], int(args[params.index("int tiles_per_split")]) * 64, fmt.page_size
 
-    splits, per, page = covered({})
+    assert covered({}) == covered({"QUANTMLA_CUPY_PLAN_PROTECTED": default})
+    splits, per, page = covered({"QUANTMLA_CUPY_PLAN_PROTECTED": "1"})
     assert splits * per >= 9 * page + 4 * 64 > (splits - 1) * per
     splits, per, page = covered({"QUANTMLA_CUPY_PLAN_PROTECTED": "0"})
     assert splits * per >= 9 * page > (splits - 1) * per

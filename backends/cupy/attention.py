@@ -61,8 +61,8 @@ bit-identical) / ``QUANTMLA_CUPY_V3_WARPS`` (4 or 8) and ``QUANTMLA_CUPY_V4_STAG
 and ``QUANTMLA_CUPY_V5_LAZY_RESCALE`` (default 1) / ``QUANTMLA_CUPY_V5_WORKERS`` (2 or 3) /
 ``QUANTMLA_CUPY_V5_PROTECTED`` (``inline``, ``separate``) and ``QUANTMLA_CUPY_V6_PV_AT`` (1-3) /
 ``QUANTMLA_CUPY_V6_PAGE_AHEAD`` (0/1) / ``QUANTMLA_CUPY_V6_PROTECTED`` (``inline``, ``separate``) and
-``QUANTMLA_CUPY_PLAN_PROTECTED`` (0/1, default 1: v5 and v6 count the sink/local tiles they append to one split in
-the split plan) are tuning knobs for measurements, also read per call.
+``QUANTMLA_CUPY_PLAN_PROTECTED`` (0/1: v5 (default 1) and v6 (default 0) count the sink/local tiles they append
+to one split in the split plan) are tuning knobs for measurements, also read per call.
 :func:`select_variant` says which kernel a call will run, and why.
 """
 
@@ -156,6 +156,10 @@ V5_CAPABILITY = (9, 0)
 V6_TILE = 64
 V6_ROWS = 64
 V6_THREADS = 256
+#: whether v6's split plan counts the sink/local tiles it appends to one split (:class:`V6Knobs` ``plan_protected``):
+#: H200, H128/H64 B8-B128 L4K-128K, CUDA graphs (stop 26): within -4 % .. +2 % of not counting them, so off (stop
+#: 25's plan); v5, whose protected tiles cost more, counts them (H16 B8 L32K C4R4: 66.4 against 86.2 us)
+V6_PLAN_PROTECTED = False
 #: v6's defaults of :class:`V6Knobs` ``pv_at`` and ``page_ahead``
 V6_PV_AT = 3
 V6_PAGE_AHEAD = False
@@ -966,13 +970,13 @@ class V6Knobs:
     (``QUANTMLA_CUPY_V6_PAGE_AHEAD``, 0/1): read a tile's page ids one tile before its codes; ``separate``
     (``QUANTMLA_CUPY_V6_PROTECTED``, ``inline`` (default) or ``separate``): leave the sink/local tokens to the
     protected-only launch instead of attending to them as the kernel's own tiles; ``plan_protected``
-    (``QUANTMLA_CUPY_PLAN_PROTECTED``, 0/1, default 1): count those tiles in the split plan."""
+    (``QUANTMLA_CUPY_PLAN_PROTECTED``, 0/1, default :data:`V6_PLAN_PROTECTED`): count those tiles in the split plan."""
 
     min_tiles: int = V2_MIN_TILES_PER_SPLIT
     pv_at: int = V6_PV_AT
     page_ahead: bool = V6_PAGE_AHEAD
     separate: bool = False
-    plan_protected: bool = True
+    plan_protected: bool = V6_PLAN_PROTECTED
 
     @staticmethod
     def from_env() -> "V6Knobs":
@@ -980,7 +984,7 @@ class V6Knobs:
                        _env_int("QUANTMLA_CUPY_V6_PV_AT", V6_PV_AT, (1, 2, 3)),
                        bool(_env_int("QUANTMLA_CUPY_V6_PAGE_AHEAD", int(V6_PAGE_AHEAD), (0, 1))),
                        _env_choice("QUANTMLA_CUPY_V6_PROTECTED", "inline", ("inline", "separate")) == "separate",
-                       bool(_env_int("QUANTMLA_CUPY_PLAN_PROTECTED", 1, (0, 1))))
+                       bool(_env_int("QUANTMLA_CUPY_PLAN_PROTECTED", int(V6_PLAN_PROTECTED), (0, 1))))
 
 
 def v6_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool,

@@ -1,7 +1,9 @@
 // QuantMLA CuPy backend: decode attention v5 (few query rows on Hopper: tokens as the wgmma M dimension).
 //
 // Serves what v3 serves (bf16 queries; 2/4-bit content and 4-bit RoPE codes; d_c/d_r 512/64 and
-// 256/32; packed tokens only, protected.cu adds the sink and local-window tokens), on sm_90a.
+// 256/32), on sm_90a. The sink and local-window tokens are the last tiles of one split per row chunk (stage.cuh's
+// qmla_protected_split): their bf16 rows are loaded straight into QK's A fragments, where packed tiles dequantize
+// codes, and run the same QK, softmax and PV (attend_tile); with QMLA_V5_PROTECTED 0, protected.cu adds them.
 //
 // ================================================================ design note
 // Why: at H = 16 a request has 16 query rows, too few for a wgmma M of 64, so v2/v3 convert codes
@@ -149,21 +151,6 @@ __device__ __forceinline__ u32 v5_code2(u32 x, u32 c43) {
 __device__ __forceinline__ u64 v5_opaque(u64 x) {
     asm("mov.b64 %0, %0;" : "+l"(x));
     return x;
-}
-
-// The protected rows of the CTA's sink and local tiles (tokens [0, keep_lo) at sink_rows[n], [keep_hi, L) at
-// local_rows[n % local]) into L2 by all its threads, at the start: a protected tile's QK waits on its loads chunk by
-// chunk, from DRAM without this (H200, H16 B32 L4K C4R4: the inline protected tiles took 12.7 us more than
-// protected.cu's launch before it)
-__device__ __forceinline__ void v5_prefetch_protected_rows(const u16* sink_rows, const u16* local_rows, int keep_lo,
-                                                           int keep_hi, int L, int local) {
-    constexpr int LN = (2 * DT + 127) / 128;  // 128-byte lines of a row
-    const int nrows = keep_lo + (L - keep_hi);
-    for (int idx = threadIdx.x; idx < nrows * LN; idx += NWG * NTH) {
-        const int r = idx / LN;
-        const u16* row = r < keep_lo ? sink_rows + (i64)r * DT : local_rows + (i64)((keep_hi + r - keep_lo) % local) * DT;
-        asm volatile("{ .reg .u64 g; cvta.to.global.u64 g, %0; prefetch.global.L2 [g]; }" ::"l"((const u8*)row + 128 * (idx % LN)));
-    }
 }
 
 // ---------------------------------------------------------------- shared memory layout
@@ -337,10 +324,6 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
     float l_run[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};  // this thread's share of the column sums
 
     if (np + ns + nl > 0) {
-        const u16* sink_rows = sink_buf + (sid_ok ? sid : 0) * sink * DT;  // read only where sid_ok
-        const u16* local_rows = local_buf + (sid_ok ? sid : 0) * local * DT;
-        if (ns + nl > 0) v5_prefetch_protected_rows(sink_rows, local_rows, keep_lo, keep_hi, L, local);
-
         // ------------------------------------------------------------ queries [RT][DT] in QK's channel order
         // (rows >= R: zeros), one pair of channels per load; a thread's loads all go out before its stores
         u32 qv[QLD];
@@ -615,6 +598,8 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
         // the protected tiles (ns + nl: none but in the split qmla_protected_split picks): the worker goes on with its
         // share of the CTA's tiles (np packed ones, then these), each tile's rows loaded as bf16 pairs straight into
         // the A fragments from the protection buffers
+        const u16* sink_rows = sink_buf + (sid_ok ? sid : 0) * sink * DT;  // read only where sid_ok
+        const u16* local_rows = local_buf + (sid_ok ? sid : 0) * local * DT;
         for (int j = (wg - np % NWG + NWG) % NWG; j < ns + nl; j += NWG) {
             const bool in_sink = j < ns;
             const int t0 = in_sink ? T * j : keep_hi / T * T + T * (j - ns);
