@@ -624,14 +624,6 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
                 const u16* row = in_sink ? sink_rows + (i64)nc * DT : local_rows + (i64)(nc % local) * DT;
                 crow[tk] = row + BL * q4;
                 rrow[tk] = row + DC + RBL * q4;
-                // the lane's quarter of the row into L1 first: QK's chunks then wait on one round trip, not one each
-                // (H200, H16 B32 L4K C4R4: the chunk-by-chunk loads took 58.6 us against 49.7 with protected.cu)
-                constexpr int LN = (2 * DT + 127) / 128;  // 128-byte lines of a row
-#pragma unroll
-                for (int k = q4; k < LN; k += 4) {
-                    asm volatile("{ .reg .u64 g; cvta.to.global.u64 g, %0; prefetch.global.L1 [g]; }" ::"l"(
-                        (const u8*)row + 128 * k));
-                }
             }
             const auto load_rows = [&](u32 (&a)[KCK][4], const int kc) {
 #pragma unroll
