@@ -108,7 +108,8 @@ def test_model_matches_kernel_sources():
         "const int t0 = in_sink ? T * j : keep_hi / T * T + T * (j - ns);",
         "const int lo = in_sink ? 0 : keep_hi, hi = in_sink ? keep_lo : L;",
         "lm[i][e] = min(hi, L - S_q + (rbase + 8 * i + 2 * q4 + e) / H + 1);",
-        "lim[i][e] = min(keep_hi, L - S_q + (rbase + 8 * i + 2 * q4 + e) / H + 1);",
+        "const int lim_min = v5_column_limits(lim, keep_hi, L, S_q, H, rbase, q4);",
+        "const int lm_min = v5_column_limits(lm, hi, L, S_q, H, rbase, q4);",
         "S[k] = (n >= lo && n < lm[k >> 2][k & 1]) ? S[k] * scale_log2 : -QMLA_INF;",
         "attend_tile(t0, keep_lo, lim, lim_min, dequantize,",
     ):

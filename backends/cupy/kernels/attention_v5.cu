@@ -153,6 +153,21 @@ __device__ __forceinline__ u64 v5_opaque(u64 x) {
     return x;
 }
 
+// the tokens this thread's columns (query rows rbase + 8 i + 2 q4 + e) attend to in a segment ending at hi:
+// n < lm[i][e] = min(hi, the row's causal limit); returns the least of them
+__device__ __forceinline__ int v5_column_limits(int (&lm)[2][2], int hi, int L, int S_q, int H, int rbase, int q4) {
+    int lm_min = hi;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            lm[i][e] = min(hi, L - S_q + (rbase + 8 * i + 2 * q4 + e) / H + 1);
+            lm_min = min(lm_min, lm[i][e]);
+        }
+    }
+    return lm_min;
+}
+
 // ---------------------------------------------------------------- shared memory layout
 // worker wg's area starts at wg * WK_BYTES (1024-byte aligned, as the swizzled tiles need); the kernel
 // rounds the dynamic shared memory base up to 1024 bytes, hence the extra 1 KB
@@ -304,15 +319,7 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
 
     // this thread's columns (query rows rbase + 8 i + 2 q4 + e) and the tokens each attends to: n < lim
     int lim[2][2];
-    int lim_min = keep_hi;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            lim[i][e] = min(keep_hi, L - S_q + (rbase + 8 * i + 2 * q4 + e) / H + 1);
-            lim_min = min(lim_min, lim[i][e]);
-        }
-    }
+    const int lim_min = v5_column_limits(lim, keep_hi, L, S_q, H, rbase, q4);
 
     float acc[NMB][8];  // O^T: acc[mb][4 i + 2 h + e] = channel 64 mb + 16 ww + g8 + 8 h, column 8 i + 2 q4 + e
 #pragma unroll
@@ -605,15 +612,7 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
             const int t0 = in_sink ? T * j : keep_hi / T * T + T * (j - ns);
             const int lo = in_sink ? 0 : keep_hi, hi = in_sink ? keep_lo : L;
             int lm[2][2];
-            int lm_min = hi;
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    lm[i][e] = min(hi, L - S_q + (rbase + 8 * i + 2 * q4 + e) / H + 1);
-                    lm_min = min(lm_min, lm[i][e]);
-                }
-            }
+            const int lm_min = v5_column_limits(lm, hi, L, S_q, H, rbase, q4);
             // the lane's content pairs (BL q4 .. of each slice) and RoPE pairs of its two tokens' rows; a token outside
             // [lo, hi) reads a row inside (finite values; its scores are masked)
             const u16* crow[2];
