@@ -134,8 +134,8 @@ def test_v4_wgmma_tile_loop_within_budget(name, dc, dr):
     assert loop.count("LDL", "STL") == 0, "local-memory traffic (spills) in the tile loop"
 
 
-#: kernel v5 per worker warp and 64-token tile: (HGMMA, instruction budget); stop 22 measured 1,468 / 1,552 /
-#: 1,002 / 983 (all paths of the loop body counted, the softmax's second pass included; the lanes load their
+#: kernel v5 per worker warp and 64-token tile (the packed tiles' loop): (HGMMA, instruction budget); stop 22 measured
+#: 1,468 / 1,552 / 1,002 / 983 (stop 26, beside the protected tiles' loop: 1,468 / 1,548 / 999 / 983) (all paths of the loop body counted, the softmax's second pass included; the lanes load their
 #: codes from the pages a tile ahead, with the copy of the loaded registers between tiles; stop 21, with a
 #: stage: 1,400 / 1,459 / 930 / 942)
 V5_BUDGETS = {("C4R4", 512, 64): (68, 1500), ("C2R4", 512, 64): (68, 1590), ("C4R4", 256, 32): (34, 1030),
@@ -154,6 +154,26 @@ def test_v5_tile_loop_within_budget(name, dc, dr):
     assert loop.count("HGMMA") == hgmma and loop.count("HMMA") == 0, loop.opcodes
     assert loop.total <= budget, f"{name}: {loop.total} instructions per warp per tile (budget {budget})"
     assert loop.count("LDL", "STL") == 0, "local-memory traffic (spills) in the tile loop"
+
+
+#: kernel v5's protected-tile loop per worker warp and tile (stop 26): (HGMMA, instruction budget, 4-byte loads);
+#: measured 861 / 853 / 639 / 635 instructions, each lane loading its A fragments' bf16 pairs one by one
+V5_PROTECTED_BUDGETS = {("C4R4", 512, 64): (68, 900, 144), ("C2R4", 512, 64): (68, 900, 144),
+                        ("C4R4", 256, 32): (34, 680, 72), ("C2R4", 256, 32): (34, 680, 72)}
+
+
+@pytest.mark.parametrize("name,dc,dr", list(V5_PROTECTED_BUDGETS), ids=lambda v: str(v))
+def test_v5_protected_tile_loop_within_budget(name, dc, dr):
+    """v5's protected tiles have a loop of their own: the same HGMMA as the packed loop, no dequantization
+    (no HADD2), one global load per A-fragment register ((d_c + d_r) / 16 k-steps x 4), no local memory."""
+    from quantmla_core.backends.cupy.sass_report import tile_loops_v5
+
+    loop = tile_loops_v5(qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr))["protected"]
+    hgmma, budget, loads = V5_PROTECTED_BUDGETS[(name, dc, dr)]
+    assert loop.count("HGMMA") == hgmma and loop.count("HADD2") == 0, loop.opcodes
+    assert loop.count("LDG") == loads == (dc + dr) // 16 * 4, loop.opcodes
+    assert loop.total <= budget, f"{name}: {loop.total} instructions per warp per protected tile (budget {budget})"
+    assert loop.count("LDL", "STL") == 0, "local-memory traffic (spills) in the protected tile loop"
 
 
 #: kernel v6 per warp and 64-token tile, by role: (attender HGMMA, attender budget, dequantizer budget). Stop 23

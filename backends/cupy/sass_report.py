@@ -171,9 +171,18 @@ def tile_loop_v4(fmt: PackFormat, wgmma: bool = True) -> LoopReport:
 
 
 def tile_loop_v5(fmt: PackFormat, workers: int = V5_WORKERS) -> LoopReport:
-    """The 64-token tile loop of one ``qmla_attn_v5`` worker (the largest loop) for ``fmt``: every
+    """The packed-tile loop of one ``qmla_attn_v5`` worker (the largest loop) for ``fmt``: every
     instruction of its body (masked and unmasked softmax paths, the eager and the skipped rescale)."""
-    return loops(compile_sass_v5(fmt, workers)[0])[0]
+    return tile_loops_v5(fmt, workers)["packed"]
+
+
+def tile_loops_v5(fmt: PackFormat, workers: int = V5_WORKERS) -> dict[str, LoopReport]:
+    """The two tile loops of one ``qmla_attn_v5`` worker, {"packed": ..., "protected": ...}: both hold
+    QK's and PV's HGMMA; the packed one dequantizes codes (HADD2 subtracts the zero points), the
+    protected one loads bf16 rows (no HADD2)."""
+    found = [lp for lp in loops(compile_sass_v5(fmt, workers)[0]) if lp.count("HGMMA")]
+    return {"packed": max((lp for lp in found if lp.count("HADD2")), key=lambda lp: lp.total),
+            "protected": max((lp for lp in found if not lp.count("HADD2")), key=lambda lp: lp.total)}
 
 
 def main(argv: list[str]) -> None:
@@ -209,10 +218,12 @@ def main(argv: list[str]) -> None:
             sass, ptxas = compile_sass_v5(PackFormat.parse(name, latent_dim=dc, rope_dim=dr), workers)
             loop, regs, top = _loop_summary(sass, ptxas)
             spills = re.search(r"(\d+) bytes spill stores", ptxas)
+            prot = tile_loops_v5(PackFormat.parse(name, latent_dim=dc, rope_dim=dr), workers)["protected"]
             print(f"{name} {dc}/{dr} kernel v5, {workers} workers (16 rows x 64-token tiles, a worker of 4 warps): "
                   f"{loop.total} instructions per warp per tile ({loop.total * 4 / 64:.0f} per token), "
                   f"{loop.count('HGMMA')} HGMMA, {regs} registers, {spills.group(1) if spills else '?'} B spilled, "
-                  f"{loop.count('LDL', 'STL')} local loads/stores in the loop\n    {top}")
+                  f"{loop.count('LDL', 'STL')} local loads/stores in the loop; protected tiles {prot.total} "
+                  f"instructions per warp per tile\n    {top}")
     for name, dc, dr in cases:
         print(f"{name} {dc}/{dr} kernel v6 (64 rows x 64-token tiles, an attending and a dequantizing warpgroup): "
               + _v6_summary(PackFormat.parse(name, latent_dim=dc, rope_dim=dr)))
