@@ -22,8 +22,8 @@
 #   bash benchmarks/run_h200_kernels.sh v6prot   # v6 attending to the sink/local tokens itself: conformance (every
 #       v6 test), memcheck on protected-heavy cases, inline vs separate (QUANTMLA_CUPY_V6_PROTECTED) graphed over V6P_SHAPES
 #   bash benchmarks/run_h200_kernels.sh v5prot   # v5 attending to the sink/local tokens itself: conformance (every
-#       v5 test, v6's), memcheck on protected-heavy cases, inline vs separate (QUANTMLA_CUPY_V5_PROTECTED; or V5P_SETTINGS)
-#       graphed over V5P_SHAPES
+#       v5 test, v6's), memcheck on protected-heavy cases (V5P_MEMCHECK_ENV: e.g. QUANTMLA_CUPY_V5_PROT_LOADS=vec),
+#       inline vs separate (QUANTMLA_CUPY_V5_PROTECTED; or V5P_SETTINGS) graphed over V5P_SHAPES
 #   SRCAB_SOURCES="kept probe_tmp/old.cu kept" SRCAB_ARGS="..." bash benchmarks/run_h200_kernels.sh srcab  # one kernel
 #       source (SRCAB_KERNEL, default attention_v6.cu) against others from the working tree, one process each
 #   bash benchmarks/run_h200_kernels.sh v6small  # where v6's time goes at short contexts: each kernel's duration
@@ -141,7 +141,7 @@ elif [ "$MODE" = v6prot ]; then
 elif [ "$MODE" = v5prot ]; then
   echo "=== v5 conformance (both protected modes, three workers)"; timeout 300 $T tests/test_cupy_v5.py 2>&1 | tail -3 | tee "$OUT/v5_conformance.txt"
   echo "=== v6 conformance (the shared protected-split helper)"; timeout 200 $T tests/test_cupy_v6.py -k "v6_matches" 2>&1 | tail -2
-  echo "=== v5 memcheck"; timeout 150 compute-sanitizer --tool memcheck $T tests/test_cupy_v5.py \
+  echo "=== v5 memcheck"; env ${V5P_MEMCHECK_ENV:-} timeout 150 compute-sanitizer --tool memcheck $T tests/test_cupy_v5.py \
     -k "v5_matches_reference and float32-2] and (L64_65_4097_128 or L2000_4_150 or L300_70_5 or L300_17 or L5000_321)" 2>&1 | tail -2
   echo "=== inline vs separate (CUDA graphs)"; timeout 400 python3 -P benchmarks/graph_probe.py --backends cupy \
     --settings "${V5P_SETTINGS:-QUANTMLA_CUPY_V5_PROTECTED=inline;QUANTMLA_CUPY_V5_PROTECTED=separate}" --formats C4R4,C2R4 \

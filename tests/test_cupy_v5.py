@@ -339,6 +339,15 @@ def test_v5_knobs(monkeypatch):
     with pytest.raises(ValueError, match="QUANTMLA_CUPY_V5_PROTECTED"):
         V5Knobs.from_env()
     monkeypatch.delenv("QUANTMLA_CUPY_V5_PROTECTED")
+    monkeypatch.setenv("QUANTMLA_CUPY_V5_PROT_LOADS", "vec")
+    assert V5Knobs.from_env() == V5Knobs(True, prot_vec=True)
+    launches, *_ = _run_v5_stubbed(monkeypatch, 16, 1, True)
+    (attn, *_), _ = launches.of("qmla_attn_v5")
+    assert attn.defines["QMLA_V5_PROT_VEC"] == 1 and attn.defines["QMLA_V5_PROTECTED"] == 1
+    monkeypatch.setenv("QUANTMLA_CUPY_V5_PROT_LOADS", "wide")
+    with pytest.raises(ValueError, match="QUANTMLA_CUPY_V5_PROT_LOADS"):
+        V5Knobs.from_env()
+    monkeypatch.delenv("QUANTMLA_CUPY_V5_PROT_LOADS")
     monkeypatch.setenv("QUANTMLA_CUPY_V5_WORKERS", "3")
     assert V5Knobs.from_env() == V5Knobs(True, workers=3)
     launches, *_ = _run_v5_stubbed(monkeypatch, 16, 1, False)
@@ -402,6 +411,20 @@ def test_attention_v5_separate_protected_matches_reference(case, monkeypatch):
         pytest.skip(f"v5 is an sm_90a kernel: this GPU is compute capability {cap[0]}.{cap[1]}")
     monkeypatch.setenv(VARIANT_ENV, "v5")
     monkeypatch.setenv("QUANTMLA_CUPY_V5_PROTECTED", "separate")
+    check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", [c for c in V5_CASES if c.sink or c.local], ids=str)
+def test_attention_v5_vec_protected_loads_match_reference(case, monkeypatch):
+    """QUANTMLA_CUPY_V5_PROT_LOADS=vec (a protected tile's bf16 pairs in loads of up to 16 bytes) passes the
+    same check as the default build."""
+    cap = torch.cuda.get_device_capability()
+    if tuple(cap) != (9, 0):
+        pytest.skip(f"v5 is an sm_90a kernel: this GPU is compute capability {cap[0]}.{cap[1]}")
+    monkeypatch.setenv(VARIANT_ENV, "v5")
+    monkeypatch.setenv("QUANTMLA_CUPY_V5_PROT_LOADS", "vec")
     check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
 
 

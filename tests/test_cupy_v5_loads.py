@@ -140,3 +140,119 @@ def test_model_matches_kernel_source():
         assert expr in src, f"attention_v5.cu no longer contains: {expr}"
     stage = " ".join((KERNEL_DIR / "stage.cuh").read_text().split())
     assert "return (n < L && n / QMLA_P < max_pages) ? bt_row[n / QMLA_P] : -1;" in stage  # qmla_table_page
+
+
+# ---------------------------------------------------------------- protected tiles: bf16 rows into A fragments
+# A protected tile's lanes load their QK A fragments from the bf16 protection rows instead of dequantizing codes:
+# a[j][tk + 2 kh] of chunk kc holds the pair of QK channels 16 ks + 8 kh + 2 q4 (+ 1), ks = KCK kc + j, which lies at
+# physical channel v5_qk_channel(16 ks + 8 kh + 2 q4) of token tk's row. "pairs" loads each register on its own,
+# "vec" (QMLA_V5_PROT_VEC) a chunk's pairs of one token and slice in one load of W words.
+
+
+def qk_channel(ln: Lanes, DC: int, DR: int, lc: int) -> int:
+    """attention_v5.cu's v5_qk_channel."""
+    ks, k = lc >> 4, lc & 15
+    q, e, hi = (k & 7) >> 1, k & 1, k >> 3
+    spc, ksc = ln.KCH // 2, DC // 16
+    if ks < ksc:
+        return ln.CB * (2 * (ks % spc) + hi) + ln.BL * q + 2 * (ks // spc) + e
+    return DC + ln.RB * hi + ln.RBL * q + 2 * (ks - ksc) + e
+
+
+def protected_loads(ln: Lanes, DC: int, DR: int, kck: int, vec: bool, word_kstep=lambda w, sp, spc: spc * w + sp):
+    """{(kc, j, r): (token tk, element offset of the pair in the row)} for lane q4 = 0 (the other lanes add
+    BL q4 / RBL q4) and the loads as (tk, element offset, words): the kernel's expressions (``word_kstep``: the
+    k-step of a chunk that word w of slice pair sp's load fills, for the negative control)."""
+    spc, ksc, ksteps = ln.KCH // 2, DC // 16, (DC + DR) // 16
+    regs, loads = {}, []
+    for kc in range(-(-ksteps // kck)):
+        for r in range(4):
+            tk, kh = r & 1, r >> 1
+            if not vec:
+                for j in range(kck):
+                    ks = kck * kc + j
+                    if ks < ksc:
+                        off = ln.CB * (2 * (ks % spc) + kh) + 2 * (ks // spc)
+                    elif ks < ksteps:
+                        off = DC + ln.RB * kh + 2 * (ks - ksc)
+                    else:
+                        continue
+                    loads.append((tk, off, 1))
+                    regs[(kc, j, r)] = (tk, off)
+            elif kck * kc < ksc:
+                w_n = kck // spc
+                for sp in range(spc):
+                    base = ln.CB * (2 * sp + kh) + 2 * (kck * kc // spc)
+                    loads.append((tk, base, w_n))
+                    for w in range(w_n):
+                        regs[(kc, word_kstep(w, sp, spc), r)] = (tk, base + 2 * w)
+            elif kck * kc < ksteps:
+                w_n = min(kck, DR // 16)
+                base = DC + ln.RB * kh + 2 * (kck * kc - ksc)
+                loads.append((tk, base, w_n))
+                for w in range(w_n):
+                    regs[(kc, w, r)] = (tk, base + 2 * w)
+    return regs, loads
+
+
+@pytest.mark.parametrize("vec", [False, True], ids=["pairs", "vec"])
+@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize("build", V5_BUILDS, **BUILD_IDS)
+def test_protected_loads_fill_the_fragments_qk_reads(build, workers, vec):
+    """Every A-fragment register of every k-step gets the pair v5_qk_channel names (lane q4 = 0; the lane
+    offsets BL q4 and RBL q4 are the kernel's row pointers), and with vec every load is aligned to its size
+    (rows 2 (d_c + d_r) bytes apart, lane offsets 2 BL q4 / 2 RBL q4 bytes)."""
+    name, dc, dr = build[:3]
+    ln = Lanes(*build)
+    kck = 2 if workers == 3 else (8 if ln.KCH == 4 else 4)  # QMLA_V5_KCHUNK
+    regs, loads = protected_loads(ln, dc, dr, kck, vec)
+    assert regs == _fragments_qk_reads(ln, dc, dr, kck)
+    spc = ln.KCH // 2
+    content_loads = dc // 16 // kck * 4 * spc if vec else dc // 16 * 4
+    rope_loads = -(-(dr // 16) // kck) * 4 if vec else dr // 16 * 4
+    assert len(loads) == content_loads + rope_loads
+    if vec:
+        for tk, off, words in loads:
+            lane_off = 2 * (ln.RBL if off >= dc else ln.BL)  # bytes between lanes q4 and q4 + 1
+            row_bytes = 2 * (dc + dr)
+            assert words in (1, 2, 4) and all(x % (4 * words) == 0 for x in (2 * off, lane_off, row_bytes)), (off, words)
+
+
+def _fragments_qk_reads(ln: Lanes, dc: int, dr: int, kck: int) -> dict:
+    """{(kc, j, r): (tk, physical channel)}: a[j][tk + 2 kh] of chunk kc holds QK channels 16 ks + 8 kh (+ 1)."""
+    want = {}
+    for ks in range((dc + dr) // 16):
+        for r in range(4):
+            tk, kh = r & 1, r >> 1
+            want[(ks // kck, ks % kck, r)] = (tk, qk_channel(ln, dc, dr, 16 * ks + 8 * kh))
+    return want
+
+
+def test_protected_load_model_catches_a_wrong_word_order():
+    """Control: word w of a vec load put into k-step sp W + w (instead of SPC w + sp) fills the wrong fragments
+    for 2-bit content (two slice pairs per byte pair), and is harmless for 4-bit content (one)."""
+    for name, kck, caught in (("C2R4", 8, True), ("C4R4", 4, False)):
+        ln = Lanes(name, 512, 64, 64, 64)
+        regs, _ = protected_loads(ln, 512, 64, kck, True, word_kstep=lambda w, sp, spc: sp * (kck // spc) + w)
+        assert (regs != _fragments_qk_reads(ln, 512, 64, kck)) == caught
+
+
+def test_protected_load_model_matches_kernel_source():
+    """Pin the expressions of protected_loads to the kernel text."""
+    from quantmla_core.backends.cupy import KERNEL_DIR
+
+    src = " ".join((KERNEL_DIR / "attention_v5.cu").read_text().split())
+    for expr in (
+        "crow[tk] = row + BL * q4;",
+        "rrow[tk] = row + DC + RBL * q4;",
+        "a[jj][r] = __ldg((const u32*)(crow[tk] + CB * (2 * (ks % SPC) + kh) + 2 * (ks / SPC)));",
+        "a[jj][r] = __ldg((const u32*)(rrow[tk] + RB * kh + 2 * (ks - KSC)));",
+        "constexpr int W = KCK / SPC;",
+        "v5_load_words<W>(v, crow[tk] + CB * (2 * sp + kh) + 2 * (KCK * kc / SPC));",
+        "for (int w = 0; w < W; ++w) a[SPC * w + sp][r] = v[w];",
+        "constexpr int W = (KCK < DR / 16) ? KCK : DR / 16;",
+        "v5_load_words<W>(v, rrow[tk] + RB * kh + 2 * (KCK * kc - KSC));",
+        "for (int w = 0; w < W; ++w) a[w][r] = v[w];",
+        "if (KCK * kc < KSC) {",
+    ):
+        assert expr in src, f"attention_v5.cu no longer contains: {expr}"

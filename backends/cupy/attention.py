@@ -59,8 +59,8 @@ tokens; ``inline``: sink/local tokens inside the split kernel, from the bf16 buf
 bit-identical) / ``QUANTMLA_CUPY_V3_WARPS`` (4 or 8) and ``QUANTMLA_CUPY_V4_STAGES`` (2 or 3) /
 ``QUANTMLA_CUPY_V4_LAZY_RESCALE`` (default 1) / ``QUANTMLA_CUPY_V4_MMA`` (``auto``, ``wgmma``, ``mma``)
 and ``QUANTMLA_CUPY_V5_LAZY_RESCALE`` (default 1) / ``QUANTMLA_CUPY_V5_WORKERS`` (2 or 3) /
-``QUANTMLA_CUPY_V5_PROTECTED`` (``inline``, ``separate``) and ``QUANTMLA_CUPY_V6_PV_AT`` (1-3) /
-``QUANTMLA_CUPY_V6_PAGE_AHEAD`` (0/1) / ``QUANTMLA_CUPY_V6_PROTECTED`` (``inline``, ``separate``) and
+``QUANTMLA_CUPY_V5_PROTECTED`` (``inline``, ``separate``) / ``QUANTMLA_CUPY_V5_PROT_LOADS`` (``pairs``, ``vec``)
+and ``QUANTMLA_CUPY_V6_PV_AT`` (1-3) / ``QUANTMLA_CUPY_V6_PAGE_AHEAD`` (0/1) / ``QUANTMLA_CUPY_V6_PROTECTED`` (``inline``, ``separate``) and
 ``QUANTMLA_CUPY_PLAN_PROTECTED`` (0/1: v5 (default 1) and v6 (default 0) count the sink/local tiles they append
 to one split in the split plan) are tuning knobs for measurements, also read per call.
 :func:`select_variant` says which kernel a call will run, and why.
@@ -410,16 +410,17 @@ def v5_smem_bytes(fmt: PackFormat, workers: int = V5_WORKERS) -> int:
 
 
 def v5_defines(fmt: PackFormat, lazy_rescale: bool = True, index64: bool = True,
-               workers: int = V5_WORKERS, protected: bool = True) -> dict[str, int]:
+               workers: int = V5_WORKERS, protected: bool = True, prot_vec: bool = False) -> dict[str, int]:
     """``-D`` defines of ``kernels/attention_v5.cu`` (bfloat16 queries; an sm_90a build,
     :data:`V4_WGMMA_ARCH`). ``index64``: int64 seq_lens / seq_ids (else int32); ``workers``: worker
     warpgroups per CTA; ``protected``: the sink/local tokens as the kernel's own tiles (else packed
-    tokens only, for the protected-only launch)."""
+    tokens only, for the protected-only launch); ``prot_vec``: a protected tile's bf16 pairs in loads of up to
+    16 bytes (``QMLA_V5_PROT_VEC``; else one 4-byte load per fragment register)."""
     if workers not in V5_WORKER_CHOICES:
         raise ValueError(f"workers: expected one of {V5_WORKER_CHOICES}, got {workers!r}")
     d = attention_defines(fmt, "bfloat16", index64)
     d.update(QMLA_V5_SMEM=v5_smem_bytes(fmt, workers), QMLA_V5_LAZY_RESCALE=int(lazy_rescale),
-             QMLA_V5_WORKERS=workers, QMLA_V5_PROTECTED=int(protected))
+             QMLA_V5_WORKERS=workers, QMLA_V5_PROTECTED=int(protected), QMLA_V5_PROT_VEC=int(prot_vec))
     return d
 
 
@@ -916,10 +917,11 @@ def v4_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
 
 
 def _v5_kernel(fmt: PackFormat, dev: int, lazy: bool, index64: bool, workers: int = V5_WORKERS,
-               protected: bool = True):
+               protected: bool = True, prot_vec: bool = False):
     """Compiled ``qmla_attn_v5`` (cached, an sm_90a build) and its dynamic shared memory."""
-    return _split_kernel(("v5", fmt, dev, lazy, index64, workers, protected), "v5", dev, v5_smem_bytes(fmt, workers),
-                         lambda: v5_defines(fmt, lazy, index64, workers, protected), V4_WGMMA_ARCH)
+    return _split_kernel(("v5", fmt, dev, lazy, index64, workers, protected, prot_vec), "v5", dev,
+                         v5_smem_bytes(fmt, workers), lambda: v5_defines(fmt, lazy, index64, workers, protected, prot_vec),
+                         V4_WGMMA_ARCH)
 
 
 @dataclass(frozen=True)
@@ -928,13 +930,16 @@ class V5Knobs:
     no row's maximum moves; workers: worker warpgroups per CTA; separate (``QUANTMLA_CUPY_V5_PROTECTED``,
     ``inline`` (default) or ``separate``): leave the sink/local tokens to the protected-only launch instead
     of attending to them as the kernel's own tiles; plan_protected (``QUANTMLA_CUPY_PLAN_PROTECTED``, 0/1,
-    default 1): count those tiles in the split plan) and v2's split floor."""
+    default 1): count those tiles in the split plan; prot_vec (``QUANTMLA_CUPY_V5_PROT_LOADS``, ``pairs``
+    (default) or ``vec``): load a protected tile's bf16 pairs in 16-byte loads, not yet measured on a GPU)
+    and v2's split floor."""
 
     lazy: bool = True
     min_tiles: int = V2_MIN_TILES_PER_SPLIT
     workers: int = V5_WORKERS
     separate: bool = False
     plan_protected: bool = True
+    prot_vec: bool = False
 
     @staticmethod
     def from_env() -> "V5Knobs":
@@ -942,7 +947,8 @@ class V5Knobs:
                        _env_int("QUANTMLA_CUPY_V2_MIN_TILES", V2_MIN_TILES_PER_SPLIT, (1, 2, 4, 8, 16)),
                        _env_int("QUANTMLA_CUPY_V5_WORKERS", V5_WORKERS, V5_WORKER_CHOICES),
                        _env_choice("QUANTMLA_CUPY_V5_PROTECTED", "inline", ("inline", "separate")) == "separate",
-                       bool(_env_int("QUANTMLA_CUPY_PLAN_PROTECTED", 1, (0, 1))))
+                       bool(_env_int("QUANTMLA_CUPY_PLAN_PROTECTED", 1, (0, 1))),
+                       _env_choice("QUANTMLA_CUPY_V5_PROT_LOADS", "pairs", ("pairs", "vec")) == "vec")
 
 
 def v5_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool,
@@ -954,7 +960,7 @@ def v5_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
     key = ("v5", fmt, dev, sm_count, batch, rows, max_pages, no_prot, knobs, sink, local, index64)
     plan = _PLANS.get(key)
     if plan is None:
-        attn, smem = _v5_kernel(fmt, dev, knobs.lazy, index64, knobs.workers, not knobs.separate)
+        attn, smem = _v5_kernel(fmt, dev, knobs.lazy, index64, knobs.workers, not knobs.separate, knobs.prot_vec)
         own = 0 if no_prot or knobs.separate or not knobs.plan_protected else protected_ctas(sink, local, V5_TILE)
         plan = _packed_split_plan(key, attn, smem, knobs.workers * 128, V5_TILE, knobs.workers, fmt, dev, sm_count, batch,
                                   rows, max_pages, no_prot or not knobs.separate, knobs.min_tiles, sink, local, index64,

@@ -57,6 +57,15 @@
 // only, for the launcher's protected-only launch (QUANTMLA_CUPY_V5_PROTECTED=separate, a measurement knob)
 #define QMLA_V5_PROTECTED 1
 #endif
+#ifndef QMLA_V5_PROT_VEC
+// how a protected tile's lanes load their A fragments from the bf16 rows (QUANTMLA_CUPY_V5_PROT_LOADS). 0 (pairs): one
+// 4-byte load per register, measured on the H200 (stop 26). At d_c 512 C4R4 a warp's load touches 32 lines (8 tokens x
+// 4 lanes 128 bytes apart) for 128 bytes: 144 loads x 32 lines = 4,608 L1 wavefronts per warp and tile, by estimate
+// ~10 us a worker's tile at one a cycle, about what the protected tiles cost at H16 B32 L4K (20.1 us for 2 a worker;
+// C2R4, lanes 64 bytes apart, 16 lines: 7.9 us). 1 (vec): a chunk's pairs of one token and slice in one load of up
+// to 16 bytes (36 loads, a quarter of the wavefronts; +138 moves of words into fragments): compiled, not yet measured.
+#define QMLA_V5_PROT_VEC 0
+#endif
 #ifndef QMLA_V5_LAZY_RESCALE
 #define QMLA_V5_LAZY_RESCALE 1  // skip the output rescale while no column's maximum moves (bit-identical)
 #endif
@@ -151,6 +160,21 @@ __device__ __forceinline__ u32 v5_code2(u32 x, u32 c43) {
 __device__ __forceinline__ u64 v5_opaque(u64 x) {
     asm("mov.b64 %0, %0;" : "+l"(x));
     return x;
+}
+
+// the W consecutive words at p, 4 W bytes aligned (W = 1, 2, 4), in one load
+template <int W>
+__device__ __forceinline__ void v5_load_words(u32 (&v)[W], const u16* p) {
+    static_assert(W == 1 || W == 2 || W == 4, "one load of 4, 8 or 16 bytes");
+    if constexpr (W == 4) {
+        const uint4 x = __ldg((const uint4*)p);
+        v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
+    } else if constexpr (W == 2) {
+        const uint2 x = __ldg((const uint2*)p);
+        v[0] = x.x, v[1] = x.y;
+    } else {
+        v[0] = __ldg((const u32*)p);
+    }
 }
 
 // the tokens this thread's columns (query rows rbase + 8 i + 2 q4 + e) attend to in a segment ending at hi:
@@ -624,6 +648,35 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
                 crow[tk] = row + BL * q4;
                 rrow[tk] = row + DC + RBL * q4;
             }
+#if QMLA_V5_PROT_VEC
+            // per token and slice (RoPE: half), a chunk's k-steps are consecutive bf16 pairs of the row: one load each
+            const auto load_rows = [&](u32 (&a)[KCK][4], const int kc) {
+                if (KCK * kc < KSC) {  // chunks never straddle content and RoPE (KSC % KCK == 0)
+                    constexpr int W = KCK / SPC;
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) {
+                        const int tk = r & 1, kh = r >> 1;
+#pragma unroll
+                        for (int sp = 0; sp < SPC; ++sp) {
+                            u32 v[W];
+                            v5_load_words<W>(v, crow[tk] + CB * (2 * sp + kh) + 2 * (KCK * kc / SPC));
+#pragma unroll
+                            for (int w = 0; w < W; ++w) a[SPC * w + sp][r] = v[w];  // k-step KCK kc + SPC w + sp
+                        }
+                    }
+                } else if (KCK * kc < KSTEPS) {
+                    constexpr int W = (KCK < DR / 16) ? KCK : DR / 16;
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) {
+                        const int tk = r & 1, kh = r >> 1;
+                        u32 v[W];
+                        v5_load_words<W>(v, rrow[tk] + RB * kh + 2 * (KCK * kc - KSC));
+#pragma unroll
+                        for (int w = 0; w < W; ++w) a[w][r] = v[w];  // k-step KCK kc + w
+                    }
+                }
+            };
+#else
             const auto load_rows = [&](u32 (&a)[KCK][4], const int kc) {
 #pragma unroll
                 for (int jj = 0; jj < KCK; ++jj) {
@@ -639,6 +692,7 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
                     }
                 }
             };
+#endif
             attend_tile(t0, lo, lm, lm_min, load_rows, [] {});
         }
         wgmma_wait<0>();  // the last tile's PV
