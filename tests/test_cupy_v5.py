@@ -402,29 +402,18 @@ def test_attention_v5_matches_reference(case, workers, monkeypatch):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("env", [("QUANTMLA_CUPY_V5_PROTECTED", "separate"), ("QUANTMLA_CUPY_V5_PROT_LOADS", "vec")],
+                         ids=lambda e: f"{e[0]}={e[1]}")
 @pytest.mark.parametrize("case", [c for c in V5_CASES if c.sink or c.local], ids=str)
-def test_attention_v5_separate_protected_matches_reference(case, monkeypatch):
-    """QUANTMLA_CUPY_V5_PROTECTED=separate (packed tokens in v5, the sink and local tokens by protected.cu)
-    passes the same check as the default build, which attends to them itself."""
+def test_attention_v5_protected_modes_match_reference(case, env, monkeypatch):
+    """The other ways to the sink and local tokens pass the same check as the default build: protected.cu's
+    launch beside a packed-only v5 (``separate``), and a protected tile's bf16 pairs in loads of up to 16
+    bytes (``vec``)."""
     cap = torch.cuda.get_device_capability()
     if tuple(cap) != (9, 0):
         pytest.skip(f"v5 is an sm_90a kernel: this GPU is compute capability {cap[0]}.{cap[1]}")
     monkeypatch.setenv(VARIANT_ENV, "v5")
-    monkeypatch.setenv("QUANTMLA_CUPY_V5_PROTECTED", "separate")
-    check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("case", [c for c in V5_CASES if c.sink or c.local], ids=str)
-def test_attention_v5_vec_protected_loads_match_reference(case, monkeypatch):
-    """QUANTMLA_CUPY_V5_PROT_LOADS=vec (a protected tile's bf16 pairs in loads of up to 16 bytes) passes the
-    same check as the default build."""
-    cap = torch.cuda.get_device_capability()
-    if tuple(cap) != (9, 0):
-        pytest.skip(f"v5 is an sm_90a kernel: this GPU is compute capability {cap[0]}.{cap[1]}")
-    monkeypatch.setenv(VARIANT_ENV, "v5")
-    monkeypatch.setenv("QUANTMLA_CUPY_V5_PROT_LOADS", "vec")
+    monkeypatch.setenv(*env)
     check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
 
 
