@@ -135,9 +135,9 @@ def test_v4_wgmma_tile_loop_within_budget(name, dc, dr):
 
 
 #: kernel v5 per worker warp and 64-token tile (the packed tiles' loop): (HGMMA, instruction budget); stop 22 measured
-#: 1,468 / 1,552 / 1,002 / 983 (stop 26, beside the protected tiles' loop: 1,468 / 1,548 / 999 / 983) (all paths of the loop body counted, the softmax's second pass included; the lanes load their
-#: codes from the pages a tile ahead, with the copy of the loaded registers between tiles; stop 21, with a
-#: stage: 1,400 / 1,459 / 930 / 942)
+#: 1,468 / 1,552 / 1,002 / 983 (all paths of the loop body counted, the softmax's second pass included; the lanes
+#: load their codes from the pages a tile ahead, with the copy of the loaded registers between tiles; stop 21, with
+#: a stage: 1,400 / 1,459 / 930 / 942; stop 26, beside the protected tiles' loop: 1,468 / 1,548 / 999 / 983)
 V5_BUDGETS = {("C4R4", 512, 64): (68, 1500), ("C2R4", 512, 64): (68, 1590), ("C4R4", 256, 32): (34, 1030),
               ("C2R4", 256, 32): (34, 1010)}
 

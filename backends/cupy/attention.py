@@ -37,9 +37,9 @@ Six attention kernels share the partials layout and the combine kernel:
 
 v6 and v5 attend to the sink and local-window tokens themselves: they are the last tiles of one split
 per row chunk, their bf16 rows copied into v6's key tile or loaded into v5's QK operands. v3 and v2
-(``separate`` mode, the default) leave them to ``kernels/protected.cu``, a bfloat16 flash-decoding kernel (one 32-token tile per CTA) whose
-partials the combine merges with the split kernel's; it may run on a second stream beside the
-split kernel (:func:`protected_on_side_stream`).
+(``separate`` mode, the default) leave them to ``kernels/protected.cu``, a bfloat16 flash-decoding
+kernel (one 32-token tile per CTA) whose partials the combine merges with the split kernel's; it may
+run on a second stream beside the split kernel (:func:`protected_on_side_stream`).
 
 ``QUANTMLA_CUPY_ATTENTION`` (``auto``, the default: v6, else v4, where it serves and a request has at
 least :data:`V4_MIN_ROWS` query rows, else, where the block table holds at least :data:`V3_MIN_TOKENS`
@@ -60,9 +60,10 @@ bit-identical) / ``QUANTMLA_CUPY_V3_WARPS`` (4 or 8) and ``QUANTMLA_CUPY_V4_STAG
 ``QUANTMLA_CUPY_V4_LAZY_RESCALE`` (default 1) / ``QUANTMLA_CUPY_V4_MMA`` (``auto``, ``wgmma``, ``mma``)
 and ``QUANTMLA_CUPY_V5_LAZY_RESCALE`` (default 1) / ``QUANTMLA_CUPY_V5_WORKERS`` (2 or 3) /
 ``QUANTMLA_CUPY_V5_PROTECTED`` (``inline``, ``separate``) / ``QUANTMLA_CUPY_V5_PROT_LOADS`` (``pairs``, ``vec``)
-and ``QUANTMLA_CUPY_V6_PV_AT`` (1-3) / ``QUANTMLA_CUPY_V6_PAGE_AHEAD`` (0/1) / ``QUANTMLA_CUPY_V6_PROTECTED`` (``inline``, ``separate``) and
-``QUANTMLA_CUPY_PLAN_PROTECTED`` (0/1: v5 (default 1) and v6 (default 0) count the sink/local tiles they append
-to one split in the split plan) are tuning knobs for measurements, also read per call.
+and ``QUANTMLA_CUPY_V6_PV_AT`` (1-3) / ``QUANTMLA_CUPY_V6_PAGE_AHEAD`` (0/1) /
+``QUANTMLA_CUPY_V6_PROTECTED`` (``inline``, ``separate``) and ``QUANTMLA_CUPY_PLAN_PROTECTED`` (0/1: v5
+(default 1) and v6 (default 0) count the sink/local tiles they append to one split in the split plan) are
+tuning knobs for measurements, also read per call.
 :func:`select_variant` says which kernel a call will run, and why.
 """
 
@@ -920,8 +921,8 @@ def _v5_kernel(fmt: PackFormat, dev: int, lazy: bool, index64: bool, workers: in
                protected: bool = True, prot_vec: bool = False):
     """Compiled ``qmla_attn_v5`` (cached, an sm_90a build) and its dynamic shared memory."""
     return _split_kernel(("v5", fmt, dev, lazy, index64, workers, protected, prot_vec), "v5", dev,
-                         v5_smem_bytes(fmt, workers), lambda: v5_defines(fmt, lazy, index64, workers, protected, prot_vec),
-                         V4_WGMMA_ARCH)
+                         v5_smem_bytes(fmt, workers),
+                         lambda: v5_defines(fmt, lazy, index64, workers, protected, prot_vec), V4_WGMMA_ARCH)
 
 
 @dataclass(frozen=True)
