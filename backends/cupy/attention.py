@@ -855,6 +855,12 @@ def _packed_split_plan(key: tuple, attn, smem: int, threads: int, tile: int, slo
     return plan
 
 
+def _own_protected_tiles(no_prot: bool, knobs: "V5Knobs | V6Knobs", sink: int, local: int, tile: int) -> int:
+    """The sink/local tiles a kernel that attends to them itself (v5, v6 without ``knobs.separate``) has its
+    split plan count (``knobs.plan_protected``): :func:`protected_ctas` of its ``tile``, else 0."""
+    return 0 if no_prot or knobs.separate or not knobs.plan_protected else protected_ctas(sink, local, tile)
+
+
 def _v4_kernel(fmt: PackFormat, dev: int, stages: int, lazy: bool, index64: bool, protected: bool,
                wgmma: bool = False):
     """Compiled ``qmla_attn_v4`` (cached) and its dynamic shared memory."""
@@ -962,7 +968,7 @@ def v5_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
     plan = _PLANS.get(key)
     if plan is None:
         attn, smem = _v5_kernel(fmt, dev, knobs.lazy, index64, knobs.workers, not knobs.separate, knobs.prot_vec)
-        own = 0 if no_prot or knobs.separate or not knobs.plan_protected else protected_ctas(sink, local, V5_TILE)
+        own = _own_protected_tiles(no_prot, knobs, sink, local, V5_TILE)
         plan = _packed_split_plan(key, attn, smem, knobs.workers * 128, V5_TILE, knobs.workers, fmt, dev, sm_count, batch,
                                   rows, max_pages, no_prot or not knobs.separate, knobs.min_tiles, sink, local, index64,
                                   V5_CTA_OVERHEAD_TILES, own_protected_tiles=own)
@@ -1008,7 +1014,7 @@ def v6_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
                                    lambda: v6_defines(fmt, index64, knobs.pv_at, knobs.page_ahead, not knobs.separate),
                                    V4_WGMMA_ARCH)
         # the kernel attends to the sink/local tokens itself unless knobs.separate: no protected-only launch
-        own = 0 if no_prot or knobs.separate or not knobs.plan_protected else protected_ctas(sink, local, V6_TILE)
+        own = _own_protected_tiles(no_prot, knobs, sink, local, V6_TILE)
         plan = _packed_split_plan(key, attn, smem, V6_THREADS, V6_TILE, 1, fmt, dev, sm_count, batch, rows, max_pages,
                                   no_prot or not knobs.separate, knobs.min_tiles, sink, local, index64,
                                   rows_per_cta=V6_ROWS, own_protected_tiles=own)

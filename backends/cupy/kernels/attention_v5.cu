@@ -381,8 +381,7 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
         fence_proxy_async();  // the query stores, for wgmma's reads
         __syncthreads();      // queries visible to both workers
 
-        // descriptors: queries (QK's B, K-major), K (PV's A, MN-major) and P^T (PV's B, K-major); shared
-        // addresses as the block's base plus uniform offsets keep them in uniform registers
+        // shared addresses as the block's base plus uniform offsets (the descriptors stay in uniform registers)
         const u32 smem_s = smem_addr(smem), kt_s = smem_s + wg * WK_BYTES + W_KT;
         const u32 c43 = 0x43u | ((u32)L << 8);  // low byte 0x43 (all prmt reads); not a constant ptxas can fold
         // stmatrix row address of this lane for content k-step 0: matrix lane / 8 = (token half, k half)
@@ -399,6 +398,8 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
         // (tokens n in [lo, lm) attend; lm_min: the least lm), the softmax and PV
         auto attend_tile = [&](const int t0, const int lo, const int (&lm)[2][2], const int lm_min, auto&& fill,
                                auto&& after_qk) {
+            // descriptors: queries (QK's B, K-major), K (PV's A, MN-major) and P^T (PV's B, K-major), built here and
+            // opaque: built once before both tile loops, ptxas took them out of uniform registers (+100 instructions)
             const u64 dq = v5_opaque(sw128_desc(smem_s + QT_OFF, 16, 1024));
             const u64 dv = v5_opaque(sw128_desc(kt_s, T * 128, 1024));
             const u64 dp = v5_opaque(sw128_desc(smem_s + wg * WK_BYTES + W_PT, 16, 1024));

@@ -190,8 +190,9 @@ __device__ __forceinline__ V6Pages v6_pages(int tt, const u8* __restrict__ pages
 // A CTA's tiles come in up to three segments: its run of packed tiles, then, in the split stage.cuh's
 // qmla_protected_split picks, the tiles of the sink [0, sink_end) and those the local window [local_start, L)
 // touches, whose rows come from the bf16 protection buffers. [lo, hi): the tokens a segment's tiles attend to (a
-// row's causal limit comes on top). Each role runs the packed tiles in a loop of their own (loop-invariant masks; no protected copy in
-// the dequantizer's): on the H200 one loop over all tiles ran 7 % slower over packed tiles (stop 25).
+// row's causal limit comes on top). Each role runs the packed tiles in a loop of their own (loop-invariant masks;
+// no protected copy in the dequantizer's): on the H200 one loop over all tiles ran 7 % slower over packed tiles
+// (stop 25).
 struct V6Seg {
     int t0, n, lo, hi;  // first tile's token, tiles, attended tokens [lo, hi)
 };
@@ -398,7 +399,8 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v6(
     const int t_end = min(keep_hi, (split + 1) * tiles_per_split * T);
     sp.np = sp.t_begin < t_end ? (t_end - sp.t_begin + T - 1) / T : 0;
     sp.keep_lo = keep_lo, sp.keep_hi = keep_hi, sp.L = L;
-    const bool prot = QMLA_V6_PROTECTED && sid_ok && split == qmla_protected_split(keep_lo, keep_hi, tiles_per_split, T, (int)gridDim.y);
+    const bool prot = QMLA_V6_PROTECTED && sid_ok &&
+                      split == qmla_protected_split(keep_lo, keep_hi, tiles_per_split, T, (int)gridDim.y);
     sp.ns = prot ? (keep_lo + T - 1) / T : 0;
     sp.nl = prot && keep_hi < L ? (L - 1) / T - keep_hi / T + 1 : 0;
     const int ntiles = sp.np + sp.ns + sp.nl;
