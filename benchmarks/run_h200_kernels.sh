@@ -22,7 +22,7 @@
 #   bash benchmarks/run_h200_kernels.sh v6prot   # v6 attending to the sink/local tokens itself: conformance (every
 #       v6 test), memcheck on protected-heavy cases, inline vs separate (QUANTMLA_CUPY_V6_PROTECTED) graphed over V6P_SHAPES
 #   bash benchmarks/run_h200_kernels.sh v5prot   # v5 attending to the sink/local tokens itself: conformance (every
-#       v5 test, v6's), memcheck on protected-heavy cases (V5P_MEMCHECK_ENV: e.g. QUANTMLA_CUPY_V5_PROT_LOADS=vec),
+#       v5 test, v6's), memcheck on protected-heavy cases (V5P_MEMCHECK_ENV: e.g. QUANTMLA_CUPY_V5_PROT_LOADS=pairs),
 #       inline vs separate (QUANTMLA_CUPY_V5_PROTECTED; or V5P_SETTINGS) graphed over V5P_SHAPES
 #   SRCAB_SOURCES="kept probe_tmp/old.cu kept" SRCAB_ARGS="..." bash benchmarks/run_h200_kernels.sh srcab  # one kernel
 #       source (SRCAB_KERNEL, default attention_v6.cu) against others from the working tree, one process each

@@ -157,7 +157,7 @@ def test_v5_tile_loop_within_budget(name, dc, dr):
 
 
 #: kernel v5's protected-tile loop per worker warp and tile (stop 26): (HGMMA, instruction budget, 4-byte loads);
-#: measured 861 / 853 / 639 / 635 instructions, each lane loading its A fragments' bf16 pairs one by one
+#: measured 861 / 853 / 639 / 635 instructions, each lane loading its A fragments' bf16 pairs one by one (pairs)
 V5_PROTECTED_BUDGETS = {("C4R4", 512, 64): (68, 900, 144), ("C2R4", 512, 64): (68, 900, 144),
                         ("C4R4", 256, 32): (34, 680, 72), ("C2R4", 256, 32): (34, 680, 72)}
 

@@ -339,11 +339,14 @@ def test_v5_knobs(monkeypatch):
     with pytest.raises(ValueError, match="QUANTMLA_CUPY_V5_PROTECTED"):
         V5Knobs.from_env()
     monkeypatch.delenv("QUANTMLA_CUPY_V5_PROTECTED")
-    monkeypatch.setenv("QUANTMLA_CUPY_V5_PROT_LOADS", "vec")
-    assert V5Knobs.from_env() == V5Knobs(True, prot_vec=True)
     launches, *_ = _run_v5_stubbed(monkeypatch, 16, 1, True)
     (attn, *_), _ = launches.of("qmla_attn_v5")
-    assert attn.defines["QMLA_V5_PROT_VEC"] == 1 and attn.defines["QMLA_V5_PROTECTED"] == 1
+    assert attn.defines["QMLA_V5_PROT_VEC"] == 1 and attn.defines["QMLA_V5_PROTECTED"] == 1  # vec loads by default
+    monkeypatch.setenv("QUANTMLA_CUPY_V5_PROT_LOADS", "pairs")
+    assert V5Knobs.from_env() == V5Knobs(True, prot_vec=False)
+    launches, *_ = _run_v5_stubbed(monkeypatch, 16, 1, True)
+    (attn, *_), _ = launches.of("qmla_attn_v5")
+    assert attn.defines["QMLA_V5_PROT_VEC"] == 0 and attn.defines["QMLA_V5_PROTECTED"] == 1
     monkeypatch.setenv("QUANTMLA_CUPY_V5_PROT_LOADS", "wide")
     with pytest.raises(ValueError, match="QUANTMLA_CUPY_V5_PROT_LOADS"):
         V5Knobs.from_env()
@@ -402,13 +405,13 @@ def test_attention_v5_matches_reference(case, workers, monkeypatch):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("env", [("QUANTMLA_CUPY_V5_PROTECTED", "separate"), ("QUANTMLA_CUPY_V5_PROT_LOADS", "vec")],
+@pytest.mark.parametrize("env", [("QUANTMLA_CUPY_V5_PROTECTED", "separate"), ("QUANTMLA_CUPY_V5_PROT_LOADS", "pairs")],
                          ids=lambda e: f"{e[0]}={e[1]}")
 @pytest.mark.parametrize("case", [c for c in V5_CASES if c.sink or c.local], ids=str)
 def test_attention_v5_protected_modes_match_reference(case, env, monkeypatch):
     """The other ways to the sink and local tokens pass the same check as the default build: protected.cu's
-    launch beside a packed-only v5 (``separate``), and a protected tile's bf16 pairs in loads of up to 16
-    bytes (``vec``)."""
+    launch beside a packed-only v5 (``separate``), and a protected tile's bf16 pairs loaded one by one
+    (``pairs``; the default loads them in loads of up to 16 bytes)."""
     cap = torch.cuda.get_device_capability()
     if tuple(cap) != (9, 0):
         pytest.skip(f"v5 is an sm_90a kernel: this GPU is compute capability {cap[0]}.{cap[1]}")

@@ -411,7 +411,7 @@ def v5_smem_bytes(fmt: PackFormat, workers: int = V5_WORKERS) -> int:
 
 
 def v5_defines(fmt: PackFormat, lazy_rescale: bool = True, index64: bool = True,
-               workers: int = V5_WORKERS, protected: bool = True, prot_vec: bool = False) -> dict[str, int]:
+               workers: int = V5_WORKERS, protected: bool = True, prot_vec: bool = True) -> dict[str, int]:
     """``-D`` defines of ``kernels/attention_v5.cu`` (bfloat16 queries; an sm_90a build,
     :data:`V4_WGMMA_ARCH`). ``index64``: int64 seq_lens / seq_ids (else int32); ``workers``: worker
     warpgroups per CTA; ``protected``: the sink/local tokens as the kernel's own tiles (else packed
@@ -924,7 +924,7 @@ def v4_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
 
 
 def _v5_kernel(fmt: PackFormat, dev: int, lazy: bool, index64: bool, workers: int = V5_WORKERS,
-               protected: bool = True, prot_vec: bool = False):
+               protected: bool = True, prot_vec: bool = True):
     """Compiled ``qmla_attn_v5`` (cached, an sm_90a build) and its dynamic shared memory."""
     return _split_kernel(("v5", fmt, dev, lazy, index64, workers, protected, prot_vec), "v5", dev,
                          v5_smem_bytes(fmt, workers),
@@ -937,8 +937,8 @@ class V5Knobs:
     no row's maximum moves; workers: worker warpgroups per CTA; separate (``QUANTMLA_CUPY_V5_PROTECTED``,
     ``inline`` (default) or ``separate``): leave the sink/local tokens to the protected-only launch instead
     of attending to them as the kernel's own tiles; plan_protected (``QUANTMLA_CUPY_PLAN_PROTECTED``, 0/1,
-    default 1): count those tiles in the split plan; prot_vec (``QUANTMLA_CUPY_V5_PROT_LOADS``, ``pairs``
-    (default) or ``vec``): load a protected tile's bf16 pairs in 16-byte loads, not yet measured on a GPU)
+    default 1): count those tiles in the split plan; prot_vec (``QUANTMLA_CUPY_V5_PROT_LOADS``, ``vec``
+    (default) or ``pairs``): load a protected tile's bf16 pairs in loads of up to 16 bytes, not one by one)
     and v2's split floor."""
 
     lazy: bool = True
@@ -946,7 +946,7 @@ class V5Knobs:
     workers: int = V5_WORKERS
     separate: bool = False
     plan_protected: bool = True
-    prot_vec: bool = False
+    prot_vec: bool = True
 
     @staticmethod
     def from_env() -> "V5Knobs":
@@ -955,7 +955,7 @@ class V5Knobs:
                        _env_int("QUANTMLA_CUPY_V5_WORKERS", V5_WORKERS, V5_WORKER_CHOICES),
                        _env_choice("QUANTMLA_CUPY_V5_PROTECTED", "inline", ("inline", "separate")) == "separate",
                        bool(_env_int("QUANTMLA_CUPY_PLAN_PROTECTED", 1, (0, 1))),
-                       _env_choice("QUANTMLA_CUPY_V5_PROT_LOADS", "pairs", ("pairs", "vec")) == "vec")
+                       _env_choice("QUANTMLA_CUPY_V5_PROT_LOADS", "vec", ("vec", "pairs")) == "vec")
 
 
 def v5_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool,

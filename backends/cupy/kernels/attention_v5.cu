@@ -58,13 +58,12 @@
 #define QMLA_V5_PROTECTED 1
 #endif
 #ifndef QMLA_V5_PROT_VEC
-// how a protected tile's lanes load their A fragments from the bf16 rows (QUANTMLA_CUPY_V5_PROT_LOADS). 0 (pairs): one
-// 4-byte load per register, measured on the H200 (stop 26). At d_c 512 C4R4 a warp's load touches 32 lines (8 tokens x
-// 4 lanes 128 bytes apart) for 128 bytes: 144 loads x 32 lines = 4,608 L1 wavefronts per warp and tile, by estimate
-// ~10 us a worker's tile at one a cycle, about what the protected tiles cost at H16 B32 L4K (20.1 us for 2 a worker;
-// C2R4, lanes 64 bytes apart, 16 lines: 7.9 us). 1 (vec): a chunk's pairs of one token and slice in one load of up
-// to 16 bytes (36 loads, a quarter of the wavefronts; +138 moves of words into fragments): compiled, not yet measured.
-#define QMLA_V5_PROT_VEC 0
+// how a protected tile's lanes load their A fragments from the bf16 rows (QUANTMLA_CUPY_V5_PROT_LOADS). 1 (vec): a chunk's
+// pairs of one token and slice in one load of up to 16 bytes (36 loads per warp and tile at d_c 512, +138 moves of
+// words into fragments). 0 (pairs): one 4-byte load per register; at d_c 512 C4R4 each such load of a warp touches 32
+// lines (8 tokens x 4 lanes 128 bytes apart), 4,608 L1 wavefronts per warp and tile. H200, H16, CUDA graphs (stop 27):
+// vec took C4R4 B32 L4K from 58.3 to 43.3 us and B32 L32K from 203.4 to 186.2 us, C2R4 B32 L4K from 46.5 to 40.3 us.
+#define QMLA_V5_PROT_VEC 1
 #endif
 #ifndef QMLA_V5_LAZY_RESCALE
 #define QMLA_V5_LAZY_RESCALE 1  // skip the output rescale while no column's maximum moves (bit-identical)
