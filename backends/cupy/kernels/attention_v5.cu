@@ -62,7 +62,9 @@
 // pairs of one token and slice in one load of up to 16 bytes (36 loads per warp and tile at d_c 512, +138 moves of
 // words into fragments). 0 (pairs): one 4-byte load per register; at d_c 512 C4R4 each such load of a warp touches 32
 // lines (8 tokens x 4 lanes 128 bytes apart), 4,608 L1 wavefronts per warp and tile. H200, H16, CUDA graphs (stop 27):
-// vec took C4R4 B32 L4K from 58.3 to 43.3 us and B32 L32K from 203.4 to 186.2 us, C2R4 B32 L4K from 46.5 to 40.3 us.
+// vec took C4R4 B32 L4K from 58.3 to 43.3 us and B32 L32K from 203.4 to 186.2 us, C2R4 B32 L4K from 46.5 to 40.3 us,
+// but C2R4's packed loop ran ~3 % slower beside it at B128 L32K and B32 L128K: the launcher picks per format
+// (V5_PROT_VEC_CONTENT_BITS).
 #define QMLA_V5_PROT_VEC 1
 #endif
 #ifndef QMLA_V5_LAZY_RESCALE
