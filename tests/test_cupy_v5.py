@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import torch
 from conformance import Case, check_attention_case
-from quantmla_core import PackFormat
 from quantmla_core.backends.cupy.attention import (
     V3_MIN_TOKENS,
     V4_MIN_ROWS,
@@ -90,7 +89,7 @@ def test_v5_compiles_without_spills(build):
     assert ptx.count(wgmma) == bodies * (ksteps + dc // 64 * 4)
     assert ptx.count("p, 1, 1, 1, 0;") == bodies * dc // 64 * 4  # PV: A (the key tile) read MN-major
     assert ptx.count("p, 1, 1, 0; }") == bodies * ksteps  # QK: A from registers
-    chunks = -(-ksteps // (8 if _name.startswith("C2") else 4))  # QMLA_V5_KCHUNK: 8 k-steps for 2-bit content
+    chunks = -(-ksteps // 4)  # QMLA_V5_KCHUNK: 4 k-steps (two workers)
     assert ptx.count("wgmma.commit_group.sync.aligned") == bodies * (chunks + 1)
     assert ptx.count("wgmma.wait_group.sync.aligned 1") == bodies * (chunks - 2)
     # per body QK's and the previous tile's PV (deferred to the next tile), then the last PV after the loops
@@ -342,17 +341,11 @@ def test_v5_knobs(monkeypatch):
     monkeypatch.delenv("QUANTMLA_CUPY_V5_PROTECTED")
     launches, *_ = _run_v5_stubbed(monkeypatch, 16, 1, True)
     (attn, *_), _ = launches.of("qmla_attn_v5")
-    # auto: 16-byte loads for 4-bit content, 4-byte pairs for 2-bit content (measured per format)
-    assert attn.defines["QMLA_V5_PROT_VEC"] == int(attn.defines["QMLA_CBITS"] == 4) == 1
-    assert attn.defines["QMLA_V5_PROTECTED"] == 1
-    knobs = V5Knobs.from_env()
-    assert knobs.prot_vec is None and knobs.loads_vec(PackFormat.parse("C4R4")) is True
-    assert knobs.loads_vec(PackFormat.parse("C2R4")) is False
-    for value, vec in (("pairs", False), ("vec", True), ("auto", None)):
+    assert attn.defines["QMLA_V5_PROT_VEC"] == 1 and attn.defines["QMLA_V5_PROTECTED"] == 1  # vec loads by default
+    assert V5Knobs.from_env().prot_vec is True
+    for value, vec in (("vec", True), ("pairs", False)):
         monkeypatch.setenv("QUANTMLA_CUPY_V5_PROT_LOADS", value)
         assert V5Knobs.from_env() == V5Knobs(True, prot_vec=vec)
-    monkeypatch.setenv("QUANTMLA_CUPY_V5_PROT_LOADS", "pairs")
-    assert V5Knobs.from_env().loads_vec(PackFormat.parse("C4R4")) is False
     launches, *_ = _run_v5_stubbed(monkeypatch, 16, 1, True)
     (attn, *_), _ = launches.of("qmla_attn_v5")
     assert attn.defines["QMLA_V5_PROT_VEC"] == 0 and attn.defines["QMLA_V5_PROTECTED"] == 1
@@ -414,14 +407,13 @@ def test_attention_v5_matches_reference(case, workers, monkeypatch):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("env", [("QUANTMLA_CUPY_V5_PROTECTED", "separate"), ("QUANTMLA_CUPY_V5_PROT_LOADS", "pairs"),
-                                 ("QUANTMLA_CUPY_V5_PROT_LOADS", "vec")],
+@pytest.mark.parametrize("env", [("QUANTMLA_CUPY_V5_PROTECTED", "separate"), ("QUANTMLA_CUPY_V5_PROT_LOADS", "pairs")],
                          ids=lambda e: f"{e[0]}={e[1]}")
 @pytest.mark.parametrize("case", [c for c in V5_CASES if c.sink or c.local], ids=str)
 def test_attention_v5_protected_modes_match_reference(case, env, monkeypatch):
     """The other ways to the sink and local tokens pass the same check as the default build: protected.cu's
-    launch beside a packed-only v5 (``separate``), and both ways to load a protected tile's bf16 pairs for every
-    format: one by one (``pairs``) and in loads of up to 16 bytes (``vec``); the default picks one per format."""
+    launch beside a packed-only v5 (``separate``), and a protected tile's bf16 pairs loaded one by one
+    (``pairs``; the default loads them in loads of up to 16 bytes)."""
     cap = torch.cuda.get_device_capability()
     if tuple(cap) != (9, 0):
         pytest.skip(f"v5 is an sm_90a kernel: this GPU is compute capability {cap[0]}.{cap[1]}")

@@ -204,7 +204,7 @@ def test_protected_loads_fill_the_fragments_qk_reads(build, workers, vec):
     (rows 2 (d_c + d_r) bytes apart, lane offsets 2 BL q4 / 2 RBL q4 bytes)."""
     name, dc, dr = build[:3]
     ln = Lanes(*build)
-    kck = 2 if workers == 3 else (8 if ln.KCH == 4 else 4)  # QMLA_V5_KCHUNK
+    kck = 2 if workers == 3 else 4  # QMLA_V5_KCHUNK
     regs, loads = protected_loads(ln, dc, dr, kck, vec)
     assert regs == _fragments_qk_reads(ln, dc, dr, kck)
     spc = ln.KCH // 2
@@ -231,7 +231,7 @@ def _fragments_qk_reads(ln: Lanes, dc: int, dr: int, kck: int) -> dict:
 def test_protected_load_model_catches_a_wrong_word_order():
     """Control: word w of a vec load put into k-step sp W + w (instead of SPC w + sp) fills the wrong fragments
     for 2-bit content (two slice pairs per byte pair), and is harmless for 4-bit content (one)."""
-    for name, kck, caught in (("C2R4", 8, True), ("C4R4", 4, False)):
+    for name, kck, caught in (("C2R4", 4, True), ("C2R4", 8, True), ("C4R4", 4, False)):
         ln = Lanes(name, 512, 64, 64, 64)
         regs, _ = protected_loads(ln, 512, 64, kck, True, word_kstep=lambda w, sp, spc: sp * (kck // spc) + w)
         assert (regs != _fragments_qk_reads(ln, 512, 64, kck)) == caught

@@ -150,11 +150,6 @@ V5_WORKERS = 2
 #: worker counts the kernel builds with (``QUANTMLA_CUPY_V5_WORKERS``): three fit shared memory at
 #: 168 registers a thread, with the loads issued after QK and QK chunks of 2 k-steps
 V5_WORKER_CHOICES = (2, 3)
-#: content bit widths whose protected tiles v5 loads in loads of up to 16 bytes by default
-#: (``QUANTMLA_CUPY_V5_PROT_LOADS=auto``; the others one 4-byte bf16 pair a load). H200, H16, CUDA graphs, stop 27:
-#: C4R4 B32 L32K 186.2-187.6 us vec against 203.4 pairs (two calls); C2R4 B128 L32K 709.6-717.4 against 690.3-697.2
-#: and B32 L128K 703.1-706.0 against 684.3-685.0: the 2-bit build's packed loop runs ~3 % slower beside vec loads
-V5_PROT_VEC_CONTENT_BITS = (4,)
 #: the only compute capability v5's sm_90a build runs on
 V5_CAPABILITY = (9, 0)
 #: v6 (``kernels/attention_v6.cu``, sm_90a only): tokens per tile, query rows per CTA, threads per CTA
@@ -415,24 +410,18 @@ def v5_smem_bytes(fmt: PackFormat, workers: int = V5_WORKERS) -> int:
     return workers * (-(-worker // 1024) * 1024) + blocks * V5_ROWS * 128 + 1024
 
 
-def v5_default_prot_vec(fmt: PackFormat) -> bool:
-    """Whether v5's protected tiles load their bf16 pairs in loads of up to 16 bytes for ``fmt`` unless told
-    otherwise (:data:`V5_PROT_VEC_CONTENT_BITS`)."""
-    return fmt.content_bits in V5_PROT_VEC_CONTENT_BITS
-
-
 def v5_defines(fmt: PackFormat, lazy_rescale: bool = True, index64: bool = True,
-               workers: int = V5_WORKERS, protected: bool = True, prot_vec: bool | None = None) -> dict[str, int]:
+               workers: int = V5_WORKERS, protected: bool = True, prot_vec: bool = True) -> dict[str, int]:
     """``-D`` defines of ``kernels/attention_v5.cu`` (bfloat16 queries; an sm_90a build,
     :data:`V4_WGMMA_ARCH`). ``index64``: int64 seq_lens / seq_ids (else int32); ``workers``: worker
     warpgroups per CTA; ``protected``: the sink/local tokens as the kernel's own tiles (else packed
     tokens only, for the protected-only launch); ``prot_vec``: a protected tile's bf16 pairs in loads of up to
-    16 bytes (``QMLA_V5_PROT_VEC``; else one 4-byte load per fragment register; None: :func:`v5_default_prot_vec`)."""
+    16 bytes (``QMLA_V5_PROT_VEC``; else one 4-byte load per fragment register)."""
     if workers not in V5_WORKER_CHOICES:
         raise ValueError(f"workers: expected one of {V5_WORKER_CHOICES}, got {workers!r}")
     d = attention_defines(fmt, "bfloat16", index64)
     d.update(QMLA_V5_SMEM=v5_smem_bytes(fmt, workers), QMLA_V5_LAZY_RESCALE=int(lazy_rescale),
-             QMLA_V5_WORKERS=workers, QMLA_V5_PROTECTED=int(protected), QMLA_V5_PROT_VEC=int(v5_default_prot_vec(fmt) if prot_vec is None else prot_vec))
+             QMLA_V5_WORKERS=workers, QMLA_V5_PROTECTED=int(protected), QMLA_V5_PROT_VEC=int(prot_vec))
     return d
 
 
@@ -935,7 +924,7 @@ def v4_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
 
 
 def _v5_kernel(fmt: PackFormat, dev: int, lazy: bool, index64: bool, workers: int = V5_WORKERS,
-               protected: bool = True, prot_vec: bool | None = None):
+               protected: bool = True, prot_vec: bool = True):
     """Compiled ``qmla_attn_v5`` (cached, an sm_90a build) and its dynamic shared memory."""
     return _split_kernel(("v5", fmt, dev, lazy, index64, workers, protected, prot_vec), "v5", dev,
                          v5_smem_bytes(fmt, workers),
@@ -948,9 +937,8 @@ class V5Knobs:
     no row's maximum moves; workers: worker warpgroups per CTA; separate (``QUANTMLA_CUPY_V5_PROTECTED``,
     ``inline`` (default) or ``separate``): leave the sink/local tokens to the protected-only launch instead
     of attending to them as the kernel's own tiles; plan_protected (``QUANTMLA_CUPY_PLAN_PROTECTED``, 0/1,
-    default 1): count those tiles in the split plan; prot_vec (``QUANTMLA_CUPY_V5_PROT_LOADS``: ``auto``
-    (default, None: :data:`V5_PROT_VEC_CONTENT_BITS`), ``vec`` or ``pairs``): load a protected tile's bf16 pairs in
-    loads of up to 16 bytes, not one by one)
+    default 1): count those tiles in the split plan; prot_vec (``QUANTMLA_CUPY_V5_PROT_LOADS``, ``vec``
+    (default) or ``pairs``): load a protected tile's bf16 pairs in loads of up to 16 bytes, not one by one)
     and v2's split floor."""
 
     lazy: bool = True
@@ -958,7 +946,7 @@ class V5Knobs:
     workers: int = V5_WORKERS
     separate: bool = False
     plan_protected: bool = True
-    prot_vec: bool | None = None
+    prot_vec: bool = True
 
     @staticmethod
     def from_env() -> "V5Knobs":
@@ -967,12 +955,7 @@ class V5Knobs:
                        _env_int("QUANTMLA_CUPY_V5_WORKERS", V5_WORKERS, V5_WORKER_CHOICES),
                        _env_choice("QUANTMLA_CUPY_V5_PROTECTED", "inline", ("inline", "separate")) == "separate",
                        bool(_env_int("QUANTMLA_CUPY_PLAN_PROTECTED", 1, (0, 1))),
-                       {"auto": None, "vec": True, "pairs": False}[
-                           _env_choice("QUANTMLA_CUPY_V5_PROT_LOADS", "auto", ("auto", "vec", "pairs"))])
-
-    def loads_vec(self, fmt: PackFormat) -> bool:
-        """Whether v5's protected tiles load their bf16 pairs in loads of up to 16 bytes for ``fmt``."""
-        return v5_default_prot_vec(fmt) if self.prot_vec is None else self.prot_vec
+                       _env_choice("QUANTMLA_CUPY_V5_PROT_LOADS", "vec", ("vec", "pairs")) == "vec")
 
 
 def v5_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool,
@@ -984,7 +967,7 @@ def v5_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
     key = ("v5", fmt, dev, sm_count, batch, rows, max_pages, no_prot, knobs, sink, local, index64)
     plan = _PLANS.get(key)
     if plan is None:
-        attn, smem = _v5_kernel(fmt, dev, knobs.lazy, index64, knobs.workers, not knobs.separate, knobs.loads_vec(fmt))
+        attn, smem = _v5_kernel(fmt, dev, knobs.lazy, index64, knobs.workers, not knobs.separate, knobs.prot_vec)
         own = _own_protected_tiles(no_prot, knobs, sink, local, V5_TILE)
         plan = _packed_split_plan(key, attn, smem, knobs.workers * 128, V5_TILE, knobs.workers, fmt, dev, sm_count, batch,
                                   rows, max_pages, no_prot or not knobs.separate, knobs.min_tiles, sink, local, index64,

@@ -111,10 +111,10 @@ def compile_sass_v4(fmt: PackFormat, wgmma: bool = True) -> tuple[str, str]:
     return _build_sass("attention_v4.cu", v4_defines(fmt, wgmma=wgmma), V4_WGMMA_ARCH if wgmma else "sm_90")
 
 
-def compile_sass_v5(fmt: PackFormat, workers: int = V5_WORKERS, prot_vec: bool | None = None) -> tuple[str, str]:
+def compile_sass_v5(fmt: PackFormat, workers: int = V5_WORKERS, prot_vec: bool = True) -> tuple[str, str]:
     """(SASS text, ptxas -v output) of ``qmla_attn_v5`` for ``fmt`` with ``workers`` worker warpgroups
     per CTA (an sm_90a build); ``prot_vec``: the protected-row loads of up to 16 bytes (``QMLA_V5_PROT_VEC``;
-    False: 4-byte loads; None: the launcher's default for ``fmt``)."""
+    False: 4-byte loads)."""
     return _build_sass("attention_v5.cu", v5_defines(fmt, workers=workers, prot_vec=prot_vec), V4_WGMMA_ARCH)
 
 
@@ -177,7 +177,7 @@ def tile_loop_v5(fmt: PackFormat, workers: int = V5_WORKERS) -> LoopReport:
     return tile_loops_v5(fmt, workers)["packed"]
 
 
-def tile_loops_v5(fmt: PackFormat, workers: int = V5_WORKERS, prot_vec: bool | None = None) -> dict[str, LoopReport]:
+def tile_loops_v5(fmt: PackFormat, workers: int = V5_WORKERS, prot_vec: bool = True) -> dict[str, LoopReport]:
     """The two tile loops of one ``qmla_attn_v5`` worker, {"packed": ..., "protected": ...}: both hold
     QK's and PV's HGMMA; the packed one dequantizes codes (HADD2 subtracts the zero points), the
     protected one loads bf16 rows (no HADD2)."""

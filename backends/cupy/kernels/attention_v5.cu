@@ -62,9 +62,8 @@
 // pairs of one token and slice in one load of up to 16 bytes (36 loads per warp and tile at d_c 512, +138 moves of
 // words into fragments). 0 (pairs): one 4-byte load per register; at d_c 512 C4R4 each such load of a warp touches 32
 // lines (8 tokens x 4 lanes 128 bytes apart), 4,608 L1 wavefronts per warp and tile. H200, H16, CUDA graphs (stop 27):
-// vec took C4R4 B32 L4K from 58.3 to 43.3 us and B32 L32K from 203.4 to 186.2 us, C2R4 B32 L4K from 46.5 to 40.3 us,
-// but C2R4's packed loop ran ~3 % slower beside it at B128 L32K and B32 L128K: the launcher picks per format
-// (V5_PROT_VEC_CONTENT_BITS).
+// vec took C4R4 B32 L4K from 58.3 to 43.3 us and B32 L32K from 203.4 to 186.2 us; C2R4 (4-k-step chunks) B32 L4K
+// from 46.0 to 41.5 us and B32 L32K from 194.2 to 188.2 us.
 #define QMLA_V5_PROT_VEC 1
 #endif
 #ifndef QMLA_V5_LAZY_RESCALE
@@ -123,9 +122,11 @@ static_assert(QMLA_GR == DR, "one RoPE group per token");
 #define QMLA_V5_EARLY_LOADS (NWG == 2)
 #endif
 #ifndef QMLA_V5_KCHUNK
-// QK k-steps per chunk of A fragments (double-buffered). H200, H16 B32/B128 L32K/L128K: 8 took 3-4 % off
-// C2R4 and nothing off C4R4 (stop 21); 4 holds fewer registers, 2 fewer still (three workers)
-#define QMLA_V5_KCHUNK ((NWG == 3) ? 2 : (CBITS == 2) ? 8 : 4)
+// QK k-steps per chunk of A fragments (double-buffered); 4 holds fewer registers than 8, 2 fewer still (three
+// workers). Stop 21 measured 8 3-4 % faster for C2R4 (nothing for C4R4); since the lanes load their own operands
+// (stop 22) and attend to the protected tiles (stop 26), C2R4 at 4 with vec loads runs 1-10 % faster than at 8 with
+// either load (H200, H16 B32/B128 L4K-L128K, CUDA graphs, stop 27: 230 registers instead of 255)
+#define QMLA_V5_KCHUNK ((NWG == 3) ? 2 : 4)
 #endif
 #define KCK QMLA_V5_KCHUNK
 #define NKC ((KSTEPS + KCK - 1) / KCK)  // QK chunks
