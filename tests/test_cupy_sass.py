@@ -191,6 +191,22 @@ V6_BUDGETS = {("C4R4", 512, 64): (40, 990, 1130), ("C2R4", 512, 64): (40, 990, 1
               ("C2R4", 256, 32): (22, 780, 725)}
 
 
+@pytest.mark.parametrize("dc,dr,saved", [(512, 64, 38), (256, 32, 14)])
+def test_v5_codes_in_place_take_fewer_instructions(dc, dr, saved):
+    """QMLA_CODES_IN_PLACE (2-bit content; off by default until run on a GPU): one prmt per byte pair for all four
+    slices and one lop3 per slice, so v5's loop loses most of its prmt (what is left converts the 4-bit RoPE
+    codes) and `saved` instructions in all (measured), without spills; 4-bit content builds ignore it."""
+    from quantmla_core.backends.cupy.sass_report import tile_loops_v5
+
+    fmt = qm.PackFormat.parse("C2R4", latent_dim=dc, rope_dim=dr)
+    old, new = (tile_loops_v5(fmt, codes_in_place=cip)["packed"] for cip in (False, True))
+    print(f"C2R4 {dc}/{dr}: v5 {old.total} -> {new.total}")
+    assert new.total <= old.total - saved and new.count("PRMT") < old.count("PRMT") / 2, (old.opcodes, new.opcodes)
+    assert new.count("LDL", "STL") == 0 and new.count("HGMMA") == old.count("HGMMA")
+    c4 = qm.PackFormat.parse("C4R4", latent_dim=dc, rope_dim=dr)
+    assert tile_loops_v5(c4, codes_in_place=True)["packed"].opcodes == tile_loops_v5(c4)["packed"].opcodes
+
+
 @pytest.mark.parametrize("name,dc,dr", list(V6_BUDGETS), ids=lambda v: str(v))
 def test_v6_tile_loops_within_budget(name, dc, dr):
     """v6's tile loops: the attender's holds QK's HGMMA and its half of PV's, the dequantizer's only its half

@@ -346,6 +346,12 @@ def test_v5_knobs(monkeypatch):
     for value, vec in (("vec", True), ("pairs", False)):
         monkeypatch.setenv("QUANTMLA_CUPY_V5_PROT_LOADS", value)
         assert V5Knobs.from_env() == V5Knobs(True, prot_vec=vec)
+    assert attn.defines["QMLA_CODES_IN_PLACE"] == 0  # off by default (CODES_IN_PLACE)
+    monkeypatch.setenv("QUANTMLA_CUPY_CODES_IN_PLACE", "1")
+    assert V5Knobs.from_env() == V5Knobs(True, prot_vec=False, codes_in_place=True)
+    assert v5_defines(qm.PackFormat.parse("C2R4"), codes_in_place=True)["QMLA_CODES_IN_PLACE"] == 1
+    assert v5_defines(qm.PackFormat.parse("C4R4"), codes_in_place=True)["QMLA_CODES_IN_PLACE"] == 0  # 2-bit only
+    monkeypatch.delenv("QUANTMLA_CUPY_CODES_IN_PLACE")
     launches, *_ = _run_v5_stubbed(monkeypatch, 16, 1, True)
     (attn, *_), _ = launches.of("qmla_attn_v5")
     assert attn.defines["QMLA_V5_PROT_VEC"] == 0 and attn.defines["QMLA_V5_PROTECTED"] == 1
@@ -402,6 +408,20 @@ def test_attention_v5_matches_reference(case, workers, monkeypatch):
         pytest.skip(f"v5 is an sm_90a kernel: this GPU is compute capability {cap[0]}.{cap[1]}")
     monkeypatch.setenv(VARIANT_ENV, "v5")
     monkeypatch.setenv("QUANTMLA_CUPY_V5_WORKERS", str(workers))
+    check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", [c for c in V2_CASES + BIG[:3] + V5_CASES if c.fmt.content_bits == 2], ids=str)
+def test_attention_v5_codes_in_place_match_reference(case, monkeypatch):
+    """2-bit codes converted where they lie in their byte (``QUANTMLA_CUPY_CODES_IN_PLACE=1``; off by default until
+    this passes on a GPU: attention.py's CODES_IN_PLACE) compute the same attention."""
+    cap = torch.cuda.get_device_capability()
+    if tuple(cap) != (9, 0):
+        pytest.skip(f"v5 is an sm_90a kernel: this GPU is compute capability {cap[0]}.{cap[1]}")
+    monkeypatch.setenv(VARIANT_ENV, "v5")
+    monkeypatch.setenv("QUANTMLA_CUPY_CODES_IN_PLACE", "1")
     check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
 
 

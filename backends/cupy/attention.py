@@ -164,6 +164,13 @@ V6_PLAN_PROTECTED = False
 #: v6's defaults of :class:`V6Knobs` ``pv_at`` and ``page_ahead``
 V6_PV_AT = 3
 V6_PAGE_AHEAD = False
+#: whether v5 converts 2-bit codes where they lie in their byte (``common.cuh``'s ``qmla_code2_in_place``;
+#: ``QUANTMLA_CUPY_CODES_IN_PLACE``): 38 fewer instructions per warp and tile in its loop (1,521 against 1,559 at
+#: d_c 512; 973 against 987 at 256). Off until a GPU has passed conformance with it: stop 27's one run had a wrong
+#: constant (0x00430043 for 0x43004300) and failed every 2-bit case; that build, whose loop is the same instructions,
+#: ran 1-2 % faster (H200, C2R4 H16 B128 L32K and B32 L128K, CUDA graphs). v6's dequantizer gained 10 or lost 6
+#: instructions with it (d_c 512 / 256), so v6 does not take it.
+CODES_IN_PLACE = False
 
 
 def smem_per_block(capability: tuple[int, int] | None) -> int:
@@ -411,17 +418,20 @@ def v5_smem_bytes(fmt: PackFormat, workers: int = V5_WORKERS) -> int:
 
 
 def v5_defines(fmt: PackFormat, lazy_rescale: bool = True, index64: bool = True,
-               workers: int = V5_WORKERS, protected: bool = True, prot_vec: bool = True) -> dict[str, int]:
+               workers: int = V5_WORKERS, protected: bool = True, prot_vec: bool = True,
+               codes_in_place: bool = CODES_IN_PLACE) -> dict[str, int]:
     """``-D`` defines of ``kernels/attention_v5.cu`` (bfloat16 queries; an sm_90a build,
     :data:`V4_WGMMA_ARCH`). ``index64``: int64 seq_lens / seq_ids (else int32); ``workers``: worker
     warpgroups per CTA; ``protected``: the sink/local tokens as the kernel's own tiles (else packed
     tokens only, for the protected-only launch); ``prot_vec``: a protected tile's bf16 pairs in loads of up to
-    16 bytes (``QMLA_V5_PROT_VEC``; else one 4-byte load per fragment register)."""
+    16 bytes (``QMLA_V5_PROT_VEC``; else one 4-byte load per fragment register); ``codes_in_place``: 2-bit codes
+    converted where they lie (``QMLA_CODES_IN_PLACE``, :data:`CODES_IN_PLACE`; 4-bit content ignores it)."""
     if workers not in V5_WORKER_CHOICES:
         raise ValueError(f"workers: expected one of {V5_WORKER_CHOICES}, got {workers!r}")
     d = attention_defines(fmt, "bfloat16", index64)
     d.update(QMLA_V5_SMEM=v5_smem_bytes(fmt, workers), QMLA_V5_LAZY_RESCALE=int(lazy_rescale),
-             QMLA_V5_WORKERS=workers, QMLA_V5_PROTECTED=int(protected), QMLA_V5_PROT_VEC=int(prot_vec))
+             QMLA_V5_WORKERS=workers, QMLA_V5_PROTECTED=int(protected), QMLA_V5_PROT_VEC=int(prot_vec),
+             QMLA_CODES_IN_PLACE=int(codes_in_place and fmt.content_bits == 2))
     return d
 
 
@@ -924,11 +934,12 @@ def v4_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
 
 
 def _v5_kernel(fmt: PackFormat, dev: int, lazy: bool, index64: bool, workers: int = V5_WORKERS,
-               protected: bool = True, prot_vec: bool = True):
+               protected: bool = True, prot_vec: bool = True, codes_in_place: bool = CODES_IN_PLACE):
     """Compiled ``qmla_attn_v5`` (cached, an sm_90a build) and its dynamic shared memory."""
-    return _split_kernel(("v5", fmt, dev, lazy, index64, workers, protected, prot_vec), "v5", dev,
+    return _split_kernel(("v5", fmt, dev, lazy, index64, workers, protected, prot_vec, codes_in_place), "v5", dev,
                          v5_smem_bytes(fmt, workers),
-                         lambda: v5_defines(fmt, lazy, index64, workers, protected, prot_vec), V4_WGMMA_ARCH)
+                         lambda: v5_defines(fmt, lazy, index64, workers, protected, prot_vec, codes_in_place),
+                         V4_WGMMA_ARCH)
 
 
 @dataclass(frozen=True)
@@ -938,8 +949,9 @@ class V5Knobs:
     ``inline`` (default) or ``separate``): leave the sink/local tokens to the protected-only launch instead
     of attending to them as the kernel's own tiles; plan_protected (``QUANTMLA_CUPY_PLAN_PROTECTED``, 0/1,
     default 1): count those tiles in the split plan; prot_vec (``QUANTMLA_CUPY_V5_PROT_LOADS``, ``vec``
-    (default) or ``pairs``): load a protected tile's bf16 pairs in loads of up to 16 bytes, not one by one)
-    and v2's split floor."""
+    (default) or ``pairs``): load a protected tile's bf16 pairs in loads of up to 16 bytes, not one by one;
+    codes_in_place (``QUANTMLA_CUPY_CODES_IN_PLACE``, 0/1, default :data:`CODES_IN_PLACE`): convert 2-bit codes where
+    they lie in their byte) and v2's split floor."""
 
     lazy: bool = True
     min_tiles: int = V2_MIN_TILES_PER_SPLIT
@@ -947,6 +959,7 @@ class V5Knobs:
     separate: bool = False
     plan_protected: bool = True
     prot_vec: bool = True
+    codes_in_place: bool = CODES_IN_PLACE
 
     @staticmethod
     def from_env() -> "V5Knobs":
@@ -955,7 +968,8 @@ class V5Knobs:
                        _env_int("QUANTMLA_CUPY_V5_WORKERS", V5_WORKERS, V5_WORKER_CHOICES),
                        _env_choice("QUANTMLA_CUPY_V5_PROTECTED", "inline", ("inline", "separate")) == "separate",
                        bool(_env_int("QUANTMLA_CUPY_PLAN_PROTECTED", 1, (0, 1))),
-                       _env_choice("QUANTMLA_CUPY_V5_PROT_LOADS", "vec", ("vec", "pairs")) == "vec")
+                       _env_choice("QUANTMLA_CUPY_V5_PROT_LOADS", "vec", ("vec", "pairs")) == "vec",
+                       bool(_env_int("QUANTMLA_CUPY_CODES_IN_PLACE", int(CODES_IN_PLACE), (0, 1))))
 
 
 def v5_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool,
@@ -967,7 +981,8 @@ def v5_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
     key = ("v5", fmt, dev, sm_count, batch, rows, max_pages, no_prot, knobs, sink, local, index64)
     plan = _PLANS.get(key)
     if plan is None:
-        attn, smem = _v5_kernel(fmt, dev, knobs.lazy, index64, knobs.workers, not knobs.separate, knobs.prot_vec)
+        attn, smem = _v5_kernel(fmt, dev, knobs.lazy, index64, knobs.workers, not knobs.separate, knobs.prot_vec,
+                                knobs.codes_in_place)
         own = _own_protected_tiles(no_prot, knobs, sink, local, V5_TILE)
         plan = _packed_split_plan(key, attn, smem, knobs.workers * 128, V5_TILE, knobs.workers, fmt, dev, sm_count, batch,
                                   rows, max_pages, no_prot or not knobs.separate, knobs.min_tiles, sink, local, index64,

@@ -37,6 +37,7 @@ from pathlib import Path
 from ...formats import PackFormat
 from . import KERNEL_DIR, define_options
 from .attention import (
+    CODES_IN_PLACE,
     V3_STAGES,
     V4_WGMMA_ARCH,
     V5_WORKER_CHOICES,
@@ -111,11 +112,13 @@ def compile_sass_v4(fmt: PackFormat, wgmma: bool = True) -> tuple[str, str]:
     return _build_sass("attention_v4.cu", v4_defines(fmt, wgmma=wgmma), V4_WGMMA_ARCH if wgmma else "sm_90")
 
 
-def compile_sass_v5(fmt: PackFormat, workers: int = V5_WORKERS, prot_vec: bool = True) -> tuple[str, str]:
+def compile_sass_v5(fmt: PackFormat, workers: int = V5_WORKERS, prot_vec: bool = True,
+                    codes_in_place: bool = CODES_IN_PLACE) -> tuple[str, str]:
     """(SASS text, ptxas -v output) of ``qmla_attn_v5`` for ``fmt`` with ``workers`` worker warpgroups
     per CTA (an sm_90a build); ``prot_vec``: the protected-row loads of up to 16 bytes (``QMLA_V5_PROT_VEC``;
-    False: 4-byte loads)."""
-    return _build_sass("attention_v5.cu", v5_defines(fmt, workers=workers, prot_vec=prot_vec), V4_WGMMA_ARCH)
+    False: 4-byte loads); ``codes_in_place``: ``QMLA_CODES_IN_PLACE``."""
+    defines = v5_defines(fmt, workers=workers, prot_vec=prot_vec, codes_in_place=codes_in_place)
+    return _build_sass("attention_v5.cu", defines, V4_WGMMA_ARCH)
 
 
 def compile_sass_v6(fmt: PackFormat) -> tuple[str, str]:
@@ -177,11 +180,12 @@ def tile_loop_v5(fmt: PackFormat, workers: int = V5_WORKERS) -> LoopReport:
     return tile_loops_v5(fmt, workers)["packed"]
 
 
-def tile_loops_v5(fmt: PackFormat, workers: int = V5_WORKERS, prot_vec: bool = True) -> dict[str, LoopReport]:
+def tile_loops_v5(fmt: PackFormat, workers: int = V5_WORKERS, prot_vec: bool = True,
+                  codes_in_place: bool = CODES_IN_PLACE) -> dict[str, LoopReport]:
     """The two tile loops of one ``qmla_attn_v5`` worker, {"packed": ..., "protected": ...}: both hold
     QK's and PV's HGMMA; the packed one dequantizes codes (HADD2 subtracts the zero points), the
     protected one loads bf16 rows (no HADD2)."""
-    found = [lp for lp in loops(compile_sass_v5(fmt, workers, prot_vec)[0]) if lp.count("HGMMA")]
+    found = [lp for lp in loops(compile_sass_v5(fmt, workers, prot_vec, codes_in_place)[0]) if lp.count("HGMMA")]
     return {"packed": max((lp for lp in found if lp.count("HADD2")), key=lambda lp: lp.total),
             "protected": max((lp for lp in found if not lp.count("HADD2")), key=lambda lp: lp.total)}
 

@@ -157,6 +157,15 @@ __device__ __forceinline__ u32 v5_code2(u32 x, u32 c43) {
     return d;
 }
 
+#ifndef QMLA_CODES_IN_PLACE
+// 1: 2-bit codes are converted where they lie in their byte (common.cuh's qmla_code2_in_place; the launcher's
+// CODES_IN_PLACE, off until a GPU has passed conformance with it); 0: each slice shifted to bit 0 first
+#define QMLA_CODES_IN_PLACE 0
+#endif
+#if QMLA_CODES_IN_PLACE && CBITS != 2
+#error "QMLA_CODES_IN_PLACE converts 2-bit codes"
+#endif
+
 // x, hidden from the compiler's algebra: with the descriptors' fields visible, the tile loop's desc_advance adds
 // became an add and an or each (75 more uniform instructions per warp and tile)
 __device__ __forceinline__ u64 v5_opaque(u64 x) {
@@ -386,6 +395,9 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
         // shared addresses as the block's base plus uniform offsets (the descriptors stay in uniform registers)
         const u32 smem_s = smem_addr(smem), kt_s = smem_s + wg * WK_BYTES + W_KT;
         const u32 c43 = 0x43u | ((u32)L << 8);  // low byte 0x43 (all prmt reads); not a constant ptxas can fold
+#if QMLA_CODES_IN_PLACE
+        const u32 m43 = qmla_m43(c43);  // 0x43004300 in a register (qmla_code2_in_place)
+#endif
         // stmatrix row address of this lane for content k-step 0: matrix lane / 8 = (token half, k half)
         // -> token 16 ww + 8 (m & 1) + lane % 8, chunk (k half) of the k-step's 16 channels
         const int st_t = 16 * ww + 8 * ((lane >> 3) & 1) + (lane & 7), st_x = (lane >> 4) ^ (st_t & 7);
@@ -575,11 +587,20 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
 #pragma unroll
                     for (int gl = 0; gl < NGL; ++gl) {
                         const u32 z = cur.cz[tk][c][gl];
+#if QMLA_CODES_IN_PLACE
+                        off2[tk][c][gl] = qmla_off2_in_place(z, c);
+#if QMLA_CSCALE_BF16
+                        s2[tk][c][gl] = qmla_s2_in_place(cur.cs[tk][c][gl] | (cur.cs[tk][c][gl] << 16), c);
+#else
+                        s2[tk][c][gl] = __uint_as_float(cur.cs[tk][c][gl]) * (1.0f / (float)(1 << qmla_code_pos(c)));
+#endif
+#else
                         off2[tk][c][gl] = 0xc300c300u | z | (z << 16);
 #if QMLA_CSCALE_BF16
                         s2[tk][c][gl] = cur.cs[tk][c][gl] | (cur.cs[tk][c][gl] << 16);
 #else
                         s2[tk][c][gl] = __uint_as_float(cur.cs[tk][c][gl]);
+#endif
 #endif
                     }
                 }
@@ -599,8 +620,13 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
 #pragma unroll
                         for (int r = 0; r < 4; ++r) {  // a[j][tk + 2 hi]: token tk, slice 2 sp + hi
                             const int tk = r & 1, c = 2 * sp + (r >> 1);
+#if QMLA_CODES_IN_PLACE
+                            const u32 w = cur.wc[tk][bp >> 1];
+                            const u32 c2 = qmla_code2_in_place((bp & 1) ? qmla_pair_bytes<1>(w) : qmla_pair_bytes<0>(w), c, m43);
+#else
                             const u32 x = (cur.wc[tk][bp >> 1] >> (CBITS * c)) & CMASK;
                             const u32 c2 = (bp & 1) ? v5_code2<1>(x, c43) : v5_code2<0>(x, c43);
+#endif
 #if QMLA_CSCALE_BF16
                             a[j][r] = qmla_dq2_bf16(c2, off2[tk][c][gl], s2[tk][c][gl]);
 #else

@@ -62,6 +62,41 @@ __device__ __forceinline__ u32 qmla_code2(u32 x) {
     return __byte_perm(x, 0x43u, HI ? 0x4342u : 0x4140u);
 }
 
+// 2-bit codes converted where they lie in their byte (kernel v5's QMLA_CODES_IN_PLACE): a prmt moves a byte pair to the low bytes of
+// the two half-words, once for all four slices, and one lop3 per slice masks the code and adds the exponent byte:
+// bf16 128 + 2^p code, p = qmla_code_pos(c). The top slice's bits 6-7 move to 4-5 first (bit 7 is the exponent's).
+// With the zero point placed at 2^p (off2) and the scale divided by 2^p (exact), the product is the same
+// bf16(s * (code - z)). Per word of codes: 2 prmt, 2 shf, 8 lop3 (shifting each slice to bit 0: 3 shf, 4 lop3, 8 prmt).
+__device__ __forceinline__ constexpr int qmla_code_pos(int c) { return c < 3 ? 2 * c : 4; }
+
+// bytes 0, 1 (HI = 0) or 2, 3 (HI = 1) of w in the low bytes of the two half-words (the high bytes: don't care)
+template <int HI>
+__device__ __forceinline__ u32 qmla_pair_bytes(u32 w) {
+    u32 d;
+    asm("prmt.b32 %0, %1, %1, %2;" : "=r"(d) : "r"(w), "n"(HI ? 0x3322 : 0x1100));
+    return d;
+}
+
+// 0x43004300 from x, whose low byte is 0x43 and which ptxas cannot fold (qmla_code2_in_place's m43: as an immediate
+// beside the mask, ptxas splits its lop3 in two)
+__device__ __forceinline__ u32 qmla_m43(u32 x) { return __byte_perm(x, 0u, 0x0404); }
+
+// bf16x2 (128 + 2^p code) of slice c of the byte pair y (qmla_pair_bytes); m43 = qmla_m43(...)
+__device__ __forceinline__ u32 qmla_code2_in_place(u32 y, int c, u32 m43) {
+    return ((c == 3 ? y >> 2 : y) & (0x00030003u << qmla_code_pos(c))) | m43;
+}
+
+// zero point and bf16x2 scale of slice c for qmla_code2_in_place's codes: -(128 + 2^p z), s / 2^p (a zero scale
+// stays zero)
+__device__ __forceinline__ u32 qmla_off2_in_place(u32 z, int c) {
+    const int p = qmla_code_pos(c);
+    return 0xc300c300u | (z << p) | (z << (16 + p));
+}
+__device__ __forceinline__ u32 qmla_s2_in_place(u32 s2, int c) {
+    const int p = qmla_code_pos(c);
+    return p ? fma_bf16x2(s2, (0x3f80u - ((u32)p << 7)) * 0x10001u, 0x80008000u) : s2;
+}
+
 // bf16x2 of s * (code - z) for two codes given as bf16x2 (128 + code); off2 = bf16x2 -(128 + z).
 // Content scales in bf16 (s2 = bf16x2 s): the subtraction is exact, the product rounds once.
 __device__ __forceinline__ u32 qmla_dq2_bf16(u32 c2, u32 off2, u32 s2) {
