@@ -1,10 +1,12 @@
-"""The 2-bit code conversion of CuPy kernel v5's ``QMLA_CODES_IN_PLACE`` (``common.cuh``'s ``qmla_code2_in_place``), checked
-without a GPU: converting a code where it lies in its byte (bf16 128 + 2^p code, zero point at 2^p, scale
-divided by 2^p) gives the same bf16 as shifting it to bit 0 first (bf16 128 + code), which is bf16(s (code - z)),
-for every byte, slice, zero point and a spread of scales. The byte moves (prmt selectors) are checked against a
-model of prmt. The model follows the kernel's bit operations and
-rounds bf16 products to nearest even, as ``fma.rn.bf16x2`` does; a negative control shows that converting the
-top slice at its own bit 6 (one bit of the code in the exponent) is caught.
+"""The 2-bit code conversion of CuPy kernel v5's ``QMLA_CODES_IN_PLACE`` (``common.cuh``'s
+``qmla_code2_in_place``), checked without a GPU.
+
+Converting a code where it lies in its byte (bf16 128 + 2^p code, zero point at 2^p, scale divided by 2^p) gives
+the same bf16 as shifting it to bit 0 first (bf16 128 + code), which is bf16(s (code - z)), for every byte, slice,
+zero point and a spread of scales. The model follows the kernel's bit operations and rounds bf16 products to
+nearest even, as ``fma.rn.bf16x2`` does; the byte moves (prmt selectors) are checked against a model of prmt. A
+negative control shows that converting the top slice at its own bit 6 (one bit of the code in the exponent) is
+caught.
 """
 
 from __future__ import annotations

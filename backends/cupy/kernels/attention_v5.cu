@@ -58,10 +58,11 @@
 #define QMLA_V5_PROTECTED 1
 #endif
 #ifndef QMLA_V5_PROT_VEC
-// how a protected tile's lanes load their A fragments from the bf16 rows (QUANTMLA_CUPY_V5_PROT_LOADS). 1 (vec): a chunk's
-// pairs of one token and slice in one load of up to 16 bytes (36 loads per warp and tile at d_c 512, +138 moves of
-// words into fragments). 0 (pairs): one 4-byte load per register; at d_c 512 C4R4 each such load of a warp touches 32
-// lines (8 tokens x 4 lanes 128 bytes apart), 4,608 L1 wavefronts per warp and tile. H200, H16, CUDA graphs (stop 27):
+// how a protected tile's lanes load their A fragments from the bf16 rows (QUANTMLA_CUPY_V5_PROT_LOADS). 1 (vec): a
+// chunk's pairs of one token and slice in one load of up to 16 bytes (36 loads per warp and tile at d_c 512, +138
+// moves of words into fragments). 0 (pairs): one 4-byte load per register; at d_c 512 C4R4 each such load of a warp
+// touches 32 lines (8 tokens x 4 lanes 128 bytes apart), 4,608 L1 wavefronts per warp and tile. H200, H16, CUDA
+// graphs (stop 27):
 // vec took C4R4 B32 L4K from 58.3 to 43.3 us and B32 L32K from 203.4 to 186.2 us; C2R4 (4-k-step chunks) B32 L4K
 // from 46.0 to 41.5 us and B32 L32K from 194.2 to 188.2 us.
 #define QMLA_V5_PROT_VEC 1
@@ -622,7 +623,8 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
                             const int tk = r & 1, c = 2 * sp + (r >> 1);
 #if QMLA_CODES_IN_PLACE
                             const u32 w = cur.wc[tk][bp >> 1];
-                            const u32 c2 = qmla_code2_in_place((bp & 1) ? qmla_pair_bytes<1>(w) : qmla_pair_bytes<0>(w), c, m43);
+                            const u32 y = (bp & 1) ? qmla_pair_bytes<1>(w) : qmla_pair_bytes<0>(w);
+                            const u32 c2 = qmla_code2_in_place(y, c, m43);
 #else
                             const u32 x = (cur.wc[tk][bp >> 1] >> (CBITS * c)) & CMASK;
                             const u32 c2 = (bp & 1) ? v5_code2<1>(x, c43) : v5_code2<0>(x, c43);

@@ -62,11 +62,11 @@ __device__ __forceinline__ u32 qmla_code2(u32 x) {
     return __byte_perm(x, 0x43u, HI ? 0x4342u : 0x4140u);
 }
 
-// 2-bit codes converted where they lie in their byte (kernel v5's QMLA_CODES_IN_PLACE): a prmt moves a byte pair to the low bytes of
-// the two half-words, once for all four slices, and one lop3 per slice masks the code and adds the exponent byte:
-// bf16 128 + 2^p code, p = qmla_code_pos(c). The top slice's bits 6-7 move to 4-5 first (bit 7 is the exponent's).
-// With the zero point placed at 2^p (off2) and the scale divided by 2^p (exact), the product is the same
-// bf16(s * (code - z)). Per word of codes: 2 prmt, 2 shf, 8 lop3 (shifting each slice to bit 0: 3 shf, 4 lop3, 8 prmt).
+// 2-bit codes converted where they lie in their byte (kernel v5's QMLA_CODES_IN_PLACE): a prmt moves a byte pair to
+// the low bytes of the two half-words, once for all four slices, and one lop3 per slice masks the code and adds the
+// exponent byte: bf16 128 + 2^p code, p = qmla_code_pos(c). The top slice's bits 6-7 move to 4-5 first (bit 7 is the
+// exponent's). With the zero point placed at 2^p (off2) and the scale divided by 2^p (exact), the product is the same
+// bf16(s * (code - z)). Per word of codes: 2 prmt, 2 shf, 8 lop3 (each slice shifted to bit 0: 3 shf, 4 lop3, 8 prmt).
 __device__ __forceinline__ constexpr int qmla_code_pos(int c) { return c < 3 ? 2 * c : 4; }
 
 // bytes 0, 1 (HI = 0) or 2, 3 (HI = 1) of w in the low bytes of the two half-words (the high bytes: don't care)
