@@ -125,8 +125,9 @@ static_assert(QMLA_GR == DR, "one RoPE group per token");
 #ifndef QMLA_V5_KCHUNK
 // QK k-steps per chunk of A fragments (double-buffered); 4 holds fewer registers than 8, 2 fewer still (three
 // workers). Stop 21 measured 8 3-4 % faster for C2R4 (nothing for C4R4); since the lanes load their own operands
-// (stop 22) and attend to the protected tiles (stop 26), C2R4 at 4 with vec loads runs 1-10 % faster than at 8 with
-// either load (H200, H16 B32/B128 L4K-L128K, CUDA graphs, stop 27: 230 registers instead of 255)
+// (stop 22) and attend to the protected tiles (stop 26), C2R4 at 4 with vec loads was the fastest of the four builds
+// from 32K tokens, 0.2-3 % ahead, and 3 % behind 8 with vec at B32 L4K (H200, H16 B32/B128, CUDA graphs, stop 27:
+// 230 registers instead of 255)
 #define QMLA_V5_KCHUNK ((NWG == 3) ? 2 : 4)
 #endif
 #define KCK QMLA_V5_KCHUNK
