@@ -49,8 +49,8 @@ def dequantize_in_place(byte, c, z, s_bits, pos=code_pos):
     """bf16 bits of the kernel's (128 + 2^p code) - (128 + 2^p z), times s / 2^p, rounded once."""
     p = pos(c)
     d = bf16_value(half_in_place(byte, c, pos)) + bf16_value(0xC300 | (z << p))  # fma(c2, 1, off2): exact
-    s_p = bf16_value(s_bits) / 2.0**p  # qmla_s2_in_place: exact (a power of two, normal scales)
-    assert np.array_equal(bf16_value(bf16_bits(s_p)), s_p)
+    s_p = bf16_value(s_bits) * bf16_value(0x3F80 - (p << 7))  # qmla_s2_in_place's multiplier, from its bits
+    assert np.array_equal(bf16_value(bf16_bits(s_p)), s_p)  # exact: a power of two, normal scales
     return bf16_bits(d * s_p)
 
 
@@ -79,7 +79,8 @@ def test_in_place_conversion_is_bit_identical(c, z):
 
 
 def test_zero_scale_stays_zero():
-    """Tokens past L load zero scales and codes: their keys must stay 0 (no NaN into PV)."""
+    """Tokens past L load zero scales and codes: their keys must stay 0 (no NaN into PV), which holds while the
+    scale is divided by multiplying with a finite multiplier (an infinite one, 0x7f80, would give NaN)."""
     for c in range(4):
         got = dequantize_in_place(np.arange(256, dtype=np.uint32), c, 0, np.uint32(0))
         assert np.all(bf16_value(got) == 0.0)
