@@ -24,8 +24,8 @@
 #   bash benchmarks/run_h200_kernels.sh v5prot   # v5 attending to the sink/local tokens itself: conformance (every
 #       v5 test, v6's), memcheck on protected-heavy cases (V5P_MEMCHECK_ENV: e.g. QUANTMLA_CUPY_V5_PROT_LOADS=pairs),
 #       inline vs separate (QUANTMLA_CUPY_V5_PROTECTED; or V5P_SETTINGS) graphed over V5P_SHAPES
-#   bash benchmarks/run_h200_kernels.sh codes    # v5 with 2-bit codes converted in place (QUANTMLA_CUPY_CODES_IN_PLACE):
-#       its conformance, memcheck, then CUDA graphs of 0 against 1 over CODES_SHAPES (C2R4)
+#   bash benchmarks/run_h200_kernels.sh codes    # v5's 2-bit conversion (QUANTMLA_CUPY_CODES_IN_PLACE, 1 by default):
+#       conformance of both builds, memcheck of the default, then CUDA graphs of 0 against 1 over CODES_SHAPES (C2R4)
 #   SRCAB_SOURCES="kept probe_tmp/old.cu kept" SRCAB_ARGS="..." bash benchmarks/run_h200_kernels.sh srcab  # one kernel
 #       source (SRCAB_KERNEL, default attention_v6.cu) against others from the working tree, one process each
 #   bash benchmarks/run_h200_kernels.sh v6small  # where v6's time goes at short contexts: each kernel's duration
@@ -150,9 +150,9 @@ elif [ "$MODE" = v5prot ]; then
     --shapes ${V5P_SHAPES:-16x8x4096,16x32x4096,16x8x32768,16x32x32768,16x128x32768,16x32x131072,16x128x131072} \
     --json "$OUT/graph_v5_protected.json" 2>&1 | grep -v "^{" | tail -40
 elif [ "$MODE" = codes ]; then
-  echo "=== v5 codes in place: conformance"; timeout 150 $T tests/test_cupy_v5.py -k "codes_in_place or (v5_matches_reference and C2R4)" \
+  echo "=== v5 codes in place: conformance"; timeout 150 $T tests/test_cupy_v5.py -k "codes_shifted or (v5_matches_reference and C2R4)" \
     2>&1 | tail -3 | tee "$OUT/v5_codes_in_place.txt"
-  echo "=== memcheck"; QUANTMLA_CUPY_CODES_IN_PLACE=1 timeout 60 compute-sanitizer --tool memcheck $T tests/test_cupy_v5.py \
+  echo "=== memcheck"; timeout 60 compute-sanitizer --tool memcheck $T tests/test_cupy_v5.py \
     -k "v5_matches_reference and C2R4 and float32-2] and (L2000_4_150 or L5000_321)" 2>&1 | tail -2
   echo "=== 0 against 1 (CUDA graphs)"; timeout 200 python3 -P benchmarks/graph_probe.py --backends cupy \
     --settings "QUANTMLA_CUPY_CODES_IN_PLACE=0;QUANTMLA_CUPY_CODES_IN_PLACE=1;QUANTMLA_CUPY_CODES_IN_PLACE=0" --formats C2R4 \

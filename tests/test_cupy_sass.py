@@ -193,7 +193,7 @@ V6_BUDGETS = {("C4R4", 512, 64): (40, 990, 1130), ("C2R4", 512, 64): (40, 990, 1
 
 @pytest.mark.parametrize("dc,dr,saved", [(512, 64, 38), (256, 32, 14)])
 def test_v5_codes_in_place_take_fewer_instructions(dc, dr, saved):
-    """QMLA_CODES_IN_PLACE (2-bit content; off by default until run on a GPU): one prmt per byte pair for all four
+    """QMLA_CODES_IN_PLACE (2-bit content; on by default): one prmt per byte pair for all four
     slices and one lop3 per slice, so v5's loop loses most of its prmt (what is left converts the 4-bit RoPE
     codes) and `saved` instructions in all (measured), without spills; 4-bit content builds ignore it."""
     from quantmla_core.backends.cupy.sass_report import tile_loops_v5

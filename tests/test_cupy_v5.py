@@ -346,15 +346,18 @@ def test_v5_knobs(monkeypatch):
     for value, vec in (("vec", True), ("pairs", False)):
         monkeypatch.setenv("QUANTMLA_CUPY_V5_PROT_LOADS", value)
         assert V5Knobs.from_env() == V5Knobs(True, prot_vec=vec)
-    assert attn.defines["QMLA_CODES_IN_PLACE"] == 0  # off by default (CODES_IN_PLACE)
-    monkeypatch.setenv("QUANTMLA_CUPY_CODES_IN_PLACE", "1")
-    assert V5Knobs.from_env() == V5Knobs(True, prot_vec=False, codes_in_place=True)
+    assert attn.defines["QMLA_CODES_IN_PLACE"] == 0  # the stub's format has 4-bit content: nothing to convert
+    assert V5Knobs.from_env().codes_in_place is True  # on by default (CODES_IN_PLACE)
+    monkeypatch.setenv("QUANTMLA_CUPY_CODES_IN_PLACE", "0")
+    assert V5Knobs.from_env() == V5Knobs(True, prot_vec=False, codes_in_place=False)
     assert v5_defines(qm.PackFormat.parse("C2R4"), codes_in_place=True)["QMLA_CODES_IN_PLACE"] == 1
     assert v5_defines(qm.PackFormat.parse("C4R4"), codes_in_place=True)["QMLA_CODES_IN_PLACE"] == 0  # 2-bit only
     monkeypatch.delenv("QUANTMLA_CUPY_CODES_IN_PLACE")
     launches, *_ = _run_v5_stubbed(monkeypatch, 16, 1, True)
     (attn, *_), _ = launches.of("qmla_attn_v5")
     assert attn.defines["QMLA_V5_PROT_VEC"] == 0 and attn.defines["QMLA_V5_PROTECTED"] == 1
+    launches, *_ = _run_v2_stubbed(monkeypatch, 16, 1, True, {}, variant="v5", fmt_name="C2R4")
+    assert launches.of("qmla_attn_v5")[0][0].defines["QMLA_CODES_IN_PLACE"] == 1  # 2-bit content: on by default
     monkeypatch.setenv("QUANTMLA_CUPY_V5_PROT_LOADS", "wide")
     with pytest.raises(ValueError, match="QUANTMLA_CUPY_V5_PROT_LOADS"):
         V5Knobs.from_env()
@@ -414,14 +417,14 @@ def test_attention_v5_matches_reference(case, workers, monkeypatch):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("case", [c for c in V2_CASES + BIG[:3] + V5_CASES if c.fmt.content_bits == 2], ids=str)
-def test_attention_v5_codes_in_place_match_reference(case, monkeypatch):
-    """2-bit codes converted where they lie in their byte (``QUANTMLA_CUPY_CODES_IN_PLACE=1``; off by default until
-    this passes on a GPU: attention.py's CODES_IN_PLACE) compute the same attention."""
+def test_attention_v5_codes_shifted_match_reference(case, monkeypatch):
+    """2-bit codes shifted to bit 0 before conversion (``QUANTMLA_CUPY_CODES_IN_PLACE=0``; the default converts them
+    where they lie in their byte: attention.py's CODES_IN_PLACE) compute the same attention."""
     cap = torch.cuda.get_device_capability()
     if tuple(cap) != (9, 0):
         pytest.skip(f"v5 is an sm_90a kernel: this GPU is compute capability {cap[0]}.{cap[1]}")
     monkeypatch.setenv(VARIANT_ENV, "v5")
-    monkeypatch.setenv("QUANTMLA_CUPY_CODES_IN_PLACE", "1")
+    monkeypatch.setenv("QUANTMLA_CUPY_CODES_IN_PLACE", "0")
     check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
 
 
