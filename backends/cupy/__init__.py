@@ -81,17 +81,23 @@ _LOCK = threading.Lock()
 _MODULES: dict[tuple, Any] = {}
 
 
+#: ``CUfunction_attribute`` of the shared-memory share of the L1/shared array a kernel prefers (percent)
+CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
+
+
 def get_kernel(source: str, kernel: str, defines: dict[str, int], device_index: int, smem: int = 0,
-               arch: str | None = None):
+               arch: str | None = None, carveout: int | None = None):
     """Compiled ``cupy.RawKernel`` ``kernel`` of ``kernels/<source>`` with ``defines``, cached.
 
     ``smem``: dynamic shared memory the launches use (raises the kernel's limit above 48 KB).
     ``arch``: a target CuPy's compiler cannot name, such as ``"sm_90a"`` (wgmma builds): NVRTC
     compiles the cubin directly (:func:`compile_cubin`); None: CuPy's own build for the device.
+    ``carveout``: the preferred shared-memory carveout in percent of the most an SM has (the driver
+    rounds it up to a configuration that holds the launch); None: the driver's choice.
     """
     import cupy
 
-    key = (source, kernel, define_options(defines), device_index, arch)
+    key = (source, kernel, define_options(defines), device_index, arch, carveout)
     with _LOCK:
         fn = _MODULES.get(key)
         if fn is None:
@@ -104,6 +110,10 @@ def get_kernel(source: str, kernel: str, defines: dict[str, int], device_index: 
                 fn = module.get_function(kernel)
                 if smem > 48 * 1024:
                     fn.max_dynamic_shared_size_bytes = smem
+                if carveout is not None:
+                    from cupy_backends.cuda.api import driver
+
+                    driver.funcSetAttribute(fn.ptr, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, carveout)
             _MODULES[key] = fn
     return fn
 
