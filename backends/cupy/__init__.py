@@ -81,10 +81,6 @@ _LOCK = threading.Lock()
 _MODULES: dict[tuple, Any] = {}
 
 
-#: ``CUfunction_attribute`` of the shared-memory share of the L1/shared array a kernel prefers (percent)
-CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
-
-
 def get_kernel(source: str, kernel: str, defines: dict[str, int], device_index: int, smem: int = 0,
                arch: str | None = None, carveout: int | None = None):
     """Compiled ``cupy.RawKernel`` ``kernel`` of ``kernels/<source>`` with ``defines``, cached.
@@ -111,9 +107,7 @@ def get_kernel(source: str, kernel: str, defines: dict[str, int], device_index: 
                 if smem > 48 * 1024:
                     fn.max_dynamic_shared_size_bytes = smem
                 if carveout is not None:
-                    from cupy_backends.cuda.api import driver
-
-                    driver.funcSetAttribute(fn.ptr, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, carveout)
+                    fn.preferred_shared_memory_carveout = carveout
             _MODULES[key] = fn
     return fn
 
