@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 from triton.testing import do_bench
@@ -74,13 +75,15 @@ def _probe_shape(h: int, b: int, l: int, args, settings: list[dict[str, str]], s
                 def call(backend=backend, cache=cache):
                     return qm.attention(q, r, cache, backend=backend, **kw)
 
+                start = time.time()
                 eager = bench(call)
                 graph = bench(graphed(call))
                 for var in setting:
                     os.environ.pop(var, None)
                 row = {"H": h, "B": b, "L": l, "S_q": s_q, "format": name, "backend": backend, "eager_us": eager,
                        "graph_us": graph, "flashinfer_us": fi_us, "sink": args.sink, "local": args.local,
-                       "setting": " ".join(f"{k}={v}" for k, v in setting.items())}
+                       "setting": " ".join(f"{k}={v}" for k, v in setting.items()),
+                       "wall_start": start, "wall_end": time.time()}
                 rows.append(row)
                 fi_txt = f"  FI {fi_us:7.1f} us: eager {eager / fi_us:5.2f}x graph {graph / fi_us:5.2f}x" if fi_us else ""
                 print(f"H{h} B{b} L{l}{f' S{s_q}' if s_q > 1 else ''} {name} {backend:<6} {row['setting']:<32} eager {eager:8.1f} us  "

@@ -15,3 +15,11 @@ if ls .whl/flashinfer_python-*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl > "$OUT/flashinfer_install.log" 2>&1 \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE=/tmp
 fi
+# SM clocks, power and throttle reasons every 250 ms beside every run (the GPU meets its 700 W cap under long
+# C4R4 runs, stop 28): $OUT/smi.csv; graph_probe.py rows carry their wall-clock times to match
+if command -v nvidia-smi > /dev/null; then
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+    --format=csv -lms 250 > "$OUT/smi.csv" 2>&1 &
+  QM_SMI_PID=$!
+  trap 'kill $QM_SMI_PID 2> /dev/null' EXIT
+fi

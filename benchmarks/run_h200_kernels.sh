@@ -26,8 +26,6 @@
 #       inline vs separate (QUANTMLA_CUPY_V5_PROTECTED; or V5P_SETTINGS) graphed over V5P_SHAPES
 #   bash benchmarks/run_h200_kernels.sh codes    # v5's 2-bit conversion (QUANTMLA_CUPY_CODES_IN_PLACE, 1 by default):
 #       conformance of both builds, memcheck of the default, then CUDA graphs of 0 against 1 over CODES_SHAPES (C2R4)
-#   bash benchmarks/run_h200_kernels.sh carveout # v5's shared-memory carveout (QUANTMLA_CUPY_V5_CARVEOUT) over CARVEOUT_SHAPES,
-#       eager and graphed, with SM clocks, power and throttle reasons logged every 250 ms (smi_carveout.csv)
 #   SRCAB_SOURCES="kept probe_tmp/old.cu kept" SRCAB_ARGS="..." bash benchmarks/run_h200_kernels.sh srcab  # one kernel
 #       source (SRCAB_KERNEL, default attention_v6.cu) against others from the working tree, one process each
 #   bash benchmarks/run_h200_kernels.sh v6small  # where v6's time goes at short contexts: each kernel's duration
@@ -151,18 +149,6 @@ elif [ "$MODE" = v5prot ]; then
     --settings "${V5P_SETTINGS:-QUANTMLA_CUPY_V5_PROTECTED=inline;QUANTMLA_CUPY_V5_PROTECTED=separate}" --formats C4R4,C2R4 \
     --shapes ${V5P_SHAPES:-16x8x4096,16x32x4096,16x8x32768,16x32x32768,16x128x32768,16x32x131072,16x128x131072} \
     --json "$OUT/graph_v5_protected.json" 2>&1 | grep -v "^{" | tail -40
-elif [ "$MODE" = carveout ]; then
-  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
-    --format=csv -lms 250 > "$OUT/smi_carveout.csv" 2>&1 & SMI=$!
-  echo "=== v5 default build: conformance"; timeout 150 $T tests/test_cupy_v5.py -k "codes_shifted or v5_matches_reference" \
-    2>&1 | tail -2 | tee "$OUT/v5_conformance.txt"
-  echo "=== v5 with a carveout asked for"; QUANTMLA_CUPY_V5_CARVEOUT=71 timeout 60 $T tests/test_cupy_v5.py \
-    -k "v5_matches_reference and float32-2] and (L2000_4_150 or L5000_321)" 2>&1 | tail -1
-  echo "=== carveouts, eager and CUDA graphs"; timeout 400 python3 -P benchmarks/graph_probe.py --backends cupy \
-    --settings "${CARVEOUT_SETTINGS:-QUANTMLA_CUPY_V5_CARVEOUT=;QUANTMLA_CUPY_V5_CARVEOUT=71;QUANTMLA_CUPY_V5_CARVEOUT=100;QUANTMLA_CUPY_V5_CARVEOUT=}" \
-    --formats C4R4,C2R4 --shapes ${CARVEOUT_SHAPES:-16x32x32768,16x128x32768,16x32x131072,16x128x131072} \
-    --json "$OUT/graph_carveout.json" 2>&1 | grep -v "^{" | tail -40
-  kill $SMI
 elif [ "$MODE" = codes ]; then
   echo "=== v5 codes in place: conformance"; timeout 150 $T tests/test_cupy_v5.py -k "codes_shifted or (v5_matches_reference and C2R4)" \
     2>&1 | tail -3 | tee "$OUT/v5_codes_in_place.txt"

@@ -191,15 +191,13 @@ def _fmt_ok(cap: Capabilities, name: str) -> bool:
 @dataclass
 class StubKernel:
     """What the CuPy launcher asked to compile: ``kernels/<source>`` entry ``kernel`` with ``defines``
-    (``arch``: the NVRTC target it named, None: CuPy's build for the device; ``carveout``: the shared-memory
-    carveout it asked for, None: the driver's choice)."""
+    (``arch``: the NVRTC target it named, None: CuPy's build for the device)."""
 
     source: str
     kernel: str
     defines: dict
     smem: int = 0
     arch: str | None = None
-    carveout: int | None = None
 
 
 class LaunchLog(list):
@@ -228,9 +226,9 @@ def stub_cupy_launcher(monkeypatch: Any, sm_count: int = 132, nvrtc: tuple[int, 
     kernels: list = []
     launches = LaunchLog()
 
-    def get_kernel(source, kernel, defines, dev, smem=0, arch=None, carveout=None):
+    def get_kernel(source, kernel, defines, dev, smem=0, arch=None):
         kernels.append((source, kernel))
-        return StubKernel(source, kernel, defines, smem, arch, carveout)
+        return StubKernel(source, kernel, defines, smem, arch)
 
     def launch(fn, grid, block, args, dev, smem=0, stream=None):
         pack_args(args)  # what the real launch packs: numpy scalars of the parameters' types

@@ -358,13 +358,6 @@ def test_v5_knobs(monkeypatch):
     assert attn.defines["QMLA_V5_PROT_VEC"] == 0 and attn.defines["QMLA_V5_PROTECTED"] == 1
     launches, *_ = _run_v2_stubbed(monkeypatch, 16, 1, True, {}, variant="v5", fmt_name="C2R4")
     assert launches.of("qmla_attn_v5")[0][0].defines["QMLA_CODES_IN_PLACE"] == 1  # 2-bit content: on by default
-    assert launches.of("qmla_attn_v5")[0][0].carveout is None  # the driver's choice unless asked
-    launches, *_ = _run_v2_stubbed(monkeypatch, 16, 1, True, {"QUANTMLA_CUPY_V5_CARVEOUT": "71"}, variant="v5")
-    assert launches.of("qmla_attn_v5")[0][0].carveout == 71 and V5Knobs.from_env().carveout == 71
-    monkeypatch.setenv("QUANTMLA_CUPY_V5_CARVEOUT", "101")
-    with pytest.raises(ValueError, match="QUANTMLA_CUPY_V5_CARVEOUT"):
-        V5Knobs.from_env()
-    monkeypatch.delenv("QUANTMLA_CUPY_V5_CARVEOUT")
     monkeypatch.setenv("QUANTMLA_CUPY_V5_PROT_LOADS", "wide")
     with pytest.raises(ValueError, match="QUANTMLA_CUPY_V5_PROT_LOADS"):
         V5Knobs.from_env()

@@ -82,18 +82,16 @@ _MODULES: dict[tuple, Any] = {}
 
 
 def get_kernel(source: str, kernel: str, defines: dict[str, int], device_index: int, smem: int = 0,
-               arch: str | None = None, carveout: int | None = None):
+               arch: str | None = None):
     """Compiled ``cupy.RawKernel`` ``kernel`` of ``kernels/<source>`` with ``defines``, cached.
 
     ``smem``: dynamic shared memory the launches use (raises the kernel's limit above 48 KB).
     ``arch``: a target CuPy's compiler cannot name, such as ``"sm_90a"`` (wgmma builds): NVRTC
     compiles the cubin directly (:func:`compile_cubin`); None: CuPy's own build for the device.
-    ``carveout``: the preferred shared-memory carveout in percent of the most an SM has (the driver
-    rounds it up to a configuration that holds the launch); None: the driver's choice.
     """
     import cupy
 
-    key = (source, kernel, define_options(defines), device_index, arch, carveout)
+    key = (source, kernel, define_options(defines), device_index, arch)
     with _LOCK:
         fn = _MODULES.get(key)
         if fn is None:
@@ -106,8 +104,6 @@ def get_kernel(source: str, kernel: str, defines: dict[str, int], device_index: 
                 fn = module.get_function(kernel)
                 if smem > 48 * 1024:
                     fn.max_dynamic_shared_size_bytes = smem
-                if carveout is not None:
-                    fn.preferred_shared_memory_carveout = carveout
             _MODULES[key] = fn
     return fn
 

@@ -566,7 +566,7 @@ def _device_info(dev: int) -> tuple[int, tuple[int, int]]:
     return info
 
 
-def _env_int(name: str, default: int | None, allowed: tuple[int, ...]) -> int | None:
+def _env_int(name: str, default: int, allowed: tuple[int, ...]) -> int:
     raw = getenv(name, "").strip()
     if not raw:
         return default
@@ -668,14 +668,13 @@ def prepare(cache, block_table, seq_lens, seq_ids, batch: int, s_q: int, heads: 
                           softmax_scale, dev, side_default, index64)
 
 
-def _split_kernel(key: tuple, variant: str, dev: int, smem: int, defines, arch: str | None = None,
-                  carveout: int | None = None) -> tuple:
+def _split_kernel(key: tuple, variant: str, dev: int, smem: int, defines, arch: str | None = None) -> tuple:
     """(compiled ``qmla_attn_<variant>`` of ``kernels/attention_<variant>.cu``, its dynamic shared
-    memory), cached under ``key``; ``defines`` is called only to build it; ``arch``, ``carveout``: see
+    memory), cached under ``key``; ``defines`` is called only to build it; ``arch``: see
     :func:`~quantmla_core.backends.cupy.get_kernel`."""
     fn = _FNS.get(key)
     if fn is None:
-        fn = (get_kernel(f"attention_{variant}.cu", f"qmla_attn_{variant}", defines(), dev, smem, arch, carveout), smem)
+        fn = (get_kernel(f"attention_{variant}.cu", f"qmla_attn_{variant}", defines(), dev, smem, arch), smem)
         with _CACHE_LOCK:
             _FNS[key] = fn
     return fn
@@ -935,13 +934,12 @@ def v4_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
 
 
 def _v5_kernel(fmt: PackFormat, dev: int, lazy: bool, index64: bool, workers: int = V5_WORKERS,
-               protected: bool = True, prot_vec: bool = True, codes_in_place: bool = CODES_IN_PLACE,
-               carveout: int | None = None):
+               protected: bool = True, prot_vec: bool = True, codes_in_place: bool = CODES_IN_PLACE):
     """Compiled ``qmla_attn_v5`` (cached, an sm_90a build) and its dynamic shared memory."""
-    return _split_kernel(("v5", fmt, dev, lazy, index64, workers, protected, prot_vec, codes_in_place, carveout), "v5",
-                         dev, v5_smem_bytes(fmt, workers),
+    return _split_kernel(("v5", fmt, dev, lazy, index64, workers, protected, prot_vec, codes_in_place), "v5", dev,
+                         v5_smem_bytes(fmt, workers),
                          lambda: v5_defines(fmt, lazy, index64, workers, protected, prot_vec, codes_in_place),
-                         V4_WGMMA_ARCH, carveout)
+                         V4_WGMMA_ARCH)
 
 
 @dataclass(frozen=True)
@@ -953,8 +951,7 @@ class V5Knobs:
     default 1): count those tiles in the split plan; prot_vec (``QUANTMLA_CUPY_V5_PROT_LOADS``, ``vec``
     (default) or ``pairs``): load a protected tile's bf16 pairs in loads of up to 16 bytes, not one by one;
     codes_in_place (``QUANTMLA_CUPY_CODES_IN_PLACE``, 0/1, default :data:`CODES_IN_PLACE`): convert 2-bit codes where
-    they lie in their byte; carveout (``QUANTMLA_CUPY_V5_CARVEOUT``, 0-100, unset: the driver's choice): the shared-memory
-    carveout the kernel prefers, in percent) and v2's split floor."""
+    they lie in their byte) and v2's split floor."""
 
     lazy: bool = True
     min_tiles: int = V2_MIN_TILES_PER_SPLIT
@@ -963,7 +960,6 @@ class V5Knobs:
     plan_protected: bool = True
     prot_vec: bool = True
     codes_in_place: bool = CODES_IN_PLACE
-    carveout: int | None = None
 
     @staticmethod
     def from_env() -> "V5Knobs":
@@ -973,8 +969,7 @@ class V5Knobs:
                        _env_choice("QUANTMLA_CUPY_V5_PROTECTED", "inline", ("inline", "separate")) == "separate",
                        bool(_env_int("QUANTMLA_CUPY_PLAN_PROTECTED", 1, (0, 1))),
                        _env_choice("QUANTMLA_CUPY_V5_PROT_LOADS", "vec", ("vec", "pairs")) == "vec",
-                       bool(_env_int("QUANTMLA_CUPY_CODES_IN_PLACE", int(CODES_IN_PLACE), (0, 1))),
-                       _env_int("QUANTMLA_CUPY_V5_CARVEOUT", None, tuple(range(101))))
+                       bool(_env_int("QUANTMLA_CUPY_CODES_IN_PLACE", int(CODES_IN_PLACE), (0, 1))))
 
 
 def v5_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool,
@@ -987,7 +982,7 @@ def v5_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
     plan = _PLANS.get(key)
     if plan is None:
         attn, smem = _v5_kernel(fmt, dev, knobs.lazy, index64, knobs.workers, not knobs.separate, knobs.prot_vec,
-                                knobs.codes_in_place, knobs.carveout)
+                                knobs.codes_in_place)
         own = _own_protected_tiles(no_prot, knobs, sink, local, V5_TILE)
         plan = _packed_split_plan(key, attn, smem, knobs.workers * 128, V5_TILE, knobs.workers, fmt, dev, sm_count, batch,
                                   rows, max_pages, no_prot or not knobs.separate, knobs.min_tiles, sink, local, index64,
