@@ -168,7 +168,7 @@ V6_PAGE_AHEAD = False
 #: ``QUANTMLA_CUPY_CODES_IN_PLACE``): 38 fewer instructions per warp and tile in its loop (1,521 against 1,559 at
 #: d_c 512; 973 against 987 at 256). H200, C2R4 H16, CUDA graphs (stop 28, one call, the old build run before and
 #: after): B128 L32K 680.9 against 690.9-695.7 us, B32 L128K 674.3 against 685.7-689.7, B128 L128K 2,610.8 against
-#: 2,683.2-2,683.6, but B32 L32K 192.2 against 187.9 (stop 27's build with a wrong constant: 187.6 against 187.1).
+#: 2,683.2-2,683.6, but B32 L32K 2.5 % slower (192.2 against 187.9, and the same in two more calls).
 #: v6's dequantizer gained 10 or lost 6 instructions with it (d_c 512 / 256), so v6 does not take it.
 CODES_IN_PLACE = True
 

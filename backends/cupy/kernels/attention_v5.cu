@@ -161,7 +161,7 @@ __device__ __forceinline__ u32 v5_code2(u32 x, u32 c43) {
 
 #ifndef QMLA_CODES_IN_PLACE
 // 1: 2-bit codes are converted where they lie in their byte (common.cuh's qmla_code2_in_place; the launcher's
-// CODES_IN_PLACE, on for 2-bit content, passes it always); 0: each slice shifted to bit 0 first
+// CODES_IN_PLACE, on for 2-bit content; the launcher always passes it); 0: each slice shifted to bit 0 first
 #define QMLA_CODES_IN_PLACE 0
 #endif
 #if QMLA_CODES_IN_PLACE && CBITS != 2
