@@ -25,6 +25,11 @@ def _desc(x: Any) -> str:
 def check_cache(cache: Any) -> MLACache:
     if not isinstance(cache, MLACache):
         raise TypeError(f"cache: expected an MLACache, got {_desc(cache)}")
+    shape = tuple(cache.pages.shape)
+    # kernels may read page 0 in place of a token they mask (CuPy v5), so an empty pool is refused here
+    if len(shape) != 2 or shape[0] < 1 or shape[1] != cache.format.page_bytes:
+        raise ValueError(f"cache.pages: expected shape [num_pages >= 1, {cache.format.page_bytes}] "
+                         f"(page_bytes of {cache.format.name}), got {shape}")
     return cache
 
 

@@ -1,5 +1,7 @@
 """Invalid inputs: every case raises ValueError/TypeError naming the argument (DESIGN.md §4)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -152,3 +154,16 @@ def test_torch_backend_checks_indices_without_validation(setup):
         _attend(cache, args, batch, seq_ids=args["attn_seq_ids"] + 9, validate=False)
     with pytest.raises(ValueError, match=r"seq_lens\[0\]: expected 1..192"):
         _attend(cache, args, batch, seq_lens=args["attn_seq_lens"] * 100, validate=False)
+
+
+@pytest.mark.parametrize("pages", [lambda p: p[:0], lambda p: p[:, :-128], lambda p: p.reshape(-1)],
+                         ids=["no pages", "short rows", "flat"])
+def test_cache_pages_shape_is_checked(setup, pages):
+    """A pool of no pages, or pages not [num_pages, page_bytes], is refused before any backend runs (CuPy v5
+    reads page 0 for the codes of tokens it masks)."""
+    batch, args, cache = setup
+    bad = dataclasses.replace(cache, pages=pages(cache.pages))
+    with pytest.raises(ValueError, match=r"cache.pages: expected shape \[num_pages >= 1, 10368\]"):
+        _attend(bad, args, batch)
+    with pytest.raises(ValueError, match=r"cache.pages: expected shape"):
+        _write(bad, args)
