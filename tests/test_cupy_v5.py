@@ -17,6 +17,7 @@ import pytest
 import torch
 from conformance import Case, check_attention_case
 from quantmla_core.backends.cupy.attention import (
+    ROPE_FOLD_CONTENT_BITS,
     V3_MIN_TOKENS,
     V4_MIN_ROWS,
     V5_MIN_BATCH_TOKENS,
@@ -358,6 +359,8 @@ def test_v5_knobs(monkeypatch):
     assert attn.defines["QMLA_V5_PROT_VEC"] == 0 and attn.defines["QMLA_V5_PROTECTED"] == 1
     launches, *_ = _run_v2_stubbed(monkeypatch, 16, 1, True, {}, variant="v5", fmt_name="C2R4")
     assert launches.of("qmla_attn_v5")[0][0].defines["QMLA_CODES_IN_PLACE"] == 1  # 2-bit content: on by default
+    assert launches.of("qmla_attn_v5")[0][0].defines["QMLA_V5_ROPE_FOLD"] == 1  # 2-bit content: on by default
+
     monkeypatch.setenv("QUANTMLA_CUPY_V5_PROT_LOADS", "wide")
     with pytest.raises(ValueError, match="QUANTMLA_CUPY_V5_PROT_LOADS"):
         V5Knobs.from_env()
@@ -401,6 +404,27 @@ V5_CASES = [
 ]
 
 
+def test_v5_rope_fold_knob(monkeypatch):
+    """QUANTMLA_CUPY_V5_ROPE_FOLD (``auto``: 2-bit content, ROPE_FOLD_CONTENT_BITS; ``0``/``1`` force it) reaches the
+    build as QMLA_V5_ROPE_FOLD, for two workers only."""
+    assert ROPE_FOLD_CONTENT_BITS == (2,) and V5Knobs.from_env().rope_fold is None
+    c2, c4 = qm.PackFormat.parse("C2R4"), qm.PackFormat.parse("C4R4")
+    assert v5_defines(c2)["QMLA_V5_ROPE_FOLD"] == 1 and v5_defines(c4)["QMLA_V5_ROPE_FOLD"] == 0
+    assert v5_defines(c4, rope_fold=True)["QMLA_V5_ROPE_FOLD"] == 1
+    assert v5_defines(c2, rope_fold=False)["QMLA_V5_ROPE_FOLD"] == 0
+    assert v5_defines(c2, workers=3)["QMLA_V5_ROPE_FOLD"] == 0  # no registers for the second accumulator
+    for value, fold in (("auto", None), ("0", False), ("1", True)):
+        monkeypatch.setenv("QUANTMLA_CUPY_V5_ROPE_FOLD", value)
+        assert V5Knobs.from_env() == V5Knobs(True, rope_fold=fold)
+    for fmt_name, value, want in (("C2R4", "0", 0), ("C4R4", "1", 1), ("C4R4", "auto", 0)):
+        monkeypatch.setenv("QUANTMLA_CUPY_V5_ROPE_FOLD", value)
+        launches, *_ = _run_v2_stubbed(monkeypatch, 16, 1, True, {}, variant="v5", fmt_name=fmt_name)
+        assert launches.of("qmla_attn_v5")[0][0].defines["QMLA_V5_ROPE_FOLD"] == want, (fmt_name, value)
+    monkeypatch.setenv("QUANTMLA_CUPY_V5_ROPE_FOLD", "2")
+    with pytest.raises(ValueError, match="QUANTMLA_CUPY_V5_ROPE_FOLD"):
+        V5Knobs.from_env()
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("workers", V5_WORKER_CHOICES)
@@ -425,6 +449,21 @@ def test_attention_v5_codes_shifted_match_reference(case, monkeypatch):
         pytest.skip(f"v5 is an sm_90a kernel: this GPU is compute capability {cap[0]}.{cap[1]}")
     monkeypatch.setenv(VARIANT_ENV, "v5")
     monkeypatch.setenv("QUANTMLA_CUPY_CODES_IN_PLACE", "0")
+    check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", BIG[:3] + V5_CASES, ids=str)
+def test_attention_v5_rope_fold_flipped_match_reference(case, monkeypatch):
+    """Each format's other RoPE build (``QUANTMLA_CUPY_V5_ROPE_FOLD``; by default 2-bit content multiplies each
+    score's RoPE part by the token's scale once, 4-bit content dequantizes each RoPE value) computes the same
+    attention."""
+    cap = torch.cuda.get_device_capability()
+    if tuple(cap) != (9, 0):
+        pytest.skip(f"v5 is an sm_90a kernel: this GPU is compute capability {cap[0]}.{cap[1]}")
+    monkeypatch.setenv(VARIANT_ENV, "v5")
+    monkeypatch.setenv("QUANTMLA_CUPY_V5_ROPE_FOLD", "0" if case.fmt.content_bits in ROPE_FOLD_CONTENT_BITS else "1")
     check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
 
 

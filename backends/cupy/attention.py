@@ -172,6 +172,15 @@ V6_PAGE_AHEAD = False
 #: v6's dequantizer gained 10 or lost 6 instructions with it (d_c 512 / 256), so v6 does not take it.
 CODES_IN_PLACE = True
 
+#: content bits for which v5 multiplies each score's RoPE part by the token's float32 RoPE scale once instead of
+#: dequantizing every RoPE value through float32 (``QMLA_V5_ROPE_FOLD``; ``QUANTMLA_CUPY_V5_ROPE_FOLD`` forces it on
+#: or off): 72 fewer instructions per warp and tile at d_c 512 (1,320 against 1,392 for C4R4, 1,384 against 1,455 for
+#: C2R4). H200, H16, CUDA graphs, stop 29 (1 / 0 / 1 in one process): C2R4 B32 L32K 177.7 / 188.4 / 177.9 us, B128 L32K
+#: 652.5 / 676.7 / 652.7, B32 L128K 647.0 / 670.0 / 646.8, B128 L128K 2,530.7 / 2,605.1 / 2,529.3; C4R4 B32 L32K
+#: 1.5 % slower with it (186.1-187.4 against 183.5-184.6 in two calls), B128 L32K the same (697-699), so 4-bit
+#: content does not take it.
+ROPE_FOLD_CONTENT_BITS = (2,)
+
 
 def smem_per_block(capability: tuple[int, int] | None) -> int:
     """Opt-in dynamic shared memory per block (bytes): 227 KB on sm_90 (and when the GPU is not
@@ -419,20 +428,29 @@ def v5_smem_bytes(fmt: PackFormat, workers: int = V5_WORKERS) -> int:
 
 def v5_defines(fmt: PackFormat, lazy_rescale: bool = True, index64: bool = True,
                workers: int = V5_WORKERS, protected: bool = True, prot_vec: bool = True,
-               codes_in_place: bool = CODES_IN_PLACE) -> dict[str, int]:
+               codes_in_place: bool = CODES_IN_PLACE, rope_fold: bool | None = None) -> dict[str, int]:
     """``-D`` defines of ``kernels/attention_v5.cu`` (bfloat16 queries; an sm_90a build,
     :data:`V4_WGMMA_ARCH`). ``index64``: int64 seq_lens / seq_ids (else int32); ``workers``: worker
     warpgroups per CTA; ``protected``: the sink/local tokens as the kernel's own tiles (else packed
     tokens only, for the protected-only launch); ``prot_vec``: a protected tile's bf16 pairs in loads of up to
     16 bytes (``QMLA_V5_PROT_VEC``; else one 4-byte load per fragment register); ``codes_in_place``: 2-bit codes
-    converted where they lie (``QMLA_CODES_IN_PLACE``, :data:`CODES_IN_PLACE`; 4-bit content ignores it)."""
+    converted where they lie (``QMLA_CODES_IN_PLACE``, :data:`CODES_IN_PLACE`; 4-bit content ignores it);
+    ``rope_fold``: the RoPE scale multiplies each score once instead of each RoPE value (``QMLA_V5_ROPE_FOLD``;
+    None: for the content bits in :data:`ROPE_FOLD_CONTENT_BITS`; two workers only: three have no registers for
+    the second accumulator)."""
     if workers not in V5_WORKER_CHOICES:
         raise ValueError(f"workers: expected one of {V5_WORKER_CHOICES}, got {workers!r}")
     d = attention_defines(fmt, "bfloat16", index64)
     d.update(QMLA_V5_SMEM=v5_smem_bytes(fmt, workers), QMLA_V5_LAZY_RESCALE=int(lazy_rescale),
              QMLA_V5_WORKERS=workers, QMLA_V5_PROTECTED=int(protected), QMLA_V5_PROT_VEC=int(prot_vec),
-             QMLA_CODES_IN_PLACE=int(codes_in_place and fmt.content_bits == 2))
+             QMLA_CODES_IN_PLACE=int(codes_in_place and fmt.content_bits == 2), QMLA_V5_ROPE_FOLD=int(v5_rope_fold(fmt, rope_fold) and workers == 2))
     return d
+
+
+def v5_rope_fold(fmt: PackFormat, rope_fold: bool | None = None) -> bool:
+    """Whether v5 folds the RoPE scale into the scores for ``fmt``: ``rope_fold``, or by default for the content
+    bits in :data:`ROPE_FOLD_CONTENT_BITS`."""
+    return fmt.content_bits in ROPE_FOLD_CONTENT_BITS if rope_fold is None else bool(rope_fold)
 
 
 def v5_unsupported_reasons(fmt: PackFormat, capability: tuple[int, int] | None, dtype: str = "bfloat16",
@@ -934,11 +952,12 @@ def v4_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
 
 
 def _v5_kernel(fmt: PackFormat, dev: int, lazy: bool, index64: bool, workers: int = V5_WORKERS,
-               protected: bool = True, prot_vec: bool = True, codes_in_place: bool = CODES_IN_PLACE):
+               protected: bool = True, prot_vec: bool = True, codes_in_place: bool = CODES_IN_PLACE,
+               rope_fold: bool | None = None):
     """Compiled ``qmla_attn_v5`` (cached, an sm_90a build) and its dynamic shared memory."""
-    return _split_kernel(("v5", fmt, dev, lazy, index64, workers, protected, prot_vec, codes_in_place), "v5", dev,
-                         v5_smem_bytes(fmt, workers),
-                         lambda: v5_defines(fmt, lazy, index64, workers, protected, prot_vec, codes_in_place),
+    return _split_kernel(("v5", fmt, dev, lazy, index64, workers, protected, prot_vec, codes_in_place, rope_fold), "v5",
+                         dev, v5_smem_bytes(fmt, workers),
+                         lambda: v5_defines(fmt, lazy, index64, workers, protected, prot_vec, codes_in_place, rope_fold),
                          V4_WGMMA_ARCH)
 
 
@@ -951,7 +970,9 @@ class V5Knobs:
     default 1): count those tiles in the split plan; prot_vec (``QUANTMLA_CUPY_V5_PROT_LOADS``, ``vec``
     (default) or ``pairs``): load a protected tile's bf16 pairs in loads of up to 16 bytes, not one by one;
     codes_in_place (``QUANTMLA_CUPY_CODES_IN_PLACE``, 0/1, default :data:`CODES_IN_PLACE`): convert 2-bit codes where
-    they lie in their byte) and v2's split floor."""
+    they lie in their byte; rope_fold (``QUANTMLA_CUPY_V5_ROPE_FOLD``, ``auto`` (default: None,
+    :data:`ROPE_FOLD_CONTENT_BITS`), ``0`` or ``1``): scale each score's RoPE part once instead of dequantizing each RoPE
+    value) and v2's split floor."""
 
     lazy: bool = True
     min_tiles: int = V2_MIN_TILES_PER_SPLIT
@@ -960,6 +981,7 @@ class V5Knobs:
     plan_protected: bool = True
     prot_vec: bool = True
     codes_in_place: bool = CODES_IN_PLACE
+    rope_fold: bool | None = None
 
     @staticmethod
     def from_env() -> "V5Knobs":
@@ -969,7 +991,9 @@ class V5Knobs:
                        _env_choice("QUANTMLA_CUPY_V5_PROTECTED", "inline", ("inline", "separate")) == "separate",
                        bool(_env_int("QUANTMLA_CUPY_PLAN_PROTECTED", 1, (0, 1))),
                        _env_choice("QUANTMLA_CUPY_V5_PROT_LOADS", "vec", ("vec", "pairs")) == "vec",
-                       bool(_env_int("QUANTMLA_CUPY_CODES_IN_PLACE", int(CODES_IN_PLACE), (0, 1))))
+                       bool(_env_int("QUANTMLA_CUPY_CODES_IN_PLACE", int(CODES_IN_PLACE), (0, 1))),
+                       {"auto": None, "0": False, "1": True}[_env_choice("QUANTMLA_CUPY_V5_ROPE_FOLD", "auto",
+                                                                         ("auto", "0", "1"))])
 
 
 def v5_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool,
@@ -982,7 +1006,7 @@ def v5_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
     plan = _PLANS.get(key)
     if plan is None:
         attn, smem = _v5_kernel(fmt, dev, knobs.lazy, index64, knobs.workers, not knobs.separate, knobs.prot_vec,
-                                knobs.codes_in_place)
+                                knobs.codes_in_place, knobs.rope_fold)
         own = _own_protected_tiles(no_prot, knobs, sink, local, V5_TILE)
         plan = _packed_split_plan(key, attn, smem, knobs.workers * 128, V5_TILE, knobs.workers, fmt, dev, sm_count, batch,
                                   rows, max_pages, no_prot or not knobs.separate, knobs.min_tiles, sink, local, index64,

@@ -67,6 +67,15 @@
 // from 46.0 to 41.5 us and B32 L32K from 194.2 to 188.2 us.
 #define QMLA_V5_PROT_VEC 1
 #endif
+#ifndef QMLA_V5_ROPE_FOLD
+// 1: the RoPE codes enter QK as (code - z), exact in bf16, in an accumulator of their own that the token's float32
+// scale multiplies once per score (8 FFMA a thread and tile); 0: each RoPE value dequantized to bf16 through float32
+// (two FMUL, two conversions and a pack per pair: ~80 instructions a warp and tile). The launcher's
+// QUANTMLA_CUPY_V5_ROPE_FOLD (attention.py's ROPE_FOLD_CONTENT_BITS: 2-bit content, 3-6 % faster on the H200; C4R4
+// 1.5 % slower at B32 L32K, stop 29), for two workers: with three, at 168 registers a thread, the second
+// accumulator spilled 100 bytes (12 without)
+#define QMLA_V5_ROPE_FOLD (NWG == 2 && CBITS == 2)
+#endif
 #ifndef QMLA_V5_LAZY_RESCALE
 #define QMLA_V5_LAZY_RESCALE 1  // skip the output rescale while no column's maximum moves (bit-identical)
 #endif
@@ -268,8 +277,10 @@ __device__ __forceinline__ int v5_warp_page(int tt, int ww, const int* __restric
 }
 
 // this lane's operands of tile tt from page pg (warp-uniform; t_lane: the lane's first token of a tile). A
-// token past L or on a page outside [0, num_pages) is not read: zero codes, zero points and scales, so its
-// keys dequantize to 0 (its scores are masked; 0 x a stale NaN could poison PV).
+// token past L or on a page outside [0, num_pages) gets zero points and scales 0, so its keys dequantize to 0
+// (its scores are masked; 0 x a stale NaN scale could poison PV); its codes, finite whatever they are, are read
+// from its slot of page pg or, outside the pool, of page 0 (num_pages >= 1): unconditional loads, so the registers
+// they fill need no zeroing first.
 __device__ __forceinline__ void v5_load_tile(V5Regs& r, const u8* __restrict__ pages, int pg, int num_pages, int tt,
                                              int L, int t_lane, int q4) {
     const bool page_ok = pg >= 0 && pg < num_pages;
@@ -280,16 +291,14 @@ __device__ __forceinline__ void v5_load_tile(V5Regs& r, const u8* __restrict__ p
         const bool ok = page_ok && n < L;
 #pragma unroll
         for (int v = 0; v < BL / 16; ++v) {
-            uint4 x = make_uint4(0u, 0u, 0u, 0u);
-            if (ok) x = *(const uint4*)(page + QMLA_OFF_CC + s * CB + BL * q4 + 16 * v);
+            const uint4 x = *(const uint4*)(page + QMLA_OFF_CC + s * CB + BL * q4 + 16 * v);
             r.wc[tk][4 * v] = x.x, r.wc[tk][4 * v + 1] = x.y, r.wc[tk][4 * v + 2] = x.z, r.wc[tk][4 * v + 3] = x.w;
         }
         if constexpr (RBL == 8) {
-            uint2 x = make_uint2(0u, 0u);
-            if (ok) x = *(const uint2*)(page + QMLA_OFF_RC + s * RB + RBL * q4);
+            const uint2 x = *(const uint2*)(page + QMLA_OFF_RC + s * RB + RBL * q4);
             r.wr[tk][0] = x.x, r.wr[tk][1] = x.y;
         } else {
-            r.wr[tk][0] = ok ? *(const u32*)(page + QMLA_OFF_RC + s * RB + RBL * q4) : 0u;
+            r.wr[tk][0] = *(const u32*)(page + QMLA_OFF_RC + s * RB + RBL * q4);
         }
 #pragma unroll
         for (int c = 0; c < KCH; ++c) {
@@ -411,9 +420,10 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
 
         // one tile of this worker at token t0: QK over the A fragments fill(a, kc) makes for chunk kc (packed
         // tiles dequantize their codes, protected ones load bf16 rows), after_qk() once QK is issued, then the mask
-        // (tokens n in [lo, lm) attend; lm_min: the least lm), the softmax and PV
-        auto attend_tile = [&](const int t0, const int lo, const int (&lm)[2][2], const int lm_min, auto&& fill,
-                               auto&& after_qk) {
+        // (tokens n in [lo, lm) attend; lm_min: the least lm), the softmax and PV. rsc: what the RoPE part of the
+        // scores of this thread's tokens tq[0], tq[1] is multiplied by (QMLA_V5_ROPE_FOLD; 1 for bf16 rows)
+        auto attend_tile = [&](const int t0, const int lo, const int (&lm)[2][2], const int lm_min,
+                               const float (&rsc)[2], auto&& fill, auto&& after_qk) {
             // descriptors: queries (QK's B, K-major), K (PV's A, MN-major) and P^T (PV's B, K-major), built here and
             // opaque: built once before both tile loops, ptxas took them out of uniform registers (+100 instructions)
             const u64 dq = v5_opaque(sw128_desc(smem_s + QT_OFF, 16, 1024));
@@ -428,6 +438,9 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
             // chunks of KCK k-steps: dequantize into one of two A-fragment buffers, store the content fragments to
             // the key tile (PV's operand), issue the chunk's wgmma; a buffer is refilled once its chunk has retired
             float S[8];
+#if QMLA_V5_ROPE_FOLD
+            float Sr[8];  // the RoPE k-steps' scores, before the scale
+#endif
             u32 A[2][KCK][4];
 #pragma unroll
             for (int kc = 0; kc < NKC; ++kc) {
@@ -447,13 +460,20 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
                 }
                 wgmma_fence_operand(a);
                 wgmma_fence_operand(S);
+#if QMLA_V5_ROPE_FOLD
+                wgmma_fence_operand(Sr);
+#endif
                 wgmma_fence();
 #pragma unroll
                 for (int j = 0; j < KCK; ++j) {
                     const int ks = KCK * kc + j;
-                    if (ks < KSTEPS) {
-                        wgmma_m64n16k16_rs(S, a[j], desc_advance(dq, (ks >> 2) * (RT * 128) + 32 * (ks & 3)), ks > 0);
-                    }
+                    const u64 dqk = desc_advance(dq, (ks >> 2) * (RT * 128) + 32 * (ks & 3));
+#if QMLA_V5_ROPE_FOLD
+                    if (ks >= KSC && ks < KSTEPS) wgmma_m64n16k16_rs(Sr, a[j], dqk, ks > KSC);
+                    if (ks < KSC) wgmma_m64n16k16_rs(S, a[j], dqk, ks > 0);
+#else
+                    if (ks < KSTEPS) wgmma_m64n16k16_rs(S, a[j], dqk, ks > 0);
+#endif
                 }
                 wgmma_commit();
             }
@@ -462,6 +482,11 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
             wgmma_fence_operand(A[0]);
             wgmma_fence_operand(A[1]);
             wgmma_fence_operand(S);
+#if QMLA_V5_ROPE_FOLD
+            wgmma_fence_operand(Sr);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) S[k] = fmaf(Sr[k], rsc[(k >> 1) & 1], S[k]);  // S[k]: token tq[(k >> 1) & 1]
+#endif
             fence_proxy_async();  // this thread's key-tile stores, for PV's wgmma (published by the next barrier)
 
             // -------------------------------------------------------- mask, column maxima
@@ -643,12 +668,16 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
                             const int tk = r & 1, c = r >> 1;
                             const u32 x = (cur.wr[tk][bp >> 1] >> (4 * c)) & 0x0f0f0f0fu;
                             const u32 c2 = (bp & 1) ? v5_code2<1>(x, c43) : v5_code2<0>(x, c43);
+#if QMLA_V5_ROPE_FOLD
+                            a[j][r] = fma_bf16x2(c2, 0x3f803f80u, roff2[tk]);  // code - z, exact; rs[tk] scales the score
+#else
                             a[j][r] = qmla_dq2_f32(c2, roff2[tk], rs[tk]);
+#endif
                         }
                     }
                 }
             };
-            attend_tile(t0, keep_lo, lim, lim_min, dequantize, [&]() {
+            attend_tile(t0, keep_lo, lim, lim_min, rs, dequantize, [&]() {
 #if !QMLA_V5_EARLY_LOADS  // the next tile's loads once QK has read this tile's registers
                 if (t0 + NWG * T < t_end) {
                     v5_load_tile(rg, pages, pgn, num_pages, t0 + NWG * T, L, tq[0], q4);
@@ -725,7 +754,8 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
                 }
             };
 #endif
-            attend_tile(t0, lo, lm, lm_min, load_rows, [] {});
+            const float unscaled[2] = {1.0f, 1.0f};
+            attend_tile(t0, lo, lm, lm_min, unscaled, load_rows, [] {});
         }
         wgmma_wait<0>();  // the last tile's PV
 #pragma unroll
