@@ -111,7 +111,7 @@ def test_model_matches_kernel_sources():
         "const int lim_min = v5_column_limits(lim, keep_hi, L, S_q, H, rbase, q4);",
         "const int lm_min = v5_column_limits(lm, hi, L, S_q, H, rbase, q4);",
         "S[k] = (n >= lo && n < lm[k >> 2][k & 1]) ? S[k] * scale_log2 : -QMLA_INF;",
-        "attend_tile(t0, keep_lo, lim, lim_min, dequantize,",
+        "attend_tile(t0, keep_lo, lim, lim_min, rs, dequantize,",
     ):
         assert expr in v5, f"attention_v5.cu no longer contains: {expr}"
     v6 = _flat("attention_v6.cu")
