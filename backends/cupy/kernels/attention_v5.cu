@@ -9,7 +9,8 @@
 // Why: at H = 16 a request has 16 query rows, too few for a wgmma M of 64, so v2/v3 convert codes
 // into mma.sync fragments (v3: ~112 warp-instructions per token). Here the 64 tokens of a tile are
 // M and the 16 rows are N of Hopper warpgroup MMAs, and each value is dequantized once, as a bf16
-// cache stores it (bf16(s * (code - z)), common.cuh's pair conversions):
+// cache stores it (bf16(s * (code - z)), common.cuh's pair conversions; with QMLA_V5_ROPE_FOLD the RoPE values
+// enter QK as exact (code - z) and their float32 scale multiplies each score's RoPE part once):
 //
 //   grid (B * ceil(R / 16), KV splits), 2 worker warpgroups per CTA. Worker wg takes tiles wg, wg + 2,
 //   wg + 4, ... of its CTA's split and runs flash-decoding over them on its own: its own key
