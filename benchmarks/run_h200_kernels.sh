@@ -26,9 +26,9 @@
 #       inline vs separate (QUANTMLA_CUPY_V5_PROTECTED; or V5P_SETTINGS) graphed over V5P_SHAPES
 #   bash benchmarks/run_h200_kernels.sh codes    # v5's 2-bit conversion (QUANTMLA_CUPY_CODES_IN_PLACE, 1 by default):
 #       conformance of both builds, memcheck of the default, then CUDA graphs of 0 against 1 over CODES_SHAPES (C2R4)
-#   bash benchmarks/run_h200_kernels.sh ropefold # v5's RoPE scale on the scores (QUANTMLA_CUPY_V5_ROPE_FOLD, 1 by default):
-#       conformance of both builds, CUDA graphs of 1 against 0 over FOLD_SHAPES (C4R4, C2R4), memcheck of the default,
-#       then, with FOLD_BASE=path/to/old/attention_v5.cu, this tree's v5 against that source (one process each)
+#   bash benchmarks/run_h200_kernels.sh ropefold # v5's RoPE scale on the scores (QUANTMLA_CUPY_V5_ROPE_FOLD, auto: on
+#       for 2-bit content): conformance of both builds, CUDA graphs of 1 against 0 over FOLD_SHAPES (C4R4, C2R4),
+#       memcheck of the default (a source against another: srcab with SRCAB_KERNEL=attention_v5.cu)
 #   SRCAB_SOURCES="kept probe_tmp/old.cu kept" SRCAB_ARGS="..." bash benchmarks/run_h200_kernels.sh srcab  # one kernel
 #       source (SRCAB_KERNEL, default attention_v6.cu) against others from the working tree, one process each
 #   bash benchmarks/run_h200_kernels.sh v6small  # where v6's time goes at short contexts: each kernel's duration
@@ -169,15 +169,6 @@ elif [ "$MODE" = ropefold ]; then
     --shapes $SH --json "$OUT/graph_rope_fold.json" 2>&1 | grep -v "^{" | tail -24
   echo "=== memcheck"; timeout 120 compute-sanitizer --tool memcheck $T tests/test_cupy_v5.py \
     -k "v5_matches_reference and float32-2] and (L64_65_4097_128 or L2000_4_150 or L300_17 or L5000_321)" 2>&1 | tail -2
-  if [ -n "${FOLD_BASE:-}" ]; then
-    KDIR=/tmp/qm/quantmla_core/backends/cupy/kernels; cp "$KDIR/attention_v5.cu" /tmp/v5_kept.cu
-    for src in "$FOLD_BASE" /tmp/v5_kept.cu; do
-      cp "$src" "$KDIR/attention_v5.cu"
-      echo "=== attention_v5.cu from $src (CUDA graphs)"; timeout 150 python3 -P benchmarks/graph_probe.py --backends cupy \
-        --formats C4R4,C2R4 --shapes $SH --json "$OUT/graph_fold_base_$(basename "$src" .cu).json" 2>&1 | grep -v "^{" | tail -12
-    done
-    cp /tmp/v5_kept.cu "$KDIR/attention_v5.cu"
-  fi
 elif [ "$MODE" = srcab ]; then
   KDIR=/tmp/qm/quantmla_core/backends/cupy/kernels; K=${SRCAB_KERNEL:-attention_v6.cu}; cp "$KDIR/$K" /tmp/srcab_kept.cu
   n=0

@@ -91,7 +91,7 @@ def test_writer_token_path_within_budget(name):
     ins = writer_sass._opcodes(writer_sass.cupy_sass(qm.PackFormat.parse(name), None))
     path = writer_sass.cupy_token_path(ins)
     assert path <= WRITER_BUDGETS[name], f"{name}: {path} instructions on a token's path (budget {WRITER_BUDGETS[name]})"
-    truncations = ("F2I.U32.TRUNC.NTZ", "F2I.FTZ.U32.TRUNC.NTZ")  # the second: built with -ftz=true, as the launcher does
+    truncations = ("F2I.U32.TRUNC.NTZ", "F2I.FTZ.U32.TRUNC.NTZ")  # the second: an -ftz=true build, as the launcher's
     assert not any(op.startswith("F2I") for _, op, _ in ins[:path] if op not in truncations), \
         "a float-to-int conversion per value is back on the token path"
 

@@ -443,13 +443,17 @@ def v5_defines(fmt: PackFormat, lazy_rescale: bool = True, index64: bool = True,
     d = attention_defines(fmt, "bfloat16", index64)
     d.update(QMLA_V5_SMEM=v5_smem_bytes(fmt, workers), QMLA_V5_LAZY_RESCALE=int(lazy_rescale),
              QMLA_V5_WORKERS=workers, QMLA_V5_PROTECTED=int(protected), QMLA_V5_PROT_VEC=int(prot_vec),
-             QMLA_CODES_IN_PLACE=int(codes_in_place and fmt.content_bits == 2), QMLA_V5_ROPE_FOLD=int(v5_rope_fold(fmt, rope_fold) and workers == 2))
+             QMLA_CODES_IN_PLACE=int(codes_in_place and fmt.content_bits == 2),
+             QMLA_V5_ROPE_FOLD=int(v5_rope_fold(fmt, workers, rope_fold)))
     return d
 
 
-def v5_rope_fold(fmt: PackFormat, rope_fold: bool | None = None) -> bool:
-    """Whether v5 folds the RoPE scale into the scores for ``fmt``: ``rope_fold``, or by default for the content
-    bits in :data:`ROPE_FOLD_CONTENT_BITS`."""
+def v5_rope_fold(fmt: PackFormat, workers: int, rope_fold: bool | None = None) -> bool:
+    """Whether v5 with ``workers`` worker warpgroups folds the RoPE scale into the scores for ``fmt``: never with
+    three (no registers for the second accumulator); else ``rope_fold``, or by default for the content bits in
+    :data:`ROPE_FOLD_CONTENT_BITS`."""
+    if workers != 2:
+        return False
     return fmt.content_bits in ROPE_FOLD_CONTENT_BITS if rope_fold is None else bool(rope_fold)
 
 

@@ -116,7 +116,8 @@ def compile_sass_v5(fmt: PackFormat, workers: int = V5_WORKERS, prot_vec: bool =
                     codes_in_place: bool = CODES_IN_PLACE, rope_fold: bool | None = None) -> tuple[str, str]:
     """(SASS text, ptxas -v output) of ``qmla_attn_v5`` for ``fmt`` with ``workers`` worker warpgroups
     per CTA (an sm_90a build); ``prot_vec``: the protected-row loads of up to 16 bytes (``QMLA_V5_PROT_VEC``;
-    False: 4-byte loads); ``codes_in_place``: ``QMLA_CODES_IN_PLACE``; ``rope_fold``: ``QMLA_V5_ROPE_FOLD`` (None: the launcher's default)."""
+    False: 4-byte loads); ``codes_in_place``: ``QMLA_CODES_IN_PLACE``; ``rope_fold``: ``QMLA_V5_ROPE_FOLD`` (None:
+    the launcher's default)."""
     defines = v5_defines(fmt, workers=workers, prot_vec=prot_vec, codes_in_place=codes_in_place, rope_fold=rope_fold)
     return _build_sass("attention_v5.cu", defines, V4_WGMMA_ARCH)
 
@@ -133,8 +134,9 @@ def _build_sass(source: str, defines: dict[str, int], arch: str = "sm_90") -> tu
     env = dict(os.environ, PATH=os.pathsep.join([str(Path(find_tool("nvdisasm")).parent), os.environ.get("PATH", "")]))
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
-        cmd = [find_tool("nvcc"), "-cubin", f"-arch={arch}", "--std=c++17", "-ftz=true", "-Xptxas", "-v", f"-I{KERNEL_DIR}",
-               *define_options(defines), "-o", cubin, str(KERNEL_DIR / source)]
+        # -ftz=true as the launcher's NVRTC builds (compile_cubin), so the counts are those of the kernels that run
+        cmd = [find_tool("nvcc"), "-cubin", f"-arch={arch}", "--std=c++17", "-ftz=true", "-Xptxas", "-v",
+               f"-I{KERNEL_DIR}", *define_options(defines), "-o", cubin, str(KERNEL_DIR / source)]
         built = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if built.returncode:
             raise RuntimeError(f"nvcc failed:\n{built.stderr[-3000:]}")
@@ -185,7 +187,8 @@ def tile_loops_v5(fmt: PackFormat, workers: int = V5_WORKERS, prot_vec: bool = T
     """The two tile loops of one ``qmla_attn_v5`` worker, {"packed": ..., "protected": ...}: both hold
     QK's and PV's HGMMA; the packed one dequantizes codes (HADD2 subtracts the zero points), the
     protected one loads bf16 rows (no HADD2)."""
-    found = [lp for lp in loops(compile_sass_v5(fmt, workers, prot_vec, codes_in_place, rope_fold)[0]) if lp.count("HGMMA")]
+    sass = compile_sass_v5(fmt, workers, prot_vec, codes_in_place, rope_fold)[0]
+    found = [lp for lp in loops(sass) if lp.count("HGMMA")]
     return {"packed": max((lp for lp in found if lp.count("HADD2")), key=lambda lp: lp.total),
             "protected": max((lp for lp in found if not lp.count("HADD2")), key=lambda lp: lp.total)}
 
