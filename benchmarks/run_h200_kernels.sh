@@ -29,6 +29,8 @@
 #   bash benchmarks/run_h200_kernels.sh ropefold # v5's RoPE scale on the scores (QUANTMLA_CUPY_V5_ROPE_FOLD, auto: on
 #       for 2-bit content): conformance of both builds, CUDA graphs of 1 against 0 over FOLD_SHAPES (C4R4, C2R4),
 #       memcheck of the default (a source against another: srcab with SRCAB_KERNEL=attention_v5.cu)
+#   bash benchmarks/run_h200_kernels.sh v6pair   # v6 as two-CTA clusters sharing each key tile (QUANTMLA_CUPY_V6_PAIR):
+#       conformance of forced pairs, CUDA graphs of 0 against 1 over V6PAIR_SHAPES, memcheck of the pairs
 #   SRCAB_SOURCES="kept probe_tmp/old.cu kept" SRCAB_ARGS="..." bash benchmarks/run_h200_kernels.sh srcab  # one kernel
 #       source (SRCAB_KERNEL, default attention_v6.cu) against others from the working tree, one process each
 #   bash benchmarks/run_h200_kernels.sh v6small  # where v6's time goes at short contexts: each kernel's duration
@@ -169,6 +171,18 @@ elif [ "$MODE" = ropefold ]; then
     --shapes $SH --json "$OUT/graph_rope_fold.json" 2>&1 | grep -v "^{" | tail -24
   echo "=== memcheck"; timeout 120 compute-sanitizer --tool memcheck $T tests/test_cupy_v5.py \
     -k "v5_matches_reference and float32-2] and (L64_65_4097_128 or L2000_4_150 or L300_17 or L5000_321)" 2>&1 | tail -2
+elif [ "$MODE" = v6pair ]; then
+  echo "=== v6 pairs: one small case first (a hang or a failure stops here)"; timeout 120 $T tests/test_cupy_v6.py \
+    -k "v6_pair_matches and L64_128_192" 2>&1 | tail -2 | tee "$OUT/v6_pair_first.txt"
+  grep -q " passed" "$OUT/v6_pair_first.txt" && ! grep -q "failed\|error" "$OUT/v6_pair_first.txt" || exit 1
+  echo "=== v6 pairs: conformance (forced pairs; the default build's v6 tests)"; timeout 240 $T tests/test_cupy_v6.py \
+    -k "v6_pair_matches or v6_matches" 2>&1 | tail -3 | tee "$OUT/v6_pair_conformance.txt"
+  echo "=== 0 against 1 (CUDA graphs)"; timeout 330 python3 -P benchmarks/graph_probe.py --backends cupy \
+    --settings "${V6PAIR_SETTINGS:-QUANTMLA_CUPY_V6_PAIR=0;QUANTMLA_CUPY_V6_PAIR=1;QUANTMLA_CUPY_V6_PAIR=0;QUANTMLA_CUPY_V6_PAIR=1}" \
+    --formats C4R4,C2R4 --shapes ${V6PAIR_SHAPES:-128x32x32768,128x128x32768,128x32x131072,128x8x4096} \
+    --json "$OUT/graph_v6_pair.json" 2>&1 | grep -v "^{" | tail -40
+  echo "=== memcheck (pairs)"; QUANTMLA_CUPY_V6_PAIR=1 timeout 150 compute-sanitizer --tool memcheck $T tests/test_cupy_v6.py \
+    -k "v6_pair_matches and (L70_9000_200 or L17_31_100 or L2049_33_700 or L40_33 or L900_16)" 2>&1 | tail -2
 elif [ "$MODE" = srcab ]; then
   KDIR=/tmp/qm/quantmla_core/backends/cupy/kernels; K=${SRCAB_KERNEL:-attention_v6.cu}; cp "$KDIR/$K" /tmp/srcab_kept.cu
   n=0

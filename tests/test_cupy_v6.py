@@ -21,11 +21,13 @@ from quantmla_core.backends.cupy.attention import (
     V2_MIN_TILES_PER_SPLIT,
     V4_WGMMA_ARCH,
     VARIANT_ENV,
+    V6_PAIR_AUTO,
     V6Knobs,
     protected_ctas,
     select_variant,
     smem_per_block,
     v6_defines,
+    v6_pairs,
     v6_smem_bytes,
     v6_unsupported_reasons,
 )
@@ -61,17 +63,23 @@ V6_KNOB_BUILDS = [(name, pv_at, ahead) for name in ("C4R4", "C2R4") for pv_at in
                   if (pv_at, ahead) != (3, False)]
 
 
+#: the two-CTA cluster builds (QMLA_V6_PAIR): both content widths, and d_r 32 (one RoPE chunk a token: half the
+#: lanes send RoPE bytes)
+V6_PAIR_BUILDS = [("C4R4", 512, 64, 64, 64, 3, False, True), ("C2R4", 512, 64, 64, 64, 3, False, True),
+                  ("C4R4", 256, 32, 64, 32, 3, False, True)]
+
+
 def _compile_v6(v: tuple) -> tuple[int, str, str]:
-    name, dc, dr, gs, page = v[:5]
-    pv_at, ahead = v[5:] or (3, False)
+    name, dc, dr, gs, page, *knobs = v
+    pv_at, ahead, pair = tuple(knobs) + (3, False, False)[len(knobs):]
     fmt = qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr, group_size=gs, page_size=page)
-    return compile_cubin_and_ptx("attention_v6.cu", V4_WGMMA_ARCH, v6_defines(fmt, True, pv_at, ahead))
+    return compile_cubin_and_ptx("attention_v6.cu", V4_WGMMA_ARCH, v6_defines(fmt, True, pv_at, ahead, pair=pair))
 
 
 @lru_cache(maxsize=1)
 def _compiled_v6() -> dict:
     knob_builds = [(name, 512, 64, 64, 64, pv_at, ahead) for name, pv_at, ahead in V6_KNOB_BUILDS]
-    return compile_all(V6_BUILDS + knob_builds, _compile_v6)
+    return compile_all(V6_BUILDS + knob_builds + V6_PAIR_BUILDS, _compile_v6)
 
 
 def _check_v6_build(build: tuple) -> None:
@@ -97,6 +105,8 @@ def _check_v6_build(build: tuple) -> None:
     arrives = set(re.findall(r"bar(?:rier)?\.arrive(?:\.aligned)? (\S+), 256;", ptx))
     syncs = set(re.findall(r"bar(?:rier)?\.sync(?:\.aligned)? (\S+), 256;", ptx))
     assert arrives and syncs, "named barriers of 256 threads: one side arrives, the other waits"
+    pair = len(build) > 7 and build[7]
+    assert ("st.async" in ptx) == pair and (".reqnctapercluster 2, 1, 1" in ptx) == pair
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
@@ -115,6 +125,27 @@ def test_v6_knob_builds_compile_without_spills(knobs):
     """The builds QUANTMLA_CUPY_V6_PV_AT / _PAGE_AHEAD select hold to the default build's rules."""
     name, pv_at, ahead = knobs
     _check_v6_build((name, 512, 64, 64, 64, pv_at, ahead))
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
+@pytest.mark.parametrize("build", V6_PAIR_BUILDS, ids=lambda v: "-".join(map(str, v[:5])))
+def test_v6_pair_builds_compile_without_spills(build):
+    """The two-CTA cluster build holds to the default build's rules; it is declared as clusters of 2 CTAs, sends
+    its half of each key tile by st.async counted on the peer's mbarrier, and hands the key tiles over by
+    mbarriers (FULL 4 arrivals with the peer's bytes expected, EMPTY 12) instead of the named barriers 1-4: only P's
+    handoffs (5, 6) stay named barriers."""
+    _check_v6_build(build)
+    ptx = _compiled_v6()[build][2]
+    assert "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32" in ptx
+    assert "mbarrier.arrive.expect_tx.shared::cluster.b64" in ptx and "mbarrier.try_wait.parity.shared::cta.b64" in ptx
+    assert "mapa.shared::cluster.u32" in ptx and "barrier.cluster.arrive.release.aligned" in ptx
+    consts = dict(re.findall(r"mov\.u32 \s*(%r\d+), (\d+);", ptx))  # the operands arrive in registers
+
+    def values(pattern: str) -> list[int]:
+        return sorted(int(consts.get(v, v)) for v in re.findall(pattern, ptx))
+
+    assert values(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], (%r\d+|\d+);") == [4, 4, 12, 12]
+    assert set(values(r"bar(?:rier)?\.(?:arrive|sync)(?:\.aligned)? (%r\d+|\d+), 256;")) == {5, 6}
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
@@ -145,6 +176,9 @@ def test_v6_smem_layout():
     assert v6_defines(fmt)["QMLA_V6_SMEM"] == v6_smem_bytes(fmt)
     small = qm.PackFormat.parse("C4R4", 256, 32)
     assert v6_smem_bytes(small) == 3 * 5 * 64 * 128 + 64 * 128 + 3 * 64 * 4 + 1024
+    # pairs: four 8-byte mbarriers more, still inside one SM's 227 KB
+    assert v6_smem_bytes(fmt, pair=True) == v6_smem_bytes(fmt) + 32 <= smem_per_block((9, 0))
+    assert v6_defines(fmt, pair=True)["QMLA_V6_SMEM"] == v6_smem_bytes(fmt, pair=True)
 
 
 def test_v6_unsupported_reasons():
@@ -221,8 +255,11 @@ def test_v6_knobs(monkeypatch):
     assert V6Knobs.from_env() == V6Knobs(4, 1, True)
     monkeypatch.setenv("QUANTMLA_CUPY_V6_PROTECTED", "separate")
     assert V6Knobs.from_env() == V6Knobs(4, 1, True, True)
+    monkeypatch.setenv("QUANTMLA_CUPY_V6_PAIR", "1")
+    assert V6Knobs.from_env() == V6Knobs(4, 1, True, True, pair="1")
     for env, bad in (("QUANTMLA_CUPY_V2_MIN_TILES", "3"), ("QUANTMLA_CUPY_V6_PV_AT", "4"),
-                     ("QUANTMLA_CUPY_V6_PAGE_AHEAD", "2"), ("QUANTMLA_CUPY_V6_PROTECTED", "in")):
+                     ("QUANTMLA_CUPY_V6_PAGE_AHEAD", "2"), ("QUANTMLA_CUPY_V6_PROTECTED", "in"),
+                     ("QUANTMLA_CUPY_V6_PAIR", "2")):
         monkeypatch.setenv(env, bad)
         with pytest.raises(ValueError, match=env):
             V6Knobs.from_env()
@@ -247,6 +284,26 @@ def test_v6_knobs_select_their_build(monkeypatch, env, pv_at, ahead, inline):
         assert "qmla_attn_protected" not in kernels and slots == grid[1]
     else:
         assert "qmla_attn_protected" in kernels and slots == grid[1] + protected_ctas(4, 128)
+
+
+def test_v6_pairs_rule():
+    """auto pairs only where the rows fill an even number of 64-row chunks (no CTA added), and only while
+    V6_PAIR_AUTO holds; 1 always pairs, 0 never."""
+    assert not v6_pairs("0", 128) and v6_pairs("1", 64) and v6_pairs("1", 128)
+    for rows in (64, 80, 128, 192, 256):
+        assert v6_pairs("auto", rows) == (V6_PAIR_AUTO and -(-rows // 64) % 2 == 0)
+
+
+@pytest.mark.parametrize("h,s_q", [(128, 1), (64, 1), (20, 4)])
+def test_v6_pair_launch(monkeypatch, h, s_q):
+    """QUANTMLA_CUPY_V6_PAIR=1 builds the cluster kernel and pads the row chunks to an even number (the kernel pads
+    the same way), with the pair build's shared memory."""
+    launches, _kernels, fmt, b = _run_v2_stubbed(monkeypatch, h, s_q, True, {"QUANTMLA_CUPY_V6_PAIR": "1"}, variant="v6",
+                                                 pages_per=9, length=500)
+    (attn, grid, _block, _args, smem), _stream = launches.of("qmla_attn_v6")
+    chunks = -(-(h * s_q) // 64)
+    assert attn.defines["QMLA_V6_PAIR"] == 1 and grid[0] == b * (chunks + chunks % 2)
+    assert smem == v6_smem_bytes(fmt, pair=True) == attn.defines["QMLA_V6_SMEM"]
 
 
 #: many-row cases beyond v4's: one tile (the dequantizer has no next tile), two tiles (one key buffer each),
@@ -287,4 +344,18 @@ def test_attention_v6_knob_builds_match_reference(case, pv_at, ahead, protected,
     monkeypatch.setenv("QUANTMLA_CUPY_V6_PV_AT", str(pv_at))
     monkeypatch.setenv("QUANTMLA_CUPY_V6_PAGE_AHEAD", str(ahead))
     monkeypatch.setenv("QUANTMLA_CUPY_V6_PROTECTED", protected)
+    check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", [c for c in V2_CASES + BIG[:3] + V4_CASES + V6_CASES if c.fmt.quantized], ids=str)
+def test_attention_v6_pair_matches_reference(case, monkeypatch):
+    """Two-CTA clusters sharing each key tile (QUANTMLA_CUPY_V6_PAIR=1) compute the same attention, also where the
+    rows fill an odd number of 64-row chunks (one more CTA past the rows, which only dequantizes for its peer)."""
+    cap = torch.cuda.get_device_capability()
+    if tuple(cap) != (9, 0):
+        pytest.skip(f"v6 is an sm_90a kernel: this GPU is compute capability {cap[0]}.{cap[1]}")
+    monkeypatch.setenv(VARIANT_ENV, "v6")
+    monkeypatch.setenv("QUANTMLA_CUPY_V6_PAIR", "1")
     check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")

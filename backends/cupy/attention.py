@@ -161,6 +161,8 @@ V6_THREADS = 256
 #: H200, H128/H64 B8-B128 L4K-128K, CUDA graphs (stop 26): within -4 % .. +2 % of not counting them, so off (stop
 #: 25's plan); v5, whose protected tiles cost more, counts them (H16 B8 L32K C4R4: 66.4 against 86.2 us)
 V6_PLAN_PROTECTED = False
+#: whether ``QUANTMLA_CUPY_V6_PAIR=auto`` pairs v6's CTAs where the row chunks come in pairs (:func:`v6_pairs`)
+V6_PAIR_AUTO = False
 #: v6's defaults of :class:`V6Knobs` ``pv_at`` and ``page_ahead``
 V6_PV_AT = 3
 V6_PAGE_AHEAD = False
@@ -472,25 +474,37 @@ def v5_unsupported_reasons(fmt: PackFormat, capability: tuple[int, int] | None, 
     return reasons
 
 
-def v6_smem_bytes(fmt: PackFormat) -> int:
+def v6_smem_bytes(fmt: PackFormat, pair: bool = False) -> int:
     """Dynamic shared memory of one v6 block (mirrors SMEM_TOTAL in attention_v6.cu): two key tiles and
     the queries (64 rows of d_c + d_r channels each, 128-byte-swizzled column blocks), P (bf16 [64][64]),
-    the rows' rescale factors and, for the partials, maxima and sums (float [3][64]), plus 1 KB to align
-    the base. No stage: the dequantizing warpgroup loads its codes from the pages into registers."""
+    the rows' rescale factors and, for the partials, maxima and sums (float [3][64]), with ``pair`` four
+    8-byte mbarriers, plus 1 KB to align the base. No stage: the dequantizing warpgroup loads its codes
+    from the pages into registers."""
     blocks = -(-(fmt.latent_dim + fmt.rope_dim) // 64)
     tile = V6_TILE * blocks * 128
-    return 2 * tile + V6_ROWS * blocks * 128 + V6_ROWS * V6_TILE * 2 + 3 * V6_ROWS * 4 + 1024
+    return 2 * tile + V6_ROWS * blocks * 128 + V6_ROWS * V6_TILE * 2 + 3 * V6_ROWS * 4 + 32 * pair + 1024
 
 
 def v6_defines(fmt: PackFormat, index64: bool = True, pv_at: int = V6_PV_AT, page_ahead: bool = V6_PAGE_AHEAD,
-               protected: bool = True) -> dict[str, int]:
+               protected: bool = True, pair: bool = False) -> dict[str, int]:
     """``-D`` defines of ``kernels/attention_v6.cu`` (bfloat16 queries; an sm_90a build,
-    :data:`V4_WGMMA_ARCH`). ``index64``: int64 seq_lens / seq_ids (else int32); ``pv_at``, ``page_ahead``
-    and ``protected`` (the sink/local tokens as the kernel's own tiles): :class:`V6Knobs`."""
+    :data:`V4_WGMMA_ARCH`). ``index64``: int64 seq_lens / seq_ids (else int32); ``pv_at``, ``page_ahead``,
+    ``protected`` (the sink/local tokens as the kernel's own tiles) and ``pair`` (two-CTA clusters sharing
+    each key tile): :class:`V6Knobs`."""
     d = attention_defines(fmt, "bfloat16", index64)
-    d.update(QMLA_V6_SMEM=v6_smem_bytes(fmt), QMLA_V6_PV_AT=pv_at, QMLA_V6_PAGE_AHEAD=int(page_ahead),
-             QMLA_V6_PROTECTED=int(protected))
+    d.update(QMLA_V6_SMEM=v6_smem_bytes(fmt, pair), QMLA_V6_PV_AT=pv_at, QMLA_V6_PAGE_AHEAD=int(page_ahead),
+             QMLA_V6_PROTECTED=int(protected), QMLA_V6_PAIR=int(pair))
     return d
+
+
+def v6_pairs(mode: str, rows: int) -> bool:
+    """Whether v6 runs as two-CTA clusters (``QUANTMLA_CUPY_V6_PAIR``): ``1`` always (an odd number of
+    64-row chunks gets one more, past the rows), ``0`` never, ``auto`` (default) where the request's
+    ``rows`` fill an even number of chunks, so no CTA is added (:data:`V6_PAIR_AUTO`)."""
+    if mode == "1":
+        return True
+    chunks = -(-rows // V6_ROWS)
+    return mode == "auto" and V6_PAIR_AUTO and chunks % 2 == 0
 
 
 def v6_unsupported_reasons(fmt: PackFormat, capability: tuple[int, int] | None, dtype: str = "bfloat16",
@@ -864,7 +878,7 @@ def _packed_split_plan(key: tuple, attn, smem: int, threads: int, tile: int, slo
                        dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool, min_tiles: int,
                        sink: int, local: int, index64: bool,
                        overhead_tiles: float = CTA_OVERHEAD_TILES, rows_per_cta: int = 16,
-                       own_protected_tiles: int = 0) -> SplitPlan:
+                       own_protected_tiles: int = 0, chunk_multiple: int = 1) -> SplitPlan:
     """The plan of a split kernel (v3, v5, v6): ``attn`` over ``rows_per_cta``-row chunks and
     wave-planned splits of ``tile``-token tiles (``overhead_tiles``: a CTA's fixed work, see
     :func:`~quantmla_core.backends.splits.plan_kv_splits`), each CTA writing ``slots_per_cta`` partials,
@@ -872,9 +886,11 @@ def _packed_split_plan(key: tuple, attn, smem: int, threads: int, tile: int, slo
     protected-only launch adding them as the last partials of each row; cached under ``key``.
     ``own_protected_tiles``: the sink/local tiles a kernel that attends to them itself appends to one
     split per row chunk (the last, or the first past the packed tokens), planned as that many more tiles
-    of table, so that the last split's packed run leaves room for them."""
+    of table, so that the last split's packed run leaves room for them. ``chunk_multiple``: the row chunks
+    are padded to a multiple of it (v6's two-CTA clusters; the kernel pads the same way)."""
     resident = resident_ctas(attn, threads, smem, dev, sm_count)
     chunks = -(-rows // rows_per_cta)
+    chunks = -(-chunks // chunk_multiple) * chunk_multiple
     tokens = max(1, max_pages) * fmt.page_size + own_protected_tiles * tile
     splits, per = plan_splits_v2(batch, chunks, tokens, resident, min_tiles, tile, overhead_tiles)
     launches = [(attn, (batch * chunks, splits), (threads,), smem)]
@@ -1026,13 +1042,16 @@ class V6Knobs:
     (``QUANTMLA_CUPY_V6_PAGE_AHEAD``, 0/1): read a tile's page ids one tile before its codes; ``separate``
     (``QUANTMLA_CUPY_V6_PROTECTED``, ``inline`` (default) or ``separate``): leave the sink/local tokens to the
     protected-only launch instead of attending to them as the kernel's own tiles; ``plan_protected``
-    (``QUANTMLA_CUPY_PLAN_PROTECTED``, 0/1, default :data:`V6_PLAN_PROTECTED`): count those tiles in the split plan."""
+    (``QUANTMLA_CUPY_PLAN_PROTECTED``, 0/1, default :data:`V6_PLAN_PROTECTED`): count those tiles in the split plan;
+    ``pair`` (``QUANTMLA_CUPY_V6_PAIR``, ``auto`` (default), ``0`` or ``1``): run two-CTA clusters that share each
+    dequantized key tile (:func:`v6_pairs`)."""
 
     min_tiles: int = V2_MIN_TILES_PER_SPLIT
     pv_at: int = V6_PV_AT
     page_ahead: bool = V6_PAGE_AHEAD
     separate: bool = False
     plan_protected: bool = V6_PLAN_PROTECTED
+    pair: str = "auto"
 
     @staticmethod
     def from_env() -> "V6Knobs":
@@ -1040,7 +1059,8 @@ class V6Knobs:
                        _env_int("QUANTMLA_CUPY_V6_PV_AT", V6_PV_AT, (1, 2, 3)),
                        bool(_env_int("QUANTMLA_CUPY_V6_PAGE_AHEAD", int(V6_PAGE_AHEAD), (0, 1))),
                        _env_choice("QUANTMLA_CUPY_V6_PROTECTED", "inline", ("inline", "separate")) == "separate",
-                       bool(_env_int("QUANTMLA_CUPY_PLAN_PROTECTED", int(V6_PLAN_PROTECTED), (0, 1))))
+                       bool(_env_int("QUANTMLA_CUPY_PLAN_PROTECTED", int(V6_PLAN_PROTECTED), (0, 1))),
+                       _env_choice("QUANTMLA_CUPY_V6_PAIR", "auto", ("auto", "0", "1")))
 
 
 def v6_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool,
@@ -1052,15 +1072,17 @@ def v6_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
     key = ("v6", fmt, dev, sm_count, batch, rows, max_pages, no_prot, knobs, sink, local, index64)
     plan = _PLANS.get(key)
     if plan is None:
-        attn, smem = _split_kernel(("v6", fmt, dev, index64, knobs.pv_at, knobs.page_ahead, knobs.separate), "v6", dev,
-                                   v6_smem_bytes(fmt),
-                                   lambda: v6_defines(fmt, index64, knobs.pv_at, knobs.page_ahead, not knobs.separate),
+        pair = v6_pairs(knobs.pair, rows)
+        attn, smem = _split_kernel(("v6", fmt, dev, index64, knobs.pv_at, knobs.page_ahead, knobs.separate, pair), "v6",
+                                   dev, v6_smem_bytes(fmt, pair),
+                                   lambda: v6_defines(fmt, index64, knobs.pv_at, knobs.page_ahead, not knobs.separate,
+                                                      pair),
                                    V4_WGMMA_ARCH)
         # the kernel attends to the sink/local tokens itself unless knobs.separate: no protected-only launch
         own = _own_protected_tiles(no_prot, knobs, sink, local, V6_TILE)
         plan = _packed_split_plan(key, attn, smem, V6_THREADS, V6_TILE, 1, fmt, dev, sm_count, batch, rows, max_pages,
                                   no_prot or not knobs.separate, knobs.min_tiles, sink, local, index64,
-                                  rows_per_cta=V6_ROWS, own_protected_tiles=own)
+                                  rows_per_cta=V6_ROWS, own_protected_tiles=own, chunk_multiple=2 if pair else 1)
     return plan
 
 

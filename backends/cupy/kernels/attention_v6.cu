@@ -65,6 +65,12 @@
 // only, for the launcher's protected-only launch (QUANTMLA_CUPY_V6_PROTECTED=separate, a measurement knob)
 #define QMLA_V6_PROTECTED 1
 #endif
+#ifndef QMLA_V6_PAIR
+// 1: the two CTAs of a cluster (row chunks 2 c and 2 c + 1 of a request; the launcher pads the chunks to an even
+// count) share each packed key tile: each dequantizer converts half of its tokens and stores them into both CTAs'
+// key tiles (distributed shared memory), and the key-tile handoffs become cluster mbarriers (see "pair" below)
+#define QMLA_V6_PAIR 0
+#endif
 static_assert(QMLA_V6_PV_AT >= 1 && QMLA_V6_PV_AT <= 3, "QMLA_V6_PV_AT: 1, 2 or 3 parts converted before the PV");
 
 #define DC QMLA_DC
@@ -99,7 +105,13 @@ static_assert(NCT % 4 == 0 && T * RCK <= WGT, "code rows of whole 64-byte groups
 #include "wgmma.cuh"
 #include "stage.cuh"  // qmla_table_page, OT_STRIDE, qmla_store_partial_rows
 #define QMLA_KT_SW128 1
-#include "tile_dequant.cuh"  // qmla_store16, qmla_store_rope_chunk
+#include "tile_dequant.cuh"  // qmla_dq16, qmla_store16, qmla_store_rope_chunk
+#if QMLA_V6_PAIR
+#include "cluster.cuh"
+#define V6_CLUSTER __cluster_dims__(2, 1, 1)
+#else
+#define V6_CLUSTER
+#endif
 
 // ---------------------------------------------------------------- shared memory layout (1024-byte aligned base)
 #define KT_BYTES (T * NCB * 128)         // one key tile, bf16 [NCB][T][64], 128-byte swizzle
@@ -107,7 +119,8 @@ static_assert(NCT % 4 == 0 && T * RCK <= WGT, "code rows of whole 64-byte groups
 #define PT_OFF (QT_OFF + RT * NCB * 128)  // P, bf16 [RT][T]: one swizzled 128-byte row per query row
 #define AL_OFF (PT_OFF + RT * T * 2)     // float [RT]: the rows' rescale factors of the current tile
 #define RED_OFF (AL_OFF + RT * 4)        // float [2][RT]: row maxima and sums, for the partials
-#define SMEM_TOTAL (RED_OFF + 2 * RT * 4 + 1024)
+#define MB_OFF (RED_OFF + 2 * RT * 4)     // pair builds: u64 mbarriers FULL[2], EMPTY[2]
+#define SMEM_TOTAL (MB_OFF + (QMLA_V6_PAIR ? 32 : 0) + 1024)
 #ifdef QMLA_V6_SMEM
 static_assert(SMEM_TOTAL == QMLA_V6_SMEM, "launcher's v6_smem_bytes() disagrees with the kernel's layout");
 #endif
@@ -363,10 +376,147 @@ __device__ __forceinline__ void v6_dequantize(const V6Codes& r, u8* kt, int p) {
     }
 }
 
+#if QMLA_V6_PAIR
+// ---------------------------------------------------------------- pair: two CTAs share each packed key tile
+// CTA rank k of the cluster dequantizes tokens 32 k .. 32 k + 31 of every packed tile: thread p takes token
+// 32 k + p / 4, its content chunks uu + 4 r (uu = p % 4) and nibble plane p % 2 of its RoPE chunk (p / 2) % 2,
+// and stores each 16 bytes into its own key tile and, by st.async, at the same offset into its peer's. Protected
+// tiles are copied by each CTA for itself. The handoffs of a key tile buffer b are mbarriers of each CTA:
+//   FULL[b]  (4 arrivals): the own dequantizer warps, once their stores are fenced; for a packed tile each also
+//            expects the bytes the peer's warp sends (V6_PEER_BYTES), which the peer's st.async count off as they
+//            land. The attender waits on its own.
+//   EMPTY[b] (12 arrivals): tile b + 2 j is done with in both CTAs: the own attender's 4 warps, the peer
+//            attender's 4 and the peer dequantizer's 4 (its PV); the dequantizer waits on its own before it writes
+//            both CTAs' buffer b. Its own PV is behind it in program order.
+// Each phase is awaited before the next can start (a buffer is rewritten only after its waiter has seen it), so
+// parities do not alias.
+struct V6Half {
+    uint4 c[NCT / 4];  // content chunks uu + 4 r of the thread's token
+    u32 z[ZW];         // its zero points (all groups)
+    u32 s[SW];         // its scales (raw bits)
+    uint4 r;           // its RoPE chunk (p / 2) % 2 (zeros where the chunk does not exist)
+    u32 rz, rs;        // the RoPE zero point and scale
+};
+
+// thread p's codes of tile tt in CTA rank k (a token not read: zeros, see v6_load_codes)
+__device__ __forceinline__ void v6_half_load(V6Half& h, int tt, int k, const u8* __restrict__ pages,
+                                             const int* __restrict__ bt_row, int L, int max_pages, int num_pages, int p) {
+    const int n = tt + 32 * k + (p >> 2), uu = p & 3, u = (p >> 1) & 1, s = n % QMLA_P;
+    const u8* page = QMLA_V6_PROBE == 2 ? nullptr : v6_token_page(n, pages, bt_row, L, max_pages, num_pages);
+#pragma unroll
+    for (int q = 0; q < NCT / 4; ++q) {
+        h.c[q] = page ? *(const uint4*)(page + QMLA_OFF_CC + s * CB + 16 * (uu + 4 * q)) : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int q = 0; q < ZW; ++q) h.z[q] = 0u;
+#pragma unroll
+    for (int q = 0; q < SW; ++q) h.s[q] = 0u;
+    h.r = make_uint4(0u, 0u, 0u, 0u);
+    h.rz = h.rs = 0u;
+    if (page) {
+        v6_load_row<NGC>(page + QMLA_OFF_CZ + s * NGC, h.z);
+        v6_load_row<NGC * CSZ>(page + QMLA_OFF_CS + s * NGC * CSZ, h.s);
+        if (u < RCK) {
+            h.r = *(const uint4*)(page + QMLA_OFF_RC + s * RB + 16 * u);
+            h.rz = page[QMLA_OFF_RZ + s];
+            h.rs = QMLA_RSCALE_BF16 ? (u32)((const u16*)(page + QMLA_OFF_RS))[s] : ((const u32*)(page + QMLA_OFF_RS))[s];
+        }
+    }
+}
+
+// bytes one dequantizer warp sends its peer per packed tile: 32 B per content chunk of KCH planes, and 32 B per
+// RoPE job (all lanes where a token has two RoPE chunks, half of them where it has one)
+#define V6_PEER_BYTES (QMLA_V6_PROBE == 1 ? 0 : 32 * 32 * (NCT / 4) * KCH + 32 * (RCK == 2 ? 32 : 16))
+
+// 16 bytes at byte `off` of the key tile at shared address kts, here and in the peer (kts + delta; its FULL
+// mbarrier of this buffer at rfull)
+__device__ __forceinline__ void v6_put2(u32 kts, int off, u32 delta, u32 rfull, u32 a, u32 b, u32 c, u32 d) {
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(kts + off), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+    st_async_v4(kts + off + delta, rfull, a, b, c, d);
+}
+__device__ __forceinline__ void v6_put16(u32 kts, int lo, int hi, u32 delta, u32 rfull, const u32 (&o)[8]) {
+    v6_put2(kts, lo, delta, rfull, o[0], o[1], o[2], o[3]);
+    v6_put2(kts, hi, delta, rfull, o[4], o[5], o[6], o[7]);
+}
+
+// thread p's half-tile codes -> both CTAs' key tiles at kts (+ delta; the peer's FULL mbarrier of the buffer at
+// rfull), as v6_dequantize_token and qmla_store_rope_chunk convert them
+__device__ __forceinline__ void v6_half_dequantize(const V6Half& h, u32 kts, u32 delta, u32 rfull, int k, int p) {
+    if (QMLA_V6_PROBE == 1) return;
+    const int uu = p & 3, t = 32 * k + (p >> 2);
+    const int lo = sw128_chunk(t, 2 * uu, T), hi = sw128_chunk(t, 2 * uu + 1, T);
+#pragma unroll
+    for (int q = 0; q < NCT / 4; ++q) {
+        const u32 w[4] = {h.c[q].x, h.c[q].y, h.c[q].z, h.c[q].w};
+#pragma unroll
+        for (int c = 0; c < KCH; ++c) {
+            const int blk = CB * c / 64 + q;
+            const u32 x[4] = {(w[0] >> (CBITS * c)) & CMASK, (w[1] >> (CBITS * c)) & CMASK,
+                              (w[2] >> (CBITS * c)) & CMASK, (w[3] >> (CBITS * c)) & CMASK};
+            const int grp = (CB * c + 64 * q) / QMLA_GC + (16 * uu) / QMLA_GC;
+            const u32 z = v6_pick<8>(h.z, grp);
+            const u32 off2 = 0xc300c300u | z | (z << 16);
+            u32 o[8];
+#if QMLA_CSCALE_BF16
+            const u32 sb = v6_pick<16>(h.s, grp);
+            qmla_dq16<false>(x, off2, sb | (sb << 16), 0.0f, o);
+#else
+            qmla_dq16<true>(x, off2, 0u, __uint_as_float(v6_pick<32>(h.s, grp)), o);
+#endif
+            v6_put16(kts, lo + blk * (T * 128), hi + blk * (T * 128), delta, rfull, o);
+        }
+    }
+    const int u = (p >> 1) & 1, c = p & 1;
+    if (u < RCK) {
+        const u32 w[4] = {h.r.x, h.r.y, h.r.z, h.r.w};
+        const u32 x[4] = {(w[0] >> (4 * c)) & 0x0f0f0f0fu, (w[1] >> (4 * c)) & 0x0f0f0f0fu,
+                          (w[2] >> (4 * c)) & 0x0f0f0f0fu, (w[3] >> (4 * c)) & 0x0f0f0f0fu};
+        const int chunk = (DC + RB * c + 16 * u) / 8;
+        u32 o[8];
+        qmla_dq16<true>(x, 0xc300c300u | h.rz | (h.rz << 16), 0u,
+                        QMLA_RSCALE_BF16 ? bf16_bits_to_f32(h.rs) : __uint_as_float(h.rs), o);
+        v6_put16(kts, qmla_kt_chunk(t, chunk, T), qmla_kt_chunk(t, chunk + 1, T), delta, rfull, o);
+    }
+}
+
+// the mbarriers of this CTA (shared addresses): FULL[b] at full + 8 b, EMPTY[b] at full + 16 + 8 b; the peer's at
+// the same addresses + delta
+#define V6_FULL(mb, b) ((mb) + 8u * (b))
+#define V6_EMPTY(mb, b) ((mb) + 16u + 8u * (b))
+
+// the dequantizer: its stores to key tile buffer b fenced; packed: the peer's bytes expected as well
+__device__ __forceinline__ void v6_pair_full(u32 mb, int b, bool packed, int lane) {
+    fence_proxy_async();
+    __syncwarp();
+    if (lane == 0) {
+        if (packed) {
+            mbar_arrive_expect_tx(V6_FULL(mb, b), V6_PEER_BYTES);
+        } else {
+            mbar_arrive(V6_FULL(mb, b));
+        }
+    }
+}
+// the attender: done with the tile in buffer b (its QK and PV retired), in both CTAs' EMPTY[b]
+__device__ __forceinline__ void v6_pair_attender_done(u32 mb, u32 delta, int b, int lane) {
+    __syncwarp();
+    if (lane == 0) {
+        mbar_arrive(V6_EMPTY(mb, b));
+        mbar_arrive(V6_EMPTY(mb, b) + delta);
+    }
+}
+// the dequantizer: its PV of the tile in buffer b retired, in the peer's EMPTY[b] (its own waits follow it)
+__device__ __forceinline__ void v6_pair_pv_done(u32 mb, u32 delta, int b, int lane) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(V6_EMPTY(mb, b) + delta);
+}
+// phase parity of "tile j written" (FULL[j % 2]) and of "tile j done" (EMPTY[j % 2])
+__device__ __forceinline__ u32 v6_parity(int j) { return (u32)(j >> 1) & 1u; }
+#endif
+
 // O[64 rows][this warpgroup's half of d_c] += P K (A = P, K-major; B = the key tile read MN-major)
 __device__ __forceinline__ void v6_pv(float (&acc)[DC / 16][4], u64 dp, u64 dv) { wgmma_pv_rows64<DC / 16, T / 16>(acc, dp, dv); }
 
-extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v6(
+extern "C" __global__ void V6_CLUSTER __launch_bounds__(NTH, 1) qmla_attn_v6(
     const u16* __restrict__ q_lat, const u16* __restrict__ q_rope, const u8* __restrict__ pages,
     const u16* __restrict__ sink_buf, const u16* __restrict__ local_buf, const int* __restrict__ block_table,
     const qmla_index_t* __restrict__ seq_lens, const qmla_index_t* __restrict__ seq_ids, float* __restrict__ o_part,
@@ -385,7 +535,9 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v6(
     const int rw0 = 16 * w + g8;  // this thread's rows of the CTA's 64: rw0 and rw0 + 8 (both warpgroups)
 
     const int R = S_q * H;
-    const int NCHK = (R + RT - 1) / RT;
+    // pair builds: an even number of row chunks (the last one past R where R needs an odd number: its rows are
+    // zeros and it stores nothing, but it dequantizes its half of the tiles for its peer)
+    const int NCHK = QMLA_V6_PAIR ? 2 * ((R + 2 * RT - 1) / (2 * RT)) : (R + RT - 1) / RT;
     const int b = blockIdx.x / NCHK, rbase = (blockIdx.x % NCHK) * RT;
     const int L = (int)seq_lens[b];
     const i64 sid = seq_ids[b];
@@ -404,6 +556,20 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v6(
     sp.ns = prot ? (keep_lo + T - 1) / T : 0;
     sp.nl = prot && keep_hi < L ? (L - 1) / T - keep_hi / T + 1 : 0;
     const int ntiles = sp.np + sp.ns + sp.nl;
+
+#if QMLA_V6_PAIR
+    const u32 mb = smem_addr(smem + MB_OFF);
+    const u32 delta = cluster_peer_delta(smem_addr(smem), cluster_ctarank() ^ 1u);
+    const int rank = (int)cluster_ctarank();
+    if (tid == 0) {
+        mbar_init(V6_FULL(mb, 0), 4u);
+        mbar_init(V6_FULL(mb, 1), 4u);
+        mbar_init(V6_EMPTY(mb, 0), 12u);
+        mbar_init(V6_EMPTY(mb, 1), 12u);
+        mbar_init_fence();
+    }
+    cluster_sync_all();  // both CTAs' mbarriers initialized before either arrives on the other's
+#endif
 
     float acc[DC / 16][4];  // this warpgroup's half of O: rows rw0 (+ 8) x channels DC / 2 * wg + 8 n + 2 q4 (+ 1)
 #pragma unroll
@@ -443,12 +609,23 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v6(
               const int lim[2] = {min(sg.hi, causal[0]), min(sg.hi, causal[1])};
               for (int j = 0; j < sg.n; ++j, ++i) {
                 const int t0 = sg.t0 + j * T, buf = i & 1;
+#if QMLA_V6_PAIR
+                mbar_wait(V6_FULL(mb, buf), v6_parity(i));
+                fence_proxy_async();  // (the peer's st.async bytes are counted by the mbarrier; this orders the rest)
+#else
                 v6_wait(BAR_FULL + buf);
+#endif
                 // its PV of the previous tile retired (issuing QK first, while that PV runs, made ptxas serialize
                 // every wgmma: it then sees the accumulators read inside the PV's pipeline stage)
                 wgmma_wait<0>();
                 wgmma_fence_operand(acc);
-                if (i >= 1 && i + 1 < ntiles) v6_arrive(BAR_EMPTY + (buf ^ 1));  // that key tile is done
+                if (i >= 1 && i + 1 < ntiles) {  // that key tile is done
+#if QMLA_V6_PAIR
+                    v6_pair_attender_done(mb, delta, buf ^ 1, lane);
+#else
+                    v6_arrive(BAR_EMPTY + (buf ^ 1));
+#endif
+                }
                 float S[8][4];  // rows rw0 (+ 8) x tokens 8 j + 2 q4 (+ 1)
                 wgmma_fence_operand(S);
                 wgmma_fence();
@@ -499,9 +676,50 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v6(
             // (read only in the protected split, where sid_ok holds)
             const V6Prot pr = {sid_ok ? sink_buf + sid * sink * DT : sink_buf, sid_ok ? local_buf + sid * local * DT : local_buf,
                                sink, local};
+            const int t_begin = sp.t_begin;
+#if QMLA_V6_PAIR
+            V6Half cd;
+            if (sp.np > 0) {
+                v6_half_load(cd, t_begin, rank, pages, bt_row, L, max_pages, num_pages, p);
+                v6_half_dequantize(cd, smem_s, delta, V6_FULL(mb, 0) + delta, rank, p);
+            } else {
+                v6_copy_protected(smem, v6_protected_tile(sp, 0), pr, p);
+            }
+            v6_pair_full(mb, 0, sp.np > 0, lane);
+            if (sp.np > 1) v6_half_load(cd, t_begin + T, rank, pages, bt_row, L, max_pages, num_pages, p);
+            int i = 0;
+            for (; i + 1 < sp.np; ++i) {  // the next tile packed
+                const int buf = i & 1;
+                if (i + 1 >= 2) mbar_wait(V6_EMPTY(mb, buf ^ 1), v6_parity(i - 1));
+                v6_half_dequantize(cd, smem_s + (buf ^ 1) * KT_BYTES, delta, V6_FULL(mb, buf ^ 1) + delta, rank, p);
+                v6_pair_full(mb, buf ^ 1, true, lane);
+                if (i + 2 < sp.np) v6_half_load(cd, t_begin + (i + 2) * T, rank, pages, bt_row, L, max_pages, num_pages, p);
+                v6_wait(BAR_PREADY);
+                qmla_rescale_rows<true>(acc, al_s[rw0], al_s[rw0 + 8]);
+                v6_pv(acc, dp, desc_advance(dv, buf * KT_BYTES));
+                wgmma_wait<0>();
+                wgmma_fence_operand(acc);
+                v6_arrive(BAR_PFREE);
+                if (i + 2 < ntiles) v6_pair_pv_done(mb, delta, buf, lane);
+            }
+            for (; i < ntiles; ++i) {  // the next tile, if any, protected
+                const int buf = i & 1;
+                if (i + 1 < ntiles) {
+                    if (i + 1 >= 2) mbar_wait(V6_EMPTY(mb, buf ^ 1), v6_parity(i - 1));
+                    v6_copy_protected(smem + (buf ^ 1) * KT_BYTES, v6_protected_tile(sp, i + 1 - sp.np), pr, p);
+                    v6_pair_full(mb, buf ^ 1, false, lane);
+                }
+                v6_wait(BAR_PREADY);
+                qmla_rescale_rows<true>(acc, al_s[rw0], al_s[rw0 + 8]);
+                v6_pv(acc, dp, desc_advance(dv, buf * KT_BYTES));
+                wgmma_wait<0>();
+                wgmma_fence_operand(acc);
+                v6_arrive(BAR_PFREE);
+                if (i + 2 < ntiles) v6_pair_pv_done(mb, delta, buf, lane);
+            }
+#else
             V6Codes cd;
             V6Pages pg;
-            const int t_begin = sp.t_begin;
             if (QMLA_V6_PAGE_AHEAD) pg = v6_pages(t_begin, pages, bt_row, L, max_pages, num_pages, p);
             if (sp.np > 0) {
                 v6_next_codes(cd, pg, t_begin, pages, bt_row, L, max_pages, num_pages, p);
@@ -551,6 +769,7 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v6(
                 wgmma_fence_operand(acc);
                 v6_arrive(BAR_PFREE);
             }
+#endif
         }
     }
 
@@ -562,7 +781,11 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v6(
             l_run[1] += __shfl_xor_sync(0xffffffffu, l_run[1], o);
         }
     }
+#if QMLA_V6_PAIR
+    cluster_sync_all();  // every wgmma has retired and the peer writes and arrives no more here: the key tiles are free
+#else
     __syncthreads();  // every wgmma has retired: the key tiles are free
+#endif
     if (wg == 0 && q4 == 0) {
         red[rw0] = m_run[0];
         red[rw0 + 8] = m_run[1];

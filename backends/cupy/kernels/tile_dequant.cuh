@@ -17,25 +17,31 @@ __device__ __forceinline__ int qmla_kt_chunk(int row, int chunk, int rows) {
 #endif
 }
 
-// 16 dequantized channels (4 words of codes, one per byte, in channel order) stored as two 16-byte
-// halves, channels 0..7 at lo and 8..15 at hi. upper_first: the first store takes channels 8..15
-// (see qmla_dequantize_tile).
+// 16 dequantized channels (4 words of codes, one per byte, in channel order) as 8 bf16x2 words, channels 0..7 in
+// o[0..3] and 8..15 in o[4..7]; F32: a float32 scale s (products and one rounding), else bf16x2 s2
+template <bool F32>
+__device__ __forceinline__ void qmla_dq16(const u32 (&x)[4], u32 off2, u32 s2, float s, u32 (&o)[8]) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        if constexpr (F32) {
+            o[2 * e] = qmla_dq2_f32(qmla_code2<0>(x[e]), off2, s);
+            o[2 * e + 1] = qmla_dq2_f32(qmla_code2<1>(x[e]), off2, s);
+        } else {
+            o[2 * e] = qmla_dq2_bf16(qmla_code2<0>(x[e]), off2, s2);
+            o[2 * e + 1] = qmla_dq2_bf16(qmla_code2<1>(x[e]), off2, s2);
+        }
+    }
+}
+
+// the same stored as two 16-byte halves, channels 0..7 at lo and 8..15 at hi. upper_first: the first store
+// takes channels 8..15 (see qmla_dequantize_tile).
 template <bool F32>
 __device__ __forceinline__ void qmla_store16(u8* lo, u8* hi, const u32 (&x)[4], u32 off2, u32 s2, float s,
                                            bool upper_first) {
     const u32 xs[4] = {upper_first ? x[2] : x[0], upper_first ? x[3] : x[1], upper_first ? x[0] : x[2],
                        upper_first ? x[1] : x[3]};
     u32 o[8];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        if constexpr (F32) {
-            o[2 * e] = qmla_dq2_f32(qmla_code2<0>(xs[e]), off2, s);
-            o[2 * e + 1] = qmla_dq2_f32(qmla_code2<1>(xs[e]), off2, s);
-        } else {
-            o[2 * e] = qmla_dq2_bf16(qmla_code2<0>(xs[e]), off2, s2);
-            o[2 * e + 1] = qmla_dq2_bf16(qmla_code2<1>(xs[e]), off2, s2);
-        }
-    }
+    qmla_dq16<F32>(xs, off2, s2, s, o);
     *(uint4*)(upper_first ? hi : lo) = make_uint4(o[0], o[1], o[2], o[3]);
     *(uint4*)(upper_first ? lo : hi) = make_uint4(o[4], o[5], o[6], o[7]);
 }

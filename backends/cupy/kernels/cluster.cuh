@@ -1,0 +1,65 @@
+// QuantMLA CuPy backend: thread-block cluster helpers (sm_90): distributed shared memory and mbarriers.
+//
+// Addresses are 32-bit shared-window addresses (common.cuh's smem_addr). A CTA's own shared::cta address is a
+// valid shared::cluster address of its own memory; mapa gives the same offset in another CTA of the cluster, and
+// the windows are linear, so a peer's address is the local one plus a fixed delta (cluster_peer_delta).
+// Included after common.cuh (u32); nothing about the page layout is typed here.
+#pragma once
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#error "cluster.cuh needs sm_90"
+#endif
+
+__device__ __forceinline__ u32 cluster_ctarank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+// add this to a local shared address to reach the same byte in CTA `rank` of the cluster
+__device__ __forceinline__ u32 cluster_peer_delta(u32 local_base, u32 rank) {
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local_base), "r"(rank));
+    return remote - local_base;
+}
+
+// 16 bytes to a peer's shared memory (shared::cluster address `addr`) by st.async: the peer's mbarrier at
+// `mbar` (shared::cluster) counts the bytes as they land (complete_tx), so its waiters see them without a fence
+__device__ __forceinline__ void st_async_v4(u32 addr, u32 mbar, u32 a, u32 b, u32 c, u32 d) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(addr),
+                 "r"(a), "r"(b), "r"(c), "r"(d), "r"(mbar)
+                 : "memory");
+}
+
+// every thread of every CTA of the cluster: arrive (release) and wait (acquire)
+__device__ __forceinline__ void cluster_sync_all() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ void mbar_init(u32 addr, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(addr), "r"(count) : "memory");
+}
+
+// the initialized mbarriers visible to the cluster (then a cluster barrier, before any CTA uses them)
+__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+
+// one arrival on an mbarrier at shared::cluster address `addr` (this CTA's or a peer's)
+__device__ __forceinline__ void mbar_arrive(u32 addr) {
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(addr) : "memory");
+}
+
+// one arrival on this CTA's mbarrier at `addr` that also expects `tx` more bytes to land (st_async_v4)
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 addr, u32 tx) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cluster.b64 _, [%0], %1;" ::"r"(addr), "r"(tx) : "memory");
+}
+
+// waits until the phase of parity `parity` of this CTA's mbarrier at `addr` has completed
+__device__ __forceinline__ void mbar_wait(u32 addr, u32 parity) {
+    asm volatile(
+        "{\n\t.reg .pred done;\n"
+        "WAIT_%=:\n\t"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
+        "@!done bra WAIT_%=;\n}" ::"r"(addr),
+        "r"(parity)
+        : "memory");
+}
