@@ -197,10 +197,30 @@ def test_v6_protocol_checker_catches_an_early_full_arrival():
             run_protocol(4, rng, split=True, deq=early(4))
 
 
+def v6_source(pair: bool) -> str:
+    """attention_v6.cu with its ``#if QMLA_V6_PAIR`` blocks resolved for ``pair`` (other directives kept)."""
+    out, stack = [], []  # stack: per open #if, None (not a pair block) or whether its current branch is kept
+    for ln in (KERNEL_DIR / "attention_v6.cu").read_text().splitlines():
+        d = ln.strip()
+        if d.startswith("#if"):
+            stack.append(pair if d == "#if QMLA_V6_PAIR" else None)
+            if stack[-1] is not None:
+                continue
+        elif d.startswith("#else") and stack and stack[-1] is not None:
+            stack[-1] = not stack[-1]
+            continue
+        elif d.startswith("#endif") and stack:
+            if stack.pop() is not None:
+                continue
+        if all(k is not False for k in stack):
+            out.append(ln)
+    return "\n".join(out)
+
+
 def _sync_statements(role_src: str) -> list[str]:
     """The synchronizing statements of one role's code, in order, with their guards."""
     keep = re.compile(r"v6_wait|v6_arrive|wgmma_wait<0>|v6_pv\(|v6_dequantize<|v6_copy_protected\(|al_s\[|PT_OFF"
-                      r"|for \(int seg|for \(int j|for \(;|if \(QMLA_V6_PV_AT")
+                      r"|for \(int seg|for \(int j|for \(;|if \(QMLA_V6_PV_AT|if \(i >= 1 && i \+ 1 < ntiles\) \{")
     return [ln.strip().split("  //")[0] for ln in role_src.splitlines() if keep.search(ln)]
 
 
@@ -209,7 +229,7 @@ def test_v6_model_follows_the_kernel():
     change this list, and then the model). The attender runs the model's loop over the segments of its tiles
     (packed, sink, local); the dequantizer over packed next tiles, then protected ones (written whole, as
     "all": the model's ``split`` covers every tile, a superset of the kernel's orders)."""
-    src = (KERNEL_DIR / "attention_v6.cu").read_text()
+    src = v6_source(pair=False)
     att = src[src.index("// ======================================================== attender"):src.index("} else {\n            // ===")]
     deq = src[src.index("// ======================================================== dequantizer"):src.index("// ---------------------------------------------------------------- partial results")]
     assert _sync_statements(att) == [
@@ -217,7 +237,8 @@ def test_v6_model_follows_the_kernel():
         "for (int j = 0; j < sg.n; ++j, ++i) {",  # i: the model's tile index
         "v6_wait(BAR_FULL + buf);",
         "wgmma_wait<0>();",  # its PV of tile i - 1 ("retire PV0")
-        "if (i >= 1 && i + 1 < ntiles) v6_arrive(BAR_EMPTY + (buf ^ 1));",
+        "if (i >= 1 && i + 1 < ntiles) {",
+        "v6_arrive(BAR_EMPTY + (buf ^ 1));",
         "wgmma_wait<0>();",  # QK(i) ("read_k")
         "if (i >= 1) v6_wait(BAR_PFREE);",
         "*(u32*)(smem + PT_OFF + sw128_chunk(rw0, c, RT) + 4 * q4) = pack_bf16x2(S[c][0], S[c][1]);",
