@@ -1,7 +1,7 @@
 """The handoff protocol of CuPy kernel v6's two-CTA clusters (``QMLA_V6_PAIR``), checked on the CPU.
 
 Two CTAs share each packed key tile: each one's dequantizer converts half of the tokens and stores them into
-its own key tile and, by st.async, into its peer's. Key tiles change hands through mbarriers of each CTA
+its own key tile and sends its rows to its peer's by bulk copies. Key tiles change hands through mbarriers of each CTA
 (FULL: the own dequantizer's arrival, which expects the peer's bytes; EMPTY: the own attender, the peer
 attender and the peer dequantizer), P and the rescale factors through the CTA's named barriers, as without
 pairs. A Python model of the four roles, pinned to the kernel by the order of its synchronizing statements,
@@ -49,7 +49,7 @@ def dequantizer(x: int, n: int, np_: int, drop: str | None = None):
     def put(j: int, buf: int):
         if j < np_:
             yield ("write_k", x, buf, j, x)  # its half, here
-            yield ("write_remote", 1 - x, buf, j, x)  # and in the peer (st.async: counted on the peer's FULL)
+            yield ("write_remote", 1 - x, buf, j, x)  # and in the peer (bulk copies: counted on the peer's FULL)
             yield ("marrive", (x, FULL, buf), 0 if drop == "tx" else 1)
         else:
             yield ("write_k", x, buf, j, "all")
@@ -245,23 +245,24 @@ def test_v6_pair_model_follows_the_kernel():
     tail = ["v6_wait(BAR_PREADY);", "v6_pv(acc, dp, desc_advance(dv, buf * KT_BYTES));", "wgmma_wait<0>();",
             "v6_arrive(BAR_PFREE);", "if (i + 2 < ntiles) v6_pair_pv_done(mb, delta, buf, lane);"]
     assert _pair_sync_statements(deq) == [
-        "v6_half_dequantize(cd, smem_s, delta, V6_FULL(mb, 0) + delta, rank, p);",
+        "v6_half_dequantize(cd, smem_s, rank, p);",
         "v6_copy_protected(smem, v6_protected_tile(sp, 0), pr, p);",
-        "v6_pair_full(mb, 0, sp.np > 0, lane);",
+        "v6_pair_full(mb, delta, smem_s, 0, sp.np > 0, rank, w, lane);",
         "for (; i + 1 < sp.np; ++i) {",
         "if (i + 1 >= 2) mbar_wait(V6_EMPTY(mb, buf ^ 1), v6_parity(i - 1));",
-        "v6_half_dequantize(cd, smem_s + (buf ^ 1) * KT_BYTES, delta, V6_FULL(mb, buf ^ 1) + delta, rank, p);",
-        "v6_pair_full(mb, buf ^ 1, true, lane);",
+        "v6_half_dequantize(cd, smem_s + (buf ^ 1) * KT_BYTES, rank, p);",
+        "v6_pair_full(mb, delta, smem_s + (buf ^ 1) * KT_BYTES, buf ^ 1, true, rank, w, lane);",
         *tail,
         "for (; i < ntiles; ++i) {",
         "if (i + 1 >= 2) mbar_wait(V6_EMPTY(mb, buf ^ 1), v6_parity(i - 1));",
         "v6_copy_protected(smem + (buf ^ 1) * KT_BYTES, v6_protected_tile(sp, i + 1 - sp.np), pr, p);",
-        "v6_pair_full(mb, buf ^ 1, false, lane);",
+        "v6_pair_full(mb, delta, smem_s + (buf ^ 1) * KT_BYTES, buf ^ 1, false, rank, w, lane);",
         *tail,
     ]
     # the helpers: the attender arrives on its own EMPTY and the peer's, the dequantizer's PV on the peer's only;
     # FULL expects the peer's bytes for a packed tile; the counts the model assumes
     helpers = src[src.index("__device__ __forceinline__ void v6_pair_full"):src.index("// phase parity")]
     assert "mbar_arrive_expect_tx(V6_FULL(mb, b), V6_PEER_BYTES);" in helpers
+    assert "bulk_copy_to_peer(rows + cb * (T * 128) + delta, rows + cb * (T * 128), 8 * 128, V6_FULL(mb, b) + delta);" in helpers
     assert helpers.count("mbar_arrive(V6_EMPTY(mb, b) + delta);") == 2 and helpers.count("mbar_arrive(V6_EMPTY(mb, b));") == 1
     assert "mbar_init(V6_FULL(mb, 0), 4u);" in src and "mbar_init(V6_EMPTY(mb, 0), 12u);" in src

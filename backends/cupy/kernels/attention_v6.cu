@@ -380,10 +380,11 @@ __device__ __forceinline__ void v6_dequantize(const V6Codes& r, u8* kt, int p) {
 // ---------------------------------------------------------------- pair: two CTAs share each packed key tile
 // CTA rank k of the cluster dequantizes tokens 32 k .. 32 k + 31 of every packed tile: thread p takes token
 // 32 k + p / 4, its content chunks uu + 4 r (uu = p % 4) and nibble plane p % 2 of its RoPE chunk (p / 2) % 2,
-// and stores each 16 bytes into its own key tile and, by st.async, at the same offset into its peer's. Protected
+// and stores them into its own key tile; then one lane of each warp sends the warp's 8 rows of every column block
+// (1 KB each, contiguous in the swizzled tile) to the same place in the peer's key tile by bulk copies. Protected
 // tiles are copied by each CTA for itself. The handoffs of a key tile buffer b are mbarriers of each CTA:
 //   FULL[b]  (4 arrivals): the own dequantizer warps, once their stores are fenced; for a packed tile each also
-//            expects the bytes the peer's warp sends (V6_PEER_BYTES), which the peer's st.async count off as they
+//            expects the bytes the peer's warp sends (V6_PEER_BYTES), which the peer's bulk copies count off as they
 //            land. The attender waits on its own.
 //   EMPTY[b] (12 arrivals): tile b + 2 j is done with in both CTAs: the own attender's 4 warps, the peer
 //            attender's 4 and the peer dequantizer's 4 (its PV); the dequantizer waits on its own before it writes
@@ -424,24 +425,20 @@ __device__ __forceinline__ void v6_half_load(V6Half& h, int tt, int k, const u8*
     }
 }
 
-// bytes one dequantizer warp sends its peer per packed tile: 32 B per content chunk of KCH planes, and 32 B per
-// RoPE job (all lanes where a token has two RoPE chunks, half of them where it has one)
-#define V6_PEER_BYTES (QMLA_V6_PROBE == 1 ? 0 : 32 * 32 * (NCT / 4) * KCH + 32 * (RCK == 2 ? 32 : 16))
+// bytes one dequantizer warp sends its peer per packed tile: its 8 rows (1 KB) of every column block
+#define V6_PEER_BYTES (NCB * 8 * 128)
 
-// 16 bytes at byte `off` of the key tile at shared address kts, here and in the peer (kts + delta; its FULL
-// mbarrier of this buffer at rfull)
-__device__ __forceinline__ void v6_put2(u32 kts, int off, u32 delta, u32 rfull, u32 a, u32 b, u32 c, u32 d) {
-    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(kts + off), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
-    st_async_v4(kts + off + delta, rfull, a, b, c, d);
-}
-__device__ __forceinline__ void v6_put16(u32 kts, int lo, int hi, u32 delta, u32 rfull, const u32 (&o)[8]) {
-    v6_put2(kts, lo, delta, rfull, o[0], o[1], o[2], o[3]);
-    v6_put2(kts, hi, delta, rfull, o[4], o[5], o[6], o[7]);
+// 16 dequantized channels at bytes lo (channels 0..7) and hi (8..15) of the key tile at shared address kts
+__device__ __forceinline__ void v6_put16(u32 kts, int lo, int hi, const u32 (&o)[8]) {
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(kts + lo), "r"(o[0]), "r"(o[1]), "r"(o[2]), "r"(o[3])
+                 : "memory");
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(kts + hi), "r"(o[4]), "r"(o[5]), "r"(o[6]), "r"(o[7])
+                 : "memory");
 }
 
-// thread p's half-tile codes -> both CTAs' key tiles at kts (+ delta; the peer's FULL mbarrier of the buffer at
-// rfull), as v6_dequantize_token and qmla_store_rope_chunk convert them
-__device__ __forceinline__ void v6_half_dequantize(const V6Half& h, u32 kts, u32 delta, u32 rfull, int k, int p) {
+// thread p's half-tile codes -> the key tile at shared address kts, as v6_dequantize_token and
+// qmla_store_rope_chunk convert them
+__device__ __forceinline__ void v6_half_dequantize(const V6Half& h, u32 kts, int k, int p) {
     if (QMLA_V6_PROBE == 1) return;
     const int uu = p & 3, t = 32 * k + (p >> 2);
     const int lo = sw128_chunk(t, 2 * uu, T), hi = sw128_chunk(t, 2 * uu + 1, T);
@@ -463,7 +460,7 @@ __device__ __forceinline__ void v6_half_dequantize(const V6Half& h, u32 kts, u32
 #else
             qmla_dq16<true>(x, off2, 0u, __uint_as_float(v6_pick<32>(h.s, grp)), o);
 #endif
-            v6_put16(kts, lo + blk * (T * 128), hi + blk * (T * 128), delta, rfull, o);
+            v6_put16(kts, lo + blk * (T * 128), hi + blk * (T * 128), o);
         }
     }
     const int u = (p >> 1) & 1, c = p & 1;
@@ -475,7 +472,7 @@ __device__ __forceinline__ void v6_half_dequantize(const V6Half& h, u32 kts, u32
         u32 o[8];
         qmla_dq16<true>(x, 0xc300c300u | h.rz | (h.rz << 16), 0u,
                         QMLA_RSCALE_BF16 ? bf16_bits_to_f32(h.rs) : __uint_as_float(h.rs), o);
-        v6_put16(kts, qmla_kt_chunk(t, chunk, T), qmla_kt_chunk(t, chunk + 1, T), delta, rfull, o);
+        v6_put16(kts, qmla_kt_chunk(t, chunk, T), qmla_kt_chunk(t, chunk + 1, T), o);
     }
 }
 
@@ -484,13 +481,19 @@ __device__ __forceinline__ void v6_half_dequantize(const V6Half& h, u32 kts, u32
 #define V6_FULL(mb, b) ((mb) + 8u * (b))
 #define V6_EMPTY(mb, b) ((mb) + 16u + 8u * (b))
 
-// the dequantizer: its stores to key tile buffer b fenced; packed: the peer's bytes expected as well
-__device__ __forceinline__ void v6_pair_full(u32 mb, int b, bool packed, int lane) {
-    fence_proxy_async();
+// the dequantizer: its stores to key tile buffer b (at shared address kt) fenced; packed: the peer's bytes expected,
+// and this warp's rows (32 k + 8 w ..) of every column block sent to the peer (its FULL[b] counts them)
+__device__ __forceinline__ void v6_pair_full(u32 mb, u32 delta, u32 kt, int b, bool packed, int k, int w, int lane) {
+    fence_proxy_async();  // the stores, for the bulk copies' and the attender's wgmma reads (async proxy)
     __syncwarp();
     if (lane == 0) {
         if (packed) {
             mbar_arrive_expect_tx(V6_FULL(mb, b), V6_PEER_BYTES);
+            const u32 rows = kt + (32 * k + 8 * w) * 128;
+#pragma unroll
+            for (int cb = 0; cb < NCB; ++cb) {
+                bulk_copy_to_peer(rows + cb * (T * 128) + delta, rows + cb * (T * 128), 8 * 128, V6_FULL(mb, b) + delta);
+            }
         } else {
             mbar_arrive(V6_FULL(mb, b));
         }
@@ -611,7 +614,6 @@ extern "C" __global__ void V6_CLUSTER __launch_bounds__(NTH, 1) qmla_attn_v6(
                 const int t0 = sg.t0 + j * T, buf = i & 1;
 #if QMLA_V6_PAIR
                 mbar_wait(V6_FULL(mb, buf), v6_parity(i));
-                fence_proxy_async();  // (the peer's st.async bytes are counted by the mbarrier; this orders the rest)
 #else
                 v6_wait(BAR_FULL + buf);
 #endif
@@ -681,18 +683,18 @@ extern "C" __global__ void V6_CLUSTER __launch_bounds__(NTH, 1) qmla_attn_v6(
             V6Half cd;
             if (sp.np > 0) {
                 v6_half_load(cd, t_begin, rank, pages, bt_row, L, max_pages, num_pages, p);
-                v6_half_dequantize(cd, smem_s, delta, V6_FULL(mb, 0) + delta, rank, p);
+                v6_half_dequantize(cd, smem_s, rank, p);
             } else {
                 v6_copy_protected(smem, v6_protected_tile(sp, 0), pr, p);
             }
-            v6_pair_full(mb, 0, sp.np > 0, lane);
+            v6_pair_full(mb, delta, smem_s, 0, sp.np > 0, rank, w, lane);
             if (sp.np > 1) v6_half_load(cd, t_begin + T, rank, pages, bt_row, L, max_pages, num_pages, p);
             int i = 0;
             for (; i + 1 < sp.np; ++i) {  // the next tile packed
                 const int buf = i & 1;
                 if (i + 1 >= 2) mbar_wait(V6_EMPTY(mb, buf ^ 1), v6_parity(i - 1));
-                v6_half_dequantize(cd, smem_s + (buf ^ 1) * KT_BYTES, delta, V6_FULL(mb, buf ^ 1) + delta, rank, p);
-                v6_pair_full(mb, buf ^ 1, true, lane);
+                v6_half_dequantize(cd, smem_s + (buf ^ 1) * KT_BYTES, rank, p);
+                v6_pair_full(mb, delta, smem_s + (buf ^ 1) * KT_BYTES, buf ^ 1, true, rank, w, lane);
                 if (i + 2 < sp.np) v6_half_load(cd, t_begin + (i + 2) * T, rank, pages, bt_row, L, max_pages, num_pages, p);
                 v6_wait(BAR_PREADY);
                 qmla_rescale_rows<true>(acc, al_s[rw0], al_s[rw0 + 8]);
@@ -707,7 +709,7 @@ extern "C" __global__ void V6_CLUSTER __launch_bounds__(NTH, 1) qmla_attn_v6(
                 if (i + 1 < ntiles) {
                     if (i + 1 >= 2) mbar_wait(V6_EMPTY(mb, buf ^ 1), v6_parity(i - 1));
                     v6_copy_protected(smem + (buf ^ 1) * KT_BYTES, v6_protected_tile(sp, i + 1 - sp.np), pr, p);
-                    v6_pair_full(mb, buf ^ 1, false, lane);
+                    v6_pair_full(mb, delta, smem_s + (buf ^ 1) * KT_BYTES, buf ^ 1, false, rank, w, lane);
                 }
                 v6_wait(BAR_PREADY);
                 qmla_rescale_rows<true>(acc, al_s[rw0], al_s[rw0 + 8]);

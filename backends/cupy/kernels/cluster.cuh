@@ -23,11 +23,12 @@ __device__ __forceinline__ u32 cluster_peer_delta(u32 local_base, u32 rank) {
     return remote - local_base;
 }
 
-// 16 bytes to a peer's shared memory (shared::cluster address `addr`) by st.async: the peer's mbarrier at
-// `mbar` (shared::cluster) counts the bytes as they land (complete_tx), so its waiters see them without a fence
-__device__ __forceinline__ void st_async_v4(u32 addr, u32 mbar, u32 a, u32 b, u32 c, u32 d) {
-    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(addr),
-                 "r"(a), "r"(b), "r"(c), "r"(d), "r"(mbar)
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) of this CTA's shared memory at `src` to a peer's
+// (shared::cluster address `dst`) by the bulk-copy engine; the peer's mbarrier at `mbar` (shared::cluster) counts
+// them as they land (complete_tx). It reads `src` through the async proxy: fence the stores that wrote it first.
+__device__ __forceinline__ void bulk_copy_to_peer(u32 dst, u32 src, u32 bytes, u32 mbar) {
+    asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+                 "r"(src), "r"(bytes), "r"(mbar)
                  : "memory");
 }
 
