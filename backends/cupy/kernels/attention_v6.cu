@@ -562,8 +562,8 @@ extern "C" __global__ void V6_CLUSTER __launch_bounds__(NTH, 1) qmla_attn_v6(
 
 #if QMLA_V6_PAIR
     const u32 mb = smem_addr(smem + MB_OFF);
-    const u32 delta = cluster_peer_delta(smem_addr(smem), cluster_ctarank() ^ 1u);
     const int rank = (int)cluster_ctarank();
+    const u32 delta = cluster_peer_delta(smem_addr(smem), (u32)rank ^ 1u);
     if (tid == 0) {
         mbar_init(V6_FULL(mb, 0), 4u);
         mbar_init(V6_FULL(mb, 1), 4u);
