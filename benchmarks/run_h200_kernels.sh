@@ -31,6 +31,8 @@
 #       memcheck of the default (a source against another: srcab with SRCAB_KERNEL=attention_v5.cu)
 #   bash benchmarks/run_h200_kernels.sh v6pair   # v6 as two-CTA clusters sharing each key tile (QUANTMLA_CUPY_V6_PAIR):
 #       conformance of forced pairs, CUDA graphs of 0 against 1 over V6PAIR_SHAPES, memcheck of the pairs
+#   bash benchmarks/run_h200_kernels.sh v6fold   # v6's slack maximum and RoPE fold (QUANTMLA_CUPY_V6_SLACK / _ROPE_FOLD):
+#       conformance of each, CUDA graphs of the four builds over V6FOLD_SHAPES (twice), memcheck of both on
 #   SRCAB_SOURCES="kept probe_tmp/old.cu kept" SRCAB_ARGS="..." bash benchmarks/run_h200_kernels.sh srcab  # one kernel
 #       source (SRCAB_KERNEL, default attention_v6.cu) against others from the working tree, one process each
 #   bash benchmarks/run_h200_kernels.sh v6small  # where v6's time goes at short contexts: each kernel's duration
@@ -183,6 +185,20 @@ elif [ "$MODE" = v6pair ]; then
     --json "$OUT/graph_v6_pair.json" 2>&1 | grep -v "^{" | tail -40
   echo "=== memcheck (pairs)"; QUANTMLA_CUPY_V6_PAIR=1 timeout 150 compute-sanitizer --tool memcheck $T tests/test_cupy_v6.py \
     -k "v6_pair_matches and (L70_9000_200 or L17_31_100 or L2049_33_700 or L40_33 or L900_16)" 2>&1 | tail -2
+elif [ "$MODE" = v6fold ]; then
+  echo "=== v6 slack + fold: one small case first (a failure stops here)"; timeout 120 $T tests/test_cupy_v6.py \
+    -k "v6_slack_fold_match and L64_128_192 and 1-1" 2>&1 | tail -2 | tee "$OUT/v6_fold_first.txt"
+  grep -q " passed" "$OUT/v6_fold_first.txt" && ! grep -q "failed\|error" "$OUT/v6_fold_first.txt" || exit 1
+  echo "=== v6 slack / fold: conformance (each knob and both; the default build's v6 tests)"; timeout 300 $T \
+    tests/test_cupy_v6.py -k "v6_slack_fold_match or v6_matches" 2>&1 | tail -3 | tee "$OUT/v6_fold_conformance.txt"
+  S0="QUANTMLA_CUPY_V6_SLACK=0 QUANTMLA_CUPY_V6_ROPE_FOLD=0"; S1="QUANTMLA_CUPY_V6_SLACK=1 QUANTMLA_CUPY_V6_ROPE_FOLD=0"
+  F1="QUANTMLA_CUPY_V6_SLACK=0 QUANTMLA_CUPY_V6_ROPE_FOLD=1"; B1="QUANTMLA_CUPY_V6_SLACK=1 QUANTMLA_CUPY_V6_ROPE_FOLD=1"
+  echo "=== base / slack / fold / both, twice (CUDA graphs)"; timeout 420 python3 -P benchmarks/graph_probe.py --backends cupy \
+    --settings "${V6FOLD_SETTINGS:-$S0;$S1;$F1;$B1;$S0;$S1;$F1;$B1}" --formats C4R4,C2R4 \
+    --shapes ${V6FOLD_SHAPES:-128x32x32768,128x128x32768,128x32x131072,128x8x4096} \
+    --json "$OUT/graph_v6_fold.json" 2>&1 | grep -v "^{" | tail -70
+  echo "=== memcheck (slack + fold)"; QUANTMLA_CUPY_V6_SLACK=1 QUANTMLA_CUPY_V6_ROPE_FOLD=1 timeout 150 compute-sanitizer \
+    --tool memcheck $T tests/test_cupy_v6.py -k "v6_matches and (L70_9000_200 or L17_31_100 or L2049_33_700 or L40_33)" 2>&1 | tail -2
 elif [ "$MODE" = srcab ]; then
   KDIR=/tmp/qm/quantmla_core/backends/cupy/kernels; K=${SRCAB_KERNEL:-attention_v6.cu}; cp "$KDIR/$K" /tmp/srcab_kept.cu
   n=0

@@ -21,7 +21,10 @@ from quantmla_core.backends.cupy.attention import (
     V2_MIN_TILES_PER_SPLIT,
     V4_WGMMA_ARCH,
     VARIANT_ENV,
+    V6_MAX_SLACK,
     V6_PAIR_AUTO,
+    V6_ROPE_FOLD,
+    V6_SLACK,
     V6Knobs,
     protected_ctas,
     select_variant,
@@ -69,26 +72,40 @@ V6_PAIR_BUILDS = [("C4R4", 512, 64, 64, 64, 3, False, True), ("C2R4", 512, 64, 6
                   ("C4R4", 256, 32, 64, 32, 3, False, True)]
 
 
+#: the builds with a reference maximum that moves by more than V6_MAX_SLACK only and with the RoPE scale folded
+#: into the scores (V6Knobs slack, rope_fold): (format, d_c, d_r, group, page, pv_at, page_ahead, pair, slack, fold)
+V6_SLACK_FOLD_BUILDS = [(name, dc, dr, 64, page, 3, False, False, slack, fold)
+                        for name, dc, dr, page in (("C4R4", 512, 64, 64), ("C2R4", 512, 64, 64), ("C4R4", 256, 32, 32))
+                        for slack, fold in ((True, False), (False, True), (True, True))]
+#: bytes the folding builds at d_c 512 may spill (stack and stores, loads): the attender's second accumulator takes
+#: them to 255 registers, and ptxas keeps two words in local memory (read once per tile in the attender's and the
+#: protected loops; offline SASS of stop 31)
+V6_FOLD_SPILL_BYTES = (8, 24)
+
+
 def _compile_v6(v: tuple) -> tuple[int, str, str]:
     name, dc, dr, gs, page, *knobs = v
-    pv_at, ahead, pair = tuple(knobs) + (3, False, False)[len(knobs):]
+    pv_at, ahead, pair, slack, fold = tuple(knobs) + (3, False, False, False, False)[len(knobs):]
     fmt = qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr, group_size=gs, page_size=page)
-    return compile_cubin_and_ptx("attention_v6.cu", V4_WGMMA_ARCH, v6_defines(fmt, True, pv_at, ahead, pair=pair))
+    return compile_cubin_and_ptx("attention_v6.cu", V4_WGMMA_ARCH,
+                                 v6_defines(fmt, True, pv_at, ahead, pair=pair, slack=slack, rope_fold=fold))
 
 
 @lru_cache(maxsize=1)
 def _compiled_v6() -> dict:
     knob_builds = [(name, 512, 64, 64, 64, pv_at, ahead) for name, pv_at, ahead in V6_KNOB_BUILDS]
-    return compile_all(V6_BUILDS + knob_builds + V6_PAIR_BUILDS, _compile_v6)
+    return compile_all(V6_BUILDS + knob_builds + V6_PAIR_BUILDS + V6_SLACK_FOLD_BUILDS, _compile_v6)
 
 
-def _check_v6_build(build: tuple) -> None:
+def _check_v6_build(build: tuple, spill_bytes: tuple[int, int] = (0, 0)) -> None:
     rc, text, ptx = _compiled_v6()[build]
     assert rc == 0, f"nvcc failed for v6 {build}:\n{text[-4000:]}"
     assert "warning #" not in text, text
     use = ptxas_usage(text)
     print(f"v6 {build}: {use}")
-    assert use["spill_stores"] == 0 and use["spill_loads"] == 0 and use["stack"] == 0, f"v6 {build} spills: {use}"
+    stored, loaded = spill_bytes
+    assert use["spill_stores"] <= stored and use["stack"] <= stored and use["spill_loads"] <= loaded, \
+        f"v6 {build} spills: {use}"
     assert "C7514" not in text and "C7515" not in text and "serialized" not in text, text
     _name, dc, dr = build[:3]
     qk = "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16"
@@ -150,6 +167,23 @@ def test_v6_pair_builds_compile_without_spills(build):
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
+@pytest.mark.parametrize("build", V6_SLACK_FOLD_BUILDS, ids=lambda v: f"{v[0]}-{v[1]}-slack{int(v[8])}-fold{int(v[9])}")
+def test_v6_slack_fold_builds_compile(build):
+    """The slack and RoPE-fold builds hold to the default build's rules (the folding ones at d_c 512 within
+    V6_FOLD_SPILL_BYTES of spills) and differ from the default build. Folding keeps QK's (d_c + d_r) / 16 k-steps
+    and converts the RoPE codes to exact (code - z) by one bf16x2 fma a pair instead of packing float32 products."""
+    name, dc, dr, gs, page, *_rest, slack, fold = build
+    _check_v6_build(build, V6_FOLD_SPILL_BYTES if fold and dc == 512 else (0, 0))
+    ptx = _compiled_v6()[build][2]
+    base = _compiled_v6()[(name, dc, dr, gs, page)][2]
+    assert ptx != base
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16") == (dc + dr) // 16
+    # the RoPE chunk's float32 products a thread no longer packs (per inlined conversion site)
+    cvt, base_cvt = ptx.count("cvt.rn.bf16x2.f32"), base.count("cvt.rn.bf16x2.f32")
+    assert cvt < base_cvt if fold else cvt == base_cvt
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
 def test_v6_knob_builds_differ():
     """Each knob changes the code (a knob the preprocessor ignored would compile to the default PTX)."""
     base = _compiled_v6()[("C4R4", 512, 64, 64, 64)][2]
@@ -180,6 +214,11 @@ def test_v6_smem_layout():
     # pairs: four 8-byte mbarriers more, still inside one SM's 227 KB
     assert v6_smem_bytes(fmt, pair=True) == v6_smem_bytes(fmt) + 32 <= smem_per_block((9, 0))
     assert v6_defines(fmt, pair=True)["QMLA_V6_SMEM"] == v6_smem_bytes(fmt, pair=True)
+    # the RoPE fold: both key tiles' token scales (float [2][64]) more, still inside
+    assert v6_smem_bytes(fmt, rope_fold=True) == v6_smem_bytes(fmt) + 512 <= smem_per_block((9, 0))
+    assert v6_defines(fmt, rope_fold=True)["QMLA_V6_SMEM"] == v6_smem_bytes(fmt, rope_fold=True)
+    with pytest.raises(ValueError, match="pair builds do not fold"):
+        v6_defines(fmt, pair=True, rope_fold=True)
 
 
 def test_v6_unsupported_reasons():
@@ -258,9 +297,13 @@ def test_v6_knobs(monkeypatch):
     assert V6Knobs.from_env() == V6Knobs(4, 1, True, True)
     monkeypatch.setenv("QUANTMLA_CUPY_V6_PAIR", "1")
     assert V6Knobs.from_env() == V6Knobs(4, 1, True, True, pair="1")
+    monkeypatch.setenv("QUANTMLA_CUPY_V6_SLACK", str(int(not V6_SLACK)))
+    monkeypatch.setenv("QUANTMLA_CUPY_V6_ROPE_FOLD", str(int(not V6_ROPE_FOLD)))
+    assert V6Knobs.from_env() == V6Knobs(4, 1, True, True, pair="1", slack=not V6_SLACK, rope_fold=not V6_ROPE_FOLD)
     for env, bad in (("QUANTMLA_CUPY_V2_MIN_TILES", "3"), ("QUANTMLA_CUPY_V6_PV_AT", "4"),
                      ("QUANTMLA_CUPY_V6_PAGE_AHEAD", "2"), ("QUANTMLA_CUPY_V6_PROTECTED", "in"),
-                     ("QUANTMLA_CUPY_V6_PAIR", "2")):
+                     ("QUANTMLA_CUPY_V6_PAIR", "2"), ("QUANTMLA_CUPY_V6_SLACK", "8"),
+                     ("QUANTMLA_CUPY_V6_ROPE_FOLD", "yes")):
         monkeypatch.setenv(env, bad)
         with pytest.raises(ValueError, match=env):
             V6Knobs.from_env()
@@ -278,6 +321,8 @@ def test_v6_knobs_select_their_build(monkeypatch, env, pv_at, ahead, inline):
     (attn, grid, _block, args, _smem), _stream = launches.of("qmla_attn_v6")
     assert (attn.defines["QMLA_V6_PV_AT"], attn.defines["QMLA_V6_PAGE_AHEAD"]) == (pv_at, ahead)
     assert attn.defines["QMLA_V6_PROTECTED"] == inline
+    assert attn.defines["QMLA_V6_MAX_SLACK"] == (V6_MAX_SLACK if V6_SLACK else 0)
+    assert attn.defines["QMLA_V6_ROPE_FOLD"] == int(V6_ROPE_FOLD)
     params = _kernel_params("attention_v6.cu", "qmla_attn_v6")
     slots = int(args[params.index("int num_splits")])
     kernels = [rec[0].kernel for rec in launches]
@@ -293,6 +338,23 @@ def test_v6_pairs_rule():
     assert not v6_pairs("0", 128) and v6_pairs("1", 64) and v6_pairs("1", 128)
     for rows in (64, 80, 128, 192, 256):
         assert v6_pairs("auto", rows) == (V6_PAIR_AUTO and -(-rows // 64) % 2 == 0)
+
+
+@pytest.mark.parametrize("slack,fold", [(1, 0), (0, 1), (1, 1)])
+def test_v6_slack_fold_knobs_select_their_build(monkeypatch, slack, fold):
+    """QUANTMLA_CUPY_V6_SLACK / _ROPE_FOLD reach the kernel's defines and the folding build's shared memory; a pair
+    build never folds (its kernel has no fold), whatever the knob says."""
+    env = {"QUANTMLA_CUPY_V6_SLACK": str(slack), "QUANTMLA_CUPY_V6_ROPE_FOLD": str(fold)}
+    launches, _kernels, fmt, _b = _run_v2_stubbed(monkeypatch, 128, 1, True, env, variant="v6", pages_per=9, length=500)
+    (attn, _grid, _block, _args, smem), _stream = launches.of("qmla_attn_v6")
+    assert attn.defines["QMLA_V6_MAX_SLACK"] == V6_MAX_SLACK * slack == (8 if slack else 0)
+    assert attn.defines["QMLA_V6_ROPE_FOLD"] == fold
+    assert smem == v6_smem_bytes(fmt, rope_fold=bool(fold)) == attn.defines["QMLA_V6_SMEM"]
+    launches, _kernels, fmt, _b = _run_v2_stubbed(monkeypatch, 128, 1, True, {**env, "QUANTMLA_CUPY_V6_PAIR": "1"},
+                                                  variant="v6", pages_per=9, length=500)
+    (attn, _grid, _block, _args, smem), _stream = launches.of("qmla_attn_v6")
+    assert attn.defines["QMLA_V6_PAIR"] == 1 and attn.defines["QMLA_V6_ROPE_FOLD"] == 0
+    assert smem == v6_smem_bytes(fmt, pair=True)
 
 
 @pytest.mark.parametrize("h,s_q", [(128, 1), (64, 1), (20, 4)])
@@ -359,4 +421,25 @@ def test_attention_v6_pair_matches_reference(case, monkeypatch):
         pytest.skip(f"v6 is an sm_90a kernel: this GPU is compute capability {cap[0]}.{cap[1]}")
     monkeypatch.setenv(VARIANT_ENV, "v6")
     monkeypatch.setenv("QUANTMLA_CUPY_V6_PAIR", "1")
+    check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
+
+
+#: (case, slack, fold): both knobs over every v6 case, each alone over the many-row ones
+V6_SLACK_FOLD_CASES = ([(c, 1, 1) for c in V2_CASES + BIG[:3] + V4_CASES + V6_CASES if c.fmt.quantized]
+                       + [(c, slack, fold) for c in V6_CASES for slack, fold in ((1, 0), (0, 1))])
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case,slack,fold", V6_SLACK_FOLD_CASES, ids=lambda v: str(v) if isinstance(v, Case) else None)
+def test_attention_v6_slack_fold_match_reference(case, slack, fold, monkeypatch):
+    """A reference maximum that moves by more than V6_MAX_SLACK only (P up to 2^8 before the division by the row
+    sums) and the RoPE scale folded into the scores (QUANTMLA_CUPY_V6_SLACK / _ROPE_FOLD) compute the same attention
+    within the reference's tolerances."""
+    cap = torch.cuda.get_device_capability()
+    if tuple(cap) != (9, 0):
+        pytest.skip(f"v6 is an sm_90a kernel: this GPU is compute capability {cap[0]}.{cap[1]}")
+    monkeypatch.setenv(VARIANT_ENV, "v6")
+    monkeypatch.setenv("QUANTMLA_CUPY_V6_SLACK", str(slack))
+    monkeypatch.setenv("QUANTMLA_CUPY_V6_ROPE_FOLD", str(fold))
     check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")

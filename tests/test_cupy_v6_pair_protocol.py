@@ -246,7 +246,7 @@ def test_v6_pair_model_follows_the_kernel():
             "v6_arrive(BAR_PFREE);", "if (i + 2 < ntiles) v6_pair_pv_done(mb, delta, buf, lane);"]
     assert _pair_sync_statements(deq) == [
         "v6_half_dequantize(cd, smem_s, rank, p);",
-        "v6_copy_protected(smem, v6_protected_tile(sp, 0), pr, p);",
+        "v6_copy_protected(smem, v6_protected_tile(sp, 0), pr, p, rs_s);",
         "v6_pair_full(mb, delta, smem_s, 0, sp.np > 0, rank, w, lane);",
         "for (; i + 1 < sp.np; ++i) {",
         "if (i + 1 >= 2) mbar_wait(V6_EMPTY(mb, buf ^ 1), v6_parity(i - 1));",
@@ -255,7 +255,7 @@ def test_v6_pair_model_follows_the_kernel():
         *tail,
         "for (; i < ntiles; ++i) {",
         "if (i + 1 >= 2) mbar_wait(V6_EMPTY(mb, buf ^ 1), v6_parity(i - 1));",
-        "v6_copy_protected(smem + (buf ^ 1) * KT_BYTES, v6_protected_tile(sp, i + 1 - sp.np), pr, p);",
+        "v6_copy_protected(smem + (buf ^ 1) * KT_BYTES, v6_protected_tile(sp, i + 1 - sp.np), pr, p, rs_s);",
         "v6_pair_full(mb, delta, smem_s + (buf ^ 1) * KT_BYTES, buf ^ 1, false, rank, w, lane);",
         *tail,
     ]

@@ -197,13 +197,15 @@ def test_v6_protocol_checker_catches_an_early_full_arrival():
             run_protocol(4, rng, split=True, deq=early(4))
 
 
-def v6_source(pair: bool) -> str:
-    """attention_v6.cu with its ``#if QMLA_V6_PAIR`` blocks resolved for ``pair`` (other directives kept)."""
-    out, stack = [], []  # stack: per open #if, None (not a pair block) or whether its current branch is kept
+def v6_source(pair: bool, fold: bool = False) -> str:
+    """attention_v6.cu with its ``#if QMLA_V6_PAIR`` and ``#if QMLA_V6_ROPE_FOLD`` blocks resolved for ``pair`` and
+    ``fold`` (other directives kept)."""
+    resolve = {"#if QMLA_V6_PAIR": pair, "#if QMLA_V6_ROPE_FOLD": fold}
+    out, stack = [], []  # stack: per open #if, None (not resolved here) or whether its current branch is kept
     for ln in (KERNEL_DIR / "attention_v6.cu").read_text().splitlines():
         d = ln.strip()
         if d.startswith("#if"):
-            stack.append(pair if d == "#if QMLA_V6_PAIR" else None)
+            stack.append(resolve.get(d))
             if stack[-1] is not None:
                 continue
         elif d.startswith("#else") and stack and stack[-1] is not None:
@@ -253,28 +255,46 @@ def test_v6_model_follows_the_kernel():
     handoff = ["v6_wait(BAR_PREADY);", "qmla_rescale_rows<true>(acc, al_s[rw0], al_s[rw0 + 8]);",
                "v6_pv(acc, dp, desc_advance(dv, buf * KT_BYTES));"]
     assert _sync_statements(deq) == [
-        "v6_dequantize<0, 3>(cd, smem, p);",  # tile 0 in one part, packed
-        "v6_copy_protected(smem, v6_protected_tile(sp, 0), pr, p);",  # or protected
+        "v6_dequantize<0, 3>(cd, smem, rs_s, p);",  # tile 0 in one part, packed
+        "v6_copy_protected(smem, v6_protected_tile(sp, 0), pr, p, rs_s);",  # or protected
         "v6_arrive(BAR_FULL);",
         "for (; i + 1 < sp.np; ++i) {",  # the next tile packed
         "if (i + 1 >= 2) v6_wait(BAR_EMPTY + (buf ^ 1));",
-        "v6_dequantize<0, QMLA_V6_PV_AT>(cd, kn, p);",  # "first" (or "all")
+        "v6_dequantize<0, QMLA_V6_PV_AT>(cd, kn, rn, p);",  # "first" (or "all"; rn: kn's RoPE scales)
         "if (QMLA_V6_PV_AT == 3) {",
         "v6_arrive(BAR_FULL + (buf ^ 1));",
         *handoff,
         "if (QMLA_V6_PV_AT < 3) {",
-        "v6_dequantize<QMLA_V6_PV_AT, 3>(cd, kn, p);",  # "rest", then announced
+        "v6_dequantize<QMLA_V6_PV_AT, 3>(cd, kn, rn, p);",  # "rest", then announced
         "v6_arrive(BAR_FULL + (buf ^ 1));",
         "wgmma_wait<0>();",
         "v6_arrive(BAR_PFREE);",
         "for (; i < ntiles; ++i) {",  # the next tile, if any, protected: written whole ("all")
         "if (i + 1 >= 2) v6_wait(BAR_EMPTY + (buf ^ 1));",
-        "v6_copy_protected(smem + (buf ^ 1) * KT_BYTES, v6_protected_tile(sp, i + 1 - sp.np), pr, p);",
+        "v6_copy_protected(kn, v6_protected_tile(sp, i + 1 - sp.np), pr, p, rn);",
         "v6_arrive(BAR_FULL + (buf ^ 1));",
         *handoff,
         "wgmma_wait<0>();",
         "v6_arrive(BAR_PFREE);",
     ]
-    # the next tile is guarded by i + 1 < ntiles in both loops, as in the model (np <= ntiles)
-    assert "if (i + 1 < ntiles) {\n                    if (i + 1 >= 2) v6_wait(BAR_EMPTY" in deq
+    # the next tile is guarded by i + 1 < ntiles in both loops, as in the model (np <= ntiles); kn and rn are the
+    # next tile's key tile and RoPE scales
+    assert "if (i + 1 < ntiles) {\n                    u8* kn = smem + (buf ^ 1) * KT_BYTES;" in deq
+    assert deq.count("u8* kn = smem + (buf ^ 1) * KT_BYTES;") == 2 and deq.count("float* rn = rs_s + (buf ^ 1) * T;") == 2
     assert "const int ntiles = sp.np + sp.ns + sp.nl;" in src
+
+
+def test_v6_fold_reads_scales_inside_the_tiles_handoff():
+    """With QMLA_V6_ROPE_FOLD the RoPE scales travel with their key tile: the dequantizer writes them in the calls the
+    model counts as writing the key tile (v6_dequantize, v6_copy_protected, both given the tile's scale slots), and the
+    attender reads slot buf between its wait for that tile (FULL) and its next arrival on EMPTY (the next tile's)."""
+    src = v6_source(pair=False, fold=True)
+    att = src[src.index("// ======================================================== attender"):src.index("} else {\n            // ===")]
+    order = [ln.strip() for ln in att.splitlines()
+             if re.search(r"v6_wait\(BAR_FULL|v6_arrive\(BAR_EMPTY|rs_s|wgmma_wait<0>|for \(int j = 0; j < sg", ln)]
+    assert order == ["for (int j = 0; j < sg.n; ++j, ++i) {", "v6_wait(BAR_FULL + buf);", "wgmma_wait<0>();",
+                     "v6_arrive(BAR_EMPTY + (buf ^ 1));", "wgmma_wait<0>();", "const float* rsc = rs_s + buf * T;",
+                     "wgmma_wait<0>();"]
+    helpers = src[src.index("__device__ __forceinline__ void v6_copy_protected"):src.index("// the thread's codes of tile tt")]
+    assert "if (QMLA_V6_ROPE_FOLD && (p & 1) == 0) rsc[p >> 1] = 1.0f;" in helpers
+    assert "if (p % RCK == 0) rsc[p / RCK] = s;" in helpers

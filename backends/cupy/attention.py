@@ -61,7 +61,8 @@ bit-identical) / ``QUANTMLA_CUPY_V3_WARPS`` (4 or 8) and ``QUANTMLA_CUPY_V4_STAG
 and ``QUANTMLA_CUPY_V5_LAZY_RESCALE`` (default 1) / ``QUANTMLA_CUPY_V5_WORKERS`` (2 or 3) /
 ``QUANTMLA_CUPY_V5_PROTECTED`` (``inline``, ``separate``) / ``QUANTMLA_CUPY_V5_PROT_LOADS`` (``pairs``, ``vec``)
 and ``QUANTMLA_CUPY_V6_PV_AT`` (1-3) / ``QUANTMLA_CUPY_V6_PAGE_AHEAD`` (0/1) /
-``QUANTMLA_CUPY_V6_PROTECTED`` (``inline``, ``separate``) and ``QUANTMLA_CUPY_PLAN_PROTECTED`` (0/1: v5
+``QUANTMLA_CUPY_V6_PROTECTED`` (``inline``, ``separate``) / ``QUANTMLA_CUPY_V6_PAIR`` (``auto``, 0/1) /
+``QUANTMLA_CUPY_V6_SLACK`` (0/1) / ``QUANTMLA_CUPY_V6_ROPE_FOLD`` (0/1) and ``QUANTMLA_CUPY_PLAN_PROTECTED`` (0/1: v5
 (default 1) and v6 (default 0) count the sink/local tiles they append to one split in the split plan) are
 tuning knobs for measurements, also read per call.
 :func:`select_variant` says which kernel a call will run, and why.
@@ -166,6 +167,13 @@ V6_PAIR_AUTO = False
 #: v6's defaults of :class:`V6Knobs` ``pv_at`` and ``page_ahead``
 V6_PV_AT = 3
 V6_PAGE_AHEAD = False
+#: log2 units a score may pass its row's reference maximum before v6 moves the reference (``QMLA_V6_MAX_SLACK``, as
+#: v5's ``QMLA_V5_MAX_SLACK``) where :class:`V6Knobs` ``slack`` is on, and whether it is on by default
+V6_MAX_SLACK = 8
+V6_SLACK = False
+#: whether v6 multiplies each score's RoPE part by the token's scale once instead of dequantizing each RoPE value
+#: through float32 (``QMLA_V6_ROPE_FOLD``, :class:`V6Knobs` ``rope_fold``) by default
+V6_ROPE_FOLD = False
 #: whether v5 converts 2-bit codes where they lie in their byte (``common.cuh``'s ``qmla_code2_in_place``;
 #: ``QUANTMLA_CUPY_CODES_IN_PLACE``): 38 fewer instructions per warp and tile in its loop (1,521 against 1,559 at
 #: d_c 512; 973 against 987 at 256). H200, C2R4 H16, CUDA graphs (stop 28, one call, the old build run before and
@@ -474,26 +482,32 @@ def v5_unsupported_reasons(fmt: PackFormat, capability: tuple[int, int] | None, 
     return reasons
 
 
-def v6_smem_bytes(fmt: PackFormat, pair: bool = False) -> int:
+def v6_smem_bytes(fmt: PackFormat, pair: bool = False, rope_fold: bool = False) -> int:
     """Dynamic shared memory of one v6 block (mirrors SMEM_TOTAL in attention_v6.cu): two key tiles and
     the queries (64 rows of d_c + d_r channels each, 128-byte-swizzled column blocks), P (bf16 [64][64]),
-    the rows' rescale factors and, for the partials, maxima and sums (float [3][64]), with ``pair`` four
-    8-byte mbarriers, plus 1 KB to align the base. No stage: the dequantizing warpgroup loads its codes
-    from the pages into registers."""
+    the rows' rescale factors and, for the partials, maxima and sums (float [3][64]), with ``rope_fold`` the
+    two key tiles' RoPE scales (float [2][64]), with ``pair`` four 8-byte mbarriers, plus 1 KB to align the
+    base. No stage: the dequantizing warpgroup loads its codes from the pages into registers."""
     blocks = -(-(fmt.latent_dim + fmt.rope_dim) // 64)
     tile = V6_TILE * blocks * 128
-    return 2 * tile + V6_ROWS * blocks * 128 + V6_ROWS * V6_TILE * 2 + 3 * V6_ROWS * 4 + 32 * pair + 1024
+    return (2 * tile + V6_ROWS * blocks * 128 + V6_ROWS * V6_TILE * 2 + 3 * V6_ROWS * 4 + 2 * V6_TILE * 4 * rope_fold
+            + 32 * pair + 1024)
 
 
 def v6_defines(fmt: PackFormat, index64: bool = True, pv_at: int = V6_PV_AT, page_ahead: bool = V6_PAGE_AHEAD,
-               protected: bool = True, pair: bool = False) -> dict[str, int]:
+               protected: bool = True, pair: bool = False, slack: bool = V6_SLACK,
+               rope_fold: bool = V6_ROPE_FOLD) -> dict[str, int]:
     """``-D`` defines of ``kernels/attention_v6.cu`` (bfloat16 queries; an sm_90a build,
     :data:`V4_WGMMA_ARCH`). ``index64``: int64 seq_lens / seq_ids (else int32); ``pv_at``, ``page_ahead``,
-    ``protected`` (the sink/local tokens as the kernel's own tiles) and ``pair`` (two-CTA clusters sharing
-    each key tile): :class:`V6Knobs`."""
+    ``protected`` (the sink/local tokens as the kernel's own tiles), ``pair`` (two-CTA clusters sharing
+    each key tile), ``slack`` (a reference maximum per row that moves by more than :data:`V6_MAX_SLACK` only) and
+    ``rope_fold`` (the RoPE scale applied to each score once; not with ``pair``): :class:`V6Knobs`."""
+    if pair and rope_fold:
+        raise ValueError("v6 pair builds do not fold the RoPE scale: rope_fold=True needs pair=False")
     d = attention_defines(fmt, "bfloat16", index64)
-    d.update(QMLA_V6_SMEM=v6_smem_bytes(fmt, pair), QMLA_V6_PV_AT=pv_at, QMLA_V6_PAGE_AHEAD=int(page_ahead),
-             QMLA_V6_PROTECTED=int(protected), QMLA_V6_PAIR=int(pair))
+    d.update(QMLA_V6_SMEM=v6_smem_bytes(fmt, pair, rope_fold), QMLA_V6_PV_AT=pv_at, QMLA_V6_PAGE_AHEAD=int(page_ahead),
+             QMLA_V6_PROTECTED=int(protected), QMLA_V6_PAIR=int(pair), QMLA_V6_MAX_SLACK=V6_MAX_SLACK if slack else 0,
+             QMLA_V6_ROPE_FOLD=int(rope_fold))
     return d
 
 
@@ -1044,7 +1058,10 @@ class V6Knobs:
     protected-only launch instead of attending to them as the kernel's own tiles; ``plan_protected``
     (``QUANTMLA_CUPY_PLAN_PROTECTED``, 0/1, default :data:`V6_PLAN_PROTECTED`): count those tiles in the split plan;
     ``pair`` (``QUANTMLA_CUPY_V6_PAIR``, ``auto`` (default), ``0`` or ``1``): run two-CTA clusters that share each
-    dequantized key tile (:func:`v6_pairs`)."""
+    dequantized key tile (:func:`v6_pairs`); ``slack`` (``QUANTMLA_CUPY_V6_SLACK``, 0/1, default :data:`V6_SLACK`):
+    move a row's reference maximum only when a score passes it by :data:`V6_MAX_SLACK`; ``rope_fold``
+    (``QUANTMLA_CUPY_V6_ROPE_FOLD``, 0/1, default :data:`V6_ROPE_FOLD`): multiply each score's RoPE part by the
+    token's scale instead of dequantizing each RoPE value (pair builds never fold)."""
 
     min_tiles: int = V2_MIN_TILES_PER_SPLIT
     pv_at: int = V6_PV_AT
@@ -1052,6 +1069,8 @@ class V6Knobs:
     separate: bool = False
     plan_protected: bool = V6_PLAN_PROTECTED
     pair: str = "auto"
+    slack: bool = V6_SLACK
+    rope_fold: bool = V6_ROPE_FOLD
 
     @staticmethod
     def from_env() -> "V6Knobs":
@@ -1060,7 +1079,9 @@ class V6Knobs:
                        bool(_env_int("QUANTMLA_CUPY_V6_PAGE_AHEAD", int(V6_PAGE_AHEAD), (0, 1))),
                        _env_choice("QUANTMLA_CUPY_V6_PROTECTED", "inline", ("inline", "separate")) == "separate",
                        bool(_env_int("QUANTMLA_CUPY_PLAN_PROTECTED", int(V6_PLAN_PROTECTED), (0, 1))),
-                       _env_choice("QUANTMLA_CUPY_V6_PAIR", "auto", ("auto", "0", "1")))
+                       _env_choice("QUANTMLA_CUPY_V6_PAIR", "auto", ("auto", "0", "1")),
+                       bool(_env_int("QUANTMLA_CUPY_V6_SLACK", int(V6_SLACK), (0, 1))),
+                       bool(_env_int("QUANTMLA_CUPY_V6_ROPE_FOLD", int(V6_ROPE_FOLD), (0, 1))))
 
 
 def v6_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool,
@@ -1073,10 +1094,12 @@ def v6_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
     plan = _PLANS.get(key)
     if plan is None:
         pair = v6_pairs(knobs.pair, rows)
-        attn, smem = _split_kernel(("v6", fmt, dev, index64, knobs.pv_at, knobs.page_ahead, knobs.separate, pair), "v6",
-                                   dev, v6_smem_bytes(fmt, pair),
+        fold = knobs.rope_fold and not pair
+        attn, smem = _split_kernel(("v6", fmt, dev, index64, knobs.pv_at, knobs.page_ahead, knobs.separate, pair,
+                                    knobs.slack, fold), "v6",
+                                   dev, v6_smem_bytes(fmt, pair, fold),
                                    lambda: v6_defines(fmt, index64, knobs.pv_at, knobs.page_ahead, not knobs.separate,
-                                                      pair),
+                                                      pair, knobs.slack, fold),
                                    V4_WGMMA_ARCH)
         # the kernel attends to the sink/local tokens itself unless knobs.separate: no protected-only launch
         own = _own_protected_tiles(no_prot, knobs, sink, local, V6_TILE)

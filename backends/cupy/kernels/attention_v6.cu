@@ -71,7 +71,23 @@
 // key tiles (distributed shared memory), and the key-tile handoffs become cluster mbarriers (see "pair" below)
 #define QMLA_V6_PAIR 0
 #endif
+#ifndef QMLA_V6_MAX_SLACK
+// log2 units a row's score may pass the row's reference maximum before the reference moves (v5's QMLA_V5_MAX_SLACK):
+// P = 2^(S - reference) stays below 2^slack, which float32 sums and bf16 P hold as well as values <= 1, and while
+// no row of a warp moves its factors are 1, so both warpgroups skip their O rescale; 0: every new maximum moves it
+// (the launcher's QUANTMLA_CUPY_V6_SLACK passes 0 or V6_MAX_SLACK)
+#define QMLA_V6_MAX_SLACK 0
+#endif
+#ifndef QMLA_V6_ROPE_FOLD
+// 1: the key tile holds the RoPE channels as exact bf16 (code - z) and the attender multiplies the RoPE part of each
+// score (its own accumulator) by the token's float32 scale, which the dequantizer leaves beside the tile; 0: each
+// RoPE value dequantized through float32 (two FMUL, two unpacks and a pack per pair). The launcher's
+// QUANTMLA_CUPY_V6_ROPE_FOLD; not with QMLA_V6_PAIR
+#define QMLA_V6_ROPE_FOLD 0
+#endif
 static_assert(QMLA_V6_PV_AT >= 1 && QMLA_V6_PV_AT <= 3, "QMLA_V6_PV_AT: 1, 2 or 3 parts converted before the PV");
+static_assert(QMLA_V6_MAX_SLACK >= 0 && QMLA_V6_MAX_SLACK <= 16, "QMLA_V6_MAX_SLACK: 0 to 16 (P < 2^16 in bf16)");
+static_assert(!(QMLA_V6_ROPE_FOLD && QMLA_V6_PAIR), "the RoPE fold is not built into pair kernels");
 
 #define DC QMLA_DC
 #define DR QMLA_DR
@@ -119,7 +135,8 @@ static_assert(NCT % 4 == 0 && T * RCK <= WGT, "code rows of whole 64-byte groups
 #define PT_OFF (QT_OFF + RT * NCB * 128)  // P, bf16 [RT][T]: one swizzled 128-byte row per query row
 #define AL_OFF (PT_OFF + RT * T * 2)     // float [RT]: the rows' rescale factors of the current tile
 #define RED_OFF (AL_OFF + RT * 4)        // float [2][RT]: row maxima and sums, for the partials
-#define MB_OFF (RED_OFF + 2 * RT * 4)     // pair builds: u64 mbarriers FULL[2], EMPTY[2]
+#define RS_OFF (RED_OFF + 2 * RT * 4)     // QMLA_V6_ROPE_FOLD: float [2][T], the RoPE scales of each key tile's tokens
+#define MB_OFF (RS_OFF + (QMLA_V6_ROPE_FOLD ? 2 * T * 4 : 0))  // pair builds: u64 mbarriers FULL[2], EMPTY[2]
 #define SMEM_TOTAL (MB_OFF + (QMLA_V6_PAIR ? 32 : 0) + 1024)
 #ifdef QMLA_V6_SMEM
 static_assert(SMEM_TOTAL == QMLA_V6_SMEM, "launcher's v6_smem_bytes() disagrees with the kernel's layout");
@@ -249,9 +266,11 @@ __device__ __forceinline__ void v6_copy_row_chunks(const u32 (&dst)[4], u64 g, i
 
 // the protected rows of tile tl (a one-tile segment) -> the key tile kt by cp.async, two threads a row (16-byte
 // chunks p % 2 + 2 j; rows outside [lo, hi): zeros, their copies read 0 bytes of a row inside [lo, hi), which
-// every protected tile overlaps); waits for this thread's copies
+// every protected tile overlaps); waits for this thread's copies. QMLA_V6_ROPE_FOLD: the rows' RoPE scales rsc[] are
+// 1 (their RoPE values are bf16 already)
 static_assert(DT % 16 == 0 && WGT == 2 * T, "two threads per protected row, 16-byte chunks");
-__device__ __forceinline__ void v6_copy_protected(u8* kt, const V6Seg& tl, const V6Prot& pr, int p) {
+__device__ __forceinline__ void v6_copy_protected(u8* kt, const V6Seg& tl, const V6Prot& pr, int p, float* rsc) {
+    if (QMLA_V6_ROPE_FOLD && (p & 1) == 0) rsc[p >> 1] = 1.0f;
     const int r = p >> 1, n = tl.t0 + r, h = p & 1;
     const int nc = min(max(n, tl.lo), tl.hi - 1);  // a protected row of the tile (lo < hi)
     const u16* src = (nc < pr.nsink ? pr.sink + (i64)nc * DT : pr.local + (i64)(nc % pr.nlocal) * DT) + 8 * h;
@@ -277,12 +296,18 @@ __device__ __forceinline__ void v6_load_rope(V6Rope& r, const u8* pg, int tt, in
     }
 }
 
-// thread p's RoPE chunk -> column block DC / 64 of the key tile kt (float scale: products and one rounding)
-__device__ __forceinline__ void v6_dequantize_rope(const V6Rope& r, u8* kt, int p) {
+// thread p's RoPE chunk -> column block DC / 64 of the key tile kt as bf16 s * (code - z) (float scale: products and
+// one rounding) or, with QMLA_V6_ROPE_FOLD, as exact (code - z) with the token's scale to rsc[token]
+__device__ __forceinline__ void v6_dequantize_rope(const V6Rope& r, u8* kt, float* rsc, int p) {
     if (QMLA_V6_PROBE == 1) return;
     if (p < T * RCK) {
-        qmla_store_rope_chunk(kt, p / RCK, p % RCK, r.c, r.z,
-                              QMLA_RSCALE_BF16 ? bf16_bits_to_f32(r.s) : __uint_as_float(r.s));
+        const float s = QMLA_RSCALE_BF16 ? bf16_bits_to_f32(r.s) : __uint_as_float(r.s);
+#if QMLA_V6_ROPE_FOLD
+        qmla_store_rope_chunk_exact(kt, p / RCK, p % RCK, r.c, r.z);
+        if (p % RCK == 0) rsc[p / RCK] = s;
+#else
+        qmla_store_rope_chunk(kt, p / RCK, p % RCK, r.c, r.z, s);
+#endif
     }
 }
 
@@ -363,15 +388,15 @@ __device__ __forceinline__ void v6_dequantize_token(const V6Codes& r, u8* kt, in
     }
 }
 
-// parts [P0, P1) of the thread's codes -> the key tile kt
+// parts [P0, P1) of the thread's codes -> the key tile kt (rsc: its RoPE scales, QMLA_V6_ROPE_FOLD)
 template <int P0, int P1>
-__device__ __forceinline__ void v6_dequantize(const V6Codes& r, u8* kt, int p) {
+__device__ __forceinline__ void v6_dequantize(const V6Codes& r, u8* kt, float* rsc, int p) {
 #pragma unroll
     for (int part = P0; part < P1; ++part) {
         if (part < 2) {
             v6_dequantize_token(r, kt, p, part);
         } else {
-            v6_dequantize_rope(r.r, kt, p);
+            v6_dequantize_rope(r.r, kt, rsc, p);
         }
     }
 }
@@ -529,6 +554,7 @@ extern "C" __global__ void V6_CLUSTER __launch_bounds__(NTH, 1) qmla_attn_v6(
     u8* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);  // the swizzle needs 1024-byte tiles
     float* al_s = (float*)(smem + AL_OFF);
     float* red = (float*)(smem + RED_OFF);
+    float* rs_s = (float*)(smem + RS_OFF);  // QMLA_V6_ROPE_FOLD: [2][T]
 
     // wg through a shuffle is provably warp-uniform: the wgmma on each side are not on a divergent path for ptxas
     const int wg = __shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0);
@@ -630,15 +656,38 @@ extern "C" __global__ void V6_CLUSTER __launch_bounds__(NTH, 1) qmla_attn_v6(
                 }
                 float S[8][4];  // rows rw0 (+ 8) x tokens 8 j + 2 q4 (+ 1)
                 wgmma_fence_operand(S);
+#if QMLA_V6_ROPE_FOLD
+                float Sr[8][4];  // the RoPE k-steps' scores, before the tokens' scales
+                wgmma_fence_operand(Sr);
+#endif
                 wgmma_fence();
 #pragma unroll
                 for (int ks = 0; ks < KSTEPS; ++ks) {
                     const u32 off = (ks >> 2) * (T * 128) + 32 * (ks & 3);
-                    wgmma_m64n64k16_ss<0>(S, desc_advance(dq, off), desc_advance(dk, buf * KT_BYTES + off), ks > 0);
+                    const u64 da = desc_advance(dq, off), db = desc_advance(dk, buf * KT_BYTES + off);
+                    if (QMLA_V6_ROPE_FOLD && ks >= DC / 16) {
+#if QMLA_V6_ROPE_FOLD
+                        wgmma_m64n64k16_ss<0>(Sr, da, db, ks > DC / 16);
+#endif
+                    } else {
+                        wgmma_m64n64k16_ss<0>(S, da, db, ks > 0);
+                    }
                 }
                 wgmma_commit();
                 wgmma_wait<0>();
                 wgmma_fence_operand(S);
+#if QMLA_V6_ROPE_FOLD
+                wgmma_fence_operand(Sr);
+                const float* rsc = rs_s + buf * T;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const float2 r = *(const float2*)(rsc + 8 * j + 2 * q4);  // tokens 8 j + 2 q4 (+ 1)
+                    S[j][0] = fmaf(Sr[j][0], r.x, S[j][0]);
+                    S[j][1] = fmaf(Sr[j][1], r.y, S[j][1]);
+                    S[j][2] = fmaf(Sr[j][2], r.x, S[j][2]);
+                    S[j][3] = fmaf(Sr[j][3], r.y, S[j][3]);
+                }
+#endif
 
                 // ---------------------------------------------------- mask, row maxima (a quad holds a row's 64 tokens)
                 float mx[2];
@@ -648,9 +697,13 @@ extern "C" __global__ void V6_CLUSTER __launch_bounds__(NTH, 1) qmla_attn_v6(
                     mx[0] = fmaxf(mx[0], __shfl_xor_sync(0xffffffffu, mx[0], o));
                     mx[1] = fmaxf(mx[1], __shfl_xor_sync(0xffffffffu, mx[1], o));
                 }
+                // each row's reference maximum moves only when a score passes it by more than the slack (a first finite
+                // score always does: -inf + slack)
                 float al[2];
 #pragma unroll
-                for (int k = 0; k < 2; ++k) qmla_rows_exp(S, fmaxf(m_run[k], mx[k]), k, m_run, l_run, al);
+                for (int k = 0; k < 2; ++k) {
+                    qmla_rows_exp(S, mx[k] > m_run[k] + (float)QMLA_V6_MAX_SLACK ? mx[k] : m_run[k], k, m_run, l_run, al);
+                }
                 // ---------------------------------------------------- P and the rescale factors, once the previous P is read
                 if (i >= 1) v6_wait(BAR_PFREE);
 #pragma unroll
@@ -685,7 +738,7 @@ extern "C" __global__ void V6_CLUSTER __launch_bounds__(NTH, 1) qmla_attn_v6(
                 v6_half_load(cd, t_begin, rank, pages, bt_row, L, max_pages, num_pages, p);
                 v6_half_dequantize(cd, smem_s, rank, p);
             } else {
-                v6_copy_protected(smem, v6_protected_tile(sp, 0), pr, p);
+                v6_copy_protected(smem, v6_protected_tile(sp, 0), pr, p, rs_s);
             }
             v6_pair_full(mb, delta, smem_s, 0, sp.np > 0, rank, w, lane);
             if (sp.np > 1) v6_half_load(cd, t_begin + T, rank, pages, bt_row, L, max_pages, num_pages, p);
@@ -708,7 +761,7 @@ extern "C" __global__ void V6_CLUSTER __launch_bounds__(NTH, 1) qmla_attn_v6(
                 const int buf = i & 1;
                 if (i + 1 < ntiles) {
                     if (i + 1 >= 2) mbar_wait(V6_EMPTY(mb, buf ^ 1), v6_parity(i - 1));
-                    v6_copy_protected(smem + (buf ^ 1) * KT_BYTES, v6_protected_tile(sp, i + 1 - sp.np), pr, p);
+                    v6_copy_protected(smem + (buf ^ 1) * KT_BYTES, v6_protected_tile(sp, i + 1 - sp.np), pr, p, rs_s);
                     v6_pair_full(mb, delta, smem_s + (buf ^ 1) * KT_BYTES, buf ^ 1, false, rank, w, lane);
                 }
                 v6_wait(BAR_PREADY);
@@ -725,9 +778,9 @@ extern "C" __global__ void V6_CLUSTER __launch_bounds__(NTH, 1) qmla_attn_v6(
             if (QMLA_V6_PAGE_AHEAD) pg = v6_pages(t_begin, pages, bt_row, L, max_pages, num_pages, p);
             if (sp.np > 0) {
                 v6_next_codes(cd, pg, t_begin, pages, bt_row, L, max_pages, num_pages, p);
-                v6_dequantize<0, 3>(cd, smem, p);
+                v6_dequantize<0, 3>(cd, smem, rs_s, p);
             } else {
-                v6_copy_protected(smem, v6_protected_tile(sp, 0), pr, p);
+                v6_copy_protected(smem, v6_protected_tile(sp, 0), pr, p, rs_s);
             }
             fence_proxy_async();  // the key-tile stores, for wgmma's reads
             v6_arrive(BAR_FULL);
@@ -736,8 +789,9 @@ extern "C" __global__ void V6_CLUSTER __launch_bounds__(NTH, 1) qmla_attn_v6(
             for (; i + 1 < sp.np; ++i) {  // the next tile packed
                 const int buf = i & 1;
                 u8* kn = smem + (buf ^ 1) * KT_BYTES;  // tile i + 1's key tile
+                float* rn = rs_s + (buf ^ 1) * T;      // ... and its RoPE scales (QMLA_V6_ROPE_FOLD)
                 if (i + 1 >= 2) v6_wait(BAR_EMPTY + (buf ^ 1));  // the attender is done with tile i - 1
-                v6_dequantize<0, QMLA_V6_PV_AT>(cd, kn, p);
+                v6_dequantize<0, QMLA_V6_PV_AT>(cd, kn, rn, p);
                 if (QMLA_V6_PV_AT == 3) {
                     fence_proxy_async();
                     v6_arrive(BAR_FULL + (buf ^ 1));
@@ -747,7 +801,7 @@ extern "C" __global__ void V6_CLUSTER __launch_bounds__(NTH, 1) qmla_attn_v6(
                 qmla_rescale_rows<true>(acc, al_s[rw0], al_s[rw0 + 8]);
                 v6_pv(acc, dp, desc_advance(dv, buf * KT_BYTES));
                 if (QMLA_V6_PV_AT < 3) {
-                    v6_dequantize<QMLA_V6_PV_AT, 3>(cd, kn, p);
+                    v6_dequantize<QMLA_V6_PV_AT, 3>(cd, kn, rn, p);
                     fence_proxy_async();
                     v6_arrive(BAR_FULL + (buf ^ 1));
                     if (i + 2 < sp.np) v6_next_codes(cd, pg, t_begin + (i + 2) * T, pages, bt_row, L, max_pages, num_pages, p);
@@ -759,8 +813,10 @@ extern "C" __global__ void V6_CLUSTER __launch_bounds__(NTH, 1) qmla_attn_v6(
             for (; i < ntiles; ++i) {  // the next tile, if any, protected
                 const int buf = i & 1;
                 if (i + 1 < ntiles) {
+                    u8* kn = smem + (buf ^ 1) * KT_BYTES;
+                    float* rn = rs_s + (buf ^ 1) * T;
                     if (i + 1 >= 2) v6_wait(BAR_EMPTY + (buf ^ 1));
-                    v6_copy_protected(smem + (buf ^ 1) * KT_BYTES, v6_protected_tile(sp, i + 1 - sp.np), pr, p);
+                    v6_copy_protected(kn, v6_protected_tile(sp, i + 1 - sp.np), pr, p, rn);
                     fence_proxy_async();
                     v6_arrive(BAR_FULL + (buf ^ 1));
                 }

@@ -60,6 +60,26 @@ __device__ __forceinline__ void qmla_store_rope_chunk(u8* kt, int t, int u, uint
     }
 }
 
+// the same chunk as exact bf16 (code - z), for a kernel that multiplies each score's RoPE part by the token's scale
+// instead (attention_v6.cu's QMLA_V6_ROPE_FOLD)
+__device__ __forceinline__ void qmla_store_rope_chunk_exact(u8* kt, int t, int u, uint4 v, u32 z) {
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+    const u32 off2 = 0xc300c300u | z | (z << 16);
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+        u32 o[8];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const u32 x = (w[e] >> (4 * c)) & 0x0f0f0f0fu;
+            o[2 * e] = fma_bf16x2(qmla_code2<0>(x), 0x3f803f80u, off2);  // (128 + code) * 1 - (128 + z), exact
+            o[2 * e + 1] = fma_bf16x2(qmla_code2<1>(x), 0x3f803f80u, off2);
+        }
+        const int chunk = (DC + RB * c + 16 * u) / 8;
+        *(uint4*)(kt + qmla_kt_chunk(t, chunk, T)) = make_uint4(o[0], o[1], o[2], o[3]);
+        *(uint4*)(kt + qmla_kt_chunk(t, chunk + 1, T)) = make_uint4(o[4], o[5], o[6], o[7]);
+    }
+}
+
 #if QMLA_QUANT
 // Stage `stg` (raw page sections of one tile) -> the K tile as bf16 s * (code - z). Content: 16-byte
 // chunks u of token t's code row; byte j of a row holds channels j + CB c for slice c (split-half
