@@ -23,7 +23,7 @@ from quantmla_core.backends.cupy.attention import (
     VARIANT_ENV,
     V6_MAX_SLACK,
     V6_PAIR_AUTO,
-    V6_ROPE_FOLD,
+    V6_ROPE_FOLD_CONTENT_BITS,
     V6_SLACK,
     V6Knobs,
     protected_ctas,
@@ -31,6 +31,7 @@ from quantmla_core.backends.cupy.attention import (
     smem_per_block,
     v6_defines,
     v6_pairs,
+    v6_rope_fold,
     v6_smem_bytes,
     v6_unsupported_reasons,
 )
@@ -72,23 +73,35 @@ V6_PAIR_BUILDS = [("C4R4", 512, 64, 64, 64, 3, False, True), ("C2R4", 512, 64, 6
                   ("C4R4", 256, 32, 64, 32, 3, False, True)]
 
 
-#: the builds with a reference maximum that moves by more than V6_MAX_SLACK only and with the RoPE scale folded
-#: into the scores (V6Knobs slack, rope_fold): (format, d_c, d_r, group, page, pv_at, page_ahead, pair, slack, fold)
+#: the builds with and without a reference maximum that moves by more than V6_MAX_SLACK only and the RoPE scale
+#: folded into the scores (V6Knobs slack, rope_fold; the default builds take V6_SLACK and fold by content bits):
+#: (format, d_c, d_r, group, page, pv_at, page_ahead, pair, slack, fold)
 V6_SLACK_FOLD_BUILDS = [(name, dc, dr, 64, page, 3, False, False, slack, fold)
                         for name, dc, dr, page in (("C4R4", 512, 64, 64), ("C2R4", 512, 64, 64), ("C4R4", 256, 32, 32))
-                        for slack, fold in ((True, False), (False, True), (True, True))]
+                        for slack, fold in ((False, False), (True, False), (False, True), (True, True))]
 #: bytes the folding builds at d_c 512 may spill (stack and stores, loads): the attender's second accumulator takes
 #: them to 255 registers, and ptxas keeps two words in local memory (read once per tile in the attender's and the
 #: protected loops; offline SASS of stop 31)
 V6_FOLD_SPILL_BYTES = (8, 24)
 
 
-def _compile_v6(v: tuple) -> tuple[int, str, str]:
+def _v6_knobs(v: tuple) -> tuple[qm.PackFormat, int, bool, bool, bool, bool | None]:
+    """A build tuple's format and knobs (pv_at, page_ahead, pair, slack, fold; unnamed ones the defaults)."""
     name, dc, dr, gs, page, *knobs = v
-    pv_at, ahead, pair, slack, fold = tuple(knobs) + (3, False, False, False, False)[len(knobs):]
     fmt = qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr, group_size=gs, page_size=page)
+    return (fmt, *(tuple(knobs) + (3, False, False, V6_SLACK, None)[len(knobs):]))
+
+
+def _compile_v6(v: tuple) -> tuple[int, str, str]:
+    fmt, pv_at, ahead, pair, slack, fold = _v6_knobs(v)
     return compile_cubin_and_ptx("attention_v6.cu", V4_WGMMA_ARCH,
                                  v6_defines(fmt, True, pv_at, ahead, pair=pair, slack=slack, rope_fold=fold))
+
+
+def _spill_allowance(v: tuple) -> tuple[int, int]:
+    """What a build may spill: V6_FOLD_SPILL_BYTES where it folds the RoPE scale at d_c 512, else nothing."""
+    fmt, _pv_at, _ahead, pair, _slack, fold = _v6_knobs(v)
+    return V6_FOLD_SPILL_BYTES if v6_rope_fold(fmt, pair, fold) and fmt.latent_dim == 512 else (0, 0)
 
 
 @lru_cache(maxsize=1)
@@ -97,13 +110,13 @@ def _compiled_v6() -> dict:
     return compile_all(V6_BUILDS + knob_builds + V6_PAIR_BUILDS + V6_SLACK_FOLD_BUILDS, _compile_v6)
 
 
-def _check_v6_build(build: tuple, spill_bytes: tuple[int, int] = (0, 0)) -> None:
+def _check_v6_build(build: tuple) -> None:
     rc, text, ptx = _compiled_v6()[build]
     assert rc == 0, f"nvcc failed for v6 {build}:\n{text[-4000:]}"
     assert "warning #" not in text, text
     use = ptxas_usage(text)
     print(f"v6 {build}: {use}")
-    stored, loaded = spill_bytes
+    stored, loaded = _spill_allowance(build)
     assert use["spill_stores"] <= stored and use["stack"] <= stored and use["spill_loads"] <= loaded, \
         f"v6 {build} spills: {use}"
     assert "C7514" not in text and "C7515" not in text and "serialized" not in text, text
@@ -170,14 +183,19 @@ def test_v6_pair_builds_compile_without_spills(build):
 @pytest.mark.parametrize("build", V6_SLACK_FOLD_BUILDS, ids=lambda v: f"{v[0]}-{v[1]}-slack{int(v[8])}-fold{int(v[9])}")
 def test_v6_slack_fold_builds_compile(build):
     """The slack and RoPE-fold builds hold to the default build's rules (the folding ones at d_c 512 within
-    V6_FOLD_SPILL_BYTES of spills) and differ from the default build. Folding keeps QK's (d_c + d_r) / 16 k-steps
-    and converts the RoPE codes to exact (code - z) by one bf16x2 fma a pair instead of packing float32 products."""
-    name, dc, dr, gs, page, *_rest, slack, fold = build
-    _check_v6_build(build, V6_FOLD_SPILL_BYTES if fold and dc == 512 else (0, 0))
+    V6_FOLD_SPILL_BYTES of spills), each knob changes the code, and the default build is one of them. Folding keeps
+    QK's (d_c + d_r) / 16 k-steps and converts the RoPE codes to exact (code - z) by one bf16x2 fma a pair instead of
+    packing float32 products."""
+    *shape, slack, fold = build
+    _check_v6_build(build)
     ptx = _compiled_v6()[build][2]
-    base = _compiled_v6()[(name, dc, dr, gs, page)][2]
-    assert ptx != base
-    assert ptx.count("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16") == (dc + dr) // 16
+    base = _compiled_v6()[(*shape, False, False)][2]
+    assert (ptx != base) == (slack or fold)
+    # the default build is the one of V6_SLACK and the content bits' fold
+    fmt = _v6_knobs(build)[0]
+    if (slack, fold) == (V6_SLACK, fmt.content_bits in V6_ROPE_FOLD_CONTENT_BITS):
+        assert ptx == _compiled_v6()[tuple(shape[:5])][2]
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16") == (fmt.latent_dim + fmt.rope_dim) // 16
     # the RoPE chunk's float32 products a thread no longer packs (per inlined conversion site)
     cvt, base_cvt = ptx.count("cvt.rn.bf16x2.f32"), base.count("cvt.rn.bf16x2.f32")
     assert cvt < base_cvt if fold else cvt == base_cvt
@@ -208,15 +226,17 @@ def test_v6_smem_layout():
     tile = 9 * 64 * 128
     assert v6_smem_bytes(fmt) == 3 * tile + 64 * 128 + 3 * 64 * 4 + 1024 == 231_168 <= smem_per_block((9, 0))
     assert v6_smem_bytes(qm.PackFormat.parse("C2R4")) == v6_smem_bytes(fmt)
-    assert v6_defines(fmt)["QMLA_V6_SMEM"] == v6_smem_bytes(fmt)
     small = qm.PackFormat.parse("C4R4", 256, 32)
     assert v6_smem_bytes(small) == 3 * 5 * 64 * 128 + 64 * 128 + 3 * 64 * 4 + 1024
     # pairs: four 8-byte mbarriers more, still inside one SM's 227 KB
     assert v6_smem_bytes(fmt, pair=True) == v6_smem_bytes(fmt) + 32 <= smem_per_block((9, 0))
     assert v6_defines(fmt, pair=True)["QMLA_V6_SMEM"] == v6_smem_bytes(fmt, pair=True)
-    # the RoPE fold: both key tiles' token scales (float [2][64]) more, still inside
+    # the RoPE fold: both key tiles' token scales (float [2][64]) more, still inside; C4R4 folds by default, C2R4 not
     assert v6_smem_bytes(fmt, rope_fold=True) == v6_smem_bytes(fmt) + 512 <= smem_per_block((9, 0))
-    assert v6_defines(fmt, rope_fold=True)["QMLA_V6_SMEM"] == v6_smem_bytes(fmt, rope_fold=True)
+    assert v6_defines(fmt)["QMLA_V6_SMEM"] == v6_smem_bytes(fmt, rope_fold=True) == v6_defines(fmt, rope_fold=True)["QMLA_V6_SMEM"]
+    assert v6_defines(fmt, rope_fold=False)["QMLA_V6_SMEM"] == v6_smem_bytes(fmt)
+    c2 = qm.PackFormat.parse("C2R4")
+    assert v6_defines(c2)["QMLA_V6_SMEM"] == v6_smem_bytes(c2) and v6_defines(c2)["QMLA_V6_ROPE_FOLD"] == 0
     with pytest.raises(ValueError, match="pair builds do not fold"):
         v6_defines(fmt, pair=True, rope_fold=True)
 
@@ -273,7 +293,7 @@ def test_v6_launches_match_kernel_signatures(monkeypatch, h, s_q, prot):
         assert isinstance(a, np.uint64 if "*" in p else np.int32 if p.startswith("int ") else np.float32), p
     rows = s_q * h
     assert grid[0] == b * (-(-rows // 64)) and block == (256,)
-    assert smem == v6_smem_bytes(fmt) == attn.defines["QMLA_V6_SMEM"]
+    assert smem == v6_smem_bytes(fmt, rope_fold=v6_rope_fold(fmt)) == attn.defines["QMLA_V6_SMEM"]
     per = int(args[params.index("int tiles_per_split")])
     slots = int(args[params.index("int num_splits")])
     splits = grid[1]
@@ -298,8 +318,10 @@ def test_v6_knobs(monkeypatch):
     monkeypatch.setenv("QUANTMLA_CUPY_V6_PAIR", "1")
     assert V6Knobs.from_env() == V6Knobs(4, 1, True, True, pair="1")
     monkeypatch.setenv("QUANTMLA_CUPY_V6_SLACK", str(int(not V6_SLACK)))
-    monkeypatch.setenv("QUANTMLA_CUPY_V6_ROPE_FOLD", str(int(not V6_ROPE_FOLD)))
-    assert V6Knobs.from_env() == V6Knobs(4, 1, True, True, pair="1", slack=not V6_SLACK, rope_fold=not V6_ROPE_FOLD)
+    monkeypatch.setenv("QUANTMLA_CUPY_V6_ROPE_FOLD", "0")
+    assert V6Knobs.from_env() == V6Knobs(4, 1, True, True, pair="1", slack=not V6_SLACK, rope_fold=False)
+    monkeypatch.setenv("QUANTMLA_CUPY_V6_ROPE_FOLD", "auto")
+    assert V6Knobs.from_env().rope_fold is None
     for env, bad in (("QUANTMLA_CUPY_V2_MIN_TILES", "3"), ("QUANTMLA_CUPY_V6_PV_AT", "4"),
                      ("QUANTMLA_CUPY_V6_PAGE_AHEAD", "2"), ("QUANTMLA_CUPY_V6_PROTECTED", "in"),
                      ("QUANTMLA_CUPY_V6_PAIR", "2"), ("QUANTMLA_CUPY_V6_SLACK", "8"),
@@ -322,7 +344,7 @@ def test_v6_knobs_select_their_build(monkeypatch, env, pv_at, ahead, inline):
     assert (attn.defines["QMLA_V6_PV_AT"], attn.defines["QMLA_V6_PAGE_AHEAD"]) == (pv_at, ahead)
     assert attn.defines["QMLA_V6_PROTECTED"] == inline
     assert attn.defines["QMLA_V6_MAX_SLACK"] == (V6_MAX_SLACK if V6_SLACK else 0)
-    assert attn.defines["QMLA_V6_ROPE_FOLD"] == int(V6_ROPE_FOLD)
+    assert attn.defines["QMLA_V6_ROPE_FOLD"] == int(_fmt.content_bits in V6_ROPE_FOLD_CONTENT_BITS)
     params = _kernel_params("attention_v6.cu", "qmla_attn_v6")
     slots = int(args[params.index("int num_splits")])
     kernels = [rec[0].kernel for rec in launches]
@@ -340,7 +362,18 @@ def test_v6_pairs_rule():
         assert v6_pairs("auto", rows) == (V6_PAIR_AUTO and -(-rows // 64) % 2 == 0)
 
 
-@pytest.mark.parametrize("slack,fold", [(1, 0), (0, 1), (1, 1)])
+def test_v6_slack_fold_defaults():
+    """The defaults follow the H200 A/B of stop 31 (RESULTS.md): the slack on for both content widths, the fold for
+    4-bit content only (C2R4 ran 0.5-1.5 % slower with it); pair builds never fold, and forcing one is refused."""
+    assert V6_SLACK and V6_MAX_SLACK == 8 and V6_ROPE_FOLD_CONTENT_BITS == (4,)
+    assert V6Knobs().rope_fold is None
+    c4, c2 = qm.PackFormat.parse("C4R4"), qm.PackFormat.parse("C2R4", 256, 32)
+    assert v6_rope_fold(c4) and not v6_rope_fold(c2) and v6_rope_fold(c2, rope_fold=True)
+    assert not v6_rope_fold(c4, rope_fold=False) and not v6_rope_fold(c4, pair=True)
+    assert v6_defines(c4)["QMLA_V6_MAX_SLACK"] == 8 and v6_defines(c4, slack=False)["QMLA_V6_MAX_SLACK"] == 0
+
+
+@pytest.mark.parametrize("slack,fold", [(1, 0), (0, 1), (1, 1), (0, 0)])
 def test_v6_slack_fold_knobs_select_their_build(monkeypatch, slack, fold):
     """QUANTMLA_CUPY_V6_SLACK / _ROPE_FOLD reach the kernel's defines and the folding build's shared memory; a pair
     build never folds (its kernel has no fold), whatever the knob says."""
@@ -424,9 +457,9 @@ def test_attention_v6_pair_matches_reference(case, monkeypatch):
     check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
 
 
-#: (case, slack, fold): both knobs over every v6 case, each alone over the many-row ones
+#: (case, slack, fold): both knobs over every v6 case, each alone and neither over the many-row ones
 V6_SLACK_FOLD_CASES = ([(c, 1, 1) for c in V2_CASES + BIG[:3] + V4_CASES + V6_CASES if c.fmt.quantized]
-                       + [(c, slack, fold) for c in V6_CASES for slack, fold in ((1, 0), (0, 1))])
+                       + [(c, slack, fold) for c in V6_CASES for slack, fold in ((1, 0), (0, 1), (0, 0))])
 
 
 @pytest.mark.gpu

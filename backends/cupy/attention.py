@@ -62,7 +62,7 @@ and ``QUANTMLA_CUPY_V5_LAZY_RESCALE`` (default 1) / ``QUANTMLA_CUPY_V5_WORKERS``
 ``QUANTMLA_CUPY_V5_PROTECTED`` (``inline``, ``separate``) / ``QUANTMLA_CUPY_V5_PROT_LOADS`` (``pairs``, ``vec``)
 and ``QUANTMLA_CUPY_V6_PV_AT`` (1-3) / ``QUANTMLA_CUPY_V6_PAGE_AHEAD`` (0/1) /
 ``QUANTMLA_CUPY_V6_PROTECTED`` (``inline``, ``separate``) / ``QUANTMLA_CUPY_V6_PAIR`` (``auto``, 0/1) /
-``QUANTMLA_CUPY_V6_SLACK`` (0/1) / ``QUANTMLA_CUPY_V6_ROPE_FOLD`` (0/1) and ``QUANTMLA_CUPY_PLAN_PROTECTED`` (0/1: v5
+``QUANTMLA_CUPY_V6_SLACK`` (0/1) / ``QUANTMLA_CUPY_V6_ROPE_FOLD`` (``auto``, 0/1) and ``QUANTMLA_CUPY_PLAN_PROTECTED`` (0/1: v5
 (default 1) and v6 (default 0) count the sink/local tiles they append to one split in the split plan) are
 tuning knobs for measurements, also read per call.
 :func:`select_variant` says which kernel a call will run, and why.
@@ -168,12 +168,14 @@ V6_PAIR_AUTO = False
 V6_PV_AT = 3
 V6_PAGE_AHEAD = False
 #: log2 units a score may pass its row's reference maximum before v6 moves the reference (``QMLA_V6_MAX_SLACK``, as
-#: v5's ``QMLA_V5_MAX_SLACK``) where :class:`V6Knobs` ``slack`` is on, and whether it is on by default
+#: v5's ``QMLA_V5_MAX_SLACK``) where :class:`V6Knobs` ``slack`` is on, and whether it is on by default (H200, H128,
+#: CUDA graphs, stop 31: 0.3-2.3 % faster for C4R4 and C2R4 at B8-B128, L4K-128K)
 V6_MAX_SLACK = 8
-V6_SLACK = False
-#: whether v6 multiplies each score's RoPE part by the token's scale once instead of dequantizing each RoPE value
-#: through float32 (``QMLA_V6_ROPE_FOLD``, :class:`V6Knobs` ``rope_fold``) by default
-V6_ROPE_FOLD = False
+V6_SLACK = True
+#: the content bits for which v6 multiplies each score's RoPE part by the token's scale once instead of dequantizing
+#: each RoPE value through float32 (``QMLA_V6_ROPE_FOLD``; :class:`V6Knobs` ``rope_fold`` forces it): with the slack,
+#: C4R4 1-4 % faster than the slack alone from 32K tokens on the H200, C2R4 0.5-1.5 % slower (stop 31)
+V6_ROPE_FOLD_CONTENT_BITS = (4,)
 #: whether v5 converts 2-bit codes where they lie in their byte (``common.cuh``'s ``qmla_code2_in_place``;
 #: ``QUANTMLA_CUPY_CODES_IN_PLACE``): 38 fewer instructions per warp and tile in its loop (1,521 against 1,559 at
 #: d_c 512; 973 against 987 at 256). H200, C2R4 H16, CUDA graphs (stop 28, one call, the old build run before and
@@ -494,20 +496,30 @@ def v6_smem_bytes(fmt: PackFormat, pair: bool = False, rope_fold: bool = False) 
             + 32 * pair + 1024)
 
 
+def v6_rope_fold(fmt: PackFormat, pair: bool = False, rope_fold: bool | None = None) -> bool:
+    """Whether v6 folds the RoPE scale into the scores for ``fmt``: ``rope_fold``, or by default for the content bits
+    in :data:`V6_ROPE_FOLD_CONTENT_BITS`; never in a ``pair`` build (its kernel has no fold)."""
+    if pair:
+        return False
+    return fmt.content_bits in V6_ROPE_FOLD_CONTENT_BITS if rope_fold is None else bool(rope_fold)
+
+
 def v6_defines(fmt: PackFormat, index64: bool = True, pv_at: int = V6_PV_AT, page_ahead: bool = V6_PAGE_AHEAD,
                protected: bool = True, pair: bool = False, slack: bool = V6_SLACK,
-               rope_fold: bool = V6_ROPE_FOLD) -> dict[str, int]:
+               rope_fold: bool | None = None) -> dict[str, int]:
     """``-D`` defines of ``kernels/attention_v6.cu`` (bfloat16 queries; an sm_90a build,
     :data:`V4_WGMMA_ARCH`). ``index64``: int64 seq_lens / seq_ids (else int32); ``pv_at``, ``page_ahead``,
     ``protected`` (the sink/local tokens as the kernel's own tiles), ``pair`` (two-CTA clusters sharing
     each key tile), ``slack`` (a reference maximum per row that moves by more than :data:`V6_MAX_SLACK` only) and
-    ``rope_fold`` (the RoPE scale applied to each score once; not with ``pair``): :class:`V6Knobs`."""
+    ``rope_fold`` (the RoPE scale applied to each score once; None: :func:`v6_rope_fold`'s default; True is refused
+    with ``pair``): :class:`V6Knobs`."""
     if pair and rope_fold:
         raise ValueError("v6 pair builds do not fold the RoPE scale: rope_fold=True needs pair=False")
+    fold = v6_rope_fold(fmt, pair, rope_fold)
     d = attention_defines(fmt, "bfloat16", index64)
-    d.update(QMLA_V6_SMEM=v6_smem_bytes(fmt, pair, rope_fold), QMLA_V6_PV_AT=pv_at, QMLA_V6_PAGE_AHEAD=int(page_ahead),
+    d.update(QMLA_V6_SMEM=v6_smem_bytes(fmt, pair, fold), QMLA_V6_PV_AT=pv_at, QMLA_V6_PAGE_AHEAD=int(page_ahead),
              QMLA_V6_PROTECTED=int(protected), QMLA_V6_PAIR=int(pair), QMLA_V6_MAX_SLACK=V6_MAX_SLACK if slack else 0,
-             QMLA_V6_ROPE_FOLD=int(rope_fold))
+             QMLA_V6_ROPE_FOLD=int(fold))
     return d
 
 
@@ -1060,8 +1072,9 @@ class V6Knobs:
     ``pair`` (``QUANTMLA_CUPY_V6_PAIR``, ``auto`` (default), ``0`` or ``1``): run two-CTA clusters that share each
     dequantized key tile (:func:`v6_pairs`); ``slack`` (``QUANTMLA_CUPY_V6_SLACK``, 0/1, default :data:`V6_SLACK`):
     move a row's reference maximum only when a score passes it by :data:`V6_MAX_SLACK`; ``rope_fold``
-    (``QUANTMLA_CUPY_V6_ROPE_FOLD``, 0/1, default :data:`V6_ROPE_FOLD`): multiply each score's RoPE part by the
-    token's scale instead of dequantizing each RoPE value (pair builds never fold)."""
+    (``QUANTMLA_CUPY_V6_ROPE_FOLD``, ``auto`` (default: None, :data:`V6_ROPE_FOLD_CONTENT_BITS`), ``0`` or ``1``):
+    multiply each score's RoPE part by the token's scale instead of dequantizing each RoPE value (pair builds never
+    fold)."""
 
     min_tiles: int = V2_MIN_TILES_PER_SPLIT
     pv_at: int = V6_PV_AT
@@ -1070,7 +1083,7 @@ class V6Knobs:
     plan_protected: bool = V6_PLAN_PROTECTED
     pair: str = "auto"
     slack: bool = V6_SLACK
-    rope_fold: bool = V6_ROPE_FOLD
+    rope_fold: bool | None = None
 
     @staticmethod
     def from_env() -> "V6Knobs":
@@ -1081,7 +1094,8 @@ class V6Knobs:
                        bool(_env_int("QUANTMLA_CUPY_PLAN_PROTECTED", int(V6_PLAN_PROTECTED), (0, 1))),
                        _env_choice("QUANTMLA_CUPY_V6_PAIR", "auto", ("auto", "0", "1")),
                        bool(_env_int("QUANTMLA_CUPY_V6_SLACK", int(V6_SLACK), (0, 1))),
-                       bool(_env_int("QUANTMLA_CUPY_V6_ROPE_FOLD", int(V6_ROPE_FOLD), (0, 1))))
+                       {"auto": None, "0": False, "1": True}[_env_choice("QUANTMLA_CUPY_V6_ROPE_FOLD", "auto",
+                                                                          ("auto", "0", "1"))])
 
 
 def v6_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool,
@@ -1094,7 +1108,7 @@ def v6_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
     plan = _PLANS.get(key)
     if plan is None:
         pair = v6_pairs(knobs.pair, rows)
-        fold = knobs.rope_fold and not pair
+        fold = v6_rope_fold(fmt, pair, knobs.rope_fold)
         attn, smem = _split_kernel(("v6", fmt, dev, index64, knobs.pv_at, knobs.page_ahead, knobs.separate, pair,
                                     knobs.slack, fold), "v6",
                                    dev, v6_smem_bytes(fmt, pair, fold),

@@ -75,14 +75,17 @@
 // log2 units a row's score may pass the row's reference maximum before the reference moves (v5's QMLA_V5_MAX_SLACK):
 // P = 2^(S - reference) stays below 2^slack, which float32 sums and bf16 P hold as well as values <= 1, and while
 // no row of a warp moves its factors are 1, so both warpgroups skip their O rescale; 0: every new maximum moves it
-// (the launcher's QUANTMLA_CUPY_V6_SLACK passes 0 or V6_MAX_SLACK)
+// (the launcher's QUANTMLA_CUPY_V6_SLACK passes 0 or V6_MAX_SLACK, 8 by default: H200, H128, CUDA graphs, stop 31,
+// 0.3-2.3 % faster for C4R4 and C2R4 at B8-B128, L4K-128K)
 #define QMLA_V6_MAX_SLACK 0
 #endif
 #ifndef QMLA_V6_ROPE_FOLD
 // 1: the key tile holds the RoPE channels as exact bf16 (code - z) and the attender multiplies the RoPE part of each
 // score (its own accumulator) by the token's float32 scale, which the dequantizer leaves beside the tile; 0: each
 // RoPE value dequantized through float32 (two FMUL, two unpacks and a pack per pair). The launcher's
-// QUANTMLA_CUPY_V6_ROPE_FOLD; not with QMLA_V6_PAIR
+// QUANTMLA_CUPY_V6_ROPE_FOLD (by default for 4-bit content, attention.py's V6_ROPE_FOLD_CONTENT_BITS: with the slack,
+// H200 stop 31, C4R4 1-4 % faster from 32K tokens, C2R4 0.5-1.5 % slower; offline SASS, C4R4: the dequantizer's loop
+// 1,064 -> 995 instructions a warp and tile, the attender's 861 -> 911); not with QMLA_V6_PAIR
 #define QMLA_V6_ROPE_FOLD 0
 #endif
 static_assert(QMLA_V6_PV_AT >= 1 && QMLA_V6_PV_AT <= 3, "QMLA_V6_PV_AT: 1, 2 or 3 parts converted before the PV");
