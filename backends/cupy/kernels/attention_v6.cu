@@ -667,10 +667,11 @@ extern "C" __global__ void V6_CLUSTER __launch_bounds__(NTH, 1) qmla_attn_v6(
                 wgmma_fence_operand(Sr);
 #endif
                 wgmma_fence();
+                const u64 dkb = desc_advance(dk, buf * KT_BYTES);  // the tile's key buffer
 #pragma unroll
                 for (int ks = 0; ks < KSTEPS; ++ks) {
                     const u32 off = (ks >> 2) * (T * 128) + 32 * (ks & 3);
-                    const u64 da = desc_advance(dq, off), db = desc_advance(dk, buf * KT_BYTES + off);
+                    const u64 da = desc_advance(dq, off), db = desc_advance(dkb, off);
                     if (QMLA_V6_ROPE_FOLD && ks >= DC / 16) {
 #if QMLA_V6_ROPE_FOLD
                         wgmma_m64n64k16_ss<0>(Sr, da, db, ks > DC / 16);

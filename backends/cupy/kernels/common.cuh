@@ -216,15 +216,21 @@ template <int NJ>
 __device__ __forceinline__ void qmla_mask_row_max_raw(float (&S)[NJ][4], int n0, int q4, int keep_lo, const int (&lim)[2],
                                                       bool whole, float (&mx)[2]) {
     mx[0] = mx[1] = -QMLA_INF;
+    if (whole) {  // two loops, not a test per score: a predicated mask would be issued for every tile
 #pragma unroll
-    for (int j = 0; j < NJ; ++j) {
+        for (int j = 0; j < NJ; ++j) {
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            if (!whole) {
+            for (int k = 0; k < 4; ++k) mx[k >> 1] = fmaxf(mx[k >> 1], S[j][k]);
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
                 const int n = n0 + 8 * j + 2 * q4 + (k & 1);
                 S[j][k] = (n >= keep_lo && n < lim[k >> 1]) ? S[j][k] : -QMLA_INF;
+                mx[k >> 1] = fmaxf(mx[k >> 1], S[j][k]);
             }
-            mx[k >> 1] = fmaxf(mx[k >> 1], S[j][k]);
         }
     }
 }
