@@ -216,7 +216,7 @@ def test_v6_pair_protocol_checker_catches_a_broken_handoff(drop, count, match):
 
 def _pair_sync_statements(role_src: str) -> list[str]:
     keep = re.compile(r"mbar_wait|v6_pair_|v6_half_dequantize|v6_wait|v6_arrive|wgmma_wait<0>|v6_pv\(|v6_copy_protected\("
-                      r"|stsm_x4\(p_lane|for \(int seg|for \(int j|for \(;|if \(i >= 1 && i \+ 1 < ntiles\) \{")
+                      r"|PT_OFF|for \(int seg|for \(int j|for \(;|if \(i >= 1 && i \+ 1 < ntiles\) \{")
     return [ln.strip().split("  //")[0] for ln in role_src.splitlines() if keep.search(ln)]
 
 
@@ -235,7 +235,8 @@ def test_v6_pair_model_follows_the_kernel():
         "v6_pair_attender_done(mb, delta, buf ^ 1, lane);",
         "wgmma_wait<0>();",
         "if (i >= 1) v6_wait(BAR_PFREE);",
-        "stsm_x4(p_lane ^ (c << 4), pack_bf16x2(S[c][0], S[c][1]), pack_bf16x2(S[c][2], S[c][3]),",  # P(i)
+        "*(u32*)(smem + PT_OFF + sw128_chunk(rw0, c, RT) + 4 * q4) = pack_bf16x2(S[c][0], S[c][1]);",
+        "*(u32*)(smem + PT_OFF + sw128_chunk(rw0 + 8, c, RT) + 4 * q4) = pack_bf16x2(S[c][2], S[c][3]);",
         "v6_arrive(BAR_PREADY);",
         "v6_pv(acc, dp, desc_advance(dv, buf * KT_BYTES));",
         "wgmma_wait<0>();",

@@ -221,7 +221,7 @@ def v6_source(pair: bool, fold: bool = False) -> str:
 
 def _sync_statements(role_src: str) -> list[str]:
     """The synchronizing statements of one role's code, in order, with their guards."""
-    keep = re.compile(r"v6_wait|v6_arrive|wgmma_wait<0>|v6_pv\(|v6_dequantize<|v6_copy_protected\(|al_s\[|stsm_x4\(p_lane"
+    keep = re.compile(r"v6_wait|v6_arrive|wgmma_wait<0>|v6_pv\(|v6_dequantize<|v6_copy_protected\(|al_s\[|PT_OFF"
                       r"|for \(int seg|for \(int j|for \(;|if \(QMLA_V6_PV_AT|if \(i >= 1 && i \+ 1 < ntiles\) \{")
     return [ln.strip().split("  //")[0] for ln in role_src.splitlines() if keep.search(ln)]
 
@@ -243,7 +243,8 @@ def test_v6_model_follows_the_kernel():
         "v6_arrive(BAR_EMPTY + (buf ^ 1));",
         "wgmma_wait<0>();",  # QK(i) ("read_k")
         "if (i >= 1) v6_wait(BAR_PFREE);",
-        "stsm_x4(p_lane ^ (c << 4), pack_bf16x2(S[c][0], S[c][1]), pack_bf16x2(S[c][2], S[c][3]),",  # P(i)
+        "*(u32*)(smem + PT_OFF + sw128_chunk(rw0, c, RT) + 4 * q4) = pack_bf16x2(S[c][0], S[c][1]);",
+        "*(u32*)(smem + PT_OFF + sw128_chunk(rw0 + 8, c, RT) + 4 * q4) = pack_bf16x2(S[c][2], S[c][3]);",
         "al_s[rw0] = al[0];",
         "al_s[rw0 + 8] = al[1];",
         "v6_arrive(BAR_PREADY);",

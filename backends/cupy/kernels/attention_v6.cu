@@ -634,9 +634,6 @@ extern "C" __global__ void V6_CLUSTER __launch_bounds__(NTH, 1) qmla_attn_v6(
             // ======================================================== attender
             const u64 dq = sw128_desc(smem_s + QT_OFF, 16, 1024), dk = sw128_desc(smem_s, 16, 1024);
             const int causal[2] = {L - S_q + (rbase + rw0) / H + 1, L - S_q + (rbase + rw0 + 8) / H + 1};
-            // P by stmatrix: lane l gives row l % 8 of matrix l / 8 = (token chunk c + l / 16, rows 16 w + 8 (l / 8 % 2) ..);
-            // chunk c (even) of a swizzled row sits at chunk 0's place XOR c (the tile is 1024-byte aligned)
-            const u32 p_lane = smem_s + PT_OFF + sw128_chunk(16 * w + 8 * ((lane >> 3) & 1) + (lane & 7), lane >> 4, RT);
             int i = 0;  // tiles so far: the key buffer's parity and the handoffs count them
 #pragma unroll 1
             for (int seg = 0; seg < 3; ++seg) {
@@ -667,11 +664,10 @@ extern "C" __global__ void V6_CLUSTER __launch_bounds__(NTH, 1) qmla_attn_v6(
                 wgmma_fence_operand(Sr);
 #endif
                 wgmma_fence();
-                const u64 dkb = desc_advance(dk, buf * KT_BYTES);  // the tile's key buffer
 #pragma unroll
                 for (int ks = 0; ks < KSTEPS; ++ks) {
                     const u32 off = (ks >> 2) * (T * 128) + 32 * (ks & 3);
-                    const u64 da = desc_advance(dq, off), db = desc_advance(dkb, off);
+                    const u64 da = desc_advance(dq, off), db = desc_advance(dk, buf * KT_BYTES + off);
                     if (QMLA_V6_ROPE_FOLD && ks >= DC / 16) {
 #if QMLA_V6_ROPE_FOLD
                         wgmma_m64n64k16_ss<0>(Sr, da, db, ks > DC / 16);
@@ -697,29 +693,26 @@ extern "C" __global__ void V6_CLUSTER __launch_bounds__(NTH, 1) qmla_attn_v6(
 #endif
 
                 // ---------------------------------------------------- mask, row maxima (a quad holds a row's 64 tokens)
-                // the scores stay in the MMA's units: the exponent's FFMA takes them to base 2 (scale_log2 > 0)
                 float mx[2];
-                qmla_mask_row_max_raw(S, t0, q4, sg.lo, lim, t0 >= sg.lo && t0 + T <= min(lim[0], lim[1]), mx);
+                qmla_mask_row_max(S, t0, q4, sg.lo, lim, scale_log2, t0 >= sg.lo && t0 + T <= min(lim[0], lim[1]), mx);
 #pragma unroll
                 for (int o = 1; o <= 2; o <<= 1) {
                     mx[0] = fmaxf(mx[0], __shfl_xor_sync(0xffffffffu, mx[0], o));
                     mx[1] = fmaxf(mx[1], __shfl_xor_sync(0xffffffffu, mx[1], o));
                 }
-                // each row's reference maximum (base 2) moves only when a score passes it by more than the slack (a
-                // first finite score always does: -inf + slack)
+                // each row's reference maximum moves only when a score passes it by more than the slack (a first finite
+                // score always does: -inf + slack)
                 float al[2];
 #pragma unroll
                 for (int k = 0; k < 2; ++k) {
-                    const float m2 = mx[k] * scale_log2;
-                    qmla_rows_exp_fma(S, m2 > m_run[k] + (float)QMLA_V6_MAX_SLACK ? m2 : m_run[k], scale_log2, k, m_run,
-                                      l_run, al);
+                    qmla_rows_exp(S, mx[k] > m_run[k] + (float)QMLA_V6_MAX_SLACK ? mx[k] : m_run[k], k, m_run, l_run, al);
                 }
                 // ---------------------------------------------------- P and the rescale factors, once the previous P is read
                 if (i >= 1) v6_wait(BAR_PFREE);
 #pragma unroll
-                for (int c = 0; c < 8; c += 2) {  // tokens 8 c .. 8 c + 15 of rows rw0, rw0 + 8 (matrices c, c + 1)
-                    stsm_x4(p_lane ^ (c << 4), pack_bf16x2(S[c][0], S[c][1]), pack_bf16x2(S[c][2], S[c][3]),
-                            pack_bf16x2(S[c + 1][0], S[c + 1][1]), pack_bf16x2(S[c + 1][2], S[c + 1][3]));
+                for (int c = 0; c < 8; ++c) {
+                    *(u32*)(smem + PT_OFF + sw128_chunk(rw0, c, RT) + 4 * q4) = pack_bf16x2(S[c][0], S[c][1]);
+                    *(u32*)(smem + PT_OFF + sw128_chunk(rw0 + 8, c, RT) + 4 * q4) = pack_bf16x2(S[c][2], S[c][3]);
                 }
                 if (q4 == 0) {
                     al_s[rw0] = al[0];

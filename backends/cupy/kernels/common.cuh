@@ -210,48 +210,6 @@ __device__ __forceinline__ void qmla_rows_exp(float (&S)[NJ][4], float mt, int k
     }
 }
 
-// qmla_mask_row_max with the scores left in the MMA's units (masked: -inf): the exponent's FFMA scales them
-// (qmla_rows_exp_fma); mx: the rows' maxima in the same units
-template <int NJ>
-__device__ __forceinline__ void qmla_mask_row_max_raw(float (&S)[NJ][4], int n0, int q4, int keep_lo, const int (&lim)[2],
-                                                      bool whole, float (&mx)[2]) {
-    mx[0] = mx[1] = -QMLA_INF;
-    if (whole) {  // two loops, not a test per score: a predicated mask would be issued for every tile
-#pragma unroll
-        for (int j = 0; j < NJ; ++j) {
-#pragma unroll
-            for (int k = 0; k < 4; ++k) mx[k >> 1] = fmaxf(mx[k >> 1], S[j][k]);
-        }
-    } else {
-#pragma unroll
-        for (int j = 0; j < NJ; ++j) {
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                const int n = n0 + 8 * j + 2 * q4 + (k & 1);
-                S[j][k] = (n >= keep_lo && n < lim[k >> 1]) ? S[j][k] : -QMLA_INF;
-                mx[k >> 1] = fmaxf(mx[k >> 1], S[j][k]);
-            }
-        }
-    }
-}
-
-// qmla_rows_exp over scores in the MMA's units: S = 2^(S c - mt) by one FFMA before the exponent, c = the base-2
-// scale (> 0), mt the row's new reference maximum in base-2 units (>= m_run[k])
-template <int NJ>
-__device__ __forceinline__ void qmla_rows_exp_fma(float (&S)[NJ][4], float mt, float c, int k, float (&m_run)[2],
-                                                  float (&l_run)[2], float (&al)[2]) {
-    const float u = (mt == -QMLA_INF) ? 0.0f : mt;
-    al[k] = exp2f(m_run[k] - u);
-    m_run[k] = mt;
-    l_run[k] *= al[k];
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) {
-        S[j][2 * k] = exp2f(fmaf(S[j][2 * k], c, -u));
-        S[j][2 * k + 1] = exp2f(fmaf(S[j][2 * k + 1], c, -u));
-        l_run[k] += S[j][2 * k] + S[j][2 * k + 1];
-    }
-}
-
 // acc (mma / wgmma C fragments: rows g8 and g8 + 8 in elements 0-1 and 2-3) *= the rows' factors a0, a1;
 // LAZY skips it while every factor of the warp is exactly 1 (bit-identical; all 32 lanes active)
 template <bool LAZY, int N>
