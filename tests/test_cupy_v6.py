@@ -80,9 +80,9 @@ V6_SLACK_FOLD_BUILDS = [(name, dc, dr, 64, page, 3, False, False, slack, fold)
                         for name, dc, dr, page in (("C4R4", 512, 64, 64), ("C2R4", 512, 64, 64), ("C4R4", 256, 32, 32))
                         for slack, fold in ((False, False), (True, False), (False, True), (True, True))]
 #: bytes the folding builds at d_c 512 may spill (stack and stores, loads): the attender's second accumulator takes
-#: them to 255 registers, and ptxas keeps two words in local memory (read once per tile in the attender's and the
-#: protected loops; offline SASS of stop 31)
-V6_FOLD_SPILL_BYTES = (8, 24)
+#: them to 255 registers, and ptxas keeps four words in local memory, stored once, read at the start of the attender's
+#: tiles (two words) and of the protected loops, never in the dequantizer's packed loop (offline SASS of stop 31)
+V6_FOLD_SPILL_BYTES = (16, 48)
 
 
 def _v6_knobs(v: tuple) -> tuple[qm.PackFormat, int, bool, bool, bool, bool | None]:

@@ -201,21 +201,37 @@ __device__ __forceinline__ const u8* v6_token_page(int n, const u8* __restrict__
     return (pg >= 0 && pg < num_pages) ? pages + (i64)pg * QMLA_PAGE_BYTES : nullptr;
 }
 
-// the pages thread p reads its codes of tile tt from (nullptr: not read, see v6_token_page)
+// the pages thread p reads its codes of tile tt from, and whether each of its tokens is read (inside L, on a page of
+// the pool). A token not read still loads its codes, finite whatever they are, from its slot of page 0 (num_pages >= 1),
+// so the code loads need no predicate and their registers no zeroing; its zero points and scales are 0, so its keys
+// dequantize to 0 (P is 0 there, and 0 x a stale NaN could poison PV). Where pages hold whole tiles (P a multiple of T)
+// one lookup of the block table serves the thread's three tokens.
 struct V6Pages {
     const u8* c[2];  // tokens tt + p / 4 and tt + p / 4 + 32
     const u8* r;     // token tt + p / RCK (its RoPE chunk)
+    bool ok[2], rok;
 };
+// page id pg's base, or page 0's where pg is not in the pool (ok: it is)
+__device__ __forceinline__ const u8* v6_page_or_0(int pg, const u8* __restrict__ pages, int num_pages, bool& ok) {
+    ok = QMLA_V6_PROBE != 2 && pg >= 0 && pg < num_pages;  // probe 2: every token past L, nothing read
+    return pages + (i64)(ok ? pg : 0) * QMLA_PAGE_BYTES;
+}
 __device__ __forceinline__ V6Pages v6_pages(int tt, const u8* __restrict__ pages, const int* __restrict__ bt_row, int L,
                                             int max_pages, int num_pages, int p) {
     V6Pages g;
-    if (QMLA_V6_PROBE == 2) {  // every token past L: nothing read
-        g.c[0] = g.c[1] = g.r = nullptr;
-        return g;
-    }
+    const int n[3] = {tt + (p >> 2), tt + (p >> 2) + 32, tt + p / RCK};
+    if constexpr (QMLA_P % T == 0) {
+        bool ok;
+        g.c[0] = g.c[1] = g.r = v6_page_or_0(qmla_table_page(tt, bt_row, L, max_pages), pages, num_pages, ok);
+        g.ok[0] = ok && n[0] < L;
+        g.ok[1] = ok && n[1] < L;
+        g.rok = ok && n[2] < L;
+    } else {
 #pragma unroll
-    for (int k = 0; k < 2; ++k) g.c[k] = v6_token_page(tt + (p >> 2) + 32 * k, pages, bt_row, L, max_pages, num_pages);
-    g.r = p < T * RCK ? v6_token_page(tt + p / RCK, pages, bt_row, L, max_pages, num_pages) : nullptr;
+        for (int k = 0; k < 2; ++k) g.c[k] = v6_page_or_0(qmla_table_page(n[k], bt_row, L, max_pages), pages, num_pages, g.ok[k]);
+        g.r = v6_page_or_0(qmla_table_page(n[2], bt_row, L, max_pages), pages, num_pages, g.rok);
+    }
+    g.rok = g.rok && p < T * RCK;
     return g;
 }
 
@@ -287,13 +303,12 @@ __device__ __forceinline__ void v6_copy_protected(u8* kt, const V6Seg& tl, const
     cp_async_wait_all();
 }
 
-// thread p's RoPE chunk of tile tt from page pg (zeros where not read, as v6_load_codes)
-__device__ __forceinline__ void v6_load_rope(V6Rope& r, const u8* pg, int tt, int p) {
-    r.c = make_uint4(0u, 0u, 0u, 0u);
+// thread p's RoPE chunk of tile tt from page pg (its zero point and scale 0 where not read, as v6_load_codes)
+__device__ __forceinline__ void v6_load_rope(V6Rope& r, const u8* pg, bool ok, int tt, int p) {
+    const int s = (tt + p / RCK) % QMLA_P;
+    r.c = *(const uint4*)(pg + QMLA_OFF_RC + s * RB + 16 * (p % RCK));
     r.z = r.s = 0u;
-    if (pg) {
-        const int s = (tt + p / RCK) % QMLA_P;
-        r.c = *(const uint4*)(pg + QMLA_OFF_RC + s * RB + 16 * (p % RCK));
+    if (ok) {
         r.z = pg[QMLA_OFF_RZ + s];
         r.s = QMLA_RSCALE_BF16 ? (u32)((const u16*)(pg + QMLA_OFF_RS))[s] : ((const u32*)(pg + QMLA_OFF_RS))[s];
     }
@@ -314,28 +329,30 @@ __device__ __forceinline__ void v6_dequantize_rope(const V6Rope& r, u8* kt, floa
     }
 }
 
-// the thread's codes of tile tt from the pages g (tokens not read: zeros, so their keys dequantize to 0; P is
-// 0 there, and 0 x a stale NaN could poison PV)
+// the thread's codes of tile tt from the pages g (tokens not read: zero points and scales 0, see V6Pages; probe 2:
+// no loads, every register 0)
 __device__ __forceinline__ void v6_load_codes(V6Codes& r, const V6Pages& g, int tt, int p) {
+    if (QMLA_V6_PROBE == 2) {
+        r = V6Codes{};
+        return;
+    }
     const int uu = p & 3;
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
         const int s = (tt + (p >> 2) + 32 * k) % QMLA_P;
         const u8* page = g.c[k];
 #pragma unroll
-        for (int q = 0; q < NCT / 4; ++q) {
-            r.c[k][q] = page ? *(const uint4*)(page + QMLA_OFF_CC + s * CB + 16 * (uu + 4 * q)) : make_uint4(0u, 0u, 0u, 0u);
-        }
+        for (int q = 0; q < NCT / 4; ++q) r.c[k][q] = *(const uint4*)(page + QMLA_OFF_CC + s * CB + 16 * (uu + 4 * q));
 #pragma unroll
         for (int q = 0; q < ZW; ++q) r.z[k][q] = 0u;
 #pragma unroll
         for (int q = 0; q < SW; ++q) r.s[k][q] = 0u;
-        if (page) {
+        if (g.ok[k]) {
             v6_load_row<NGC>(page + QMLA_OFF_CZ + s * NGC, r.z[k]);
             v6_load_row<NGC * CSZ>(page + QMLA_OFF_CS + s * NGC * CSZ, r.s[k]);
         }
     }
-    v6_load_rope(r.r, g.r, tt, p);
+    v6_load_rope(r.r, g.r, g.rok, tt, p);
 }
 
 // loads the thread's codes of tile tt; g: their pages, looked up here or, with QMLA_V6_PAGE_AHEAD, by the previous
