@@ -88,6 +88,14 @@
 // 1,064 -> 995 instructions a warp and tile, the attender's 861 -> 911); not with QMLA_V6_PAIR
 #define QMLA_V6_ROPE_FOLD 0
 #endif
+#ifndef QMLA_V6_PLAIN_LOADS
+// 1: the dequantizer loads every code without a predicate (a token not read takes page 0's bytes, its zero points and
+// scales 0) and looks a tile's page up once where pages hold whole tiles (see V6Pages); 0: a token not read loads
+// nothing and its registers are zeroed. H200, H128, CUDA graphs, stop 31: C2R4 1.7-2.2 % faster with 1 from 32K
+// tokens; with the RoPE fold the registers it takes made ptxas spill into the attender's loop and C4R4 ran 3-4 %
+// slower, so the default leaves folding builds at 0
+#define QMLA_V6_PLAIN_LOADS (!QMLA_V6_ROPE_FOLD)
+#endif
 static_assert(QMLA_V6_PV_AT >= 1 && QMLA_V6_PV_AT <= 3, "QMLA_V6_PV_AT: 1, 2 or 3 parts converted before the PV");
 static_assert(QMLA_V6_MAX_SLACK >= 0 && QMLA_V6_MAX_SLACK <= 16, "QMLA_V6_MAX_SLACK: 0 to 16 (P < 2^16 in bf16)");
 static_assert(!(QMLA_V6_ROPE_FOLD && QMLA_V6_PAIR), "the RoPE fold is not built into pair kernels");
@@ -202,10 +210,11 @@ __device__ __forceinline__ const u8* v6_token_page(int n, const u8* __restrict__
 }
 
 // the pages thread p reads its codes of tile tt from, and whether each of its tokens is read (inside L, on a page of
-// the pool). A token not read still loads its codes, finite whatever they are, from its slot of page 0 (num_pages >= 1),
-// so the code loads need no predicate and their registers no zeroing; its zero points and scales are 0, so its keys
-// dequantize to 0 (P is 0 there, and 0 x a stale NaN could poison PV). Where pages hold whole tiles (P a multiple of T)
-// one lookup of the block table serves the thread's three tokens.
+// the pool). QMLA_V6_PLAIN_LOADS: a token not read still loads its codes, finite whatever they are, from its slot of
+// page 0 (num_pages >= 1), so the code loads need no predicate and their registers no zeroing; its zero points and
+// scales are 0, so its keys dequantize to 0 (P is 0 there, and 0 x a stale NaN could poison PV); where pages hold whole
+// tiles (P a multiple of T) one lookup of the block table serves the thread's three tokens. Else a page not read is
+// nullptr (v6_token_page) and the loads zero its registers.
 struct V6Pages {
     const u8* c[2];  // tokens tt + p / 4 and tt + p / 4 + 32
     const u8* r;     // token tt + p / RCK (its RoPE chunk)
@@ -219,6 +228,16 @@ __device__ __forceinline__ const u8* v6_page_or_0(int pg, const u8* __restrict__
 __device__ __forceinline__ V6Pages v6_pages(int tt, const u8* __restrict__ pages, const int* __restrict__ bt_row, int L,
                                             int max_pages, int num_pages, int p) {
     V6Pages g;
+    if constexpr (!QMLA_V6_PLAIN_LOADS) {
+        if (QMLA_V6_PROBE == 2) {  // every token past L: nothing read
+            g.c[0] = g.c[1] = g.r = nullptr;
+            return g;
+        }
+#pragma unroll
+        for (int k = 0; k < 2; ++k) g.c[k] = v6_token_page(tt + (p >> 2) + 32 * k, pages, bt_row, L, max_pages, num_pages);
+        g.r = p < T * RCK ? v6_token_page(tt + p / RCK, pages, bt_row, L, max_pages, num_pages) : nullptr;
+        return g;
+    }
     const int n[3] = {tt + (p >> 2), tt + (p >> 2) + 32, tt + p / RCK};
     if constexpr (QMLA_P % T == 0) {
         bool ok;
@@ -305,6 +324,17 @@ __device__ __forceinline__ void v6_copy_protected(u8* kt, const V6Seg& tl, const
 
 // thread p's RoPE chunk of tile tt from page pg (its zero point and scale 0 where not read, as v6_load_codes)
 __device__ __forceinline__ void v6_load_rope(V6Rope& r, const u8* pg, bool ok, int tt, int p) {
+    if constexpr (!QMLA_V6_PLAIN_LOADS) {
+        r.c = make_uint4(0u, 0u, 0u, 0u);
+        r.z = r.s = 0u;
+        if (pg) {
+            const int s = (tt + p / RCK) % QMLA_P;
+            r.c = *(const uint4*)(pg + QMLA_OFF_RC + s * RB + 16 * (p % RCK));
+            r.z = pg[QMLA_OFF_RZ + s];
+            r.s = QMLA_RSCALE_BF16 ? (u32)((const u16*)(pg + QMLA_OFF_RS))[s] : ((const u32*)(pg + QMLA_OFF_RS))[s];
+        }
+        return;
+    }
     const int s = (tt + p / RCK) % QMLA_P;
     r.c = *(const uint4*)(pg + QMLA_OFF_RC + s * RB + 16 * (p % RCK));
     r.z = r.s = 0u;
@@ -329,9 +359,31 @@ __device__ __forceinline__ void v6_dequantize_rope(const V6Rope& r, u8* kt, floa
     }
 }
 
-// the thread's codes of tile tt from the pages g (tokens not read: zero points and scales 0, see V6Pages; probe 2:
-// no loads, every register 0)
+// the thread's codes of tile tt from the pages g (tokens not read: zero points and scales 0 and, without
+// QMLA_V6_PLAIN_LOADS, codes 0, see V6Pages; probe 2: no loads, every register 0)
 __device__ __forceinline__ void v6_load_codes(V6Codes& r, const V6Pages& g, int tt, int p) {
+    if constexpr (!QMLA_V6_PLAIN_LOADS) {
+        const int uu = p & 3;
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            const int s = (tt + (p >> 2) + 32 * k) % QMLA_P;
+            const u8* page = g.c[k];
+#pragma unroll
+            for (int q = 0; q < NCT / 4; ++q) {
+                r.c[k][q] = page ? *(const uint4*)(page + QMLA_OFF_CC + s * CB + 16 * (uu + 4 * q)) : make_uint4(0u, 0u, 0u, 0u);
+            }
+#pragma unroll
+            for (int q = 0; q < ZW; ++q) r.z[k][q] = 0u;
+#pragma unroll
+            for (int q = 0; q < SW; ++q) r.s[k][q] = 0u;
+            if (page) {
+                v6_load_row<NGC>(page + QMLA_OFF_CZ + s * NGC, r.z[k]);
+                v6_load_row<NGC * CSZ>(page + QMLA_OFF_CS + s * NGC * CSZ, r.s[k]);
+            }
+        }
+        v6_load_rope(r.r, g.r, false, tt, p);
+        return;
+    }
     if (QMLA_V6_PROBE == 2) {
         r = V6Codes{};
         return;
