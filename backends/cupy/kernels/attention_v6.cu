@@ -362,29 +362,7 @@ __device__ __forceinline__ void v6_dequantize_rope(const V6Rope& r, u8* kt, floa
 // the thread's codes of tile tt from the pages g (tokens not read: zero points and scales 0 and, without
 // QMLA_V6_PLAIN_LOADS, codes 0, see V6Pages; probe 2: no loads, every register 0)
 __device__ __forceinline__ void v6_load_codes(V6Codes& r, const V6Pages& g, int tt, int p) {
-    if constexpr (!QMLA_V6_PLAIN_LOADS) {
-        const int uu = p & 3;
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-            const int s = (tt + (p >> 2) + 32 * k) % QMLA_P;
-            const u8* page = g.c[k];
-#pragma unroll
-            for (int q = 0; q < NCT / 4; ++q) {
-                r.c[k][q] = page ? *(const uint4*)(page + QMLA_OFF_CC + s * CB + 16 * (uu + 4 * q)) : make_uint4(0u, 0u, 0u, 0u);
-            }
-#pragma unroll
-            for (int q = 0; q < ZW; ++q) r.z[k][q] = 0u;
-#pragma unroll
-            for (int q = 0; q < SW; ++q) r.s[k][q] = 0u;
-            if (page) {
-                v6_load_row<NGC>(page + QMLA_OFF_CZ + s * NGC, r.z[k]);
-                v6_load_row<NGC * CSZ>(page + QMLA_OFF_CS + s * NGC * CSZ, r.s[k]);
-            }
-        }
-        v6_load_rope(r.r, g.r, false, tt, p);
-        return;
-    }
-    if (QMLA_V6_PROBE == 2) {
+    if (QMLA_V6_PLAIN_LOADS && QMLA_V6_PROBE == 2) {
         r = V6Codes{};
         return;
     }
@@ -394,17 +372,20 @@ __device__ __forceinline__ void v6_load_codes(V6Codes& r, const V6Pages& g, int 
         const int s = (tt + (p >> 2) + 32 * k) % QMLA_P;
         const u8* page = g.c[k];
 #pragma unroll
-        for (int q = 0; q < NCT / 4; ++q) r.c[k][q] = *(const uint4*)(page + QMLA_OFF_CC + s * CB + 16 * (uu + 4 * q));
+        for (int q = 0; q < NCT / 4; ++q) {
+            r.c[k][q] = (QMLA_V6_PLAIN_LOADS || page) ? *(const uint4*)(page + QMLA_OFF_CC + s * CB + 16 * (uu + 4 * q))
+                                                      : make_uint4(0u, 0u, 0u, 0u);
+        }
 #pragma unroll
         for (int q = 0; q < ZW; ++q) r.z[k][q] = 0u;
 #pragma unroll
         for (int q = 0; q < SW; ++q) r.s[k][q] = 0u;
-        if (g.ok[k]) {
+        if (QMLA_V6_PLAIN_LOADS ? g.ok[k] : page != nullptr) {
             v6_load_row<NGC>(page + QMLA_OFF_CZ + s * NGC, r.z[k]);
             v6_load_row<NGC * CSZ>(page + QMLA_OFF_CS + s * NGC * CSZ, r.s[k]);
         }
     }
-    v6_load_rope(r.r, g.r, g.rok, tt, p);
+    v6_load_rope(r.r, g.r, QMLA_V6_PLAIN_LOADS && g.rok, tt, p);
 }
 
 // loads the thread's codes of tile tt; g: their pages, looked up here or, with QMLA_V6_PAGE_AHEAD, by the previous
