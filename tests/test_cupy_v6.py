@@ -429,15 +429,22 @@ V6_CASES = [
 ]
 
 
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("case", [c for c in V2_CASES + BIG[:3] + V4_CASES + V6_CASES if c.fmt.quantized], ids=str)
-def test_attention_v6_matches_reference(case, monkeypatch):
+def _check_v6_on_gpu(case: Case, monkeypatch, env: dict[str, str] | None = None) -> None:
+    """Forced v6 with the knobs ``env`` against the reference (skipped but on compute capability 9.0)."""
     cap = torch.cuda.get_device_capability()
     if tuple(cap) != (9, 0):
         pytest.skip(f"v6 is an sm_90a kernel: this GPU is compute capability {cap[0]}.{cap[1]}")
     monkeypatch.setenv(VARIANT_ENV, "v6")
+    for k, v in (env or {}).items():
+        monkeypatch.setenv(k, v)
     check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", [c for c in V2_CASES + BIG[:3] + V4_CASES + V6_CASES if c.fmt.quantized], ids=str)
+def test_attention_v6_matches_reference(case, monkeypatch):
+    _check_v6_on_gpu(case, monkeypatch)
 
 
 @pytest.mark.gpu
@@ -447,14 +454,8 @@ def test_attention_v6_matches_reference(case, monkeypatch):
 @pytest.mark.parametrize("case", V6_CASES, ids=str)
 def test_attention_v6_knob_builds_match_reference(case, pv_at, ahead, protected, monkeypatch):
     """The measurement knobs' builds compute the same attention (RESULTS.md stop 24: all slower than the default)."""
-    cap = torch.cuda.get_device_capability()
-    if tuple(cap) != (9, 0):
-        pytest.skip(f"v6 is an sm_90a kernel: this GPU is compute capability {cap[0]}.{cap[1]}")
-    monkeypatch.setenv(VARIANT_ENV, "v6")
-    monkeypatch.setenv("QUANTMLA_CUPY_V6_PV_AT", str(pv_at))
-    monkeypatch.setenv("QUANTMLA_CUPY_V6_PAGE_AHEAD", str(ahead))
-    monkeypatch.setenv("QUANTMLA_CUPY_V6_PROTECTED", protected)
-    check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
+    _check_v6_on_gpu(case, monkeypatch, {"QUANTMLA_CUPY_V6_PV_AT": str(pv_at), "QUANTMLA_CUPY_V6_PAGE_AHEAD": str(ahead),
+                                         "QUANTMLA_CUPY_V6_PROTECTED": protected})
 
 
 @pytest.mark.gpu
@@ -463,12 +464,7 @@ def test_attention_v6_knob_builds_match_reference(case, pv_at, ahead, protected,
 def test_attention_v6_pair_matches_reference(case, monkeypatch):
     """Two-CTA clusters sharing each key tile (QUANTMLA_CUPY_V6_PAIR=1) compute the same attention, also where the
     rows fill an odd number of 64-row chunks (one more CTA past the rows, which only dequantizes for its peer)."""
-    cap = torch.cuda.get_device_capability()
-    if tuple(cap) != (9, 0):
-        pytest.skip(f"v6 is an sm_90a kernel: this GPU is compute capability {cap[0]}.{cap[1]}")
-    monkeypatch.setenv(VARIANT_ENV, "v6")
-    monkeypatch.setenv("QUANTMLA_CUPY_V6_PAIR", "1")
-    check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
+    _check_v6_on_gpu(case, monkeypatch, {"QUANTMLA_CUPY_V6_PAIR": "1"})
 
 
 #: (case, slack, fold): both knobs over every v6 case, each alone and neither over the many-row ones
@@ -483,10 +479,4 @@ def test_attention_v6_slack_fold_match_reference(case, slack, fold, monkeypatch)
     """A reference maximum that moves by more than V6_MAX_SLACK only (P up to 2^8 before the division by the row
     sums) and the RoPE scale folded into the scores (QUANTMLA_CUPY_V6_SLACK / _ROPE_FOLD) compute the same attention
     within the reference's tolerances."""
-    cap = torch.cuda.get_device_capability()
-    if tuple(cap) != (9, 0):
-        pytest.skip(f"v6 is an sm_90a kernel: this GPU is compute capability {cap[0]}.{cap[1]}")
-    monkeypatch.setenv(VARIANT_ENV, "v6")
-    monkeypatch.setenv("QUANTMLA_CUPY_V6_SLACK", str(slack))
-    monkeypatch.setenv("QUANTMLA_CUPY_V6_ROPE_FOLD", str(fold))
-    check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
+    _check_v6_on_gpu(case, monkeypatch, {"QUANTMLA_CUPY_V6_SLACK": str(slack), "QUANTMLA_CUPY_V6_ROPE_FOLD": str(fold)})
