@@ -169,7 +169,7 @@ V6_PV_AT = 3
 V6_PAGE_AHEAD = False
 #: log2 units a score may pass its row's reference maximum before v6 moves the reference (``QMLA_V6_MAX_SLACK``, as
 #: v5's ``QMLA_V5_MAX_SLACK``) where :class:`V6Knobs` ``slack`` is on, and whether it is on by default (H200, H128,
-#: CUDA graphs, stop 31: 0.3-2.3 % faster for C4R4 and C2R4 at B8-B128, L4K-128K)
+#: CUDA graphs, stop 31: 0-2.5 % faster at B8-B128, L4K-128K; C4R4 B32 L32K unchanged)
 V6_MAX_SLACK = 8
 V6_SLACK = True
 #: the content bits for which v6 multiplies each score's RoPE part by the token's scale once instead of dequantizing

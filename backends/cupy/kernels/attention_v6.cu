@@ -76,7 +76,7 @@
 // P = 2^(S - reference) stays below 2^slack, which float32 sums and bf16 P hold as well as values <= 1, and while
 // no row of a warp moves its factors are 1, so both warpgroups skip their O rescale; 0: every new maximum moves it
 // (the launcher's QUANTMLA_CUPY_V6_SLACK passes 0 or V6_MAX_SLACK, 8 by default: H200, H128, CUDA graphs, stop 31,
-// 0.3-2.3 % faster for C4R4 and C2R4 at B8-B128, L4K-128K)
+// 0-2.5 % faster at B8-B128, L4K-128K: C2R4 at every shape, C4R4 but at B32 L32K, where it changed nothing)
 #define QMLA_V6_MAX_SLACK 0
 #endif
 #ifndef QMLA_V6_ROPE_FOLD
