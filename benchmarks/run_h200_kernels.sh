@@ -29,6 +29,8 @@
 #   bash benchmarks/run_h200_kernels.sh ropefold # v5's RoPE scale on the scores (QUANTMLA_CUPY_V5_ROPE_FOLD, auto: on
 #       for 2-bit content): conformance of both builds, CUDA graphs of 1 against 0 over FOLD_SHAPES (C4R4, C2R4),
 #       memcheck of the default (a source against another: srcab with SRCAB_KERNEL=attention_v5.cu)
+#   bash benchmarks/run_h200_kernels.sh quad     # v5's quad code loads (QUANTMLA_CUPY_V5_QUAD_LOADS): conformance of the
+#       flipped build, CUDA graphs of 0 against 1 twice over QUAD_SHAPES (C4R4, FlashInfer BF16 in the process), memcheck
 #   bash benchmarks/run_h200_kernels.sh v6pair   # v6 as two-CTA clusters sharing each key tile (QUANTMLA_CUPY_V6_PAIR):
 #       conformance of forced pairs, CUDA graphs of 0 against 1 over V6PAIR_SHAPES, memcheck of the pairs
 #   bash benchmarks/run_h200_kernels.sh v6fold   # v6's slack maximum and RoPE fold (QUANTMLA_CUPY_V6_SLACK / _ROPE_FOLD):
@@ -173,6 +175,27 @@ elif [ "$MODE" = ropefold ]; then
     --shapes $SH --json "$OUT/graph_rope_fold.json" 2>&1 | grep -v "^{" | tail -24
   echo "=== memcheck"; timeout 120 compute-sanitizer --tool memcheck $T tests/test_cupy_v5.py \
     -k "v5_matches_reference and float32-2] and (L64_65_4097_128 or L2000_4_150 or L300_17 or L5000_321)" 2>&1 | tail -2
+elif [ "$MODE" = quad ]; then
+  echo "=== v5 quad loads: conformance (the flipped build; the default C4R4 v5 tests)"; timeout 200 $T tests/test_cupy_v5.py \
+    -k "quad_loads_flipped or (v5_matches_reference and C4R4)" 2>&1 | tail -3 | tee "$OUT/v5_quad_conformance.txt"
+  grep -q " passed" "$OUT/v5_quad_conformance.txt" && ! grep -q "failed\|error" "$OUT/v5_quad_conformance.txt" || exit 1
+  Q0=QUANTMLA_CUPY_V5_QUAD_LOADS=0; Q1=QUANTMLA_CUPY_V5_QUAD_LOADS=1; QF="$Q1 QUANTMLA_CUPY_V5_ROPE_FOLD=1"
+  echo "=== quad loads with the RoPE fold: conformance"; env $QF timeout 150 $T tests/test_cupy_v5.py \
+    -k "v5_matches_reference and C4R4" 2>&1 | tail -2
+  echo "=== 0 / 1 / 1 with the fold, twice (CUDA graphs)"; timeout 330 python3 -P benchmarks/graph_probe.py --backends cupy \
+    --settings "${QUAD_SETTINGS:-$Q0;$Q1;$QF;$Q0;$Q1;$QF}" --formats C4R4 \
+    --shapes ${QUAD_SHAPES:-16x32x4096,16x32x32768,16x128x32768,16x32x131072,16x128x131072} \
+    --json "$OUT/graph_v5_quad.json" 2>&1 | grep -v "^{" | tail -30
+  echo "=== memcheck (quad loads)"; QUANTMLA_CUPY_V5_QUAD_LOADS=1 timeout 120 compute-sanitizer --tool memcheck $T \
+    tests/test_cupy_v5.py -k "v5_matches_reference and C4R4 and (L64_65_4097_128 or L2000_4_150 or L5000_321)" 2>&1 | tail -2
+  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+  for setting in $Q0 $Q1; do
+    tag=$(echo "$setting" | tr -c "A-Za-z0-9\n" _); echo "=== ncu v5 $setting"; env $setting timeout 100 $NCU -k regex:qmla_attn_v5 -s 2 -c 1 --clock-control none \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis_Tables --section WarpStateStats --section SchedulerStats \
+      python3 -P benchmarks/cupy_probe.py --variant v5 --shapes 16x32x32768 --formats C4R4 --no-writer --protection 0,0 \
+      > "$OUT/ncu_v5_$tag.txt" 2>&1
+    grep -v "^==PROF==" "$OUT/ncu_v5_$tag.txt" | grep -E "Duration|L1/TEX Cache|Issue Slots|Issued Warp|Warp Cycles Per Issued|Shared|Global Load" | head -20
+  done
 elif [ "$MODE" = v6pair ]; then
   echo "=== v6 pairs: one small case first (a hang or a failure stops here)"; timeout 120 $T tests/test_cupy_v6.py \
     -k "v6_pair_matches and L64_128_192" 2>&1 | tail -2 | tee "$OUT/v6_pair_first.txt"

@@ -18,6 +18,7 @@ import torch
 from conformance import Case, check_attention_case
 from quantmla_core.backends.cupy.attention import (
     ROPE_FOLD_CONTENT_BITS,
+    V5_QUAD_LOADS,
     V3_MIN_TOKENS,
     V4_MIN_ROWS,
     V5_MIN_BATCH_TOKENS,
@@ -30,6 +31,8 @@ from quantmla_core.backends.cupy.attention import (
     select_variant,
     smem_per_block,
     v5_defines,
+    v5_quad_loads,
+    v5_rope_fold,
     v5_smem_bytes,
     v5_unsupported_reasons,
 )
@@ -405,23 +408,49 @@ V5_CASES = [
 
 
 def test_v5_rope_fold_knob(monkeypatch):
-    """QUANTMLA_CUPY_V5_ROPE_FOLD (``auto``: 2-bit content, ROPE_FOLD_CONTENT_BITS; ``0``/``1`` force it) reaches the
-    build as QMLA_V5_ROPE_FOLD, for two workers only."""
+    """QUANTMLA_CUPY_V5_ROPE_FOLD (``auto``: 2-bit content, ROPE_FOLD_CONTENT_BITS, and builds with quad loads;
+    ``0``/``1`` force it) reaches the build as QMLA_V5_ROPE_FOLD, for two workers only."""
     assert ROPE_FOLD_CONTENT_BITS == (2,) and V5Knobs.from_env().rope_fold is None
     c2, c4 = qm.PackFormat.parse("C2R4"), qm.PackFormat.parse("C4R4")
-    assert v5_defines(c2)["QMLA_V5_ROPE_FOLD"] == 1 and v5_defines(c4)["QMLA_V5_ROPE_FOLD"] == 0
-    assert v5_defines(c4, rope_fold=True)["QMLA_V5_ROPE_FOLD"] == 1
+    c4_256 = qm.PackFormat.parse("C4R4", latent_dim=256, rope_dim=32)
+    assert v5_defines(c2)["QMLA_V5_ROPE_FOLD"] == 1 and v5_defines(c4)["QMLA_V5_ROPE_FOLD"] == 1
+    assert v5_defines(c4, quad_loads=False)["QMLA_V5_ROPE_FOLD"] == 0 and v5_defines(c4_256)["QMLA_V5_ROPE_FOLD"] == 0
+    assert v5_defines(c4, rope_fold=False)["QMLA_V5_ROPE_FOLD"] == 0
+    assert v5_defines(c4, rope_fold=True, quad_loads=False)["QMLA_V5_ROPE_FOLD"] == 1
     assert v5_defines(c2, rope_fold=False)["QMLA_V5_ROPE_FOLD"] == 0
     assert v5_defines(c2, workers=3)["QMLA_V5_ROPE_FOLD"] == 0  # no registers for the second accumulator
     for value, fold in (("auto", None), ("0", False), ("1", True)):
         monkeypatch.setenv("QUANTMLA_CUPY_V5_ROPE_FOLD", value)
         assert V5Knobs.from_env() == V5Knobs(True, rope_fold=fold)
-    for fmt_name, value, want in (("C2R4", "0", 0), ("C4R4", "1", 1), ("C4R4", "auto", 0)):
+    for fmt_name, value, want in (("C2R4", "0", 0), ("C4R4", "0", 0), ("C4R4", "auto", 1)):
         monkeypatch.setenv("QUANTMLA_CUPY_V5_ROPE_FOLD", value)
         launches, *_ = _run_v2_stubbed(monkeypatch, 16, 1, True, {}, variant="v5", fmt_name=fmt_name)
         assert launches.of("qmla_attn_v5")[0][0].defines["QMLA_V5_ROPE_FOLD"] == want, (fmt_name, value)
     monkeypatch.setenv("QUANTMLA_CUPY_V5_ROPE_FOLD", "2")
     with pytest.raises(ValueError, match="QUANTMLA_CUPY_V5_ROPE_FOLD"):
+        V5Knobs.from_env()
+
+
+def test_v5_quad_loads_knob(monkeypatch):
+    """QUANTMLA_CUPY_V5_QUAD_LOADS (``auto``: V5_QUAD_LOADS; ``0``/``1`` force it) reaches the build as
+    QMLA_V5_QUAD_LOADS, only for 4-bit d_c 512 content with 64-channel groups and two workers; forcing it off takes
+    the RoPE fold's default with it."""
+    c2, c4 = qm.PackFormat.parse("C2R4"), qm.PackFormat.parse("C4R4")
+    assert V5_QUAD_LOADS and V5Knobs.from_env().quad_loads is None
+    assert v5_defines(c4)["QMLA_V5_QUAD_LOADS"] == 1 and v5_defines(c4, quad_loads=False)["QMLA_V5_QUAD_LOADS"] == 0
+    for fmt, kw in ((c2, {}), (qm.PackFormat.parse("C4R4", latent_dim=256, rope_dim=32), {}),
+                    (qm.PackFormat.parse("C4R4", group_size=128), {}), (c4, {"workers": 3})):
+        assert v5_defines(fmt, quad_loads=True, **kw)["QMLA_V5_QUAD_LOADS"] == 0, (fmt, kw)
+    for value, quad in (("auto", None), ("0", False), ("1", True)):
+        monkeypatch.setenv("QUANTMLA_CUPY_V5_QUAD_LOADS", value)
+        assert V5Knobs.from_env() == V5Knobs(True, quad_loads=quad)
+    for value, want in (("0", (0, 0)), ("1", (1, 1)), ("auto", (1, 1))):
+        monkeypatch.setenv("QUANTMLA_CUPY_V5_QUAD_LOADS", value)
+        launches, *_ = _run_v2_stubbed(monkeypatch, 16, 1, True, {}, variant="v5", fmt_name="C4R4")
+        d = launches.of("qmla_attn_v5")[0][0].defines
+        assert (d["QMLA_V5_QUAD_LOADS"], d["QMLA_V5_ROPE_FOLD"]) == want, value
+    monkeypatch.setenv("QUANTMLA_CUPY_V5_QUAD_LOADS", "yes")
+    with pytest.raises(ValueError, match="QUANTMLA_CUPY_V5_QUAD_LOADS"):
         V5Knobs.from_env()
 
 
@@ -456,14 +485,29 @@ def test_attention_v5_codes_shifted_match_reference(case, monkeypatch):
 @gpu
 @pytest.mark.parametrize("case", BIG[:3] + V5_CASES, ids=str)
 def test_attention_v5_rope_fold_flipped_match_reference(case, monkeypatch):
-    """Each format's other RoPE build (``QUANTMLA_CUPY_V5_ROPE_FOLD``; by default 2-bit content multiplies each
-    score's RoPE part by the token's scale once, 4-bit content dequantizes each RoPE value) computes the same
-    attention."""
+    """Each format's other RoPE build (``QUANTMLA_CUPY_V5_ROPE_FOLD``; by default 2-bit content and builds with quad
+    loads multiply each score's RoPE part by the token's scale once, others dequantize each RoPE value) computes the
+    same attention."""
     cap = torch.cuda.get_device_capability()
     if tuple(cap) != (9, 0):
         pytest.skip(f"v5 is an sm_90a kernel: this GPU is compute capability {cap[0]}.{cap[1]}")
     monkeypatch.setenv(VARIANT_ENV, "v5")
-    monkeypatch.setenv("QUANTMLA_CUPY_V5_ROPE_FOLD", "0" if case.fmt.content_bits in ROPE_FOLD_CONTENT_BITS else "1")
+    monkeypatch.setenv("QUANTMLA_CUPY_V5_ROPE_FOLD", "0" if v5_rope_fold(case.fmt, 2) else "1")
+    check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", [c for c in BIG[:3] + V5_CASES if v5_quad_loads(c.fmt, 2, True)], ids=str)
+def test_attention_v5_quad_loads_flipped_match_reference(case, monkeypatch):
+    """The other code-load build (``QUANTMLA_CUPY_V5_QUAD_LOADS``: a quad of lanes loads a token's 4-bit d_c 512 codes
+    together, each lane's share then spanning every scale group) computes the same attention, sink and local tokens
+    included (their bf16 rows follow the same channel order)."""
+    cap = torch.cuda.get_device_capability()
+    if tuple(cap) != (9, 0):
+        pytest.skip(f"v5 is an sm_90a kernel: this GPU is compute capability {cap[0]}.{cap[1]}")
+    monkeypatch.setenv(VARIANT_ENV, "v5")
+    monkeypatch.setenv("QUANTMLA_CUPY_V5_QUAD_LOADS", "0" if v5_quad_loads(case.fmt) else "1")
     check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
 
 

@@ -2,9 +2,10 @@
 checked without a GPU.
 
 v5 has no stage in shared memory: lane (g8, q4) of warp ww loads, for its tokens 16 ww + g8 and
-16 ww + g8 + 8 of a tile, content code bytes BL q4 .. BL q4 + BL - 1, RoPE code bytes RBL q4 .., and the
-zero points and scales of the groups its channels lie in, from the page the block table names for the
-warp's 16 tokens (one page id per warp). The model checks for every build the compile test checks that
+16 ww + g8 + 8 of a tile, its share of the content code bytes (BL q4 .. BL q4 + BL - 1, or with
+QMLA_V5_QUAD_LOADS the 16-byte runs 16 q4 + 64 v), RoPE code bytes RBL q4 .., and the zero points and scales
+of the groups its channels lie in (with quad loads all of the token's), from the page the block table names
+for the warp's 16 tokens (one page id per warp). The model checks for every build the compile test checks that
 the lanes of a worker load each byte of the tile's code rows once, from the page and slot that hold the
 token, and that the groups the kernel loads are the groups of the channels it dequantizes with them; the
 negative controls show that each check can fail.
@@ -17,7 +18,7 @@ import itertools
 import pytest
 
 import quantmla_core as qm
-from quantmla_core.backends.cupy.attention import attention_defines
+from quantmla_core.backends.cupy.attention import attention_defines, v5_quad_loads
 from test_cupy_v5 import V5_BUILDS
 
 T = 64  # tokens per tile (a worker's four warps, 16 tokens each)
@@ -26,13 +27,19 @@ T = 64  # tokens per tile (a worker's four warps, 16 tokens each)
 class Lanes:
     """The kernel's load constants for one build."""
 
-    def __init__(self, name: str, dc: int, dr: int, gs: int, page: int):
+    def __init__(self, name: str, dc: int, dr: int, gs: int, page: int, quad: bool = False):
         fmt = qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr, group_size=gs, page_size=page)
+        assert not quad or v5_quad_loads(fmt, 2, True), "quad loads serve 4-bit d_c 512 with 64-channel groups"
+        self.quad = quad
         d = attention_defines(fmt, "bfloat16")
         self.CB, self.RB, self.P, self.GC = d["QMLA_CB"], d["QMLA_RB"], d["QMLA_P"], d["QMLA_GC"]
         self.BL, self.RBL = self.CB // 4, self.RB // 4  # code bytes of one lane of a quad, per token
         self.KCH = 8 // d["QMLA_CBITS"]  # codes per byte (slices)
         self.NGL = self.BL // self.GC if self.BL >= self.GC else 1  # groups of a lane's share of a slice
+
+    def share_byte(self, i: int, q4: int) -> int:
+        """v5_share_byte: the byte of a content code row (of each slice) that byte i of lane q4's share is."""
+        return 16 * q4 + 64 * (i >> 4) + (i & 15) if self.quad else self.BL * q4 + i
 
     def group_loaded(self, c: int, q4: int, gl: int) -> int:
         """grp of v5_load_tile: the group whose zero point and scale land in cz/cs[tk][c][gl]."""
@@ -41,6 +48,11 @@ class Lanes:
     def group_used(self, bp: int) -> int:
         """gl of the QK loop: the loaded group that byte pair bp of a lane's share is dequantized with."""
         return 2 * bp // self.GC if self.BL >= self.GC else 0
+
+    def quad_group(self, c: int, ks: int) -> int:
+        """With quad loads, the token's group whose zero point and scale v5_quad_group picks for slice c at content
+        k-step ks (refreshed where ks % 8 == 0, with v = ks / 8)."""
+        return (self.CB // self.GC) * c + (ks - ks % 8) // 8
 
 
 def _lane_tokens(rows_per_warp: int = 16):
@@ -52,9 +64,13 @@ def _lane_tokens(rows_per_warp: int = 16):
 
 
 BUILD_IDS = {"ids": lambda v: "-".join(map(str, v))}
+#: every build, and with quad loads those that have them (a sixth tuple element True)
+LOAD_BUILDS = [b + (False,) for b in V5_BUILDS] + [
+    b + (True,) for b in V5_BUILDS
+    if v5_quad_loads(qm.PackFormat.parse(b[0], latent_dim=b[1], rope_dim=b[2], group_size=b[3], page_size=b[4]), 2, True)]
 
 
-@pytest.mark.parametrize("build", V5_BUILDS, **BUILD_IDS)
+@pytest.mark.parametrize("build", LOAD_BUILDS, **BUILD_IDS)
 def test_lanes_load_every_code_byte_of_a_tile_once(build):
     ln = Lanes(*build)
     content: dict[tuple[int, int], int] = {}
@@ -62,7 +78,7 @@ def test_lanes_load_every_code_byte_of_a_tile_once(build):
     for _ww, lane, t in _lane_tokens():
         q4 = lane & 3
         for i in range(ln.BL):
-            key = (t, ln.BL * q4 + i)
+            key = (t, ln.share_byte(i, q4))
             content[key] = content.get(key, 0) + 1
         for i in range(ln.RBL):
             key = (t, ln.RBL * q4 + i)
@@ -93,16 +109,29 @@ def test_a_warps_tokens_lie_on_its_page(build):
         assert _warp_page_misses(ln, 32) > 0
 
 
-@pytest.mark.parametrize("build", V5_BUILDS, **BUILD_IDS)
+@pytest.mark.parametrize("build", LOAD_BUILDS, **BUILD_IDS)
 def test_loaded_groups_are_the_groups_of_the_dequantized_channels(build):
     """Byte j of a content code row holds channel j + CB c in slice c; byte pair bp of lane q4's share
-    is bytes BL q4 + 2 bp (+ 1)."""
+    is bytes share_byte(2 bp (+ 1), q4) (BL q4 + 2 bp (+ 1) without quad loads), dequantized at k-step
+    SPC bp + sp with the group the kernel loaded for it (with quad loads, the one v5_quad_group picked)."""
     ln = Lanes(*build)
+    spc = ln.KCH // 2
     for q4, c, bp, e in itertools.product(range(4), range(ln.KCH), range(ln.BL // 2), range(2)):
-        channel = ln.CB * c + ln.BL * q4 + 2 * bp + e
-        gl = ln.group_used(bp)
-        assert gl < ln.NGL
-        assert ln.group_loaded(c, q4, gl) == channel // ln.GC, (q4, c, bp, e)
+        channel = ln.CB * c + ln.share_byte(2 * bp + e, q4)
+        if ln.quad:
+            assert ln.quad_group(c, spc * bp + c // 2) == channel // ln.GC, (q4, c, bp, e)
+        else:
+            gl = ln.group_used(bp)
+            assert gl < ln.NGL
+            assert ln.group_loaded(c, q4, gl) == channel // ln.GC, (q4, c, bp, e)
+
+
+def test_quad_groups_need_the_quad_share():
+    """Negative control: the groups v5_quad_group picks do not fit lanes that load their own BL contiguous bytes."""
+    ln, plain = Lanes("C4R4", 512, 64, 64, 64, True), Lanes("C4R4", 512, 64, 64, 64)
+    wrong = sum(ln.quad_group(c, bp) != (ln.CB * c + plain.share_byte(2 * bp, q4)) // ln.GC
+                for q4, c, bp in itertools.product(range(4), range(2), range(32)))
+    assert wrong > 0
 
 
 def test_a_wrong_group_index_is_caught():
@@ -129,7 +158,15 @@ def test_model_matches_kernel_source():
         "const int tq[2] = {16 * ww + g8, 16 * ww + g8 + 8};",
         "return qmla_table_page(tt + 16 * ww, bt_row, L, max_pages);",
         "const int n = tt + t_lane + 8 * tk, s = n % QMLA_P;",
-        "x = *(const uint4*)(page + QMLA_OFF_CC + s * CB + BL * q4 + 16 * v);",
+        "x = *(const uint4*)(page + QMLA_OFF_CC + s * CB + v5_share_byte(16 * v, q4));",
+        "return QUAD ? 16 * q4 + 64 * (i >> 4) + (i & 15) : BL * q4 + i;",
+        "if (ks % 8 == 0) {",
+        "v5_quad_group(off2[r & 1][r >> 1][0], s2[r & 1][r >> 1][0], cur, r & 1, r >> 1, ks / 8);",
+        "const int g = (CB / QMLA_GC) * c + v;",
+        "off2 = __byte_perm(r.zw[tk][g >> 2], 0xc3u, 0x4040 | (g & 3) | ((g & 3) << 8));",
+        "s2 = __byte_perm(r.sw[tk][g >> 1], 0u, (g & 1) ? 0x3232 : 0x1010);",
+        "const uint2 z = ok ? *(const uint2*)(page + QMLA_OFF_CZ + s * NGC) : make_uint2(0u, 0u);",
+        "const uint4 sc = ok ? *(const uint4*)(page + QMLA_OFF_CS + s * NGC * 2) : make_uint4(0u, 0u, 0u, 0u);",
         "x = *(const uint2*)(page + QMLA_OFF_RC + s * RB + RBL * q4);",
         "const int grp = (CB * c + BL * q4) / QMLA_GC + gl;",
         "gl = (BL >= QMLA_GC) ? 2 * bp / QMLA_GC : 0;",
@@ -155,14 +192,15 @@ def qk_channel(ln: Lanes, DC: int, DR: int, lc: int) -> int:
     q, e, hi = (k & 7) >> 1, k & 1, k >> 3
     spc, ksc = ln.KCH // 2, DC // 16
     if ks < ksc:
-        return ln.CB * (2 * (ks % spc) + hi) + ln.BL * q + 2 * (ks // spc) + e
+        return ln.CB * (2 * (ks % spc) + hi) + ln.share_byte(2 * (ks // spc) + e, q)
     return DC + ln.RB * hi + ln.RBL * q + 2 * (ks - ksc) + e
 
 
-def protected_loads(ln: Lanes, DC: int, DR: int, kck: int, vec: bool, word_kstep=lambda w, sp, spc: spc * w + sp):
-    """{(kc, j, r): (token tk, element offset of the pair in the row)} for lane q4 = 0 (the other lanes add
-    BL q4 / RBL q4) and the loads as (tk, element offset, words): the kernel's expressions (``word_kstep``: the
-    k-step of a chunk that word w of slice pair sp's load fills, for the negative control)."""
+def protected_loads(ln: Lanes, DC: int, DR: int, kck: int, vec: bool, word_kstep=lambda w, sp, spc: spc * w + sp,
+                    q4: int = 0):
+    """{(kc, j, r): (token tk, element offset of the pair in the row)} for lane q4 and the loads as (tk, element
+    offset, words): the kernel's expressions (``word_kstep``: the k-step of a chunk that word w of slice pair sp's
+    load fills, for the negative control)."""
     spc, ksc, ksteps = ln.KCH // 2, DC // 16, (DC + DR) // 16
     regs, loads = {}, []
     for kc in range(-(-ksteps // kck)):
@@ -172,9 +210,9 @@ def protected_loads(ln: Lanes, DC: int, DR: int, kck: int, vec: bool, word_kstep
                 for j in range(kck):
                     ks = kck * kc + j
                     if ks < ksc:
-                        off = ln.CB * (2 * (ks % spc) + kh) + 2 * (ks // spc)
+                        off = ln.CB * (2 * (ks % spc) + kh) + ln.share_byte(2 * (ks // spc), q4)
                     elif ks < ksteps:
-                        off = DC + ln.RB * kh + 2 * (ks - ksc)
+                        off = DC + ln.RB * kh + ln.RBL * q4 + 2 * (ks - ksc)
                     else:
                         continue
                     loads.append((tk, off, 1))
@@ -182,13 +220,13 @@ def protected_loads(ln: Lanes, DC: int, DR: int, kck: int, vec: bool, word_kstep
             elif kck * kc < ksc:
                 w_n = kck // spc
                 for sp in range(spc):
-                    base = ln.CB * (2 * sp + kh) + 2 * (kck * kc // spc)
+                    base = ln.CB * (2 * sp + kh) + ln.share_byte(2 * (kck * kc // spc), q4)
                     loads.append((tk, base, w_n))
                     for w in range(w_n):
                         regs[(kc, word_kstep(w, sp, spc), r)] = (tk, base + 2 * w)
             elif kck * kc < ksteps:
                 w_n = min(kck, DR // 16)
-                base = DC + ln.RB * kh + 2 * (kck * kc - ksc)
+                base = DC + ln.RB * kh + ln.RBL * q4 + 2 * (kck * kc - ksc)
                 loads.append((tk, base, w_n))
                 for w in range(w_n):
                     regs[(kc, w, r)] = (tk, base + 2 * w)
@@ -197,34 +235,35 @@ def protected_loads(ln: Lanes, DC: int, DR: int, kck: int, vec: bool, word_kstep
 
 @pytest.mark.parametrize("vec", [False, True], ids=["pairs", "vec"])
 @pytest.mark.parametrize("workers", [2, 3])
-@pytest.mark.parametrize("build", V5_BUILDS, **BUILD_IDS)
+@pytest.mark.parametrize("build", LOAD_BUILDS, **BUILD_IDS)
 def test_protected_loads_fill_the_fragments_qk_reads(build, workers, vec):
-    """Every A-fragment register of every k-step gets the pair v5_qk_channel names (lane q4 = 0; the lane
-    offsets BL q4 and RBL q4 are the kernel's row pointers), and with vec every load is aligned to its size
-    (rows 2 (d_c + d_r) bytes apart, lane offsets 2 BL q4 / 2 RBL q4 bytes)."""
+    """Every A-fragment register of every k-step of every lane q4 gets the pair v5_qk_channel names, and with vec
+    every load is aligned to its size (rows 2 (d_c + d_r) bytes apart)."""
     name, dc, dr = build[:3]
     ln = Lanes(*build)
+    if ln.quad and workers == 3:
+        pytest.skip("three workers never load a quad at a time (v5_quad_loads)")
     kck = 2 if workers == 3 else 4  # QMLA_V5_KCHUNK
-    regs, loads = protected_loads(ln, dc, dr, kck, vec)
-    assert regs == _fragments_qk_reads(ln, dc, dr, kck)
-    spc = ln.KCH // 2
-    content_loads = dc // 16 // kck * 4 * spc if vec else dc // 16 * 4
-    rope_loads = -(-(dr // 16) // kck) * 4 if vec else dr // 16 * 4
-    assert len(loads) == content_loads + rope_loads
-    if vec:
-        for tk, off, words in loads:
-            lane_off = 2 * (ln.RBL if off >= dc else ln.BL)  # bytes between lanes q4 and q4 + 1
+    for q4 in range(4):
+        regs, loads = protected_loads(ln, dc, dr, kck, vec, q4=q4)
+        assert regs == _fragments_qk_reads(ln, dc, dr, kck, q4)
+        spc = ln.KCH // 2
+        content_loads = dc // 16 // kck * 4 * spc if vec else dc // 16 * 4
+        rope_loads = -(-(dr // 16) // kck) * 4 if vec else dr // 16 * 4
+        assert len(loads) == content_loads + rope_loads
+        if vec:
             row_bytes = 2 * (dc + dr)
-            assert words in (1, 2, 4) and all(x % (4 * words) == 0 for x in (2 * off, lane_off, row_bytes)), (off, words)
+            for tk, off, words in loads:
+                assert words in (1, 2, 4) and all(x % (4 * words) == 0 for x in (2 * off, row_bytes)), (off, words)
 
 
-def _fragments_qk_reads(ln: Lanes, dc: int, dr: int, kck: int) -> dict:
-    """{(kc, j, r): (tk, physical channel)}: a[j][tk + 2 kh] of chunk kc holds QK channels 16 ks + 8 kh (+ 1)."""
+def _fragments_qk_reads(ln: Lanes, dc: int, dr: int, kck: int, q4: int = 0) -> dict:
+    """{(kc, j, r): (tk, physical channel)}: a[j][tk + 2 kh] of chunk kc holds QK channels 16 ks + 8 kh + 2 q4 (+ 1)."""
     want = {}
     for ks in range((dc + dr) // 16):
         for r in range(4):
             tk, kh = r & 1, r >> 1
-            want[(ks // kck, ks % kck, r)] = (tk, qk_channel(ln, dc, dr, 16 * ks + 8 * kh))
+            want[(ks // kck, ks % kck, r)] = (tk, qk_channel(ln, dc, dr, 16 * ks + 8 * kh + 2 * q4))
     return want
 
 
@@ -243,12 +282,12 @@ def test_protected_load_model_matches_kernel_source():
 
     src = " ".join((KERNEL_DIR / "attention_v5.cu").read_text().split())
     for expr in (
-        "crow[tk] = row + BL * q4;",
+        "crow[tk] = row;",
         "rrow[tk] = row + DC + RBL * q4;",
-        "a[jj][r] = __ldg((const u32*)(crow[tk] + CB * (2 * (ks % SPC) + kh) + 2 * (ks / SPC)));",
+        "a[jj][r] = __ldg((const u32*)(crow[tk] + CB * (2 * (ks % SPC) + kh) + v5_share_byte(2 * (ks / SPC), q4)));",
         "a[jj][r] = __ldg((const u32*)(rrow[tk] + RB * kh + 2 * (ks - KSC)));",
         "constexpr int W = KCK / SPC;",
-        "v5_load_words<W>(v, crow[tk] + CB * (2 * sp + kh) + 2 * (KCK * kc / SPC));",
+        "v5_load_words<W>(v, crow[tk] + CB * (2 * sp + kh) + v5_share_byte(2 * (KCK * kc / SPC), q4));",
         "for (int w = 0; w < W; ++w) a[SPC * w + sp][r] = v[w];",
         "constexpr int W = (KCK < DR / 16) ? KCK : DR / 16;",
         "v5_load_words<W>(v, rrow[tk] + RB * kh + 2 * (KCK * kc - KSC));",

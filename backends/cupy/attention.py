@@ -190,8 +190,17 @@ CODES_IN_PLACE = True
 #: C2R4). H200, H16, CUDA graphs, stop 29 (1 / 0 / 1 in one process): C2R4 B32 L32K 177.7 / 188.4 / 177.9 us, B128 L32K
 #: 652.5 / 676.7 / 652.7, B32 L128K 647.0 / 670.0 / 646.8, B128 L128K 2,530.7 / 2,605.1 / 2,529.3; C4R4 B32 L32K
 #: 1.5 % slower with it (186.1-187.4 against 183.5-184.6 in two calls), B128 L32K the same (697-699), so 4-bit
-#: content does not take it.
+#: content takes it only with the quad loads (:func:`v5_rope_fold`).
 ROPE_FOLD_CONTENT_BITS = (2,)
+
+#: whether v5 lets the four lanes of a quad load a token's 4-bit d_c 512 content codes together (64 contiguous bytes a
+#: load, one 128-byte line a token and load instead of two) where the build can (``QMLA_V5_QUAD_LOADS``:
+#: :func:`v5_quad_loads`; ``QUANTMLA_CUPY_V5_QUAD_LOADS`` forces it on or off). H200, H16 C4R4, CUDA graphs, stop 32
+#: (0 / 1 / 1 with the RoPE fold, twice in one process): B32 L32K 187.2 / 177.8 / 171.3 us and 186.2 / 178.0 / 171.7,
+#: B128 L32K 717.2 / 682.7 / 666.4 and 711.4 / 700.0 / 665.4, B32 L128K 696.2 / 682.0 / 652.6 and 706.0 / 689.5 /
+#: 663.2; ncu at B32 L32K: L1/TEX throughput 85.1 -> 77.4 %, issued warps per scheduler 0.52 -> 0.56. With the quad
+#: loads C4R4 is no longer held by L1, and the RoPE fold's 72 fewer instructions pay as they do for C2R4.
+V5_QUAD_LOADS = True
 
 
 def smem_per_block(capability: tuple[int, int] | None) -> int:
@@ -440,7 +449,8 @@ def v5_smem_bytes(fmt: PackFormat, workers: int = V5_WORKERS) -> int:
 
 def v5_defines(fmt: PackFormat, lazy_rescale: bool = True, index64: bool = True,
                workers: int = V5_WORKERS, protected: bool = True, prot_vec: bool = True,
-               codes_in_place: bool = CODES_IN_PLACE, rope_fold: bool | None = None) -> dict[str, int]:
+               codes_in_place: bool = CODES_IN_PLACE, rope_fold: bool | None = None,
+               quad_loads: bool | None = None) -> dict[str, int]:
     """``-D`` defines of ``kernels/attention_v5.cu`` (bfloat16 queries; an sm_90a build,
     :data:`V4_WGMMA_ARCH`). ``index64``: int64 seq_lens / seq_ids (else int32); ``workers``: worker
     warpgroups per CTA; ``protected``: the sink/local tokens as the kernel's own tiles (else packed
@@ -448,25 +458,40 @@ def v5_defines(fmt: PackFormat, lazy_rescale: bool = True, index64: bool = True,
     16 bytes (``QMLA_V5_PROT_VEC``; else one 4-byte load per fragment register); ``codes_in_place``: 2-bit codes
     converted where they lie (``QMLA_CODES_IN_PLACE``, :data:`CODES_IN_PLACE`; 4-bit content ignores it);
     ``rope_fold``: the RoPE scale multiplies each score once instead of each RoPE value (``QMLA_V5_ROPE_FOLD``;
-    None: for the content bits in :data:`ROPE_FOLD_CONTENT_BITS`; two workers only: three have no registers for
-    the second accumulator)."""
+    None: :func:`v5_rope_fold`'s default; two workers only: three have no registers for the second accumulator);
+    ``quad_loads``: a quad's lanes load a token's content codes together (``QMLA_V5_QUAD_LOADS``,
+    :func:`v5_quad_loads`)."""
     if workers not in V5_WORKER_CHOICES:
         raise ValueError(f"workers: expected one of {V5_WORKER_CHOICES}, got {workers!r}")
     d = attention_defines(fmt, "bfloat16", index64)
     d.update(QMLA_V5_SMEM=v5_smem_bytes(fmt, workers), QMLA_V5_LAZY_RESCALE=int(lazy_rescale),
              QMLA_V5_WORKERS=workers, QMLA_V5_PROTECTED=int(protected), QMLA_V5_PROT_VEC=int(prot_vec),
              QMLA_CODES_IN_PLACE=int(codes_in_place and fmt.content_bits == 2),
-             QMLA_V5_ROPE_FOLD=int(v5_rope_fold(fmt, workers, rope_fold)))
+             QMLA_V5_ROPE_FOLD=int(v5_rope_fold(fmt, workers, rope_fold, quad_loads)),
+             QMLA_V5_QUAD_LOADS=int(v5_quad_loads(fmt, workers, quad_loads)))
     return d
 
 
-def v5_rope_fold(fmt: PackFormat, workers: int, rope_fold: bool | None = None) -> bool:
+def v5_quad_loads(fmt: PackFormat, workers: int = 2, quad_loads: bool | None = None) -> bool:
+    """Whether v5 with ``workers`` worker warpgroups loads ``fmt``'s content codes a quad of lanes at a time: only with
+    two (three, at 168 registers a thread, spilled 108 bytes with it, 12 without) and where a lane's share is 64 bytes a
+    token (4-bit codes, d_c 512) with 64-channel groups and bf16 scales; there ``quad_loads``, or by default
+    :data:`V5_QUAD_LOADS`."""
+    if workers != 2 or not (fmt.content_bits == 4 and fmt.latent_dim == 512 and fmt.group_size == 64 and fmt.content_scale_dtype == "bfloat16"):
+        return False
+    return V5_QUAD_LOADS if quad_loads is None else bool(quad_loads)
+
+
+def v5_rope_fold(fmt: PackFormat, workers: int, rope_fold: bool | None = None, quad_loads: bool | None = None) -> bool:
     """Whether v5 with ``workers`` worker warpgroups folds the RoPE scale into the scores for ``fmt``: never with
     three (no registers for the second accumulator); else ``rope_fold``, or by default for the content bits in
-    :data:`ROPE_FOLD_CONTENT_BITS`."""
+    :data:`ROPE_FOLD_CONTENT_BITS` and where the build loads its codes a quad at a time (``quad_loads``, as
+    :func:`v5_quad_loads` takes it)."""
     if workers != 2:
         return False
-    return fmt.content_bits in ROPE_FOLD_CONTENT_BITS if rope_fold is None else bool(rope_fold)
+    if rope_fold is not None:
+        return bool(rope_fold)
+    return fmt.content_bits in ROPE_FOLD_CONTENT_BITS or v5_quad_loads(fmt, workers, quad_loads)
 
 
 def v5_unsupported_reasons(fmt: PackFormat, capability: tuple[int, int] | None, dtype: str = "bfloat16",
@@ -999,11 +1024,12 @@ def v4_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
 
 def _v5_kernel(fmt: PackFormat, dev: int, lazy: bool, index64: bool, workers: int = V5_WORKERS,
                protected: bool = True, prot_vec: bool = True, codes_in_place: bool = CODES_IN_PLACE,
-               rope_fold: bool | None = None):
+               rope_fold: bool | None = None, quad_loads: bool | None = None):
     """Compiled ``qmla_attn_v5`` (cached, an sm_90a build) and its dynamic shared memory."""
-    return _split_kernel(("v5", fmt, dev, lazy, index64, workers, protected, prot_vec, codes_in_place, rope_fold), "v5",
-                         dev, v5_smem_bytes(fmt, workers),
-                         lambda: v5_defines(fmt, lazy, index64, workers, protected, prot_vec, codes_in_place, rope_fold),
+    return _split_kernel(("v5", fmt, dev, lazy, index64, workers, protected, prot_vec, codes_in_place, rope_fold,
+                          quad_loads), "v5", dev, v5_smem_bytes(fmt, workers),
+                         lambda: v5_defines(fmt, lazy, index64, workers, protected, prot_vec, codes_in_place, rope_fold,
+                                            quad_loads),
                          V4_WGMMA_ARCH)
 
 
@@ -1018,7 +1044,8 @@ class V5Knobs:
     codes_in_place (``QUANTMLA_CUPY_CODES_IN_PLACE``, 0/1, default :data:`CODES_IN_PLACE`): convert 2-bit codes where
     they lie in their byte; rope_fold (``QUANTMLA_CUPY_V5_ROPE_FOLD``, ``auto`` (default: None,
     :data:`ROPE_FOLD_CONTENT_BITS`), ``0`` or ``1``): scale each score's RoPE part once instead of dequantizing each RoPE
-    value) and v2's split floor."""
+    value; quad_loads (``QUANTMLA_CUPY_V5_QUAD_LOADS``, ``auto`` (default: None, :data:`V5_QUAD_LOADS`), ``0`` or ``1``):
+    a quad of lanes loads a token's content codes together) and v2's split floor."""
 
     lazy: bool = True
     min_tiles: int = V2_MIN_TILES_PER_SPLIT
@@ -1028,6 +1055,7 @@ class V5Knobs:
     prot_vec: bool = True
     codes_in_place: bool = CODES_IN_PLACE
     rope_fold: bool | None = None
+    quad_loads: bool | None = None
 
     @staticmethod
     def from_env() -> "V5Knobs":
@@ -1039,6 +1067,8 @@ class V5Knobs:
                        _env_choice("QUANTMLA_CUPY_V5_PROT_LOADS", "vec", ("vec", "pairs")) == "vec",
                        bool(_env_int("QUANTMLA_CUPY_CODES_IN_PLACE", int(CODES_IN_PLACE), (0, 1))),
                        {"auto": None, "0": False, "1": True}[_env_choice("QUANTMLA_CUPY_V5_ROPE_FOLD", "auto",
+                                                                         ("auto", "0", "1"))],
+                       {"auto": None, "0": False, "1": True}[_env_choice("QUANTMLA_CUPY_V5_QUAD_LOADS", "auto",
                                                                          ("auto", "0", "1"))])
 
 
@@ -1052,7 +1082,7 @@ def v5_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
     plan = _PLANS.get(key)
     if plan is None:
         attn, smem = _v5_kernel(fmt, dev, knobs.lazy, index64, knobs.workers, not knobs.separate, knobs.prot_vec,
-                                knobs.codes_in_place, knobs.rope_fold)
+                                knobs.codes_in_place, knobs.rope_fold, knobs.quad_loads)
         own = _own_protected_tiles(no_prot, knobs, sink, local, V5_TILE)
         plan = _packed_split_plan(key, attn, smem, knobs.workers * 128, V5_TILE, knobs.workers, fmt, dev, sm_count, batch,
                                   rows, max_pages, no_prot or not knobs.separate, knobs.min_tiles, sink, local, index64,

@@ -72,10 +72,10 @@
 // 1: the RoPE codes enter QK as (code - z), exact in bf16, in an accumulator of their own that the token's float32
 // scale multiplies once per score (8 FFMA a thread and tile); 0: each RoPE value dequantized to bf16 through float32
 // (two FMUL, two conversions and a pack per pair: ~80 instructions a warp and tile). The launcher's
-// QUANTMLA_CUPY_V5_ROPE_FOLD (attention.py's ROPE_FOLD_CONTENT_BITS: 2-bit content, 3-6 % faster on the H200; C4R4
-// 1.5 % slower at B32 L32K, stop 29), for two workers: with three, at 168 registers a thread, the second
-// accumulator spilled 100 bytes (12 without)
-#define QMLA_V5_ROPE_FOLD (NWG == 2 && CBITS == 2)
+// QUANTMLA_CUPY_V5_ROPE_FOLD (attention.py's v5_rope_fold: 2-bit content, 3-6 % faster on the H200; C4R4 1.5 % slower
+// at B32 L32K (stop 29) until its codes were loaded a quad at a time, then 3-4 % faster (stop 32)), for two workers:
+// with three, at 168 registers a thread, the second accumulator spilled 100 bytes (12 without)
+#define QMLA_V5_ROPE_FOLD (NWG == 2 && (CBITS == 2 || QMLA_V5_QUAD_LOADS))
 #endif
 #ifndef QMLA_V5_LAZY_RESCALE
 #define QMLA_V5_LAZY_RESCALE 1  // skip the output rescale while no column's maximum moves (bit-identical)
@@ -118,9 +118,10 @@ static_assert(QMLA_GR == DR, "one RoPE group per token");
 
 // ---------------------------------------------------------------- QK's operand order
 // QK takes the key tile from registers (the wgmma A operand): lane (g8, q4) of warp ww holds tokens
-// 16 ww + g8 (+ 8) and dequantizes the BL bytes BL q4 .. BL q4 + BL - 1 of their code rows (one
-// contiguous load per token). K-step ks of QK's channel order is byte pair bp = ks / SPC of that share
-// and slice pair sp = ks % SPC: k 2 q4 (+ 1) are slice 2 sp of bytes BL q4 + 2 bp (+ 1), k 2 q4 + 8 (+ 1)
+// 16 ww + g8 (+ 8) and dequantizes BL bytes of their code rows, its share: BL q4 .. BL q4 + BL - 1, or with
+// QMLA_V5_QUAD_LOADS the 16-byte runs 16 q4 + 64 v (v5_share_byte). K-step ks of QK's channel order is byte
+// pair bp = ks / SPC of that share and slice pair sp = ks % SPC: k 2 q4 (+ 1) are slice 2 sp of share bytes
+// 2 bp (+ 1), k 2 q4 + 8 (+ 1)
 // slice 2 sp + 1 (RoPE likewise, after the content). The queries are staged in that order.
 #define BL (CB / 4)           // content code bytes of one lane of a quad, per token
 #define RBL (RB / 4)          // RoPE code bytes ...
@@ -143,15 +144,31 @@ static_assert(QMLA_GR == DR, "one RoPE group per token");
 #define KCK QMLA_V5_KCHUNK
 #define NKC ((KSTEPS + KCK - 1) / KCK)  // QK chunks
 #define NGL ((BL >= QMLA_GC) ? BL / QMLA_GC : 1)  // scale groups of one lane's share of a slice
+#ifndef QMLA_V5_QUAD_LOADS
+// 1: the four lanes of a quad load a token's content code row together, 64 contiguous bytes a load (lane q4's v-th
+// 16 bytes at 16 q4 + 64 v), so a warp's load touches one 128-byte line a token; 0: each lane loads BL contiguous bytes
+// of its own (BL q4 ..), which at 256 code bytes a token (4-bit d_c 512) spreads a warp's load over two lines a
+// token. With 1 a lane's share holds every scale group of each slice, so it loads all of a token's zero points and
+// scales (one 8- and one 16-byte load) and picks a group's at the k-step where it starts
+#define QMLA_V5_QUAD_LOADS 0
+#endif
+#define QUAD QMLA_V5_QUAD_LOADS
+static_assert(!QUAD || (CBITS == 4 && BL == 64 && QMLA_GC == 64 && QMLA_CSCALE_BF16),
+              "QMLA_V5_QUAD_LOADS serves 4-bit d_c 512 with 64-channel groups and bf16 scales");
 static_assert(BL >= 16 && BL <= 64 && (DR == 32 || DR == 64), "d_c 256/512, d_r 32/64");
 static_assert(NWG == 2 || NWG == 3, "two or three worker warpgroups");
 static_assert((KCK == 2 || KCK == 4 || KCK == 8) && KSC % KCK == 0 && (4 * KCK) % (4 * SPC) == 0, "chunks of whole 8-channel stores");
 static_assert(BL % QMLA_GC == 0 || QMLA_GC % BL == 0, "a lane's share of a slice holds whole groups or lies in one");
 
+// byte of a content code row (of each slice) that byte i of lane q4's share is (QMLA_V5_QUAD_LOADS)
+__device__ __forceinline__ constexpr int v5_share_byte(int i, int q4) {
+    return QUAD ? 16 * q4 + 64 * (i >> 4) + (i & 15) : BL * q4 + i;
+}
+
 // physical channel ([d_c | d_r]) of QK's channel lc
 __device__ __forceinline__ int v5_qk_channel(int lc) {
     const int ks = lc >> 4, k = lc & 15, q = (k & 7) >> 1, e = k & 1, hi = k >> 3;
-    if (ks < KSC) return CB * (2 * (ks % SPC) + hi) + BL * q + 2 * (ks / SPC) + e;
+    if (ks < KSC) return CB * (2 * (ks % SPC) + hi) + v5_share_byte(2 * (ks / SPC) + e, q);
     return DC + RB * hi + RBL * q + 2 * (ks - KSC) + e;
 }
 
@@ -266,8 +283,13 @@ static_assert(RT * (DT / 2) % (NWG * NTH) == 0, "the query pairs split evenly ov
 struct V5Regs {
     u32 wc[2][BL / 4];         // content code bytes BL q4 .. of the lane's two tokens
     u32 wr[2][(RBL + 3) / 4];  // RoPE code bytes RBL q4 ..
+#if QUAD
+    u32 zw[2][NGC / 4];        // all the token's content zero points, a byte a group
+    u32 sw[2][NGC / 2];        // its bf16 content scales, two a word
+#else
     u32 cz[2][KCH][NGL];       // zero points of the groups of its content channels (slice c, group gl of the share)
     u32 cs[2][KCH][NGL];       // their scales (raw bits: bf16 or float)
+#endif
     u32 rz[2], rs[2];          // RoPE zero point and scale (raw bits)
 };
 
@@ -292,7 +314,7 @@ __device__ __forceinline__ void v5_load_tile(V5Regs& r, const u8* __restrict__ p
         const bool ok = page_ok && n < L;
 #pragma unroll
         for (int v = 0; v < BL / 16; ++v) {
-            const uint4 x = *(const uint4*)(page + QMLA_OFF_CC + s * CB + BL * q4 + 16 * v);
+            const uint4 x = *(const uint4*)(page + QMLA_OFF_CC + s * CB + v5_share_byte(16 * v, q4));
             r.wc[tk][4 * v] = x.x, r.wc[tk][4 * v + 1] = x.y, r.wc[tk][4 * v + 2] = x.z, r.wc[tk][4 * v + 3] = x.w;
         }
         if constexpr (RBL == 8) {
@@ -301,6 +323,12 @@ __device__ __forceinline__ void v5_load_tile(V5Regs& r, const u8* __restrict__ p
         } else {
             r.wr[tk][0] = *(const u32*)(page + QMLA_OFF_RC + s * RB + RBL * q4);
         }
+#if QUAD
+        const uint2 z = ok ? *(const uint2*)(page + QMLA_OFF_CZ + s * NGC) : make_uint2(0u, 0u);
+        const uint4 sc = ok ? *(const uint4*)(page + QMLA_OFF_CS + s * NGC * 2) : make_uint4(0u, 0u, 0u, 0u);
+        r.zw[tk][0] = z.x, r.zw[tk][1] = z.y;
+        r.sw[tk][0] = sc.x, r.sw[tk][1] = sc.y, r.sw[tk][2] = sc.z, r.sw[tk][3] = sc.w;
+#else
 #pragma unroll
         for (int c = 0; c < KCH; ++c) {
 #pragma unroll
@@ -314,6 +342,7 @@ __device__ __forceinline__ void v5_load_tile(V5Regs& r, const u8* __restrict__ p
 #endif
             }
         }
+#endif
         r.rz[tk] = ok ? (u32)page[QMLA_OFF_RZ + s] : 0u;
 #if QMLA_RSCALE_BF16
         r.rs[tk] = ok ? (u32)((const u16*)(page + QMLA_OFF_RS))[s] : 0u;
@@ -322,6 +351,15 @@ __device__ __forceinline__ void v5_load_tile(V5Regs& r, const u8* __restrict__ p
 #endif
     }
 }
+
+#if QUAD
+// bf16x2 -(128 + z) and bf16x2 s of slice c's group v of the lane's token tk (QMLA_V5_QUAD_LOADS)
+__device__ __forceinline__ void v5_quad_group(u32& off2, u32& s2, const V5Regs& r, int tk, int c, int v) {
+    const int g = (CB / QMLA_GC) * c + v;
+    off2 = __byte_perm(r.zw[tk][g >> 2], 0xc3u, 0x4040 | (g & 3) | ((g & 3) << 8));
+    s2 = __byte_perm(r.sw[tk][g >> 1], 0u, (g & 1) ? 0x3232 : 0x1010);
+}
+#endif
 
 extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
     const u16* __restrict__ q_lat, const u16* __restrict__ q_rope, const u8* __restrict__ pages,
@@ -610,6 +648,7 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
             float rs[2];
 #pragma unroll
             for (int tk = 0; tk < 2; ++tk) {
+#if !QUAD  // else each group's at the k-step where it starts (dequantize)
 #pragma unroll
                 for (int c = 0; c < KCH; ++c) {
 #pragma unroll
@@ -632,6 +671,7 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
 #endif
                     }
                 }
+#endif
                 roff2[tk] = 0xc300c300u | cur.rz[tk] | (cur.rz[tk] << 16);
 #if QMLA_RSCALE_BF16
                 rs[tk] = bf16_bits_to_f32((u16)cur.rs[tk]);
@@ -645,6 +685,14 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
                     const int ks = KCK * kc + j;
                     if (ks < KSC) {
                         const int bp = ks / SPC, sp = ks % SPC, gl = (BL >= QMLA_GC) ? 2 * bp / QMLA_GC : 0;
+#if QUAD
+                        if (ks % 8 == 0) {  // share bytes 2 ks .. are group ks / 8 of each slice
+#pragma unroll
+                            for (int r = 0; r < 4; ++r) {
+                                v5_quad_group(off2[r & 1][r >> 1][0], s2[r & 1][r >> 1][0], cur, r & 1, r >> 1, ks / 8);
+                            }
+                        }
+#endif
 #pragma unroll
                         for (int r = 0; r < 4; ++r) {  // a[j][tk + 2 hi]: token tk, slice 2 sp + hi
                             const int tk = r & 1, c = 2 * sp + (r >> 1);
@@ -699,7 +747,7 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
             const int lo = in_sink ? 0 : keep_hi, hi = in_sink ? keep_lo : L;
             int lm[2][2];
             const int lm_min = v5_column_limits(lm, hi, L, S_q, H, rbase, q4);
-            // the lane's content pairs (BL q4 .. of each slice) and RoPE pairs of its two tokens' rows; a token outside
+            // the lane's content pairs (its share of each slice, v5_share_byte) and RoPE pairs of its two tokens' rows; a token outside
             // [lo, hi) reads a row inside (finite values; its scores are masked)
             const u16* crow[2];
             const u16* rrow[2];
@@ -707,7 +755,7 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
             for (int tk = 0; tk < 2; ++tk) {
                 const int nc = min(max(t0 + tq[tk], lo), hi - 1);
                 const u16* row = in_sink ? sink_rows + (i64)nc * DT : local_rows + (i64)(nc % local) * DT;
-                crow[tk] = row + BL * q4;
+                crow[tk] = row;
                 rrow[tk] = row + DC + RBL * q4;
             }
 #if QMLA_V5_PROT_VEC
@@ -721,7 +769,7 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
 #pragma unroll
                         for (int sp = 0; sp < SPC; ++sp) {
                             u32 v[W];
-                            v5_load_words<W>(v, crow[tk] + CB * (2 * sp + kh) + 2 * (KCK * kc / SPC));
+                            v5_load_words<W>(v, crow[tk] + CB * (2 * sp + kh) + v5_share_byte(2 * (KCK * kc / SPC), q4));
 #pragma unroll
                             for (int w = 0; w < W; ++w) a[SPC * w + sp][r] = v[w];  // k-step KCK kc + SPC w + sp
                         }
@@ -747,7 +795,7 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
                     for (int r = 0; r < 4; ++r) {  // a[jj][tk + 2 kh]: QK channels 16 ks + 8 kh + 2 q4 (+ 1) (v5_qk_channel)
                         const int tk = r & 1, kh = r >> 1;
                         if (ks < KSC) {
-                            a[jj][r] = __ldg((const u32*)(crow[tk] + CB * (2 * (ks % SPC) + kh) + 2 * (ks / SPC)));
+                            a[jj][r] = __ldg((const u32*)(crow[tk] + CB * (2 * (ks % SPC) + kh) + v5_share_byte(2 * (ks / SPC), q4)));
                         } else if (ks < KSTEPS) {
                             a[jj][r] = __ldg((const u32*)(rrow[tk] + RB * kh + 2 * (ks - KSC)));
                         }
