@@ -31,6 +31,8 @@
 #       memcheck of the default (a source against another: srcab with SRCAB_KERNEL=attention_v5.cu)
 #   bash benchmarks/run_h200_kernels.sh quad     # v5's quad code loads (QUANTMLA_CUPY_V5_QUAD_LOADS): conformance of the
 #       flipped build, CUDA graphs of 0 against 1 twice over QUAD_SHAPES (C4R4, FlashInfer BF16 in the process), memcheck
+#   bash benchmarks/run_h200_kernels.sh packed   # v5's packed zero-point/scale loads (QUANTMLA_CUPY_V5_PACKED_GROUPS, 2-bit
+#       d_c 512): conformance, CUDA graphs of 0 against 1 twice over PACKED_SHAPES (C2R4), memcheck
 #   bash benchmarks/run_h200_kernels.sh v6pair   # v6 as two-CTA clusters sharing each key tile (QUANTMLA_CUPY_V6_PAIR):
 #       conformance of forced pairs, CUDA graphs of 0 against 1 over V6PAIR_SHAPES, memcheck of the pairs
 #   bash benchmarks/run_h200_kernels.sh v6fold   # v6's slack maximum and RoPE fold (QUANTMLA_CUPY_V6_SLACK / _ROPE_FOLD):
@@ -196,6 +198,18 @@ elif [ "$MODE" = quad ]; then
       > "$OUT/ncu_v5_$tag.txt" 2>&1
     grep -v "^==PROF==" "$OUT/ncu_v5_$tag.txt" | grep -E "Duration|L1/TEX Cache|Issue Slots|Issued Warp|Warp Cycles Per Issued|Shared|Global Load" | head -20
   done
+elif [ "$MODE" = packed ]; then
+  P0=QUANTMLA_CUPY_V5_PACKED_GROUPS=0; P1=QUANTMLA_CUPY_V5_PACKED_GROUPS=1
+  echo "=== v5 packed groups: conformance (the flipped build; C2R4 v5 tests with it)"; env $P1 timeout 200 $T \
+    tests/test_cupy_v5.py -k "packed_groups_flipped or (v5_matches_reference and C2R4)" 2>&1 | tail -3 \
+    | tee "$OUT/v5_packed_conformance.txt"
+  grep -q " passed" "$OUT/v5_packed_conformance.txt" && ! grep -q "failed\|error" "$OUT/v5_packed_conformance.txt" || exit 1
+  echo "=== 0 against 1, twice (CUDA graphs)"; timeout 300 python3 -P benchmarks/graph_probe.py --backends cupy \
+    --settings "${PACKED_SETTINGS:-$P0;$P1;$P0;$P1}" --formats C2R4 \
+    --shapes ${PACKED_SHAPES:-16x32x4096,16x32x32768,16x128x32768,16x32x131072,16x128x131072} \
+    --json "$OUT/graph_v5_packed.json" 2>&1 | grep -v "^{" | tail -24
+  echo "=== memcheck (packed groups)"; env $P1 timeout 120 compute-sanitizer --tool memcheck $T tests/test_cupy_v5.py \
+    -k "v5_matches_reference and C2R4 and float32-2] and (L2000_4_150 or L300_17 or L5000_321)" 2>&1 | tail -2
 elif [ "$MODE" = v6pair ]; then
   echo "=== v6 pairs: one small case first (a hang or a failure stops here)"; timeout 120 $T tests/test_cupy_v6.py \
     -k "v6_pair_matches and L64_128_192" 2>&1 | tail -2 | tee "$OUT/v6_pair_first.txt"

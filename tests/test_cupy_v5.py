@@ -18,6 +18,7 @@ import torch
 from conformance import Case, check_attention_case
 from quantmla_core.backends.cupy.attention import (
     ROPE_FOLD_CONTENT_BITS,
+    V5_PACKED_GROUPS,
     V5_QUAD_LOADS,
     V3_MIN_TOKENS,
     V4_MIN_ROWS,
@@ -508,6 +509,21 @@ def test_attention_v5_quad_loads_flipped_match_reference(case, monkeypatch):
         pytest.skip(f"v5 is an sm_90a kernel: this GPU is compute capability {cap[0]}.{cap[1]}")
     monkeypatch.setenv(VARIANT_ENV, "v5")
     monkeypatch.setenv("QUANTMLA_CUPY_V5_QUAD_LOADS", "0" if v5_quad_loads(case.fmt) else "1")
+    check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", [c for c in BIG[:3] + V5_CASES if v5_defines(c.fmt, packed_groups=True)
+                                  ["QMLA_V5_PACKED_GROUPS"]], ids=str)
+def test_attention_v5_packed_groups_flipped_match_reference(case, monkeypatch):
+    """The other zero-point load build (``QUANTMLA_CUPY_V5_PACKED_GROUPS``: a token's 2-bit d_c 512 zero points and
+    scales in one load each, the lane's groups picked once a tile) computes the same attention."""
+    cap = torch.cuda.get_device_capability()
+    if tuple(cap) != (9, 0):
+        pytest.skip(f"v5 is an sm_90a kernel: this GPU is compute capability {cap[0]}.{cap[1]}")
+    monkeypatch.setenv(VARIANT_ENV, "v5")
+    monkeypatch.setenv("QUANTMLA_CUPY_V5_PACKED_GROUPS", "0" if V5_PACKED_GROUPS else "1")
     check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
 
 

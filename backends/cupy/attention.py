@@ -202,6 +202,12 @@ ROPE_FOLD_CONTENT_BITS = (2,)
 #: loads C4R4 is no longer held by L1, and the RoPE fold's 72 fewer instructions pay as they do for C2R4.
 V5_QUAD_LOADS = True
 
+#: whether v5 loads a token's 2-bit d_c 512 content zero points and scales in one 8- and one 16-byte load and picks
+#: the lane's groups once a tile (``QMLA_V5_PACKED_GROUPS``; ``QUANTMLA_CUPY_V5_PACKED_GROUPS`` = 0/1 forces it): 8
+#: loads a token fewer; offline SASS of the packed tile loop, C2R4 d_c 512: 1,388 -> 1,310 instructions a warp and
+#: tile, 27 -> 15 LDG, 236 -> 228 registers
+V5_PACKED_GROUPS = False
+
 
 def smem_per_block(capability: tuple[int, int] | None) -> int:
     """Opt-in dynamic shared memory per block (bytes): 227 KB on sm_90 (and when the GPU is not
@@ -450,7 +456,7 @@ def v5_smem_bytes(fmt: PackFormat, workers: int = V5_WORKERS) -> int:
 def v5_defines(fmt: PackFormat, lazy_rescale: bool = True, index64: bool = True,
                workers: int = V5_WORKERS, protected: bool = True, prot_vec: bool = True,
                codes_in_place: bool = CODES_IN_PLACE, rope_fold: bool | None = None,
-               quad_loads: bool | None = None) -> dict[str, int]:
+               quad_loads: bool | None = None, packed_groups: bool = V5_PACKED_GROUPS) -> dict[str, int]:
     """``-D`` defines of ``kernels/attention_v5.cu`` (bfloat16 queries; an sm_90a build,
     :data:`V4_WGMMA_ARCH`). ``index64``: int64 seq_lens / seq_ids (else int32); ``workers``: worker
     warpgroups per CTA; ``protected``: the sink/local tokens as the kernel's own tiles (else packed
@@ -460,7 +466,9 @@ def v5_defines(fmt: PackFormat, lazy_rescale: bool = True, index64: bool = True,
     ``rope_fold``: the RoPE scale multiplies each score once instead of each RoPE value (``QMLA_V5_ROPE_FOLD``;
     None: :func:`v5_rope_fold`'s default; two workers only: three have no registers for the second accumulator);
     ``quad_loads``: a quad's lanes load a token's content codes together (``QMLA_V5_QUAD_LOADS``,
-    :func:`v5_quad_loads`)."""
+    :func:`v5_quad_loads`); ``packed_groups``: a 2-bit d_c 512 build with 64-channel groups loads a token's zero points
+    and scales at once (``QMLA_V5_PACKED_GROUPS``, :data:`V5_PACKED_GROUPS`; other formats and three workers, which
+    spilled 8 bytes with it, ignore it)."""
     if workers not in V5_WORKER_CHOICES:
         raise ValueError(f"workers: expected one of {V5_WORKER_CHOICES}, got {workers!r}")
     d = attention_defines(fmt, "bfloat16", index64)
@@ -468,7 +476,9 @@ def v5_defines(fmt: PackFormat, lazy_rescale: bool = True, index64: bool = True,
              QMLA_V5_WORKERS=workers, QMLA_V5_PROTECTED=int(protected), QMLA_V5_PROT_VEC=int(prot_vec),
              QMLA_CODES_IN_PLACE=int(codes_in_place and fmt.content_bits == 2),
              QMLA_V5_ROPE_FOLD=int(v5_rope_fold(fmt, workers, rope_fold, quad_loads)),
-             QMLA_V5_QUAD_LOADS=int(v5_quad_loads(fmt, workers, quad_loads)))
+             QMLA_V5_QUAD_LOADS=int(v5_quad_loads(fmt, workers, quad_loads)),
+             QMLA_V5_PACKED_GROUPS=int(packed_groups and workers == 2 and fmt.content_bits == 2
+                                       and fmt.latent_dim == 512 and fmt.group_size == 64))
     return d
 
 
@@ -1024,12 +1034,13 @@ def v4_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
 
 def _v5_kernel(fmt: PackFormat, dev: int, lazy: bool, index64: bool, workers: int = V5_WORKERS,
                protected: bool = True, prot_vec: bool = True, codes_in_place: bool = CODES_IN_PLACE,
-               rope_fold: bool | None = None, quad_loads: bool | None = None):
+               rope_fold: bool | None = None, quad_loads: bool | None = None,
+               packed_groups: bool = V5_PACKED_GROUPS):
     """Compiled ``qmla_attn_v5`` (cached, an sm_90a build) and its dynamic shared memory."""
     return _split_kernel(("v5", fmt, dev, lazy, index64, workers, protected, prot_vec, codes_in_place, rope_fold,
-                          quad_loads), "v5", dev, v5_smem_bytes(fmt, workers),
+                          quad_loads, packed_groups), "v5", dev, v5_smem_bytes(fmt, workers),
                          lambda: v5_defines(fmt, lazy, index64, workers, protected, prot_vec, codes_in_place, rope_fold,
-                                            quad_loads),
+                                            quad_loads, packed_groups),
                          V4_WGMMA_ARCH)
 
 
@@ -1045,7 +1056,9 @@ class V5Knobs:
     they lie in their byte; rope_fold (``QUANTMLA_CUPY_V5_ROPE_FOLD``, ``auto`` (default: None,
     :data:`ROPE_FOLD_CONTENT_BITS`), ``0`` or ``1``): scale each score's RoPE part once instead of dequantizing each RoPE
     value; quad_loads (``QUANTMLA_CUPY_V5_QUAD_LOADS``, ``auto`` (default: None, :data:`V5_QUAD_LOADS`), ``0`` or ``1``):
-    a quad of lanes loads a token's content codes together) and v2's split floor."""
+    a quad of lanes loads a token's content codes together; packed_groups (``QUANTMLA_CUPY_V5_PACKED_GROUPS``, 0/1,
+    default :data:`V5_PACKED_GROUPS`): a token's 2-bit content zero points and scales in one load each) and v2's split
+    floor."""
 
     lazy: bool = True
     min_tiles: int = V2_MIN_TILES_PER_SPLIT
@@ -1056,6 +1069,7 @@ class V5Knobs:
     codes_in_place: bool = CODES_IN_PLACE
     rope_fold: bool | None = None
     quad_loads: bool | None = None
+    packed_groups: bool = V5_PACKED_GROUPS
 
     @staticmethod
     def from_env() -> "V5Knobs":
@@ -1069,7 +1083,8 @@ class V5Knobs:
                        {"auto": None, "0": False, "1": True}[_env_choice("QUANTMLA_CUPY_V5_ROPE_FOLD", "auto",
                                                                          ("auto", "0", "1"))],
                        {"auto": None, "0": False, "1": True}[_env_choice("QUANTMLA_CUPY_V5_QUAD_LOADS", "auto",
-                                                                         ("auto", "0", "1"))])
+                                                                         ("auto", "0", "1"))],
+                       bool(_env_int("QUANTMLA_CUPY_V5_PACKED_GROUPS", int(V5_PACKED_GROUPS), (0, 1))))
 
 
 def v5_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool,
@@ -1082,7 +1097,7 @@ def v5_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
     plan = _PLANS.get(key)
     if plan is None:
         attn, smem = _v5_kernel(fmt, dev, knobs.lazy, index64, knobs.workers, not knobs.separate, knobs.prot_vec,
-                                knobs.codes_in_place, knobs.rope_fold, knobs.quad_loads)
+                                knobs.codes_in_place, knobs.rope_fold, knobs.quad_loads, knobs.packed_groups)
         own = _own_protected_tiles(no_prot, knobs, sink, local, V5_TILE)
         plan = _packed_split_plan(key, attn, smem, knobs.workers * 128, V5_TILE, knobs.workers, fmt, dev, sm_count, batch,
                                   rows, max_pages, no_prot or not knobs.separate, knobs.min_tiles, sink, local, index64,

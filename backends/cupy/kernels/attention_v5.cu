@@ -155,6 +155,15 @@ static_assert(QMLA_GR == DR, "one RoPE group per token");
 #define QUAD QMLA_V5_QUAD_LOADS
 static_assert(!QUAD || (CBITS == 4 && BL == 64 && QMLA_GC == 64 && QMLA_CSCALE_BF16),
               "QMLA_V5_QUAD_LOADS serves 4-bit d_c 512 with 64-channel groups and bf16 scales");
+#ifndef QMLA_V5_PACKED_GROUPS
+// 1: a lane loads all of a token's content zero points and scales (one 8- and one 16-byte load) and picks its groups'
+// once a tile, instead of one load per slice and group (2-bit d_c 512: 8 loads a token, each touching a line for
+// each of a warp's 8 tokens); the quad loads always do
+#define QMLA_V5_PACKED_GROUPS 0
+#endif
+#define PACKED (QUAD || QMLA_V5_PACKED_GROUPS)
+static_assert(!QMLA_V5_PACKED_GROUPS || QUAD || (CBITS == 2 && BL == 32 && QMLA_GC == 64 && QMLA_CSCALE_BF16),
+              "QMLA_V5_PACKED_GROUPS serves 2-bit d_c 512 with 64-channel groups and bf16 scales");
 static_assert(BL >= 16 && BL <= 64 && (DR == 32 || DR == 64), "d_c 256/512, d_r 32/64");
 static_assert(NWG == 2 || NWG == 3, "two or three worker warpgroups");
 static_assert((KCK == 2 || KCK == 4 || KCK == 8) && KSC % KCK == 0 && (4 * KCK) % (4 * SPC) == 0, "chunks of whole 8-channel stores");
@@ -283,7 +292,7 @@ static_assert(RT * (DT / 2) % (NWG * NTH) == 0, "the query pairs split evenly ov
 struct V5Regs {
     u32 wc[2][BL / 4];         // content code bytes BL q4 .. of the lane's two tokens
     u32 wr[2][(RBL + 3) / 4];  // RoPE code bytes RBL q4 ..
-#if QUAD
+#if PACKED
     u32 zw[2][NGC / 4];        // all the token's content zero points, a byte a group
     u32 sw[2][NGC / 2];        // its bf16 content scales, two a word
 #else
@@ -323,7 +332,7 @@ __device__ __forceinline__ void v5_load_tile(V5Regs& r, const u8* __restrict__ p
         } else {
             r.wr[tk][0] = *(const u32*)(page + QMLA_OFF_RC + s * RB + RBL * q4);
         }
-#if QUAD
+#if PACKED
         const uint2 z = ok ? *(const uint2*)(page + QMLA_OFF_CZ + s * NGC) : make_uint2(0u, 0u);
         const uint4 sc = ok ? *(const uint4*)(page + QMLA_OFF_CS + s * NGC * 2) : make_uint4(0u, 0u, 0u, 0u);
         r.zw[tk][0] = z.x, r.zw[tk][1] = z.y;
@@ -653,20 +662,25 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
                 for (int c = 0; c < KCH; ++c) {
 #pragma unroll
                     for (int gl = 0; gl < NGL; ++gl) {
-                        const u32 z = cur.cz[tk][c][gl];
+#if PACKED  // 2-bit d_c 512: the lane's group of slice c is 2 c + q4 / 2 (one a slice)
+                        const u32 z = __byte_perm(cur.zw[tk][c >> 1], 0u, 0x4440 | (2 * (c & 1) + (q4 >> 1)));
+                        const u32 cs = __byte_perm(cur.sw[tk][c], 0u, (q4 & 2) ? 0x4432 : 0x4410);
+#else
+                        const u32 z = cur.cz[tk][c][gl], cs = cur.cs[tk][c][gl];
+#endif
 #if QMLA_CODES_IN_PLACE
                         off2[tk][c][gl] = qmla_off2_in_place(z, c);
 #if QMLA_CSCALE_BF16
-                        s2[tk][c][gl] = qmla_s2_in_place(cur.cs[tk][c][gl] | (cur.cs[tk][c][gl] << 16), c);
+                        s2[tk][c][gl] = qmla_s2_in_place(cs | (cs << 16), c);
 #else
-                        s2[tk][c][gl] = __uint_as_float(cur.cs[tk][c][gl]) * (1.0f / (float)(1 << qmla_code_pos(c)));
+                        s2[tk][c][gl] = __uint_as_float(cs) * (1.0f / (float)(1 << qmla_code_pos(c)));
 #endif
 #else
                         off2[tk][c][gl] = 0xc300c300u | z | (z << 16);
 #if QMLA_CSCALE_BF16
-                        s2[tk][c][gl] = cur.cs[tk][c][gl] | (cur.cs[tk][c][gl] << 16);
+                        s2[tk][c][gl] = cs | (cs << 16);
 #else
-                        s2[tk][c][gl] = __uint_as_float(cur.cs[tk][c][gl]);
+                        s2[tk][c][gl] = __uint_as_float(cs);
 #endif
 #endif
                     }
