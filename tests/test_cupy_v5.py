@@ -108,6 +108,20 @@ def test_v5_compiles_without_spills(build):
     assert "C7515" not in text and "serialized" not in text, text  # ptxas: "wgmma ... serialized"
 
 
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
+@pytest.mark.parametrize("name, knobs", [("C4R4", {"quad_loads": False}), ("C4R4", {"quad_loads": True, "rope_fold": False}),
+                                         ("C2R4", {"packed_groups": False})], ids=str)
+def test_v5_load_knob_builds_compile(name, knobs):
+    """The builds the load knobs force away from the default (at d_c 512: 4-bit without quad loads, and with them but
+    without the fold; 2-bit without packed zero points) compile without spills and differ from the default build."""
+    fmt = qm.PackFormat.parse(name)
+    rc, text, ptx = compile_cubin_and_ptx("attention_v5.cu", V4_WGMMA_ARCH, v5_defines(fmt, **knobs))
+    assert rc == 0, text[-4000:]
+    use = ptxas_usage(text)
+    assert use["spill_stores"] == 0 and use["spill_loads"] == 0 and use["stack"] == 0, f"v5 {name} {knobs}: {use}"
+    assert ptx != _compiled_v5()[(name, 512, 64, 64, 64)][2]
+
+
 def _compile_v5_three(v: tuple) -> tuple[int, str, str]:
     name, dc, dr, gs, page = v
     fmt = qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr, group_size=gs, page_size=page)
@@ -429,6 +443,25 @@ def test_v5_rope_fold_knob(monkeypatch):
         assert launches.of("qmla_attn_v5")[0][0].defines["QMLA_V5_ROPE_FOLD"] == want, (fmt_name, value)
     monkeypatch.setenv("QUANTMLA_CUPY_V5_ROPE_FOLD", "2")
     with pytest.raises(ValueError, match="QUANTMLA_CUPY_V5_ROPE_FOLD"):
+        V5Knobs.from_env()
+
+
+def test_v5_packed_groups_knob(monkeypatch):
+    """QUANTMLA_CUPY_V5_PACKED_GROUPS (0/1, default V5_PACKED_GROUPS) reaches the build as QMLA_V5_PACKED_GROUPS, only
+    for 2-bit d_c 512 content with 64-channel groups and two workers."""
+    c2 = qm.PackFormat.parse("C2R4")
+    assert V5_PACKED_GROUPS and V5Knobs.from_env().packed_groups
+    assert v5_defines(c2)["QMLA_V5_PACKED_GROUPS"] == 1 and v5_defines(c2, packed_groups=False)["QMLA_V5_PACKED_GROUPS"] == 0
+    for fmt, kw in ((qm.PackFormat.parse("C4R4"), {}), (qm.PackFormat.parse("C2R4", latent_dim=256, rope_dim=32), {}),
+                    (qm.PackFormat.parse("C2R4", group_size=128), {}), (c2, {"workers": 3})):
+        assert v5_defines(fmt, packed_groups=True, **kw)["QMLA_V5_PACKED_GROUPS"] == 0, (fmt, kw)
+    for value, want in (("0", 0), ("1", 1)):
+        monkeypatch.setenv("QUANTMLA_CUPY_V5_PACKED_GROUPS", value)
+        assert V5Knobs.from_env() == V5Knobs(True, packed_groups=bool(want))
+        launches, *_ = _run_v2_stubbed(monkeypatch, 16, 1, True, {}, variant="v5", fmt_name="C2R4")
+        assert launches.of("qmla_attn_v5")[0][0].defines["QMLA_V5_PACKED_GROUPS"] == want, value
+    monkeypatch.setenv("QUANTMLA_CUPY_V5_PACKED_GROUPS", "2")
+    with pytest.raises(ValueError, match="QUANTMLA_CUPY_V5_PACKED_GROUPS"):
         V5Knobs.from_env()
 
 

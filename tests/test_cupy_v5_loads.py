@@ -146,6 +146,24 @@ def test_a_wrong_group_index_is_caught():
     assert wrong > 0
 
 
+def packed_group(c: int, q4: int, half=lambda q4: q4 >> 1) -> tuple[int, int]:
+    """QMLA_V5_PACKED_GROUPS (2-bit d_c 512, 64-channel groups): the token's groups whose zero point (byte
+    2 (c & 1) + q4 / 2 of word c >> 1 of the eight) and scale (half q4 / 2 of word c of the eight bf16) lane q4 picks
+    for slice c (``half``: the kernel's q4 / 2, replaced in the negative control)."""
+    return 4 * (c >> 1) + 2 * (c & 1) + half(q4), 2 * c + half(q4)
+
+
+def test_packed_groups_are_the_lanes_groups():
+    """With packed zero points and scales, the picked group of each slice is the group the lane's share lies in, for
+    both the zero point and the scale; taking q4 & 1 for q4 / 2 would not be."""
+    ln = Lanes("C2R4", 512, 64, 64, 64)
+    assert ln.NGL == 1
+    for c, q4 in itertools.product(range(ln.KCH), range(4)):
+        assert packed_group(c, q4) == (ln.group_loaded(c, q4, 0),) * 2, (c, q4)
+    assert any(packed_group(c, q4, lambda q: q & 1) != (ln.group_loaded(c, q4, 0),) * 2
+               for c, q4 in itertools.product(range(ln.KCH), range(4)))
+
+
 def test_model_matches_kernel_source():
     """Pin the expressions this model encodes to the kernel text."""
     from quantmla_core.backends.cupy import KERNEL_DIR
@@ -167,6 +185,9 @@ def test_model_matches_kernel_source():
         "s2 = __byte_perm(r.sw[tk][g >> 1], 0u, (g & 1) ? 0x3232 : 0x1010);",
         "const uint2 z = ok ? *(const uint2*)(page + QMLA_OFF_CZ + s * NGC) : make_uint2(0u, 0u);",
         "const uint4 sc = ok ? *(const uint4*)(page + QMLA_OFF_CS + s * NGC * 2) : make_uint4(0u, 0u, 0u, 0u);",
+        "const u32 z = __byte_perm(cur.zw[tk][c >> 1], 0u, 0x4440 | (2 * (c & 1) + (q4 >> 1)));",
+        "const u32 cs = __byte_perm(cur.sw[tk][c], 0u, (q4 & 2) ? 0x4432 : 0x4410);",
+        "#define PACKED (QUAD || QMLA_V5_PACKED_GROUPS)",
         "x = *(const uint2*)(page + QMLA_OFF_RC + s * RB + RBL * q4);",
         "const int grp = (CB * c + BL * q4) / QMLA_GC + gl;",
         "gl = (BL >= QMLA_GC) ? 2 * bp / QMLA_GC : 0;",

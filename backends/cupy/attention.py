@@ -203,10 +203,12 @@ ROPE_FOLD_CONTENT_BITS = (2,)
 V5_QUAD_LOADS = True
 
 #: whether v5 loads a token's 2-bit d_c 512 content zero points and scales in one 8- and one 16-byte load and picks
-#: the lane's groups once a tile (``QMLA_V5_PACKED_GROUPS``; ``QUANTMLA_CUPY_V5_PACKED_GROUPS`` = 0/1 forces it): 8
+#: the lane's groups once a tile (``QMLA_V5_PACKED_GROUPS``; ``QUANTMLA_CUPY_V5_PACKED_GROUPS`` = 0/1 forces it): 6
 #: loads a token fewer; offline SASS of the packed tile loop, C2R4 d_c 512: 1,388 -> 1,310 instructions a warp and
-#: tile, 27 -> 15 LDG, 236 -> 228 registers
-V5_PACKED_GROUPS = False
+#: tile, 27 -> 15 LDG, 236 -> 228 registers. H200, H16 C2R4, CUDA graphs, stop 32 (0 / 1 twice in one process): B32
+#: L32K 178.3 / 169.7 and 177.5 / 169.8 us, B128 L32K 658.9 / 618.3 and 652.5 / 618.9, B32 L128K 648.8 / 612.5 and
+#: 646.6 / 612.5, B128 L128K 2,530.0 / 2,392.6 and 2,532.4 / 2,392.0 (5-6 % faster); B32 L4K equal (40.7-41.1)
+V5_PACKED_GROUPS = True
 
 
 def smem_per_block(capability: tuple[int, int] | None) -> int:
