@@ -290,7 +290,7 @@ static_assert(RT * (DT / 2) % (NWG * NTH) == 0, "the query pairs split evenly ov
 // barrier; without it (H200, H16 B32/B128 L32K/L128K, CUDA graphs) C4R4 took 1-5 % less time, C2R4 ~1 %.
 // Issued after QK into the same registers instead (no copy between tiles), the loads came too late: C2R4 +10 %.
 struct V5Regs {
-    u32 wc[2][BL / 4];         // content code bytes BL q4 .. of the lane's two tokens
+    u32 wc[2][BL / 4];         // the lane's share of its two tokens' content code rows (v5_share_byte)
     u32 wr[2][(RBL + 3) / 4];  // RoPE code bytes RBL q4 ..
 #if PACKED
     u32 zw[2][NGC / 4];        // all the token's content zero points, a byte a group
@@ -761,8 +761,8 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
             const int lo = in_sink ? 0 : keep_hi, hi = in_sink ? keep_lo : L;
             int lm[2][2];
             const int lm_min = v5_column_limits(lm, hi, L, S_q, H, rbase, q4);
-            // the lane's content pairs (its share of each slice, v5_share_byte) and RoPE pairs of its two tokens' rows; a token outside
-            // [lo, hi) reads a row inside (finite values; its scores are masked)
+            // the lane's content pairs (its share of each slice, v5_share_byte) and RoPE pairs of its two tokens' rows; a
+            // token outside [lo, hi) reads a row inside (finite values; its scores are masked)
             const u16* crow[2];
             const u16* rrow[2];
 #pragma unroll
@@ -783,7 +783,8 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
 #pragma unroll
                         for (int sp = 0; sp < SPC; ++sp) {
                             u32 v[W];
-                            v5_load_words<W>(v, crow[tk] + CB * (2 * sp + kh) + v5_share_byte(2 * (KCK * kc / SPC), q4));
+                            v5_load_words<W>(v, crow[tk] + CB * (2 * sp + kh) +
+                                                    v5_share_byte(2 * (KCK * kc / SPC), q4));
 #pragma unroll
                             for (int w = 0; w < W; ++w) a[SPC * w + sp][r] = v[w];  // k-step KCK kc + SPC w + sp
                         }
@@ -809,7 +810,8 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
                     for (int r = 0; r < 4; ++r) {  // a[jj][tk + 2 kh]: QK channels 16 ks + 8 kh + 2 q4 (+ 1) (v5_qk_channel)
                         const int tk = r & 1, kh = r >> 1;
                         if (ks < KSC) {
-                            a[jj][r] = __ldg((const u32*)(crow[tk] + CB * (2 * (ks % SPC) + kh) + v5_share_byte(2 * (ks / SPC), q4)));
+                            a[jj][r] = __ldg((const u32*)(crow[tk] + CB * (2 * (ks % SPC) + kh) +
+                                                          v5_share_byte(2 * (ks / SPC), q4)));
                         } else if (ks < KSTEPS) {
                             a[jj][r] = __ldg((const u32*)(rrow[tk] + RB * kh + 2 * (ks - KSC)));
                         }
