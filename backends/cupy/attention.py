@@ -59,11 +59,12 @@ tokens; ``inline``: sink/local tokens inside the split kernel, from the bf16 buf
 bit-identical) / ``QUANTMLA_CUPY_V3_WARPS`` (4 or 8) and ``QUANTMLA_CUPY_V4_STAGES`` (2 or 3) /
 ``QUANTMLA_CUPY_V4_LAZY_RESCALE`` (default 1) / ``QUANTMLA_CUPY_V4_MMA`` (``auto``, ``wgmma``, ``mma``)
 and ``QUANTMLA_CUPY_V5_LAZY_RESCALE`` (default 1) / ``QUANTMLA_CUPY_V5_WORKERS`` (2 or 3) /
-``QUANTMLA_CUPY_V5_PROTECTED`` (``inline``, ``separate``) / ``QUANTMLA_CUPY_V5_PROT_LOADS`` (``pairs``, ``vec``)
-and ``QUANTMLA_CUPY_V6_PV_AT`` (1-3) / ``QUANTMLA_CUPY_V6_PAGE_AHEAD`` (0/1) /
-``QUANTMLA_CUPY_V6_PROTECTED`` (``inline``, ``separate``) / ``QUANTMLA_CUPY_V6_PAIR`` (``auto``, 0/1) /
-``QUANTMLA_CUPY_V6_SLACK`` (0/1) / ``QUANTMLA_CUPY_V6_ROPE_FOLD`` (``auto``, 0/1) and ``QUANTMLA_CUPY_PLAN_PROTECTED`` (0/1: v5
-(default 1) and v6 (default 0) count the sink/local tiles they append to one split in the split plan) are
+``QUANTMLA_CUPY_V5_PROTECTED`` (``inline``, ``separate``) / ``QUANTMLA_CUPY_V5_PROT_LOADS`` (``pairs``, ``vec``) /
+``QUANTMLA_CUPY_V5_ROPE_FOLD`` / ``QUANTMLA_CUPY_V5_QUAD_LOADS`` (``auto``, 0/1) / ``QUANTMLA_CUPY_V5_PACKED_GROUPS``
+(0/1) and ``QUANTMLA_CUPY_V6_PV_AT`` (1-3) / ``QUANTMLA_CUPY_V6_PAGE_AHEAD`` (0/1) / ``QUANTMLA_CUPY_V6_PROTECTED``
+(``inline``, ``separate``) / ``QUANTMLA_CUPY_V6_PAIR`` (``auto``, 0/1) / ``QUANTMLA_CUPY_V6_SLACK`` (0/1) /
+``QUANTMLA_CUPY_V6_ROPE_FOLD`` (``auto``, 0/1) and ``QUANTMLA_CUPY_PLAN_PROTECTED`` (0/1: v5 (default 1) and v6
+(default 0) count the sink/local tiles they append to one split in the split plan) are
 tuning knobs for measurements, also read per call.
 :func:`select_variant` says which kernel a call will run, and why.
 """
@@ -479,17 +480,24 @@ def v5_defines(fmt: PackFormat, lazy_rescale: bool = True, index64: bool = True,
              QMLA_CODES_IN_PLACE=int(codes_in_place and fmt.content_bits == 2),
              QMLA_V5_ROPE_FOLD=int(v5_rope_fold(fmt, workers, rope_fold, quad_loads)),
              QMLA_V5_QUAD_LOADS=int(v5_quad_loads(fmt, workers, quad_loads)),
-             QMLA_V5_PACKED_GROUPS=int(packed_groups and workers == 2 and fmt.content_bits == 2
-                                       and fmt.latent_dim == 512 and fmt.group_size == 64))
+             QMLA_V5_PACKED_GROUPS=int(packed_groups and _v5_loads_token_groups(fmt, workers, 2)))
     return d
 
 
+def _v5_loads_token_groups(fmt: PackFormat, workers: int, content_bits: int) -> bool:
+    """Whether a v5 build with ``workers`` worker warpgroups can load all of a token's content zero points and scales
+    at once (``attention_v5.cu``'s PACKED: eight 64-channel groups of d_c 512, bf16 scales) for ``fmt`` with
+    ``content_bits``: two workers only (three, at 168 registers a thread, spilled 108 bytes with quad loads and 8 with
+    packed groups)."""
+    return (workers == 2 and fmt.content_bits == content_bits and fmt.latent_dim == 512 and fmt.group_size == 64
+            and fmt.content_scale_dtype == "bfloat16")
+
+
 def v5_quad_loads(fmt: PackFormat, workers: int = 2, quad_loads: bool | None = None) -> bool:
-    """Whether v5 with ``workers`` worker warpgroups loads ``fmt``'s content codes a quad of lanes at a time: only with
-    two (three, at 168 registers a thread, spilled 108 bytes with it, 12 without) and where a lane's share is 64 bytes a
-    token (4-bit codes, d_c 512) with 64-channel groups and bf16 scales; there ``quad_loads``, or by default
-    :data:`V5_QUAD_LOADS`."""
-    if workers != 2 or not (fmt.content_bits == 4 and fmt.latent_dim == 512 and fmt.group_size == 64 and fmt.content_scale_dtype == "bfloat16"):
+    """Whether v5 with ``workers`` worker warpgroups loads ``fmt``'s content codes a quad of lanes at a time: where a
+    lane's share is 64 bytes a token (4-bit codes) and the build can load a token's groups at once
+    (:func:`_v5_loads_token_groups`); there ``quad_loads``, or by default :data:`V5_QUAD_LOADS`."""
+    if not _v5_loads_token_groups(fmt, workers, 4):
         return False
     return V5_QUAD_LOADS if quad_loads is None else bool(quad_loads)
 
@@ -685,6 +693,11 @@ def _env_choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
     if raw not in allowed:
         raise ValueError(f"{name}: expected one of {allowed}, got {raw!r}")
     return raw
+
+
+def _env_auto_bool(name: str) -> bool | None:
+    """An ``auto``/``0``/``1`` knob: None (the launcher's default), False or True."""
+    return {"auto": None, "0": False, "1": True}[_env_choice(name, "auto", ("auto", "0", "1"))]
 
 
 def _workspace(dev: int, numel: int) -> torch.Tensor:
@@ -1055,10 +1068,10 @@ class V5Knobs:
     default 1): count those tiles in the split plan; prot_vec (``QUANTMLA_CUPY_V5_PROT_LOADS``, ``vec``
     (default) or ``pairs``): load a protected tile's bf16 pairs in loads of up to 16 bytes, not one by one;
     codes_in_place (``QUANTMLA_CUPY_CODES_IN_PLACE``, 0/1, default :data:`CODES_IN_PLACE`): convert 2-bit codes where
-    they lie in their byte; rope_fold (``QUANTMLA_CUPY_V5_ROPE_FOLD``, ``auto`` (default: None,
-    :data:`ROPE_FOLD_CONTENT_BITS`), ``0`` or ``1``): scale each score's RoPE part once instead of dequantizing each RoPE
-    value; quad_loads (``QUANTMLA_CUPY_V5_QUAD_LOADS``, ``auto`` (default: None, :data:`V5_QUAD_LOADS`), ``0`` or ``1``):
-    a quad of lanes loads a token's content codes together; packed_groups (``QUANTMLA_CUPY_V5_PACKED_GROUPS``, 0/1,
+    they lie in their byte; rope_fold (``QUANTMLA_CUPY_V5_ROPE_FOLD``, ``auto`` (default: None, :func:`v5_rope_fold`),
+    ``0`` or ``1``): scale each score's RoPE part once instead of dequantizing each RoPE value; quad_loads
+    (``QUANTMLA_CUPY_V5_QUAD_LOADS``, ``auto`` (default: None, :func:`v5_quad_loads`), ``0`` or ``1``): a quad of
+    lanes loads a token's content codes together; packed_groups (``QUANTMLA_CUPY_V5_PACKED_GROUPS``, 0/1,
     default :data:`V5_PACKED_GROUPS`): a token's 2-bit content zero points and scales in one load each) and v2's split
     floor."""
 
@@ -1082,10 +1095,8 @@ class V5Knobs:
                        bool(_env_int("QUANTMLA_CUPY_PLAN_PROTECTED", 1, (0, 1))),
                        _env_choice("QUANTMLA_CUPY_V5_PROT_LOADS", "vec", ("vec", "pairs")) == "vec",
                        bool(_env_int("QUANTMLA_CUPY_CODES_IN_PLACE", int(CODES_IN_PLACE), (0, 1))),
-                       {"auto": None, "0": False, "1": True}[_env_choice("QUANTMLA_CUPY_V5_ROPE_FOLD", "auto",
-                                                                         ("auto", "0", "1"))],
-                       {"auto": None, "0": False, "1": True}[_env_choice("QUANTMLA_CUPY_V5_QUAD_LOADS", "auto",
-                                                                         ("auto", "0", "1"))],
+                       _env_auto_bool("QUANTMLA_CUPY_V5_ROPE_FOLD"),
+                       _env_auto_bool("QUANTMLA_CUPY_V5_QUAD_LOADS"),
                        bool(_env_int("QUANTMLA_CUPY_V5_PACKED_GROUPS", int(V5_PACKED_GROUPS), (0, 1))))
 
 
@@ -1141,8 +1152,7 @@ class V6Knobs:
                        bool(_env_int("QUANTMLA_CUPY_PLAN_PROTECTED", int(V6_PLAN_PROTECTED), (0, 1))),
                        _env_choice("QUANTMLA_CUPY_V6_PAIR", "auto", ("auto", "0", "1")),
                        bool(_env_int("QUANTMLA_CUPY_V6_SLACK", int(V6_SLACK), (0, 1))),
-                       {"auto": None, "0": False, "1": True}[_env_choice("QUANTMLA_CUPY_V6_ROPE_FOLD", "auto",
-                                                                          ("auto", "0", "1"))])
+                       _env_auto_bool("QUANTMLA_CUPY_V6_ROPE_FOLD"))
 
 
 def v6_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool,
