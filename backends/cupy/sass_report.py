@@ -2,7 +2,8 @@
 
 Compiles ``kernels/attention_v2.cu`` with the machine's ``nvcc`` for sm_90 (the defines the
 launcher would use), disassembles the cubin with ``cuobjdump -sass`` and counts the SASS
-instructions of the tile loop (the largest backward branch), by opcode. With ``pure_path`` the
+instructions of the tile loop (the largest backward branch), by opcode, and the stall cycles ptxas encoded in
+each instruction (``LoopReport.fixed_wait_cycles``: what ncu reports as the "wait" stall). With ``pure_path`` the
 kernel is built with ``QMLA_V2_NO_PROTECTION`` (what the launcher compiles for caches without
 sink/local tokens), so the loop holds only the code that tiles without protected tokens run --
 the hot path of every cache.
@@ -31,7 +32,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...formats import PackFormat
@@ -51,19 +52,33 @@ from .attention import (
 )
 
 _INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*(.*?);")
+# cuobjdump prints an instruction's second 64-bit word alone on the next line
+_HIGH_WORD = re.compile(r"^\s*/\* (0x[0-9a-f]{16}) \*/\s*$")
+#: bits of the stall count in an sm_70+ instruction's high word (bits 105-108 of the 128): the cycles the
+#: scheduler waits before this warp's next instruction (1: the next cycle)
+STALL_SHIFT, STALL_MASK = 41, 0xF
 
 
 @dataclass(frozen=True)
 class LoopReport:
-    """Opcode histogram of one loop (``start``/``end``: SASS byte addresses)."""
+    """Opcode histogram of one loop (``start``/``end``: SASS byte addresses); ``stalls``: per opcode, the stall
+    counts ptxas encoded (cycles before the warp's next instruction may issue; empty where the listing lacks the
+    instructions' high words)."""
 
     start: int
     end: int
     opcodes: dict[str, int]
+    stalls: dict[str, int] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
         return sum(self.opcodes.values())
+
+    @property
+    def fixed_wait_cycles(self) -> int:
+        """Cycles a warp waits on fixed-latency dependencies in one pass of the loop, beyond one issue cycle per
+        instruction (what ncu counts as the "wait" stall reason, if every instruction runs once)."""
+        return sum(self.stalls.values()) - self.total if self.stalls else 0
 
     def count(self, *names: str) -> int:
         return sum(self.opcodes.get(n, 0) for n in names)
@@ -146,17 +161,35 @@ def _build_sass(source: str, defines: dict[str, int], arch: str = "sm_90") -> tu
     return dis.stdout, built.stderr + built.stdout
 
 
+def _instructions(sass: str) -> list[tuple[int, str, str, int | None]]:
+    """(address, opcode, operands, encoded stall count or None) of every instruction of a cuobjdump listing."""
+    lines = sass.splitlines()
+    ins = []
+    for i, line in enumerate(lines):
+        m = _INSTR.match(line)
+        if m:
+            high = _HIGH_WORD.match(lines[i + 1]) if i + 1 < len(lines) else None
+            stall = (int(high.group(1), 16) >> STALL_SHIFT) & STALL_MASK if high else None
+            ins.append((int(m.group(1), 16), m.group(2), m.group(3), stall))
+    return ins
+
+
 def loops(sass: str) -> list[LoopReport]:
     """Every loop (a backward branch and the instructions it spans), largest first."""
-    ins = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in map(_INSTR.match, sass.splitlines()) if m]
-    index = {addr: i for i, (addr, _, _) in enumerate(ins)}
+    ins = _instructions(sass)
+    index = {addr: i for i, (addr, _, _, _) in enumerate(ins)}
     found = []
-    for i, (addr, op, args) in enumerate(ins):
+    for i, (addr, op, args, _) in enumerate(ins):
         target = re.search(r"0x([0-9a-f]+)", args) if op.startswith("BRA") else None
         if target and int(target.group(1), 16) < addr and int(target.group(1), 16) in index:
             s = index[int(target.group(1), 16)]
-            hist = collections.Counter(o.split(".")[0] for _, o, _ in ins[s : i + 1])
-            found.append(LoopReport(ins[s][0], addr, dict(hist)))
+            body = ins[s : i + 1]
+            hist = collections.Counter(o.split(".")[0] for _, o, _, _ in body)
+            stalls: collections.Counter = collections.Counter()
+            if all(st is not None for _, _, _, st in body):
+                for _, o, _, st in body:
+                    stalls[o.split(".")[0]] += st
+            found.append(LoopReport(ins[s][0], addr, dict(hist), dict(stalls)))
     return sorted(found, key=lambda r: r.total, reverse=True)
 
 
@@ -229,6 +262,7 @@ def main(argv: list[str]) -> None:
             prot = tile_loops_v5(PackFormat.parse(name, latent_dim=dc, rope_dim=dr), workers)["protected"]
             print(f"{name} {dc}/{dr} kernel v5, {workers} workers (16 rows x 64-token tiles, a worker of 4 warps): "
                   f"{loop.total} instructions per warp per tile ({loop.total * 4 / 64:.0f} per token), "
+                  f"{loop.fixed_wait_cycles} fixed-wait cycles, "
                   f"{loop.count('HGMMA')} HGMMA, {regs} registers, {spills.group(1) if spills else '?'} B spilled, "
                   f"{loop.count('LDL', 'STL')} local loads/stores in the loop; protected tiles {prot.total} "
                   f"instructions per warp per tile\n    {top}")
@@ -260,7 +294,8 @@ def _v6_summary(fmt: PackFormat) -> str:
     text = []
     for role, loop in by_role.items():
         top = ", ".join(f"{k} {v}" for k, v in sorted(loop.opcodes.items(), key=lambda kv: -kv[1])[:12])
-        text.append(f"    {role}: {loop.total} instructions per warp per tile, {loop.count('HGMMA')} HGMMA: {top}")
+        text.append(f"    {role}: {loop.total} instructions per warp per tile, {loop.fixed_wait_cycles} fixed-wait cycles, "
+                    f"{loop.count('HGMMA')} HGMMA: {top}")
     return f"{regs} registers\n" + "\n".join(text)
 
 
