@@ -183,12 +183,12 @@ def loops(sass: str) -> list[LoopReport]:
         target = re.search(r"0x([0-9a-f]+)", args) if op.startswith("BRA") else None
         if target and int(target.group(1), 16) < addr and int(target.group(1), 16) in index:
             s = index[int(target.group(1), 16)]
-            body = ins[s : i + 1]
-            hist = collections.Counter(o.split(".")[0] for _, o, _, _ in body)
+            body = [(o.split(".")[0], st) for _, o, _, st in ins[s : i + 1]]
+            hist = collections.Counter(o for o, _ in body)
             stalls: collections.Counter = collections.Counter()
-            if all(st is not None for _, _, _, st in body):
-                for _, o, _, st in body:
-                    stalls[o.split(".")[0]] += st
+            if all(st is not None for _, st in body):
+                for o, st in body:
+                    stalls[o] += st
             found.append(LoopReport(ins[s][0], addr, dict(hist), dict(stalls)))
     return sorted(found, key=lambda r: r.total, reverse=True)
 
