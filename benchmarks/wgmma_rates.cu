@@ -1,0 +1,173 @@
+// Hopper wgmma throughput with both operands in shared memory, alone and in v6's mix (benchmarks/wgmma_rates.py).
+//
+// One CTA per SM; each warpgroup times its own loop with clock64 (its first thread writes cycles per iteration to
+// cyc[blockIdx.x * WGS + warpgroup]). Operand values do not matter for throughput: every bf16 is 1/64, and a loop
+// re-reads the same 128-byte-swizzled 64-channel k range (the shared-memory traffic is that of a real tile).
+//   WR_MODE 0 (QK): WGS warpgroups each issue 36 m64nWR_Nk16 an iteration (v6's QK: 576 channels / 16) and wait.
+//   WR_MODE 1 (v6's mix, WGS 2): warpgroup 0 runs QK (36 m64n64k16) then its half of PV (4 m64n256k16, B MN-major),
+//     waiting for each; warpgroup 1 repeats the other PV half plus WR_STORES 16-byte st.shared a thread (36: a
+//     72 KB dequantized key tile) until warpgroup 0 is done, and writes its iteration count to cyc[gridDim.x * 2 +
+//     blockIdx.x].
+//   WR_MODE 2 (QK, A from registers): 36 m64n64k16 with A in registers, one warpgroup.
+#define QMLA_DC 512  // common.cuh wants a layout; nothing here reads it
+#include "common.cuh"
+#include "wgmma.cuh"
+
+#ifndef WR_MODE
+#define WR_MODE 0
+#endif
+#ifndef WR_N
+#define WR_N 64
+#endif
+#ifndef WR_WGS
+#define WR_WGS 1
+#endif
+#ifndef WR_STORES
+#define WR_STORES 0
+#endif
+static_assert(WR_N == 64 || WR_N == 128 || WR_N == 256, "WR_N: 64, 128 or 256");
+static_assert(WR_MODE != 1 || (WR_WGS == 2 && WR_N == 64), "mode 1 is v6's two warpgroups with QK at N = 64");
+static_assert(WR_MODE != 2 || (WR_WGS == 1 && WR_N == 64), "mode 2 is one warpgroup at N = 64");
+
+#define QK_STEPS 36
+#define A_OFF 0                      // A (queries / P): 16 KB
+#define B_OFF (16 * 1024)            // B (keys / V): 64 KB
+#define S_OFF (B_OFF + 64 * 1024)    // the stores' target: 80 KB, its last 16 bytes the stop flag
+#define S_CHUNKS (79 * 64)           // 16-byte chunks the stores cycle through (below the flag)
+#define FLAG_OFF (S_OFF + 80 * 1024 - 16)
+#define SMEM_USED (S_OFF + 80 * 1024)
+
+// D[64 x 64] += A[64 x 16] B[16 x 64], A from registers (wgmma_m64n16k16_rs's A fragment), B K-major
+__device__ __forceinline__ void wr_m64n64k16_rs(float (&d)[8][4], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "{\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, "
+        "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, {%32, %33, %34, %35}, %36, 1, 1, 1, 0; }\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+          "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+          "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
+          "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+
+template <int N>
+__device__ __forceinline__ void wr_zero(float (&d)[N][4]) {
+#pragma unroll
+    for (int n = 0; n < N; ++n) d[n][0] = d[n][1] = d[n][2] = d[n][3] = 0.0f;
+}
+template <int N>
+__device__ __forceinline__ float wr_sum(const float (&d)[N][4]) {
+    float s = 0.0f;
+#pragma unroll
+    for (int n = 0; n < N; ++n) s += d[n][0] + d[n][1] + d[n][2] + d[n][3];
+    return s;
+}
+
+// one QK: 36 k-steps of m64nNk16 from shared memory, committed as one group and waited for
+template <int N>
+__device__ __forceinline__ void wr_qk(float (&s)[N / 8][4], u64 da, u64 db) {
+    wgmma_fence_operand(s);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < QK_STEPS; ++ks) {
+        const u64 a = desc_advance(da, 32 * (ks & 3)), b = desc_advance(db, 32 * (ks & 3));
+        if constexpr (N == 64) {
+            wgmma_m64n64k16_ss<0>(s, a, b, 1);
+        } else if constexpr (N == 128) {
+            wgmma_m64n128k16_ss<0>(s, a, b, 1);
+        } else {
+            wgmma_m64n256k16_ss<0>(s, a, b, 1);
+        }
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operand(s);
+}
+
+// one half of PV: 4 m64n256k16 (A = P, K-major; B = V, MN-major), waited for
+__device__ __forceinline__ void wr_pv(float (&o)[32][4], u64 dp, u64 dv) {
+    wgmma_pv_rows64<32, 4>(o, dp, dv);
+    wgmma_wait<0>();
+    wgmma_fence_operand(o);
+}
+
+extern "C" __global__ void __launch_bounds__(WR_WGS * 128, 1) wgmma_rates(float* out, long long* cyc, int iters) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    unsigned char* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
+    for (int i = threadIdx.x; i < SMEM_USED / 16; i += blockDim.x) {
+        *(uint4*)(smem + 16 * i) = make_uint4(0x3c803c80u, 0x3c803c80u, 0x3c803c80u, 0x3c803c80u);
+    }
+    fence_proxy_async();
+    __syncthreads();
+    if (threadIdx.x == 0) *(int*)(smem + FLAG_OFF) = 0;  // after the fill, which covers it
+    __syncthreads();
+    const int wg = threadIdx.x / 128;
+    const u32 base = smem_addr(smem);
+    const u64 da = sw128_desc(base + A_OFF, 16, 1024), db = sw128_desc(base + B_OFF, 16, 1024);
+    const u64 dv = sw128_desc(base + B_OFF, 64 * 128, 1024);
+    float r = 0.0f;
+    const long long t0 = clock64();
+#if WR_MODE == 0
+    float s[WR_N / 8][4];
+    wr_zero(s);
+    for (int it = 0; it < iters; ++it) wr_qk<WR_N>(s, da, db);
+    r = wr_sum(s);
+#elif WR_MODE == 2
+    float s[8][4];
+    wr_zero(s);
+    const u32 a[4] = {0x3c803c80u, 0x3c803c80u, 0x3c803c80u, 0x3c803c80u};
+    for (int it = 0; it < iters; ++it) {
+        wgmma_fence_operand(s);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < QK_STEPS; ++ks) wr_m64n64k16_rs(s, a, desc_advance(db, 32 * (ks & 3)));
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operand(s);
+    }
+    r = wr_sum(s);
+#else
+    float o[32][4];
+    wr_zero(o);
+    volatile int* done = (volatile int*)(smem + FLAG_OFF);
+    if (wg == 0) {
+        float s[8][4];
+        wr_zero(s);
+        for (int it = 0; it < iters; ++it) {
+            wr_qk<64>(s, da, db);
+            wr_pv(o, da, dv);
+        }
+        r = wr_sum(s);
+        __syncwarp();
+        if (threadIdx.x == 0) *done = 1;
+    } else {
+        // the flag is read by one thread and shared through a 128-thread barrier, so all four warps of the
+        // warpgroup leave together (a wgmma issued by some of its warps only is an illegal instruction)
+        volatile int* seen = done + 1;
+        int it = 0;
+        for (;; ++it) {
+            if (threadIdx.x == 128) *seen = *done;
+            asm volatile("bar.sync 1, 128;" ::: "memory");
+            const int stop = *seen;
+            asm volatile("bar.sync 1, 128;" ::: "memory");
+            if (stop) break;
+            wgmma_pv_rows64<32, 4>(o, da, dv);
+#pragma unroll
+            for (int k = 0; k < WR_STORES; ++k) {
+                const int idx = (k * 128 + (threadIdx.x - 128)) % S_CHUNKS;
+                *(uint4*)(smem + S_OFF + 16 * idx) = make_uint4(it, k, idx, 0);
+            }
+            wgmma_wait<0>();
+            wgmma_fence_operand(o);
+        }
+        if (threadIdx.x == 128) cyc[gridDim.x * WR_WGS + blockIdx.x] = it;
+    }
+    r += wr_sum(o);
+#endif
+    const long long t1 = clock64();
+    out[blockIdx.x * blockDim.x + threadIdx.x] = r;
+    if (threadIdx.x % 128 == 0) cyc[blockIdx.x * WR_WGS + wg] = (t1 - t0) / iters;
+}

@@ -1,0 +1,75 @@
+"""Hopper wgmma rates from shared memory on one GPU (CuPy; ``benchmarks/wgmma_rates.cu`` has the modes).
+
+Measures how close a warpgroup MMA shape, or v6's mix of them, runs to the tensor cores' dense bf16 rate
+(2,048 multiply-adds a clock per SM on the H200), one CTA per SM, each warpgroup timing its own loop with
+``clock64``. Used in stop 34 (benchmarks/RESULTS.md) to tell the MMA shapes' own rates from v6's schedule::
+
+    source benchmarks/h200_setup.sh; python3 -P benchmarks/wgmma_rates.py --json "$OUT/wgmma_rates.jsonl"
+
+Each case prints one JSON line: ``cycles_per_iter`` (warpgroup 0's loop), ``ideal_cycles`` (its
+multiply-adds at 2,048 a clock), ``sm_mac_per_clk`` (every warpgroup's multiply-adds in warpgroup 0's
+window) and, in mode 1, ``wg1_iters_per_iter`` (the other warpgroup's PV iterations in that window)."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+PEAK_MAC_PER_CLK = 2048  # dense bf16 multiply-adds a clock per SM (H100/H200: 4 tensor cores x 512)
+QK_STEPS = 36            # v6's QK: 576 channels in k-steps of 16
+PV_MACS = 4 * 64 * 256 * 16  # one PV half: 4 m64n256k16
+SMEM_BYTES = (16 + 64 + 80) * 1024 + 1024  # the kernel's layout plus the 1 KB alignment slack
+#: (mode, N, warpgroups, 16-byte stores a thread per PV): QK shapes alone, two warpgroups of them, v6's mix with
+#: and without the dequantized tile's stores, QK with A from registers
+CASES = [(0, 64, 1, 0), (0, 128, 1, 0), (0, 256, 1, 0), (0, 64, 2, 0), (0, 128, 2, 0), (0, 256, 2, 0),
+         (2, 64, 1, 0), (1, 64, 2, 0), (1, 64, 2, 36), (1, 64, 2, 72)]
+
+
+def macs_per_iter(mode: int, n: int, wgs: int) -> int:
+    """Warpgroup 0's multiply-adds per iteration (mode 0: each warpgroup's)."""
+    qk = QK_STEPS * 64 * n * 16
+    return qk + PV_MACS if mode == 1 else qk
+
+
+def run_case(mode: int, n: int, wgs: int, stores: int, iters: int) -> dict:
+    import cupy
+
+    from quantmla_core.backends.cupy import KERNEL_DIR, compile_cubin
+
+    src = (Path(__file__).with_name("wgmma_rates.cu")).read_text()
+    opts = ("--std=c++17", f"-I{KERNEL_DIR}", f"-DWR_MODE={mode}", f"-DWR_N={n}", f"-DWR_WGS={wgs}",
+            f"-DWR_STORES={stores}")
+    fn = cupy.RawModule(path=str(compile_cubin(src, opts, "sm_90a"))).get_function("wgmma_rates")
+    fn.max_dynamic_shared_size_bytes = SMEM_BYTES
+    sms = cupy.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
+    out = cupy.zeros(sms * wgs * 128, dtype=cupy.float32)
+    cyc = cupy.zeros(sms * wgs + sms, dtype=cupy.int64)
+    args = (out, cyc, cupy.int32(iters))
+    fn((sms,), (wgs * 128,), args, shared_mem=SMEM_BYTES)  # warm-up
+    fn((sms,), (wgs * 128,), args, shared_mem=SMEM_BYTES)
+    cupy.cuda.runtime.deviceSynchronize()
+    c = cyc.get()
+    cycles = float(c[: sms * wgs].reshape(sms, wgs)[:, 0].mean())
+    wg1 = float(c[sms * wgs:].mean()) / iters if mode == 1 else None
+    macs = macs_per_iter(mode, n, wgs)
+    total = macs * (wgs if mode == 0 else 1) + (wg1 * PV_MACS if mode == 1 else 0)
+    return {"mode": mode, "N": n, "warpgroups": wgs, "stores": stores, "cycles_per_iter": cycles,
+            "ideal_cycles": macs / PEAK_MAC_PER_CLK, "sm_mac_per_clk": total / cycles,
+            "fraction_of_peak": total / cycles / PEAK_MAC_PER_CLK, "wg1_iters_per_iter": wg1}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--iters", type=int, default=2000)
+    ap.add_argument("--json", default=None, help="also append the JSON lines to this file")
+    args = ap.parse_args(argv)
+    for case in CASES:
+        row = json.dumps(run_case(*case, args.iters))
+        print(row, flush=True)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(row + "\n")
+
+
+if __name__ == "__main__":
+    main()

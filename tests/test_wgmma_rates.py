@@ -1,0 +1,47 @@
+"""benchmarks/wgmma_rates: every case's kernel builds for sm_90a (CPU, with nvcc), the layout guards reject the
+builds they name, and the multiply-add accounting matches the shapes."""
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from benchmarks.wgmma_rates import CASES, PEAK_MAC_PER_CLK, PV_MACS, macs_per_iter
+from quantmla_core.backends.cupy import KERNEL_DIR
+
+NVCC = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if os.path.exists("/usr/local/bin/nvcc") else None)
+SOURCE = Path(__file__).resolve().parents[1] / "benchmarks" / "wgmma_rates.cu"
+
+
+def _build(mode: int, n: int, wgs: int, stores: int) -> subprocess.CompletedProcess:
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [NVCC, "-cubin", "-arch=sm_90a", "--std=c++17", f"-I{KERNEL_DIR}", f"-DWR_MODE={mode}", f"-DWR_N={n}",
+               f"-DWR_WGS={wgs}", f"-DWR_STORES={stores}", "-o", os.path.join(tmp, "k.cubin"), str(SOURCE)]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "mode{}-n{}-wg{}-st{}".format(*c))
+def test_case_builds_for_sm90a(case):
+    r = _build(*case)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "C7514" not in r.stderr, "ptxas serialized the wgmma pipeline:\n" + r.stderr[-3000:]
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
+@pytest.mark.parametrize("case", [(1, 64, 1, 0), (2, 128, 1, 0), (0, 32, 1, 0)], ids=str)
+def test_guards_reject_builds_outside_the_modes(case):
+    r = _build(*case)
+    assert r.returncode != 0
+    assert "static assertion failed" in r.stderr or "static_assert" in r.stderr
+
+
+def test_multiply_adds_per_iteration():
+    assert macs_per_iter(0, 64, 1) == 36 * 64 * 64 * 16
+    assert macs_per_iter(0, 256, 2) == 36 * 64 * 256 * 16  # per warpgroup
+    assert macs_per_iter(1, 64, 2) == 36 * 64 * 64 * 16 + 4 * 64 * 256 * 16
+    assert PV_MACS == 4 * 64 * 256 * 16
+    # v6's QK alone at the dense rate: 1,152 clocks, the number stop 33's timing probe was read against
+    assert macs_per_iter(0, 64, 1) / PEAK_MAC_PER_CLK == 1152
