@@ -25,7 +25,7 @@ CASES = [(0, 64, 1, 0), (0, 128, 1, 0), (0, 256, 1, 0), (0, 64, 2, 0), (0, 128, 
          (2, 64, 1, 0), (1, 64, 2, 0), (1, 64, 2, 36), (1, 64, 2, 72)]
 
 
-def macs_per_iter(mode: int, n: int, wgs: int) -> int:
+def macs_per_iter(mode: int, n: int) -> int:
     """Warpgroup 0's multiply-adds per iteration (mode 0: each warpgroup's)."""
     qk = QK_STEPS * 64 * n * 16
     return qk + PV_MACS if mode == 1 else qk
@@ -51,7 +51,7 @@ def run_case(mode: int, n: int, wgs: int, stores: int, iters: int) -> dict:
     c = cyc.get()
     cycles = float(c[: sms * wgs].reshape(sms, wgs)[:, 0].mean())
     wg1 = float(c[sms * wgs:].mean()) / iters if mode == 1 else None
-    macs = macs_per_iter(mode, n, wgs)
+    macs = macs_per_iter(mode, n)
     total = macs * (wgs if mode == 0 else 1) + (wg1 * PV_MACS if mode == 1 else 0)
     return {"mode": mode, "N": n, "warpgroups": wgs, "stores": stores, "cycles_per_iter": cycles,
             "ideal_cycles": macs / PEAK_MAC_PER_CLK, "sm_mac_per_clk": total / cycles,

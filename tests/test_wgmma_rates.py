@@ -39,9 +39,9 @@ def test_guards_reject_builds_outside_the_modes(case):
 
 
 def test_multiply_adds_per_iteration():
-    assert macs_per_iter(0, 64, 1) == 36 * 64 * 64 * 16
-    assert macs_per_iter(0, 256, 2) == 36 * 64 * 256 * 16  # per warpgroup
-    assert macs_per_iter(1, 64, 2) == 36 * 64 * 64 * 16 + 4 * 64 * 256 * 16
+    assert macs_per_iter(0, 64) == 36 * 64 * 64 * 16
+    assert macs_per_iter(0, 256) == 36 * 64 * 256 * 16  # per warpgroup
+    assert macs_per_iter(1, 64) == 36 * 64 * 64 * 16 + 4 * 64 * 256 * 16
     assert PV_MACS == 4 * 64 * 256 * 16
     # v6's QK alone at the dense rate: 1,152 clocks, the number stop 33's timing probe was read against
-    assert macs_per_iter(0, 64, 1) / PEAK_MAC_PER_CLK == 1152
+    assert macs_per_iter(0, 64) / PEAK_MAC_PER_CLK == 1152
