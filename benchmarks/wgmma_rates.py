@@ -25,6 +25,16 @@ CASES = [(0, 64, 1, 0), (0, 128, 1, 0), (0, 256, 1, 0), (0, 64, 2, 0), (0, 128, 
          (2, 64, 1, 0), (1, 64, 2, 0), (1, 64, 2, 36), (1, 64, 2, 72)]
 
 
+SOURCE = Path(__file__).with_name("wgmma_rates.cu")
+
+
+def build_options(mode: int, n: int, wgs: int, stores: int) -> tuple[str, ...]:
+    """The ``-D`` options of one case's build of :data:`SOURCE` (its ``WR_*`` macros)."""
+    from quantmla_core.backends.cupy import define_options
+
+    return define_options({"WR_MODE": mode, "WR_N": n, "WR_WGS": wgs, "WR_STORES": stores})
+
+
 def macs_per_iter(mode: int, n: int) -> int:
     """Warpgroup 0's multiply-adds per iteration (mode 0: each warpgroup's)."""
     qk = QK_STEPS * 64 * n * 16
@@ -36,10 +46,8 @@ def run_case(mode: int, n: int, wgs: int, stores: int, iters: int) -> dict:
 
     from quantmla_core.backends.cupy import KERNEL_DIR, compile_cubin
 
-    src = (Path(__file__).with_name("wgmma_rates.cu")).read_text()
-    opts = ("--std=c++17", f"-I{KERNEL_DIR}", f"-DWR_MODE={mode}", f"-DWR_N={n}", f"-DWR_WGS={wgs}",
-            f"-DWR_STORES={stores}")
-    fn = cupy.RawModule(path=str(compile_cubin(src, opts, "sm_90a"))).get_function("wgmma_rates")
+    opts = ("--std=c++17", f"-I{KERNEL_DIR}") + build_options(mode, n, wgs, stores)
+    fn = cupy.RawModule(path=str(compile_cubin(SOURCE.read_text(), opts, "sm_90a"))).get_function("wgmma_rates")
     fn.max_dynamic_shared_size_bytes = SMEM_BYTES
     sms = cupy.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
     out = cupy.zeros(sms * wgs * 128, dtype=cupy.float32)

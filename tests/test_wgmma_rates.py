@@ -1,24 +1,22 @@
 """benchmarks/wgmma_rates: every case's kernel builds for sm_90a (CPU, with nvcc), the layout guards reject the
 builds they name, and the multiply-add accounting matches the shapes."""
 import os
-import shutil
 import subprocess
 import tempfile
-from pathlib import Path
 
 import pytest
 
-from benchmarks.wgmma_rates import CASES, PEAK_MAC_PER_CLK, PV_MACS, macs_per_iter
+from benchmarks.wgmma_rates import CASES, PEAK_MAC_PER_CLK, PV_MACS, SOURCE, build_options, macs_per_iter
 from quantmla_core.backends.cupy import KERNEL_DIR
+from quantmla_core.backends.cupy.sass_report import find_tool
 
-NVCC = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if os.path.exists("/usr/local/bin/nvcc") else None)
-SOURCE = Path(__file__).resolve().parents[1] / "benchmarks" / "wgmma_rates.cu"
+NVCC = find_tool("nvcc")
 
 
 def _build(mode: int, n: int, wgs: int, stores: int) -> subprocess.CompletedProcess:
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [NVCC, "-cubin", "-arch=sm_90a", "--std=c++17", f"-I{KERNEL_DIR}", f"-DWR_MODE={mode}", f"-DWR_N={n}",
-               f"-DWR_WGS={wgs}", f"-DWR_STORES={stores}", "-o", os.path.join(tmp, "k.cubin"), str(SOURCE)]
+        cmd = [NVCC, "-cubin", "-arch=sm_90a", "--std=c++17", f"-I{KERNEL_DIR}", *build_options(mode, n, wgs, stores),
+               "-o", os.path.join(tmp, "k.cubin"), str(SOURCE)]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
