@@ -17,7 +17,9 @@ preferring fewer splits on ties.
 from __future__ import annotations
 
 import functools
+import heapq
 import math
+from dataclasses import dataclass
 
 #: fixed work of one CTA in tile-times: loading its query fragments, filling a 3-4 tile copy
 #: pipeline before the first tile computes, and a 16 x 512 float32 partial (32 KB) written and
@@ -60,3 +62,56 @@ def plan_kv_splits(base_ctas: int, tiles: int, resident: int, min_tiles: int = 1
             best = (cost, s_eff)
     s = best[1]
     return s, math.ceil(tiles / s)
+
+
+
+@dataclass(frozen=True)
+class PiecePlan:
+    """A balanced plan: ``pieces`` (request, first tile, end tile, slot | last << 16) in launch order, ``last`` set on a
+    request's last piece; ``per``: the tiles of one run; ``slots``: the most pieces of one request (the partials
+    per row the combine reads); ``cost``: the simulated makespan in tile-times."""
+
+    pieces: tuple[tuple[int, int, int, int], ...]
+    per: int
+    slots: int
+    cost: float
+
+
+def list_schedule(lengths: list[float], workers: int) -> float:
+    """Makespan of jobs of ``lengths`` handed in order to whichever of ``workers`` frees first (how the GPU hands
+    out the CTAs of a launch, in block order, as SMs free up)."""
+    heap = [0.0] * max(1, workers)
+    for t in lengths:
+        heapq.heappush(heap, heapq.heappop(heap) + t)
+    return max(heap)
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_pieces(requests: int, unit_tiles: int, groups: int,
+                overhead_tiles: float = CTA_OVERHEAD_TILES) -> PiecePlan:
+    """The balanced plan of ``requests`` x ``unit_tiles`` tiles on a GPU running ``groups`` CTA groups at once (a
+    group: the CTAs of one request's row chunks, side by side). The requests' tiles, laid end to end, are cut into
+    ``groups`` runs of ``per`` tiles, each run into its requests' pieces; the pieces launch longest first, so that the
+    GPU handing them to SMs as they free up ends every SM at about the same time (the cost: that schedule, each piece
+    paying ``overhead_tiles``).
+
+    Equal splits per request leave SMs idle when requests x splits is not a multiple of the SMs (H200, 132 SMs,
+    H128 B32: 32 x 2 row chunks x 2 splits = 128 CTAs) or, with many rounds, pay a CTA's fixed work and a partial per
+    short split (B32 L128K: 35 splits); FlashMLA plans its splits across requests for the same reason."""
+    requests, unit_tiles, groups = max(1, requests), max(1, unit_tiles), max(1, groups)
+    total = requests * unit_tiles
+    per = -(-total // groups)
+    cut: list[tuple[int, int, int]] = []
+    for v0 in range(0, total, per):
+        v1 = min(v0 + per, total)
+        for b in range(v0 // unit_tiles, -(-v1 // unit_tiles)):
+            cut.append((b, max(v0 - b * unit_tiles, 0), min(v1 - b * unit_tiles, unit_tiles)))
+    count: dict[int, int] = {}
+    pieces = []
+    for b, lo, hi in cut:  # request order: slots count a request's pieces
+        slot = count.get(b, 0)
+        count[b] = slot + 1
+        pieces.append((b, lo, hi, slot | (int(hi == unit_tiles) << 16)))
+    pieces.sort(key=lambda p: p[1] - p[2])  # longest first (stable)
+    cost = list_schedule([p[2] - p[1] + overhead_tiles for p in pieces], groups)
+    return PiecePlan(tuple(pieces), per, max(count.values()), cost)

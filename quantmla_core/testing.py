@@ -218,7 +218,7 @@ class LaunchLog(list):
 def stub_cupy_launcher(monkeypatch: Any, sm_count: int = 132, nvrtc: tuple[int, int] = (13, 0)) -> tuple[list, list]:
     """Let ``quantmla_core.backends.cupy.attention`` run its host logic without a GPU: compilation
     returns :class:`StubKernel`, launches are recorded, the device is an sm_90 with ``sm_count``
-    SMs holding 2 CTAs each and NVRTC ``nvrtc``, and scratch lives on the CPU. ``monkeypatch``: pytest's fixture.
+    SMs holding 2 CTAs each and NVRTC ``nvrtc``, and scratch and tables live on the CPU. ``monkeypatch``: pytest's fixture.
     Returns (kernels asked for, launches as a :class:`LaunchLog`)."""
     from .backends.cupy import attention as A
     from .backends.cupy.kernel_args import pack_args
@@ -244,6 +244,7 @@ def stub_cupy_launcher(monkeypatch: Any, sm_count: int = 132, nvrtc: tuple[int, 
     monkeypatch.setattr(A, "nvrtc_version", lambda: nvrtc)
     monkeypatch.setattr(A, "resident_ctas", lambda fn, threads, smem, dev, sms: 2 * sms)
     monkeypatch.setattr(A, "_workspace", lambda dev, n: torch.empty(n, dtype=torch.float32))
+    monkeypatch.setattr(A, "_device_table", lambda rows, dev: torch.tensor(rows, dtype=torch.int32))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(A, "_FNS", {})
     monkeypatch.setattr(A, "_PLANS", {})

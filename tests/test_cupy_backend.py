@@ -682,12 +682,13 @@ def test_v1_launch_arguments_match_kernel_signature(monkeypatch, variant, dtype)
     ("cupy", "C4R4", "bfloat16", {}), ("cupy", "C8R8", "float32", {}), ("triton", "C4R4", "bfloat16", {}),
     ("cupy", "C4R4", "bfloat16", {"QUANTMLA_CUPY_ATTENTION": "v3", "QUANTMLA_CUPY_PROTECTED_STREAM": "1"}),
     ("cupy", "C2R4", "bfloat16", {"QUANTMLA_CUPY_ATTENTION": "v6"}),
-], ids=["cupy-v2", "cupy-v1", "triton-v2", "cupy-v3-side-stream", "cupy-v6-protected-tiles"])
+    ("cupy", "C4R4", "bfloat16", {"QUANTMLA_CUPY_ATTENTION": "v6", "QUANTMLA_CUPY_V6_BALANCE": "1"}),
+], ids=["cupy-v2", "cupy-v1", "triton-v2", "cupy-v3-side-stream", "cupy-v6-protected-tiles", "cupy-v6-balanced"])
 def test_cuda_graph_capture_and_replay(backend, name, dtype, env, monkeypatch):
     """A captured attention call replays bit-identically to the eager call, also after the memory
     the capture freed has been reused, and follows new queries copied into its static inputs
     (v3 with its protected launch on a second stream: captured as a fork and a join; v6, at 128 heads,
-    with the sink and local tokens as its own tiles)."""
+    with the sink and local tokens as its own tiles, and with a balanced plan, whose piece table the warm-up uploads)."""
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     v6 = env.get("QUANTMLA_CUPY_ATTENTION") == "v6"

@@ -50,6 +50,7 @@ from test_cupy_backend import (
 from test_cupy_v4 import V4_CASES
 
 import quantmla_core as qm
+import quantmla_core.backends.cupy.attention as cupy_attention
 
 #: (format, d_c, d_r, group size, page size)
 V6_BUILDS = [
@@ -465,6 +466,19 @@ def test_attention_v6_pair_matches_reference(case, monkeypatch):
     """Two-CTA clusters sharing each key tile (QUANTMLA_CUPY_V6_PAIR=1) compute the same attention, also where the
     rows fill an odd number of 64-row chunks (one more CTA past the rows, which only dequantizes for its peer)."""
     _check_v6_on_gpu(case, monkeypatch, {"QUANTMLA_CUPY_V6_PAIR": "1"})
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("resident", [5, 14])
+@pytest.mark.parametrize("case", [c for c in V2_CASES + BIG[:3] + V4_CASES + V6_CASES if c.fmt.quantized], ids=str)
+def test_attention_v6_balanced_matches_reference(case, resident, monkeypatch):
+    """Balanced plans (QUANTMLA_CUPY_V6_BALANCE=1) planned for a GPU that runs only ``resident`` CTAs at once, so that
+    requests are cut into pieces mid-request, in launch orders other than the requests', with different numbers of
+    partials per request (the unused slots marked empty), compute the same attention."""
+    monkeypatch.setattr(cupy_attention, "resident_ctas", lambda *a, **k: resident)
+    monkeypatch.setattr(cupy_attention, "_PLANS", {})
+    _check_v6_on_gpu(case, monkeypatch, {"QUANTMLA_CUPY_V6_BALANCE": "1"})
 
 
 #: (case, slack, fold): both knobs over every v6 case, each alone and neither over the many-row ones

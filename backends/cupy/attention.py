@@ -73,7 +73,7 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 import numpy as np
@@ -83,7 +83,7 @@ from ...envvars import getenv
 from ...formats import PackFormat
 from ..buffers import capturing as graph_capturing
 from ..buffers import carve
-from ..splits import CTA_OVERHEAD_TILES, plan_kv_splits
+from ..splits import CTA_OVERHEAD_TILES, PiecePlan, plan_kv_splits, plan_pieces, rounds
 from . import (
     ATTN_TILE,
     ATTN_WARPS,
@@ -165,6 +165,21 @@ V6_THREADS = 256
 V6_PLAN_PROTECTED = False
 #: whether ``QUANTMLA_CUPY_V6_PAIR=auto`` pairs v6's CTAs where the row chunks come in pairs (:func:`v6_pairs`)
 V6_PAIR_AUTO = False
+#: v6's default ``QUANTMLA_CUPY_V6_BALANCE`` (:class:`V6Knobs` ``balance``): ``auto`` launches a balanced plan (pieces
+#: of requests cut so that every SM gets as many tiles; ``backends/splits.py``'s :func:`plan_pieces`) for the content
+#: bits in :data:`V6_BALANCE_CONTENT_BITS` where its simulated schedule beats equal splits per request
+V6_BALANCE = "auto"
+#: the content bits ``auto`` balances. H200, H128, CUDA graphs, stop 35, against equal splits planned with
+#: :data:`V6_CTA_OVERHEAD_TILES`: C2R4 2.3-2.4 % faster at B128 L32K and B32 L128K, equal at B32 L32K and B8 L128K;
+#: C4R4 1.7-5.2 % slower everywhere (its piece-table build holds more than 255 registers' worth and spills in the
+#: tile loops)
+V6_BALANCE_CONTENT_BITS = (2,)
+#: v6's fixed work per CTA in tile-times for its split plans (the queries' load, the first tile's dequantization
+#: before any QK, a 64 x 512 float32 partial written and read back). H200, H128, CUDA graphs, stop 35: with 1 (v2's
+#: value) B32 L128K split 35 ways (2,240 CTAs) and took 2,583 us (C4R4) / 2,396 (C2R4), with 4 or 8 two ways,
+#: 2,346-2,350 / 2,127-2,129; B8 L128K 654 -> 593-603 (C4R4); 8 and 4 planned alike but for B8 L128K (8 splits
+#: against 41), and every shape from 4K to 32K tokens planned as with 1
+V6_CTA_OVERHEAD_TILES = 8.0
 #: v6's defaults of :class:`V6Knobs` ``pv_at`` and ``page_ahead``
 V6_PV_AT = 3
 V6_PAGE_AHEAD = False
@@ -551,20 +566,23 @@ def v6_rope_fold(fmt: PackFormat, pair: bool = False, rope_fold: bool | None = N
 
 def v6_defines(fmt: PackFormat, index64: bool = True, pv_at: int = V6_PV_AT, page_ahead: bool = V6_PAGE_AHEAD,
                protected: bool = True, pair: bool = False, slack: bool = V6_SLACK,
-               rope_fold: bool | None = None) -> dict[str, int]:
+               rope_fold: bool | None = None, pieces: bool = False) -> dict[str, int]:
     """``-D`` defines of ``kernels/attention_v6.cu`` (bfloat16 queries; an sm_90a build,
     :data:`V4_WGMMA_ARCH`). ``index64``: int64 seq_lens / seq_ids (else int32); ``pv_at``, ``page_ahead``,
     ``protected`` (the sink/local tokens as the kernel's own tiles), ``pair`` (two-CTA clusters sharing
     each key tile), ``slack`` (a reference maximum per row that moves by more than :data:`V6_MAX_SLACK` only) and
     ``rope_fold`` (the RoPE scale applied to each score once; None: :func:`v6_rope_fold`'s default; True is refused
-    with ``pair``): :class:`V6Knobs`."""
+    with ``pair``): :class:`V6Knobs`; ``pieces``: each CTA's work from a balanced plan's piece table (:func:`v6_balanced`;
+    refused with ``pair``)."""
     if pair and rope_fold:
         raise ValueError("v6 pair builds do not fold the RoPE scale: rope_fold=True needs pair=False")
+    if pair and pieces:
+        raise ValueError("v6 pair builds take equal splits: pieces=True needs pair=False")
     fold = v6_rope_fold(fmt, pair, rope_fold)
     d = attention_defines(fmt, "bfloat16", index64)
     d.update(QMLA_V6_SMEM=v6_smem_bytes(fmt, pair, fold), QMLA_V6_PV_AT=pv_at, QMLA_V6_PAGE_AHEAD=int(page_ahead),
              QMLA_V6_PROTECTED=int(protected), QMLA_V6_PAIR=int(pair), QMLA_V6_MAX_SLACK=V6_MAX_SLACK if slack else 0,
-             QMLA_V6_ROPE_FOLD=int(fold))
+             QMLA_V6_ROPE_FOLD=int(fold), QMLA_V6_PIECES=int(pieces))
     return d
 
 
@@ -842,6 +860,10 @@ class SplitPlan:
     combine: object
     per: int
     slots: int
+    #: arguments the split kernel (the first launch) takes after the shared list: v6's (piece table, tiles per request)
+    extra_args: tuple = ()
+    #: what the launches read and the plan keeps alive: v6's piece table (a device tensor)
+    keep: tuple = ()
 
 
 def v2_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool,
@@ -1132,7 +1154,8 @@ class V6Knobs:
     move a row's reference maximum only when a score passes it by :data:`V6_MAX_SLACK`; ``rope_fold``
     (``QUANTMLA_CUPY_V6_ROPE_FOLD``, ``auto`` (default: None, :data:`V6_ROPE_FOLD_CONTENT_BITS`), ``0`` or ``1``):
     multiply each score's RoPE part by the token's scale instead of dequantizing each RoPE value (pair builds never
-    fold)."""
+    fold); ``balance`` (``QUANTMLA_CUPY_V6_BALANCE``, ``auto`` (default, :data:`V6_BALANCE`), ``0`` or ``1``): plan every
+    CTA the same number of tiles, runs crossing from one request or row chunk into the next (:func:`v6_balanced`)."""
 
     min_tiles: int = V2_MIN_TILES_PER_SPLIT
     pv_at: int = V6_PV_AT
@@ -1142,6 +1165,7 @@ class V6Knobs:
     pair: str = "auto"
     slack: bool = V6_SLACK
     rope_fold: bool | None = None
+    balance: str = V6_BALANCE
 
     @staticmethod
     def from_env() -> "V6Knobs":
@@ -1152,7 +1176,8 @@ class V6Knobs:
                        bool(_env_int("QUANTMLA_CUPY_PLAN_PROTECTED", int(V6_PLAN_PROTECTED), (0, 1))),
                        _env_choice("QUANTMLA_CUPY_V6_PAIR", "auto", ("auto", "0", "1")),
                        bool(_env_int("QUANTMLA_CUPY_V6_SLACK", int(V6_SLACK), (0, 1))),
-                       _env_auto_bool("QUANTMLA_CUPY_V6_ROPE_FOLD"))
+                       _env_auto_bool("QUANTMLA_CUPY_V6_ROPE_FOLD"),
+                       _env_choice("QUANTMLA_CUPY_V6_BALANCE", V6_BALANCE, ("auto", "0", "1")))
 
 
 def v6_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool,
@@ -1160,24 +1185,75 @@ def v6_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
     """The launch plan of kernel v6 (64 query rows per CTA, an attending and a dequantizing warpgroup):
     one launch, one partial per CTA; the sink/local tokens are the last tiles of one split per row chunk
     (``stage.cuh``'s ``qmla_protected_split``), so there is no protected-only launch (but with
-    ``knobs.separate``)."""
+    ``knobs.separate``). Equal splits per request, or a balanced plan's pieces (:func:`v6_balanced`), the
+    table's build of the kernel reading each CTA's piece from a device table the plan keeps."""
     key = ("v6", fmt, dev, sm_count, batch, rows, max_pages, no_prot, knobs, sink, local, index64)
     plan = _PLANS.get(key)
     if plan is None:
         pair = v6_pairs(knobs.pair, rows)
         fold = v6_rope_fold(fmt, pair, knobs.rope_fold)
-        attn, smem = _split_kernel(("v6", fmt, dev, index64, knobs.pv_at, knobs.page_ahead, knobs.separate, pair,
-                                    knobs.slack, fold), "v6",
-                                   dev, v6_smem_bytes(fmt, pair, fold),
-                                   lambda: v6_defines(fmt, index64, knobs.pv_at, knobs.page_ahead, not knobs.separate,
-                                                      pair, knobs.slack, fold),
-                                   V4_WGMMA_ARCH)
+        attn, smem = _v6_kernel(fmt, dev, index64, knobs, pair, fold, False)
         # the kernel attends to the sink/local tokens itself unless knobs.separate: no protected-only launch
         own = _own_protected_tiles(no_prot, knobs, sink, local, V6_TILE)
-        plan = _packed_split_plan(key, attn, smem, V6_THREADS, V6_TILE, 1, fmt, dev, sm_count, batch, rows, max_pages,
-                                  no_prot or not knobs.separate, knobs.min_tiles, sink, local, index64,
-                                  rows_per_cta=V6_ROWS, own_protected_tiles=own, chunk_multiple=2 if pair else 1)
+        chunks = -(-rows // V6_ROWS)
+        chunks += chunks % 2 if pair else 0
+        unit_tiles = -(-(max(1, max_pages) * fmt.page_size) // V6_TILE) + own
+        resident = resident_ctas(attn, V6_THREADS, smem, dev, sm_count)
+        balanced = v6_balanced(fmt, knobs, pair, batch, chunks, unit_tiles, resident)
+        if balanced is not None and not graph_capturing():
+            # entry e: blockIdx.x / chunks (the kernel's v6_piece); int4 rows
+            table = _device_table(balanced.pieces, dev)
+            attn, smem = _v6_kernel(fmt, dev, index64, knobs, pair, fold, True)
+            plan = SplitPlan(((attn, (len(balanced.pieces) * chunks, 1), (V6_THREADS,), smem),),
+                             _combine_kernel(fmt, dev), balanced.per, balanced.slots,
+                             (np.uint64(table.data_ptr()), np.int32(unit_tiles)), (table,))
+        else:
+            plan = _packed_split_plan(key, attn, smem, V6_THREADS, V6_TILE, 1, fmt, dev, sm_count, batch, rows,
+                                      max_pages, no_prot or not knobs.separate, knobs.min_tiles, sink, local, index64,
+                                      V6_CTA_OVERHEAD_TILES, rows_per_cta=V6_ROWS, own_protected_tiles=own,
+                                      chunk_multiple=2 if pair else 1)
+            plan = replace(plan, extra_args=(np.uint64(0), np.int32(unit_tiles)))
+        with _CACHE_LOCK:
+            if balanced is not None and graph_capturing():
+                _PLANS.pop(key, None)  # the piece table cannot be uploaded under capture: plan it at the next call
+            else:
+                _PLANS[key] = plan
     return plan
+
+
+def _v6_kernel(fmt: PackFormat, dev: int, index64: bool, knobs: V6Knobs, pair: bool, fold: bool, pieces: bool):
+    """Compiled ``qmla_attn_v6`` (cached) for a call's knobs and its dynamic shared memory (:func:`v6_defines`)."""
+    return _split_kernel(("v6", fmt, dev, index64, knobs.pv_at, knobs.page_ahead, knobs.separate, pair, knobs.slack,
+                          fold, pieces), "v6", dev, v6_smem_bytes(fmt, pair, fold),
+                         lambda: v6_defines(fmt, index64, knobs.pv_at, knobs.page_ahead, not knobs.separate, pair,
+                                            knobs.slack, fold, pieces),
+                         V4_WGMMA_ARCH)
+
+
+def _device_table(rows: tuple, dev: int) -> torch.Tensor:
+    """``rows`` (equal-length int tuples) as an int32 [len(rows), width] tensor on CUDA device ``dev``."""
+    return torch.tensor(rows, dtype=torch.int32, device=torch.device("cuda", dev))
+
+
+def v6_balanced(fmt: PackFormat, knobs: V6Knobs, pair: bool, batch: int, chunks: int, unit_tiles: int, resident: int
+                ) -> PiecePlan | None:
+    """v6's balanced plan of ``batch`` requests of ``unit_tiles`` tiles and ``chunks`` 64-row chunks each on a GPU
+    running ``resident`` v6 CTAs at once, or None for equal splits per request: ``knobs.balance`` ``0``, a pair
+    build or ``knobs.separate`` (their kernels take equal splits), or with ``auto`` content bits outside
+    :data:`V6_BALANCE_CONTENT_BITS` or a balanced plan whose simulated schedule (:func:`plan_pieces`) is no shorter
+    than the equal splits' (:func:`plan_splits_v2`'s cost)."""
+    if knobs.balance == "0" or pair or knobs.separate:
+        return None
+    if knobs.balance == "auto" and fmt.content_bits not in V6_BALANCE_CONTENT_BITS:
+        return None
+    groups = max(1, resident // chunks)
+    balanced = plan_pieces(batch, unit_tiles, groups, V6_CTA_OVERHEAD_TILES)
+    if knobs.balance == "auto":
+        splits, per = plan_splits_v2(batch, chunks, unit_tiles * V6_TILE, resident, knobs.min_tiles, V6_TILE,
+                                     V6_CTA_OVERHEAD_TILES)
+        if balanced.cost >= rounds(batch * chunks * splits, resident) * (per + V6_CTA_OVERHEAD_TILES):
+            return None
+    return balanced
 
 
 def _kernel_input(name: str, x: torch.Tensor, dtype: torch.dtype, capturing: bool) -> torch.Tensor:
@@ -1313,6 +1389,7 @@ class SplitCall:
                 o_ptr, ml_ptr) + self.scalars
         stream = external_stream(dev)
         launches = plan.launches
+        split_args = args + plan.extra_args
         side = None
         if len(launches) > 1 and protected_on_side_stream(self.side_default or capturing):
             # fork: the protected-only launch runs beside the split kernel (captured as a parallel
@@ -1321,7 +1398,9 @@ class SplitCall:
             for fn, grid, block, smem in launches[1:]:
                 launch(fn, grid, block, args, dev, smem, stream=external_stream(dev, side))
             launches = launches[:1]
-        for fn, grid, block, smem in launches:
+        fn, grid, block, smem = launches[0]
+        launch(fn, grid, block, split_args, dev, smem, stream=stream)
+        for fn, grid, block, smem in launches[1:]:
             launch(fn, grid, block, args, dev, smem, stream=stream)
         if side is not None:
             _join_side_stream(dev, side)

@@ -65,6 +65,12 @@
 // only, for the launcher's protected-only launch (QUANTMLA_CUPY_V6_PROTECTED=separate, a measurement knob)
 #define QMLA_V6_PROTECTED 1
 #endif
+#ifndef QMLA_V6_PIECES
+// 1: each CTA takes its piece of work from the launcher's piece table (a balanced plan, QUANTMLA_CUPY_V6_BALANCE);
+// 0: equal splits, split blockIdx.y of request blockIdx.x / (row chunks). Two builds, so that the equal splits' code
+// is the kernel as it was before the table (C4R4 at 255 registers: one build serving both spilled more, 4 % slower)
+#define QMLA_V6_PIECES 0
+#endif
 #ifndef QMLA_V6_PAIR
 // 1: the two CTAs of a cluster (row chunks 2 c and 2 c + 1 of a request; the launcher pads the chunks to an even
 // count) share each packed key tile: each dequantizer converts half of its tokens and stores them into both CTAs'
@@ -597,12 +603,27 @@ __device__ __forceinline__ u32 v6_parity(int j) { return (u32)(j >> 1) & 1u; }
 // O[64 rows][this warpgroup's half of d_c] += P K (A = P, K-major; B = the key tile read MN-major)
 __device__ __forceinline__ void v6_pv(float (&acc)[DC / 16][4], u64 dp, u64 dv) { wgmma_pv_rows64<DC / 16, T / 16>(acc, dp, dv); }
 
+// The CTA's piece of work (see qmla_attn_v6): from the piece table (QMLA_V6_PIECES), or with equal splits split
+// blockIdx.y of request blockIdx.x / nchk. The table entry is read by an instruction the compiler may not merge with
+// another read, so that the kernel reads it again at its end instead of keeping it across the tiles.
+__device__ __forceinline__ int4 v6_piece(const int4* __restrict__ pieces, int nchk, int tiles_per_split) {
+    if (!QMLA_V6_PIECES) {
+        return make_int4((int)blockIdx.x / nchk, (int)blockIdx.y * tiles_per_split, ((int)blockIdx.y + 1) * tiles_per_split,
+                         (int)blockIdx.y);
+    }
+    int4 e;
+    asm volatile("ld.global.nc.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(e.x), "=r"(e.y), "=r"(e.z), "=r"(e.w) : "l"(pieces + blockIdx.x / nchk));
+    return e;
+}
+
 extern "C" __global__ void V6_CLUSTER __launch_bounds__(NTH, 1) qmla_attn_v6(
     const u16* __restrict__ q_lat, const u16* __restrict__ q_rope, const u8* __restrict__ pages,
     const u16* __restrict__ sink_buf, const u16* __restrict__ local_buf, const int* __restrict__ block_table,
     const qmla_index_t* __restrict__ seq_lens, const qmla_index_t* __restrict__ seq_ids, float* __restrict__ o_part,
     float2* __restrict__ ml_part, int S_q, int H, int max_pages, int bt_stride, int num_pages, int max_seqs,
-    int sink, int local, int tiles_per_split, int num_splits, float scale_log2) {
+    int sink, int local, int tiles_per_split, int num_splits, float scale_log2, const int4* __restrict__ pieces,
+    int unit_tiles) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     u8* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);  // the swizzle needs 1024-byte tiles
     float* al_s = (float*)(smem + AL_OFF);
@@ -620,21 +641,30 @@ extern "C" __global__ void V6_CLUSTER __launch_bounds__(NTH, 1) qmla_attn_v6(
     // pair builds: an even number of row chunks (the last one past R where R needs an odd number: its rows are
     // zeros and it stores nothing, but it dequantizes its half of the tiles for its peer)
     const int NCHK = QMLA_V6_PAIR ? 2 * ((R + 2 * RT - 1) / (2 * RT)) : (R + RT - 1) / RT;
-    const int b = blockIdx.x / NCHK, rbase = (blockIdx.x % NCHK) * RT;
+    // The CTA's piece of work: request pc.x's tiles [pc.y, pc.z) of 64 tokens, as partial pc.w & 0xffff of its rows.
+    // Equal splits: split blockIdx.y. A balanced plan (QMLA_V6_PIECES, the launcher's v6_balanced): entry blockIdx.x / NCHK
+    // of the piece table, whose row chunks run side by side (reading the same codes, the second from L2); bit 16 of
+    // pc.w marks the request's last piece.
+    const int4 pc = v6_piece(pieces, NCHK, tiles_per_split);
+    const int b = pc.x, rbase = (blockIdx.x % NCHK) * RT;
     const int L = (int)seq_lens[b];
     const i64 sid = seq_ids[b];
     const bool sid_ok = sid >= 0 && sid < max_seqs;
     // packed tokens: [keep_lo, keep_hi) = [sink_end, local_start), between the sink and the local window
     const int keep_lo = sid_ok ? min(sink, L) : 0;
     const int keep_hi = (sid_ok && local > 0) ? max(keep_lo, L - local) : L;
-    const int split = blockIdx.y;
+    const int split = pc.w & 0xffff;
     V6Span sp;
-    sp.t_begin = max(split * tiles_per_split * T, keep_lo / T * T);
-    const int t_end = min(keep_hi, (split + 1) * tiles_per_split * T);
+    sp.t_begin = max(pc.y * T, keep_lo / T * T);
+    const int t_end = min(keep_hi, pc.z * T);
     sp.np = sp.t_begin < t_end ? (t_end - sp.t_begin + T - 1) / T : 0;
     sp.keep_lo = keep_lo, sp.keep_hi = keep_hi, sp.L = L;
+    // the sink/local tiles: with equal splits in stage.cuh's qmla_protected_split, in a balanced plan in the piece
+    // holding the tile after the last packed one (or the request's last tile)
+    const int prot_tile = keep_hi > keep_lo ? min((keep_hi - 1) / T + 1, unit_tiles - 1) : 0;
     const bool prot = QMLA_V6_PROTECTED && sid_ok &&
-                      split == qmla_protected_split(keep_lo, keep_hi, tiles_per_split, T, (int)gridDim.y);
+                      (QMLA_V6_PIECES ? pc.y <= prot_tile && prot_tile < pc.z
+                                         : split == qmla_protected_split(keep_lo, keep_hi, tiles_per_split, T, (int)gridDim.y));
     sp.ns = prot ? (keep_lo + T - 1) / T : 0;
     sp.nl = prot && keep_hi < L ? (L - 1) / T - keep_hi / T + 1 : 0;
     const int ntiles = sp.np + sp.ns + sp.nl;
@@ -911,11 +941,17 @@ extern "C" __global__ void V6_CLUSTER __launch_bounds__(NTH, 1) qmla_attn_v6(
         *(float2*)(ot + (rw0 + 8) * OT_STRIDE + ch) = make_float2(acc[n][2], acc[n][3]);
     }
     __syncthreads();
+    const int4 pe = v6_piece(pieces, NCHK, tiles_per_split);  // read again: kept from the start, C4R4 spilled
+    const int slot = pe.w & 0xffff;
     if (tid < RT && rbase + tid < R) {
-        ml_part[((i64)b * R + rbase + tid) * num_splits + split] = make_float2(red[tid], red[RT + tid]);
+        ml_part[((i64)pe.x * R + rbase + tid) * num_splits + slot] = make_float2(red[tid], red[RT + tid]);
+        // a balanced plan gives requests different numbers of pieces: the last marks the slots past its own empty
+        for (int k = slot + 1; (pe.w >> 16) != 0 && k < num_splits; ++k) {
+            ml_part[((i64)pe.x * R + rbase + tid) * num_splits + k] = make_float2(-QMLA_INF, 0.0f);
+        }
     }
 #pragma unroll
     for (int j = 0; j < RT / 16; ++j) {
-        qmla_store_partial_rows(o_part, ot + 16 * j * OT_STRIDE, b, R, rbase + 16 * j, num_splits, split, tid);
+        qmla_store_partial_rows(o_part, ot + 16 * j * OT_STRIDE, pe.x, R, rbase + 16 * j, num_splits, slot, tid);
     }
 }
