@@ -87,18 +87,55 @@ def _flat(name: str) -> str:
     return " ".join((KERNEL_DIR / name).read_text().split())
 
 
+def attended_pieces(L: int, sink: int, local: int, sid_ok: bool, pieces: list[tuple[int, int]],
+                    unit_tiles: int, clamp: bool = True) -> Counter:
+    """v6 with a balanced plan's pieces (``pieces``: one request's (first tile, end tile), covering
+    [0, unit_tiles)): how often each token is attended to. The sink/local tiles go to the piece holding the tile
+    after the last packed one, or the request's last tile (``clamp`` False drops that clamp: a negative control)."""
+    keep_lo = min(sink, L) if sid_ok else 0
+    keep_hi = max(keep_lo, L - local) if sid_ok and local > 0 else L
+    after = (keep_hi - 1) // T + 1
+    prot_tile = (min(after, unit_tiles - 1) if clamp else after) if keep_hi > keep_lo else 0
+    seen: Counter = Counter()
+    for lo, hi in pieces:
+        t_begin, t_end = max(lo * T, keep_lo // T * T), min(keep_hi, hi * T)
+        for t0 in range(t_begin, t_end, T):
+            seen.update(n for n in range(t0, t0 + T) if keep_lo <= n < keep_hi)
+        if sid_ok and lo <= prot_tile < hi:
+            seen.update(range(0, keep_lo))
+            seen.update(range(keep_hi, L))
+    return seen
+
+
+@pytest.mark.parametrize("sink,local", PROTECTION)
+def test_every_token_attended_once_in_pieces(sink, local):
+    """Balanced plans (backends/splits.py's plan_pieces) cut requests anywhere, and a request may be shorter
+    than the block table the plan was made for: still every token once, the protected ones in one piece."""
+    from quantmla_core.backends.splits import plan_pieces
+
+    for L, sid_ok in itertools.product(LENGTHS, (True, False)):
+        for extra_tiles, requests, groups in ((0, 3, 2), (1, 3, 7), (5, 2, 5), (0, 1, 3)):
+            unit_tiles = max(1, -(-L // T)) + extra_tiles
+            pieces = [(p[1], p[2]) for p in plan_pieces(requests, unit_tiles, groups).pieces if p[0] == 0]
+            seen = attended_pieces(L, sink, local, sid_ok, pieces, unit_tiles)
+            assert sorted(seen) == list(range(L)) and set(seen.values()) == {1}, (L, sid_ok, pieces)
+    # negative control: without the clamp, a request that fills the table (its last packed tile the table's last)
+    # loses its sink and local tokens
+    lost = attended_pieces(4 * T, 4, 16, True, [(0, 2), (2, 4)], 4, clamp=False)
+    assert sorted(lost) != list(range(4 * T))
+
+
 def test_model_matches_kernel_sources():
     """Pin the expressions this model encodes to the kernel texts."""
     stage = _flat("stage.cuh")
     assert "const int last = keep_hi > keep_lo ? (keep_hi - 1) / (tiles_per_split * tile) : -1; " \
            "return min(last + 1, splits - 1);" in stage
     common = ("const int keep_lo = sid_ok ? min(sink, L) : 0;",
-              "const int keep_hi = (sid_ok && local > 0) ? max(keep_lo, L - local) : L;",
-              "max(split * tiles_per_split * T, keep_lo / T * T);",
-              "const int t_end = min(keep_hi, (split + 1) * tiles_per_split * T);",
-              "qmla_protected_split(keep_lo, keep_hi, tiles_per_split, T, (int)gridDim.y);")
+              "const int keep_hi = (sid_ok && local > 0) ? max(keep_lo, L - local) : L;")
     v5 = _flat("attention_v5.cu")
-    for expr in common + (
+    for expr in common + ("max(split * tiles_per_split * T, keep_lo / T * T);",
+                          "const int t_end = min(keep_hi, (split + 1) * tiles_per_split * T);",
+                          "qmla_protected_split(keep_lo, keep_hi, tiles_per_split, T, (int)gridDim.y);") + (
         "const int np = t_begin < t_end ? (t_end - t_begin + T - 1) / T : 0;",
         "const int ns = prot ? (keep_lo + T - 1) / T : 0;",
         "const int nl = (prot && keep_hi < L) ? (L - 1) / T - keep_hi / T + 1 : 0;",
@@ -116,6 +153,14 @@ def test_model_matches_kernel_sources():
         assert expr in v5, f"attention_v5.cu no longer contains: {expr}"
     v6 = _flat("attention_v6.cu")
     for expr in common + (
+        # a CTA's piece: equal splits (split blockIdx.y of its request) or a piece-table entry
+        "return make_int4((int)blockIdx.x / nchk, (int)blockIdx.y * tiles_per_split, "
+        "((int)blockIdx.y + 1) * tiles_per_split, (int)blockIdx.y);",
+        "sp.t_begin = max(pc.y * T, keep_lo / T * T);",
+        "const int t_end = min(keep_hi, pc.z * T);",
+        "const int prot_tile = keep_hi > keep_lo ? min((keep_hi - 1) / T + 1, unit_tiles - 1) : 0;",
+        "(QMLA_V6_PIECES ? pc.y <= prot_tile && prot_tile < pc.z "
+        ": split == qmla_protected_split(keep_lo, keep_hi, tiles_per_split, T, (int)gridDim.y));",
         "sp.np = sp.t_begin < t_end ? (t_end - sp.t_begin + T - 1) / T : 0;",
         "sp.ns = prot ? (keep_lo + T - 1) / T : 0;",
         "sp.nl = prot && keep_hi < L ? (L - 1) / T - keep_hi / T + 1 : 0;",

@@ -21,6 +21,8 @@ from quantmla_core.backends.cupy.attention import (
     V2_MIN_TILES_PER_SPLIT,
     V4_WGMMA_ARCH,
     VARIANT_ENV,
+    V6_BALANCE,
+    V6_BALANCE_CONTENT_BITS,
     V6_MAX_SLACK,
     V6_PAIR_AUTO,
     V6_ROPE_FOLD_CONTENT_BITS,
@@ -29,6 +31,7 @@ from quantmla_core.backends.cupy.attention import (
     protected_ctas,
     select_variant,
     smem_per_block,
+    v6_balanced,
     v6_defines,
     v6_pairs,
     v6_rope_fold,
@@ -300,7 +303,9 @@ def test_v6_launches_match_kernel_signatures(monkeypatch, h, s_q, prot):
     local tokens inside, no protected-only launch), then the combine."""
     launches, _kernels, fmt, b = _run_v2_stubbed(monkeypatch, h, s_q, prot, {}, variant="v6", pages_per=9, length=500)
     params = _kernel_params("attention_v6.cu", "qmla_attn_v6")
-    assert params == _kernel_params("attention_v3.cu", "qmla_attn_v3")  # one argument list for all split kernels
+    # the split kernels' argument list, then v6's piece table (null: equal splits) and tiles per request
+    assert params == _kernel_params("attention_v3.cu", "qmla_attn_v3") + ["const int4* __restrict__ pieces",
+                                                                          "int unit_tiles"]
     (attn, grid, block, args, smem), _stream = launches.of("qmla_attn_v6")
     assert attn.source == "attention_v6.cu" and attn.arch == "sm_90a"
     assert len(args) == len(params)
@@ -318,7 +323,52 @@ def test_v6_launches_match_kernel_signatures(monkeypatch, h, s_q, prot):
     assert kernels == ["qmla_attn_v6", "qmla_combine"] and slots == splits
     assert int(args[params.index("int sink")]) == (4 if prot else 0)
     assert int(args[params.index("int local")]) == (128 if prot else 0)
+    assert int(args[params.index("const int4* __restrict__ pieces")]) == 0 and attn.defines["QMLA_V6_PIECES"] == 0
+    assert int(args[params.index("int unit_tiles")]) == 9
     assert launches[-1][0].kernel == "qmla_combine" and int(launches[-1][3][-1]) == slots
+
+
+@pytest.mark.parametrize("h,s_q,prot,length", [(128, 1, True, 500), (64, 1, False, 576), (20, 4, True, 300)])
+def test_v6_balanced_launch(monkeypatch, h, s_q, prot, length):
+    """QUANTMLA_CUPY_V6_BALANCE=1: the piece-table build, one CTA per piece and row chunk (a 1-D grid), the table
+    the plan keeps passed by address, the combine over the plan's slots; under CUDA-graph capture (where the table
+    cannot be uploaded) the equal splits, not cached, so that the next call plans the table."""
+    launches, _kernels, fmt, b = _run_v2_stubbed(monkeypatch, h, s_q, prot, {"QUANTMLA_CUPY_V6_BALANCE": "1"},
+                                                 variant="v6", pages_per=9, length=length)
+    params = _kernel_params("attention_v6.cu", "qmla_attn_v6")
+    (attn, grid, _block, args, _smem), _stream = launches.of("qmla_attn_v6")
+    chunks = -(-(h * s_q) // 64)
+    (plan,) = cupy_attention._PLANS.values()
+    (table,) = plan.keep
+    assert attn.defines["QMLA_V6_PIECES"] == 1 and grid == (table.shape[0] * chunks, 1)
+    assert int(args[params.index("const int4* __restrict__ pieces")]) == table.data_ptr()
+    assert int(args[params.index("int unit_tiles")]) == 9 and int(args[params.index("int num_splits")]) == plan.slots
+    assert table.dtype == torch.int32 and table.shape[1] == 4
+    assert sorted(int(x) for x in table[:, 0].unique()) == list(range(b))
+    assert int(launches[-1][3][-1]) == plan.slots
+    launches, *_ = _run_v2_stubbed(monkeypatch, h, s_q, prot, {"QUANTMLA_CUPY_V6_BALANCE": "1"}, variant="v6",
+                                   pages_per=9, length=length, capturing=True)
+    (attn, grid, _block, args, _smem), _stream = launches.of("qmla_attn_v6")
+    assert attn.defines["QMLA_V6_PIECES"] == 0 and grid[1] >= 1 and not cupy_attention._PLANS
+    assert int(args[params.index("const int4* __restrict__ pieces")]) == 0
+
+
+def test_v6_balance_auto_rule():
+    """auto balances C2R4 only (stop 35: C4R4's piece-table build ran slower), and only where the pieces' simulated
+    schedule beats equal splits: not at 4K tokens, yes at B32 L128K on 132 SMs; 0 never, 1 wherever allowed; pair
+    and separate builds never."""
+    c4, c2 = qm.PackFormat.parse("C4R4"), qm.PackFormat.parse("C2R4")
+    auto, force, off = V6Knobs(), V6Knobs(balance="1"), V6Knobs(balance="0")
+    assert V6_BALANCE == "auto" and V6_BALANCE_CONTENT_BITS == (2,)
+    assert v6_balanced(c2, auto, False, 32, 2, 2048, 132) is not None
+    assert v6_balanced(c2, auto, False, 32, 2, 64, 132) is None
+    assert v6_balanced(c4, auto, False, 32, 2, 2048, 132) is None
+    assert v6_balanced(c4, force, False, 32, 2, 64, 132) is not None
+    assert v6_balanced(c2, off, False, 32, 2, 2048, 132) is None
+    assert v6_balanced(c2, force, True, 32, 2, 2048, 132) is None
+    assert v6_balanced(c2, V6Knobs(separate=True, balance="1"), False, 32, 2, 2048, 132) is None
+    with pytest.raises(ValueError, match="pieces=True needs pair=False"):
+        v6_defines(c2, pair=True, pieces=True)
 
 
 def test_v6_knobs(monkeypatch):
@@ -337,10 +387,13 @@ def test_v6_knobs(monkeypatch):
     assert V6Knobs.from_env() == V6Knobs(4, 1, True, True, pair="1", slack=not V6_SLACK, rope_fold=False)
     monkeypatch.setenv("QUANTMLA_CUPY_V6_ROPE_FOLD", "auto")
     assert V6Knobs.from_env().rope_fold is None
+    monkeypatch.setenv("QUANTMLA_CUPY_V6_BALANCE", "1")
+    assert V6Knobs.from_env().balance == "1"
+    monkeypatch.delenv("QUANTMLA_CUPY_V6_BALANCE")
     for env, bad in (("QUANTMLA_CUPY_V2_MIN_TILES", "3"), ("QUANTMLA_CUPY_V6_PV_AT", "4"),
                      ("QUANTMLA_CUPY_V6_PAGE_AHEAD", "2"), ("QUANTMLA_CUPY_V6_PROTECTED", "in"),
                      ("QUANTMLA_CUPY_V6_PAIR", "2"), ("QUANTMLA_CUPY_V6_SLACK", "8"),
-                     ("QUANTMLA_CUPY_V6_ROPE_FOLD", "yes")):
+                     ("QUANTMLA_CUPY_V6_ROPE_FOLD", "yes"), ("QUANTMLA_CUPY_V6_BALANCE", "2")):
         monkeypatch.setenv(env, bad)
         with pytest.raises(ValueError, match=env):
             V6Knobs.from_env()

@@ -5,7 +5,7 @@ import math
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from quantmla_core.backends.splits import CTA_OVERHEAD_TILES, plan_kv_splits, rounds, search_limit
+from quantmla_core.backends.splits import CTA_OVERHEAD_TILES, list_schedule, plan_kv_splits, plan_pieces, rounds, search_limit
 
 
 def test_rounds():
@@ -47,3 +47,41 @@ def test_overhead_tiles_steers_away_from_many_small_splits():
     assert plan_kv_splits(32, 2048, 132, 2, None, 2.0) == (4, 512)
     assert plan_kv_splits(32, 512, 132, 2, None, 2.0) == plan_kv_splits(32, 512, 132, 2)  # L32K unchanged
 
+
+
+def test_list_schedule():
+    """Jobs go, in order, to whichever worker frees first."""
+    assert list_schedule([3, 3, 2, 2, 2], 2) == 7.0  # 3 | 3, then 5 | 5, then 7 | 5
+    assert list_schedule([4, 1, 1, 1, 1], 2) == 4.0
+    assert list_schedule([1, 1, 4], 2) == 5.0  # the long job last waits for a free worker
+    assert list_schedule([], 3) == 0.0
+
+
+@given(st.integers(1, 40), st.integers(1, 3000), st.integers(1, 140))
+def test_pieces_cover_every_tile_once(requests, unit_tiles, groups):
+    """plan_pieces: each request's pieces partition [0, unit_tiles), numbered 0.. in token order with the last
+    flagged; at most ``slots`` per request; launched longest first; the schedule no shorter than a perfect share."""
+    plan = plan_pieces(requests, unit_tiles, groups)
+    by_request: dict[int, list] = {}
+    for b, lo, hi, word in plan.pieces:
+        assert 0 <= lo < hi <= unit_tiles and hi - lo <= plan.per
+        by_request.setdefault(b, []).append((lo, hi, word & 0xFFFF, word >> 16))
+    assert sorted(by_request) == list(range(requests))
+    for parts in by_request.values():
+        parts.sort()
+        assert [p[2] for p in parts] == list(range(len(parts))) and len(parts) <= plan.slots
+        assert parts[0][0] == 0 and parts[-1][1] == unit_tiles and [p[3] for p in parts] == [0] * (len(parts) - 1) + [1]
+        assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
+    assert plan.slots == max(len(p) for p in by_request.values())
+    lengths = [hi - lo for _b, lo, hi, _w in plan.pieces]
+    assert lengths == sorted(lengths, reverse=True)
+    assert plan.cost >= requests * unit_tiles / groups
+
+
+@pytest.mark.parametrize("requests,unit_tiles,groups,makespan", [
+    (32, 512, 66, 251.0),     # H128 B32 L32K on 132 SMs (66 pairs of row chunks): equal splits take 256 + 1
+    (32, 2048, 66, 995.0),    # B32 L128K: 993 tiles a run, two pieces where a run crosses a request
+    (8, 512, 66, 64.0),
+])
+def test_known_piece_plans(requests, unit_tiles, groups, makespan):
+    assert plan_pieces(requests, unit_tiles, groups).cost == makespan
