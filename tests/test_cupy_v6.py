@@ -89,6 +89,16 @@ V6_SLACK_FOLD_BUILDS = [(name, dc, dr, 64, page, 3, False, False, slack, fold)
 V6_FOLD_SPILL_BYTES = (8, 24)
 
 
+#: the piece-table builds (QMLA_V6_PIECES: balanced plans): C2R4, which QUANTMLA_CUPY_V6_BALANCE=auto balances, C4R4,
+#: which =1 may, and d_c 256: (format, d_c, d_r, group size, page size)
+V6_PIECES_BUILDS = [("C2R4", 512, 64, 64, 64), ("C4R4", 512, 64, 64, 64), ("C2R4", 256, 32, 32, 64)]
+#: bytes C4R4's piece-table build at d_c 512 may spill (stack and stores, loads): at 255 registers with the RoPE fold,
+#: ptxas keeps a few more words in local memory than the equal-splits build (offline SASS of stop 35: 20 / 72; three
+#: loads a tile in the attender's loop, one in the dequantizer's); the H200 ran it 1.7-5.2 % slower, so auto does not
+#: balance C4R4 (V6_BALANCE_CONTENT_BITS)
+V6_PIECES_SPILL_BYTES = (24, 80)
+
+
 def _v6_knobs(v: tuple) -> tuple[qm.PackFormat, int, bool, bool, bool, bool | None]:
     """A build tuple's format and knobs (pv_at, page_ahead, pair, slack, fold; unnamed ones the defaults)."""
     name, dc, dr, gs, page, *knobs = v
@@ -181,6 +191,32 @@ def test_v6_pair_builds_compile_without_spills(build):
 
     assert values(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], (%r\d+|\d+);") == [4, 4, 12, 12]
     assert set(values(r"bar(?:rier)?\.(?:arrive|sync)(?:\.aligned)? (%r\d+|\d+), 256;")) == {5, 6}
+
+
+@lru_cache(maxsize=1)
+def _compiled_v6_pieces() -> dict:
+    def build(v: tuple) -> tuple[int, str, str]:
+        fmt = _v6_knobs(v)[0]
+        return compile_cubin_and_ptx("attention_v6.cu", V4_WGMMA_ARCH, v6_defines(fmt, pieces=True))
+
+    return compile_all(V6_PIECES_BUILDS, build)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
+@pytest.mark.parametrize("build", V6_PIECES_BUILDS, ids=lambda v: "-".join(map(str, v)))
+def test_v6_pieces_builds_compile(build):
+    """The piece-table build compiles for sm_90a without serialized wgmma and within its spill allowance (none but
+    C4R4 at d_c 512), reads its table entry twice with one 16-byte load each (at the start, and again for the
+    partial, so that the entry does not live across the tiles), and differs from the equal-splits build."""
+    rc, text, ptx = _compiled_v6_pieces()[build]
+    assert rc == 0, f"nvcc failed for v6 pieces {build}:\n{text[-4000:]}"
+    assert "warning #" not in text and "C7514" not in text and "C7515" not in text, text
+    use = ptxas_usage(text)
+    print(f"v6 pieces {build}: {use}")
+    stored, loaded = V6_PIECES_SPILL_BYTES if build[:2] == ("C4R4", 512) else (0, 0)
+    assert use["spill_stores"] <= stored and use["stack"] <= stored and use["spill_loads"] <= loaded, use
+    assert ptx.count("ld.global.nc.v4.s32") == 2
+    assert ptx != _compiled_v6()[build][2] and "ld.global.nc.v4.s32" not in _compiled_v6()[build][2]
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
