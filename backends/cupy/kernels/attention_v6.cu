@@ -12,7 +12,8 @@
 // runs (H200, H128 B32 L32K C4R4: 1.43-1.50x FlashInfer BF16).
 // Here the two warpgroups of a CTA (64 query rows) split the work by kind and meet at named barriers:
 //
-//   grid (B * ceil(R / 64), KV splits), 256 threads; two key tiles (double buffer), the queries, P:
+//   grid (B * ceil(R / 64), KV splits), or (pieces * ceil(R / 64)) with a piece table (QMLA_V6_PIECES), 256 threads;
+//   two key tiles (double buffer), the queries, P:
 //   attender (warpgroup 0)                       dequantizer (warpgroup 1)
 //                                                codes of tile i + 1 -> registers (global loads), earlier
 //   wait FULL[i % 2]; retire its PV(i - 1),      wait EMPTY[(i + 1) % 2] (tile i - 1 is done with it)
