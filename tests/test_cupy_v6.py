@@ -93,9 +93,9 @@ V6_FOLD_SPILL_BYTES = (8, 24)
 #: which =1 may, and d_c 256: (format, d_c, d_r, group size, page size)
 V6_PIECES_BUILDS = [("C2R4", 512, 64, 64, 64), ("C4R4", 512, 64, 64, 64), ("C2R4", 256, 32, 32, 64)]
 #: bytes C4R4's piece-table build at d_c 512 may spill (stack and stores, loads): at 255 registers with the RoPE fold,
-#: ptxas keeps a few more words in local memory than the equal-splits build (offline SASS of stop 35: 20 / 72; three
-#: loads a tile in the attender's loop, one in the dequantizer's); the H200 ran it 1.7-5.2 % slower, so auto does not
-#: balance C4R4 (V6_BALANCE_CONTENT_BITS)
+#: ptxas keeps a few more words in local memory than the equal-splits build (offline SASS of stop 35: 20 / 72, read
+#: once per segment of tiles and for the partial); the H200 ran it 1.7-5.2 % slower (its index arithmetic left the
+#: uniform datapath), so auto does not balance C4R4 (V6_BALANCE_CONTENT_BITS)
 V6_PIECES_SPILL_BYTES = (24, 80)
 
 

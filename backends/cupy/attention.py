@@ -171,8 +171,9 @@ V6_PAIR_AUTO = False
 V6_BALANCE = "auto"
 #: the content bits ``auto`` balances. H200, H128, CUDA graphs, stop 35, against equal splits planned with
 #: :data:`V6_CTA_OVERHEAD_TILES`: C2R4 2.3-2.4 % faster at B128 L32K and B32 L128K, equal at B32 L32K and B8 L128K;
-#: C4R4 1.7-5.2 % slower everywhere (its piece-table build holds more than 255 registers' worth and spills in the
-#: tile loops)
+#: C4R4 1.7-5.2 % slower everywhere (its piece-table build reads the piece from memory instead of ``blockIdx``, so
+#: ptxas moves the tile loops' index arithmetic from the uniform datapath to the threads' registers: offline SASS,
+#: the attender's tile loop 911 -> 922 instructions and 4 % more encoded stall cycles, at 255 registers)
 V6_BALANCE_CONTENT_BITS = (2,)
 #: v6's fixed work per CTA in tile-times for its split plans (the queries' load, the first tile's dequantization
 #: before any QK, a 64 x 512 float32 partial written and read back). H200, H128, CUDA graphs, stop 35: with 1 (v2's
