@@ -64,7 +64,6 @@ def plan_kv_splits(base_ctas: int, tiles: int, resident: int, min_tiles: int = 1
     return s, math.ceil(tiles / s)
 
 
-
 @dataclass(frozen=True)
 class PiecePlan:
     """A balanced plan: ``pieces`` (request, first tile, end tile, slot | last << 16) in launch order, ``last`` set on a

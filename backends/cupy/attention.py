@@ -1155,8 +1155,8 @@ class V6Knobs:
     move a row's reference maximum only when a score passes it by :data:`V6_MAX_SLACK`; ``rope_fold``
     (``QUANTMLA_CUPY_V6_ROPE_FOLD``, ``auto`` (default: None, :data:`V6_ROPE_FOLD_CONTENT_BITS`), ``0`` or ``1``):
     multiply each score's RoPE part by the token's scale instead of dequantizing each RoPE value (pair builds never
-    fold); ``balance`` (``QUANTMLA_CUPY_V6_BALANCE``, ``auto`` (default, :data:`V6_BALANCE`), ``0`` or ``1``): plan every
-    CTA the same number of tiles, runs crossing from one request or row chunk into the next (:func:`v6_balanced`)."""
+    fold); ``balance`` (``QUANTMLA_CUPY_V6_BALANCE``, ``auto`` (default, :data:`V6_BALANCE`), ``0`` or ``1``): cut the
+    requests into pieces so that every SM gets as many tiles, instead of equal splits per request (:func:`v6_balanced`)."""
 
     min_tiles: int = V2_MIN_TILES_PER_SPLIT
     pv_at: int = V6_PV_AT

@@ -942,7 +942,7 @@ extern "C" __global__ void V6_CLUSTER __launch_bounds__(NTH, 1) qmla_attn_v6(
         *(float2*)(ot + (rw0 + 8) * OT_STRIDE + ch) = make_float2(acc[n][2], acc[n][3]);
     }
     __syncthreads();
-    const int4 pe = v6_piece(pieces, NCHK, tiles_per_split);  // read again: kept from the start, C4R4 spilled
+    const int4 pe = v6_piece(pieces, NCHK, tiles_per_split);  // read again: held from the start, C4R4 spilled it
     const int slot = pe.w & 0xffff;
     if (tid < RT && rbase + tid < R) {
         ml_part[((i64)pe.x * R + rbase + tid) * num_splits + slot] = make_float2(red[tid], red[RT + tid]);
