@@ -34,6 +34,9 @@ Six attention kernels share the partials layout and the combine kernel:
   into the second of two key tiles (codes loaded straight from the pages into registers) while the
   other runs this tile's QK over all channels, the softmax and half of PV (the dequantizer takes the
   other half). On the H200 (CUDA graphs, H128/H64, C4R4/C2R4, stop 23) it took 0.75-0.84x of v4's time.
+  Its CTAs take equal splits of a request (planned with :data:`V6_CTA_OVERHEAD_TILES` of fixed work each) or,
+  in a balanced plan (:func:`v6_balanced`), pieces of requests read from a device table, so that every SM
+  gets as many tiles.
 
 v6 and v5 attend to the sink and local-window tokens themselves: they are the last tiles of one split
 per row chunk, their bf16 rows copied into v6's key tile or loaded into v5's QK operands. v3 and v2
