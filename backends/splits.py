@@ -32,6 +32,12 @@ def rounds(ctas: int, resident: int) -> int:
     return max(1, math.ceil(ctas / max(1, resident)))
 
 
+def equal_splits_cost(ctas: int, per: int, resident: int, overhead_tiles: float = CTA_OVERHEAD_TILES) -> float:
+    """Tile-times of a launch of ``ctas`` equal CTAs of ``per`` tiles each plus ``overhead_tiles`` of fixed work, in
+    whole rounds of the ``resident`` CTAs the GPU holds at once."""
+    return rounds(ctas, resident) * (per + overhead_tiles)
+
+
 def search_limit(base_ctas: int, resident: int) -> int:
     """Largest split count worth trying: k rounds cost about ``tiles*base/resident + k`` tile-times,
     so past a few rounds more splits only add overhead (64 keeps the rounding effects of small
@@ -57,7 +63,7 @@ def plan_kv_splits(base_ctas: int, tiles: int, resident: int, min_tiles: int = 1
     for s in range(1, cap + 1):
         per = math.ceil(tiles / s)
         s_eff = math.ceil(tiles / per)
-        cost = rounds(base_ctas * s_eff, resident) * (per + overhead_tiles)
+        cost = equal_splits_cost(base_ctas * s_eff, per, resident, overhead_tiles)
         if best is None or cost < best[0] - 1e-9:
             best = (cost, s_eff)
     s = best[1]

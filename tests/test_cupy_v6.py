@@ -385,8 +385,9 @@ def test_v6_balanced_launch(monkeypatch, h, s_q, prot, length):
     launches, *_ = _run_v2_stubbed(monkeypatch, h, s_q, prot, {"QUANTMLA_CUPY_V6_BALANCE": "1"}, variant="v6",
                                    pages_per=9, length=length, capturing=True)
     (attn, grid, _block, args, _smem), _stream = launches.of("qmla_attn_v6")
-    assert attn.defines["QMLA_V6_PIECES"] == 0 and grid[1] >= 1 and not cupy_attention._PLANS
+    assert attn.defines["QMLA_V6_PIECES"] == 0 and not cupy_attention._PLANS
     assert int(args[params.index("const int4* __restrict__ pieces")]) == 0
+    assert int(args[params.index("int num_splits")]) == grid[1] and grid[0] == b * chunks  # equal splits
 
 
 def test_v6_balance_auto_rule():

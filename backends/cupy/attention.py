@@ -76,7 +76,7 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import numpy as np
@@ -86,7 +86,7 @@ from ...envvars import getenv
 from ...formats import PackFormat
 from ..buffers import capturing as graph_capturing
 from ..buffers import carve
-from ..splits import CTA_OVERHEAD_TILES, PiecePlan, plan_kv_splits, plan_pieces, rounds
+from ..splits import CTA_OVERHEAD_TILES, PiecePlan, equal_splits_cost, plan_kv_splits, plan_pieces
 from . import (
     ATTN_TILE,
     ATTN_WARPS,
@@ -181,8 +181,8 @@ V6_BALANCE_CONTENT_BITS = (2,)
 #: v6's fixed work per CTA in tile-times for its split plans (the queries' load, the first tile's dequantization
 #: before any QK, a 64 x 512 float32 partial written and read back). H200, H128, CUDA graphs, stop 35: with 1 (v2's
 #: value) B32 L128K split 35 ways (2,240 CTAs) and took 2,583 us (C4R4) / 2,396 (C2R4), with 4 or 8 two ways,
-#: 2,346-2,350 / 2,127-2,129; B8 L128K 654 -> 593-603 (C4R4); 8 and 4 planned alike but for B8 L128K (8 splits
-#: against 41), and every shape from 4K to 32K tokens planned as with 1
+#: 2,346-2,350 / 2,127-2,129; B8 L128K (8 splits against 41) 654 -> 593-603 (C4R4); 4 and 8 planned alike at the
+#: PERFORMANCE.md shapes, and every shape from 4K to 32K tokens planned as with 1
 V6_CTA_OVERHEAD_TILES = 8.0
 #: v6's defaults of :class:`V6Knobs` ``pv_at`` and ``page_ahead``
 V6_PV_AT = 3
@@ -980,7 +980,8 @@ def _packed_split_plan(key: tuple, attn, smem: int, threads: int, tile: int, slo
                        dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool, min_tiles: int,
                        sink: int, local: int, index64: bool,
                        overhead_tiles: float = CTA_OVERHEAD_TILES, rows_per_cta: int = 16,
-                       own_protected_tiles: int = 0, chunk_multiple: int = 1) -> SplitPlan:
+                       own_protected_tiles: int = 0, chunk_multiple: int = 1, extra_args: tuple = (),
+                       cache: bool = True) -> SplitPlan:
     """The plan of a split kernel (v3, v5, v6): ``attn`` over ``rows_per_cta``-row chunks and
     wave-planned splits of ``tile``-token tiles (``overhead_tiles``: a CTA's fixed work, see
     :func:`~quantmla_core.backends.splits.plan_kv_splits`), each CTA writing ``slots_per_cta`` partials,
@@ -999,9 +1000,10 @@ def _packed_split_plan(key: tuple, attn, smem: int, threads: int, tile: int, slo
     if not no_prot:
         launches.append(_protected_launch(fmt, dev, batch, rows, sink, local, index64))
     nprot = 0 if no_prot else protected_ctas(sink, local)
-    plan = SplitPlan(tuple(launches), _combine_kernel(fmt, dev), per, slots_per_cta * splits + nprot)
-    with _CACHE_LOCK:
-        _PLANS[key] = plan
+    plan = SplitPlan(tuple(launches), _combine_kernel(fmt, dev), per, slots_per_cta * splits + nprot, extra_args)
+    if cache:
+        with _CACHE_LOCK:
+            _PLANS[key] = plan
     return plan
 
 
@@ -1211,17 +1213,15 @@ def v6_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
             plan = SplitPlan(((attn, (len(balanced.pieces) * chunks, 1), (V6_THREADS,), smem),),
                              _combine_kernel(fmt, dev), balanced.per, balanced.slots,
                              (np.uint64(table.data_ptr()), np.int32(unit_tiles)), (table,))
+            with _CACHE_LOCK:
+                _PLANS[key] = plan
         else:
+            # a balanced plan's table cannot be uploaded under capture: equal splits now, uncached, the table next call
             plan = _packed_split_plan(key, attn, smem, V6_THREADS, V6_TILE, 1, fmt, dev, sm_count, batch, rows,
                                       max_pages, no_prot or not knobs.separate, knobs.min_tiles, sink, local, index64,
                                       V6_CTA_OVERHEAD_TILES, rows_per_cta=V6_ROWS, own_protected_tiles=own,
-                                      chunk_multiple=2 if pair else 1)
-            plan = replace(plan, extra_args=(np.uint64(0), np.int32(unit_tiles)))
-        with _CACHE_LOCK:
-            if balanced is not None and graph_capturing():
-                _PLANS.pop(key, None)  # the piece table cannot be uploaded under capture: plan it at the next call
-            else:
-                _PLANS[key] = plan
+                                      chunk_multiple=2 if pair else 1,
+                                      extra_args=(np.uint64(0), np.int32(unit_tiles)), cache=balanced is None)
     return plan
 
 
@@ -1255,7 +1255,7 @@ def v6_balanced(fmt: PackFormat, knobs: V6Knobs, pair: bool, batch: int, chunks:
     if knobs.balance == "auto":
         splits, per = plan_splits_v2(batch, chunks, unit_tiles * V6_TILE, resident, knobs.min_tiles, V6_TILE,
                                      V6_CTA_OVERHEAD_TILES)
-        if balanced.cost >= rounds(batch * chunks * splits, resident) * (per + V6_CTA_OVERHEAD_TILES):
+        if balanced.cost >= equal_splits_cost(batch * chunks * splits, per, resident, V6_CTA_OVERHEAD_TILES):
             return None
     return balanced
 
