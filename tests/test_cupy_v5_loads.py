@@ -89,15 +89,20 @@ def test_lanes_load_every_code_byte_of_a_tile_once(build):
 
 def _warp_page_misses(ln: Lanes, rows_per_warp: int) -> int:
     """Tokens a lane would read from the wrong page or slot: the kernel takes the warp's page,
-    block_table[(tt + 16 ww) / P], and slot n % P for its token n = tt + t."""
+    block_table[(tt + 16 ww) / P], and for its token n = tt + t_lane + 8 tk (rows_per_warp 32: + 16 tk) the slot
+    (tt + t_lane) % P + 8 tk, its first token's slot and the step between its tokens."""
     misses = 0
+    step = rows_per_warp // 2
     for tt in range(0, 4 * max(ln.P, T), T):  # tile starts: multiples of 64, across several pages
         for ww, _lane, t in _lane_tokens(rows_per_warp):
             if rows_per_warp == 16:
                 assert t in (16 * ww + (_lane >> 2), 16 * ww + (_lane >> 2) + 8)
             n = tt + t
+            t_lane = rows_per_warp * ww + (_lane >> 2)
             page_of_warp = (tt + rows_per_warp * ww) // ln.P
-            misses += page_of_warp != n // ln.P
+            slot = (tt + t_lane) % ln.P + (n - tt - t_lane)
+            assert n - tt - t_lane in (0, step)
+            misses += page_of_warp != n // ln.P or slot != n % ln.P
     return misses
 
 
@@ -175,7 +180,8 @@ def test_model_matches_kernel_source():
         "#define NGL ((BL >= QMLA_GC) ? BL / QMLA_GC : 1)",
         "const int tq[2] = {16 * ww + g8, 16 * ww + g8 + 8};",
         "return qmla_table_page(tt + 16 * ww, bt_row, L, max_pages);",
-        "const int n = tt + t_lane + 8 * tk, s = n % QMLA_P;",
+        "const u32 s0 = (u32)(tt + t_lane) % QMLA_P;",
+        "const u32 s = s0 + 8 * tk;",
         "x = *(const uint4*)(page + QMLA_OFF_CC + s * CB + v5_share_byte(16 * v, q4));",
         "return QUAD ? 16 * q4 + 64 * (i >> 4) + (i & 15) : BL * q4 + i;",
         "if (ks % 8 == 0) {",
@@ -197,7 +203,8 @@ def test_model_matches_kernel_source():
     ):
         assert expr in src, f"attention_v5.cu no longer contains: {expr}"
     stage = " ".join((KERNEL_DIR / "stage.cuh").read_text().split())
-    assert "return (n < L && n / QMLA_P < max_pages) ? bt_row[n / QMLA_P] : -1;" in stage  # qmla_table_page
+    for expr in ("const u32 j = (u32)n / QMLA_P;", "return (n < L && j < (u32)max_pages) ? bt_row[j] : -1;"):
+        assert expr in stage, f"stage.cuh's qmla_table_page no longer contains: {expr}"
 
 
 # ---------------------------------------------------------------- protected tiles: bf16 rows into A fragments

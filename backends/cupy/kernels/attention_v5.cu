@@ -316,11 +316,14 @@ __device__ __forceinline__ int v5_warp_page(int tt, int ww, const int* __restric
 __device__ __forceinline__ void v5_load_tile(V5Regs& r, const u8* __restrict__ pages, int pg, int num_pages, int tt,
                                              int L, int t_lane, int q4) {
     const bool page_ok = pg >= 0 && pg < num_pages;
+    // the lane's token slots s0 and s0 + 8 (a warp's 16 tokens lie in one page), as unsigned offsets from the token's
+    // rows: signed ones cost each address a sign extension, and a slot of its own per token a modulo
+    const u32 s0 = (u32)(tt + t_lane) % QMLA_P;
     const u8* page = pages + (i64)(page_ok ? pg : 0) * QMLA_PAGE_BYTES;
 #pragma unroll
     for (int tk = 0; tk < 2; ++tk) {
-        const int n = tt + t_lane + 8 * tk, s = n % QMLA_P;
-        const bool ok = page_ok && n < L;
+        const u32 s = s0 + 8 * tk;
+        const bool ok = page_ok && tt + t_lane + 8 * tk < L;
 #pragma unroll
         for (int v = 0; v < BL / 16; ++v) {
             const uint4 x = *(const uint4*)(page + QMLA_OFF_CC + s * CB + v5_share_byte(16 * v, q4));

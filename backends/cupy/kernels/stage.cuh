@@ -74,9 +74,11 @@ __device__ __forceinline__ void qmla_wait_group() {
 }
 
 // Page id of token n as the block table holds it (-1 past L or past the table; not checked against the
-// pool). bt_row: the request's row of the block table.
+// pool). bt_row: the request's row of the block table. n >= 0; its page index is taken unsigned (a shift, where a
+// signed one costs a sign fix-up).
 __device__ __forceinline__ int qmla_table_page(int n, const int* __restrict__ bt_row, int L, int max_pages) {
-    return (n < L && n / QMLA_P < max_pages) ? bt_row[n / QMLA_P] : -1;
+    const u32 j = (u32)n / QMLA_P;
+    return (n < L && j < (u32)max_pages) ? bt_row[j] : -1;
 }
 
 // The split that attends to a row chunk's sink and local-window tokens (kernels v5, v6, which take them as tiles
