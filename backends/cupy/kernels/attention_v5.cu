@@ -204,13 +204,6 @@ __device__ __forceinline__ u32 v5_code2(u32 x, u32 c43) {
 #error "QMLA_CODES_IN_PLACE converts 2-bit codes"
 #endif
 
-// x, hidden from the compiler's algebra: with the descriptors' fields visible, the tile loop's desc_advance adds
-// became an add and an or each (75 more uniform instructions per warp and tile)
-__device__ __forceinline__ u64 v5_opaque(u64 x) {
-    asm("mov.b64 %0, %0;" : "+l"(x));
-    return x;
-}
-
 // the W consecutive words at p, 4 W bytes aligned (W = 1, 2, 4), in one load
 template <int W>
 __device__ __forceinline__ void v5_load_words(u32 (&v)[W], const u16* p) {
@@ -477,9 +470,9 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
                                const float (&rsc)[2], auto&& fill, auto&& after_qk) {
             // descriptors: queries (QK's B, K-major), K (PV's A, MN-major) and P^T (PV's B, K-major), built here and
             // opaque: built once before both tile loops, ptxas took them out of uniform registers (+100 instructions)
-            const u64 dq = v5_opaque(sw128_desc(smem_s + QT_OFF, 16, 1024));
-            const u64 dv = v5_opaque(sw128_desc(kt_s, T * 128, 1024));
-            const u64 dp = v5_opaque(sw128_desc(smem_s + wg * WK_BYTES + W_PT, 16, 1024));
+            const u64 dq = desc_opaque(sw128_desc(smem_s + QT_OFF, 16, 1024));
+            const u64 dv = desc_opaque(sw128_desc(kt_s, T * 128, 1024));
+            const u64 dp = desc_opaque(sw128_desc(smem_s + wg * WK_BYTES + W_PT, 16, 1024));
             wgmma_wait<0>();  // the previous tile's PV (it ran beside the lines before this call)
 #pragma unroll
             for (int mb = 0; mb < NMB; ++mb) wgmma_fence_operand(acc[mb]);

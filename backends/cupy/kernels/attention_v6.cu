@@ -745,10 +745,21 @@ extern "C" __global__ void V6_CLUSTER __launch_bounds__(NTH, 1) qmla_attn_v6(
                 wgmma_fence_operand(Sr);
 #endif
                 wgmma_fence();
+                // this tile's key buffer, once: advanced per k-step from buf * KT_BYTES + off, each descriptor took a
+                // shift and an add after the offset's own add (ptxas does not split the sum of the two multiples of 16)
+                const u64 dkb = desc_advance(dk, buf * KT_BYTES);
+#if QMLA_V6_ROPE_FOLD
+                // the queries' descriptors rebuilt each tile, in uniform registers, rather than 36 held in registers:
+                // the folding build is at the register limit (C4R4: 251 registers, no spills; H200 ~1 % faster, stop
+                // 36); C2R4 ran 0.5-1.5 % slower so (stops 34, 36)
+                const u64 dqt = desc_opaque(dq);
+#else
+                const u64 dqt = dq;
+#endif
 #pragma unroll
                 for (int ks = 0; ks < KSTEPS; ++ks) {
                     const u32 off = (ks >> 2) * (T * 128) + 32 * (ks & 3);
-                    const u64 da = desc_advance(dq, off), db = desc_advance(dk, buf * KT_BYTES + off);
+                    const u64 da = desc_advance(dqt, off), db = desc_advance(dkb, off);
                     if (QMLA_V6_ROPE_FOLD && ks >= DC / 16) {
 #if QMLA_V6_ROPE_FOLD
                         wgmma_m64n64k16_ss<0>(Sr, da, db, ks > DC / 16);

@@ -35,6 +35,14 @@ __device__ __forceinline__ u64 desc_advance(u64 d, u32 bytes) {
     return (d & 0xFFFFFFFF00000000ull) | (u32)((u32)d + (bytes >> 4));
 }
 
+// descriptor d, hidden from ptxas's algebra: built from it inside a loop, the descriptors stay in uniform registers
+// and advance by one uniform add each, where ptxas would otherwise hoist them into registers (or, with the fields
+// visible, split each advance into an add and an or)
+__device__ __forceinline__ u64 desc_opaque(u64 d) {
+    asm("mov.b64 %0, %0;" : "+l"(d));
+    return d;
+}
+
 // orders this thread's earlier register and shared-memory accesses before the next wgmma
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
