@@ -87,13 +87,13 @@ def test_lanes_load_every_code_byte_of_a_tile_once(build):
     assert sorted(rope) == [(t, j) for t in range(T) for j in range(ln.RB)] and set(rope.values()) == {1}
 
 
-def _warp_page_misses(ln: Lanes, rows_per_warp: int) -> int:
+def _warp_page_misses(ln: Lanes, rows_per_warp: int, first_tile: int = 0) -> int:
     """Tokens a lane would read from the wrong page or slot: the kernel takes the warp's page,
     block_table[(tt + 16 ww) / P], and for its token n = tt + t_lane + 8 tk (rows_per_warp 32: + 16 tk) the slot
     (tt + t_lane) % P + 8 tk, its first token's slot and the step between its tokens."""
     misses = 0
     step = rows_per_warp // 2
-    for tt in range(0, 4 * max(ln.P, T), T):  # tile starts: multiples of 64, across several pages
+    for tt in range(first_tile, 4 * max(ln.P, T), T):  # tile starts: multiples of 64, across several pages
         for ww, _lane, t in _lane_tokens(rows_per_warp):
             if rows_per_warp == 16:
                 assert t in (16 * ww + (_lane >> 2), 16 * ww + (_lane >> 2) + 8)
@@ -112,6 +112,14 @@ def test_a_warps_tokens_lie_on_its_page(build):
     assert _warp_page_misses(ln, 16) == 0
     if ln.P < 32:  # a warp of 32 tokens would reach into the next page
         assert _warp_page_misses(ln, 32) > 0
+
+
+def test_one_slot_per_lane_needs_aligned_tiles():
+    """Negative control: the slot s0 + 8 of a lane's second token holds only while tiles start on 16-token
+    boundaries; tiles starting 8 tokens in (16-token pages) put it past its page."""
+    ln = Lanes("C4R4", 512, 64, 64, 16)
+    assert _warp_page_misses(ln, 16) == 0
+    assert _warp_page_misses(ln, 16, first_tile=8) > 0
 
 
 @pytest.mark.parametrize("build", LOAD_BUILDS, **BUILD_IDS)

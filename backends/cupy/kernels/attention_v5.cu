@@ -309,8 +309,8 @@ __device__ __forceinline__ int v5_warp_page(int tt, int ww, const int* __restric
 __device__ __forceinline__ void v5_load_tile(V5Regs& r, const u8* __restrict__ pages, int pg, int num_pages, int tt,
                                              int L, int t_lane, int q4) {
     const bool page_ok = pg >= 0 && pg < num_pages;
-    // the lane's token slots s0 and s0 + 8 (a warp's 16 tokens lie in one page), as unsigned offsets from the token's
-    // rows: signed ones cost each address a sign extension, and a slot of its own per token a modulo
+    // the lane's token slots s0 and s0 + 8 (a warp's 16 tokens lie in one page), unsigned: a signed slot costs each
+    // address in the page a sign extension, and a slot computed per token a modulo of its own
     const u32 s0 = (u32)(tt + t_lane) % QMLA_P;
     const u8* page = pages + (i64)(page_ok ? pg : 0) * QMLA_PAGE_BYTES;
 #pragma unroll

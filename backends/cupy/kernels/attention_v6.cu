@@ -751,7 +751,7 @@ extern "C" __global__ void V6_CLUSTER __launch_bounds__(NTH, 1) qmla_attn_v6(
 #if QMLA_V6_ROPE_FOLD
                 // the queries' descriptors rebuilt each tile, in uniform registers, rather than 36 held in registers:
                 // the folding build is at the register limit (C4R4: 251 registers, no spills; H200 ~1 % faster, stop
-                // 36); C2R4 ran 0.5-1.5 % slower so (stops 34, 36)
+                // 36); C2R4 ran 0.5-1.5 % slower with it (stops 34, 36), so only the folding builds take it
                 const u64 dqt = desc_opaque(dq);
 #else
                 const u64 dqt = dq;
