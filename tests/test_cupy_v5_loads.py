@@ -193,9 +193,10 @@ def test_model_matches_kernel_source():
         "x = *(const uint4*)(page + QMLA_OFF_CC + s * CB + v5_share_byte(16 * v, q4));",
         "return QUAD ? 16 * q4 + 64 * (i >> 4) + (i & 15) : BL * q4 + i;",
         "if (ks % 8 == 0) {",
-        "v5_quad_group(off2[r & 1][r >> 1][0], s2[r & 1][r >> 1][0], cur, r & 1, r >> 1, ks / 8);",
+        "v5_quad_group(off2[r & 1][r >> 1][0], s2[r & 1][r >> 1][0], cur, r & 1, r >> 1, ks / 8, c43 | 0x80u);",
+        "const u32 c43 = 0x43u | ((u32)L << 8);",  # so cc3's low byte, the zero point pairs' high byte, is 0xc3
         "const int g = (CB / QMLA_GC) * c + v;",
-        "off2 = __byte_perm(r.zw[tk][g >> 2], 0xc3u, 0x4040 | (g & 3) | ((g & 3) << 8));",
+        "off2 = __byte_perm(r.zw[tk][g >> 2], cc3, 0x4040 | (g & 3) | ((g & 3) << 8));",
         "s2 = __byte_perm(r.sw[tk][g >> 1], 0u, (g & 1) ? 0x3232 : 0x1010);",
         "const uint2 z = ok ? *(const uint2*)(page + QMLA_OFF_CZ + s * NGC) : make_uint2(0u, 0u);",
         "const uint4 sc = ok ? *(const uint4*)(page + QMLA_OFF_CS + s * NGC * 2) : make_uint4(0u, 0u, 0u, 0u);",

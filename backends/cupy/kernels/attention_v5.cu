@@ -358,10 +358,12 @@ __device__ __forceinline__ void v5_load_tile(V5Regs& r, const u8* __restrict__ p
 }
 
 #if QUAD
-// bf16x2 -(128 + z) and bf16x2 s of slice c's group v of the lane's token tk (QMLA_V5_QUAD_LOADS)
-__device__ __forceinline__ void v5_quad_group(u32& off2, u32& s2, const V5Regs& r, int tk, int c, int v) {
+// bf16x2 -(128 + z) and bf16x2 s of slice c's group v of the lane's token tk (QMLA_V5_QUAD_LOADS); cc3: 0xc3 in
+// its low byte, a run-time register (with the byte a constant too, ptxas moved the selector into a register before
+// every prmt, as v5_code2 says)
+__device__ __forceinline__ void v5_quad_group(u32& off2, u32& s2, const V5Regs& r, int tk, int c, int v, u32 cc3) {
     const int g = (CB / QMLA_GC) * c + v;
-    off2 = __byte_perm(r.zw[tk][g >> 2], 0xc3u, 0x4040 | (g & 3) | ((g & 3) << 8));
+    off2 = __byte_perm(r.zw[tk][g >> 2], cc3, 0x4040 | (g & 3) | ((g & 3) << 8));
     s2 = __byte_perm(r.sw[tk][g >> 1], 0u, (g & 1) ? 0x3232 : 0x1010);
 }
 #endif
@@ -699,7 +701,8 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
                         if (ks % 8 == 0) {  // share bytes 2 ks .. are group ks / 8 of each slice
 #pragma unroll
                             for (int r = 0; r < 4; ++r) {
-                                v5_quad_group(off2[r & 1][r >> 1][0], s2[r & 1][r >> 1][0], cur, r & 1, r >> 1, ks / 8);
+                                v5_quad_group(off2[r & 1][r >> 1][0], s2[r & 1][r >> 1][0], cur, r & 1, r >> 1, ks / 8,
+                                              c43 | 0x80u);
                             }
                         }
 #endif
