@@ -188,7 +188,7 @@ def test_model_matches_kernel_source():
         "#define NGL ((BL >= QMLA_GC) ? BL / QMLA_GC : 1)",
         "const int tq[2] = {16 * ww + g8, 16 * ww + g8 + 8};",
         "return qmla_table_page(tt + 16 * ww, bt_row, L, max_pages);",
-        "const u32 s0 = (u32)(tt + t_lane) % QMLA_P;",
+        "const u32 s0 = QMLA_SLOT(tt + t_lane);",
         "const u32 s = s0 + 8 * tk;",
         "x = *(const uint4*)(page + QMLA_OFF_CC + s * CB + v5_share_byte(16 * v, q4));",
         "return QUAD ? 16 * q4 + 64 * (i >> 4) + (i & 15) : BL * q4 + i;",
@@ -212,8 +212,9 @@ def test_model_matches_kernel_source():
     ):
         assert expr in src, f"attention_v5.cu no longer contains: {expr}"
     stage = " ".join((KERNEL_DIR / "stage.cuh").read_text().split())
-    for expr in ("const u32 j = (u32)n / QMLA_P;", "return (n < L && j < (u32)max_pages) ? bt_row[j] : -1;"):
-        assert expr in stage, f"stage.cuh's qmla_table_page no longer contains: {expr}"
+    for expr in ("const u32 j = (u32)n / QMLA_P;", "return (n < L && j < (u32)max_pages) ? bt_row[j] : -1;",
+                 "#define QMLA_SLOT(n) ((u32)(n) % QMLA_P)"):
+        assert expr in stage, f"stage.cuh no longer contains: {expr}"
 
 
 # ---------------------------------------------------------------- protected tiles: bf16 rows into A fragments

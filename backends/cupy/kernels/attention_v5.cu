@@ -309,9 +309,8 @@ __device__ __forceinline__ int v5_warp_page(int tt, int ww, const int* __restric
 __device__ __forceinline__ void v5_load_tile(V5Regs& r, const u8* __restrict__ pages, int pg, int num_pages, int tt,
                                              int L, int t_lane, int q4) {
     const bool page_ok = pg >= 0 && pg < num_pages;
-    // the lane's token slots s0 and s0 + 8 (a warp's 16 tokens lie in one page), unsigned: a signed slot costs each
-    // address in the page a sign extension, and a slot computed per token a modulo of its own
-    const u32 s0 = (u32)(tt + t_lane) % QMLA_P;
+    // the lane's token slots s0 and s0 + 8 (a warp's 16 tokens lie in one page): one modulo, not one per token
+    const u32 s0 = QMLA_SLOT(tt + t_lane);
     const u8* page = pages + (i64)(page_ok ? pg : 0) * QMLA_PAGE_BYTES;
 #pragma unroll
     for (int tk = 0; tk < 2; ++tk) {
@@ -360,7 +359,8 @@ __device__ __forceinline__ void v5_load_tile(V5Regs& r, const u8* __restrict__ p
 #if QUAD
 // bf16x2 -(128 + z) and bf16x2 s of slice c's group v of the lane's token tk (QMLA_V5_QUAD_LOADS); cc3: 0xc3 in
 // its low byte, a run-time register (with the byte a constant too, ptxas moved the selector into a register before
-// every prmt, as v5_code2 says)
+// every prmt, as v5_code2 says); the caller passes c43 | 0x80 in place: held in a variable of its own, it cost 3
+// registers and 3 instructions a tile (nvcc 13.0)
 __device__ __forceinline__ void v5_quad_group(u32& off2, u32& s2, const V5Regs& r, int tk, int c, int v, u32 cc3) {
     const int g = (CB / QMLA_GC) * c + v;
     off2 = __byte_perm(r.zw[tk][g >> 2], cc3, 0x4040 | (g & 3) | ((g & 3) << 8));

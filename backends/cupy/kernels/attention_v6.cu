@@ -335,14 +335,14 @@ __device__ __forceinline__ void v6_load_rope(V6Rope& r, const u8* pg, bool ok, i
         r.c = make_uint4(0u, 0u, 0u, 0u);
         r.z = r.s = 0u;
         if (pg) {
-            const u32 s = (u32)(tt + p / RCK) % QMLA_P;
+            const u32 s = QMLA_SLOT(tt + p / RCK);
             r.c = *(const uint4*)(pg + QMLA_OFF_RC + s * RB + 16 * (p % RCK));
             r.z = pg[QMLA_OFF_RZ + s];
             r.s = QMLA_RSCALE_BF16 ? (u32)((const u16*)(pg + QMLA_OFF_RS))[s] : ((const u32*)(pg + QMLA_OFF_RS))[s];
         }
         return;
     }
-    const u32 s = (u32)(tt + p / RCK) % QMLA_P;  // unsigned: no sign fix-ups in the addresses
+    const u32 s = QMLA_SLOT(tt + p / RCK);
     r.c = *(const uint4*)(pg + QMLA_OFF_RC + s * RB + 16 * (p % RCK));
     r.z = r.s = 0u;
     if (ok) {
@@ -376,7 +376,7 @@ __device__ __forceinline__ void v6_load_codes(V6Codes& r, const V6Pages& g, int 
     const int uu = p & 3;
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
-        const u32 s = (u32)(tt + (p >> 2) + 32 * k) % QMLA_P;  // unsigned: no sign fix-ups in the addresses
+        const u32 s = QMLA_SLOT(tt + (p >> 2) + 32 * k);
         const u8* page = g.c[k];
 #pragma unroll
         for (int q = 0; q < NCT / 4; ++q) {
