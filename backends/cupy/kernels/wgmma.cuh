@@ -35,6 +35,12 @@ __device__ __forceinline__ u64 desc_advance(u64 d, u32 bytes) {
     return (d & 0xFFFFFFFF00000000ull) | (u32)((u32)d + (bytes >> 4));
 }
 
+// the same advance as one 64-bit add (equal, as the low word never carries): ptxas makes it one UIADD3.64, where
+// desc_advance takes a UIADD3 and a UMOV of the high word before each wgmma (v5: 56 fewer instructions a tile). Which
+// form runs faster depends on the rest of the kernel's schedule (H200, stop 37): v5 with its loads split per operand
+// (v5_src) C2R4 2.3-2.8 % faster, C4R4 0.3-0.8 %; v6 C2R4 1.5 % slower (so v6 keeps desc_advance)
+__device__ __forceinline__ u64 desc_advance64(u64 d, u32 bytes) { return d + (bytes >> 4); }
+
 // descriptor d, hidden from ptxas's algebra: built from it inside a loop, the descriptors stay in uniform registers
 // and advance by one uniform add each, where ptxas would otherwise hoist them into registers (or, with the fields
 // visible, split each advance into an add and an or)
