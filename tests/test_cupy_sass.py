@@ -196,6 +196,30 @@ def test_v5_tile_loop_within_budget(name, dc, dr):
     assert loop.count("LDL", "STL") == 0, "local-memory traffic (spills) in the tile loop"
 
 
+@pytest.mark.parametrize("name", ["C4R4", "C2R4"])
+def test_v5_descriptor_advance_knob(name):
+    """QMLA_V5_DESC64 (default: 2-bit content only): with 1 the packed loop builds each of its 68 wgmma descriptors by
+    one UIADD3.64 instead of a UIADD3 and a UMOV of the high word, 56-57 fewer instructions; the protected loop keeps
+    desc_advance either way (ptxas turned 64-bit adds there into four instructions each)."""
+    from quantmla_core.backends.cupy.attention import v5_defines
+    from quantmla_core.backends.cupy.sass_report import V4_WGMMA_ARCH, _build_sass, loops
+
+    fmt = qm.PackFormat.parse(name)
+    built = {}
+    for on in (0, 1):
+        sass, ptxas = _build_sass("attention_v5.cu", {**v5_defines(fmt), "QMLA_V5_DESC64": on}, V4_WGMMA_ARCH)
+        assert "spill stores" not in ptxas or " 0 bytes spill stores" in ptxas, ptxas
+        found = [lp for lp in loops(sass) if lp.count("HGMMA")]
+        built[on] = (max((lp for lp in found if lp.count("HADD2")), key=lambda lp: lp.total),
+                     max((lp for lp in found if not lp.count("HADD2")), key=lambda lp: lp.total))
+    (packed32, prot32), (packed64, prot64) = built[0], built[1]
+    assert packed32.count("UMOV") >= 68 and packed64.count("UMOV") <= 20, (packed32.opcodes, packed64.opcodes)
+    assert packed32.total - packed64.total >= 50
+    # the protected loop's descriptor work is the same (its other code may move a register or so)
+    assert (prot32.count("UMOV"), prot32.count("UIADD3")) == (prot64.count("UMOV"), prot64.count("UIADD3"))
+    assert abs(prot32.total - prot64.total) <= 4
+
+
 #: kernel v5's protected-tile loop per worker warp and tile (stop 26): (HGMMA, instruction budget, 4-byte loads);
 #: measured 861 / 853 / 639 / 635 instructions, each lane loading its A fragments' bf16 pairs one by one (pairs)
 V5_PROTECTED_BUDGETS = {("C4R4", 512, 64): (68, 900, 144), ("C2R4", 512, 64): (68, 900, 144),

@@ -80,6 +80,14 @@
 #ifndef QMLA_V5_LAZY_RESCALE
 #define QMLA_V5_LAZY_RESCALE 1  // skip the output rescale while no column's maximum moves (bit-identical)
 #endif
+#ifndef QMLA_V5_DESC64
+// 1: the packed loop advances its wgmma descriptors by wgmma.cuh's desc_advance64 (one 64-bit add, 56 fewer
+// instructions a warp and tile), 0: by desc_advance. Which runs faster follows ptxas's schedule, not the count (H200,
+// H16, CUDA graphs, stop 37, with the loads issued per operand): 2-bit content 2.3-2.8 % faster with 1, 4-bit content
+// 0.5-1 % faster with 0 (two A/B calls). The protected loop always takes desc_advance: there ptxas split each 64-bit
+// add into four instructions (+112 a tile)
+#define QMLA_V5_DESC64 (CBITS == 2)
+#endif
 
 #define DC QMLA_DC
 #define DR QMLA_DR
@@ -304,8 +312,8 @@ __device__ __forceinline__ int v5_warp_page(int tt, int ww, const int* __restric
 // where a lane's operands of tile tt lie: page pg's bytes (warp-uniform; page 0 outside the pool), the lane's first
 // token slot s0 (t_lane: the lane's first token of a tile; the second is s0 + 8) and whether each token is read.
 // v5_load_tile issues the operands' loads through the helpers below, one per operand: the same loads, which ptxas
-// schedules differently (H200, stop 37: C2R4 with desc_advance64 2.3-2.8 % faster than with the one-function loader,
-// which ran 3.7 % slower with desc_advance64 than with desc_advance; C4R4 with desc_advance 0.5-1.5 % faster)
+// schedules differently (H200, stop 37: with QMLA_V5_DESC64 C2R4 2.3-2.8 % faster than with the one-function loader,
+// which ran 3.7 % slower with QMLA_V5_DESC64 than without; C4R4 without it 0.5-1.5 % faster)
 struct V5Src {
     const u8* page;
     u32 s0;
@@ -508,9 +516,11 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
         // tiles dequantize their codes, protected ones load bf16 rows), after_qk() once QK is issued, then the mask
         // (tokens n in [lo, lm) attend; lm_min: the least lm), the softmax and PV. rsc: what the RoPE part of the
         // scores of this thread's tokens tq[0], tq[1] is multiplied by (QMLA_V5_ROPE_FOLD; 1 for bf16 rows). adv: how
-        // the descriptors advance: wgmma.cuh's desc_advance64 in 2-bit content's packed loop (H200, stop 37: 2.3-2.8 %
-        // faster than desc_advance), desc_advance in 4-bit content's (0.5-1 % faster than desc_advance64 there, in two
-        // A/B calls) and in the protected loop (ptxas split each 64-bit add there into four instructions: +112 a tile)
+        // the descriptors advance (adv_packed or adv_rows, QMLA_V5_DESC64)
+        const auto adv_packed = [](u64 d, u32 bytes) {
+            return QMLA_V5_DESC64 ? desc_advance64(d, bytes) : desc_advance(d, bytes);
+        };
+        const auto adv_rows = [](u64 d, u32 bytes) { return desc_advance(d, bytes); };
         auto attend_tile = [&](const int t0, const int lo, const int (&lm)[2][2], const int lm_min,
                                const float (&rsc)[2], auto&& fill, auto&& after_qk, auto&& adv) {
             // descriptors: queries (QK's B, K-major), K (PV's A, MN-major) and P^T (PV's B, K-major), built here and
@@ -789,7 +799,7 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
                     pgn = v5_warp_page(t0 + 2 * NWG * T, ww, bt_row, L, max_pages);
                 }
 #endif
-            }, [](u64 d, u32 bytes) { return CBITS == 4 ? desc_advance(d, bytes) : desc_advance64(d, bytes); });
+            }, adv_packed);
         }
 
         // the protected tiles (ns + nl: none but in the split qmla_protected_split picks): the worker goes on with its
@@ -862,7 +872,7 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
             };
 #endif
             const float unscaled[2] = {1.0f, 1.0f};
-            attend_tile(t0, lo, lm, lm_min, unscaled, load_rows, [] {}, [](u64 d, u32 bytes) { return desc_advance(d, bytes); });
+            attend_tile(t0, lo, lm, lm_min, unscaled, load_rows, [] {}, adv_rows);
         }
         wgmma_wait<0>();  // the last tile's PV
 #pragma unroll
