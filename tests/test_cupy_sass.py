@@ -72,6 +72,46 @@ def test_stall_counts_read_from_the_high_words():
     assert loops(bare)[0].stalls == {} and loops(bare)[0].fixed_wait_cycles == 0
 
 
+def test_hgmma_gaps_and_load_positions_on_a_known_snippet():
+    """hgmma_issue_gaps sums the encoded stalls from one HGMMA to the next (keyed by whether the second reads A from
+    registers) and restarts after a barrier; load_positions counts the HGMMAs before each LDG."""
+    from quantmla_core.backends.cupy.sass_report import STALL_SHIFT, hgmma_issue_gaps, load_positions, loops
+
+    def ins(addr: int, text: str, stall: int) -> str:
+        return (f"        /*{addr:04x}*/                   {text} ;\n"
+                f"                                                                      /* 0x{stall << STALL_SHIFT:016x} */")
+
+    sass = "\n".join([
+        ins(0x00, "MOV R1, c[0x0][0x28]", 1),
+        ins(0x10, "LDG.E.128.CONSTANT R40, desc[UR4][R2.64]", 1),
+        ins(0x20, "HGMMA.64x16x16.F32.BF16 R32, R28, gdesc[UR16], R32", 1),
+        ins(0x30, "UIADD3.64 UR22, UR18, 0x2, URZ", 9),
+        ins(0x40, "HGMMA.64x16x16.F32.BF16 R32, R24, gdesc[UR20], R32", 1),
+        ins(0x50, "LDG.E.64.CONSTANT R44, desc[UR4][R2.64+0x40]", 2),
+        ins(0x60, "HGMMA.64x16x16.F32.BF16 R48, gdesc[UR24].tnspA, R48", 1),
+        ins(0x70, "BAR.SYNC.DEFER_BLOCKING R0, 0x80", 1),
+        ins(0x80, "HGMMA.64x16x16.F32.BF16 R48, gdesc[UR28].tnspA, R48", 1),
+        ins(0x90, "BRA 0x10", 5),
+        ins(0xa0, "EXIT", 5),
+    ])
+    (loop,) = loops(sass)
+    assert dict(hgmma_issue_gaps(sass, loop)) == {(True, 10): 1, (False, 3): 1}
+    assert load_positions(sass, loop) == [0, 2]
+
+
+def test_v5_loads_issue_before_the_tiles_matmuls():
+    """v5 issues a tile's loads of the worker's next tile before the tile's first HGMMA (QMLA_V5_EARLY_LOADS: a whole
+    tile of latency). Stop 37's rolling reloads, written between QK's chunks, were sunk by ptxas to the last quarter
+    of QK and ran 10 % slower: this pins where ptxas puts them in the kept build."""
+    from quantmla_core.backends.cupy.sass_report import compile_sass_v5, load_positions, tile_loop_v5
+
+    for name in ("C4R4", "C2R4"):
+        fmt = qm.PackFormat.parse(name)
+        sass, loop = compile_sass_v5(fmt)[0], tile_loop_v5(fmt)
+        where = load_positions(sass, loop)
+        assert len(where) == loop.count("LDG") >= 15 and set(where) == {0}, (name, where)
+
+
 def test_v5_loop_fixed_waits_from_a_real_build():
     """The real v5 loop carries stall counts for every instruction: at least one cycle each, at most 15, and
     fixed waits between 0 and 2 cycles an instruction (stop 33: 823 for 1,363 instructions, C4R4; ncu's "wait"

@@ -9,7 +9,9 @@ sink/local tokens), so the loop holds only the code that tiles without protected
 the hot path of every cache.
 
 This is the static side of "what limits the kernel": on the H200 the loop issues close to these
-counts per tile and warp (benchmarks/RESULTS.md compares them with Nsight Compute).
+counts per tile and warp (benchmarks/RESULTS.md compares them with Nsight Compute). ``hgmma_issue_gaps`` and
+``load_positions`` read where ptxas put a loop's matmuls and global loads (their spacing, and which matmuls a load
+issues after).
 
     python -m quantmla_core.backends.cupy.sass_report                 # C4R4 and C2R4, 512/64
     python -m quantmla_core.backends.cupy.sass_report C4R4 256 32
@@ -193,6 +195,43 @@ def loops(sass: str) -> list[LoopReport]:
     return sorted(found, key=lambda r: r.total, reverse=True)
 
 
+def _loop_body(sass: str, loop: LoopReport) -> list[tuple[int, str, str, int | None]]:
+    return [ins for ins in _instructions(sass) if loop.start <= ins[0] <= loop.end]
+
+
+def hgmma_issue_gaps(sass: str, loop: LoopReport) -> collections.Counter:
+    """Cycles between consecutive HGMMAs of ``loop`` as ptxas encoded them (the stall counts from one HGMMA up to the
+    next), by whether the second takes its A operand from registers: ``Counter({(register_a, cycles): n})``. Pairs
+    across a branch or barrier are not counted. On sm_90a an HGMMA whose descriptor a uniform instruction just wrote
+    waits ~8 cycles for it (v5's QK, stop 37: 10 cycles apart, against 3 with descriptors ready in registers of
+    their own)."""
+    gaps: collections.Counter = collections.Counter()
+    cycles = None
+    for _, op, args, stall in _loop_body(sass, loop):
+        if op.startswith("HGMMA"):
+            if cycles is not None:
+                gaps[(bool(re.search(r"R\d+, R\d+, gdesc", args)), cycles)] += 1
+            cycles = 0
+        elif op.startswith(("BRA", "BAR", "WARPSYNC")):
+            cycles = None
+        if cycles is not None and stall is not None:
+            cycles += stall
+    return gaps
+
+
+def load_positions(sass: str, loop: LoopReport) -> list[int]:
+    """For each global load (LDG) of ``loop``, in order, how many of the loop's HGMMAs come before it: where ptxas
+    placed the loads among the matmuls (stop 37: reloads written after QK's second chunk were sunk to its last
+    quarter)."""
+    seen, where = 0, []
+    for _, op, _, _ in _loop_body(sass, loop):
+        if op.startswith("HGMMA"):
+            seen += 1
+        elif op.startswith("LDG"):
+            where.append(seen)
+    return where
+
+
 def tile_loop(fmt: PackFormat, pure_path: bool = True, lazy_rescale: bool = False, tile: int = 32) -> LoopReport:
     """The tile loop of ``qmla_attn_v2`` (the largest loop) for ``fmt`` with ``tile``-token tiles."""
     return loops(compile_sass(fmt, pure_path, lazy_rescale=lazy_rescale, tile=tile)[0])[0]
@@ -260,10 +299,12 @@ def main(argv: list[str]) -> None:
             loop, regs, top = _loop_summary(sass, ptxas)
             spills = re.search(r"(\d+) bytes spill stores", ptxas)
             prot = tile_loops_v5(PackFormat.parse(name, latent_dim=dc, rope_dim=dr), workers)["protected"]
+            gaps = sorted(c for (reg_a, c), n in hgmma_issue_gaps(sass, loop).items() if reg_a for _ in range(n))
             print(f"{name} {dc}/{dr} kernel v5, {workers} workers (16 rows x 64-token tiles, a worker of 4 warps): "
                   f"{loop.total} instructions per warp per tile ({loop.total * 4 / 64:.0f} per token), "
                   f"{loop.fixed_wait_cycles} fixed-wait cycles, "
-                  f"{loop.count('HGMMA')} HGMMA, {regs} registers, {spills.group(1) if spills else '?'} B spilled, "
+                  f"{loop.count('HGMMA')} HGMMA (QK's {gaps[len(gaps) // 2] if gaps else '?'} cycles apart, median), "
+                  f"loads after HGMMA {load_positions(sass, loop)}, {regs} registers, {spills.group(1) if spills else '?'} B spilled, "
                   f"{loop.count('LDL', 'STL')} local loads/stores in the loop; protected tiles {prot.total} "
                   f"instructions per warp per tile\n    {top}")
     for name, dc, dr in cases:
