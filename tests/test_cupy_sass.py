@@ -103,11 +103,11 @@ def test_v5_loads_issue_before_the_tiles_matmuls():
     """v5 issues a tile's loads of the worker's next tile before the tile's first HGMMA (QMLA_V5_EARLY_LOADS: a whole
     tile of latency). Stop 37's rolling reloads, written between QK's chunks, were sunk by ptxas to the last quarter
     of QK and ran 10 % slower: this pins where ptxas puts them in the kept build."""
-    from quantmla_core.backends.cupy.sass_report import compile_sass_v5, load_positions, tile_loop_v5
+    from quantmla_core.backends.cupy.sass_report import compile_sass_v5, load_positions, v5_loops
 
     for name in ("C4R4", "C2R4"):
-        fmt = qm.PackFormat.parse(name)
-        sass, loop = compile_sass_v5(fmt)[0], tile_loop_v5(fmt)
+        sass = compile_sass_v5(qm.PackFormat.parse(name))[0]
+        loop = v5_loops(sass)["packed"]
         where = load_positions(sass, loop)
         assert len(where) == loop.count("LDG") >= 15 and set(where) == {0}, (name, where)
 
@@ -242,17 +242,16 @@ def test_v5_descriptor_advance_knob(name):
     one UIADD3.64 instead of a UIADD3 and a UMOV of the high word, 56-57 fewer instructions; the protected loop keeps
     desc_advance either way (ptxas turned 64-bit adds there into four instructions each)."""
     from quantmla_core.backends.cupy.attention import v5_defines
-    from quantmla_core.backends.cupy.sass_report import V4_WGMMA_ARCH, _build_sass, loops
+    from quantmla_core.backends.cupy.sass_report import V4_WGMMA_ARCH, _build_sass, v5_loops
 
     fmt = qm.PackFormat.parse(name)
     built = {}
     for on in (0, 1):
         sass, ptxas = _build_sass("attention_v5.cu", {**v5_defines(fmt), "QMLA_V5_DESC64": on}, V4_WGMMA_ARCH)
         assert "spill stores" not in ptxas or " 0 bytes spill stores" in ptxas, ptxas
-        found = [lp for lp in loops(sass) if lp.count("HGMMA")]
-        built[on] = (max((lp for lp in found if lp.count("HADD2")), key=lambda lp: lp.total),
-                     max((lp for lp in found if not lp.count("HADD2")), key=lambda lp: lp.total))
-    (packed32, prot32), (packed64, prot64) = built[0], built[1]
+        built[on] = v5_loops(sass)
+    packed32, prot32 = built[0]["packed"], built[0]["protected"]
+    packed64, prot64 = built[1]["packed"], built[1]["protected"]
     assert packed32.count("UMOV") >= 68 and packed64.count("UMOV") <= 20, (packed32.opcodes, packed64.opcodes)
     assert packed32.total - packed64.total >= 50
     # the protected loop's descriptor work is the same (its other code may move a register or so)

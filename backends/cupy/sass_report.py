@@ -259,7 +259,11 @@ def tile_loops_v5(fmt: PackFormat, workers: int = V5_WORKERS, prot_vec: bool = T
     """The two tile loops of one ``qmla_attn_v5`` worker, {"packed": ..., "protected": ...}: both hold
     QK's and PV's HGMMA; the packed one dequantizes codes (HADD2 subtracts the zero points), the
     protected one loads bf16 rows (no HADD2)."""
-    sass = compile_sass_v5(fmt, workers, prot_vec, codes_in_place, rope_fold)[0]
+    return v5_loops(compile_sass_v5(fmt, workers, prot_vec, codes_in_place, rope_fold)[0])
+
+
+def v5_loops(sass: str) -> dict[str, LoopReport]:
+    """The packed and the protected tile loop of a ``qmla_attn_v5`` build's SASS (see ``tile_loops_v5``)."""
     found = [lp for lp in loops(sass) if lp.count("HGMMA")]
     return {"packed": max((lp for lp in found if lp.count("HADD2")), key=lambda lp: lp.total),
             "protected": max((lp for lp in found if not lp.count("HADD2")), key=lambda lp: lp.total)}
@@ -299,7 +303,7 @@ def main(argv: list[str]) -> None:
             loop, regs, top = _loop_summary(sass, ptxas)
             spills = re.search(r"(\d+) bytes spill stores", ptxas)
             prot = tile_loops_v5(PackFormat.parse(name, latent_dim=dc, rope_dim=dr), workers)["protected"]
-            gaps = sorted(c for (reg_a, c), n in hgmma_issue_gaps(sass, loop).items() if reg_a for _ in range(n))
+            gaps = sorted(c for reg_a, c in hgmma_issue_gaps(sass, loop).elements() if reg_a)
             print(f"{name} {dc}/{dr} kernel v5, {workers} workers (16 rows x 64-token tiles, a worker of 4 warps): "
                   f"{loop.total} instructions per warp per tile ({loop.total * 4 / 64:.0f} per token), "
                   f"{loop.fixed_wait_cycles} fixed-wait cycles, "

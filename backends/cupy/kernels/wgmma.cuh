@@ -36,9 +36,9 @@ __device__ __forceinline__ u64 desc_advance(u64 d, u32 bytes) {
 }
 
 // the same advance as one 64-bit add (equal, as the low word never carries): ptxas makes it one UIADD3.64, where
-// desc_advance takes a UIADD3 and a UMOV of the high word before each wgmma (v5: 56 fewer instructions a tile). Which
-// form runs faster depends on the rest of the kernel's schedule (H200, stop 37): v5's C2R4 packed loop 2.3-2.8 % faster
-// with it, its C4R4 loop 0.5-1 % slower, v6's C2R4 1.5 % slower (so only v5's 2-bit builds take it: QMLA_V5_DESC64)
+// desc_advance takes a UIADD3 and a UMOV of the high word before each wgmma. Which form runs faster depends on the
+// rest of the kernel's schedule, not the count: only v5's 2-bit builds take it (QMLA_V5_DESC64 says what was measured;
+// v6's C2R4 ran 1.5 % slower with it, H200 stop 37)
 __device__ __forceinline__ u64 desc_advance64(u64 d, u32 bytes) { return d + (bytes >> 4); }
 
 // descriptor d, hidden from ptxas's algebra: built from it inside a loop, the descriptors stay in uniform registers
