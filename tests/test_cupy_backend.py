@@ -566,7 +566,7 @@ def test_v2_launch_arguments_match_kernel_signature(monkeypatch, h, s_q, rg_env,
     env["QUANTMLA_CUPY_V2_PROTECTED"] = "inline"
     launches, kernels, fmt, b = _run_v2_stubbed(monkeypatch, h, s_q, prot, env)
     assert [k for k in kernels] == [("attention_v2.cu", "qmla_attn_v2"), ("attention.cu", "qmla_combine")]
-    (attn, grid, block, args, smem), (_comb, cgrid, _cblock, cargs, _) = launches
+    (attn, grid, block, args, smem), (_comb, cgrid, cblock, cargs, _) = launches
     params = _kernel_params("attention_v2.cu", "qmla_attn_v2")
     assert len(args) == len(params), (len(args), params)
     for a, p in zip(args, params):
@@ -592,6 +592,13 @@ def test_v2_launch_arguments_match_kernel_signature(monkeypatch, h, s_q, rg_env,
     assert grid[1] == splits and splits * per * 32 >= 5 * fmt.page_size  # 5 pages per request (_run_v2_stubbed)
     assert len(cargs) == len(_kernel_params("attention.cu", "qmla_combine")) and cgrid == (b * rows,)
     assert int(cargs[-1]) == splits
+    # the combine's block is the kernel's QMLA_COMBINE_THREADS (its launch bounds; a thread per 4 channels)
+    import re
+
+    from quantmla_core.backends.cupy.attention import COMBINE_THREADS
+
+    kernel_threads = re.search(r"#define QMLA_COMBINE_THREADS (\d+)", (KERNEL_DIR / "attention.cu").read_text())
+    assert cblock == (COMBINE_THREADS,) and int(kernel_threads.group(1)) == COMBINE_THREADS
 
 
 @pytest.mark.parametrize("h", [16, 128])

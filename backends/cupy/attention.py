@@ -157,6 +157,8 @@ V5_WORKERS = 2
 V5_WORKER_CHOICES = (2, 3)
 #: the only compute capability v5's sm_90a build runs on
 V5_CAPABILITY = (9, 0)
+#: threads of a combine block, one row per block (``attention.cu``'s ``QMLA_COMBINE_THREADS``)
+COMBINE_THREADS = 128
 #: v6 (``kernels/attention_v6.cu``, sm_90a only): tokens per tile, query rows per CTA, threads per CTA
 #: (an attending and a dequantizing warpgroup)
 V6_TILE = 64
@@ -1408,7 +1410,7 @@ class SplitCall:
             launch(fn, grid, block, args, dev, smem, stream=stream)
         if side is not None:
             _join_side_stream(dev, side)
-        launch(plan.combine, (b * rows,), (128,),
+        launch(plan.combine, (b * rows,), (COMBINE_THREADS,),
                (o_ptr, ml_ptr, u64(out.data_ptr()), u64(lse.data_ptr()), np.int32(slots)), dev, stream=stream)
         return out, lse
 

@@ -541,10 +541,11 @@ extern "C" __global__ void __launch_bounds__(NW * 32, QMLA_MIN_BLOCKS) qmla_attn
 }
 
 // Merge the splits of each query row: out = sum_i 2^(m_i - M) O_i / sum_i 2^(m_i - M) l_i,
-// lse = ln 2 * (M + log2(sum_i 2^(m_i - M) l_i)). One block per row; a thread owns 4 adjacent
-// channels (one 16-byte load per split) and keeps 4 splits' loads in flight, so a row with many
-// splits is not a chain of dependent loads. Sums run over i in order (bit-identical to one
-// split at a time); splits that saw no token (m_i = -inf) are skipped.
+// lse = ln 2 * (M + log2(sum_i 2^(m_i - M) l_i)). One block of QMLA_COMBINE_THREADS per row; a thread owns 4
+// adjacent channels (one 16-byte load per split). Its first QMLA_COMBINE_AHEAD partials are loaded before the
+// splits' (m, l), so a row of up to that many splits takes one round trip to memory, not two; further splits
+// keep 8 (then 4) loads in flight. Sums run over i in order (bit-identical to one split at a time); splits that saw no token
+// (m_i = -inf) are skipped.
 __device__ __forceinline__ void qmla_combine_add(float4& a, float2 v, float M, float4 o) {
     if (v.x != -QMLA_INF) {
         const float w = exp2f(v.x - M);
@@ -558,14 +559,24 @@ __device__ __forceinline__ void qmla_combine_add(float4& a, float2 v, float M, f
 // Partials per row read through shared memory (larger counts read them from global memory):
 // one round trip for every split's (m, l) instead of one per loop trip.
 #define QMLA_COMBINE_SMEM_SPLITS 512
+#define QMLA_COMBINE_THREADS 128  // the launcher's block
+#define QMLA_COMBINE_AHEAD 8
 
-extern "C" __global__ void __launch_bounds__(128) qmla_combine(const float* __restrict__ o_part,
-                                                               const float2* __restrict__ ml_part,
-                                                               void* __restrict__ out, float* __restrict__ lse,
-                                                               int num_splits) {
-    static_assert(DC % 4 == 0, "4 channels per thread");
+extern "C" __global__ void __launch_bounds__(QMLA_COMBINE_THREADS) qmla_combine(const float* __restrict__ o_part,
+                                                                               const float2* __restrict__ ml_part,
+                                                                               void* __restrict__ out,
+                                                                               float* __restrict__ lse, int num_splits) {
+    static_assert(DC % 4 == 0 && DC / 4 <= QMLA_COMBINE_THREADS, "4 channels per thread, one pass");
     __shared__ float2 ml_s[QMLA_COMBINE_SMEM_SPLITS];
     const i64 row = blockIdx.x;
+    const int c4 = threadIdx.x;
+    const bool mine = c4 < DC / 4;
+    const float4* op = (const float4*)(o_part + row * num_splits * DC) + c4;
+    float4 o[QMLA_COMBINE_AHEAD];
+#pragma unroll
+    for (int k = 0; k < QMLA_COMBINE_AHEAD; ++k) {
+        if (mine && k < num_splits) o[k] = op[k * (DC / 4)];
+    }
     const float2* ml = ml_part + row * num_splits;
     if (num_splits <= QMLA_COMBINE_SMEM_SPLITS) {
         for (int i = threadIdx.x; i < num_splits; i += blockDim.x) ml_s[i] = ml[i];
@@ -580,38 +591,39 @@ extern "C" __global__ void __launch_bounds__(128) qmla_combine(const float* __re
         if (v.x != -QMLA_INF) den += exp2f(v.x - M) * v.y;
     }
     const float inv = den > 0.0f ? 1.0f / den : 0.0f;
-    const float4* op = (const float4*)(o_part + row * num_splits * DC);
-    for (int c4 = threadIdx.x; c4 < DC / 4; c4 += blockDim.x) {
-        float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        int i = 0;
-        // 8 partials' loads in flight, summed in split order
-        for (; i + 8 <= num_splits; i += 8) {
-            float4 o[8];
-#pragma unroll
-            for (int k = 0; k < 8; ++k) o[k] = op[(i + k) * (DC / 4) + c4];
-#pragma unroll
-            for (int k = 0; k < 8; ++k) qmla_combine_add(a, ml[i + k], M, o[k]);
-        }
-        for (; i + 4 <= num_splits; i += 4) {
-            const float4 o0 = op[(i + 0) * (DC / 4) + c4], o1 = op[(i + 1) * (DC / 4) + c4];
-            const float4 o2 = op[(i + 2) * (DC / 4) + c4], o3 = op[(i + 3) * (DC / 4) + c4];
-            qmla_combine_add(a, ml[i + 0], M, o0);
-            qmla_combine_add(a, ml[i + 1], M, o1);
-            qmla_combine_add(a, ml[i + 2], M, o2);
-            qmla_combine_add(a, ml[i + 3], M, o3);
-        }
-        for (; i < num_splits; ++i) qmla_combine_add(a, ml[i], M, op[i * (DC / 4) + c4]);
-        a.x *= inv;
-        a.y *= inv;
-        a.z *= inv;
-        a.w *= inv;
-#if QMLA_IN_BF16
-        const u32 lo = (u32)f32_to_bf16_bits(a.x) | ((u32)f32_to_bf16_bits(a.y) << 16);
-        const u32 hi = (u32)f32_to_bf16_bits(a.z) | ((u32)f32_to_bf16_bits(a.w) << 16);
-        ((uint2*)out)[row * (DC / 4) + c4] = make_uint2(lo, hi);
-#else
-        ((float4*)out)[row * (DC / 4) + c4] = a;
-#endif
-    }
     if (threadIdx.x == 0) lse[row] = den > 0.0f ? 0.69314718055994531f * (M + log2f(den)) : -QMLA_INF;
+    if (!mine) return;
+    float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int k = 0; k < QMLA_COMBINE_AHEAD; ++k) {
+        if (k < num_splits) qmla_combine_add(a, ml[k], M, o[k]);
+    }
+    int i = QMLA_COMBINE_AHEAD;
+    for (; i + 8 <= num_splits; i += 8) {
+        float4 r[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) r[k] = op[(i + k) * (DC / 4)];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) qmla_combine_add(a, ml[i + k], M, r[k]);
+    }
+    for (; i + 4 <= num_splits; i += 4) {
+        const float4 r0 = op[(i + 0) * (DC / 4)], r1 = op[(i + 1) * (DC / 4)];
+        const float4 r2 = op[(i + 2) * (DC / 4)], r3 = op[(i + 3) * (DC / 4)];
+        qmla_combine_add(a, ml[i + 0], M, r0);
+        qmla_combine_add(a, ml[i + 1], M, r1);
+        qmla_combine_add(a, ml[i + 2], M, r2);
+        qmla_combine_add(a, ml[i + 3], M, r3);
+    }
+    for (; i < num_splits; ++i) qmla_combine_add(a, ml[i], M, op[i * (DC / 4)]);
+    a.x *= inv;
+    a.y *= inv;
+    a.z *= inv;
+    a.w *= inv;
+#if QMLA_IN_BF16
+    const u32 lo = (u32)f32_to_bf16_bits(a.x) | ((u32)f32_to_bf16_bits(a.y) << 16);
+    const u32 hi = (u32)f32_to_bf16_bits(a.z) | ((u32)f32_to_bf16_bits(a.w) << 16);
+    ((uint2*)out)[row * (DC / 4) + c4] = make_uint2(lo, hi);
+#else
+    ((float4*)out)[row * (DC / 4) + c4] = a;
+#endif
 }
