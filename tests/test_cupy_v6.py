@@ -1,7 +1,7 @@
 """CuPy attention kernel v6 (many query rows on Hopper: one warpgroup dequantizes the next tile while the
 other attends to this one, ``kernels/attention_v6.cu``).
 
-CPU: the sm_90a build compiles without spills or serialized wgmma at every served format, dims, group
+CPU: the sm_90a build compiles within its spill allowance and without serialized wgmma at every served format, dims, group
 and page size, runs QK as (d_c + d_r) / 16 m64n64k16 and PV as 2 x 4 MN-major MMAs, hands work between
 its warpgroups by bar.arrive / bar.sync pairs, and its shared-memory layout matches the launcher's; a
 forced v6 runs where it serves and says why elsewhere; the stubbed launch matches the kernel's
@@ -112,10 +112,20 @@ def _compile_v6(v: tuple) -> tuple[int, str, str]:
                                  v6_defines(fmt, True, pv_at, ahead, pair=pair, slack=slack, rope_fold=fold))
 
 
+#: ... and the other d_c 512 builds: two words ptxas stores before the query prologue (whose loads all go out before
+#: their stores, stop 38: 72 registers a thread for a moment) and reads back in the epilogue, outside the tile loops
+#: (test_cupy_sass.py's test_v6_tile_loops_within_budget pins that the loops have no local memory). The H200 ran C2R4
+#: 1.5-1.8 % faster with this form than with cp.async copies that spill nothing (stop 38)
+V6_PLAIN_SPILL_BYTES = (8, 12)
+
+
 def _spill_allowance(v: tuple) -> tuple[int, int]:
-    """What a build may spill: V6_FOLD_SPILL_BYTES where it folds the RoPE scale at d_c 512, else nothing."""
+    """What a build may spill: V6_FOLD_SPILL_BYTES where it folds the RoPE scale at d_c 512, V6_PLAIN_SPILL_BYTES at
+    d_c 512 otherwise, nothing at d_c 256."""
     fmt, _pv_at, _ahead, pair, _slack, fold = _v6_knobs(v)
-    return V6_FOLD_SPILL_BYTES if v6_rope_fold(fmt, pair, fold) and fmt.latent_dim == 512 else (0, 0)
+    if fmt.latent_dim != 512:
+        return (0, 0)
+    return V6_FOLD_SPILL_BYTES if v6_rope_fold(fmt, pair, fold) else V6_PLAIN_SPILL_BYTES
 
 
 @lru_cache(maxsize=1)
@@ -205,15 +215,15 @@ def _compiled_v6_pieces() -> dict:
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
 @pytest.mark.parametrize("build", V6_PIECES_BUILDS, ids=lambda v: "-".join(map(str, v)))
 def test_v6_pieces_builds_compile(build):
-    """The piece-table build compiles for sm_90a without serialized wgmma and within its spill allowance (none but
-    C4R4 at d_c 512), reads its table entry twice with one 16-byte load each (at the start, and again for the
+    """The piece-table build compiles for sm_90a without serialized wgmma and within its spill allowance (none at
+    d_c 256), reads its table entry twice with one 16-byte load each (at the start, and again for the
     partial, so that the entry does not live across the tiles), and differs from the equal-splits build."""
     rc, text, ptx = _compiled_v6_pieces()[build]
     assert rc == 0, f"nvcc failed for v6 pieces {build}:\n{text[-4000:]}"
     assert "warning #" not in text and "C7514" not in text and "C7515" not in text, text
     use = ptxas_usage(text)
     print(f"v6 pieces {build}: {use}")
-    stored, loaded = V6_PIECES_SPILL_BYTES if build[:2] == ("C4R4", 512) else (0, 0)
+    stored, loaded = {("C4R4", 512): V6_PIECES_SPILL_BYTES, ("C2R4", 512): V6_PLAIN_SPILL_BYTES}.get(build[:2], (0, 0))
     assert use["spill_stores"] <= stored and use["stack"] <= stored and use["spill_loads"] <= loaded, use
     assert ptx.count("ld.global.nc.v4.s32") == 2
     assert ptx != _compiled_v6()[build][2] and "ld.global.nc.v4.s32" not in _compiled_v6()[build][2]

@@ -167,7 +167,7 @@ static_assert(RT * OT_STRIDE * 4 <= QT_OFF, "the partial-output tile reuses the 
 #define BAR_EMPTY 3   // + buffer: the attender is done with a key tile (attender -> dequantizer)
 #define BAR_PREADY 5  // P and the rescale factors of the tile written (attender -> dequantizer)
 #define BAR_PFREE 6   // the dequantizer's PV of the tile retired: P may be rewritten (dequantizer -> attender)
-#define QCOPIES (RT * (DT / 8) / NTH)  // 16-byte query copies per thread
+#define QCOPIES (RT * (DT / 8) / NTH)  // 16-byte query loads per thread
 static_assert(RT * (DT / 8) % NTH == 0, "the threads copy the queries in equal shares");
 __device__ __forceinline__ void v6_arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void v6_wait(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
@@ -694,18 +694,28 @@ extern "C" __global__ void V6_CLUSTER __launch_bounds__(NTH, 1) qmla_attn_v6(
 
     if (ntiles > 0) {
         // ------------------------------------------------------------ queries [RT][DT] (rows >= R: zeros)
-        // by cp.async, every copy of a thread in flight at once (before stop 38, a loop whose every load was stored
-        // before the next went out: 18 round trips a thread before either role began)
+        // every load of a thread goes out before its first store (before stop 38, each load was stored before the
+        // next went out: 18 round trips a thread before either role began; H200, H128 B8 L32K 6-8 us). Not kept
+        // (stop 38): cp.async copies by all 256 threads (an illegal address in one conformance case, H1 S3, that
+        // memcheck did not show); by the attender alone, the dequantizer starting at once (conformant, C2R4
+        // 1.5-1.8 % slower than this form, whose 72 registers make ptxas keep two words in local memory outside
+        // the tile loops)
+        uint4 qv[QCOPIES];
 #pragma unroll
         for (int k = 0; k < QCOPIES; ++k) {
             const int idx = tid + k * NTH, row = idx / (DT / 8), ck = idx % (DT / 8);
-            const bool ok = rbase + row < R;
-            const i64 qrow = (i64)b * R + (ok ? rbase + row : 0);  // a row that exists; nothing read when !ok
-            const u16* src = ck < DC / 8 ? q_lat + qrow * DC + 8 * ck : q_rope + qrow * DR + 8 * (ck - DC / 8);
-            cp_async16_zfill(smem + QT_OFF + sw128_chunk(row, ck, RT), src, ok ? 16 : 0);
+            qv[k] = make_uint4(0u, 0u, 0u, 0u);
+            if (rbase + row < R) {
+                const i64 qrow = (i64)b * R + rbase + row;
+                qv[k] = ck < DC / 8 ? *(const uint4*)(q_lat + qrow * DC + 8 * ck)
+                                    : *(const uint4*)(q_rope + qrow * DR + 8 * (ck - DC / 8));
+            }
         }
-        cp_async_commit();
-        cp_async_wait_all();
+#pragma unroll
+        for (int k = 0; k < QCOPIES; ++k) {
+            const int idx = tid + k * NTH, row = idx / (DT / 8), ck = idx % (DT / 8);
+            *(uint4*)(smem + QT_OFF + sw128_chunk(row, ck, RT)) = qv[k];
+        }
         fence_proxy_async();
         __syncthreads();  // queries visible to wgmma
 
