@@ -6,9 +6,11 @@ Builds large paged caches on the GPU with the Triton writer, the FlashInfer BF16
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import time
+from typing import Callable
 
 import torch
 
@@ -32,6 +34,21 @@ def host_us(fn, n: int = 300, warmup: int = 20) -> float:
     t1 = time.perf_counter()
     torch.cuda.synchronize()
     return (t1 - t0) / n * 1e6
+
+
+def probe_shapes(args, probe: Callable[..., list[dict]]) -> list[dict]:
+    """The rows of ``probe(h, b, l, *s_q)`` over ``args.shapes`` (comma-separated HxBxL or HxBxLxS_q), freeing the
+    CUDA cache after each shape; written with :func:`gpu_info` to ``args.json`` when given. ``args.protection``
+    ("sink,local") becomes ``args.sink`` and ``args.local`` first (the probes' command lines)."""
+    args.sink, args.local = (int(x) for x in args.protection.split(","))
+    rows: list[dict] = []
+    for shape in args.shapes.split(","):
+        rows += probe(*(int(x) for x in shape.split("x")))
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"info": gpu_info(), "rows": rows}, f, indent=1)
+    return rows
 
 
 def gpu_info() -> dict:

@@ -12,7 +12,6 @@ A shape is HxBxL or HxBxLxS_q (S_q query tokens per request, causal; FlashInfer 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -22,7 +21,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(__file__))
 import quantmla_core as qm  # noqa: E402
-from _mla_bench_common import FlashInferMLA, Workload, gpu_info  # noqa: E402
+from _mla_bench_common import FlashInferMLA, Workload, probe_shapes  # noqa: E402
 
 SCALE = 1.0 / 576 ** 0.5
 
@@ -103,16 +102,8 @@ def main(argv=None) -> None:
     ap.add_argument("--protection", default="4,128", help="sink,local of the probed caches (0,0: none)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    args.sink, args.local = (int(x) for x in args.protection.split(","))
     settings = _settings(args)
-    rows = []
-    for shape in args.shapes.split(","):
-        h, b, l, *s_q = (int(x) for x in shape.split("x"))
-        rows += _probe_shape(h, b, l, args, settings, *s_q)
-        torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"info": gpu_info(), "rows": rows}, f, indent=1)
+    probe_shapes(args, lambda h, b, l, *s_q: _probe_shape(h, b, l, args, settings, *s_q))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ difference between a kernel sum and the graph time is what the call spends betwe
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections import defaultdict
@@ -22,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(__file__))
 import quantmla_core as qm  # noqa: E402
-from _mla_bench_common import FlashInferMLA, Workload, gpu_info  # noqa: E402
+from _mla_bench_common import FlashInferMLA, Workload, probe_shapes  # noqa: E402
 from graph_probe import SCALE, bench, graphed  # noqa: E402
 
 
@@ -81,15 +80,7 @@ def main(argv=None) -> None:
     ap.add_argument("--protection", default="4,128", help="sink,local of the probed caches (0,0: none)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    args.sink, args.local = (int(x) for x in args.protection.split(","))
-    rows = []
-    for shape in args.shapes.split(","):
-        h, b, l = (int(x) for x in shape.split("x"))
-        rows += probe_shape(h, b, l, args)
-        torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"info": gpu_info(), "rows": rows}, f, indent=1)
+    probe_shapes(args, lambda h, b, l: probe_shape(h, b, l, args))
 
 
 if __name__ == "__main__":

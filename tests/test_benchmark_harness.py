@@ -117,3 +117,19 @@ def test_request_context_len_matches_context():
     r = Request(0, [5, 6, 7], 4)
     r.generated += [1, 2]
     assert r.context_len == len(r.context) == 5
+
+
+def test_probe_shapes_runs_each_shape_and_writes_json(tmp_path, monkeypatch):
+    """The GPU probes' shape loop (graph_probe.py, kernel_times.py): every HxBxL[xS_q] in order, the protection
+    argument split into sink and local, the rows written beside the machine's info."""
+    import argparse
+
+    from benchmarks import _mla_bench_common as common
+
+    monkeypatch.setattr(common, "gpu_info", lambda: {"gpu": "stub"})
+    seen = []
+    args = argparse.Namespace(shapes="16x8x4096,128x2x64x3", protection="4,128", json=str(tmp_path / "rows.json"))
+    rows = common.probe_shapes(args, lambda *shape: seen.append(shape) or [{"shape": list(shape)}])
+    assert seen == [(16, 8, 4096), (128, 2, 64, 3)] and (args.sink, args.local) == (4, 128)
+    assert rows == [{"shape": [16, 8, 4096]}, {"shape": [128, 2, 64, 3]}]
+    assert json.loads((tmp_path / "rows.json").read_text()) == {"info": {"gpu": "stub"}, "rows": rows}

@@ -326,6 +326,7 @@ def test_v5_rope_fold_takes_fewer_instructions(name, dc, dr, saved):
     assert new.count("FFMA") >= old.count("FFMA") + 8 and new.count("HGMMA") == old.count("HGMMA")
     assert new.count("LDL", "STL") == 0
 
+
 @pytest.mark.parametrize("name,dc,dr", [("C4R4", 512, 64), ("C2R4", 256, 32)])
 def test_v6_query_loads_all_go_out_before_their_stores(name, dc, dr):
     """v6's prologue loads a thread's share of the CTA's 64 query rows ((d_c + d_r) / 8 16-byte chunks a row over 256

@@ -167,8 +167,8 @@ static_assert(RT * OT_STRIDE * 4 <= QT_OFF, "the partial-output tile reuses the 
 #define BAR_EMPTY 3   // + buffer: the attender is done with a key tile (attender -> dequantizer)
 #define BAR_PREADY 5  // P and the rescale factors of the tile written (attender -> dequantizer)
 #define BAR_PFREE 6   // the dequantizer's PV of the tile retired: P may be rewritten (dequantizer -> attender)
-#define QCOPIES (RT * (DT / 8) / NTH)  // 16-byte query loads per thread
-static_assert(RT * (DT / 8) % NTH == 0, "the threads copy the queries in equal shares");
+#define QLOADS (RT * (DT / 8) / NTH)  // 16-byte query loads per thread
+static_assert(RT * (DT / 8) % NTH == 0, "the threads load the queries in equal shares");
 __device__ __forceinline__ void v6_arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void v6_wait(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
 
@@ -700,9 +700,9 @@ extern "C" __global__ void V6_CLUSTER __launch_bounds__(NTH, 1) qmla_attn_v6(
         // memcheck did not show); by the attender alone, the dequantizer starting at once (conformant, C2R4
         // 1.5-1.8 % slower than this form, whose 72 registers make ptxas keep two words in local memory outside
         // the tile loops)
-        uint4 qv[QCOPIES];
+        uint4 qv[QLOADS];
 #pragma unroll
-        for (int k = 0; k < QCOPIES; ++k) {
+        for (int k = 0; k < QLOADS; ++k) {
             const int idx = tid + k * NTH, row = idx / (DT / 8), ck = idx % (DT / 8);
             qv[k] = make_uint4(0u, 0u, 0u, 0u);
             if (rbase + row < R) {
@@ -712,7 +712,7 @@ extern "C" __global__ void V6_CLUSTER __launch_bounds__(NTH, 1) qmla_attn_v6(
             }
         }
 #pragma unroll
-        for (int k = 0; k < QCOPIES; ++k) {
+        for (int k = 0; k < QLOADS; ++k) {
             const int idx = tid + k * NTH, row = idx / (DT / 8), ck = idx % (DT / 8);
             *(uint4*)(smem + QT_OFF + sw128_chunk(row, ck, RT)) = qv[k];
         }
