@@ -92,11 +92,12 @@ V6_FOLD_SPILL_BYTES = (8, 24)
 #: the piece-table builds (QMLA_V6_PIECES: balanced plans): C2R4, which QUANTMLA_CUPY_V6_BALANCE=auto balances, C4R4,
 #: which =1 may, and d_c 256: (format, d_c, d_r, group size, page size)
 V6_PIECES_BUILDS = [("C2R4", 512, 64, 64, 64), ("C4R4", 512, 64, 64, 64), ("C2R4", 256, 32, 32, 64)]
-#: bytes C4R4's piece-table build at d_c 512 may spill (stack and stores, loads): at 255 registers with the RoPE fold,
-#: ptxas keeps a few more words in local memory than the equal-splits build (offline SASS of stop 35: 20 / 72, read
-#: once per segment of tiles and for the partial); the H200 ran it 1.7-5.2 % slower (its index arithmetic left the
-#: uniform datapath), so auto does not balance C4R4 (V6_BALANCE_CONTENT_BITS)
-V6_PIECES_SPILL_BYTES = (24, 80)
+#: bytes C4R4's piece-table build at d_c 512 may spill (stack and stores, loads): what the folding equal-splits build
+#: may. Stop 35's build spilled 20 / 72 (ptxas kept words for the tile segments and the partial) and ran 1.7-5.2 %
+#: slower on the H200 (its index arithmetic left the uniform datapath), so auto does not balance C4R4
+#: (V6_BALANCE_CONTENT_BITS). Since stop 38's query prologue it spills nothing, at 248 registers, and its tile loops are
+#: within 3 instructions of the equal-splits build's (offline SASS); not timed since
+V6_PIECES_SPILL_BYTES = V6_FOLD_SPILL_BYTES
 
 
 def _v6_knobs(v: tuple) -> tuple[qm.PackFormat, int, bool, bool, bool, bool | None]:
