@@ -232,6 +232,20 @@ def load_positions(sass: str, loop: LoopReport) -> list[int]:
     return where
 
 
+def prologue_loads_and_stores(sass: str) -> str:
+    """The global loads ("L": LDG) and shared stores ("S": STS) a kernel issues before its first barrier, in order.
+    A prologue that stages data loaded from memory reads "LL...LSS...S" when every load goes out before the first
+    store; "LSLS..." is a chain of round trips, each store waiting for its load (stop 38: v6's query copy, 6-8 us of
+    a short CTA's time on the H200)."""
+    seq = []
+    for _, op, _, _ in _instructions(sass):
+        if op.startswith("BAR.SYNC"):
+            break
+        if op.startswith("LDG.") or op.startswith("STS"):
+            seq.append("L" if op.startswith("LDG.") else "S")
+    return "".join(seq)
+
+
 def tile_loop(fmt: PackFormat, pure_path: bool = True, lazy_rescale: bool = False, tile: int = 32) -> LoopReport:
     """The tile loop of ``qmla_attn_v2`` (the largest loop) for ``fmt`` with ``tile``-token tiles."""
     return loops(compile_sass(fmt, pure_path, lazy_rescale=lazy_rescale, tile=tile)[0])[0]
