@@ -109,6 +109,12 @@ class Workload:
                      backend="triton", validate=False)
         return cache
 
+    def attention_kwargs(self, scale: float) -> dict:
+        """The keyword arguments of ``quantmla_core.attention`` over this workload's requests (unvalidated, as the
+        GPU probes time it)."""
+        return {"block_table": self.table.to(torch.int32).contiguous(), "seq_lens": self.seq_lens.to(torch.int64),
+                "seq_ids": self.seq_ids.to(torch.int64), "softmax_scale": scale, "validate": False}
+
     def queries(self, heads: int, s_q: int = 1, seed: int = 1):
         g = torch.Generator(device="cuda").manual_seed(seed)
         q = (torch.randn(self.batch, s_q, heads, 512, device="cuda", generator=g) / self.chan.sqrt()).to(torch.bfloat16)

@@ -57,8 +57,7 @@ def _probe_shape(h: int, b: int, l: int, args, settings: list[dict[str, str]], s
     """Every format x backend x setting at one shape (one workload and query set)."""
     work = Workload(b, l)
     q, r = work.queries(h, s_q)
-    kw = {"block_table": work.table.to(torch.int32).contiguous(), "seq_lens": work.seq_lens.to(torch.int64),
-          "seq_ids": work.seq_ids.to(torch.int64), "softmax_scale": SCALE, "validate": False}
+    kw = work.attention_kwargs(SCALE)
     fi_us = None
     if s_q == 1 and not FlashInferMLA.available():
         kv = work.bf16_dense()

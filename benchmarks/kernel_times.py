@@ -37,7 +37,7 @@ def kernel_means(fn, calls: int) -> dict[str, float]:
     totals: dict[str, float] = defaultdict(float)
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
-            totals[event.name] += event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
+            totals[event.name] += event.device_time_total
     return {name: us / calls for name, us in sorted(totals.items(), key=lambda kv: -kv[1])}
 
 
@@ -56,8 +56,7 @@ def probe_shape(h: int, b: int, l: int, args) -> list[dict]:
     """Every backend x format at one shape, FlashInfer BF16 first when installed."""
     work = Workload(b, l)
     q, r = work.queries(h)
-    kw = {"block_table": work.table.to(torch.int32).contiguous(), "seq_lens": work.seq_lens.to(torch.int64),
-          "seq_ids": work.seq_ids.to(torch.int64), "softmax_scale": SCALE, "validate": False}
+    kw = work.attention_kwargs(SCALE)
     rows = []
     if FlashInferMLA.available() is None:
         fi = FlashInferMLA(work, work.bf16_dense(), h, SCALE)

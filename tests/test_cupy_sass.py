@@ -333,24 +333,25 @@ def test_v6_query_loads_all_go_out_before_their_stores(name, dc, dr):
     threads) into registers, every load before the first store (stop 38: a loop whose every load was stored before
     the next went out cost 18 round trips a thread, ~6 us of a CTA's fixed work on the H200). Each chunk is one of
     two predicated loads (latent or RoPE part)."""
-    from quantmla_core.backends.cupy.sass_report import compile_sass_v6, prologue_loads_and_stores
+    from quantmla_core.backends.cupy.sass_report import compile_sass_v6
 
     sass = compile_sass_v6(qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr))[0]
     head = sass[:sass.index("BAR.SYNC")]
     chunks = 64 * (dc + dr) // 8 // 256
     assert head.count("STS.128") == chunks and head.count("LDG.E.128") == 2 * chunks, (name, chunks)
-    assert prologue_loads_and_stores(sass).rstrip("S").count("S") == 0, "a query load issued after a store"
+    # their order: test_query_prologue_loads_go_out_before_their_stores (v6 among the kernels there)
 
 
 def _prologue_builds():
-    from quantmla_core.backends.cupy.sass_report import compile_sass, compile_sass_v3, compile_sass_v4, compile_sass_v5
+    from quantmla_core.backends.cupy.sass_report import (compile_sass, compile_sass_v3, compile_sass_v4,
+                                                         compile_sass_v5, compile_sass_v6)
 
     fmt = qm.PackFormat.parse("C4R4")
     return {"v2": lambda: compile_sass(fmt), "v3": lambda: compile_sass_v3(fmt), "v5": lambda: compile_sass_v5(fmt),
-            "v4": lambda: compile_sass_v4(fmt)}
+            "v6": lambda: compile_sass_v6(fmt), "v4": lambda: compile_sass_v4(fmt)}
 
 
-@pytest.mark.parametrize("kernel", ["v2", "v3", "v5", pytest.param("v4", marks=pytest.mark.xfail(
+@pytest.mark.parametrize("kernel", ["v2", "v3", "v5", "v6", pytest.param("v4", marks=pytest.mark.xfail(
     strict=True, reason="v4 stores each query chunk before loading the next (stop 38; v6 had the same loop, 6-8 us a "
                         "short CTA on the H200); not changed without a device run to check and time it"))])
 def test_query_prologue_loads_go_out_before_their_stores(kernel):
