@@ -72,6 +72,15 @@
 #define NW 8
 #define NTH (NW * 32)
 #define RT 64                 // query rows per CTA
+#define QLOADS (RT * (DT / 8) / NTH)  // 16-byte query loads per thread
+static_assert(RT * (DT / 8) % NTH == 0, "the threads load the queries in equal shares");
+#ifndef QMLA_V4_QBATCH
+// query loads a thread has in flight at once: all of them where registers allow (the wgmma build); the mma.sync build,
+// whose 128 PV accumulators are live already, spilled 8 bytes with all 18 (d_c 512) and keeps 6
+#define QMLA_V4_QBATCH (QMLA_V4_WGMMA ? QLOADS : (QLOADS % 6 == 0 ? 6 : QLOADS / 3))
+#endif
+#define QBATCH QMLA_V4_QBATCH
+static_assert(QLOADS % QBATCH == 0, "equal batches of query loads");
 #define CBITS QMLA_CBITS
 #define KCH (8 / CBITS)       // codes per byte
 #define CB QMLA_CB
@@ -265,15 +274,25 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v4(
 
     if (t_begin < t_end) {
         // ------------------------------------------------------------ queries [RT][DT] (rows >= R: zeros)
-        for (int idx = tid; idx < RT * (DT / 8); idx += NTH) {
-            const int row = idx / (DT / 8), ck = idx % (DT / 8);
-            uint4 v = make_uint4(0u, 0u, 0u, 0u);
-            if (rbase + row < R) {
-                const i64 qrow = (i64)b * R + rbase + row;
-                v = ck < DC / 8 ? *(const uint4*)(q_lat + qrow * DC + 8 * ck)
-                                : *(const uint4*)(q_rope + qrow * DR + 8 * (ck - DC / 8));
+        // a batch of QBATCH loads of a thread goes out before its first store: QLOADS / QBATCH round trips to memory
+#pragma unroll 1
+        for (int kb = 0; kb < QLOADS; kb += QBATCH) {
+            uint4 qv[QBATCH];
+#pragma unroll
+            for (int k = 0; k < QBATCH; ++k) {
+                const int idx = tid + (kb + k) * NTH, row = idx / (DT / 8), ck = idx % (DT / 8);
+                qv[k] = make_uint4(0u, 0u, 0u, 0u);
+                if (rbase + row < R) {
+                    const i64 qrow = (i64)b * R + rbase + row;
+                    qv[k] = ck < DC / 8 ? *(const uint4*)(q_lat + qrow * DC + 8 * ck)
+                                        : *(const uint4*)(q_rope + qrow * DR + 8 * (ck - DC / 8));
+                }
             }
-            *(uint4*)(smem + QT_OFF + qmla_kt_chunk(row, ck, RT)) = v;
+#pragma unroll
+            for (int k = 0; k < QBATCH; ++k) {
+                const int idx = tid + (kb + k) * NTH;
+                *(uint4*)(smem + QT_OFF + qmla_kt_chunk(idx / (DT / 8), idx % (DT / 8), RT)) = qv[k];
+            }
         }
         auto load_pages = [&](int tt, int (&pgs)[NSEG]) {
             qmla_load_pages(tt, pgs, block_table + (i64)b * bt_stride, L, max_pages, num_pages);
