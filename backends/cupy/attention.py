@@ -178,7 +178,10 @@ V6_BALANCE = "auto"
 #: :data:`V6_CTA_OVERHEAD_TILES`: C2R4 2.3-2.4 % faster at B128 L32K and B32 L128K, equal at B32 L32K and B8 L128K;
 #: C4R4 1.7-5.2 % slower everywhere (its piece-table build reads the piece from memory instead of ``blockIdx``, so
 #: ptxas moves the tile loops' index arithmetic from the uniform datapath to the threads' registers: offline SASS,
-#: the attender's tile loop 911 -> 922 instructions and 4 % more encoded stall cycles, at 255 registers)
+#: the attender's tile loop 911 -> 922 instructions and 4 % more encoded stall cycles, at 255 registers). Stop 39, after
+#: stop 38's prologue change left that build's loops within 3 instructions of the equal-splits build's: C4R4 balanced
+#: 1.3 % faster at B128 L128K (at the 700 W cap), even at B128 L32K, 0.5 % slower at B32 L128K and 1.5 % at B8 L32K,
+#: so C4R4 stays on equal splits
 V6_BALANCE_CONTENT_BITS = (2,)
 #: v6's fixed work per CTA in tile-times for its split plans (the queries' load, the first tile's dequantization
 #: before any QK, a 64 x 512 float32 partial written and read back). H200, H128, CUDA graphs, stop 35: with 1 (v2's
