@@ -278,16 +278,7 @@ extern "C" __global__ void __launch_bounds__(NTH, 1) qmla_attn_v4(
 #pragma unroll 1
         for (int kb = 0; kb < QLOADS; kb += QBATCH) {
             uint4 qv[QBATCH];
-#pragma unroll
-            for (int k = 0; k < QBATCH; ++k) {
-                const int idx = tid + (kb + k) * NTH, row = idx / (DT / 8), ck = idx % (DT / 8);
-                qv[k] = make_uint4(0u, 0u, 0u, 0u);
-                if (rbase + row < R) {
-                    const i64 qrow = (i64)b * R + rbase + row;
-                    qv[k] = ck < DC / 8 ? *(const uint4*)(q_lat + qrow * DC + 8 * ck)
-                                        : *(const uint4*)(q_rope + qrow * DR + 8 * (ck - DC / 8));
-                }
-            }
+            qmla_load_query_chunks(qv, q_lat, q_rope, b, R, rbase, tid, NTH, kb);
 #pragma unroll
             for (int k = 0; k < QBATCH; ++k) {
                 const int idx = tid + (kb + k) * NTH;

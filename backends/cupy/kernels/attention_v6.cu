@@ -701,16 +701,7 @@ extern "C" __global__ void V6_CLUSTER __launch_bounds__(NTH, 1) qmla_attn_v6(
         // 1.5-1.8 % slower than this form, whose 72 registers make ptxas keep two words in local memory outside
         // the tile loops)
         uint4 qv[QLOADS];
-#pragma unroll
-        for (int k = 0; k < QLOADS; ++k) {
-            const int idx = tid + k * NTH, row = idx / (DT / 8), ck = idx % (DT / 8);
-            qv[k] = make_uint4(0u, 0u, 0u, 0u);
-            if (rbase + row < R) {
-                const i64 qrow = (i64)b * R + rbase + row;
-                qv[k] = ck < DC / 8 ? *(const uint4*)(q_lat + qrow * DC + 8 * ck)
-                                    : *(const uint4*)(q_rope + qrow * DR + 8 * (ck - DC / 8));
-            }
-        }
+        qmla_load_query_chunks(qv, q_lat, q_rope, b, R, rbase, tid, NTH, 0);
 #pragma unroll
         for (int k = 0; k < QLOADS; ++k) {
             const int idx = tid + k * NTH, row = idx / (DT / 8), ck = idx % (DT / 8);

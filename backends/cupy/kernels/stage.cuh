@@ -73,6 +73,25 @@ __device__ __forceinline__ void qmla_wait_group() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
+// N 16-byte chunks of a CTA's bf16 query tile [rows][DT] (rows at or past R: zeros): chunk k of thread tid is
+// idx = tid + (k0 + k) * nth, row idx / (DT / 8), channels 8 (idx % (DT / 8)) .. + 7 of [q_lat | q_rope]. All N loads are
+// issued before the caller stores any (one round trip to memory; one per chunk cost v6 6-8 us a CTA, stop 38)
+template <int N>
+__device__ __forceinline__ void qmla_load_query_chunks(uint4 (&qv)[N], const u16* __restrict__ q_lat,
+                                                       const u16* __restrict__ q_rope, int b, int R, int rbase,
+                                                       int tid, int nth, int k0) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+        const int idx = tid + (k0 + k) * nth, row = idx / (DT / 8), ck = idx % (DT / 8);
+        qv[k] = make_uint4(0u, 0u, 0u, 0u);
+        if (rbase + row < R) {
+            const i64 qrow = (i64)b * R + rbase + row;
+            qv[k] = ck < DC / 8 ? *(const uint4*)(q_lat + qrow * DC + 8 * ck)
+                                : *(const uint4*)(q_rope + qrow * DR + 8 * (ck - DC / 8));
+        }
+    }
+}
+
 // Page id of token n as the block table holds it (-1 past L or past the table; not checked against the
 // pool). bt_row: the request's row of the block table. n >= 0; its page index is taken unsigned (a shift, where a
 // signed one costs a sign fix-up).
