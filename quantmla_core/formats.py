@@ -28,6 +28,7 @@ Group sizes: a group never spans two tokens; a vector shorter than the group siz
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 
@@ -202,9 +203,9 @@ class PackFormat:
             ]
         return tuple(sizes)
 
-    @property
-    def sections(self) -> dict[str, tuple[int, int]]:
-        """``{section name: (byte offset in page, byte size)}`` in page order."""
+    @functools.cached_property
+    def _section_map(self) -> dict[str, tuple[int, int]]:
+        # computed once per format (the layout is immutable); every launch reads offsets and page_bytes
         out: dict[str, tuple[int, int]] = {}
         offset = 0
         for name, size in self._section_sizes():
@@ -212,10 +213,16 @@ class PackFormat:
             offset = _align(offset + size)
         return out
 
+    @property
+    def sections(self) -> dict[str, tuple[int, int]]:
+        """``{section name: (byte offset in page, byte size)}`` in page order (a new dict each call)."""
+        return dict(self._section_map)
+
     def _offset(self, section: str) -> int:
-        if section not in self.sections:
+        entry = self._section_map.get(section)
+        if entry is None:
             raise AttributeError(f"format {self.name} has no section {section!r}")
-        return self.sections[section][0]
+        return entry[0]
 
     @property
     def content_codes_offset(self) -> int:
@@ -243,7 +250,7 @@ class PackFormat:
 
     @property
     def page_bytes(self) -> int:
-        last_offset, last_size = list(self.sections.values())[-1]
+        last_offset, last_size = next(reversed(self._section_map.values()))
         return _align(last_offset + last_size)
 
     @property

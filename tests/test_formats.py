@@ -21,6 +21,24 @@ def test_c4r4_default_layout_matches_design():
     assert f.packed_token_bytes == 256 + 32 + 16 + 8 + 4 + 1
 
 
+def test_sections_are_computed_once_and_handed_out_as_copies():
+    """The layout is computed once per format (launchers read offsets on every call); a caller editing the dict it
+    got cannot change the format, and a changed copy of the format gets its own layout."""
+    import dataclasses
+    import pickle
+
+    f = PackFormat.parse("C4R4")
+    got = f.sections
+    got["content_codes"] = (128, 1)
+    got.pop("rope_zeros")
+    assert f.sections["content_codes"] == (0, 16384) and f.rope_zeros_offset == 20224 and f.page_bytes == 20352
+    assert f._section_map is f._section_map
+    small = dataclasses.replace(f, page_size=32)
+    assert small.page_bytes == 10240 and small.sections["rope_codes"] == (8192, 1024)
+    back = pickle.loads(pickle.dumps(f))
+    assert back == f and hash(back) == hash(f) and back.sections == f.sections
+
+
 @pytest.mark.parametrize("name,page_bytes", [("C2R4", 12160), ("BF16", 73728)])
 def test_page_bytes(name, page_bytes):
     assert PackFormat.parse(name).page_bytes == page_bytes
