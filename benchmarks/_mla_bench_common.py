@@ -36,6 +36,16 @@ def host_us(fn, n: int = 300, warmup: int = 20) -> float:
     return (t1 - t0) / n * 1e6
 
 
+def add_probe_arguments(ap, shapes: str, formats: str, backends: str) -> None:
+    """The command-line arguments every GPU probe shares, with the probe's defaults: the ones :func:`probe_shapes`
+    reads (``--shapes``, ``--protection``, ``--json``) and the formats and backends it times."""
+    ap.add_argument("--shapes", default=shapes)
+    ap.add_argument("--formats", default=formats)
+    ap.add_argument("--backends", default=backends)
+    ap.add_argument("--protection", default="4,128", help="sink,local of the probed caches (0,0: none)")
+    ap.add_argument("--json", default=None)
+
+
 def probe_shapes(args, probe: Callable[..., list[dict]]) -> list[dict]:
     """The rows of ``probe(h, b, l, *s_q)`` over ``args.shapes`` (comma-separated HxBxL or HxBxLxS_q), freeing the
     CUDA cache after each shape; written with :func:`gpu_info` to ``args.json`` when given. ``args.protection``

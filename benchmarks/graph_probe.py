@@ -21,7 +21,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(__file__))
 import quantmla_core as qm  # noqa: E402
-from _mla_bench_common import FlashInferMLA, Workload, probe_shapes  # noqa: E402
+from _mla_bench_common import FlashInferMLA, Workload, add_probe_arguments, probe_shapes  # noqa: E402
 
 SCALE = 1.0 / 576 ** 0.5
 
@@ -91,15 +91,12 @@ def _probe_shape(h: int, b: int, l: int, args, settings: list[dict[str, str]], s
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="16x8x4096,16x32x4096,16x32x32768,128x8x4096")
-    ap.add_argument("--formats", default="C4R4")
-    ap.add_argument("--backends", default="cupy,triton")
+    add_probe_arguments(ap, shapes="16x8x4096,16x32x4096,16x32x32768,128x8x4096", formats="C4R4",
+                        backends="cupy,triton")
     ap.add_argument("--sweep", default=None,
                     help="NAME=V1,V2,...: an environment variable to sweep (read per call by the launchers)")
     ap.add_argument("--settings", default=None,
                     help='"A=1 B=2;A=1;...": environment settings to time one after another (instead of --sweep)')
-    ap.add_argument("--protection", default="4,128", help="sink,local of the probed caches (0,0: none)")
-    ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     settings = _settings(args)
     probe_shapes(args, lambda h, b, l, *s_q: _probe_shape(h, b, l, args, settings, *s_q))

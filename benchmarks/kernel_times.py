@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(__file__))
 import quantmla_core as qm  # noqa: E402
-from _mla_bench_common import FlashInferMLA, Workload, probe_shapes  # noqa: E402
+from _mla_bench_common import FlashInferMLA, Workload, add_probe_arguments, probe_shapes  # noqa: E402
 from graph_probe import SCALE, bench, graphed  # noqa: E402
 
 
@@ -72,12 +72,8 @@ def probe_shape(h: int, b: int, l: int, args) -> list[dict]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="128x8x32768,128x32x32768")
-    ap.add_argument("--formats", default="C4R4,C2R4")
-    ap.add_argument("--backends", default="cupy")
+    add_probe_arguments(ap, shapes="128x8x32768,128x32x32768", formats="C4R4,C2R4", backends="cupy")
     ap.add_argument("--calls", type=int, default=20)
-    ap.add_argument("--protection", default="4,128", help="sink,local of the probed caches (0,0: none)")
-    ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     probe_shapes(args, lambda h, b, l: probe_shape(h, b, l, args))
 

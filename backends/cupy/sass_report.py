@@ -316,7 +316,7 @@ def main(argv: list[str]) -> None:
             sass, ptxas = compile_sass_v5(PackFormat.parse(name, latent_dim=dc, rope_dim=dr), workers)
             loop, regs, top = _loop_summary(sass, ptxas)
             spills = re.search(r"(\d+) bytes spill stores", ptxas)
-            prot = tile_loops_v5(PackFormat.parse(name, latent_dim=dc, rope_dim=dr), workers)["protected"]
+            prot = v5_loops(sass)["protected"]
             gaps = sorted(c for reg_a, c in hgmma_issue_gaps(sass, loop).elements() if reg_a)
             print(f"{name} {dc}/{dr} kernel v5, {workers} workers (16 rows x 64-token tiles, a worker of 4 warps): "
                   f"{loop.total} instructions per warp per tile ({loop.total * 4 / 64:.0f} per token), "
