@@ -112,10 +112,11 @@ def attention(
     impl = _attention_backend(cache, block_table, seq_lens, seq_ids, b, heads, s_q, dtype, backend, validate)
     if validate:
         _check_query_values(q_latent, q_rope)
-    q4, r4 = (q_latent[:, None], q_rope[:, None]) if squeeze else (q_latent, q_rope)
-    out, lse = impl.attention(q4, r4, cache, block_table, seq_lens, seq_ids, scale)
-    if squeeze:
+    if squeeze and not impl.takes_3d_queries:
+        out, lse = impl.attention(q_latent[:, None], q_rope[:, None], cache, block_table, seq_lens, seq_ids, scale)
         out, lse = out[:, 0], lse[:, 0]
+    else:
+        out, lse = impl.attention(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, scale)
     return (out, lse) if return_lse else out
 
 

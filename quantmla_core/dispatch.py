@@ -129,11 +129,14 @@ class Capabilities:
 class Backend:
     """Base class: subclasses set ``name``, ``capabilities``, ``requires`` (import names) and
     implement :meth:`write` and :meth:`attention` (arguments already validated by the API;
-    queries always 4-D ``[B, S_q, H, d]``)."""
+    queries 4-D ``[B, S_q, H, d]``, or as the caller gave them where ``takes_3d_queries``)."""
 
     name: str = ""
     capabilities: Capabilities = Capabilities(devices=frozenset())
     requires: tuple[str, ...] = ()
+    #: True: :meth:`attention` also takes S_q = 1 queries as ``[B, H, d]`` and then returns ``out``
+    #: ``[B, H, d_c]`` and ``lse`` ``[B, H]`` (the API skips making 4-D views and squeezing them back)
+    takes_3d_queries: bool = False
 
     def unavailable_reason(self) -> str | None:
         """Why the backend cannot run in this process at all (missing package, ...), or None."""

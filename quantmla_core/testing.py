@@ -248,6 +248,7 @@ def stub_cupy_launcher(monkeypatch: Any, sm_count: int = 132, nvrtc: tuple[int, 
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(A, "_FNS", {})
     monkeypatch.setattr(A, "_PLANS", {})
+    monkeypatch.setattr(A, "_PREPARED", {})
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     return kernels, launches
 

@@ -29,3 +29,47 @@ def test_getenv_falls_back_without_the_live_mapping(monkeypatch):
 @pytest.mark.parametrize("name", ["QUANTMLA_CUPY_ATTENTION", "QUANTMLA_TRITON_ATTENTION", "QUANTMLA_BACKEND", "PATH"])
 def test_getenv_matches_os_environ(name):
     assert getenv(name) == os.environ.get(name)
+
+
+def test_recording_lists_reads_per_block(monkeypatch):
+    from quantmla_core.envvars import recording
+
+    monkeypatch.setenv("QUANTMLA_TEST_ENVVARS_A", "a")
+    getenv("QUANTMLA_TEST_ENVVARS_OUTSIDE")
+    with recording() as outer:
+        getenv("QUANTMLA_TEST_ENVVARS_A")
+        with recording() as inner:
+            getenv("QUANTMLA_TEST_ENVVARS_B", "b")
+        getenv("QUANTMLA_TEST_ENVVARS_C")
+    getenv("QUANTMLA_TEST_ENVVARS_AFTER")
+    assert outer == ["QUANTMLA_TEST_ENVVARS_A", "QUANTMLA_TEST_ENVVARS_B", "QUANTMLA_TEST_ENVVARS_C"]
+    assert inner == ["QUANTMLA_TEST_ENVVARS_B"]
+
+
+def test_recording_is_per_thread():
+    import threading
+
+    from quantmla_core.envvars import recording
+
+    with recording() as mine:
+        t = threading.Thread(target=getenv, args=("QUANTMLA_TEST_ENVVARS_OTHER_THREAD",))
+        t.start()
+        t.join()
+    assert mine == []
+
+
+def test_snapshot_follows_the_environment(monkeypatch):
+    from quantmla_core.envvars import snapshot
+
+    names = ("QUANTMLA_TEST_ENVVARS_S1", "QUANTMLA_TEST_ENVVARS_S2")
+    monkeypatch.delenv(names[0], raising=False)
+    monkeypatch.setenv(names[1], "x")
+    before = snapshot(names)
+    assert before[0] is None and before[1] is not None and snapshot(names) == before
+    monkeypatch.setenv(names[0], "")
+    assert snapshot(names)[0] is not None and snapshot(names) != before
+    monkeypatch.setenv(names[1], "y")
+    monkeypatch.delenv(names[0])
+    assert snapshot(names)[0] is None and snapshot(names) != before
+    monkeypatch.setenv(names[1], "x")
+    assert snapshot(names) == before

@@ -211,9 +211,8 @@ def external_stream(device_index: int, torch_stream=None):
     Cached per (device, stream handle): the wrapper owns nothing, so reusing it for a handle
     is safe, and it saves building one per launch (host overhead of small decode calls)."""
     import cupy
-    import torch
 
-    ptr = (torch_stream or torch.cuda.current_stream(device_index)).cuda_stream
+    ptr = torch_stream.cuda_stream if torch_stream is not None else current_stream_handle(device_index)
     key = (device_index, ptr)
     s = _STREAMS.get(key)
     if s is None:
@@ -221,6 +220,23 @@ def external_stream(device_index: int, torch_stream=None):
         with _LOCK:
             _STREAMS[key] = s
     return s
+
+
+_RAW_STREAM: list = []
+
+
+def current_stream_handle(device_index: int) -> int:
+    """The ``cudaStream_t`` (an int) of torch's current stream on ``device_index``.
+
+    Through ``torch._C._cuda_getCurrentRawStream`` where the build has it (what Triton's and
+    inductor's launchers call): ``torch.cuda.current_stream`` builds a ``Stream`` object on every
+    call, host time of every launch of a small decode call."""
+    if not _RAW_STREAM:
+        import torch
+
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        _RAW_STREAM.append(raw if raw is not None else (lambda dev: torch.cuda.current_stream(dev).cuda_stream))
+    return _RAW_STREAM[0](device_index)
 
 
 def launch(fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, device_index: int, smem: int = 0,
@@ -287,6 +303,9 @@ class CupyBackend(Backend):
         from .writer import write
 
         write(cache, latent, k_rope, slot_mapping, seq_ids, positions, seq_lens)
+
+    #: ``attention`` takes [B, H, d] queries as they are (the layout of [B, 1, H, d]) and returns [B, H, d_c]
+    takes_3d_queries = True
 
     def attention(self, q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale):
         from .attention import attention

@@ -82,7 +82,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from ...envvars import getenv
+from ...envvars import getenv, recording, snapshot
 from ...formats import PackFormat
 from ..buffers import capturing as graph_capturing
 from ..buffers import carve
@@ -90,6 +90,7 @@ from ..splits import CTA_OVERHEAD_TILES, PiecePlan, equal_splits_cost, plan_kv_s
 from . import (
     ATTN_TILE,
     ATTN_WARPS,
+    current_stream_handle,
     external_stream,
     format_defines,
     get_kernel,
@@ -732,7 +733,7 @@ def _workspace(dev: int, numel: int) -> torch.Tensor:
     (device, current stream) so steady-state decode allocates nothing but its outputs.
     Calls on one stream are ordered, so the next call's kernels write only after this call's
     combine has read. Not for CUDA-graph capture (see :func:`outputs_and_partials`)."""
-    key = (dev, torch.cuda.current_stream(dev).cuda_stream)
+    key = (dev, current_stream_handle(dev))
     buf = _WORKSPACE.get(key)
     if buf is None or buf.numel() < numel:
         buf = torch.empty(max(numel, 1 << 16), dtype=torch.float32, device=torch.device("cuda", dev))
@@ -762,13 +763,55 @@ def outputs_and_partials(shape: tuple[int, ...], dtype: torch.dtype, partial_flo
 
 
 def attention(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale: float):
-    """q ``[B, S_q, H, d_c]`` / ``[B, S_q, H, d_r]`` (float32 or bfloat16, CUDA) -> out
-    ``[B, S_q, H, d_c]`` in q's dtype and lse ``[B, S_q, H]`` float32.
+    """q ``[B, S_q, H, d_c]`` / ``[B, S_q, H, d_r]``, or ``[B, H, d_c]`` / ``[B, H, d_r]`` for S_q = 1
+    (float32 or bfloat16, CUDA) -> out shaped like q_latent in its dtype and lse ``[B, S_q, H]``
+    (``[B, H]``) float32.
 
-    Runs kernel v1, v2, v3, v4 or v5 (see the module docstring and :func:`select_variant`)."""
-    b, s_q, h, _ = q_latent.shape
-    call = prepare(cache, block_table, seq_lens, seq_ids, b, s_q, h, q_latent.dtype, softmax_scale)
+    Runs kernel v1 to v6 (see the module docstring and :func:`select_variant`), prepared by
+    :func:`prepared` (once per index tensors, geometry and knobs)."""
+    shape = q_latent.shape
+    b, h = shape[0], shape[-2]
+    s_q = shape[1] if len(shape) == 4 else 1
+    call = prepared(cache, block_table, seq_lens, seq_ids, b, s_q, h, q_latent.dtype, softmax_scale, shape)
     return call.run(q_latent, q_rope, cache)
+
+
+#: eager calls prepared by :func:`prepared`: key -> (variables read, their values then, the SplitCall)
+_PREPARED: dict[tuple, tuple[tuple[str, ...], tuple, "SplitCall"]] = {}
+#: calls kept by :func:`prepared` (the oldest goes first); a decode step with one set of index tensors needs one
+PREPARED_KEEP = 64
+
+
+def prepared(cache, block_table, seq_lens, seq_ids, batch: int, s_q: int, heads: int, q_dtype: torch.dtype,
+             softmax_scale: float, out_shape: tuple[int, ...]) -> "SplitCall":
+    """:func:`prepare`'s call for these arguments, reused while nothing it depends on changed.
+
+    A kept call is reused for the same ``block_table``, ``seq_lens`` and ``seq_ids`` objects (it
+    holds them, so their ids stay theirs) with the same shapes and strides, a cache of the same
+    geometry, the same query shape, dtype and scale, and the same values of every ``QUANTMLA_*``
+    variable ``prepare`` read (:func:`~quantmla_core.envvars.recording`). Only calls that use the
+    index tensors as they are get kept: the kernels read their values at launch, so values changed
+    in place between calls are seen. A call that converts one (a copy of this call's values) and
+    any call under CUDA-graph capture is prepared afresh."""
+    if graph_capturing():
+        return prepare(cache, block_table, seq_lens, seq_ids, batch, s_q, heads, q_dtype, softmax_scale, out_shape)
+    key = (id(block_table), block_table.shape, block_table.stride(), id(seq_lens), seq_lens.shape, seq_lens.stride(),
+           id(seq_ids), seq_ids.shape, seq_ids.stride(), cache.format, cache.pages.device, cache.pages.shape[0],
+           cache.max_seqs, cache.sink, cache.local, batch, s_q, heads, q_dtype, softmax_scale, out_shape)
+    kept = _PREPARED.get(key)
+    if kept is not None and snapshot(kept[0]) == kept[1]:
+        return kept[2]
+    with recording() as read:
+        call = prepare(cache, block_table, seq_lens, seq_ids, batch, s_q, heads, q_dtype, softmax_scale, out_shape)
+    table, lens, ids = call.index
+    if table is block_table and lens is seq_lens and ids is seq_ids:
+        names = tuple(dict.fromkeys(read))
+        with _CACHE_LOCK:
+            _PREPARED.pop(key, None)
+            _PREPARED[key] = (names, snapshot(names), call)
+            while len(_PREPARED) > PREPARED_KEEP:
+                _PREPARED.pop(next(iter(_PREPARED)))
+    return call
 
 
 def prepare(cache, block_table, seq_lens, seq_ids, batch: int, s_q: int, heads: int, q_dtype: torch.dtype,
