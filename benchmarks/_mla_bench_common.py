@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import subprocess
+import statistics
 import time
 from typing import Callable
 
@@ -23,17 +24,22 @@ BF16_TOKEN_BYTES = 1152
 FLOP_PER_TOKEN_HEAD = 2 * 576 + 2 * 512
 
 
-def host_us(fn, n: int = 300, warmup: int = 20) -> float:
-    """Host microseconds per call of ``fn``: launches only, no synchronization inside the loop."""
+def host_us(fn, n: int = 300, warmup: int = 20, batches: int = 10) -> float:
+    """Host microseconds per call of ``fn``: launches only, no synchronization inside a batch; the median
+    over ``batches`` batches of ``n // batches`` calls, each after a sync (a shared host's stalls land in
+    a few batches instead of in every mean)."""
     for _ in range(warmup):
         fn()
+    per_batch = max(1, n // batches)
+    means = []
+    for _ in range(batches):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(per_batch):
+            fn()
+        means.append((time.perf_counter() - t0) / per_batch * 1e6)
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6
+    return statistics.median(means)
 
 
 def add_probe_arguments(ap, shapes: str, formats: str, backends: str) -> None:

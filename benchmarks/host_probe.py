@@ -4,7 +4,8 @@ Prints, for int32 and for int64 ``seq_lens``/``seq_ids``, the host microseconds 
 ``qm.attention`` and straight into the backend (launches only, no sync inside the loop) and the
 eager ``do_bench`` time, then a cProfile of 300 calls by own time.
 
-``--plan`` instead compares, per backend (CuPy, Triton) and format (C4R4, C2R4), an eager
+``--plan`` instead compares, per backend (``--backends``, default ``cupy,triton``) and format (C4R4, C2R4), at
+``--heads`` heads (default 16), an eager
 ``qm.attention`` call with a planned ``plan.run`` (``qm.plan_attention`` made once; also with
 caller-given ``out``/``lse``): host
 microseconds per call, eager and CUDA-graph ``do_bench`` medians, with FlashInfer BF16 eager
@@ -53,8 +54,10 @@ def decode_inputs(batch: int, length: int, heads: int) -> tuple:
     return w, q4[:, 0].contiguous(), r4[:, 0].contiguous(), meta
 
 
-def plan_rows(batch: int = 8, length: int = 4096, heads: int = 16) -> list[dict]:
-    """Eager qm.attention against plan.run (host us/call, eager and graph us) per backend and format."""
+def plan_rows(batch: int = 8, length: int = 4096, heads: int = 16, backends: tuple[str, ...] = ("cupy", "triton")
+              ) -> list[dict]:
+    """Eager qm.attention against plan.run (host us/call, eager and graph us) per backend in ``backends``
+    and format."""
     w, q, r, meta = decode_inputs(batch, length, heads)
     rows = []
     why = FlashInferMLA.available()
@@ -68,7 +71,7 @@ def plan_rows(batch: int = 8, length: int = 4096, heads: int = 16) -> list[dict]
         print(f"FlashInfer skipped: {why}", flush=True)
     for name in ("C4R4", "C2R4"):
         cache = w.build(name)
-        for backend in ("cupy", "triton"):
+        for backend in backends:
             plan = qm.plan_attention(cache, num_heads=heads, q_dtype=torch.bfloat16, softmax_scale=0.07,
                                      backend=backend, **meta)
             o_buf, l_buf = torch.empty_like(q), torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
@@ -149,12 +152,19 @@ def profile_plan_run(n: int = 300) -> None:
     print(out.getvalue())
 
 
+def _option(name: str, default: str) -> str:
+    """The value after ``name`` on the command line, else ``default``."""
+    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default
+
+
 def main() -> None:
     if "--profile-plan" in sys.argv:
         profile_plan_run()
         return
     if "--plan" in sys.argv or "--launch" in sys.argv:
-        rows = plan_rows() if "--plan" in sys.argv else launch_rows()
+        backends = tuple(_option("--backends", "cupy,triton").split(","))
+        heads = int(_option("--heads", "16"))
+        rows = plan_rows(heads=heads, backends=backends) if "--plan" in sys.argv else launch_rows()
         if "--json" in sys.argv:
             path = sys.argv[sys.argv.index("--json") + 1]
             with open(path, "w") as f:
