@@ -90,10 +90,12 @@ def plan_rows(batch: int = 8, length: int = 4096, heads: int = 16, backends: tup
     return rows
 
 
-def launch_via_cupy_call(fn, grid, block, args, device_index, smem=0, stream=None) -> None:
+def launch_via_cupy_call(fn, grid, block, args, device_index, smem=0, stream=None, types=None) -> None:
     """The backend's launch before stop 20: CuPy's ``Function.__call__`` inside the stream's context."""
     from quantmla_core.backends.cupy import external_stream
 
+    if types is not None:
+        args = tuple(t(a) for t, a in zip(types, args))
     with stream or external_stream(device_index):
         fn(grid, block, args, shared_mem=smem)
 

@@ -5,14 +5,16 @@ microseconds (B = 8, L = 4K), the host time decides the step time unless the cal
 CUDA graph. Two numbers, at H = 16, B = 8, 64 pages per request:
 
 * ``cupy_launcher``: ``quantmla_core.backends.cupy.attention.attention`` with kernel compilation
-  and launches replaced by no-ops (plan lookup, argument packing, workspace, outputs);
+  stubbed and each launch reduced to its argument packing (the prepared call's lookup, argument
+  packing, workspace, outputs; not the driver call);
 * ``triton_launcher``: ``quantmla_core.backends.triton.attention.attention`` with the three
   kernels replaced by recorders (plan, constexprs, outputs, argument lists; Triton's own launch
   time is not included);
 * ``api_front_end``: ``quantmla_core.attention(..., validate=False)`` with the backend replaced
-  by one that returns preallocated outputs (argument checks, dispatch, reshapes);
+  by one that takes [B, H, d] queries as the CuPy backend does and returns preallocated outputs
+  (argument checks, dispatch);
 * ``cupy_planned_run`` (and ``_into_outputs``): ``AttentionPlan.run`` of a CuPy plan made once,
-  launches stubbed (query checks, output allocation or none, argument packing).
+  launches reduced to their argument packing (query checks, output allocation or none, arguments).
 
     python -m pytest benchmarks/test_host_overhead.py -m benchmark --benchmark-enable
 """
@@ -23,6 +25,7 @@ import pytest
 import torch
 
 import quantmla_core as qm
+from quantmla_core.backends.cupy.kernel_args import pack_args
 from quantmla_core.testing import stub_cupy_launcher, stub_triton_launcher
 
 pytestmark = pytest.mark.benchmark
@@ -34,6 +37,9 @@ def stubbed_cupy(monkeypatch):
     from quantmla_core.backends.cupy import attention as A
 
     stub_cupy_launcher(monkeypatch)
+    # what a launch does on the host before the driver call: pack the arguments (the stub's recording is not timed)
+    monkeypatch.setattr(A, "launch", lambda fn, grid, block, args, dev, smem=0, stream=None, types=None:
+                        pack_args(args) if types is None else pack_args(args, types))
     return A
 
 

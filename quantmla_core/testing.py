@@ -230,8 +230,10 @@ def stub_cupy_launcher(monkeypatch: Any, sm_count: int = 132, nvrtc: tuple[int, 
         kernels.append((source, kernel))
         return StubKernel(source, kernel, defines, smem, arch)
 
-    def launch(fn, grid, block, args, dev, smem=0, stream=None):
-        pack_args(args)  # what the real launch packs: numpy scalars of the parameters' types
+    def launch(fn, grid, block, args, dev, smem=0, stream=None, types=None):
+        pack_args(args, types)  # what the real launch packs
+        if types is not None:  # recorded as the numpy scalars of the parameters' types
+            args = tuple(t(a) for t, a in zip(types, args))
         launches.append((fn, grid, block, args, smem))
         launches.streams.append(stream)
 

@@ -658,7 +658,8 @@ def test_v1_launch_arguments_match_kernel_signature(monkeypatch, variant, dtype)
     launches = []
     monkeypatch.setenv(VARIANT_ENV, variant)
     monkeypatch.setattr(A, "get_kernel", lambda source, kernel, defines, dev, smem=0: (source, kernel))
-    monkeypatch.setattr(A, "launch", lambda fn, grid, block, args, dev, smem=0, stream=None: launches.append((fn, grid, block, args)))
+    monkeypatch.setattr(A, "launch", lambda fn, grid, block, args, dev, smem=0, stream=None, types=None:
+                        launches.append((fn, grid, block, args if types is None else tuple(map(lambda t, a: t(a), types, args)))))
     monkeypatch.setattr(A, "external_stream", lambda dev: None)
     monkeypatch.setattr(A, "_device_info", lambda dev: (132, (9, 0)))
     monkeypatch.setattr(A, "nvrtc_version", lambda: (13, 0))

@@ -106,3 +106,17 @@ def test_launch_passes_every_parameter_type():
     got = [int(v) & (2**64 - 1) for v in out.tolist()]
     assert got == [0x1122334455667788, 2**64 - 5, 0xABCDEF0, struct.unpack("<I", struct.pack("<f", 1.5))[0],
                    2**64 - (1 << 40), 7, 0xFFFFFFFE, 96]
+
+
+def test_typed_python_numbers_pack_as_their_numpy_scalars():
+    """With the parameter types given, Python ints and floats pack to the bytes of the numpy scalars
+    of those types (float32 rounded as numpy rounds); a count that does not match the types is refused."""
+    types = tuple(map(type, MIXED))
+    plain = tuple(int(v) if not isinstance(v, np.floating) else float(v) for v in MIXED)
+    assert bytes(pack_args(plain, types).buffer) == bytes(pack_args(MIXED).buffer)
+    x = 0.05 * 1.4426950408889634  # not a float32: both round it the same way
+    assert bytes(pack_args((x,), (f32,)).buffer)[:4] == f32(x).tobytes()
+    with pytest.raises(ValueError, match="3 values for 2 parameter types"):
+        pack_args((1, 2, 3), (u64, i32))
+    with pytest.raises(TypeError, match="kernel argument 1"):
+        pack_args((1, 2), (u64, float))

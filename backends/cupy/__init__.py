@@ -240,10 +240,11 @@ def current_stream_handle(device_index: int) -> int:
 
 
 def launch(fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, device_index: int, smem: int = 0,
-           stream=None) -> None:
+           stream=None, types: tuple[type, ...] | None = None) -> None:
     """Launch ``fn`` (see :func:`function_ptr`) on torch's current stream of ``device_index`` (or on
     ``stream``, a CuPy stream object from :func:`external_stream`). ``args``: numpy scalars, device
-    pointers as ``uint64`` (:func:`~.kernel_args.pack_args`); ``grid`` / ``block``: 1 to 3 sizes.
+    pointers as ``uint64``, or with ``types`` (each parameter's numpy scalar type) Python numbers too
+    (:func:`~.kernel_args.pack_args`); ``grid`` / ``block``: 1 to 3 sizes.
 
     Calls the driver's ``cuLaunchKernel`` with the packed arguments rather than ``fn(grid, block,
     args)``, which converts every argument on every call."""
@@ -251,7 +252,7 @@ def launch(fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, devic
 
     if stream is None:
         stream = external_stream(device_index)
-    params = pack_args(args)
+    params = pack_args(args, types)
     gx, gy, gz = (*grid, 1, 1)[:3]
     bx, by, bz = (*block, 1, 1)[:3]
     on_device = cupy.cuda.runtime.getDevice() == device_index

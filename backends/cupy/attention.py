@@ -687,6 +687,11 @@ _CACHE_LOCK = threading.Lock()
 _SM_COUNT: dict[int, tuple[int, tuple[int, int]]] = {}
 _FNS: dict[tuple, object] = {}
 _PLANS: dict[tuple, object] = {}
+#: the pointers that open every split kernel's parameter list: q, q_rope, pages, sink, local, block_table, seq_lens,
+#: seq_ids, partial outputs, partial row statistics
+SPLIT_POINTERS = 10
+#: the combine's parameters: partial outputs, partial row statistics, out, lse (pointers), partials per row
+COMBINE_TYPES = (np.uint64,) * 4 + (np.int32,)
 _WORKSPACE: dict[tuple[int, int], torch.Tensor] = {}
 
 
@@ -1391,6 +1396,8 @@ class SplitCall:
     #: scratch of runs captured into CUDA graphs with caller-given outputs: the graphs write it on
     #: every replay, so it lives as long as this call
     graph_scratch: list = field(default_factory=list)
+    #: numpy scalar types of the split kernel's parameters and of the shared list (protected-only launch)
+    arg_types: tuple = ((), ())
 
     @staticmethod
     def make(plan: SplitPlan, cache, block_table, seq_lens, seq_ids, shape: tuple, out_shape: tuple,
@@ -1405,7 +1412,9 @@ class SplitCall:
         scalars = (i32(shape[1]), i32(shape[2]), i32(table.shape[1]), i32(table.stride(0)), i32(cache.num_pages),
                    i32(cache.max_seqs), i32(cache.sink), i32(cache.local), i32(plan.per), i32(plan.slots),
                    np.float32(softmax_scale * LOG2E))
-        return SplitCall(plan, (table, lens, ids), shape, out_shape, scalars, dev, side_default)
+        types = (np.uint64,) * SPLIT_POINTERS + tuple(map(type, scalars))
+        return SplitCall(plan, (table, lens, ids), shape, out_shape, scalars, dev, side_default,
+                         arg_types=(types + tuple(map(type, plan.extra_args)), types))
 
     def run(self, q_latent, q_rope, cache, out=None, lse=None) -> tuple[torch.Tensor, torch.Tensor]:
         """q ``out_shape`` (the planned dtype) over ``cache`` (the planned geometry) -> out, lse,
@@ -1433,12 +1442,14 @@ class SplitCall:
                 out = torch.empty(self.out_shape, dtype=q_latent.dtype, device=q_latent.device)
             if lse is None:
                 lse = torch.empty(self.out_shape[:-1], dtype=torch.float32, device=q_latent.device)
-        u64 = np.uint64
-        o_ptr, ml_ptr = u64(ws.data_ptr()), u64(ws.data_ptr() + 4 * n_o)
+        # pointers as Python ints: the launches pack them by the parameter types made once in ``make``
+        o_ptr = ws.data_ptr()
+        ml_ptr = o_ptr + 4 * n_o
         table, lens, ids = self.index
-        args = (u64(q.data_ptr()), u64(r.data_ptr()), u64(cache.pages.data_ptr()), u64(cache.sink_buf.data_ptr()),
-                u64(cache.local_buf.data_ptr()), u64(table.data_ptr()), u64(lens.data_ptr()), u64(ids.data_ptr()),
+        args = (q.data_ptr(), r.data_ptr(), cache.pages.data_ptr(), cache.sink_buf.data_ptr(),
+                cache.local_buf.data_ptr(), table.data_ptr(), lens.data_ptr(), ids.data_ptr(),
                 o_ptr, ml_ptr) + self.scalars
+        split_types, types = self.arg_types
         stream = external_stream(dev)
         launches = plan.launches
         split_args = args + plan.extra_args
@@ -1448,16 +1459,16 @@ class SplitCall:
             # branch under CUDA graphs); the combine waits for both
             side = _fork_side_stream(dev)
             for fn, grid, block, smem in launches[1:]:
-                launch(fn, grid, block, args, dev, smem, stream=external_stream(dev, side))
+                launch(fn, grid, block, args, dev, smem, stream=external_stream(dev, side), types=types)
             launches = launches[:1]
         fn, grid, block, smem = launches[0]
-        launch(fn, grid, block, split_args, dev, smem, stream=stream)
+        launch(fn, grid, block, split_args, dev, smem, stream=stream, types=split_types)
         for fn, grid, block, smem in launches[1:]:
-            launch(fn, grid, block, args, dev, smem, stream=stream)
+            launch(fn, grid, block, args, dev, smem, stream=stream, types=types)
         if side is not None:
             _join_side_stream(dev, side)
-        launch(plan.combine, (b * rows,), (COMBINE_THREADS,),
-               (o_ptr, ml_ptr, u64(out.data_ptr()), u64(lse.data_ptr()), np.int32(slots)), dev, stream=stream)
+        launch(plan.combine, (b * rows,), (COMBINE_THREADS,), (o_ptr, ml_ptr, out.data_ptr(), lse.data_ptr(), slots),
+               dev, stream=stream, types=COMBINE_TYPES)
         return out, lse
 
 

@@ -70,10 +70,15 @@ class PackedArgs:
         return ctypes.addressof(self.params)
 
 
-def pack_args(args: tuple) -> PackedArgs:
-    """``args`` (numpy scalars) packed into this thread's buffer for their layout; valid until the
-    thread packs the same layout again."""
-    types = tuple(map(type, args))
+def pack_args(args: tuple, types: tuple[type, ...] | None = None) -> PackedArgs:
+    """``args`` packed into this thread's buffer for their layout; valid until the thread packs the same
+    layout again. ``args``: numpy scalars, or, with ``types`` (the numpy scalar type of each parameter),
+    Python ints and floats as well (a launcher that knows its parameter list skips wrapping every
+    pointer in a numpy scalar on every call)."""
+    if types is None:
+        types = tuple(map(type, args))
+    elif len(types) != len(args):
+        raise ValueError(f"kernel arguments: {len(args)} values for {len(types)} parameter types")
     layout = arg_layout(types)
     buffers = getattr(_LOCAL, "buffers", None)
     if buffers is None:
