@@ -112,11 +112,14 @@ def attention(
     impl = _attention_backend(cache, block_table, seq_lens, seq_ids, b, heads, s_q, dtype, backend, validate)
     if validate:
         _check_query_values(q_latent, q_rope)
+    kw = {} if return_lse else {"want_lse": False}  # a backend may then skip allocating lse
     if squeeze and not impl.takes_3d_queries:
-        out, lse = impl.attention(q_latent[:, None], q_rope[:, None], cache, block_table, seq_lens, seq_ids, scale)
+        out, lse = impl.attention(q_latent[:, None], q_rope[:, None], cache, block_table, seq_lens, seq_ids, scale, **kw)
+        if not return_lse:
+            return out[:, 0]
         out, lse = out[:, 0], lse[:, 0]
     else:
-        out, lse = impl.attention(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, scale)
+        out, lse = impl.attention(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, scale, **kw)
     return (out, lse) if return_lse else out
 
 

@@ -155,12 +155,15 @@ class Backend:
     def write(self, cache, latent, k_rope, slot_mapping, seq_ids, positions, seq_lens) -> None:
         raise NotImplementedError
 
-    def attention(self, q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale: float):
+    def attention(self, q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale: float, *,
+                  want_lse: bool = True):
+        """-> (out, lse). ``want_lse`` False: the caller drops ``lse``, so a backend may skip allocating it
+        and return None in its place."""
         raise NotImplementedError
 
     def plan_attention(self, cache, block_table, seq_lens, seq_ids, q_shape: tuple[int, ...], q_dtype: Any,
                        softmax_scale: float):
-        """A runner ``(q_latent, q_rope, cache, out, lse) -> (out, lse)`` for queries of ``q_shape``
+        """A runner ``(q_latent, q_rope, cache, out, lse, want_lse=True) -> (out, lse)`` for queries of ``q_shape``
         ([B, H, d_c] or [B, S_q, H, d_c]) and ``q_dtype`` over caches of ``cache``'s geometry, the
         other arguments fixed (already validated by :func:`quantmla_core.plan_attention`); ``out`` /
         ``lse`` (or None) receive the results, which come back shaped like the queries. This default
@@ -168,7 +171,7 @@ class Backend:
         prepare their launches once and write in place."""
         squeeze = len(q_shape) == 3
 
-        def run(q_latent, q_rope, layer_cache, out=None, lse=None):
+        def run(q_latent, q_rope, layer_cache, out=None, lse=None, want_lse=True):
             if squeeze:
                 q_latent, q_rope = q_latent[:, None], q_rope[:, None]
             o, l = self.attention(q_latent, q_rope, layer_cache, block_table, seq_lens, seq_ids, softmax_scale)

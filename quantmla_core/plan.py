@@ -29,9 +29,9 @@ from . import validation as v
 from .api import _attention_backend, _check_query_values
 from .cache import MLACache
 
-#: (q_latent, q_rope, cache, out | None, lse | None) -> (out, lse), queries and results in the planned
-#: shape ([B, H, d] or [B, S_q, H, d]); from Backend.plan_attention
-Runner = Callable[[Any, Any, MLACache, Any, Any], tuple[Any, Any]]
+#: (q_latent, q_rope, cache, out | None, lse | None[, want_lse]) -> (out, lse), queries and results in the planned
+#: shape ([B, H, d] or [B, S_q, H, d]); lse may be None where want_lse is False; from Backend.plan_attention
+Runner = Callable[..., tuple[Any, Any]]
 
 
 def _geometry(cache: MLACache) -> tuple:
@@ -80,8 +80,9 @@ class AttentionPlan:
             self._check_array("lse", lse, self.q_shape[:-1], self._lse_dtype)
         if self._validate:
             _check_query_values(q_latent, q_rope)
-        out, lse = self._runner(q_latent, q_rope, cache, out, lse)
-        return (out, lse) if return_lse else out
+        if return_lse:
+            return self._runner(q_latent, q_rope, cache, out, lse)
+        return self._runner(q_latent, q_rope, cache, out, lse, want_lse=False)[0]
 
     def _check_array(self, name: str, x: Any, shape: tuple[int, ...], dtype: Any) -> None:
         """``x`` must be an array of the cache's kind and device with exactly ``shape`` and ``dtype``."""

@@ -308,10 +308,11 @@ class CupyBackend(Backend):
     #: ``attention`` takes [B, H, d] queries as they are (the layout of [B, 1, H, d]) and returns [B, H, d_c]
     takes_3d_queries = True
 
-    def attention(self, q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale):
+    def attention(self, q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale, *,
+                  want_lse: bool = True):
         from .attention import attention
 
-        return attention(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale)
+        return attention(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale, want_lse)
 
     def plan_attention(self, cache, block_table, seq_lens, seq_ids, q_shape, q_dtype, softmax_scale):
         """Variant, launch plan, index inputs and scalar arguments prepared once (``SplitCall``);

@@ -767,10 +767,10 @@ def outputs_and_partials(shape: tuple[int, ...], dtype: torch.dtype, partial_flo
     return out, lse, ws
 
 
-def attention(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale: float):
+def attention(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale: float, want_lse: bool = True):
     """q ``[B, S_q, H, d_c]`` / ``[B, S_q, H, d_r]``, or ``[B, H, d_c]`` / ``[B, H, d_r]`` for S_q = 1
     (float32 or bfloat16, CUDA) -> out shaped like q_latent in its dtype and lse ``[B, S_q, H]``
-    (``[B, H]``) float32.
+    (``[B, H]``) float32, or None where not ``want_lse`` (written to scratch instead of a new tensor).
 
     Runs kernel v1 to v6 (see the module docstring and :func:`select_variant`), prepared by
     :func:`prepared` (once per index tensors, geometry and knobs)."""
@@ -778,7 +778,7 @@ def attention(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_s
     b, h = shape[0], shape[-2]
     s_q = shape[1] if len(shape) == 4 else 1
     call = prepared(cache, block_table, seq_lens, seq_ids, b, s_q, h, q_latent.dtype, softmax_scale, shape)
-    return call.run(q_latent, q_rope, cache)
+    return call.run(q_latent, q_rope, cache, want_lse=want_lse)
 
 
 #: eager calls prepared by :func:`prepared`: key -> (variables read, their values then, the SplitCall)
@@ -1416,10 +1416,12 @@ class SplitCall:
         return SplitCall(plan, (table, lens, ids), shape, out_shape, scalars, dev, side_default,
                          arg_types=(types + tuple(map(type, plan.extra_args)), types))
 
-    def run(self, q_latent, q_rope, cache, out=None, lse=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, q_latent, q_rope, cache, out=None, lse=None, want_lse: bool = True
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """q ``out_shape`` (the planned dtype) over ``cache`` (the planned geometry) -> out, lse,
         written into ``out`` / ``lse`` where given (contiguous, 16-byte aligned; checked by the
-        caller for shape, dtype and device); on torch's current stream."""
+        caller for shape, dtype and device); on torch's current stream. With ``want_lse`` False and no
+        ``lse`` given, the combine writes lse to the scratch and None comes back in its place."""
         capturing = graph_capturing()
         dev, plan = self.dev, self.plan
         q = _kernel_input("q_latent", q_latent, q_latent.dtype, capturing)
@@ -1428,23 +1430,26 @@ class SplitCall:
         rows, slots = s_q * h, plan.slots
         n_o = b * rows * slots * dc
         n_ws = n_o + b * rows * slots * 2
-        if out is None and lse is None:
+        if out is None and lse is None and want_lse:
             out, lse, ws = outputs_and_partials(self.out_shape, q_latent.dtype, n_ws, q_latent.device, dev, capturing)
         else:
             _check_output("out", out)
             _check_output("lse", lse)
+            # an lse nobody reads goes to the scratch after the partials, 16-byte aligned as the outputs are
+            n_scratch = _lse_offset(n_ws) + (b * rows if lse is None and not want_lse else 0)
             if capturing:
-                ws = torch.empty(n_ws, dtype=torch.float32, device=q_latent.device)
+                ws = torch.empty(n_scratch, dtype=torch.float32, device=q_latent.device)
                 self.graph_scratch.append(ws)
             else:
-                ws = _workspace(dev, n_ws)
+                ws = _workspace(dev, n_scratch)
             if out is None:
                 out = torch.empty(self.out_shape, dtype=q_latent.dtype, device=q_latent.device)
-            if lse is None:
+            if lse is None and want_lse:
                 lse = torch.empty(self.out_shape[:-1], dtype=torch.float32, device=q_latent.device)
         # pointers as Python ints: the launches pack them by the parameter types made once in ``make``
         o_ptr = ws.data_ptr()
         ml_ptr = o_ptr + 4 * n_o
+        lse_ptr = lse.data_ptr() if lse is not None else o_ptr + 4 * _lse_offset(n_ws)
         table, lens, ids = self.index
         args = (q.data_ptr(), r.data_ptr(), cache.pages.data_ptr(), cache.sink_buf.data_ptr(),
                 cache.local_buf.data_ptr(), table.data_ptr(), lens.data_ptr(), ids.data_ptr(),
@@ -1467,9 +1472,14 @@ class SplitCall:
             launch(fn, grid, block, args, dev, smem, stream=stream, types=types)
         if side is not None:
             _join_side_stream(dev, side)
-        launch(plan.combine, (b * rows,), (COMBINE_THREADS,), (o_ptr, ml_ptr, out.data_ptr(), lse.data_ptr(), slots),
+        launch(plan.combine, (b * rows,), (COMBINE_THREADS,), (o_ptr, ml_ptr, out.data_ptr(), lse_ptr, slots),
                dev, stream=stream, types=COMBINE_TYPES)
         return out, lse
+
+
+def _lse_offset(partial_floats: int) -> int:
+    """Where in the scratch (float32 elements) an unwanted lse goes: after ``partial_floats``, 16-byte aligned."""
+    return -(-partial_floats // 4) * 4
 
 
 def _check_output(name: str, x) -> None:

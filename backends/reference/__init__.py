@@ -17,7 +17,7 @@ class ReferenceBackend(Backend):
 
         reference.write(cache, latent, k_rope, slot_mapping, seq_ids, positions, seq_lens)
 
-    def attention(self, q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale):
+    def attention(self, q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale, *, want_lse: bool = True):
         from ... import reference
 
         out, lse = reference.decode_attention(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale)

@@ -14,7 +14,7 @@ class TorchBackend(Backend):
 
         write(cache, latent, k_rope, slot_mapping, seq_ids, positions, seq_lens)
 
-    def attention(self, q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale):
+    def attention(self, q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale, *, want_lse: bool = True):
         from .attention import attention
 
         return attention(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale)
