@@ -1,27 +1,32 @@
-"""Eager CuPy calls reuse their prepared call (``attention.prepared``) only while nothing it was
-made from changed: the index tensors (by identity, shape, strides), the cache geometry, the query
-shape, dtype and scale, and the ``QUANTMLA_*`` variables it read. Run on the CPU with the CUDA
-calls stubbed (``quantmla_core.testing.stub_cupy_launcher``)."""
+"""The CuPy launcher's host path, on the CPU with the CUDA calls stubbed
+(``quantmla_core.testing.stub_cupy_launcher``):
+
+* eager calls reuse their prepared call (``attention.prepared``) only while nothing it was made from
+  changed: the index tensors (by identity, shape, strides), the cache geometry, the query shape, dtype
+  and scale, and the ``QUANTMLA_*`` variables it read;
+* [B, H, d] queries launch as their [B, 1, H, d] views do;
+* calls that drop lse (``want_lse=False``, what ``return_lse=False`` passes) have the combine write it
+  to the scratch, after the partials, and allocate only ``out`` (or nothing, with ``out=`` given)."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 import pytest
 import torch
 
 import quantmla_core as qm
+from quantmla_core.backends.cupy import CupyBackend
 from quantmla_core.backends.cupy import attention as A
+from quantmla_core.plan import AttentionPlan
 from quantmla_core.testing import stub_cupy_launcher
 
 B, H, PAGES = 3, 16, 8
 
 
-class Cache:
-    format = qm.PackFormat.parse("C4R4")
-    pages = torch.zeros((B * PAGES, format.page_bytes), dtype=torch.uint8)
-    sink_buf = torch.zeros((B, 4, 576), dtype=torch.bfloat16)
-    local_buf = torch.zeros((B, 128, 576), dtype=torch.bfloat16)
-    num_pages, max_seqs, sink, local = B * PAGES, B, 4, 128
+FMT = qm.PackFormat.parse("C4R4")
+Cache = qm.MLACache.allocate(FMT, B * PAGES, B, 4, 128, device="cpu")
 
 
 def _index(dtype=torch.int32):
@@ -29,15 +34,24 @@ def _index(dtype=torch.int32):
     return table, torch.full((B,), 300, dtype=dtype), torch.arange(B, dtype=dtype)
 
 
+class Stubbed(NamedTuple):
+    launches: list  # the recorded launches (kernel, grid, block, args, shared bytes)
+    made: list  # one entry per ``prepare`` call
+    scratch: list  # the workspaces handed out
+    empties: list  # the shapes of every torch.empty
+
+
 @pytest.fixture
-def stubbed(monkeypatch):
-    """(launch log, list of prepare calls) with the launcher stubbed and ``prepare`` counted."""
+def stubbed(monkeypatch) -> Stubbed:
+    """The launcher stubbed, with ``prepare`` calls, workspaces and allocations recorded."""
     _kernels, launches = stub_cupy_launcher(monkeypatch)
     monkeypatch.delenv(A.VARIANT_ENV, raising=False)
-    made = []
-    real = A.prepare
-    monkeypatch.setattr(A, "prepare", lambda *a, **k: made.append(a) or real(*a, **k))
-    return launches, made
+    rec = Stubbed(launches, [], [], [])
+    real_prepare, real_empty = A.prepare, torch.empty
+    monkeypatch.setattr(A, "prepare", lambda *a, **k: rec.made.append(a) or real_prepare(*a, **k))
+    monkeypatch.setattr(A, "_workspace", lambda dev, n: rec.scratch.append(real_empty(n)) or rec.scratch[-1])
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: rec.empties.append(a) or real_empty(*a, **k))
+    return rec
 
 
 def _call(table, lens, ids, s_q=1, scale=0.05, cache=Cache):
@@ -51,7 +65,7 @@ def _ptr(launch, i):
 
 
 def test_same_index_tensors_reuse_the_call_and_see_new_values(stubbed):
-    launches, made = stubbed
+    launches, made = stubbed.launches, stubbed.made
     table, lens, ids = _index()
     _call(table, lens, ids)
     first = list(launches)
@@ -69,7 +83,7 @@ def test_same_index_tensors_reuse_the_call_and_see_new_values(stubbed):
 
 
 def test_other_tensors_geometry_shapes_or_scale_prepare_again(stubbed):
-    _launches, made = stubbed
+    made = stubbed.made
     table, lens, ids = _index()
     _call(table, lens, ids)
     _call(table.clone(), lens, ids)  # equal values, another tensor
@@ -77,18 +91,14 @@ def test_other_tensors_geometry_shapes_or_scale_prepare_again(stubbed):
     _call(table, lens, ids, scale=0.07)
     _call(table[:, :4], lens, ids)  # another shape of a view
 
-    class Bigger(Cache):
-        pages = torch.zeros((B * PAGES + 1, Cache.format.page_bytes), dtype=torch.uint8)
-        num_pages = B * PAGES + 1
-
-    _call(table, lens, ids, cache=Bigger)
+    _call(table, lens, ids, cache=qm.MLACache.allocate(FMT, B * PAGES + 1, B, 4, 128, device="cpu"))
     assert len(made) == 6
     _call(table, lens, ids)
     assert len(made) == 6, "the first call's entry was dropped"
 
 
 def test_a_knob_prepare_read_changes_the_call(stubbed, monkeypatch):
-    launches, made = stubbed
+    launches, made = stubbed.launches, stubbed.made
     table, lens, ids = _index()
     monkeypatch.setenv(A.VARIANT_ENV, "v2")
     _call(table, lens, ids)
@@ -107,7 +117,7 @@ def test_a_knob_prepare_read_changes_the_call(stubbed, monkeypatch):
 
 
 def test_converted_index_tensors_are_not_kept(stubbed):
-    launches, made = stubbed
+    launches, made = stubbed.launches, stubbed.made
     table, lens, ids = _index()
     wide = table.long()  # converted to int32 by every call: the copy holds this call's values
     _call(wide, lens, ids)
@@ -120,7 +130,7 @@ def test_converted_index_tensors_are_not_kept(stubbed):
 
 
 def test_calls_under_graph_capture_are_prepared_afresh(stubbed, monkeypatch):
-    _launches, made = stubbed
+    made = stubbed.made
     table, lens, ids = _index()
     _call(table, lens, ids)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
@@ -130,7 +140,7 @@ def test_calls_under_graph_capture_are_prepared_afresh(stubbed, monkeypatch):
 
 
 def test_kept_calls_are_bounded(stubbed, monkeypatch):
-    _launches, made = stubbed
+    made = stubbed.made
     monkeypatch.setattr(A, "PREPARED_KEEP", 4)
     kept = [_index() for _ in range(6)]
     for args in kept:
@@ -144,7 +154,7 @@ def test_kept_calls_are_bounded(stubbed, monkeypatch):
 def test_three_d_queries_launch_as_four_d_ones(stubbed):
     """[B, H, d] queries go to the kernels as they are: the same grids, blocks and scalar arguments as
     [B, 1, H, d] views of them, and results shaped [B, H, d_c] / [B, H]."""
-    launches, _made = stubbed
+    launches = stubbed.launches
     table, lens, ids = _index()
     q = torch.randn((B, H, 512)).bfloat16()
     r = torch.randn((B, H, 64)).bfloat16()
@@ -161,25 +171,49 @@ def test_three_d_queries_launch_as_four_d_ones(stubbed):
     assert shape_of(launches) == three and _ptr(launches[0], 0) == q.data_ptr()
 
 
-@pytest.mark.parametrize("takes_3d", [False, True])
-def test_api_hands_three_d_queries_to_backends_that_take_them(monkeypatch, takes_3d):
-    import quantmla_core.api as api
+def _queries():
+    return torch.randn((B, H, 512)).bfloat16(), torch.randn((B, H, 64)).bfloat16()
 
-    cache = qm.MLACache.allocate(qm.PackFormat.parse("C4R4"), B * PAGES, B, 4, 128, device="cpu")
-    seen = []
 
-    class Impl:
-        takes_3d_queries = takes_3d
+def _combine_lse_pointer(launches) -> int:
+    (fn, _grid, _block, args, _smem) = launches[-1]
+    assert fn.kernel == "qmla_combine"
+    return int(args[3])
 
-        @staticmethod
-        def attention(q, r, *rest):
-            seen.append((tuple(q.shape), tuple(r.shape)))
-            return torch.zeros(q.shape), torch.zeros(q.shape[:-1])
 
-    monkeypatch.setattr(api, "select_backend", lambda problem, backend: Impl)
+def test_unwanted_lse_goes_to_the_scratch(stubbed):
+    launches, scratch, empties = stubbed.launches, stubbed.scratch, stubbed.empties
+    q, r = _queries()
+    out, lse = A.attention(q, r, Cache, *_index(), 0.05, want_lse=False)
+    assert lse is None and out.shape == (B, H, 512)
+    assert empties == [((B, H, 512),)], empties  # out only
+    ws = scratch[-1]
+    ptr = _combine_lse_pointer(launches)
+    offset = (ptr - ws.data_ptr()) // 4
+    assert ptr % 16 == ws.data_ptr() % 16 and offset % 4 == 0
+    slots = int(launches[-1][3][4])
+    assert offset >= B * H * slots * (512 + 2)  # after the partial outputs and row statistics
+    assert offset + B * H <= ws.numel()  # one float per row inside the scratch
+
+
+def test_wanted_lse_is_a_tensor_of_its_own(stubbed):
+    launches, scratch, empties = stubbed.launches, stubbed.scratch, stubbed.empties
+    q, r = _queries()
+    out, lse = A.attention(q, r, Cache, *_index(), 0.05)
+    assert lse.shape == (B, H) and _combine_lse_pointer(launches) == lse.data_ptr()
+
+
+def test_plan_run_without_lse_allocates_nothing_into_given_outputs(stubbed):
+    launches, scratch, empties = stubbed.launches, stubbed.scratch, stubbed.empties
     table, lens, ids = _index()
-    q, r = torch.randn((B, H, 512)), torch.randn((B, H, 64))
-    out, lse = qm.attention(q, r, cache, block_table=table, seq_lens=lens, seq_ids=ids, softmax_scale=0.1,
-                            validate=False)
-    assert out.shape == (B, H, 512) and lse.shape == (B, H)
-    assert seen == [((B, H, 512), (B, H, 64))] if takes_3d else [((B, 1, H, 512), (B, 1, H, 64))]
+    runner = CupyBackend().plan_attention(Cache, table, lens, ids, (B, H, 512), torch.bfloat16, 0.05)
+    plan = AttentionPlan(Cache, runner, "cupy", (B, H, 512), torch.bfloat16, validate=False)
+    q, r = _queries()
+    o = torch.zeros((B, H, 512), dtype=torch.bfloat16)
+    empties.clear()
+    got = plan.run(q, r, out=o, return_lse=False)
+    assert got is o and empties == []
+    ws = scratch[-1]
+    assert ws.data_ptr() <= _combine_lse_pointer(launches) < ws.data_ptr() + 4 * ws.numel()
+    out, lse = plan.run(q, r)
+    assert lse.shape == (B, H) and _combine_lse_pointer(launches) == lse.data_ptr()
