@@ -286,6 +286,8 @@ class CupyBackend(Backend):
         protect_dtypes=frozenset({"bfloat16"}),
         min_capability=(8, 0),
     )
+    #: ``attention`` takes [B, H, d] queries as they are (the layout of [B, 1, H, d]) and returns [B, H, d_c]
+    takes_3d_queries = True
 
     def unavailable_reason(self) -> str | None:
         why = _import_reason(self.requires)
@@ -304,9 +306,6 @@ class CupyBackend(Backend):
         from .writer import write
 
         write(cache, latent, k_rope, slot_mapping, seq_ids, positions, seq_lens)
-
-    #: ``attention`` takes [B, H, d] queries as they are (the layout of [B, 1, H, d]) and returns [B, H, d_c]
-    takes_3d_queries = True
 
     def attention(self, q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale, *,
                   want_lse: bool = True):
