@@ -3,7 +3,8 @@
 
 Prints, for H16 B8 (64 pages a request, int32 index tensors), medians of 15 rounds of 2,000 calls: the
 ``qm.attention`` front end (backend stubbed, [B, H, d] queries), the eager CuPy launcher and a prepared
-``plan.run``, with compilation stubbed and each launch reduced to its argument packing::
+``plan.run`` (returning lse, not returning it, and into a given ``out``), with compilation stubbed and each
+launch reduced to its argument packing::
 
     python benchmarks/host_overhead_ab.py new
     PYTHONPATH=/tmp/base python benchmarks/host_overhead_ab.py base
@@ -68,7 +69,11 @@ def main(label: str) -> None:
         front = median_us(lambda: qm.attention(q, r, cache, **kw))
     launcher = median_us(lambda: A.attention(q[:, None], r[:, None], cache, table, lens, ids, 0.05))
     planned = median_us(lambda: plan.run(q, r))
-    print(f"{label}: front end {front:.2f} us, launcher {launcher:.2f} us, plan.run {planned:.2f} us")
+    o = torch.empty_like(q)
+    no_lse = median_us(lambda: plan.run(q, r, return_lse=False))
+    into_no_lse = median_us(lambda: plan.run(q, r, out=o, return_lse=False))
+    print(f"{label}: front end {front:.2f} us, launcher {launcher:.2f} us, plan.run {planned:.2f} us, "
+          f"plan.run(return_lse=False) {no_lse:.2f} us, plan.run(out=, return_lse=False) {into_no_lse:.2f} us")
 
 
 if __name__ == "__main__":
