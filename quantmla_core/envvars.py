@@ -22,22 +22,35 @@ _KEYS: dict[str, object] = {}
 _LOCAL = threading.local()
 
 
+def _live_mapping(env) -> tuple | None:
+    """(``_data``, ``encodekey``, ``decodevalue``) of ``env``'s live mapping, or None where it has none."""
+    data = getattr(env, "_data", None)
+    encodekey = getattr(env, "encodekey", None)
+    decodevalue = getattr(env, "decodevalue", None)
+    if data is None or encodekey is None or decodevalue is None:
+        return None
+    return data, encodekey, decodevalue
+
+
+def _key(name: str, encodekey) -> object:
+    """``name`` as the live mapping's key, encoded once per name (callers try ``_KEYS`` first: the hot path)."""
+    key = _KEYS.get(name)
+    if key is None:
+        key = _KEYS.setdefault(name, encodekey(name))
+    return key
+
+
 def getenv(name: str, default: str | None = None) -> str | None:
     """``os.environ.get(name, default)``, without re-encoding ``name`` on every call."""
     readers = getattr(_LOCAL, "readers", None)
     if readers:
         for names in readers:
             names.append(name)
-    env = os.environ
-    data = getattr(env, "_data", None)
-    encodekey = getattr(env, "encodekey", None)
-    decodevalue = getattr(env, "decodevalue", None)
-    if data is None or encodekey is None or decodevalue is None:
-        return env.get(name, default)
-    key = _KEYS.get(name)
-    if key is None:
-        key = _KEYS.setdefault(name, encodekey(name))
-    raw = data.get(key)
+    live = _live_mapping(os.environ)
+    if live is None:
+        return os.environ.get(name, default)
+    data, encodekey, decodevalue = live
+    raw = data.get(_KEYS.get(name) or _key(name, encodekey))
     return default if raw is None else decodevalue(raw)
 
 
@@ -59,16 +72,9 @@ def recording() -> Iterator[list[str]]:
 def snapshot(names: tuple[str, ...]) -> tuple[str | None, ...]:
     """The values of ``names`` now as the environment holds them (encoded; None where unset): equal
     snapshots mean :func:`getenv` reads the same."""
-    env = os.environ
-    data = getattr(env, "_data", None)
-    encodekey = getattr(env, "encodekey", None)
-    if data is None or encodekey is None:
-        return tuple(env.get(n) for n in names)
+    live = _live_mapping(os.environ)
+    if live is None:
+        return tuple([os.environ.get(n) for n in names])
+    data, encodekey, _ = live
     keys = _KEYS
-    out = []
-    for n in names:
-        key = keys.get(n)
-        if key is None:
-            key = keys.setdefault(n, encodekey(n))
-        out.append(data.get(key))
-    return tuple(out)
+    return tuple([data.get(keys.get(n) or _key(n, encodekey)) for n in names])

@@ -777,8 +777,9 @@ def attention(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_s
     shape = q_latent.shape
     b, h = shape[0], shape[-2]
     s_q = shape[1] if len(shape) == 4 else 1
-    call = prepared(cache, block_table, seq_lens, seq_ids, b, s_q, h, q_latent.dtype, softmax_scale, shape)
-    return call.run(q_latent, q_rope, cache, want_lse=want_lse)
+    capturing = graph_capturing()
+    call = prepared(cache, block_table, seq_lens, seq_ids, b, s_q, h, q_latent.dtype, softmax_scale, shape, capturing)
+    return call.run(q_latent, q_rope, cache, want_lse=want_lse, capturing=capturing)
 
 
 #: eager calls prepared by :func:`prepared`: key -> (variables read, their values then, the SplitCall)
@@ -788,7 +789,7 @@ PREPARED_KEEP = 64
 
 
 def prepared(cache, block_table, seq_lens, seq_ids, batch: int, s_q: int, heads: int, q_dtype: torch.dtype,
-             softmax_scale: float, out_shape: tuple[int, ...]) -> "SplitCall":
+             softmax_scale: float, out_shape: tuple[int, ...], capturing: bool) -> "SplitCall":
     """:func:`prepare`'s call for these arguments, reused while nothing it depends on changed.
 
     A kept call is reused for the same ``block_table``, ``seq_lens`` and ``seq_ids`` objects (it
@@ -797,8 +798,8 @@ def prepared(cache, block_table, seq_lens, seq_ids, batch: int, s_q: int, heads:
     variable ``prepare`` read (:func:`~quantmla_core.envvars.recording`). Only calls that use the
     index tensors as they are get kept: the kernels read their values at launch, so values changed
     in place between calls are seen. A call that converts one (a copy of this call's values) and
-    any call under CUDA-graph capture is prepared afresh."""
-    if graph_capturing():
+    any call under CUDA-graph capture (``capturing``) is prepared afresh."""
+    if capturing:
         return prepare(cache, block_table, seq_lens, seq_ids, batch, s_q, heads, q_dtype, softmax_scale, out_shape)
     key = (id(block_table), block_table.shape, block_table.stride(), id(seq_lens), seq_lens.shape, seq_lens.stride(),
            id(seq_ids), seq_ids.shape, seq_ids.stride(), cache.format, cache.pages.device, cache.pages.shape[0],
@@ -1416,13 +1417,15 @@ class SplitCall:
         return SplitCall(plan, (table, lens, ids), shape, out_shape, scalars, dev, side_default,
                          arg_types=(types + tuple(map(type, plan.extra_args)), types))
 
-    def run(self, q_latent, q_rope, cache, out=None, lse=None, want_lse: bool = True
+    def run(self, q_latent, q_rope, cache, out=None, lse=None, want_lse: bool = True, capturing: bool | None = None
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """q ``out_shape`` (the planned dtype) over ``cache`` (the planned geometry) -> out, lse,
         written into ``out`` / ``lse`` where given (contiguous, 16-byte aligned; checked by the
         caller for shape, dtype and device); on torch's current stream. With ``want_lse`` False and no
-        ``lse`` given, the combine writes lse to the scratch and None comes back in its place."""
-        capturing = graph_capturing()
+        ``lse`` given, the combine writes lse to the scratch and None comes back in its place.
+        ``capturing``: whether a CUDA graph is being captured, where the caller has asked already."""
+        if capturing is None:
+            capturing = graph_capturing()
         dev, plan = self.dev, self.plan
         q = _kernel_input("q_latent", q_latent, q_latent.dtype, capturing)
         r = _kernel_input("q_rope", q_rope, q_rope.dtype, capturing)
