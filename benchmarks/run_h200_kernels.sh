@@ -33,6 +33,9 @@
 #       flipped build, CUDA graphs of 0 against 1 twice over QUAD_SHAPES (C4R4, FlashInfer BF16 in the process), memcheck
 #   bash benchmarks/run_h200_kernels.sh packed   # v5's packed zero-point/scale loads (QUANTMLA_CUPY_V5_PACKED_GROUPS, 2-bit
 #       d_c 512): conformance, CUDA graphs of 0 against 1 twice over PACKED_SHAPES (C2R4), memcheck
+#   bash benchmarks/run_h200_kernels.sh halves   # v5 with two warpgroups a worker (QUANTMLA_CUPY_V5_HALVES=2): one small
+#       case first (a hang stops there), conformance, memcheck and racecheck, CUDA graphs of 1 against 2 twice over
+#       HALVES_SHAPES (C4R4, C2R4, FlashInfer BF16 in the process), ncu of both at H16 B32 L32K C4R4
 #   bash benchmarks/run_h200_kernels.sh v6pair   # v6 as two-CTA clusters sharing each key tile (QUANTMLA_CUPY_V6_PAIR):
 #       conformance of forced pairs, CUDA graphs of 0 against 1 over V6PAIR_SHAPES, memcheck of the pairs
 #   bash benchmarks/run_h200_kernels.sh v6fold   # v6's slack maximum and RoPE fold (QUANTMLA_CUPY_V6_SLACK / _ROPE_FOLD):
@@ -210,6 +213,30 @@ elif [ "$MODE" = packed ]; then
     --json "$OUT/graph_v5_packed.json" 2>&1 | grep -v "^{" | tail -24
   echo "=== memcheck (packed groups)"; env $P1 timeout 120 compute-sanitizer --tool memcheck $T tests/test_cupy_v5.py \
     -k "v5_matches_reference and C2R4 and float32-2] and (L2000_4_150 or L300_17 or L5000_321)" 2>&1 | tail -2
+elif [ "$MODE" = halves ]; then
+  H1=QUANTMLA_CUPY_V5_HALVES=1; H2=QUANTMLA_CUPY_V5_HALVES=2
+  echo "=== v5 halves: one small case first"; timeout 120 $T tests/test_cupy_v5.py \
+    -k "v5_halves_match and C4R4 and L64_65_4097_128" 2>&1 | tail -2 | tee "$OUT/v5_halves_first.txt"
+  grep -q " passed" "$OUT/v5_halves_first.txt" && ! grep -q "failed\|error" "$OUT/v5_halves_first.txt" || exit 1
+  echo "=== conformance"; timeout 240 $T tests/test_cupy_v5.py -k "v5_halves_match" 2>&1 | tail -3 \
+    | tee "$OUT/v5_halves_conformance.txt"
+  grep -q " passed" "$OUT/v5_halves_conformance.txt" && ! grep -q "failed\|error" "$OUT/v5_halves_conformance.txt" || exit 1
+  for tool in memcheck racecheck; do
+    echo "=== $tool (halves)"; env $H2 timeout 150 compute-sanitizer --tool $tool $T tests/test_cupy_v5.py \
+      -k "v5_halves_match and (L2000_4_150 or L5000_321)" 2>&1 | tail -2
+  done
+  echo "=== 1 against 2, twice (CUDA graphs)"; timeout 330 python3 -P benchmarks/graph_probe.py --backends cupy \
+    --settings "${HALVES_SETTINGS:-$H1;$H2;$H1;$H2}" --formats C4R4,C2R4 \
+    --shapes ${HALVES_SHAPES:-16x8x4096,16x32x32768,16x128x32768,16x32x131072} \
+    --json "$OUT/graph_v5_halves.json" 2>&1 | grep -v "^{" | tail -40
+  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+  for setting in $H1 $H2; do
+    tag=$(echo "$setting" | tr -c "A-Za-z0-9\n" _); echo "=== ncu v5 $setting"; env $setting timeout 100 $NCU -k regex:qmla_attn_v5 -s 2 -c 1 --clock-control none \
+      --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+      python3 -P benchmarks/cupy_probe.py --variant v5 --shapes 16x32x32768 --formats C4R4 --no-writer --protection 0,0 \
+      > "$OUT/ncu_v5_$tag.txt" 2>&1
+    grep -v "^==PROF==" "$OUT/ncu_v5_$tag.txt" | grep -E "Duration|L1/TEX Cache|Issue Slots|Issued Warp|Warp Cycles Per Issued" | head -12
+  done
 elif [ "$MODE" = v6pair ]; then
   echo "=== v6 pairs: one small case first (a hang or a failure stops here)"; timeout 120 $T tests/test_cupy_v6.py \
     -k "v6_pair_matches and L64_128_192" 2>&1 | tail -2 | tee "$OUT/v6_pair_first.txt"

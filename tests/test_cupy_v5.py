@@ -23,6 +23,7 @@ from quantmla_core.backends.cupy.attention import (
     V3_MIN_TOKENS,
     V4_MIN_ROWS,
     V5_MIN_BATCH_TOKENS,
+    V5_HALVES_CHOICES,
     V5_WORKER_CHOICES,
     V4_WGMMA_ARCH,
     VARIANT_ENV,
@@ -32,6 +33,7 @@ from quantmla_core.backends.cupy.attention import (
     select_variant,
     smem_per_block,
     v5_defines,
+    v5_halves_reasons,
     v5_quad_loads,
     v5_rope_fold,
     v5_smem_bytes,
@@ -60,6 +62,8 @@ V5_BUILDS = [
     ("C4R4", 256, 32, 64, 32),
     ("C2R4", 256, 32, 32, 64),
 ]
+#: the builds QUANTMLA_CUPY_V5_HALVES=2 serves (d_c 512 / d_r 64)
+V5_HALVES_BUILDS = [b for b in V5_BUILDS if b[1:3] == (512, 64)]
 
 
 def _compile_v5(v: tuple) -> tuple[int, str, str]:
@@ -155,6 +159,55 @@ def test_v5_three_workers_compile(build):
         v5_defines(qm.PackFormat.parse(build[0]), workers=4)
 
 
+def _compile_v5_halves(v: tuple) -> tuple[int, str, str]:
+    name, dc, dr, gs, page = v
+    fmt = qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr, group_size=gs, page_size=page)
+    return compile_cubin_and_ptx("attention_v5.cu", V4_WGMMA_ARCH, v5_defines(fmt, halves=2))
+
+
+@lru_cache(maxsize=1)
+def _compiled_v5_halves() -> dict:
+    return compile_all(V5_HALVES_BUILDS, _compile_v5_halves)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
+@pytest.mark.parametrize("build", V5_HALVES_BUILDS, ids=lambda v: "-".join(map(str, v)))
+def test_v5_halves_compile(build):
+    """QUANTMLA_CUPY_V5_HALVES=2 (two workers of two warpgroups, 512 threads at 128 registers a thread): each half
+    runs QK over (d_c + d_r) / 32 k-steps in chunks of 2 and PV over d_c / 128 m-blocks, with the loads after QK and
+    neither the RoPE fold nor quad loads. 4-bit content fits without spills, 2-bit with at most 8 bytes (stop 41,
+    nvcc 13: two local loads a tile); half 1 hands its scores over by bar.arrive and waits for P^T by bar.sync."""
+    rc, text, ptx = _compiled_v5_halves()[build]
+    assert rc == 0, f"nvcc failed for v5 halves {build}:\n{text[-4000:]}"
+    use = ptxas_usage(text)
+    print(f"v5 halves {build}: {use}")
+    assert use["registers"] <= 128 and use["spill_stores"] <= (0 if build[0] == "C4R4" else 8), use
+    assert "C7515" not in text and "C7514" not in text and "serialized" not in text, text
+    _name, dc, dr = build[:3]
+    ksteps, bodies = (dc + dr) // 32, 2
+    wgmma = "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16"
+    assert ptx.count(wgmma) == bodies * (ksteps + dc // 128 * 4)
+    assert ptx.count("wgmma.commit_group.sync.aligned") == bodies * (-(-ksteps // 2) + 1)
+    assert ptx.count("stmatrix.sync.aligned.m8n8.x4.shared.b16") == bodies * dc // 32  # one per content k-step
+    assert "bar.arrive" in ptx and ", 256;" in ptx
+
+
+def test_v5_halves_reasons():
+    c4 = qm.PackFormat.parse("C4R4")
+    assert V5_HALVES_CHOICES == (1, 2)
+    assert v5_halves_reasons(c4, 2, 2) == [] and v5_halves_reasons(c4, 3, 1) == []
+    assert v5_halves_reasons(c4, 3, 2) == ["two halves need two workers, got 3"]
+    small = qm.PackFormat.parse("C2R4", 256, 32)
+    assert v5_halves_reasons(small, 2, 2) == ["two halves need d_c 512 / d_r 64, got 256 / 32"]
+    assert v5_halves_reasons(c4, 2, 4) == ["halves: expected one of (1, 2), got 4"]
+    with pytest.raises(ValueError, match="halves: 2 cannot serve .* with 3 workers: two halves need two workers"):
+        v5_defines(c4, workers=3, halves=2)
+    d = v5_defines(c4, halves=2, rope_fold=True, quad_loads=True)  # neither fits four warpgroups' registers
+    knobs = ("QMLA_V5_HALVES", "QMLA_V5_ROPE_FOLD", "QMLA_V5_QUAD_LOADS", "QMLA_V5_PACKED_GROUPS")
+    assert [d[k] for k in knobs] == [2, 0, 0, 0]
+    assert v5_defines(c4)["QMLA_V5_HALVES"] == 1
+
+
 def test_v5_smem_layout():
     # C4R4: per worker the key tile (the 8 content column blocks of 64 rows x 128 B), P^T 16 x 128 B, the
     # column statistics 4 x 16 floats and 16 bytes of new-maximum flags, rounded to 1 KB; the queries
@@ -172,6 +225,11 @@ def test_v5_smem_layout():
     # three workers (QUANTMLA_CUPY_V5_WORKERS=3): one more worker area, still one block per SM
     assert v5_smem_bytes(fmt, 3) == 3 * worker + 9 * 16 * 128 + 1024 <= smem_per_block((9, 0))
     assert v5_defines(fmt, workers=3)["QMLA_V5_SMEM"] == v5_smem_bytes(fmt, 3)
+    # two halves (QUANTMLA_CUPY_V5_HALVES=2): four areas, each a half's key tile (4 column blocks), P^T, statistics,
+    # flags and 4 KB of scores (8 floats a thread) to hand over; each half's queries in 5 column blocks (288 channels)
+    half = -(-(4 * 64 * 128 + 16 * 128 + 4 * 16 * 4 + 16 + 128 * 32) // 1024) * 1024
+    assert v5_smem_bytes(fmt, 2, 2) == 4 * half + 2 * 5 * 16 * 128 + 1024 == 181248 <= smem_per_block((9, 0))
+    assert v5_defines(fmt, halves=2)["QMLA_V5_SMEM"] == v5_smem_bytes(fmt, 2, 2)
 
 
 def test_v5_unsupported_reasons():
@@ -390,10 +448,22 @@ def test_v5_knobs(monkeypatch):
     assert attn.defines["QMLA_V5_WORKERS"] == 3 and block == (384,) and smem == attn.defines["QMLA_V5_SMEM"]
     params = _kernel_params("attention_v5.cu", "qmla_attn_v5")
     assert int(args[params.index("int num_splits")]) == 3 * grid[1]  # one partial per worker
+    monkeypatch.setenv("QUANTMLA_CUPY_V5_HALVES", "2")
+    with pytest.raises(ValueError, match="QUANTMLA_CUPY_V5_HALVES=2 cannot serve this call: two halves need two workers"):
+        _run_v5_stubbed(monkeypatch, 16, 1, False)
     monkeypatch.setenv("QUANTMLA_CUPY_V5_WORKERS", "4")
     with pytest.raises(ValueError, match="QUANTMLA_CUPY_V5_WORKERS"):
         V5Knobs.from_env()
     monkeypatch.delenv("QUANTMLA_CUPY_V5_WORKERS")
+    assert V5Knobs.from_env() == V5Knobs(True, halves=2)
+    launches, *_ = _run_v5_stubbed(monkeypatch, 16, 1, False)
+    (attn, grid, block, args, smem), _ = launches.of("qmla_attn_v5")
+    assert attn.defines["QMLA_V5_HALVES"] == 2 and block == (512,) and smem == attn.defines["QMLA_V5_SMEM"]
+    assert int(args[params.index("int num_splits")]) == 2 * grid[1]  # one partial per worker, not per warpgroup
+    monkeypatch.setenv("QUANTMLA_CUPY_V5_HALVES", "3")
+    with pytest.raises(ValueError, match="QUANTMLA_CUPY_V5_HALVES"):
+        V5Knobs.from_env()
+    monkeypatch.delenv("QUANTMLA_CUPY_V5_HALVES")
     monkeypatch.setenv("QUANTMLA_CUPY_V5_LAZY_RESCALE", "0")
     assert V5Knobs.from_env() == V5Knobs(False)
     launches, *_ = _run_v5_stubbed(monkeypatch, 16, 1, False)
@@ -498,6 +568,21 @@ def test_attention_v5_matches_reference(case, workers, monkeypatch):
         pytest.skip(f"v5 is an sm_90a kernel: this GPU is compute capability {cap[0]}.{cap[1]}")
     monkeypatch.setenv(VARIANT_ENV, "v5")
     monkeypatch.setenv("QUANTMLA_CUPY_V5_WORKERS", str(workers))
+    check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", [c for c in V2_CASES + BIG[:3] + V5_CASES
+                                  if c.fmt.quantized and (c.fmt.latent_dim, c.fmt.rope_dim) == (512, 64)], ids=str)
+def test_attention_v5_halves_match_reference(case, monkeypatch):
+    """Two warpgroups a worker, each over half of every tile's channels (``QUANTMLA_CUPY_V5_HALVES=2``): the same
+    attention as the reference."""
+    cap = torch.cuda.get_device_capability()
+    if tuple(cap) != (9, 0):
+        pytest.skip(f"v5 is an sm_90a kernel: this GPU is compute capability {cap[0]}.{cap[1]}")
+    monkeypatch.setenv(VARIANT_ENV, "v5")
+    monkeypatch.setenv("QUANTMLA_CUPY_V5_HALVES", "2")
     check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
 
 

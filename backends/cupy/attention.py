@@ -64,7 +64,7 @@ bit-identical) / ``QUANTMLA_CUPY_V3_WARPS`` (4 or 8) and ``QUANTMLA_CUPY_V4_STAG
 and ``QUANTMLA_CUPY_V5_LAZY_RESCALE`` (default 1) / ``QUANTMLA_CUPY_V5_WORKERS`` (2 or 3) /
 ``QUANTMLA_CUPY_V5_PROTECTED`` (``inline``, ``separate``) / ``QUANTMLA_CUPY_V5_PROT_LOADS`` (``pairs``, ``vec``) /
 ``QUANTMLA_CUPY_V5_ROPE_FOLD`` / ``QUANTMLA_CUPY_V5_QUAD_LOADS`` (``auto``, 0/1) / ``QUANTMLA_CUPY_V5_PACKED_GROUPS``
-(0/1) and ``QUANTMLA_CUPY_V6_PV_AT`` (1-3) / ``QUANTMLA_CUPY_V6_PAGE_AHEAD`` (0/1) / ``QUANTMLA_CUPY_V6_PROTECTED``
+(0/1) / ``QUANTMLA_CUPY_V5_HALVES`` (1/2) and ``QUANTMLA_CUPY_V6_PV_AT`` (1-3) / ``QUANTMLA_CUPY_V6_PAGE_AHEAD`` (0/1) / ``QUANTMLA_CUPY_V6_PROTECTED``
 (``inline``, ``separate``) / ``QUANTMLA_CUPY_V6_PAIR`` (``auto``, 0/1) / ``QUANTMLA_CUPY_V6_SLACK`` (0/1) /
 ``QUANTMLA_CUPY_V6_ROPE_FOLD`` (``auto``, 0/1) and ``QUANTMLA_CUPY_PLAN_PROTECTED`` (0/1: v5 (default 1) and v6
 (default 0) count the sink/local tiles they append to one split in the split plan) are
@@ -156,6 +156,11 @@ V5_WORKERS = 2
 #: worker counts the kernel builds with (``QUANTMLA_CUPY_V5_WORKERS``): three fit shared memory at
 #: 168 registers a thread, with the loads issued after QK and QK chunks of 2 k-steps
 V5_WORKER_CHOICES = (2, 3)
+#: warpgroups of one v5 worker (``QUANTMLA_CUPY_V5_HALVES``): 1, or 2, each taking half of every tile's channels and
+#: adding the pair's scores through shared memory, so four warpgroups share an SM at 128 registers a thread (d_c 512 /
+#: d_r 64, two workers; a measurement knob, built and modelled offline in stop 41, not yet timed)
+V5_HALVES = 1
+V5_HALVES_CHOICES = (1, 2)
 #: the only compute capability v5's sm_90a build runs on
 V5_CAPABILITY = (9, 0)
 #: threads of a combine block, one row per block (``attention.cu``'s ``QMLA_COMBINE_THREADS``)
@@ -469,22 +474,25 @@ def v4_uses_wgmma(mma: str, capability: tuple[int, int] | None, nvrtc: tuple[int
     return mma == "wgmma" or (mma == "auto" and hopper and new_nvrtc)
 
 
-def v5_smem_bytes(fmt: PackFormat, workers: int = V5_WORKERS) -> int:
+def v5_smem_bytes(fmt: PackFormat, workers: int = V5_WORKERS, halves: int = V5_HALVES) -> int:
     """Dynamic shared memory of one v5 block (mirrors SMEM_TOTAL in attention_v5.cu): per worker
     (1024-byte aligned) the 128-byte-swizzled key tile of the content channels (64-channel column blocks
     of 64 rows), P^T (bf16 [16][64]), column statistics (float [4][16]) and 16 bytes of the warps'
     new-maximum flags; then the queries (16 rows of d_c + d_r channels in column blocks), plus 1 KB to
     align the base. No stage: the lanes load their codes from the pages into registers. ``workers``:
-    worker warpgroups per CTA (2 or 3)."""
-    blocks = -(-(fmt.latent_dim + fmt.rope_dim) // 64)
-    worker = V5_TILE * (fmt.latent_dim // 64) * 128 + V5_ROWS * V5_TILE * 2 + 4 * V5_ROWS * 4 + 16
-    return workers * (-(-worker // 1024) * 1024) + blocks * V5_ROWS * 128 + 1024
+    workers per CTA (2 or 3); ``halves``: warpgroups of a worker, each with an area of its own over its share of the
+    channels (with 2: and 8 float scores per thread to hand over) and a query tile of its own."""
+    blocks = -(-(fmt.latent_dim + fmt.rope_dim) // halves // 64)
+    exchange = 2 * 128 * 16 if halves > 1 else 0
+    area = V5_TILE * (fmt.latent_dim // halves // 64) * 128 + V5_ROWS * V5_TILE * 2 + 4 * V5_ROWS * 4 + 16 + exchange
+    return workers * halves * (-(-area // 1024) * 1024) + halves * blocks * V5_ROWS * 128 + 1024
 
 
 def v5_defines(fmt: PackFormat, lazy_rescale: bool = True, index64: bool = True,
                workers: int = V5_WORKERS, protected: bool = True, prot_vec: bool = True,
                codes_in_place: bool = CODES_IN_PLACE, rope_fold: bool | None = None,
-               quad_loads: bool | None = None, packed_groups: bool = V5_PACKED_GROUPS) -> dict[str, int]:
+               quad_loads: bool | None = None, packed_groups: bool = V5_PACKED_GROUPS,
+               halves: int = V5_HALVES) -> dict[str, int]:
     """``-D`` defines of ``kernels/attention_v5.cu`` (bfloat16 queries; an sm_90a build,
     :data:`V4_WGMMA_ARCH`). ``index64``: int64 seq_lens / seq_ids (else int32); ``workers``: worker
     warpgroups per CTA; ``protected``: the sink/local tokens as the kernel's own tiles (else packed
@@ -496,17 +504,40 @@ def v5_defines(fmt: PackFormat, lazy_rescale: bool = True, index64: bool = True,
     ``quad_loads``: a quad's lanes load a token's content codes together (``QMLA_V5_QUAD_LOADS``,
     :func:`v5_quad_loads`); ``packed_groups``: a 2-bit d_c 512 build with 64-channel groups loads a token's zero points
     and scales at once (``QMLA_V5_PACKED_GROUPS``, :data:`V5_PACKED_GROUPS`; other formats and three workers, which
-    spilled 8 bytes with it, ignore it)."""
+    spilled 8 bytes with it, ignore it); ``halves``: warpgroups of a worker (``QMLA_V5_HALVES``, :data:`V5_HALVES`;
+    2 builds neither the fold, quad loads nor packed groups, which need registers four warpgroups do not have)."""
     if workers not in V5_WORKER_CHOICES:
         raise ValueError(f"workers: expected one of {V5_WORKER_CHOICES}, got {workers!r}")
+    reasons = v5_halves_reasons(fmt, workers, halves)
+    if reasons:
+        raise ValueError(f"halves: {halves} cannot serve {fmt} with {workers} workers: {'; '.join(reasons)}")
+    if halves > 1:
+        rope_fold, quad_loads, packed_groups = False, False, False
     d = attention_defines(fmt, "bfloat16", index64)
-    d.update(QMLA_V5_SMEM=v5_smem_bytes(fmt, workers), QMLA_V5_LAZY_RESCALE=int(lazy_rescale),
+    d.update(QMLA_V5_SMEM=v5_smem_bytes(fmt, workers, halves), QMLA_V5_HALVES=halves,
+             QMLA_V5_LAZY_RESCALE=int(lazy_rescale),
              QMLA_V5_WORKERS=workers, QMLA_V5_PROTECTED=int(protected), QMLA_V5_PROT_VEC=int(prot_vec),
              QMLA_CODES_IN_PLACE=int(codes_in_place and fmt.content_bits == 2),
              QMLA_V5_ROPE_FOLD=int(v5_rope_fold(fmt, workers, rope_fold, quad_loads)),
              QMLA_V5_QUAD_LOADS=int(v5_quad_loads(fmt, workers, quad_loads)),
              QMLA_V5_PACKED_GROUPS=int(packed_groups and _v5_loads_token_groups(fmt, workers, 2)))
     return d
+
+
+def v5_halves_reasons(fmt: PackFormat, workers: int, halves: int) -> list[str]:
+    """Why v5 cannot build ``fmt`` with ``workers`` workers of ``halves`` warpgroups (empty: it can): halves are 1 or
+    2, and 2 takes d_c 512 / d_r 64 (a half's 128 or 64 content code bytes a token, 16 RoPE bytes) and two workers
+    (four warpgroups: 512 threads at 128 registers each)."""
+    if halves not in V5_HALVES_CHOICES:
+        return [f"halves: expected one of {V5_HALVES_CHOICES}, got {halves!r}"]
+    if halves == 1:
+        return []
+    reasons = []
+    if (fmt.latent_dim, fmt.rope_dim) != (512, 64):
+        reasons.append(f"two halves need d_c 512 / d_r 64, got {fmt.latent_dim} / {fmt.rope_dim}")
+    if workers != 2:
+        reasons.append(f"two halves need two workers, got {workers}")
+    return reasons
 
 
 def _v5_loads_token_groups(fmt: PackFormat, workers: int, content_bits: int) -> bool:
@@ -1132,12 +1163,12 @@ def v4_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
 def _v5_kernel(fmt: PackFormat, dev: int, lazy: bool, index64: bool, workers: int = V5_WORKERS,
                protected: bool = True, prot_vec: bool = True, codes_in_place: bool = CODES_IN_PLACE,
                rope_fold: bool | None = None, quad_loads: bool | None = None,
-               packed_groups: bool = V5_PACKED_GROUPS):
+               packed_groups: bool = V5_PACKED_GROUPS, halves: int = V5_HALVES):
     """Compiled ``qmla_attn_v5`` (cached, an sm_90a build) and its dynamic shared memory."""
     return _split_kernel(("v5", fmt, dev, lazy, index64, workers, protected, prot_vec, codes_in_place, rope_fold,
-                          quad_loads, packed_groups), "v5", dev, v5_smem_bytes(fmt, workers),
+                          quad_loads, packed_groups, halves), "v5", dev, v5_smem_bytes(fmt, workers, halves),
                          lambda: v5_defines(fmt, lazy, index64, workers, protected, prot_vec, codes_in_place, rope_fold,
-                                            quad_loads, packed_groups),
+                                            quad_loads, packed_groups, halves),
                          V4_WGMMA_ARCH)
 
 
@@ -1154,8 +1185,9 @@ class V5Knobs:
     ``0`` or ``1``): scale each score's RoPE part once instead of dequantizing each RoPE value; quad_loads
     (``QUANTMLA_CUPY_V5_QUAD_LOADS``, ``auto`` (default: None, :func:`v5_quad_loads`), ``0`` or ``1``): a quad of
     lanes loads a token's content codes together; packed_groups (``QUANTMLA_CUPY_V5_PACKED_GROUPS``, 0/1,
-    default :data:`V5_PACKED_GROUPS`): a token's 2-bit content zero points and scales in one load each) and v2's split
-    floor."""
+    default :data:`V5_PACKED_GROUPS`): a token's 2-bit content zero points and scales in one load each; halves
+    (``QUANTMLA_CUPY_V5_HALVES``, 1/2, default :data:`V5_HALVES`): warpgroups of a worker, each over half of every
+    tile's channels) and v2's split floor."""
 
     lazy: bool = True
     min_tiles: int = V2_MIN_TILES_PER_SPLIT
@@ -1167,6 +1199,7 @@ class V5Knobs:
     rope_fold: bool | None = None
     quad_loads: bool | None = None
     packed_groups: bool = V5_PACKED_GROUPS
+    halves: int = V5_HALVES
 
     @staticmethod
     def from_env() -> "V5Knobs":
@@ -1179,7 +1212,8 @@ class V5Knobs:
                        bool(_env_int("QUANTMLA_CUPY_CODES_IN_PLACE", int(CODES_IN_PLACE), (0, 1))),
                        _env_auto_bool("QUANTMLA_CUPY_V5_ROPE_FOLD"),
                        _env_auto_bool("QUANTMLA_CUPY_V5_QUAD_LOADS"),
-                       bool(_env_int("QUANTMLA_CUPY_V5_PACKED_GROUPS", int(V5_PACKED_GROUPS), (0, 1))))
+                       bool(_env_int("QUANTMLA_CUPY_V5_PACKED_GROUPS", int(V5_PACKED_GROUPS), (0, 1))),
+                       _env_int("QUANTMLA_CUPY_V5_HALVES", V5_HALVES, V5_HALVES_CHOICES))
 
 
 def v5_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max_pages: int, no_prot: bool,
@@ -1191,10 +1225,14 @@ def v5_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
     key = ("v5", fmt, dev, sm_count, batch, rows, max_pages, no_prot, knobs, sink, local, index64)
     plan = _PLANS.get(key)
     if plan is None:
+        reasons = v5_halves_reasons(fmt, knobs.workers, knobs.halves)
+        if reasons:
+            raise ValueError(f"QUANTMLA_CUPY_V5_HALVES={knobs.halves} cannot serve this call: {'; '.join(reasons)}")
         attn, smem = _v5_kernel(fmt, dev, knobs.lazy, index64, knobs.workers, not knobs.separate, knobs.prot_vec,
-                                knobs.codes_in_place, knobs.rope_fold, knobs.quad_loads, knobs.packed_groups)
+                                knobs.codes_in_place, knobs.rope_fold, knobs.quad_loads, knobs.packed_groups,
+                                knobs.halves)
         own = _own_protected_tiles(no_prot, knobs, sink, local, V5_TILE)
-        plan = _packed_split_plan(key, attn, smem, knobs.workers * 128, V5_TILE, knobs.workers, fmt, dev, sm_count, batch,
+        plan = _packed_split_plan(key, attn, smem, knobs.workers * knobs.halves * 128, V5_TILE, knobs.workers, fmt, dev, sm_count, batch,
                                   rows, max_pages, no_prot or not knobs.separate, knobs.min_tiles, sink, local, index64,
                                   V5_CTA_OVERHEAD_TILES, own_protected_tiles=own)
     return plan

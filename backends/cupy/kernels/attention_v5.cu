@@ -46,6 +46,17 @@
 // registers a thread: with the loads issued after QK into the registers QK read and 2-k-step QK chunks it spills
 // 16-24 B at d_c 512, and ran 4-15 % slower than two workers (H200, H16 B32-B128 L4K-L128K, stop 23; stop 22's
 // build with this design's register use spilled 460 B and ran 1.7-2.1x slower).
+// Halves (QMLA_V5_HALVES 2, the launcher's QUANTMLA_CUPY_V5_HALVES; d_c 512 / d_r 64, two workers): a worker is two
+// warpgroups that take the same tiles, half h dequantizing and multiplying code bytes CBH h .. CBH h + CBH - 1 of each
+// slice and RoPE bytes RBH h .. (256 + 32 channels: 16 PV accumulators a thread instead of 64), so four warpgroups fit
+// the register file at 128 registers a thread: two warps a scheduler become four, where stop 33 measured v5's two
+// mostly waiting on fixed-latency dependencies (56 % of issue slots used). Half 1 hands its QK scores to half 0 through
+// shared memory (v5_send_scores); half 0 adds them, runs the softmax alone and publishes P^T and each column's
+// rescale, with which both run PV over their channels. Each half has its own key tile, query tile (its channels in
+// its QK order) and partial-output channels; the worker writes one partial. Offline (stop 41, nvcc 13), the packed
+// tile loop issues 947 instructions a warp in half 0 and 708 in half 1 for C4R4 (979 / 651 for C2R4), against 1,307
+// (1,218) in a v5 worker's warp: 27 % (34 %) more per tile, which the doubled warps must pay for (break-even near
+// 71 % (75 %) of issue slots used, from v5's 56 %); not yet run on a GPU.
 #include "common.cuh"
 
 #ifndef QMLA_V5_MAX_SLACK
@@ -75,7 +86,7 @@
 // QUANTMLA_CUPY_V5_ROPE_FOLD (attention.py's v5_rope_fold: 2-bit content, 3-6 % faster on the H200; C4R4 1.5 % slower
 // at B32 L32K (stop 29) until its codes were loaded a quad at a time, then 3-4 % faster (stop 32)), for two workers:
 // with three, at 168 registers a thread, the second accumulator spilled 100 bytes (12 without)
-#define QMLA_V5_ROPE_FOLD (NWG == 2 && (CBITS == 2 || QMLA_V5_QUAD_LOADS))
+#define QMLA_V5_ROPE_FOLD (NWG == 2 && NHV == 1 && (CBITS == 2 || QMLA_V5_QUAD_LOADS))
 #endif
 #ifndef QMLA_V5_LAZY_RESCALE
 #define QMLA_V5_LAZY_RESCALE 1  // skip the output rescale while no column's maximum moves (bit-identical)
@@ -98,7 +109,14 @@
 #define QMLA_V5_WORKERS 2     // worker warpgroups per CTA (2 or 3; the launcher's V5Knobs.workers)
 #endif
 #define NWG QMLA_V5_WORKERS
-#define NTH 128               // threads of one worker (its loads and dequantization)
+#ifndef QMLA_V5_HALVES
+// warpgroups of one worker (the launcher's QUANTMLA_CUPY_V5_HALVES): 1, or 2 where each takes half of every tile's
+// channels (see "halves" below)
+#define QMLA_V5_HALVES 1
+#endif
+#define NHV QMLA_V5_HALVES
+#define NWGS (NWG * NHV)      // warpgroups per CTA
+#define NTH 128               // threads of one warpgroup (its loads and dequantization)
 #define CBITS QMLA_CBITS
 #define KCH (8 / CBITS)       // codes per byte
 #define CB QMLA_CB
@@ -108,10 +126,15 @@
 #define CMASK ((CBITS == 4) ? 0x0f0f0f0fu : 0x03030303u)
 #define CSZ (QMLA_CSCALE_BF16 ? 2 : 4)
 #define RSZ (QMLA_RSCALE_BF16 ? 2 : 4)
-#define NCB ((DT + 63) / 64)  // 64-channel column blocks of the query tile
-#define NCBK (DC / 64)        // ... of the key tile (content only)
-#define KSTEPS (DT / 16)      // QK k-steps
-#define NMB (DC / 64)         // PV m-blocks (64 channels each)
+#define DCH (DC / NHV)        // content channels of one warpgroup (half h: code bytes CBH h .. of each slice)
+#define DRH (DR / NHV)        // RoPE channels of one warpgroup (RoPE code bytes RBH h ..)
+#define DTH (DCH + DRH)
+#define CBH (CB / NHV)
+#define RBH (RB / NHV)
+#define NCB ((DTH + 63) / 64) // 64-channel column blocks of a warpgroup's query tile
+#define NCBK (DCH / 64)       // ... of its key tile (content only)
+#define KSTEPS (DTH / 16)     // QK k-steps
+#define NMB (DCH / 64)        // PV m-blocks (64 channels each)
 
 #if !QMLA_IN_BF16 || !(QMLA_QUANT && (CBITS == 2 || CBITS == 4) && QMLA_RBITS == 4)
 #error "attention_v5.cu serves bf16 queries over 2/4-bit content with 4-bit RoPE codes"
@@ -131,15 +154,15 @@ static_assert(QMLA_GR == DR, "one RoPE group per token");
 // pair bp = ks / SPC of that share and slice pair sp = ks % SPC: k 2 q4 (+ 1) are slice 2 sp of share bytes
 // 2 bp (+ 1), k 2 q4 + 8 (+ 1)
 // slice 2 sp + 1 (RoPE likewise, after the content). The queries are staged in that order.
-#define BL (CB / 4)           // content code bytes of one lane of a quad, per token
-#define RBL (RB / 4)          // RoPE code bytes ...
+#define BL (CBH / 4)          // content code bytes of one lane of a quad, per token (of its warpgroup's half)
+#define RBL (RBH / 4)         // RoPE code bytes ...
 #define SPC (KCH / 2)         // slice pairs of a byte pair (k-steps per byte pair)
-#define KSC (DC / 16)         // content k-steps
+#define KSC (DCH / 16)        // content k-steps
 #ifndef QMLA_V5_EARLY_LOADS
 // 1: a lane loads its next tile's operands at the start of a tile, into a second set of registers;
 // 0: after the tile's QK, into the registers QK has just read (V5Regs once, not twice: what three workers,
 // at 168 registers a thread, can hold)
-#define QMLA_V5_EARLY_LOADS (NWG == 2)
+#define QMLA_V5_EARLY_LOADS (NWG == 2 && NHV == 1)
 #endif
 #ifndef QMLA_V5_KCHUNK
 // QK k-steps per chunk of A fragments (double-buffered); 4 holds fewer registers than 8, 2 fewer still (three
@@ -147,7 +170,7 @@ static_assert(QMLA_GR == DR, "one RoPE group per token");
 // (stop 22) and attend to the protected tiles (stop 26), C2R4 at 4 with vec loads was the fastest of the four builds
 // from 32K tokens, 0.2-3 % ahead, and 3 % behind 8 with vec at B32 L4K (H200, H16 B32/B128, CUDA graphs, stop 27:
 // 230 registers instead of 255)
-#define QMLA_V5_KCHUNK ((NWG == 3) ? 2 : 4)
+#define QMLA_V5_KCHUNK ((NWG == 3 || NHV > 1) ? 2 : 4)
 #endif
 #define KCK QMLA_V5_KCHUNK
 #define NKC ((KSTEPS + KCK - 1) / KCK)  // QK chunks
@@ -173,7 +196,9 @@ static_assert(!QUAD || (CBITS == 4 && BL == 64 && QMLA_GC == 64 && QMLA_CSCALE_B
 static_assert(!QMLA_V5_PACKED_GROUPS || QUAD || (CBITS == 2 && BL == 32 && QMLA_GC == 64 && QMLA_CSCALE_BF16),
               "QMLA_V5_PACKED_GROUPS serves 2-bit d_c 512 with 64-channel groups and bf16 scales");
 static_assert(BL >= 16 && BL <= 64 && (DR == 32 || DR == 64), "d_c 256/512, d_r 32/64");
-static_assert(NWG == 2 || NWG == 3, "two or three worker warpgroups");
+static_assert(NWG == 2 || NWG == 3, "two or three workers");
+static_assert(NHV == 1 || (NHV == 2 && NWG == 2 && DC == 512 && DR == 64 && !QUAD && !QMLA_V5_PACKED_GROUPS),
+              "halves serve d_c 512 / d_r 64 with two workers, without quad loads or packed groups");
 static_assert((KCK == 2 || KCK == 4 || KCK == 8) && KSC % KCK == 0 && (4 * KCK) % (4 * SPC) == 0, "chunks of whole 8-channel stores");
 static_assert(BL % QMLA_GC == 0 || QMLA_GC % BL == 0, "a lane's share of a slice holds whole groups or lies in one");
 
@@ -182,11 +207,11 @@ __device__ __forceinline__ constexpr int v5_share_byte(int i, int q4) {
     return QUAD ? 16 * q4 + 64 * (i >> 4) + (i & 15) : BL * q4 + i;
 }
 
-// physical channel ([d_c | d_r]) of QK's channel lc
-__device__ __forceinline__ int v5_qk_channel(int lc) {
+// physical channel ([d_c | d_r]) of QK's channel lc of half h (NHV 1: h = 0)
+__device__ __forceinline__ int v5_qk_channel(int lc, int h) {
     const int ks = lc >> 4, k = lc & 15, q = (k & 7) >> 1, e = k & 1, hi = k >> 3;
-    if (ks < KSC) return CB * (2 * (ks % SPC) + hi) + v5_share_byte(2 * (ks / SPC) + e, q);
-    return DC + RB * hi + RBL * q + 2 * (ks - KSC) + e;
+    if (ks < KSC) return CB * (2 * (ks % SPC) + hi) + CBH * h + v5_share_byte(2 * (ks / SPC) + e, q);
+    return DC + RB * hi + RBH * h + RBL * q + 2 * (ks - KSC) + e;
 }
 
 // The key tile for PV holds the content channels in QK's order: each warp stores its A fragments of a
@@ -243,23 +268,74 @@ __device__ __forceinline__ int v5_column_limits(int (&lm)[2][2], int hi, int L, 
 }
 
 // ---------------------------------------------------------------- shared memory layout
-// worker wg's area starts at wg * WK_BYTES (1024-byte aligned, as the swizzled tiles need); the kernel
-// rounds the dynamic shared memory base up to 1024 bytes, hence the extra 1 KB
+// warpgroup wgi's area starts at wgi * WK_BYTES (1024-byte aligned, as the swizzled tiles need; a worker's halves are
+// warpgroups NHV w .. NHV w + NHV - 1); the kernel rounds the dynamic shared memory base up to 1024 bytes, hence the
+// extra 1 KB
 #define W_KT 0                          // key tile (content channels, PV's A operand), bf16 [NCBK][T][64]
 #define W_PT (T * NCBK * 128)           // P^T, bf16 [RT][T]: one swizzled 128-byte row per query row
 #define W_RED (W_PT + RT * T * 2)       // float [4 warps][RT]: column maxima, then row sums
 #define W_FLG (W_RED + 4 * RT * 4)      // u8 [4 warps]: a score of the tile passed its reference maximum + slack
-#define WK_BYTES ((W_FLG + 16 + 1023) / 1024 * 1024)
-#define QT_OFF (NWG * WK_BYTES)         // queries, bf16 [NCB][RT][64]
-#define SMEM_TOTAL (QT_OFF + NCB * RT * 128 + 1024)
+#define W_XS (W_FLG + 16)               // NHV 2, half 1: float4 [2][NTH], its QK scores; half 0: float [RT], the rescale
+#define XS_BYTES ((NHV > 1) ? 2 * NTH * 16 : 0)
+#define WK_BYTES ((W_XS + XS_BYTES + 1023) / 1024 * 1024)
+#define QT_OFF (NWGS * WK_BYTES)        // queries, bf16 [NHV][NCB][RT][64]: each half's in its QK order
+#define QT_HALF (NCB * RT * 128)
+#define SMEM_TOTAL (QT_OFF + NHV * QT_HALF + 1024)
 #ifdef QMLA_V5_SMEM
 static_assert(SMEM_TOTAL == QMLA_V5_SMEM, "launcher's v5_smem_bytes() disagrees with the kernel's layout");
 #endif
 static_assert(SMEM_TOTAL <= 227 * 1024, "shared memory per block");
-static_assert(RT * OT_STRIDE * 4 <= W_PT, "a worker's partial-output tile reuses its key tile");
+static_assert(RT * OT_STRIDE * 4 <= (NHV == 1 ? W_PT : NHV * WK_BYTES), "a worker's partial-output tile reuses its key tiles");
 
-// barrier of worker wg's 128 threads (ids 1, 2)
-__device__ __forceinline__ void v5_worker_sync(int wg) { asm volatile("bar.sync %0, 128;" ::"r"(wg + 1) : "memory"); }
+// barrier of warpgroup wgi's 128 threads (ids 1 .. NWGS)
+__device__ __forceinline__ void v5_worker_sync(int wgi) { asm volatile("bar.sync %0, 128;" ::"r"(wgi + 1) : "memory"); }
+
+// NHV 2: the barriers of worker w's two halves (ids NWGS + 1 + 2 w: half 1's scores; NWGS + 2 + 2 w: half 0's P^T and
+// rescale), each met by one half's bar.arrive and the other's bar.sync, so the half that hands over does not wait
+__device__ __forceinline__ int v5_bar_scores(int w) { return NWGS + 1 + 2 * w; }
+__device__ __forceinline__ int v5_bar_p(int w) { return NWGS + 2 + 2 * w; }
+__device__ __forceinline__ void v5_pair_arrive(int id) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(NHV * NTH) : "memory");
+}
+__device__ __forceinline__ void v5_pair_sync(int id) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(NHV * NTH) : "memory");
+}
+
+// How the halves of a worker meet per tile (NHV 2). Half 1 stores its QK scores (over its channels) and goes on; half
+// 0 adds them to its own, runs the softmax alone, publishes P^T and each column's rescale, and both run PV over their
+// channels with that P^T. Half 1 stores tile i + 1's scores only after taking tile i's P^T and rescale, which half 0
+// publishes after reading tile i's scores; half 0 writes tile i + 1's P^T and rescale only once half 1's scores of tile
+// i + 1 are in, which half 1 stores after its PV of tile i has retired: one area each suffices.
+
+// half 1: its 8 scores to its exchange area (float4s at tid and NTH + tid: conflict-free), for half 0
+__device__ __forceinline__ void v5_send_scores(const float (&S)[8], float* xs, int tid, int w) {
+    float4* o = (float4*)xs + tid;
+    o[0] = make_float4(S[0], S[1], S[2], S[3]);
+    o[NTH] = make_float4(S[4], S[5], S[6], S[7]);
+    v5_pair_arrive(v5_bar_scores(w));
+}
+
+// half 0: half 1's scores (xs: its exchange area) added to this thread's, for the softmax
+__device__ __forceinline__ void v5_add_scores(float (&S)[8], const float* xs, int tid, int w) {
+    v5_pair_sync(v5_bar_scores(w));
+    const float4 a = ((const float4*)xs)[tid], b = ((const float4*)xs)[NTH + tid];
+    S[0] += a.x, S[1] += a.y, S[2] += a.z, S[3] += a.w;
+    S[4] += b.x, S[5] += b.y, S[6] += b.z, S[7] += b.w;
+}
+
+// half 0, once its P^T is visible to its own warps: each column's rescale al (xs: its exchange area, float [RT]), then
+// P^T and the rescale released to half 1
+__device__ __forceinline__ void v5_give_rescale(const float (&al)[2][2], float* xs, int ww, int g8, int q4, int w) {
+    if (ww == 0 && g8 == 0) *(float4*)(xs + 4 * q4) = make_float4(al[0][0], al[0][1], al[1][0], al[1][1]);
+    v5_pair_arrive(v5_bar_p(w));
+}
+
+// half 1: waits for half 0's P^T and takes the rescale of its columns (xs: half 0's exchange area)
+__device__ __forceinline__ void v5_take_rescale(float (&al)[2][2], const float* xs, int q4, int w) {
+    v5_pair_sync(v5_bar_p(w));
+    const float4 a = *(const float4*)(xs + 4 * q4);
+    al[0][0] = a.x, al[0][1] = a.y, al[1][0] = a.z, al[1][1] = a.w;
+}
 
 // P of this thread's 8 scores, 2^(S - m) over the columns' maxima m (-inf: 0 subtracted), to P^T in
 // shared memory by one stmatrix.trans: matrix (i, h) holds tokens 16 ww + 8 h + g8, columns 8 i + 2 q4 (+ 1),
@@ -279,8 +355,8 @@ __device__ __forceinline__ void v5_p_tile(const float (&S)[8], const float (&m)[
     stsm_x4_t(p_lane, pack_bf16x2(p[0], p[1]), pack_bf16x2(p[2], p[3]), pack_bf16x2(p[4], p[5]), pack_bf16x2(p[6], p[7]));
 }
 
-#define QLD (RT * (DT / 2) / (NWG * NTH))  // query channel pairs staged per thread
-static_assert(RT * (DT / 2) % (NWG * NTH) == 0, "the query pairs split evenly over the CTA");
+#define QLD (RT * (DT / 2) / (NWGS * NTH))  // query channel pairs staged per thread
+static_assert(RT * (DT / 2) % (NWGS * NTH) == 0, "the query pairs split evenly over the CTA");
 
 // ---------------------------------------------------------------- a lane's operands, straight from the page
 // Lane (g8, q4) of warp ww dequantizes tokens 16 ww + g8 (+ 8) of a tile, and only these bytes of them: content
@@ -310,7 +386,8 @@ __device__ __forceinline__ int v5_warp_page(int tt, int ww, const int* __restric
 }
 
 // where a lane's operands of tile tt lie: page pg's bytes (warp-uniform; page 0 outside the pool), the lane's first
-// token slot s0 (t_lane: the lane's first token of a tile; the second is s0 + 8) and whether each token is read.
+// token slot s0 (t_lane: the lane's first token of a tile; the second is s0 + 8), whether each token is read and the
+// half h of the channels the lane's warpgroup takes (NHV 1: 0).
 // v5_load_tile issues the operands' loads through the helpers below, one per operand: the same loads, which ptxas
 // schedules differently (H200, stop 37: with QMLA_V5_DESC64 C2R4 2.3-2.8 % faster than with the one-function loader,
 // which ran 3.7 % slower with QMLA_V5_DESC64 than without; C4R4 without it 0.5-1.5 % faster)
@@ -318,9 +395,11 @@ struct V5Src {
     const u8* page;
     u32 s0;
     bool ok[2];
+    int h;
 };
 
-__device__ __forceinline__ V5Src v5_src(const u8* __restrict__ pages, int pg, int num_pages, int tt, int L, int t_lane) {
+__device__ __forceinline__ V5Src v5_src(const u8* __restrict__ pages, int pg, int num_pages, int tt, int L, int t_lane,
+                                        int h) {
     const bool page_ok = pg >= 0 && pg < num_pages;
     V5Src q;
     // the lane's token slots s0 and s0 + 8 (a warp's 16 tokens lie in one page): one modulo, not one per token
@@ -328,13 +407,14 @@ __device__ __forceinline__ V5Src v5_src(const u8* __restrict__ pages, int pg, in
     q.page = pages + (i64)(page_ok ? pg : 0) * QMLA_PAGE_BYTES;
     q.ok[0] = page_ok && tt + t_lane < L;
     q.ok[1] = page_ok && tt + t_lane + 8 < L;
+    q.h = NHV == 1 ? 0 : h;
     return q;
 }
 
 // the 16 content code bytes v of token tk's share (words 4 v .. 4 v + 3 of wc[tk])
 __device__ __forceinline__ void v5_load_codes(V5Regs& r, const V5Src& q, int tk, int v, int q4) {
     const u32 s = q.s0 + 8 * tk;
-    const uint4 x = *(const uint4*)(q.page + QMLA_OFF_CC + s * CB + v5_share_byte(16 * v, q4));
+    const uint4 x = *(const uint4*)(q.page + QMLA_OFF_CC + s * CB + CBH * q.h + v5_share_byte(16 * v, q4));
     r.wc[tk][4 * v] = x.x, r.wc[tk][4 * v + 1] = x.y, r.wc[tk][4 * v + 2] = x.z, r.wc[tk][4 * v + 3] = x.w;
 }
 
@@ -342,10 +422,10 @@ __device__ __forceinline__ void v5_load_codes(V5Regs& r, const V5Src& q, int tk,
 __device__ __forceinline__ void v5_load_rope_codes(V5Regs& r, const V5Src& q, int tk, int q4) {
     const u32 s = q.s0 + 8 * tk;
     if constexpr (RBL == 8) {
-        const uint2 x = *(const uint2*)(q.page + QMLA_OFF_RC + s * RB + RBL * q4);
+        const uint2 x = *(const uint2*)(q.page + QMLA_OFF_RC + s * RB + RBH * q.h + RBL * q4);
         r.wr[tk][0] = x.x, r.wr[tk][1] = x.y;
     } else {
-        r.wr[tk][0] = *(const u32*)(q.page + QMLA_OFF_RC + s * RB + RBL * q4);
+        r.wr[tk][0] = *(const u32*)(q.page + QMLA_OFF_RC + s * RB + RBH * q.h + RBL * q4);
     }
 }
 
@@ -363,7 +443,7 @@ __device__ __forceinline__ void v5_load_groups(V5Regs& r, const V5Src& q, int tk
     for (int c = 0; c < KCH; ++c) {
 #pragma unroll
         for (int gl = 0; gl < NGL; ++gl) {
-            const int grp = (CB * c + BL * q4) / QMLA_GC + gl;
+            const int grp = (CB * c + CBH * q.h + BL * q4) / QMLA_GC + gl;
             r.cz[tk][c][gl] = ok ? (u32)q.page[QMLA_OFF_CZ + s * NGC + grp] : 0u;
 #if QMLA_CSCALE_BF16
             r.cs[tk][c][gl] = ok ? (u32)((const u16*)(q.page + QMLA_OFF_CS))[s * NGC + grp] : 0u;
@@ -391,9 +471,9 @@ __device__ __forceinline__ void v5_load_rope_group(V5Regs& r, const V5Src& q, in
 // gets zero points and scales 0, so its keys dequantize to 0 (its scores are masked; 0 x a stale NaN scale could
 // poison PV); its codes, finite whatever they are, are read from its slot of page pg or, outside the pool, of page 0
 // (num_pages >= 1): unconditional loads, so the registers they fill need no zeroing first.
-__device__ __forceinline__ void v5_load_tile(V5Regs& r, const u8* __restrict__ pages, int pg, int num_pages, int tt,
+__device__ __forceinline__ void v5_load_tile(V5Regs& r, const u8* __restrict__ pages, int pg, int num_pages, int tt, int h,
                                              int L, int t_lane, int q4) {
-    const V5Src q = v5_src(pages, pg, num_pages, tt, L, t_lane);
+    const V5Src q = v5_src(pages, pg, num_pages, tt, L, t_lane, h);
 #pragma unroll
     for (int tk = 0; tk < 2; ++tk) {
 #pragma unroll
@@ -416,7 +496,7 @@ __device__ __forceinline__ void v5_quad_group(u32& off2, u32& s2, const V5Regs& 
 }
 #endif
 
-extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
+extern "C" __global__ void __launch_bounds__(NWGS * NTH, 1) qmla_attn_v5(
     const u16* __restrict__ q_lat, const u16* __restrict__ q_rope, const u8* __restrict__ pages,
     const u16* __restrict__ sink_buf, const u16* __restrict__ local_buf, const int* __restrict__ block_table,
     const qmla_index_t* __restrict__ seq_lens, const qmla_index_t* __restrict__ seq_ids, float* __restrict__ o_part,
@@ -425,13 +505,14 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
     extern __shared__ __align__(16) unsigned char smem_raw[];
     u8* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);  // the swizzle needs 1024-byte tiles
 
-    // wg through a shuffle is provably warp-uniform: the worker's loop, and the wgmma in it, are not
+    // the warpgroup through a shuffle is provably warp-uniform: the worker's loop, and the wgmma in it, are not
     // on a divergent path for ptxas
-    const int wg = __shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0);
+    const int wgi = __shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0);
+    const int wg = NHV == 1 ? wgi : wgi / NHV, hv = NHV == 1 ? 0 : wgi % NHV;  // worker, its half
     const int tid = threadIdx.x & (NTH - 1);
     const int ww = tid >> 5, lane = tid & 31;
     const int g8 = lane >> 2, q4 = lane & 3;
-    u8* wk = smem + wg * WK_BYTES;
+    u8* wk = smem + wgi * WK_BYTES;
     u8* kt = wk + W_KT;
     float* red = (float*)(wk + W_RED);
     u8* flg = wk + W_FLG;
@@ -472,11 +553,13 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
 
     if (np + ns + nl > 0) {
         // ------------------------------------------------------------ queries [RT][DT] in QK's channel order
-        // (rows >= R: zeros), one pair of channels per load; a thread's loads all go out before its stores
+        // (rows >= R: zeros), one pair of channels per load; a thread's loads all go out before its stores. Pair lp
+        // of a row is pair lp - hq DTH / 2 of half hq's tile
         u32 qv[QLD];
 #pragma unroll
         for (int k = 0; k < QLD; ++k) {
-            const int idx = threadIdx.x + k * NWG * NTH, row = idx / (DT / 2), pc = v5_qk_channel(2 * (idx % (DT / 2)));
+            const int idx = threadIdx.x + k * NWGS * NTH, row = idx / (DT / 2), lp = idx % (DT / 2);
+            const int hq = NHV == 1 ? 0 : lp / (DTH / 2), pc = v5_qk_channel(2 * (lp - hq * (DTH / 2)), hq);
             qv[k] = 0u;
             if (rbase + row < R) {
                 const i64 qrow = (i64)b * R + rbase + row;
@@ -485,20 +568,21 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
         }
 #pragma unroll
         for (int k = 0; k < QLD; ++k) {
-            const int idx = threadIdx.x + k * NWG * NTH, row = idx / (DT / 2), lp = idx % (DT / 2);
-            *(u32*)(smem + QT_OFF + sw128_chunk(row, lp >> 2, RT) + 4 * (lp & 3)) = qv[k];
+            const int idx = threadIdx.x + k * NWGS * NTH, row = idx / (DT / 2), lp = idx % (DT / 2);
+            const int hq = NHV == 1 ? 0 : lp / (DTH / 2), lph = lp - hq * (DTH / 2);
+            *(u32*)(smem + QT_OFF + hq * QT_HALF + sw128_chunk(row, lph >> 2, RT) + 4 * (lph & 3)) = qv[k];
         }
         const int* bt_row = block_table + (i64)b * bt_stride;
         const int my_begin = t_begin + wg * T;
         const int tq[2] = {16 * ww + g8, 16 * ww + g8 + 8};  // this thread's tokens of a tile (A-fragment rows)
         V5Regs rg;
-        if (my_begin < t_end) v5_load_tile(rg, pages, v5_warp_page(my_begin, ww, bt_row, L, max_pages), num_pages, my_begin, L, tq[0], q4);
+        if (my_begin < t_end) v5_load_tile(rg, pages, v5_warp_page(my_begin, ww, bt_row, L, max_pages), num_pages, my_begin, hv, L, tq[0], q4);
         int pgn = v5_warp_page(my_begin + NWG * T, ww, bt_row, L, max_pages);  // page of the worker's next tile
         fence_proxy_async();  // the query stores, for wgmma's reads
-        __syncthreads();      // queries visible to both workers
+        __syncthreads();      // queries visible to every warpgroup
 
         // shared addresses as the block's base plus uniform offsets (the descriptors stay in uniform registers)
-        const u32 smem_s = smem_addr(smem), kt_s = smem_s + wg * WK_BYTES + W_KT;
+        const u32 smem_s = smem_addr(smem), kt_s = smem_s + wgi * WK_BYTES + W_KT;
         const u32 c43 = 0x43u | ((u32)L << 8);  // low byte 0x43 (all prmt reads); not a constant ptxas can fold
 #if QMLA_CODES_IN_PLACE
         const u32 m43 = qmla_m43(c43);  // 0x43004300 in a register (qmla_code2_in_place)
@@ -510,7 +594,7 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
         // stmatrix row address of this lane: matrix lane / 8 = (column block i, token half h) -> P^T row
         // 8 i + lane % 8, tokens 16 ww + 8 h .. (16-byte chunk 2 ww + h)
         const int mi = lane >> 3;
-        const u32 p_lane = smem_s + wg * WK_BYTES + W_PT + sw128_chunk(8 * (mi >> 1) + (lane & 7), 2 * ww + (mi & 1), RT);
+        const u32 p_lane = smem_s + wgi * WK_BYTES + W_PT + sw128_chunk(8 * (mi >> 1) + (lane & 7), 2 * ww + (mi & 1), RT);
 
         // one tile of this worker at token t0: QK over the A fragments fill(a, kc) makes for chunk kc (packed
         // tiles dequantize their codes, protected ones load bf16 rows), after_qk() once QK is issued, then the mask
@@ -525,13 +609,13 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
                                const float (&rsc)[2], auto&& fill, auto&& after_qk, auto&& adv) {
             // descriptors: queries (QK's B, K-major), K (PV's A, MN-major) and P^T (PV's B, K-major), built here and
             // opaque: built once before both tile loops, ptxas took them out of uniform registers (+100 instructions)
-            const u64 dq = desc_opaque(sw128_desc(smem_s + QT_OFF, 16, 1024));
+            const u64 dq = desc_opaque(sw128_desc(smem_s + QT_OFF + hv * QT_HALF, 16, 1024));
             const u64 dv = desc_opaque(sw128_desc(kt_s, T * 128, 1024));
-            const u64 dp = desc_opaque(sw128_desc(smem_s + wg * WK_BYTES + W_PT, 16, 1024));
+            const u64 dp = desc_opaque(sw128_desc(smem_s + (wgi - hv) * WK_BYTES + W_PT, 16, 1024));  // half 0's
             wgmma_wait<0>();  // the previous tile's PV (it ran beside the lines before this call)
 #pragma unroll
             for (int mb = 0; mb < NMB; ++mb) wgmma_fence_operand(acc[mb]);
-            v5_worker_sync(wg);  // every thread is past the previous tile's PV (K, P free)
+            v5_worker_sync(wgi);  // every thread is past the previous tile's PV (K, P free)
 
             // -------------------------------------------------------- QK: S^T[64 tokens][16 rows], A from registers
             // chunks of KCK k-steps: dequantize into one of two A-fragment buffers, store the content fragments to
@@ -587,81 +671,95 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
             for (int k = 0; k < 8; ++k) S[k] = fmaf(Sr[k], rsc[(k >> 1) & 1], S[k]);  // S[k]: token tq[(k >> 1) & 1]
 #endif
             fence_proxy_async();  // this thread's key-tile stores, for PV's wgmma (published by the next barrier)
-
-            // -------------------------------------------------------- mask, column maxima
-            if (t0 >= lo && t0 + T <= lm_min) {  // this thread's columns attend to the whole tile
+            // -------------------------------------------------------- softmax: mask, column maxima, P^T, row sums
+            // (NHV 2: half 0 over the pair's scores; half 1 hands its scores over and takes P^T and the rescale)
+            float al[2][2];  // this tile's rescale of each column's output and sum
+            const auto softmax = [&]() {
+                // -------------------------------------------------------- mask, column maxima
+                if (t0 >= lo && t0 + T <= lm_min) {  // this thread's columns attend to the whole tile
 #pragma unroll
-                for (int k = 0; k < 8; ++k) S[k] *= scale_log2;
-            } else {
-                const int n0 = t0 + 16 * ww + g8;  // this thread's tokens n0 and n0 + 8
+                    for (int k = 0; k < 8; ++k) S[k] *= scale_log2;
+                } else {
+                    const int n0 = t0 + 16 * ww + g8;  // this thread's tokens n0 and n0 + 8
 #pragma unroll
-                for (int k = 0; k < 8; ++k) {
-                    const int n = n0 + 8 * ((k >> 1) & 1);
-                    S[k] = (n >= lo && n < lm[k >> 2][k & 1]) ? S[k] * scale_log2 : -QMLA_INF;
+                    for (int k = 0; k < 8; ++k) {
+                        const int n = n0 + 8 * ((k >> 1) & 1);
+                        S[k] = (n >= lo && n < lm[k >> 2][k & 1]) ? S[k] * scale_log2 : -QMLA_INF;
+                    }
                 }
-            }
-            float mx[2][2];
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    float m = fmaxf(S[4 * i + e], S[4 * i + 2 + e]);
-#pragma unroll
-                    for (int o = 4; o <= 16; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-                    mx[i][e] = m;
-                }
-            }
-            // a column's maximum passed its reference maximum by more than the slack in this warp (a first
-            // finite score always does: -inf + slack)
-            const bool moved = __any_sync(0xffffffffu, mx[0][0] > m_run[0][0] + QMLA_V5_MAX_SLACK ||
-                                                           mx[0][1] > m_run[0][1] + QMLA_V5_MAX_SLACK ||
-                                                           mx[1][0] > m_run[1][0] + QMLA_V5_MAX_SLACK ||
-                                                           mx[1][1] > m_run[1][1] + QMLA_V5_MAX_SLACK);
-            if (g8 == 0) {
-#pragma unroll
-                for (int i = 0; i < 2; ++i) {
-                    red[ww * RT + 8 * i + 2 * q4] = mx[i][0];
-                    red[ww * RT + 8 * i + 2 * q4 + 1] = mx[i][1];
-                }
-            }
-            if (lane == 0) flg[ww] = moved ? 1 : 0;
-
-            // -------------------------------------------------------- softmax (base 2), P^T to shared memory
-            // m_run is each column's reference maximum, not always the running one: P = 2^(S - m_run) stays
-            // below 2^QMLA_V5_MAX_SLACK, which float32 sums and bf16 P hold exactly as well as values <= 1. P is
-            // first made from it, so one barrier publishes P^T and the warps' flags; only where some warp saw
-            // a score past the slack (the first tiles) does every warp raise the reference to the maxima of the
-            // four warps and redo P behind a second barrier.
-            float al[2][2], ps[2][2];
-            v5_p_tile(S, m_run, ps, p_lane);
-            fence_proxy_async();
-            v5_worker_sync(wg);  // P^T, the flags and the maxima visible
-            if (*(const u32*)flg != 0u) {  // the same word for every thread of the worker: a uniform branch
+                float mx[2][2];
 #pragma unroll
                 for (int i = 0; i < 2; ++i) {
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const int col = 8 * i + 2 * q4 + e;
-                        const float mt = fmaxf(fmaxf(m_run[i][e], fmaxf(red[col], red[RT + col])),
-                                               fmaxf(red[2 * RT + col], red[3 * RT + col]));
-                        al[i][e] = exp2f(m_run[i][e] - ((mt == -QMLA_INF) ? 0.0f : mt));
-                        m_run[i][e] = mt;
+                        float m = fmaxf(S[4 * i + e], S[4 * i + 2 + e]);
+#pragma unroll
+                        for (int o = 4; o <= 16; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+                        mx[i][e] = m;
                     }
                 }
+                // a column's maximum passed its reference maximum by more than the slack in this warp (a first
+                // finite score always does: -inf + slack)
+                const bool moved = __any_sync(0xffffffffu, mx[0][0] > m_run[0][0] + QMLA_V5_MAX_SLACK ||
+                                                               mx[0][1] > m_run[0][1] + QMLA_V5_MAX_SLACK ||
+                                                               mx[1][0] > m_run[1][0] + QMLA_V5_MAX_SLACK ||
+                                                               mx[1][1] > m_run[1][1] + QMLA_V5_MAX_SLACK);
+                if (g8 == 0) {
+#pragma unroll
+                    for (int i = 0; i < 2; ++i) {
+                        red[ww * RT + 8 * i + 2 * q4] = mx[i][0];
+                        red[ww * RT + 8 * i + 2 * q4 + 1] = mx[i][1];
+                    }
+                }
+                if (lane == 0) flg[ww] = moved ? 1 : 0;
+
+                // -------------------------------------------------------- softmax (base 2), P^T to shared memory
+                // m_run is each column's reference maximum, not always the running one: P = 2^(S - m_run) stays
+                // below 2^QMLA_V5_MAX_SLACK, which float32 sums and bf16 P hold exactly as well as values <= 1. P is
+                // first made from it, so one barrier publishes P^T and the warps' flags; only where some warp saw
+                // a score past the slack (the first tiles) does every warp raise the reference to the maxima of the
+                // four warps and redo P behind a second barrier.
+                float ps[2][2];
                 v5_p_tile(S, m_run, ps, p_lane);
                 fence_proxy_async();
-                v5_worker_sync(wg);  // the new P^T visible; every warp has read the maxima and flags
-            } else {
+                v5_worker_sync(wgi);  // P^T, the flags and the maxima visible
+                if (*(const u32*)flg != 0u) {  // the same word for every thread of the worker: a uniform branch
+#pragma unroll
+                    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int col = 8 * i + 2 * q4 + e;
+                            const float mt = fmaxf(fmaxf(m_run[i][e], fmaxf(red[col], red[RT + col])),
+                                                   fmaxf(red[2 * RT + col], red[3 * RT + col]));
+                            al[i][e] = exp2f(m_run[i][e] - ((mt == -QMLA_INF) ? 0.0f : mt));
+                            m_run[i][e] = mt;
+                        }
+                    }
+                    v5_p_tile(S, m_run, ps, p_lane);
+                    fence_proxy_async();
+                    v5_worker_sync(wgi);  // the new P^T visible; every warp has read the maxima and flags
+                } else {
+#pragma unroll
+                    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) al[i][e] = (m_run[i][e] == -QMLA_INF) ? 0.0f : 1.0f;  // 2^(m - m), 2^-inf
+                    }
+                }
 #pragma unroll
                 for (int i = 0; i < 2; ++i) {
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) al[i][e] = (m_run[i][e] == -QMLA_INF) ? 0.0f : 1.0f;  // 2^(m - m), 2^-inf
+                    for (int e = 0; e < 2; ++e) l_run[i][e] = l_run[i][e] * al[i][e] + ps[i][e];
                 }
-            }
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) l_run[i][e] = l_run[i][e] * al[i][e] + ps[i][e];
+            };
+            if (NHV == 1) {
+                softmax();
+            } else if (hv == 0) {
+                v5_add_scores(S, (const float*)(smem + (wgi + 1) * WK_BYTES + W_XS), tid, wg);
+                softmax();
+                v5_give_rescale(al, (float*)(wk + W_XS), ww, g8, q4, wg);
+            } else {
+                v5_send_scores(S, (float*)(wk + W_XS), tid, wg);
+                v5_take_rescale(al, (const float*)(smem + (wgi - 1) * WK_BYTES + W_XS), q4, wg);
             }
 
             // -------------------------------------------------------- PV: O^T[d_c][16] += K^T P^T
@@ -693,7 +791,7 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
 #if QMLA_V5_EARLY_LOADS
             const V5Regs cur = rg;  // tile t0's operands; the worker's next tile's load into rg beside this tile
             if (t0 + NWG * T < t_end) {
-                v5_load_tile(rg, pages, pgn, num_pages, t0 + NWG * T, L, tq[0], q4);
+                v5_load_tile(rg, pages, pgn, num_pages, t0 + NWG * T, hv, L, tq[0], q4);
                 pgn = v5_warp_page(t0 + 2 * NWG * T, ww, bt_row, L, max_pages);
             }
 #else
@@ -795,7 +893,7 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
             attend_tile(t0, keep_lo, lim, lim_min, rs, dequantize, [&]() {
 #if !QMLA_V5_EARLY_LOADS  // the next tile's loads once QK has read this tile's registers
                 if (t0 + NWG * T < t_end) {
-                    v5_load_tile(rg, pages, pgn, num_pages, t0 + NWG * T, L, tq[0], q4);
+                    v5_load_tile(rg, pages, pgn, num_pages, t0 + NWG * T, hv, L, tq[0], q4);
                     pgn = v5_warp_page(t0 + 2 * NWG * T, ww, bt_row, L, max_pages);
                 }
 #endif
@@ -821,8 +919,8 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
             for (int tk = 0; tk < 2; ++tk) {
                 const int nc = min(max(t0 + tq[tk], lo), hi - 1);
                 const u16* row = in_sink ? sink_rows + (i64)nc * DT : local_rows + (i64)(nc % local) * DT;
-                crow[tk] = row;
-                rrow[tk] = row + DC + RBL * q4;
+                crow[tk] = row + CBH * hv;
+                rrow[tk] = row + DC + RBH * hv + RBL * q4;
             }
 #if QMLA_V5_PROT_VEC
             // per token and slice (RoPE: half), a chunk's k-steps are consecutive bf16 pairs of the row: one load each
@@ -842,7 +940,7 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
                         }
                     }
                 } else if (KCK * kc < KSTEPS) {
-                    constexpr int W = (KCK < DR / 16) ? KCK : DR / 16;
+                    constexpr int W = (KCK < DRH / 16) ? KCK : DRH / 16;
 #pragma unroll
                     for (int r = 0; r < 4; ++r) {
                         const int tk = r & 1, kh = r >> 1;
@@ -895,18 +993,24 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
             red[ww * RT + 8 * i + 2 * q4 + 1] = l_run[i][1];
         }
     }
-    v5_worker_sync(wg);  // every warp is past its last PV (the key tile is free) and its row sums are in red[]
+#if NHV > 1
+    v5_pair_sync(v5_bar_scores(wg));  // both halves past their last PV (the key tiles free), row sums in red[]
+    float* ot = (float*)(smem + NHV * wg * WK_BYTES);  // [RT][OT_STRIDE] over the worker's areas
+#else
+    v5_worker_sync(wgi);  // every warp is past its last PV (the key tile is free) and its row sums are in red[]
     float* ot = (float*)kt;  // [RT][OT_STRIDE]
+#endif
 #pragma unroll
     for (int mb = 0; mb < NMB; ++mb) {
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
             // row 16 ww + g8 + 8 h of block mb is QK's channel 64 mb + 16 ww + g8 + 8 h
-            const int col = 8 * (k >> 2) + 2 * q4 + (k & 1), ch = v5_qk_channel(64 * mb + 16 * ww + g8 + 8 * ((k >> 1) & 1));
+            const int col = 8 * (k >> 2) + 2 * q4 + (k & 1);
+            const int ch = v5_qk_channel(64 * mb + 16 * ww + g8 + 8 * ((k >> 1) & 1), hv);
             ot[col * OT_STRIDE + ch] = acc[mb][k];
         }
     }
-    if (ww == 0 && g8 == 0) {
+    if ((NHV == 1 || hv == 0) && ww == 0 && g8 == 0) {  // the halves' statistics are the same
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
 #pragma unroll
@@ -919,6 +1023,11 @@ extern "C" __global__ void __launch_bounds__(NWG * NTH, 1) qmla_attn_v5(
             }
         }
     }
-    v5_worker_sync(wg);  // the output tile written
+#if NHV > 1
+    v5_pair_sync(v5_bar_scores(wg));  // the output tile written
+    qmla_store_partial_rows<NHV * NTH>(o_part, ot, b, R, rbase, num_splits, slot, hv * NTH + tid);
+#else
+    v5_worker_sync(wgi);  // the output tile written
     qmla_store_partial_rows(o_part, ot, b, R, rbase, num_splits, slot, tid);
+#endif
 }

@@ -205,10 +205,11 @@ __device__ __forceinline__ void qmla_issue_stage(u8* base, const u8* __restrict_
 #define OT_STRIDE (DC + 4)
 
 // Rows row0 .. row0 + 15 of request b's partials (staged at `ot`) into o_part [B * R][num_splits][DC],
-// split `split`; rows >= R are skipped. All NTH threads take part.
+// split `split`; rows >= R are skipped. All NT threads (tid 0 .. NT - 1) take part.
+template <int NT = NTH>
 __device__ __forceinline__ void qmla_store_partial_rows(float* __restrict__ o_part, const float* ot, int b, int R,
                                                         int row0, int num_splits, int split, int tid) {
-    for (int idx = tid; idx < 16 * (DC / 4); idx += NTH) {
+    for (int idx = tid; idx < 16 * (DC / 4); idx += NT) {
         const int row = idx / (DC / 4), c4 = idx % (DC / 4);
         if (row0 + row < R) {
             *(float4*)(o_part + (((i64)b * R + row0 + row) * num_splits + split) * DC + 4 * c4) =
