@@ -175,13 +175,13 @@ def _compiled_v5_halves() -> dict:
 def test_v5_halves_compile(build):
     """QUANTMLA_CUPY_V5_HALVES=2 (two workers of two warpgroups, 512 threads at 128 registers a thread): each half
     runs QK over (d_c + d_r) / 32 k-steps in chunks of 2 and PV over d_c / 128 m-blocks, with the loads after QK and
-    neither the RoPE fold nor quad loads. 4-bit content fits without spills, 2-bit with at most 8 bytes (stop 41,
-    nvcc 13: two local loads a tile); half 1 hands its scores over by bar.arrive and waits for P^T by bar.sync."""
+    neither the RoPE fold nor quad loads. 4-bit content fits without spills, 2-bit with at most 16 bytes (stop 41,
+    nvcc 13: one local load a tile); half 1 hands its scores over by bar.arrive and waits for P^T by bar.sync."""
     rc, text, ptx = _compiled_v5_halves()[build]
     assert rc == 0, f"nvcc failed for v5 halves {build}:\n{text[-4000:]}"
     use = ptxas_usage(text)
     print(f"v5 halves {build}: {use}")
-    assert use["registers"] <= 128 and use["spill_stores"] <= (0 if build[0] == "C4R4" else 8), use
+    assert use["registers"] <= 128 and use["spill_stores"] <= (0 if build[0] == "C4R4" else 16), use
     assert "C7515" not in text and "C7514" not in text and "serialized" not in text, text
     _name, dc, dr = build[:3]
     ksteps, bodies = (dc + dr) // 32, 2

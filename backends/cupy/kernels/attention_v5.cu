@@ -54,7 +54,7 @@
 // shared memory (v5_send_scores); half 0 adds them, runs the softmax alone and publishes P^T and each column's
 // rescale, with which both run PV over their channels. Each half has its own key tile, query tile (its channels in
 // its QK order) and partial-output channels; the worker writes one partial. Offline (stop 41, nvcc 13), the packed
-// tile loop issues 947 instructions a warp in half 0 and 708 in half 1 for C4R4 (979 / 651 for C2R4), against 1,307
+// tile loop issues 946 instructions a warp in half 0 and 708 in half 1 for C4R4 (979 / 651 for C2R4), against 1,307
 // (1,218) in a v5 worker's warp: 27 % (34 %) more per tile, which the doubled warps must pay for (break-even near
 // 71 % (75 %) of issue slots used, from v5's 56 %); not yet run on a GPU.
 #include "common.cuh"
@@ -285,7 +285,8 @@ __device__ __forceinline__ int v5_column_limits(int (&lm)[2][2], int hi, int L, 
 static_assert(SMEM_TOTAL == QMLA_V5_SMEM, "launcher's v5_smem_bytes() disagrees with the kernel's layout");
 #endif
 static_assert(SMEM_TOTAL <= 227 * 1024, "shared memory per block");
-static_assert(RT * OT_STRIDE * 4 <= (NHV == 1 ? W_PT : NHV * WK_BYTES), "a worker's partial-output tile reuses its key tiles");
+// the partial-output tile reuses the key tile (NHV 2: half 0's key tile and P^T; its row sums stay in red[])
+static_assert(RT * OT_STRIDE * 4 <= (NHV == 1 ? W_PT : W_RED), "a worker's partial-output tile reuses its key tile");
 
 // barrier of warpgroup wgi's 128 threads (ids 1 .. NWGS)
 __device__ __forceinline__ void v5_worker_sync(int wgi) { asm volatile("bar.sync %0, 128;" ::"r"(wgi + 1) : "memory"); }
@@ -671,96 +672,99 @@ extern "C" __global__ void __launch_bounds__(NWGS * NTH, 1) qmla_attn_v5(
             for (int k = 0; k < 8; ++k) S[k] = fmaf(Sr[k], rsc[(k >> 1) & 1], S[k]);  // S[k]: token tq[(k >> 1) & 1]
 #endif
             fence_proxy_async();  // this thread's key-tile stores, for PV's wgmma (published by the next barrier)
-            // -------------------------------------------------------- softmax: mask, column maxima, P^T, row sums
-            // (NHV 2: half 0 over the pair's scores; half 1 hands its scores over and takes P^T and the rescale)
+#if NHV > 1
+            // the halves' softmax: half 1 hands its scores over and takes P^T and the rescale; half 0 runs it over the
+            // pair's scores (the code below, unindented)
             float al[2][2];  // this tile's rescale of each column's output and sum
-            const auto softmax = [&]() {
-                // -------------------------------------------------------- mask, column maxima
-                if (t0 >= lo && t0 + T <= lm_min) {  // this thread's columns attend to the whole tile
+            if (hv == 1) {
+                v5_send_scores(S, (float*)(wk + W_XS), tid, wg);
+                v5_take_rescale(al, (const float*)(smem + (wgi - 1) * WK_BYTES + W_XS), q4, wg);
+            } else {
+                v5_add_scores(S, (const float*)(smem + (wgi + 1) * WK_BYTES + W_XS), tid, wg);
+#endif
+
+            // -------------------------------------------------------- mask, column maxima
+            if (t0 >= lo && t0 + T <= lm_min) {  // this thread's columns attend to the whole tile
 #pragma unroll
-                    for (int k = 0; k < 8; ++k) S[k] *= scale_log2;
-                } else {
-                    const int n0 = t0 + 16 * ww + g8;  // this thread's tokens n0 and n0 + 8
+                for (int k = 0; k < 8; ++k) S[k] *= scale_log2;
+            } else {
+                const int n0 = t0 + 16 * ww + g8;  // this thread's tokens n0 and n0 + 8
 #pragma unroll
-                    for (int k = 0; k < 8; ++k) {
-                        const int n = n0 + 8 * ((k >> 1) & 1);
-                        S[k] = (n >= lo && n < lm[k >> 2][k & 1]) ? S[k] * scale_log2 : -QMLA_INF;
-                    }
+                for (int k = 0; k < 8; ++k) {
+                    const int n = n0 + 8 * ((k >> 1) & 1);
+                    S[k] = (n >= lo && n < lm[k >> 2][k & 1]) ? S[k] * scale_log2 : -QMLA_INF;
                 }
-                float mx[2][2];
+            }
+            float mx[2][2];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float m = fmaxf(S[4 * i + e], S[4 * i + 2 + e]);
+#pragma unroll
+                    for (int o = 4; o <= 16; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+                    mx[i][e] = m;
+                }
+            }
+            // a column's maximum passed its reference maximum by more than the slack in this warp (a first
+            // finite score always does: -inf + slack)
+            const bool moved = __any_sync(0xffffffffu, mx[0][0] > m_run[0][0] + QMLA_V5_MAX_SLACK ||
+                                                           mx[0][1] > m_run[0][1] + QMLA_V5_MAX_SLACK ||
+                                                           mx[1][0] > m_run[1][0] + QMLA_V5_MAX_SLACK ||
+                                                           mx[1][1] > m_run[1][1] + QMLA_V5_MAX_SLACK);
+            if (g8 == 0) {
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    red[ww * RT + 8 * i + 2 * q4] = mx[i][0];
+                    red[ww * RT + 8 * i + 2 * q4 + 1] = mx[i][1];
+                }
+            }
+            if (lane == 0) flg[ww] = moved ? 1 : 0;
+
+            // -------------------------------------------------------- softmax (base 2), P^T to shared memory
+            // m_run is each column's reference maximum, not always the running one: P = 2^(S - m_run) stays
+            // below 2^QMLA_V5_MAX_SLACK, which float32 sums and bf16 P hold exactly as well as values <= 1. P is
+            // first made from it, so one barrier publishes P^T and the warps' flags; only where some warp saw
+            // a score past the slack (the first tiles) does every warp raise the reference to the maxima of the
+            // four warps and redo P behind a second barrier.
+#if NHV == 1
+            float al[2][2];
+#endif
+            float ps[2][2];
+            v5_p_tile(S, m_run, ps, p_lane);
+            fence_proxy_async();
+            v5_worker_sync(wgi);  // P^T, the flags and the maxima visible
+            if (*(const u32*)flg != 0u) {  // the same word for every thread of the worker: a uniform branch
 #pragma unroll
                 for (int i = 0; i < 2; ++i) {
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        float m = fmaxf(S[4 * i + e], S[4 * i + 2 + e]);
-#pragma unroll
-                        for (int o = 4; o <= 16; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-                        mx[i][e] = m;
+                        const int col = 8 * i + 2 * q4 + e;
+                        const float mt = fmaxf(fmaxf(m_run[i][e], fmaxf(red[col], red[RT + col])),
+                                               fmaxf(red[2 * RT + col], red[3 * RT + col]));
+                        al[i][e] = exp2f(m_run[i][e] - ((mt == -QMLA_INF) ? 0.0f : mt));
+                        m_run[i][e] = mt;
                     }
                 }
-                // a column's maximum passed its reference maximum by more than the slack in this warp (a first
-                // finite score always does: -inf + slack)
-                const bool moved = __any_sync(0xffffffffu, mx[0][0] > m_run[0][0] + QMLA_V5_MAX_SLACK ||
-                                                               mx[0][1] > m_run[0][1] + QMLA_V5_MAX_SLACK ||
-                                                               mx[1][0] > m_run[1][0] + QMLA_V5_MAX_SLACK ||
-                                                               mx[1][1] > m_run[1][1] + QMLA_V5_MAX_SLACK);
-                if (g8 == 0) {
-#pragma unroll
-                    for (int i = 0; i < 2; ++i) {
-                        red[ww * RT + 8 * i + 2 * q4] = mx[i][0];
-                        red[ww * RT + 8 * i + 2 * q4 + 1] = mx[i][1];
-                    }
-                }
-                if (lane == 0) flg[ww] = moved ? 1 : 0;
-
-                // -------------------------------------------------------- softmax (base 2), P^T to shared memory
-                // m_run is each column's reference maximum, not always the running one: P = 2^(S - m_run) stays
-                // below 2^QMLA_V5_MAX_SLACK, which float32 sums and bf16 P hold exactly as well as values <= 1. P is
-                // first made from it, so one barrier publishes P^T and the warps' flags; only where some warp saw
-                // a score past the slack (the first tiles) does every warp raise the reference to the maxima of the
-                // four warps and redo P behind a second barrier.
-                float ps[2][2];
                 v5_p_tile(S, m_run, ps, p_lane);
                 fence_proxy_async();
-                v5_worker_sync(wgi);  // P^T, the flags and the maxima visible
-                if (*(const u32*)flg != 0u) {  // the same word for every thread of the worker: a uniform branch
-#pragma unroll
-                    for (int i = 0; i < 2; ++i) {
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            const int col = 8 * i + 2 * q4 + e;
-                            const float mt = fmaxf(fmaxf(m_run[i][e], fmaxf(red[col], red[RT + col])),
-                                                   fmaxf(red[2 * RT + col], red[3 * RT + col]));
-                            al[i][e] = exp2f(m_run[i][e] - ((mt == -QMLA_INF) ? 0.0f : mt));
-                            m_run[i][e] = mt;
-                        }
-                    }
-                    v5_p_tile(S, m_run, ps, p_lane);
-                    fence_proxy_async();
-                    v5_worker_sync(wgi);  // the new P^T visible; every warp has read the maxima and flags
-                } else {
-#pragma unroll
-                    for (int i = 0; i < 2; ++i) {
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) al[i][e] = (m_run[i][e] == -QMLA_INF) ? 0.0f : 1.0f;  // 2^(m - m), 2^-inf
-                    }
-                }
+                v5_worker_sync(wgi);  // the new P^T visible; every warp has read the maxima and flags
+            } else {
 #pragma unroll
                 for (int i = 0; i < 2; ++i) {
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) l_run[i][e] = l_run[i][e] * al[i][e] + ps[i][e];
+                    for (int e = 0; e < 2; ++e) al[i][e] = (m_run[i][e] == -QMLA_INF) ? 0.0f : 1.0f;  // 2^(m - m), 2^-inf
                 }
-            };
-            if (NHV == 1) {
-                softmax();
-            } else if (hv == 0) {
-                v5_add_scores(S, (const float*)(smem + (wgi + 1) * WK_BYTES + W_XS), tid, wg);
-                softmax();
-                v5_give_rescale(al, (float*)(wk + W_XS), ww, g8, q4, wg);
-            } else {
-                v5_send_scores(S, (float*)(wk + W_XS), tid, wg);
-                v5_take_rescale(al, (const float*)(smem + (wgi - 1) * WK_BYTES + W_XS), q4, wg);
             }
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) l_run[i][e] = l_run[i][e] * al[i][e] + ps[i][e];
+            }
+#if NHV > 1
+                v5_give_rescale(al, (float*)(wk + W_XS), ww, g8, q4, wg);
+            }
+#endif
 
             // -------------------------------------------------------- PV: O^T[d_c][16] += K^T P^T
             if (!QMLA_V5_LAZY_RESCALE ||
@@ -995,7 +999,7 @@ extern "C" __global__ void __launch_bounds__(NWGS * NTH, 1) qmla_attn_v5(
     }
 #if NHV > 1
     v5_pair_sync(v5_bar_scores(wg));  // both halves past their last PV (the key tiles free), row sums in red[]
-    float* ot = (float*)(smem + NHV * wg * WK_BYTES);  // [RT][OT_STRIDE] over the worker's areas
+    float* ot = (float*)(smem + NHV * wg * WK_BYTES);  // [RT][OT_STRIDE] in half 0's area
 #else
     v5_worker_sync(wgi);  // every warp is past its last PV (the key tile is free) and its row sums are in red[]
     float* ot = (float*)kt;  // [RT][OT_STRIDE]
