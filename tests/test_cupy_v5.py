@@ -66,15 +66,16 @@ V5_BUILDS = [
 V5_HALVES_BUILDS = [b for b in V5_BUILDS if b[1:3] == (512, 64)]
 
 
-def _compile_v5(v: tuple) -> tuple[int, str, str]:
-    name, dc, dr, gs, page = v
-    fmt = qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr, group_size=gs, page_size=page)
-    return compile_cubin_and_ptx("attention_v5.cu", V4_WGMMA_ARCH, v5_defines(fmt))
+@lru_cache(maxsize=None)
+def _compiled_v5(workers: int = 2, halves: int = 1) -> dict:
+    """{build: (nvcc's return code, ptxas's report, PTX)} of every build with ``workers`` and ``halves`` (nvcc runs in
+    parallel, once per setting)."""
+    def compile_one(v: tuple) -> tuple[int, str, str]:
+        name, dc, dr, gs, page = v
+        fmt = qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr, group_size=gs, page_size=page)
+        return compile_cubin_and_ptx("attention_v5.cu", V4_WGMMA_ARCH, v5_defines(fmt, workers=workers, halves=halves))
 
-
-@lru_cache(maxsize=1)
-def _compiled_v5() -> dict:
-    return compile_all(V5_BUILDS, _compile_v5)
+    return compile_all(V5_BUILDS if halves == 1 else V5_HALVES_BUILDS, compile_one)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
@@ -126,17 +127,6 @@ def test_v5_load_knob_builds_compile(name, knobs):
     assert ptx != _compiled_v5()[(name, 512, 64, 64, 64)][2]
 
 
-def _compile_v5_three(v: tuple) -> tuple[int, str, str]:
-    name, dc, dr, gs, page = v
-    fmt = qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr, group_size=gs, page_size=page)
-    return compile_cubin_and_ptx("attention_v5.cu", V4_WGMMA_ARCH, v5_defines(fmt, workers=3))
-
-
-@lru_cache(maxsize=1)
-def _compiled_v5_three() -> dict:
-    return compile_all(V5_BUILDS, _compile_v5_three)
-
-
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
 @pytest.mark.parametrize("build", V5_BUILDS, ids=lambda v: "-".join(map(str, v)))
 def test_v5_three_workers_compile(build):
@@ -144,7 +134,7 @@ def test_v5_three_workers_compile(build):
     registers QK read (no second set) and QK runs in chunks of 2 k-steps, so every build fits with at most
     48 bytes spilled (d_c 512, where the protected tiles' code took it from 16-24 B to 20-36 B; none at
     d_c 256) and no serialized wgmma."""
-    rc, text, ptx = _compiled_v5_three()[build]
+    rc, text, ptx = _compiled_v5(workers=3)[build]
     assert rc == 0, f"nvcc failed for v5 x3 {build}:\n{text[-4000:]}"
     use = ptxas_usage(text)
     print(f"v5 x3 {build}: {use}")
@@ -159,17 +149,6 @@ def test_v5_three_workers_compile(build):
         v5_defines(qm.PackFormat.parse(build[0]), workers=4)
 
 
-def _compile_v5_halves(v: tuple) -> tuple[int, str, str]:
-    name, dc, dr, gs, page = v
-    fmt = qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr, group_size=gs, page_size=page)
-    return compile_cubin_and_ptx("attention_v5.cu", V4_WGMMA_ARCH, v5_defines(fmt, halves=2))
-
-
-@lru_cache(maxsize=1)
-def _compiled_v5_halves() -> dict:
-    return compile_all(V5_HALVES_BUILDS, _compile_v5_halves)
-
-
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
 @pytest.mark.parametrize("build", V5_HALVES_BUILDS, ids=lambda v: "-".join(map(str, v)))
 def test_v5_halves_compile(build):
@@ -177,7 +156,7 @@ def test_v5_halves_compile(build):
     runs QK over (d_c + d_r) / 32 k-steps in chunks of 2 and PV over d_c / 128 m-blocks, with the loads after QK and
     neither the RoPE fold nor quad loads. 4-bit content fits without spills, 2-bit with at most 16 bytes (stop 41,
     nvcc 13: one local load a tile); half 1 hands its scores over by bar.arrive and waits for P^T by bar.sync."""
-    rc, text, ptx = _compiled_v5_halves()[build]
+    rc, text, ptx = _compiled_v5(halves=2)[build]
     assert rc == 0, f"nvcc failed for v5 halves {build}:\n{text[-4000:]}"
     use = ptxas_usage(text)
     print(f"v5 halves {build}: {use}")
@@ -558,17 +537,23 @@ def test_v5_quad_loads_knob(monkeypatch):
         V5Knobs.from_env()
 
 
+def _check_v5(case: Case, monkeypatch, env: dict[str, str]) -> None:
+    """``case`` through v5 on the H200 with the variables ``env`` set (skipped on other GPUs)."""
+    cap = torch.cuda.get_device_capability()
+    if tuple(cap) != (9, 0):
+        pytest.skip(f"v5 is an sm_90a kernel: this GPU is compute capability {cap[0]}.{cap[1]}")
+    monkeypatch.setenv(VARIANT_ENV, "v5")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("workers", V5_WORKER_CHOICES)
 @pytest.mark.parametrize("case", [c for c in V2_CASES + BIG[:3] if c.fmt.quantized] + V5_CASES, ids=str)
 def test_attention_v5_matches_reference(case, workers, monkeypatch):
-    cap = torch.cuda.get_device_capability()
-    if tuple(cap) != (9, 0):
-        pytest.skip(f"v5 is an sm_90a kernel: this GPU is compute capability {cap[0]}.{cap[1]}")
-    monkeypatch.setenv(VARIANT_ENV, "v5")
-    monkeypatch.setenv("QUANTMLA_CUPY_V5_WORKERS", str(workers))
-    check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
+    _check_v5(case, monkeypatch, {"QUANTMLA_CUPY_V5_WORKERS": str(workers)})
 
 
 @pytest.mark.gpu
@@ -578,12 +563,7 @@ def test_attention_v5_matches_reference(case, workers, monkeypatch):
 def test_attention_v5_halves_match_reference(case, monkeypatch):
     """Two warpgroups a worker, each over half of every tile's channels (``QUANTMLA_CUPY_V5_HALVES=2``): the same
     attention as the reference."""
-    cap = torch.cuda.get_device_capability()
-    if tuple(cap) != (9, 0):
-        pytest.skip(f"v5 is an sm_90a kernel: this GPU is compute capability {cap[0]}.{cap[1]}")
-    monkeypatch.setenv(VARIANT_ENV, "v5")
-    monkeypatch.setenv("QUANTMLA_CUPY_V5_HALVES", "2")
-    check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
+    _check_v5(case, monkeypatch, {"QUANTMLA_CUPY_V5_HALVES": "2"})
 
 
 @pytest.mark.gpu
@@ -592,12 +572,7 @@ def test_attention_v5_halves_match_reference(case, monkeypatch):
 def test_attention_v5_codes_shifted_match_reference(case, monkeypatch):
     """2-bit codes shifted to bit 0 before conversion (``QUANTMLA_CUPY_CODES_IN_PLACE=0``; the default converts them
     where they lie in their byte: attention.py's CODES_IN_PLACE) compute the same attention."""
-    cap = torch.cuda.get_device_capability()
-    if tuple(cap) != (9, 0):
-        pytest.skip(f"v5 is an sm_90a kernel: this GPU is compute capability {cap[0]}.{cap[1]}")
-    monkeypatch.setenv(VARIANT_ENV, "v5")
-    monkeypatch.setenv("QUANTMLA_CUPY_CODES_IN_PLACE", "0")
-    check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
+    _check_v5(case, monkeypatch, {"QUANTMLA_CUPY_CODES_IN_PLACE": "0"})
 
 
 @pytest.mark.gpu
@@ -607,12 +582,7 @@ def test_attention_v5_rope_fold_flipped_match_reference(case, monkeypatch):
     """Each format's other RoPE build (``QUANTMLA_CUPY_V5_ROPE_FOLD``; by default 2-bit content and builds with quad
     loads multiply each score's RoPE part by the token's scale once, others dequantize each RoPE value) computes the
     same attention."""
-    cap = torch.cuda.get_device_capability()
-    if tuple(cap) != (9, 0):
-        pytest.skip(f"v5 is an sm_90a kernel: this GPU is compute capability {cap[0]}.{cap[1]}")
-    monkeypatch.setenv(VARIANT_ENV, "v5")
-    monkeypatch.setenv("QUANTMLA_CUPY_V5_ROPE_FOLD", "0" if v5_rope_fold(case.fmt, 2) else "1")
-    check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
+    _check_v5(case, monkeypatch, {"QUANTMLA_CUPY_V5_ROPE_FOLD": "0" if v5_rope_fold(case.fmt, 2) else "1"})
 
 
 @pytest.mark.gpu
@@ -622,12 +592,7 @@ def test_attention_v5_quad_loads_flipped_match_reference(case, monkeypatch):
     """The other code-load build (``QUANTMLA_CUPY_V5_QUAD_LOADS``: a quad of lanes loads a token's 4-bit d_c 512 codes
     together, each lane's share then spanning every scale group) computes the same attention, sink and local tokens
     included (their bf16 rows follow the same channel order)."""
-    cap = torch.cuda.get_device_capability()
-    if tuple(cap) != (9, 0):
-        pytest.skip(f"v5 is an sm_90a kernel: this GPU is compute capability {cap[0]}.{cap[1]}")
-    monkeypatch.setenv(VARIANT_ENV, "v5")
-    monkeypatch.setenv("QUANTMLA_CUPY_V5_QUAD_LOADS", "0" if v5_quad_loads(case.fmt) else "1")
-    check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
+    _check_v5(case, monkeypatch, {"QUANTMLA_CUPY_V5_QUAD_LOADS": "0" if v5_quad_loads(case.fmt) else "1"})
 
 
 @pytest.mark.gpu
@@ -637,12 +602,7 @@ def test_attention_v5_quad_loads_flipped_match_reference(case, monkeypatch):
 def test_attention_v5_packed_groups_flipped_match_reference(case, monkeypatch):
     """The other zero-point load build (``QUANTMLA_CUPY_V5_PACKED_GROUPS``: a token's 2-bit d_c 512 zero points and
     scales in one load each, the lane's groups picked once a tile) computes the same attention."""
-    cap = torch.cuda.get_device_capability()
-    if tuple(cap) != (9, 0):
-        pytest.skip(f"v5 is an sm_90a kernel: this GPU is compute capability {cap[0]}.{cap[1]}")
-    monkeypatch.setenv(VARIANT_ENV, "v5")
-    monkeypatch.setenv("QUANTMLA_CUPY_V5_PACKED_GROUPS", "0" if V5_PACKED_GROUPS else "1")
-    check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
+    _check_v5(case, monkeypatch, {"QUANTMLA_CUPY_V5_PACKED_GROUPS": "0" if V5_PACKED_GROUPS else "1"})
 
 
 @pytest.mark.gpu
@@ -654,12 +614,7 @@ def test_attention_v5_protected_modes_match_reference(case, env, monkeypatch):
     """The other ways to the sink and local tokens pass the same check as the default build: protected.cu's
     launch beside a packed-only v5 (``separate``), and a protected tile's bf16 pairs loaded one by one
     (``pairs``; the default loads them in loads of up to 16 bytes)."""
-    cap = torch.cuda.get_device_capability()
-    if tuple(cap) != (9, 0):
-        pytest.skip(f"v5 is an sm_90a kernel: this GPU is compute capability {cap[0]}.{cap[1]}")
-    monkeypatch.setenv(VARIANT_ENV, "v5")
-    monkeypatch.setenv(*env)
-    check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
+    _check_v5(case, monkeypatch, dict([env]))
 
 
 @pytest.mark.gpu
