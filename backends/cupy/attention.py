@@ -64,9 +64,9 @@ bit-identical) / ``QUANTMLA_CUPY_V3_WARPS`` (4 or 8) and ``QUANTMLA_CUPY_V4_STAG
 and ``QUANTMLA_CUPY_V5_LAZY_RESCALE`` (default 1) / ``QUANTMLA_CUPY_V5_WORKERS`` (2 or 3) /
 ``QUANTMLA_CUPY_V5_PROTECTED`` (``inline``, ``separate``) / ``QUANTMLA_CUPY_V5_PROT_LOADS`` (``pairs``, ``vec``) /
 ``QUANTMLA_CUPY_V5_ROPE_FOLD`` / ``QUANTMLA_CUPY_V5_QUAD_LOADS`` (``auto``, 0/1) / ``QUANTMLA_CUPY_V5_PACKED_GROUPS``
-(0/1) / ``QUANTMLA_CUPY_V5_HALVES`` (1/2) and ``QUANTMLA_CUPY_V6_PV_AT`` (1-3) / ``QUANTMLA_CUPY_V6_PAGE_AHEAD`` (0/1) / ``QUANTMLA_CUPY_V6_PROTECTED``
-(``inline``, ``separate``) / ``QUANTMLA_CUPY_V6_PAIR`` (``auto``, 0/1) / ``QUANTMLA_CUPY_V6_SLACK`` (0/1) /
-``QUANTMLA_CUPY_V6_ROPE_FOLD`` (``auto``, 0/1) and ``QUANTMLA_CUPY_PLAN_PROTECTED`` (0/1: v5 (default 1) and v6
+(0/1) / ``QUANTMLA_CUPY_V5_HALVES`` (1/2) and ``QUANTMLA_CUPY_V6_PV_AT`` (1-3) / ``QUANTMLA_CUPY_V6_PAGE_AHEAD``
+(0/1) / ``QUANTMLA_CUPY_V6_PROTECTED`` (``inline``, ``separate``) / ``QUANTMLA_CUPY_V6_PAIR`` (``auto``, 0/1) /
+``QUANTMLA_CUPY_V6_SLACK`` (0/1) / ``QUANTMLA_CUPY_V6_ROPE_FOLD`` (``auto``, 0/1) and ``QUANTMLA_CUPY_PLAN_PROTECTED`` (0/1: v5 (default 1) and v6
 (default 0) count the sink/local tiles they append to one split in the split plan) are
 tuning knobs for measurements, also read per call.
 :func:`select_variant` says which kernel a call will run, and why.
@@ -1232,7 +1232,8 @@ def v5_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
                                 knobs.codes_in_place, knobs.rope_fold, knobs.quad_loads, knobs.packed_groups,
                                 knobs.halves)
         own = _own_protected_tiles(no_prot, knobs, sink, local, V5_TILE)
-        plan = _packed_split_plan(key, attn, smem, knobs.workers * knobs.halves * 128, V5_TILE, knobs.workers, fmt, dev, sm_count, batch,
+        threads = knobs.workers * knobs.halves * 128  # one partial per worker, whatever its warpgroups
+        plan = _packed_split_plan(key, attn, smem, threads, V5_TILE, knobs.workers, fmt, dev, sm_count, batch,
                                   rows, max_pages, no_prot or not knobs.separate, knobs.min_tiles, sink, local, index64,
                                   V5_CTA_OVERHEAD_TILES, own_protected_tiles=own)
     return plan
