@@ -84,45 +84,51 @@ def gpu_info() -> dict:
 
 
 class Workload:
-    """B requests of L tokens each (same page table shape for every format)."""
+    """B requests of L tokens each (same page table shape for every format), of ``latent_dim`` + ``rope_dim`` channels
+    (DeepSeek's 512 + 64 by default; the baselines and FlashInfer take only those), on ``device`` (the probes' GPU;
+    the CPU for tests of the harness)."""
 
-    def __init__(self, batch: int, length: int, seed: int = 0):
+    def __init__(self, batch: int, length: int, seed: int = 0, latent_dim: int = 512, rope_dim: int = 64,
+                 device: str = "cuda"):
         self.batch, self.length = batch, length
-        g = torch.Generator(device="cuda").manual_seed(seed)
+        self.latent_dim, self.rope_dim, self.device = latent_dim, rope_dim, device
+        g = torch.Generator(device=self.device).manual_seed(seed)
         self.pages_per = math.ceil(length / PAGE)
         self.num_pages = batch * self.pages_per
-        self.table = torch.randperm(self.num_pages, device="cuda", generator=g).view(batch, self.pages_per).int()
-        self.seq_lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
-        self.seq_ids = torch.arange(batch, dtype=torch.int32, device="cuda")
-        self.chan = torch.exp(torch.randn(512, device="cuda", generator=g) * 0.7)
+        self.table = torch.randperm(self.num_pages, device=self.device, generator=g).view(batch, self.pages_per).int()
+        self.seq_lens = torch.full((batch,), length, dtype=torch.int32, device=self.device)
+        self.seq_ids = torch.arange(batch, dtype=torch.int32, device=self.device)
+        self.chan = torch.exp(torch.randn(latent_dim, device=self.device, generator=g) * 0.7)
         self.seed = seed
 
     def tokens(self, start: int, stop: int):
         """Random latent/rope for global token indices [start, stop) (request-major), bf16."""
-        g = torch.Generator(device="cuda").manual_seed(self.seed * 1000003 + start)
+        g = torch.Generator(device=self.device).manual_seed(self.seed * 1000003 + start)
         n = stop - start
-        latent = (torch.randn(n, 512, device="cuda", generator=g) * self.chan).to(torch.bfloat16)
-        rope = (torch.randn(n, 64, device="cuda", generator=g) * 2).to(torch.bfloat16)
+        latent = (torch.randn(n, self.latent_dim, device=self.device, generator=g) * self.chan).to(torch.bfloat16)
+        rope = (torch.randn(n, self.rope_dim, device=self.device, generator=g) * 2).to(torch.bfloat16)
         return latent, rope
 
     def slots(self, start: int, stop: int):
-        idx = torch.arange(start, stop, device="cuda")
+        idx = torch.arange(start, stop, device=self.device)
         b, pos = idx // self.length, idx % self.length
         slot = self.table[b, pos // PAGE].long() * PAGE + pos % PAGE
         return slot, b, pos
 
-    def build(self, fmt_name: str, chunk: int = 1 << 20, sink: int = SINK, local: int = LOCAL) -> qm.MLACache:
-        """The workload's tokens written into a ``fmt_name`` cache keeping ``sink``/``local`` tokens."""
-        fmt = PackFormat.parse(fmt_name)
-        cache = qm.MLACache.allocate(fmt, self.num_pages, self.batch, sink, local, "cuda")
+    def build(self, fmt_name: str, chunk: int = 1 << 20, sink: int = SINK, local: int = LOCAL,
+              writer: str = "triton") -> qm.MLACache:
+        """The workload's tokens written into a ``fmt_name`` cache keeping ``sink``/``local`` tokens by the ``writer``
+        backend."""
+        fmt = PackFormat.parse(fmt_name, latent_dim=self.latent_dim, rope_dim=self.rope_dim)
+        cache = qm.MLACache.allocate(fmt, self.num_pages, self.batch, sink, local, self.device)
         total = self.batch * self.length
-        lens = torch.full((self.batch,), self.length, dtype=torch.int64, device="cuda")
+        lens = torch.full((self.batch,), self.length, dtype=torch.int64, device=self.device)
         for s in range(0, total, chunk):
             e = min(total, s + chunk)
             latent, rope = self.tokens(s, e)
             slot, b, pos = self.slots(s, e)
             qm.write(cache, latent, rope, slot_mapping=slot, seq_ids=b, positions=pos, seq_lens=lens,
-                     backend="triton", validate=False)
+                     backend=writer, validate=False)
         return cache
 
     def attention_kwargs(self, scale: float) -> dict:
@@ -132,19 +138,21 @@ class Workload:
                 "seq_ids": self.seq_ids.to(torch.int64), "softmax_scale": scale, "validate": False}
 
     def queries(self, heads: int, s_q: int = 1, seed: int = 1):
-        g = torch.Generator(device="cuda").manual_seed(seed)
-        q = (torch.randn(self.batch, s_q, heads, 512, device="cuda", generator=g) / self.chan.sqrt()).to(torch.bfloat16)
-        r = torch.randn(self.batch, s_q, heads, 64, device="cuda", generator=g).to(torch.bfloat16)
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        q = torch.randn(self.batch, s_q, heads, self.latent_dim, device=self.device, generator=g)
+        q = (q / self.chan.sqrt()).to(torch.bfloat16)
+        r = torch.randn(self.batch, s_q, heads, self.rope_dim, device=self.device, generator=g).to(torch.bfloat16)
         return q, r
 
     def bf16_dense(self):
-        """Contiguous BF16 [B, L, 576] of the same tokens (for the PyTorch and FlashInfer baselines)."""
-        kv = torch.empty(self.batch, self.length, 576, dtype=torch.bfloat16, device="cuda")
-        flat = kv.view(-1, 576)
+        """Contiguous BF16 [B, L, d_c + d_r] of the same tokens (for the PyTorch and FlashInfer baselines)."""
+        width = self.latent_dim + self.rope_dim
+        kv = torch.empty(self.batch, self.length, width, dtype=torch.bfloat16, device=self.device)
+        flat = kv.view(-1, width)
         for s in range(0, self.batch * self.length, 1 << 20):
             e = min(self.batch * self.length, s + (1 << 20))
             latent, rope = self.tokens(s, e)
-            flat[s:e, :512], flat[s:e, 512:] = latent, rope
+            flat[s:e, :self.latent_dim], flat[s:e, self.latent_dim:] = latent, rope
         return kv
 
 

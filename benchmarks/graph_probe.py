@@ -4,9 +4,10 @@ For each shape and backend it times ``quantmla_core.attention`` eagerly (CUDA ev
 back-to-back calls, so host time shows when it exceeds the GPU's) and as a replayed CUDA graph
 of the same call (GPU time only), beside FlashInfer BF16 eagerly when it is installed.
 
-    PYTHONPATH=. python -P benchmarks/graph_probe.py [--shapes 16x8x4096,16x32x32768x4,...] [--json F]
+    PYTHONPATH=. python -P benchmarks/graph_probe.py [--shapes 16x8x4096,16x32x32768x4,...] [--dims 256,32] [--json F]
 
-A shape is HxBxL or HxBxLxS_q (S_q query tokens per request, causal; FlashInfer is timed at S_q = 1 only).
+A shape is HxBxL or HxBxLxS_q (S_q query tokens per request, causal; FlashInfer is timed at S_q = 1 only, and only at
+the default dims, d_c 512 / d_r 64).
 """
 
 from __future__ import annotations
@@ -55,11 +56,11 @@ def _settings(args) -> list[dict[str, str]]:
 
 def _probe_shape(h: int, b: int, l: int, args, settings: list[dict[str, str]], s_q: int = 1) -> list[dict]:
     """Every format x backend x setting at one shape (one workload and query set)."""
-    work = Workload(b, l)
+    work = Workload(b, l, latent_dim=args.latent_dim, rope_dim=args.rope_dim)
     q, r = work.queries(h, s_q)
     kw = work.attention_kwargs(SCALE)
     fi_us = None
-    if s_q == 1 and not FlashInferMLA.available():
+    if s_q == 1 and (args.latent_dim, args.rope_dim) == (512, 64) and not FlashInferMLA.available():
         kv = work.bf16_dense()
         fi = FlashInferMLA(work, kv, h, SCALE)
         fi_us = bench(lambda: fi.run(q[:, 0], r[:, 0]))
@@ -78,7 +79,8 @@ def _probe_shape(h: int, b: int, l: int, args, settings: list[dict[str, str]], s
                 graph = bench(graphed(call))
                 for var in setting:
                     os.environ.pop(var, None)
-                row = {"H": h, "B": b, "L": l, "S_q": s_q, "format": name, "backend": backend, "eager_us": eager,
+                row = {"H": h, "B": b, "L": l, "S_q": s_q, "format": name, "d_c": args.latent_dim, "d_r": args.rope_dim,
+                       "backend": backend, "eager_us": eager,
                        "graph_us": graph, "flashinfer_us": fi_us, "sink": args.sink, "local": args.local,
                        "setting": " ".join(f"{k}={v}" for k, v in setting.items()),
                        "wall_start": start, "wall_end": time.time()}
@@ -97,7 +99,9 @@ def main(argv=None) -> None:
                     help="NAME=V1,V2,...: an environment variable to sweep (read per call by the launchers)")
     ap.add_argument("--settings", default=None,
                     help='"A=1 B=2;A=1;...": environment settings to time one after another (instead of --sweep)')
+    ap.add_argument("--dims", default="512,64", help="d_c,d_r of the caches and queries (FlashInfer: 512,64 only)")
     args = ap.parse_args(argv)
+    args.latent_dim, args.rope_dim = (int(x) for x in args.dims.split(","))
     settings = _settings(args)
     probe_shapes(args, lambda h, b, l, *s_q: _probe_shape(h, b, l, args, settings, *s_q))
 

@@ -35,7 +35,9 @@
 #       d_c 512): conformance, CUDA graphs of 0 against 1 twice over PACKED_SHAPES (C2R4), memcheck
 #   bash benchmarks/run_h200_kernels.sh halves   # v5 with two warpgroups a worker (QUANTMLA_CUPY_V5_HALVES=2): one small
 #       case first (a hang stops there), conformance, memcheck and racecheck, CUDA graphs of 1 against 2 twice over
-#       HALVES_SHAPES (C4R4, C2R4, FlashInfer BF16 in the process), ncu of both at H16 B32 L32K C4R4
+#       HALVES_SHAPES (C4R4, C2R4, FlashInfer BF16 in the process), ncu of both at H16 B32 L32K C4R4; then the same
+#       occupancy without the exchange: four workers at d_c 256 (QUANTMLA_CUPY_V5_WORKERS=4) against two, conformance
+#       and CUDA graphs over FOUR_SHAPES
 #   bash benchmarks/run_h200_kernels.sh v6pair   # v6 as two-CTA clusters sharing each key tile (QUANTMLA_CUPY_V6_PAIR):
 #       conformance of forced pairs, CUDA graphs of 0 against 1 over V6PAIR_SHAPES, memcheck of the pairs
 #   bash benchmarks/run_h200_kernels.sh v6fold   # v6's slack maximum and RoPE fold (QUANTMLA_CUPY_V6_SLACK / _ROPE_FOLD):
@@ -237,6 +239,12 @@ elif [ "$MODE" = halves ]; then
       > "$OUT/ncu_v5_$tag.txt" 2>&1
     grep -v "^==PROF==" "$OUT/ncu_v5_$tag.txt" | grep -E "Duration|L1/TEX Cache|Issue Slots|Issued Warp|Warp Cycles Per Issued" | head -12
   done
+  W2=QUANTMLA_CUPY_V5_WORKERS=2; W4=QUANTMLA_CUPY_V5_WORKERS=4
+  echo "=== v5 four workers at d_c 256: conformance"; timeout 150 $T tests/test_cupy_v5.py \
+    -k "v5_matches_reference and dc256 and -4]" 2>&1 | tail -2
+  echo "=== 2 against 4 workers at d_c 256, twice (CUDA graphs)"; timeout 240 python3 -P benchmarks/graph_probe.py \
+    --backends cupy --dims 256,32 --settings "$W2;$W4;$W2;$W4" --formats C4R4,C2R4 \
+    --shapes ${FOUR_SHAPES:-16x32x32768,16x128x32768,16x32x131072} --json "$OUT/graph_v5_four.json" 2>&1 | grep -v "^{" | tail -24
 elif [ "$MODE" = v6pair ]; then
   echo "=== v6 pairs: one small case first (a hang or a failure stops here)"; timeout 120 $T tests/test_cupy_v6.py \
     -k "v6_pair_matches and L64_128_192" 2>&1 | tail -2 | tee "$OUT/v6_pair_first.txt"

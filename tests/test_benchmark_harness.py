@@ -133,3 +133,24 @@ def test_probe_shapes_runs_each_shape_and_writes_json(tmp_path, monkeypatch):
     assert seen == [(16, 8, 4096), (128, 2, 64, 3)] and (args.sink, args.local) == (4, 128)
     assert rows == [{"shape": [16, 8, 4096]}, {"shape": [128, 2, 64, 3]}]
     assert json.loads((tmp_path / "rows.json").read_text()) == {"info": {"gpu": "stub"}, "rows": rows}
+
+
+def test_workload_builds_caches_of_other_dims_on_cpu():
+    """The probes' workload at d_c 256 / d_r 32 (graph_probe --dims): caches of that format written by a CPU writer,
+    queries and dense tokens of those widths, and attention over them that matches the dense tokens' own (the
+    quantization error of C8R8 only)."""
+    import quantmla_core as qm
+    from benchmarks._mla_bench_common import Workload
+
+    w = Workload(2, 100, latent_dim=256, rope_dim=32, device="cpu")
+    cache = w.build("C8R8", sink=0, local=0, writer="torch")
+    assert (cache.format.latent_dim, cache.format.rope_dim) == (256, 32)
+    q, r = w.queries(4)
+    assert q.shape == (2, 1, 4, 256) and r.shape == (2, 1, 4, 32)
+    kv = w.bf16_dense()
+    assert kv.shape == (2, 100, 288)
+    out = qm.attention(q, r, cache, backend="torch", return_lse=False, **w.attention_kwargs(0.1))
+    s = torch.einsum("bhc,blc->bhl", torch.cat([q[:, 0], r[:, 0]], -1).float(), kv.float()) * 0.1
+    want = torch.einsum("bhl,blc->bhc", torch.softmax(s, -1), kv[..., :256].float())
+    assert out.shape == (2, 1, 4, 256)
+    assert torch.allclose(out[:, 0].float(), want, rtol=0.05, atol=0.05 * want.abs().max().item())

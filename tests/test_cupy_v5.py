@@ -33,7 +33,7 @@ from quantmla_core.backends.cupy.attention import (
     select_variant,
     smem_per_block,
     v5_defines,
-    v5_halves_reasons,
+    v5_build_reasons,
     v5_quad_loads,
     v5_rope_fold,
     v5_smem_bytes,
@@ -62,8 +62,9 @@ V5_BUILDS = [
     ("C4R4", 256, 32, 64, 32),
     ("C2R4", 256, 32, 32, 64),
 ]
-#: the builds QUANTMLA_CUPY_V5_HALVES=2 serves (d_c 512 / d_r 64)
+#: the builds QUANTMLA_CUPY_V5_HALVES=2 serves (d_c 512 / d_r 64) and those QUANTMLA_CUPY_V5_WORKERS=4 serves (d_c 256)
 V5_HALVES_BUILDS = [b for b in V5_BUILDS if b[1:3] == (512, 64)]
+V5_FOUR_BUILDS = [b for b in V5_BUILDS if b[1] == 256]
 
 
 @lru_cache(maxsize=None)
@@ -75,7 +76,8 @@ def _compiled_v5(workers: int = 2, halves: int = 1) -> dict:
         fmt = qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr, group_size=gs, page_size=page)
         return compile_cubin_and_ptx("attention_v5.cu", V4_WGMMA_ARCH, v5_defines(fmt, workers=workers, halves=halves))
 
-    return compile_all(V5_BUILDS if halves == 1 else V5_HALVES_BUILDS, compile_one)
+    builds = V5_HALVES_BUILDS if halves == 2 else V5_FOUR_BUILDS if workers == 4 else V5_BUILDS
+    return compile_all(builds, compile_one)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
@@ -146,7 +148,24 @@ def test_v5_three_workers_compile(build):
     assert ptx.count("wgmma.commit_group.sync.aligned") == 2 * (-(-ksteps // 2) + 1)  # packed and protected tiles
     assert v5_defines(qm.PackFormat.parse(build[0]), workers=3)["QMLA_V5_WORKERS"] == 3
     with pytest.raises(ValueError, match="workers: expected one of"):
-        v5_defines(qm.PackFormat.parse(build[0]), workers=4)
+        v5_defines(qm.PackFormat.parse(build[0]), workers=5)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
+@pytest.mark.parametrize("build", V5_FOUR_BUILDS, ids=lambda v: "-".join(map(str, v)))
+def test_v5_four_workers_compile(build):
+    """QUANTMLA_CUPY_V5_WORKERS=4 at d_c 256 (512 threads, 128 registers a thread: the occupancy of the halves without
+    their exchange): QK in chunks of 2 k-steps, loads after QK, no RoPE fold; at most 20 bytes spilled (2-bit content;
+    4 for 4-bit; nvcc 13, stop 41); the queries staged in 4.5 pairs a thread (the last round masked)."""
+    rc, text, ptx = _compiled_v5(workers=4)[build]
+    assert rc == 0, f"nvcc failed for v5 x4 {build}:\n{text[-4000:]}"
+    use = ptxas_usage(text)
+    print(f"v5 x4 {build}: {use}")
+    assert use["registers"] <= 128 and use["spill_stores"] <= (4 if build[0] == "C4R4" else 20), use
+    assert "C7515" not in text and "C7514" not in text and "serialized" not in text, text
+    ksteps = (build[1] + build[2]) // 16
+    assert ptx.count("wgmma.commit_group.sync.aligned") == 2 * (-(-ksteps // 2) + 1)
+    assert v5_defines(qm.PackFormat.parse(build[0], 256, 32), workers=4)["QMLA_V5_SMEM"] <= smem_per_block((9, 0))
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
@@ -171,15 +190,16 @@ def test_v5_halves_compile(build):
     assert "bar.arrive" in ptx and ", 256;" in ptx
 
 
-def test_v5_halves_reasons():
-    c4 = qm.PackFormat.parse("C4R4")
-    assert V5_HALVES_CHOICES == (1, 2)
-    assert v5_halves_reasons(c4, 2, 2) == [] and v5_halves_reasons(c4, 3, 1) == []
-    assert v5_halves_reasons(c4, 3, 2) == ["two halves need two workers, got 3"]
-    small = qm.PackFormat.parse("C2R4", 256, 32)
-    assert v5_halves_reasons(small, 2, 2) == ["two halves need d_c 512 / d_r 64, got 256 / 32"]
-    assert v5_halves_reasons(c4, 2, 4) == ["halves: expected one of (1, 2), got 4"]
-    with pytest.raises(ValueError, match="halves: 2 cannot serve .* with 3 workers: two halves need two workers"):
+def test_v5_build_reasons():
+    c4, small = qm.PackFormat.parse("C4R4"), qm.PackFormat.parse("C2R4", 256, 32)
+    assert V5_HALVES_CHOICES == (1, 2) and V5_WORKER_CHOICES == (2, 3, 4)
+    assert v5_build_reasons(c4, 2, 2) == [] and v5_build_reasons(c4, 3, 1) == [] and v5_build_reasons(small, 4) == []
+    assert v5_build_reasons(c4, 3, 2) == ["two halves need two workers, got 3"]
+    assert v5_build_reasons(small, 2, 2) == ["two halves need d_c 512 / d_r 64, got 256 / 32"]
+    assert v5_build_reasons(c4, 4) == ["four workers need d_c 256, got 512"]
+    assert v5_build_reasons(c4, 2, 4) == ["halves: expected one of (1, 2), got 4"]
+    assert v5_build_reasons(c4, 5, 1) == ["workers: expected one of (2, 3, 4), got 5"]
+    with pytest.raises(ValueError, match="v5 cannot build .* with 3 workers of 2 warpgroups: two halves need two workers"):
         v5_defines(c4, workers=3, halves=2)
     d = v5_defines(c4, halves=2, rope_fold=True, quad_loads=True)  # neither fits four warpgroups' registers
     knobs = ("QMLA_V5_HALVES", "QMLA_V5_ROPE_FOLD", "QMLA_V5_QUAD_LOADS", "QMLA_V5_PACKED_GROUPS")
@@ -430,7 +450,12 @@ def test_v5_knobs(monkeypatch):
     monkeypatch.setenv("QUANTMLA_CUPY_V5_HALVES", "2")
     with pytest.raises(ValueError, match="QUANTMLA_CUPY_V5_HALVES=2 cannot serve this call: two halves need two workers"):
         _run_v5_stubbed(monkeypatch, 16, 1, False)
-    monkeypatch.setenv("QUANTMLA_CUPY_V5_WORKERS", "4")
+    monkeypatch.delenv("QUANTMLA_CUPY_V5_HALVES")
+    monkeypatch.setenv("QUANTMLA_CUPY_V5_WORKERS", "4")  # the stub's cache is d_c 512
+    with pytest.raises(ValueError, match="QUANTMLA_CUPY_V5_WORKERS=4 .* four workers need d_c 256, got 512"):
+        _run_v5_stubbed(monkeypatch, 16, 1, False)
+    monkeypatch.setenv("QUANTMLA_CUPY_V5_HALVES", "2")
+    monkeypatch.setenv("QUANTMLA_CUPY_V5_WORKERS", "5")
     with pytest.raises(ValueError, match="QUANTMLA_CUPY_V5_WORKERS"):
         V5Knobs.from_env()
     monkeypatch.delenv("QUANTMLA_CUPY_V5_WORKERS")
@@ -550,8 +575,9 @@ def _check_v5(case: Case, monkeypatch, env: dict[str, str]) -> None:
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("workers", V5_WORKER_CHOICES)
-@pytest.mark.parametrize("case", [c for c in V2_CASES + BIG[:3] if c.fmt.quantized] + V5_CASES, ids=str)
+@pytest.mark.parametrize("case, workers", [(c, w) for c in [c for c in V2_CASES + BIG[:3] if c.fmt.quantized] + V5_CASES
+                                           for w in V5_WORKER_CHOICES if w < 4 or c.fmt.latent_dim == 256],
+                         ids=lambda v: str(v))
 def test_attention_v5_matches_reference(case, workers, monkeypatch):
     _check_v5(case, monkeypatch, {"QUANTMLA_CUPY_V5_WORKERS": str(workers)})
 

@@ -20,7 +20,7 @@ import itertools
 import pytest
 
 import quantmla_core as qm
-from quantmla_core.backends.cupy.attention import attention_defines, v5_halves_reasons, v5_quad_loads
+from quantmla_core.backends.cupy.attention import attention_defines, v5_build_reasons, v5_quad_loads
 from test_cupy_v5 import V5_BUILDS, V5_HALVES_BUILDS
 
 T = 64  # tokens per tile (a worker's four warps, 16 tokens each)
@@ -32,7 +32,7 @@ class Lanes:
     def __init__(self, name: str, dc: int, dr: int, gs: int, page: int, quad: bool = False, halves: int = 1):
         fmt = qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr, group_size=gs, page_size=page)
         assert not quad or v5_quad_loads(fmt, 2, True), "quad loads serve 4-bit d_c 512 with 64-channel groups"
-        assert not v5_halves_reasons(fmt, 2, halves) and not (quad and halves > 1)
+        assert not v5_build_reasons(fmt, 2, halves) and not (quad and halves > 1)
         self.quad, self.halves = quad, halves
         d = attention_defines(fmt, "bfloat16")
         self.CB, self.RB, self.P, self.GC = d["QMLA_CB"], d["QMLA_RB"], d["QMLA_P"], d["QMLA_GC"]
@@ -287,7 +287,7 @@ def protected_loads(ln: Lanes, DC: int, DR: int, kck: int, vec: bool, word_kstep
 
 
 @pytest.mark.parametrize("vec", [False, True], ids=["pairs", "vec"])
-@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize("workers", [2, 3, 4])
 @pytest.mark.parametrize("build", LOAD_BUILDS, **BUILD_IDS)
 def test_protected_loads_fill_the_fragments_qk_reads(build, workers, vec):
     """Every A-fragment register of every k-step of every lane q4 (of each half) gets the pair v5_qk_channel names,
@@ -296,9 +296,9 @@ def test_protected_loads_fill_the_fragments_qk_reads(build, workers, vec):
     ln = Lanes(*build)
     if ln.quad and workers == 3:
         pytest.skip("three workers never load a quad at a time (v5_quad_loads)")
-    if ln.halves > 1 and workers == 3:
-        pytest.skip("two halves serve two workers (v5_halves_reasons)")
-    kck = 2 if workers == 3 or ln.halves > 1 else 4  # QMLA_V5_KCHUNK
+    if ln.halves > 1 and workers != 2 or workers == 4 and dc != 256:
+        pytest.skip(f"v5 builds no {workers} workers of {ln.halves} warpgroups at d_c {dc} (v5_build_reasons)")
+    kck = 2 if workers >= 3 or ln.halves > 1 else 4  # QMLA_V5_KCHUNK
     dc_h, dr_h = dc // ln.halves, dr // ln.halves
     for q4, h in itertools.product(range(4), range(ln.halves)):
         regs, loads = protected_loads(ln, dc, dr, kck, vec, q4=q4, h=h)

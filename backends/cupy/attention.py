@@ -154,8 +154,9 @@ V5_TILE = 64
 V5_ROWS = 16
 V5_WORKERS = 2
 #: worker counts the kernel builds with (``QUANTMLA_CUPY_V5_WORKERS``): three fit shared memory at
-#: 168 registers a thread, with the loads issued after QK and QK chunks of 2 k-steps
-V5_WORKER_CHOICES = (2, 3)
+#: 168 registers a thread, with the loads issued after QK and QK chunks of 2 k-steps; four at d_c 256 only (128
+#: registers a thread: 16 warps an SM, the occupancy v5's halves seek at d_c 512, without their exchange)
+V5_WORKER_CHOICES = (2, 3, 4)
 #: warpgroups of one v5 worker (``QUANTMLA_CUPY_V5_HALVES``): 1, or 2, each taking half of every tile's channels and
 #: adding the pair's scores through shared memory, so four warpgroups share an SM at 128 registers a thread (d_c 512 /
 #: d_r 64, two workers; a measurement knob, built and modelled offline in stop 41, not yet timed)
@@ -506,11 +507,9 @@ def v5_defines(fmt: PackFormat, lazy_rescale: bool = True, index64: bool = True,
     and scales at once (``QMLA_V5_PACKED_GROUPS``, :data:`V5_PACKED_GROUPS`; other formats and three workers, which
     spilled 8 bytes with it, ignore it); ``halves``: warpgroups of a worker (``QMLA_V5_HALVES``, :data:`V5_HALVES`;
     2 builds neither the fold, quad loads nor packed groups, which need registers four warpgroups do not have)."""
-    if workers not in V5_WORKER_CHOICES:
-        raise ValueError(f"workers: expected one of {V5_WORKER_CHOICES}, got {workers!r}")
-    reasons = v5_halves_reasons(fmt, workers, halves)
+    reasons = v5_build_reasons(fmt, workers, halves)
     if reasons:
-        raise ValueError(f"halves: {halves} cannot serve {fmt} with {workers} workers: {'; '.join(reasons)}")
+        raise ValueError(f"v5 cannot build {fmt} with {workers} workers of {halves} warpgroups: {'; '.join(reasons)}")
     if halves > 1:
         rope_fold, quad_loads, packed_groups = False, False, False
     d = attention_defines(fmt, "bfloat16", index64)
@@ -524,18 +523,22 @@ def v5_defines(fmt: PackFormat, lazy_rescale: bool = True, index64: bool = True,
     return d
 
 
-def v5_halves_reasons(fmt: PackFormat, workers: int, halves: int) -> list[str]:
-    """Why v5 cannot build ``fmt`` with ``workers`` workers of ``halves`` warpgroups (empty: it can): halves are 1 or
-    2, and 2 takes d_c 512 / d_r 64 (a half's 128 or 64 content code bytes a token, 16 RoPE bytes) and two workers
-    (four warpgroups: 512 threads at 128 registers each)."""
-    if halves not in V5_HALVES_CHOICES:
-        return [f"halves: expected one of {V5_HALVES_CHOICES}, got {halves!r}"]
-    if halves == 1:
-        return []
+def v5_build_reasons(fmt: PackFormat, workers: int, halves: int = V5_HALVES) -> list[str]:
+    """Why v5 cannot build ``fmt`` with ``workers`` workers of ``halves`` warpgroups (empty: it can). Four workers
+    take d_c 256 (512 threads at 128 registers each hold a quarter of d_c 512's accumulators); two halves take d_c
+    512 / d_r 64 (a half's 128 or 64 content code bytes a token, 16 RoPE bytes) and two workers (also 512 threads)."""
     reasons = []
-    if (fmt.latent_dim, fmt.rope_dim) != (512, 64):
+    if workers not in V5_WORKER_CHOICES:
+        reasons.append(f"workers: expected one of {V5_WORKER_CHOICES}, got {workers!r}")
+    if halves not in V5_HALVES_CHOICES:
+        reasons.append(f"halves: expected one of {V5_HALVES_CHOICES}, got {halves!r}")
+    if reasons:
+        return reasons
+    if workers == 4 and fmt.latent_dim != 256:
+        reasons.append(f"four workers need d_c 256, got {fmt.latent_dim}")
+    if halves == 2 and (fmt.latent_dim, fmt.rope_dim) != (512, 64):
         reasons.append(f"two halves need d_c 512 / d_r 64, got {fmt.latent_dim} / {fmt.rope_dim}")
-    if workers != 2:
+    if halves == 2 and workers != 2:
         reasons.append(f"two halves need two workers, got {workers}")
     return reasons
 
@@ -1225,9 +1228,10 @@ def v5_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
     key = ("v5", fmt, dev, sm_count, batch, rows, max_pages, no_prot, knobs, sink, local, index64)
     plan = _PLANS.get(key)
     if plan is None:
-        reasons = v5_halves_reasons(fmt, knobs.workers, knobs.halves)
+        reasons = v5_build_reasons(fmt, knobs.workers, knobs.halves)
         if reasons:
-            raise ValueError(f"QUANTMLA_CUPY_V5_HALVES={knobs.halves} cannot serve this call: {'; '.join(reasons)}")
+            raise ValueError(f"QUANTMLA_CUPY_V5_WORKERS={knobs.workers} / QUANTMLA_CUPY_V5_HALVES={knobs.halves} cannot "
+                             f"serve this call: {'; '.join(reasons)}")
         attn, smem = _v5_kernel(fmt, dev, knobs.lazy, index64, knobs.workers, not knobs.separate, knobs.prot_vec,
                                 knobs.codes_in_place, knobs.rope_fold, knobs.quad_loads, knobs.packed_groups,
                                 knobs.halves)

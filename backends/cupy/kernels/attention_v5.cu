@@ -106,7 +106,7 @@
 #define T 64                  // tokens per tile: wgmma M
 #define RT 16                 // query rows per CTA: wgmma N
 #ifndef QMLA_V5_WORKERS
-#define QMLA_V5_WORKERS 2     // worker warpgroups per CTA (2 or 3; the launcher's V5Knobs.workers)
+#define QMLA_V5_WORKERS 2     // workers per CTA (2 or 3, 4 at d_c 256; the launcher's V5Knobs.workers)
 #endif
 #define NWG QMLA_V5_WORKERS
 #ifndef QMLA_V5_HALVES
@@ -170,7 +170,7 @@ static_assert(QMLA_GR == DR, "one RoPE group per token");
 // (stop 22) and attend to the protected tiles (stop 26), C2R4 at 4 with vec loads was the fastest of the four builds
 // from 32K tokens, 0.2-3 % ahead, and 3 % behind 8 with vec at B32 L4K (H200, H16 B32/B128, CUDA graphs, stop 27:
 // 230 registers instead of 255)
-#define QMLA_V5_KCHUNK ((NWG == 3 || NHV > 1) ? 2 : 4)
+#define QMLA_V5_KCHUNK ((NWG >= 3 || NHV > 1) ? 2 : 4)
 #endif
 #define KCK QMLA_V5_KCHUNK
 #define NKC ((KSTEPS + KCK - 1) / KCK)  // QK chunks
@@ -196,7 +196,7 @@ static_assert(!QUAD || (CBITS == 4 && BL == 64 && QMLA_GC == 64 && QMLA_CSCALE_B
 static_assert(!QMLA_V5_PACKED_GROUPS || QUAD || (CBITS == 2 && BL == 32 && QMLA_GC == 64 && QMLA_CSCALE_BF16),
               "QMLA_V5_PACKED_GROUPS serves 2-bit d_c 512 with 64-channel groups and bf16 scales");
 static_assert(BL >= 16 && BL <= 64 && (DR == 32 || DR == 64), "d_c 256/512, d_r 32/64");
-static_assert(NWG == 2 || NWG == 3, "two or three workers");
+static_assert(NWG == 2 || NWG == 3 || (NWG == 4 && DC == 256), "two or three workers (four at d_c 256)");
 static_assert(NHV == 1 || (NHV == 2 && NWG == 2 && DC == 512 && DR == 64 && !QUAD && !QMLA_V5_PACKED_GROUPS),
               "halves serve d_c 512 / d_r 64 with two workers, without quad loads or packed groups");
 static_assert((KCK == 2 || KCK == 4 || KCK == 8) && KSC % KCK == 0 && (4 * KCK) % (4 * SPC) == 0, "chunks of whole 8-channel stores");
@@ -356,8 +356,9 @@ __device__ __forceinline__ void v5_p_tile(const float (&S)[8], const float (&m)[
     stsm_x4_t(p_lane, pack_bf16x2(p[0], p[1]), pack_bf16x2(p[2], p[3]), pack_bf16x2(p[4], p[5]), pack_bf16x2(p[6], p[7]));
 }
 
-#define QLD (RT * (DT / 2) / (NWGS * NTH))  // query channel pairs staged per thread
-static_assert(RT * (DT / 2) % (NWGS * NTH) == 0, "the query pairs split evenly over the CTA");
+#define QPAIRS (RT * (DT / 2))                            // query channel pairs of a CTA
+#define QLD ((QPAIRS + NWGS * NTH - 1) / (NWGS * NTH))    // ... staged per thread
+#define QEVEN (QPAIRS % (NWGS * NTH) == 0)                // every thread stages QLD (else: idx < QPAIRS)
 
 // ---------------------------------------------------------------- a lane's operands, straight from the page
 // Lane (g8, q4) of warp ww dequantizes tokens 16 ww + g8 (+ 8) of a tile, and only these bytes of them: content
@@ -562,7 +563,7 @@ extern "C" __global__ void __launch_bounds__(NWGS * NTH, 1) qmla_attn_v5(
             const int idx = threadIdx.x + k * NWGS * NTH, row = idx / (DT / 2), lp = idx % (DT / 2);
             const int hq = NHV == 1 ? 0 : lp / (DTH / 2), pc = v5_qk_channel(2 * (lp - hq * (DTH / 2)), hq);
             qv[k] = 0u;
-            if (rbase + row < R) {
+            if ((QEVEN || idx < QPAIRS) && rbase + row < R) {
                 const i64 qrow = (i64)b * R + rbase + row;
                 qv[k] = pc < DC ? *(const u32*)(q_lat + qrow * DC + pc) : *(const u32*)(q_rope + qrow * DR + (pc - DC));
             }
@@ -571,7 +572,9 @@ extern "C" __global__ void __launch_bounds__(NWGS * NTH, 1) qmla_attn_v5(
         for (int k = 0; k < QLD; ++k) {
             const int idx = threadIdx.x + k * NWGS * NTH, row = idx / (DT / 2), lp = idx % (DT / 2);
             const int hq = NHV == 1 ? 0 : lp / (DTH / 2), lph = lp - hq * (DTH / 2);
-            *(u32*)(smem + QT_OFF + hq * QT_HALF + sw128_chunk(row, lph >> 2, RT) + 4 * (lph & 3)) = qv[k];
+            if (QEVEN || idx < QPAIRS) {
+                *(u32*)(smem + QT_OFF + hq * QT_HALF + sw128_chunk(row, lph >> 2, RT) + 4 * (lph & 3)) = qv[k];
+            }
         }
         const int* bt_row = block_table + (i64)b * bt_stride;
         const int my_begin = t_begin + wg * T;
