@@ -45,7 +45,8 @@
 // (QMLA_V5_WORKERS 3, the launcher's QUANTMLA_CUPY_V5_WORKERS) fits shared memory (220 KB) but leaves 168
 // registers a thread: with the loads issued after QK into the registers QK read and 2-k-step QK chunks it spills
 // 16-24 B at d_c 512, and ran 4-15 % slower than two workers (H200, H16 B32-B128 L4K-L128K, stop 23; stop 22's
-// build with this design's register use spilled 460 B and ran 1.7-2.1x slower).
+// build with this design's register use spilled 460 B and ran 1.7-2.1x slower). At d_c 256 four workers fit
+// (QMLA_V5_WORKERS 4: 128 registers, 151 KB): 16 warps an SM with each warp's code nearly as with two (stop 41, offline).
 // Halves (QMLA_V5_HALVES 2, the launcher's QUANTMLA_CUPY_V5_HALVES; d_c 512 / d_r 64, two workers): a worker is two
 // warpgroups that take the same tiles, half h dequantizing and multiplying code bytes CBH h .. CBH h + CBH - 1 of each
 // slice and RoPE bytes RBH h .. (256 + 32 channels: 16 PV accumulators a thread instead of 64), so four warpgroups fit
