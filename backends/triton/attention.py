@@ -21,8 +21,9 @@ from .attention_kernel import protect_combine_kernel, split_kernel
 from .attention_v2_kernel import split_kernel_v2
 from .attention_v3_kernel import split_kernel_v3
 from .common import launch_dims, page_layout_constexprs, ptr_or_dummy
-from .heuristics import (INTERPRETER_SM_COUNT, V2_FLOAT32_ON_GPU, V2_HOLD_RAW, V2_ZSUB, V3_MIN_ROWS, V3_PREFETCH,
-                         AttentionPlan, plan, plan_v2, plan_v3)
+from .heuristics import (INTERPRETER_SM_COUNT, V2_FLOAT32_ON_GPU, V2_HOLD_RAW, V2_ZSUB, V3_BLOCK_N, V3_BLOCK_R,
+                         V3_MIN_ROWS, V3_NUM_STAGES, V3_NUM_WARPS, V3_PREFETCH, PLANNED_SHARED_MAX, AttentionPlan,
+                         combine_configs, first_fitting, plan, plan_v2, plan_v3)
 
 #: environment variable choosing the split kernel ("auto" default, "v1", "v2", "v3"); read on every call
 VARIANT_ENV = "QUANTMLA_TRITON_ATTENTION"
@@ -31,13 +32,14 @@ _KERNELS = {"v1": split_kernel, "v2": split_kernel_v2, "v3": split_kernel_v3}
 _PLANNERS = {"v1": plan, "v2": plan_v2, "v3": plan_v3}
 
 
-def auto_variant(quantized: bool, q_bf16: bool, rows: int = 1) -> str:
+def auto_variant(quantized: bool, q_bf16: bool, rows: int = 1, v3_fits: bool = True) -> str:
     """The kernel ``auto`` runs for requests of ``rows`` = S_q x H query rows: v3 (64 rows per
-    program) from :data:`heuristics.V3_MIN_ROWS` rows with bfloat16 queries; below that v2 for
+    program) from :data:`heuristics.V3_MIN_ROWS` rows with bfloat16 queries where its shared memory fits the device
+    (``v3_fits``: 115-156 KB on NVIDIA, more than sm_86/sm_89 give a block); else v2 for
     packed formats with bfloat16 queries (on the H200 it takes 0.55-0.6x of v1's time there,
     benchmarks/RESULTS.md), v1 for BF16 pages (v1 is faster on them) and float32 queries (v2
     keeps float32 queries for the interpreter)."""
-    if q_bf16 and rows >= V3_MIN_ROWS:
+    if q_bf16 and rows >= V3_MIN_ROWS and v3_fits:
         return "v3"
     return "v2" if quantized and q_bf16 else "v1"
 
@@ -65,6 +67,73 @@ def v3_constexprs(quant: bool, cbits: int, rbits: int, dot_bf16: bool, prefetch:
     """Kernel-v3 switches: v2's code biases (the same operand algebra) and ``PREFETCH``."""
     v2 = v2_constexprs(quant, cbits, rbits, dot_bf16)
     return dict(CBIAS=v2["CBIAS"], RBIAS=v2["RBIAS"], PREFETCH=bool(prefetch))
+
+
+def max_shared(device: torch.device) -> int | None:
+    """Shared memory one block may use on ``device``, in bytes, where it is less than the plans may ask for
+    (:data:`heuristics.PLANNED_SHARED_MAX`); None where it is not, off a GPU and in the interpreter: no limit."""
+    if interpreting() or device.type != "cuda":
+        return None
+    limit = _device_max_shared(_device_index(device))
+    return limit if limit < PLANNED_SHARED_MAX else None
+
+
+def _device_index(device: torch.device) -> int:
+    if device.index is not None or device.type != "cuda":
+        return device.index or 0
+    return torch.cuda.current_device()
+
+
+@functools.lru_cache(maxsize=16)
+def _device_max_shared(index: int) -> int:
+    import triton
+
+    return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
+
+
+#: stand-in integer arguments of a warm-up build: neither 1 nor a multiple of 16, so Triton specialises none of them
+_PLAIN_INT = 17
+
+
+@functools.lru_cache(maxsize=256)
+def _shared_bytes(kernel_name: str, arg_dtypes: tuple, consts: tuple, options: tuple, device_index: int) -> int:
+    """Shared memory of the kernel ``kernel_name`` built for these constexprs and launch options on the device: a
+    warm-up build (Triton caches it, so the launch that follows does not build again), pointers as their dtypes."""
+    kernel = {"protect_combine": protect_combine_kernel, **{f"split_{v}": k for v, k in _KERNELS.items()}}[kernel_name]
+    args = tuple(_PLAIN_INT if a is int else 1.5 if a is float else a for a in arg_dtypes)
+    with torch.cuda.device(device_index):
+        return int(kernel.warmup(*args, grid=(1,), **dict(consts), **dict(options)).metadata.shared)
+
+
+def _v3_shared(fmt, q: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torch.Tensor, dot_bf16: bool,
+               device: torch.device) -> int:
+    """Shared memory kernel v3 takes for this call's format and dtypes on ``device`` (0 off a GPU)."""
+    if max_shared(device) is None:
+        return 0
+    consts = _split_constexprs(fmt, "v3", q.dtype == torch.bfloat16, dot_bf16, V3_BLOCK_N, V3_BLOCK_R)
+    dtypes = (q.dtype, q.dtype, cache.pages.dtype, block_table.dtype, seq_lens.dtype, torch.float32, torch.float32,
+              *(int,) * 2, float, *(int,) * 6)
+    return _shared_bytes("split_v3", dtypes, tuple(consts.items()),
+                         tuple(launch_dims(V3_NUM_WARPS, V3_NUM_STAGES).items()), _device_index(device))
+
+
+def _combine_config(q: torch.Tensor, cache, seq_lens: torch.Tensor, seq_ids: torch.Tensor, consts: dict,
+                    block_t: int, num_warps: int, device: torch.device) -> tuple[int, int | None]:
+    """(tokens per tile, stages) of the combine kernel: the plan's, or the first of
+    :func:`heuristics.combine_configs` whose shared memory fits ``device``."""
+    limit = max_shared(device)
+
+    def shared_of(config: tuple[int, int | None]) -> int:
+        dtypes = (q.dtype, q.dtype, cache.sink_buf.dtype, cache.local_buf.dtype, seq_lens.dtype, seq_ids.dtype,
+                  torch.float32, torch.float32, q.dtype, torch.float32, int, float, *(int,) * 6)
+        options = launch_dims(num_warps, config[1])
+        return _shared_bytes("protect_combine", dtypes, tuple({**consts, "BLOCK_T": config[0]}.items()),
+                             tuple(options.items()), _device_index(device))
+
+    try:
+        return first_fitting(combine_configs(block_t), shared_of, limit)
+    except ValueError as exc:
+        raise ValueError(f"the Triton combine kernel does not fit this GPU: {exc}") from None
 
 
 def _sm_count(device: torch.device) -> int:
@@ -119,8 +188,6 @@ def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: 
     fmt = cache.format
     b, s_q, h, dc = q_latent.shape
     rows = s_q * h
-    if variant == "auto":
-        variant = auto_variant(fmt.quantized, q_latent.dtype == torch.bfloat16, rows)
     dr = fmt.rope_dim
     dev = q_latent.device
     q = q_latent.contiguous().view(b, rows, dc)
@@ -128,6 +195,16 @@ def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: 
     q_bf16 = q.dtype == torch.bfloat16
     interp = interpreting()
     dot_bf16 = q_bf16 and not interp  # the interpreter's bfloat16 math is wrong: float32 there
+    if q_bf16 and (variant == "v3" or (variant == "auto" and rows >= V3_MIN_ROWS)):
+        v3_need, limit = _v3_shared(fmt, q, cache, block_table, seq_lens, dot_bf16, dev), max_shared(dev)
+        v3_fits = limit is None or v3_need <= limit
+        if variant == "v3" and not v3_fits:
+            raise ValueError(f"{VARIANT_ENV}=v3: kernel v3 needs {v3_need} B of shared memory a block for {fmt}, this "
+                             f"GPU gives {limit} B (auto runs v2 there)")
+    else:
+        v3_fits = True
+    if variant == "auto":
+        variant = auto_variant(fmt.quantized, q_bf16, rows, v3_fits)
     if variant in ("v2", "v3") and not q_bf16 and not interp and not V2_FLOAT32_ON_GPU:
         variant = "v1"  # float32 queries on a GPU: see heuristics.V2_FLOAT32_ON_GPU
     LAST_LAUNCH["variant"] = variant
@@ -174,12 +251,14 @@ def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: 
     dims = {**launch_dims(pl.num_warps, pl.num_stages), **({} if interp else extra_launch)}
     LAST_LAUNCH["split"] = _KERNELS[variant][grid](*args, **consts, **dims)
     crb = pl.combine_block_r
+    cconsts = dict(Q_BF16=q_bf16, DOT_BF16=dot_bf16, PROT_BF16=cache.sink_buf.dtype == torch.bfloat16, DC=dc, DR=dr,
+                   BLOCK_R=crb)
+    block_t, stages = _combine_config(q, cache, seq_lens, seq_ids, cconsts, pl.combine_block_t, pl.combine_warps, dev)
+    LAST_LAUNCH["combine_config"] = (block_t, stages)
     LAST_LAUNCH["combine"] = protect_combine_kernel[(b, -(-rows // crb))](
         q, qr, ptr_or_dummy(cache.sink_buf), ptr_or_dummy(cache.local_buf), seq_lens, seq_ids,
         o_part, lse_part, out, lse, cache.max_seqs, scale_log2, rows, h, s_q, cache.sink, cache.local,
-        pl.num_splits,
-        Q_BF16=q_bf16, DOT_BF16=dot_bf16, PROT_BF16=cache.sink_buf.dtype == torch.bfloat16,
-        DC=dc, DR=dr, BLOCK_T=pl.combine_block_t, BLOCK_R=crb,
-        **launch_dims(pl.combine_warps),
+        pl.num_splits, **cconsts, BLOCK_T=block_t,
+        **launch_dims(pl.combine_warps, stages),
     )
     return out.view(b, s_q, h, dc), lse.view(b, s_q, h)

@@ -50,6 +50,16 @@ PROTECT_BLOCK_T = 32
 FP32_MAX_BLOCK_N = 16
 FP32_NUM_STAGES = 1
 FP32_PROTECT_BLOCK_T = 16  # protected tokens per tile in the combine kernel (sink + local <= 132 → ≤ 5 tiles)
+#: what the combine kernel falls to where its plan's shared memory exceeds the device's, in order (tokens per tile,
+#: pipeline stages; None: Triton's default). Offline builds (triton 3.7.1, ``offline_build.py``, stop 41): 32 tokens
+#: with the default stages take 166,912 B on NVIDIA sm_80-sm_90 and 73,728 B of LDS on AMD gfx942/gfx90a, more than
+#: sm_86/sm_89 (A10, L4, L40S: 101,376 B) and MI300X/MI250 (65,536 B) give a block; 16 tokens 92,672 / 36,864 B;
+#: 16 tokens in one stage 51,200 / 32,768 B
+SMALL_SHARED_COMBINE = ((16, None), (16, 1))
+#: the most shared memory a block any planned launch needs in those builds (the combine kernel on NVIDIA); devices that
+#: give a block at least this much (A100: exactly this, H100/H200: 232,448 B) run the plans without the warm-up builds
+#: that check them
+PLANNED_SHARED_MAX = 166912
 
 
 @dataclass(frozen=True)
@@ -67,6 +77,26 @@ class AttentionPlan:
 
 def _pow2_at_least(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
+
+
+def combine_configs(block_t: int) -> tuple[tuple[int, int | None], ...]:
+    """The combine kernel's (tokens per tile, stages) to try in order: the plan's ``block_t`` with Triton's default
+    stages, then :data:`SMALL_SHARED_COMBINE`."""
+    return tuple(dict.fromkeys(((block_t, None), *SMALL_SHARED_COMBINE)))
+
+
+def first_fitting(configs, shared_of, limit: int | None):
+    """The first of ``configs`` whose shared memory ``shared_of(config)`` (bytes) is at most ``limit`` (None: no
+    limit, the first). Raises ``ValueError`` naming each config's need when none fits."""
+    if limit is None:
+        return configs[0]
+    needs = []
+    for config in configs:
+        need = shared_of(config)
+        if need <= limit:
+            return config
+        needs.append(f"{config}: {need} B")
+    raise ValueError(f"no configuration fits the device's {limit} B of shared memory a block ({'; '.join(needs)})")
 
 
 @functools.lru_cache(maxsize=4096)  # pure; a decode step asks for the same plan on every layer

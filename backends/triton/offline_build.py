@@ -1,0 +1,190 @@
+"""Build the Triton kernels the launchers would launch for any Triton target, without that GPU (ROCm included).
+
+The launchers (``writer.write``, ``attention.attention``) run on CPU tensors with their kernels swapped for
+recorders (:func:`recorded_launches`): each launch's positional arguments, constexprs and launch options are
+kept, and :func:`compile_launch` turns one into ``triton.compile`` for a :class:`~triton.backends.compiler.GPUTarget`
+such as ``GPUTarget("hip", "gfx942", 64)`` (AMD MI300X) or ``GPUTarget("cuda", 90, 32)``. Pointer arguments are
+taken 16-byte aligned and integer arguments divisible by 16 where they are, as the runtime specialises them, so the
+code is the code a GPU call builds. The launchers run with ``TRITON_INTERPRET`` unset, so the plan (block sizes,
+bfloat16 dots) is the GPU's; no kernel runs.
+
+    python -m quantmla_core.backends.triton.offline_build            # gfx942: every kernel, the default matrix
+    python -m quantmla_core.backends.triton.offline_build gfx90a C4R4 C2R4
+
+:func:`amd_resources` reads what the AMD compiler reports (VGPRs, AGPRs, spills, scratch, LDS, occupancy, MFMA count).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+#: the launch options of a Triton launch (not kernel arguments)
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg")
+_TRITON_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "u8",
+                  torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
+
+
+@dataclass
+class Launch:
+    """One recorded launch: the ``kernel`` (a ``triton.jit`` function), its positional ``args``, its constexprs
+    and its launch ``options``."""
+
+    name: str
+    kernel: Any
+    args: tuple
+    constexprs: dict[str, Any]
+    options: dict[str, int] = field(default_factory=dict)
+
+
+class _Recorder:
+    """Stands in for a ``triton.jit`` kernel: ``kernel[grid](*args, **kw)`` records a :class:`Launch`."""
+
+    def __init__(self, name: str, kernel: Any, into: list[Launch]):
+        self.name, self.kernel, self.into = name, kernel, into
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            options = {k: kw.pop(k) for k in LAUNCH_OPTIONS if k in kw}
+            self.into.append(Launch(self.name, self.kernel, args, kw, options))
+
+        return launch
+
+
+@contextlib.contextmanager
+def recorded_launches() -> Iterator[list[Launch]]:
+    """While active, the Triton writer and attention launchers record their launches instead of running them (the
+    list this yields); ``TRITON_INTERPRET`` is unset so that they plan as on a GPU."""
+    import os
+
+    from . import attention as att
+    from . import writer as wr
+
+    seen: list[Launch] = []
+    saved = (dict(att._KERNELS), att.protect_combine_kernel, wr.write_kernel, os.environ.pop("TRITON_INTERPRET", None))
+    try:
+        for variant, kernel in saved[0].items():
+            att._KERNELS[variant] = _Recorder(f"split_{variant}", kernel, seen)
+        att.protect_combine_kernel = _Recorder("protect_combine", saved[1], seen)
+        wr.write_kernel = _Recorder("write", saved[2], seen)
+        yield seen
+    finally:
+        att._KERNELS.clear()
+        att._KERNELS.update(saved[0])
+        att.protect_combine_kernel, wr.write_kernel = saved[1], saved[2]
+        if saved[3] is not None:
+            os.environ["TRITON_INTERPRET"] = saved[3]
+
+
+def _arg_type(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + _TRITON_DTYPES[value.dtype]
+    if isinstance(value, torch.dtype):  # a pointer of that dtype, as Triton's warm-up builds take one
+        return "*" + _TRITON_DTYPES[value]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2 ** 31) <= value < 2 ** 31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"cannot type a kernel argument of {type(value).__name__}")
+
+
+def compile_launch(launch: Launch, target) -> Any:
+    """``triton.compile`` of ``launch`` for ``target`` (a ``GPUTarget``): the compiled kernel (``.asm``, ``.metadata``)."""
+    import triton
+    from triton.compiler import ASTSource
+
+    params = list(inspect.signature(launch.kernel.fn).parameters)
+    runtime = [p for p in params if p not in launch.constexprs]
+    if len(runtime) < len(launch.args):
+        raise ValueError(f"{launch.name}: {len(launch.args)} positional arguments for {len(runtime)} parameters")
+    sig: dict[str, str] = {}
+    attrs: dict[tuple[int], list] = {}
+    for p, value in zip(runtime, launch.args):
+        sig[p] = _arg_type(value)
+        aligned = (isinstance(value, torch.Tensor) and value.data_ptr() % 16 == 0) or isinstance(value, torch.dtype) or (
+            type(value) is int and value % 16 == 0)
+        if aligned:
+            attrs[(params.index(p),)] = [["tt.divisibility", 16]]
+    consts = {p: v for p, v in launch.constexprs.items() if p in params}
+    for p in params:  # constexprs left at their defaults
+        if p not in sig and p not in consts:
+            default = inspect.signature(launch.kernel.fn).parameters[p].default
+            if default is inspect.Parameter.empty:
+                raise ValueError(f"{launch.name}: no value for parameter {p!r}")
+            consts[p] = default
+    sig.update({p: "constexpr" for p in consts})
+    src = ASTSource(launch.kernel, sig, constexprs={(params.index(p),): v for p, v in consts.items()}, attrs=attrs)
+    options = {k: v for k, v in launch.options.items() if k != "maxnreg" or target.backend == "cuda"}
+    return triton.compile(src, target=target, options=options)
+
+
+def amd_resources(compiled) -> dict[str, int]:
+    """What the AMD backend reports for a compiled kernel: VGPRs (architectural + accumulation), AGPRs, VGPR and SGPR
+    spills, scratch bytes a lane, LDS bytes, waves a SIMD, and the number of MFMA instructions."""
+    asm = compiled.asm["amdgcn"]
+
+    def first(pattern: str) -> int:
+        m = re.search(pattern, asm)
+        return int(m.group(1)) if m else -1
+
+    return {"vgpr": first(r"\.vgpr_count:\s+(\d+)"), "agpr": first(r"NumAgprs:\s*(\d+)"),
+            "vgpr_spill": first(r"\.vgpr_spill_count:\s+(\d+)"), "sgpr_spill": first(r"\.sgpr_spill_count:\s+(\d+)"),
+            "scratch": first(r"ScratchSize:\s*(\d+)"), "lds": int(compiled.metadata.shared),
+            "occupancy": first(r"Occupancy:\s*(\d+)"), "mfma": len(re.findall(r"\bv_mfma", asm))}
+
+
+def launches_of(fmt_name: str, heads: int = 16, s_q: int = 1, latent_dim: int = 512, rope_dim: int = 64,
+                length: int = 4096, page_size: int = 64) -> list[Launch]:
+    """The launches of one write and one attention call on a ``fmt_name`` cache (bfloat16 tokens and queries, 2
+    requests of ``length`` tokens, sink 4 / local 128), recorded on CPU tensors: the kernels a GPU call builds."""
+    import quantmla_core as qm
+
+    from .attention import attention
+    from .writer import write
+
+    fmt = qm.PackFormat.parse(fmt_name, latent_dim=latent_dim, rope_dim=rope_dim, page_size=page_size)
+    b, pages_per = 2, -(-length // page_size)
+    cache = qm.MLACache.allocate(fmt, b * pages_per, b, 4, 128, "cpu")
+    n = 8
+    latent, rope = torch.zeros(n, latent_dim, dtype=torch.bfloat16), torch.zeros(n, rope_dim, dtype=torch.bfloat16)
+    ids, pos = torch.zeros(n, dtype=torch.int64), torch.arange(n, dtype=torch.int64)
+    lens = torch.full((b,), length, dtype=torch.int64)
+    table = torch.arange(b * pages_per, dtype=torch.int32).view(b, pages_per)
+    q = torch.zeros(b, s_q, heads, latent_dim, dtype=torch.bfloat16)
+    r = torch.zeros(b, s_q, heads, rope_dim, dtype=torch.bfloat16)
+    with recorded_launches() as seen:
+        write(cache, latent, rope, pos.clone(), ids, pos, lens)
+        attention(q, r, cache, table, lens, torch.arange(b, dtype=torch.int64), 0.07)
+    return seen
+
+
+#: (format, heads): the writer, the split kernel auto runs (v2 at 16 rows, v3 at 128 for packed formats; v1 and v3 for
+#: BF16 pages) and the combine
+DEFAULT_MATRIX = [("C4R4", 16), ("C2R4", 16), ("C8R8", 16), ("BF16", 16), ("C4R4", 128), ("BF16", 128)]
+
+
+def main(argv: list[str]) -> None:
+    from triton.backends.compiler import GPUTarget
+
+    arch = argv[0] if argv else "gfx942"
+    runs = [(f, h) for f in argv[1:] for h in (16, 128)] if len(argv) > 1 else DEFAULT_MATRIX
+    target = GPUTarget("hip", arch, 64)
+    for fmt_name, heads in runs:
+        for launch in launches_of(fmt_name, heads):
+            try:
+                res = amd_resources(compile_launch(launch, target))
+            except Exception as exc:  # report, keep going
+                res = {"err": f"{type(exc).__name__}: {exc}"[:300]}
+            print({"arch": arch, "fmt": fmt_name, "H": heads, "kernel": launch.name, **launch.options, **res}, flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
