@@ -129,6 +129,19 @@ def test_v5_load_knob_builds_compile(name, knobs):
     assert ptx != _compiled_v5()[(name, 512, 64, 64, 64)][2]
 
 
+def _checked_build(label: str, build: tuple, compiled: tuple[int, str, str], max_registers: int,
+                   max_spill: int) -> str:
+    """The PTX of a v5 ``build`` that nvcc compiled within ``max_registers`` a thread and ``max_spill`` spilled bytes,
+    with no wgmma serialized by ptxas."""
+    rc, text, ptx = compiled
+    assert rc == 0, f"nvcc failed for v5 {label} {build}:\n{text[-4000:]}"
+    use = ptxas_usage(text)
+    print(f"v5 {label} {build}: {use}")
+    assert use["registers"] <= max_registers and use["spill_stores"] <= max_spill, use
+    assert "C7515" not in text and "C7514" not in text and "serialized" not in text, text
+    return ptx
+
+
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
 @pytest.mark.parametrize("build", V5_BUILDS, ids=lambda v: "-".join(map(str, v)))
 def test_v5_three_workers_compile(build):
@@ -136,14 +149,7 @@ def test_v5_three_workers_compile(build):
     registers QK read (no second set) and QK runs in chunks of 2 k-steps, so every build fits with at most
     48 bytes spilled (d_c 512, where the protected tiles' code took it from 16-24 B to 20-36 B; none at
     d_c 256) and no serialized wgmma."""
-    rc, text, ptx = _compiled_v5(workers=3)[build]
-    assert rc == 0, f"nvcc failed for v5 x3 {build}:\n{text[-4000:]}"
-    use = ptxas_usage(text)
-    print(f"v5 x3 {build}: {use}")
-    assert use["registers"] <= 168 and use["spill_stores"] <= 48, use
-    if build[1] == 256:
-        assert use["spill_stores"] == 0, use
-    assert "C7515" not in text and "C7514" not in text and "serialized" not in text, text
+    ptx = _checked_build("x3", build, _compiled_v5(workers=3)[build], 168, 48 if build[1] == 512 else 0)
     ksteps = (build[1] + build[2]) // 16
     assert ptx.count("wgmma.commit_group.sync.aligned") == 2 * (-(-ksteps // 2) + 1)  # packed and protected tiles
     assert v5_defines(qm.PackFormat.parse(build[0]), workers=3)["QMLA_V5_WORKERS"] == 3
@@ -157,12 +163,7 @@ def test_v5_four_workers_compile(build):
     """QUANTMLA_CUPY_V5_WORKERS=4 at d_c 256 (512 threads, 128 registers a thread: the occupancy of the halves without
     their exchange): QK in chunks of 2 k-steps, loads after QK, no RoPE fold; at most 20 bytes spilled (2-bit content;
     4 for 4-bit; nvcc 13, stop 41); the queries staged in 4.5 pairs a thread (the last round masked)."""
-    rc, text, ptx = _compiled_v5(workers=4)[build]
-    assert rc == 0, f"nvcc failed for v5 x4 {build}:\n{text[-4000:]}"
-    use = ptxas_usage(text)
-    print(f"v5 x4 {build}: {use}")
-    assert use["registers"] <= 128 and use["spill_stores"] <= (4 if build[0] == "C4R4" else 20), use
-    assert "C7515" not in text and "C7514" not in text and "serialized" not in text, text
+    ptx = _checked_build("x4", build, _compiled_v5(workers=4)[build], 128, 4 if build[0] == "C4R4" else 20)
     ksteps = (build[1] + build[2]) // 16
     assert ptx.count("wgmma.commit_group.sync.aligned") == 2 * (-(-ksteps // 2) + 1)
     assert v5_defines(qm.PackFormat.parse(build[0], 256, 32), workers=4)["QMLA_V5_SMEM"] <= smem_per_block((9, 0))
@@ -175,12 +176,7 @@ def test_v5_halves_compile(build):
     runs QK over (d_c + d_r) / 32 k-steps in chunks of 2 and PV over d_c / 128 m-blocks, with the loads after QK and
     neither the RoPE fold nor quad loads. 4-bit content fits without spills, 2-bit with at most 16 bytes (stop 41,
     nvcc 13: one local load a tile); half 1 hands its scores over by bar.arrive and waits for P^T by bar.sync."""
-    rc, text, ptx = _compiled_v5(halves=2)[build]
-    assert rc == 0, f"nvcc failed for v5 halves {build}:\n{text[-4000:]}"
-    use = ptxas_usage(text)
-    print(f"v5 halves {build}: {use}")
-    assert use["registers"] <= 128 and use["spill_stores"] <= (0 if build[0] == "C4R4" else 16), use
-    assert "C7515" not in text and "C7514" not in text and "serialized" not in text, text
+    ptx = _checked_build("halves", build, _compiled_v5(halves=2)[build], 128, 0 if build[0] == "C4R4" else 16)
     _name, dc, dr = build[:3]
     ksteps, bodies = (dc + dr) // 32, 2
     wgmma = "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16"
