@@ -108,6 +108,15 @@ def test_launcher_fits_the_combine_to_mi300x(monkeypatch):
     assert _combine_shared(combine, MI300X, (16, None)) <= 65536
 
 
+def test_launcher_fits_the_float32_combine_to_sm86(monkeypatch):
+    """Float32 queries plan 16-token combine tiles already (147,456 B on sm_86 with Triton's stages): on a 99 KB
+    device the launcher runs them in one stage (73,728 B)."""
+    _fake_device(monkeypatch, GPUTarget("cuda", 86, 32), 101376)
+    combine = ob.launches_of("C4R4", 16, dtype=torch.float32)[-1]
+    assert combine.name == "protect_combine" and att.LAST_LAUNCH["combine_config"] == (16, 1)
+    assert combine.options["num_stages"] == 1 and combine.constexprs["BLOCK_T"] == 16
+
+
 def test_launcher_runs_v2_where_v3_does_not_fit(monkeypatch):
     """At 128 heads auto runs v3, which needs 115 KB of shared memory on NVIDIA: on a 99 KB device (sm_86) it runs
     v2; forced, v3 says why it cannot run."""

@@ -142,8 +142,8 @@ def amd_resources(compiled) -> dict[str, int]:
 
 
 def launches_of(fmt_name: str, heads: int = 16, s_q: int = 1, latent_dim: int = 512, rope_dim: int = 64,
-                length: int = 4096, page_size: int = 64) -> list[Launch]:
-    """The launches of one write and one attention call on a ``fmt_name`` cache (bfloat16 tokens and queries, 2
+                length: int = 4096, page_size: int = 64, dtype: torch.dtype = torch.bfloat16) -> list[Launch]:
+    """The launches of one write and one attention call on a ``fmt_name`` cache (``dtype`` tokens and queries, 2
     requests of ``length`` tokens, sink 4 / local 128), recorded on CPU tensors: the kernels a GPU call builds."""
     import quantmla_core as qm
 
@@ -154,12 +154,12 @@ def launches_of(fmt_name: str, heads: int = 16, s_q: int = 1, latent_dim: int = 
     b, pages_per = 2, -(-length // page_size)
     cache = qm.MLACache.allocate(fmt, b * pages_per, b, 4, 128, "cpu")
     n = 8
-    latent, rope = torch.zeros(n, latent_dim, dtype=torch.bfloat16), torch.zeros(n, rope_dim, dtype=torch.bfloat16)
+    latent, rope = torch.zeros(n, latent_dim, dtype=dtype), torch.zeros(n, rope_dim, dtype=dtype)
     ids, pos = torch.zeros(n, dtype=torch.int64), torch.arange(n, dtype=torch.int64)
     lens = torch.full((b,), length, dtype=torch.int64)
     table = torch.arange(b * pages_per, dtype=torch.int32).view(b, pages_per)
-    q = torch.zeros(b, s_q, heads, latent_dim, dtype=torch.bfloat16)
-    r = torch.zeros(b, s_q, heads, rope_dim, dtype=torch.bfloat16)
+    q = torch.zeros(b, s_q, heads, latent_dim, dtype=dtype)
+    r = torch.zeros(b, s_q, heads, rope_dim, dtype=dtype)
     with recorded_launches() as seen:
         write(cache, latent, rope, pos.clone(), ids, pos, lens)
         attention(q, r, cache, table, lens, torch.arange(b, dtype=torch.int64), 0.07)
