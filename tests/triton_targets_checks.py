@@ -49,6 +49,18 @@ def test_every_kernel_builds_for_mi300x(fmt_name, heads, split):
         assert (res["mfma"] > 0) == (launch.name != "write"), res
 
 
+@pytest.mark.parametrize("target, limit", [(GPUTarget("cuda", 100, 32), 232448), (GPUTarget("hip", "gfx950", 64), 163840)],
+                         ids=lambda v: getattr(v, "arch", v))
+def test_plans_build_and_fit_on_b200_and_mi355x(target, limit):
+    """Blackwell B200 (sm_100, 227 KB a block) and MI355X (gfx950, 160 KB of LDS): every kernel the plans launch at 16
+    and 128 heads builds and fits as planned."""
+    for heads in (16, 128):
+        for launch in ob.launches_of("C4R4", heads):
+            shared = int(ob.compile_launch(launch, target).metadata.shared)
+            print(target.arch, heads, launch.name, shared)
+            assert shared <= limit, (launch.name, shared)
+
+
 def _combine_launch():
     return [launch for launch in ob.launches_of("C4R4", 16) if launch.name == "protect_combine"][0]
 
