@@ -63,8 +63,18 @@ V5_BUILDS = [
     ("C2R4", 256, 32, 32, 64),
 ]
 #: the builds QUANTMLA_CUPY_V5_HALVES=2 serves (d_c 512 / d_r 64) and those QUANTMLA_CUPY_V5_WORKERS=4 serves (d_c 256)
-V5_HALVES_BUILDS = [b for b in V5_BUILDS if b[1:3] == (512, 64)]
-V5_FOUR_BUILDS = [b for b in V5_BUILDS if b[1] == 256]
+def _build_format(v: tuple) -> qm.PackFormat:
+    name, dc, dr, gs, page = v
+    return qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr, group_size=gs, page_size=page)
+
+
+def _v5_builds(workers: int = 2, halves: int = 1) -> list[tuple]:
+    """The builds of V5_BUILDS that v5 builds with ``workers`` workers of ``halves`` warpgroups (v5_build_reasons)."""
+    return [b for b in V5_BUILDS if not v5_build_reasons(_build_format(b), workers, halves)]
+
+
+V5_HALVES_BUILDS = _v5_builds(halves=2)
+V5_FOUR_BUILDS = _v5_builds(workers=4)
 
 
 @lru_cache(maxsize=None)
@@ -72,12 +82,10 @@ def _compiled_v5(workers: int = 2, halves: int = 1) -> dict:
     """{build: (nvcc's return code, ptxas's report, PTX)} of every build with ``workers`` and ``halves`` (nvcc runs in
     parallel, once per setting)."""
     def compile_one(v: tuple) -> tuple[int, str, str]:
-        name, dc, dr, gs, page = v
-        fmt = qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr, group_size=gs, page_size=page)
-        return compile_cubin_and_ptx("attention_v5.cu", V4_WGMMA_ARCH, v5_defines(fmt, workers=workers, halves=halves))
+        return compile_cubin_and_ptx("attention_v5.cu", V4_WGMMA_ARCH,
+                                     v5_defines(_build_format(v), workers=workers, halves=halves))
 
-    builds = V5_HALVES_BUILDS if halves == 2 else V5_FOUR_BUILDS if workers == 4 else V5_BUILDS
-    return compile_all(builds, compile_one)
+    return compile_all(_v5_builds(workers, halves), compile_one)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
@@ -572,7 +580,7 @@ def _check_v5(case: Case, monkeypatch, env: dict[str, str]) -> None:
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("case, workers", [(c, w) for c in [c for c in V2_CASES + BIG[:3] if c.fmt.quantized] + V5_CASES
-                                           for w in V5_WORKER_CHOICES if w < 4 or c.fmt.latent_dim == 256],
+                                           for w in V5_WORKER_CHOICES if not v5_build_reasons(c.fmt, w)],
                          ids=lambda v: str(v))
 def test_attention_v5_matches_reference(case, workers, monkeypatch):
     _check_v5(case, monkeypatch, {"QUANTMLA_CUPY_V5_WORKERS": str(workers)})

@@ -33,7 +33,7 @@ class Lanes:
         fmt = qm.PackFormat.parse(name, latent_dim=dc, rope_dim=dr, group_size=gs, page_size=page)
         assert not quad or v5_quad_loads(fmt, 2, True), "quad loads serve 4-bit d_c 512 with 64-channel groups"
         assert not v5_build_reasons(fmt, 2, halves) and not (quad and halves > 1)
-        self.quad, self.halves = quad, halves
+        self.fmt, self.quad, self.halves = fmt, quad, halves
         d = attention_defines(fmt, "bfloat16")
         self.CB, self.RB, self.P, self.GC = d["QMLA_CB"], d["QMLA_RB"], d["QMLA_P"], d["QMLA_GC"]
         self.CBH, self.RBH = self.CB // halves, self.RB // halves  # a half's code bytes of each slice, per token
@@ -296,8 +296,9 @@ def test_protected_loads_fill_the_fragments_qk_reads(build, workers, vec):
     ln = Lanes(*build)
     if ln.quad and workers == 3:
         pytest.skip("three workers never load a quad at a time (v5_quad_loads)")
-    if ln.halves > 1 and workers != 2 or workers == 4 and dc != 256:
-        pytest.skip(f"v5 builds no {workers} workers of {ln.halves} warpgroups at d_c {dc} (v5_build_reasons)")
+    why = v5_build_reasons(ln.fmt, workers, ln.halves)
+    if why:
+        pytest.skip(f"v5 builds no {workers} workers of {ln.halves} warpgroups here: {'; '.join(why)}")
     kck = 2 if workers >= 3 or ln.halves > 1 else 4  # QMLA_V5_KCHUNK
     dc_h, dr_h = dc // ln.halves, dr // ln.halves
     for q4, h in itertools.product(range(4), range(ln.halves)):

@@ -95,39 +95,44 @@ def _device_max_shared(index: int) -> int:
 _PLAIN_INT = 17
 
 
+def _arg_kinds(args: tuple) -> tuple:
+    """What a warm-up build needs of launch arguments: tensors as their dtypes (a dtype stands for a pointer of it),
+    numbers as their types."""
+    return tuple(a.dtype if isinstance(a, torch.Tensor) else a if isinstance(a, torch.dtype) else type(a) for a in args)
+
+
 @functools.lru_cache(maxsize=256)
 def _shared_bytes(kernel_name: str, arg_dtypes: tuple, consts: tuple, options: tuple, device_index: int) -> int:
     """Shared memory of the kernel ``kernel_name`` built for these constexprs and launch options on the device: a
-    warm-up build (Triton caches it, so the launch that follows does not build again), pointers as their dtypes."""
+    warm-up build (Triton caches it, so the launch that follows does not build again), pointers as their dtypes
+    (``arg_dtypes``: :func:`_arg_kinds`)."""
     kernel = {"protect_combine": protect_combine_kernel, **{f"split_{v}": k for v, k in _KERNELS.items()}}[kernel_name]
-    args = tuple(_PLAIN_INT if a is int else 1.5 if a is float else a for a in arg_dtypes)
+    args = tuple(_PLAIN_INT if a is int else 1.5 if a is float else a for a in arg_dtypes)  # no value specialised
     with torch.cuda.device(device_index):
         return int(kernel.warmup(*args, grid=(1,), **dict(consts), **dict(options)).metadata.shared)
 
 
 def _v3_shared(fmt, q: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torch.Tensor, dot_bf16: bool,
                device: torch.device) -> int:
-    """Shared memory kernel v3 takes for this call's format and dtypes on ``device`` (0 off a GPU)."""
-    if max_shared(device) is None:
-        return 0
+    """Shared memory kernel v3 takes for this call's format and dtypes on ``device``, before its partials exist: the
+    split kernels' arguments (see :func:`attention`) with the partials as their dtype and one split."""
     consts = _split_constexprs(fmt, "v3", q.dtype == torch.bfloat16, dot_bf16, V3_BLOCK_N, V3_BLOCK_R)
-    dtypes = (q.dtype, q.dtype, cache.pages.dtype, block_table.dtype, seq_lens.dtype, torch.float32, torch.float32,
-              *(int,) * 2, float, *(int,) * 6)
-    return _shared_bytes("split_v3", dtypes, tuple(consts.items()),
+    args = (q, q, cache.pages, block_table, seq_lens, torch.float32, torch.float32, block_table.stride(0),
+            cache.num_pages, 1.0, 1, 1, 1, cache.sink, cache.local, 1)
+    return _shared_bytes("split_v3", _arg_kinds(args), tuple(consts.items()),
                          tuple(launch_dims(V3_NUM_WARPS, V3_NUM_STAGES).items()), _device_index(device))
 
 
-def _combine_config(q: torch.Tensor, cache, seq_lens: torch.Tensor, seq_ids: torch.Tensor, consts: dict,
-                    block_t: int, num_warps: int, device: torch.device) -> tuple[int, int | None]:
-    """(tokens per tile, stages) of the combine kernel: the plan's, or the first of
-    :func:`heuristics.combine_configs` whose shared memory fits ``device``."""
-    limit = max_shared(device)
+def _combine_config(args: tuple, consts: dict, block_t: int, num_warps: int, device: torch.device,
+                    limit: int | None) -> tuple[int, int | None]:
+    """(tokens per tile, stages) of the combine kernel launched with ``args`` and ``consts``: the plan's, or where
+    ``limit`` (:func:`max_shared`) is below its need the first of :func:`heuristics.combine_configs` that fits."""
+    if limit is None:
+        return block_t, None
 
     def shared_of(config: tuple[int, int | None]) -> int:
-        dtypes = (q.dtype, q.dtype, cache.sink_buf.dtype, cache.local_buf.dtype, seq_lens.dtype, seq_ids.dtype,
-                  torch.float32, torch.float32, q.dtype, torch.float32, int, float, *(int,) * 6)
         options = launch_dims(num_warps, config[1])
-        return _shared_bytes("protect_combine", dtypes, tuple({**consts, "BLOCK_T": config[0]}.items()),
+        return _shared_bytes("protect_combine", _arg_kinds(args), tuple({**consts, "BLOCK_T": config[0]}.items()),
                              tuple(options.items()), _device_index(device))
 
     try:
@@ -195,8 +200,9 @@ def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: 
     q_bf16 = q.dtype == torch.bfloat16
     interp = interpreting()
     dot_bf16 = q_bf16 and not interp  # the interpreter's bfloat16 math is wrong: float32 there
+    limit = max_shared(dev)
     if q_bf16 and (variant == "v3" or (variant == "auto" and rows >= V3_MIN_ROWS)):
-        v3_need, limit = _v3_shared(fmt, q, cache, block_table, seq_lens, dot_bf16, dev), max_shared(dev)
+        v3_need = 0 if limit is None else _v3_shared(fmt, q, cache, block_table, seq_lens, dot_bf16, dev)
         v3_fits = limit is None or v3_need <= limit
         if variant == "v3" and not v3_fits:
             raise ValueError(f"{VARIANT_ENV}=v3: kernel v3 needs {v3_need} B of shared memory a block for {fmt}, this "
@@ -251,14 +257,12 @@ def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: 
     dims = {**launch_dims(pl.num_warps, pl.num_stages), **({} if interp else extra_launch)}
     LAST_LAUNCH["split"] = _KERNELS[variant][grid](*args, **consts, **dims)
     crb = pl.combine_block_r
+    cargs = (q, qr, ptr_or_dummy(cache.sink_buf), ptr_or_dummy(cache.local_buf), seq_lens, seq_ids,
+             o_part, lse_part, out, lse, cache.max_seqs, scale_log2, rows, h, s_q, cache.sink, cache.local, pl.num_splits)
     cconsts = dict(Q_BF16=q_bf16, DOT_BF16=dot_bf16, PROT_BF16=cache.sink_buf.dtype == torch.bfloat16, DC=dc, DR=dr,
                    BLOCK_R=crb)
-    block_t, stages = _combine_config(q, cache, seq_lens, seq_ids, cconsts, pl.combine_block_t, pl.combine_warps, dev)
+    block_t, stages = _combine_config(cargs, cconsts, pl.combine_block_t, pl.combine_warps, dev, limit)
     LAST_LAUNCH["combine_config"] = (block_t, stages)
     LAST_LAUNCH["combine"] = protect_combine_kernel[(b, -(-rows // crb))](
-        q, qr, ptr_or_dummy(cache.sink_buf), ptr_or_dummy(cache.local_buf), seq_lens, seq_ids,
-        o_part, lse_part, out, lse, cache.max_seqs, scale_log2, rows, h, s_q, cache.sink, cache.local,
-        pl.num_splits, **cconsts, BLOCK_T=block_t,
-        **launch_dims(pl.combine_warps, stages),
-    )
+        *cargs, **cconsts, BLOCK_T=block_t, **launch_dims(pl.combine_warps, stages))
     return out.view(b, s_q, h, dc), lse.view(b, s_q, h)

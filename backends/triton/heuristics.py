@@ -79,6 +79,7 @@ def _pow2_at_least(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
+@functools.lru_cache(maxsize=8)
 def combine_configs(block_t: int) -> tuple[tuple[int, int | None], ...]:
     """The combine kernel's (tokens per tile, stages) to try in order: the plan's ``block_t`` with Triton's default
     stages, then :data:`SMALL_SHARED_COMBINE`."""

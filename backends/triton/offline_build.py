@@ -101,7 +101,8 @@ def compile_launch(launch: Launch, target) -> Any:
     import triton
     from triton.compiler import ASTSource
 
-    params = list(inspect.signature(launch.kernel.fn).parameters)
+    signature = inspect.signature(launch.kernel.fn).parameters
+    params = list(signature)
     runtime = [p for p in params if p not in launch.constexprs]
     if len(runtime) < len(launch.args):
         raise ValueError(f"{launch.name}: {len(launch.args)} positional arguments for {len(runtime)} parameters")
@@ -116,7 +117,7 @@ def compile_launch(launch: Launch, target) -> Any:
     consts = {p: v for p, v in launch.constexprs.items() if p in params}
     for p in params:  # constexprs left at their defaults
         if p not in sig and p not in consts:
-            default = inspect.signature(launch.kernel.fn).parameters[p].default
+            default = signature[p].default
             if default is inspect.Parameter.empty:
                 raise ValueError(f"{launch.name}: no value for parameter {p!r}")
             consts[p] = default
