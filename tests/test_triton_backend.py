@@ -396,4 +396,4 @@ def test_compiles_to_wgmma_for_sm90_offline(variant, extra):
     print(rep)
     assert "err" not in rep, rep
     assert rep["wgmma"] > 0 and rep["mma_sync"] == 0
-    assert rep["regs"] is not None and rep["regs"] <= 255
+    assert 0 < rep["regs"] <= 255

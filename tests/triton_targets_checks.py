@@ -2,8 +2,9 @@
 GPUs this machine does not have (``backends/triton/offline_build.py``): every kernel
 the launchers would launch compiles for AMD's MI300X (gfx942), with matrix-core dots where it has dots; the combine
 kernel's shared memory is fitted to devices that give a block less than its plan asks for (MI300X/MI250: 64 KB of
-LDS; A10/L4/L40S: 99 KB), and kernel v3 gives way to v2 where it does not fit. Offline: triton's own compiler for
-each target, no GPU."""
+LDS; A10/L4/L40S: 99 KB; every GPU at d_c 1024), and kernel v3 gives way to v2 where it does not fit, in shared memory
+or in Blackwell's tensor memory (B200: a v3 build that needs more than 512 columns traps). Offline: triton's own
+compiler for each target, no GPU."""
 
 from __future__ import annotations
 
@@ -22,17 +23,38 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from quantmla_core.backends.triton import attention as att  # noqa: E402
 from quantmla_core.backends.triton import offline_build as ob  # noqa: E402
 from quantmla_core.backends.triton.attention_kernel import protect_combine_kernel  # noqa: E402
-from quantmla_core.backends.triton.heuristics import combine_configs, first_fitting  # noqa: E402
+from quantmla_core.backends.triton.heuristics import (TMEM_COLUMNS, DeviceLimits, combine_configs,  # noqa: E402
+                                                      first_fitting)
 
 MI300X = GPUTarget("hip", "gfx942", 64)
 #: (target, shared memory a block may use): MI300X and MI250 (64 KB of LDS), sm_86/sm_89 (A10, L4, L40S: 99 KB),
 #: sm_90 (H100/H200: 227 KB)
 SMALL = [(MI300X, 65536), (GPUTarget("hip", "gfx90a", 64), 65536), (GPUTarget("cuda", 86, 32), 101376)]
 HOPPER = (GPUTarget("cuda", 90, 32), 232448)
+A100 = (GPUTarget("cuda", 80, 32), 166912)
+B200 = GPUTarget("cuda", 100, 32)
 
 
 def _names(launches) -> list[str]:
     return [launch.name for launch in launches]
+
+
+def _needs(compiled) -> tuple[int, int]:
+    """(shared memory bytes a block, tensor-memory columns) of a compiled kernel."""
+    return int(compiled.metadata.shared), int(getattr(compiled.metadata, "tmem_size", 0) or 0)
+
+
+def _fake_device(monkeypatch, target, limit, tmem=None) -> None:
+    """The launcher's view of a GPU: ``limit`` bytes of shared memory a block (checked at every dims), ``tmem``
+    tensor-memory columns, and warm-up builds for ``target``."""
+    kernels = {"protect_combine": protect_combine_kernel, **{f"split_{v}": k for v, k in att._KERNELS.items()}}
+
+    def build_needs(name, arg_dtypes, consts, options, device_index):
+        args = tuple(17 if a is int else 1.5 if a is float else a for a in arg_dtypes)
+        return _needs(ob.compile_launch(ob.Launch(name, kernels[name], args, dict(consts), dict(options)), target))
+
+    monkeypatch.setattr(att, "device_limits", lambda device, dc, dr: DeviceLimits(shared=limit, tmem=tmem))
+    monkeypatch.setattr(att, "_build_needs", build_needs)
 
 
 @pytest.mark.parametrize("fmt_name, heads, split", [("C4R4", 16, "split_v2"), ("C2R4", 16, "split_v2"),
@@ -49,16 +71,44 @@ def test_every_kernel_builds_for_mi300x(fmt_name, heads, split):
         assert (res["mfma"] > 0) == (launch.name != "write"), res
 
 
-@pytest.mark.parametrize("target, limit", [(GPUTarget("cuda", 100, 32), 232448), (GPUTarget("hip", "gfx950", 64), 163840)],
+@pytest.mark.parametrize("target, limit", [(B200, 232448), (GPUTarget("hip", "gfx950", 64), 163840)],
                          ids=lambda v: getattr(v, "arch", v))
-def test_plans_build_and_fit_on_b200_and_mi355x(target, limit):
-    """Blackwell B200 (sm_100, 227 KB a block) and MI355X (gfx950, 160 KB of LDS): every kernel the plans launch at 16
-    and 128 heads builds and fits as planned."""
-    for heads in (16, 128):
-        for launch in ob.launches_of("C4R4", heads):
-            shared = int(ob.compile_launch(launch, target).metadata.shared)
-            print(target.arch, heads, launch.name, shared)
-            assert shared <= limit, (launch.name, shared)
+def test_launches_build_and_fit_on_b200_and_mi355x(target, limit, monkeypatch):
+    """Blackwell B200 (sm_100, 227 KB a block, 512 tensor-memory columns) and MI355X (gfx950, 160 KB of LDS): every
+    kernel the launcher runs at 16 and 128 heads builds, fits, and is not a trap."""
+    _fake_device(monkeypatch, target, limit, TMEM_COLUMNS if target is B200 else None)
+    for fmt_name in ("C4R4", "BF16"):
+        for heads in (16, 128):
+            for launch in ob.launches_of(fmt_name, heads):
+                compiled = ob.compile_launch(launch, target)
+                shared, tmem = _needs(compiled)
+                print(target.arch, fmt_name, heads, launch.name, shared, tmem)
+                assert shared <= limit and tmem <= TMEM_COLUMNS, (launch.name, shared, tmem)
+                assert "trap;" not in compiled.asm.get("ptx", ""), launch.name
+
+
+def _split_launch(fmt_name: str, heads: int, variant: str, monkeypatch):
+    monkeypatch.setenv(att.VARIANT_ENV, variant)
+    try:
+        return [launch for launch in ob.launches_of(fmt_name, heads) if launch.name.startswith("split")][0]
+    finally:
+        monkeypatch.delenv(att.VARIANT_ENV)
+
+
+@pytest.mark.parametrize("fmt_name", ["C4R4", "C2R4", "BF16"])
+def test_v3_over_tensor_memory_builds_a_trap_on_b200(fmt_name, monkeypatch):
+    """Why the launcher checks tensor memory: triton builds kernel v3 at d_c 512 for sm_100 with 832-1,152 columns of
+    tensor memory, more than an SM's 512, and the kernel it builds is a trap."""
+    compiled = ob.compile_launch(_split_launch(fmt_name, 128, "v3", monkeypatch), B200)
+    assert compiled.metadata.tmem_size > TMEM_COLUMNS
+    assert "trap;" in compiled.asm["ptx"] and "tcgen05" not in compiled.asm["ptx"]
+
+
+def test_v2_fits_tensor_memory_on_b200(monkeypatch):
+    """The control: v2 (16 rows a program) takes 256 columns and its dots are tcgen05 MMAs, no trap."""
+    compiled = ob.compile_launch(_split_launch("C4R4", 16, "v2", monkeypatch), B200)
+    assert 0 < compiled.metadata.tmem_size <= TMEM_COLUMNS
+    assert "tcgen05.mma" in compiled.asm["ptx"] and "trap;" not in compiled.asm["ptx"]
 
 
 def _combine_launch():
@@ -78,38 +128,27 @@ def test_combine_config_fits_the_device(target, limit):
     OutOfResources)."""
     launch = _combine_launch()
     configs = combine_configs(launch.constexprs["BLOCK_T"])
-    needs = {c: _combine_shared(launch, target, c) for c in configs}
-    chosen = first_fitting(configs, needs.__getitem__, limit)
-    assert needs[chosen] <= limit
+    needs = {c: (_combine_shared(launch, target, c), 0) for c in configs}
+    chosen = first_fitting(configs, needs.__getitem__, DeviceLimits(shared=limit))
+    assert needs[chosen][0] <= limit
     assert (chosen == configs[0]) == (target is HOPPER[0]), needs
 
 
 def test_first_fitting_rule():
     configs = ((32, None), (16, None), (16, 1))
-    needs = {(32, None): 166912, (16, None): 92672, (16, 1): 51200}
-    assert first_fitting(configs, needs.__getitem__, None) == (32, None)
-    assert first_fitting(configs, needs.__getitem__, 232448) == (32, None)
-    assert first_fitting(configs, needs.__getitem__, 101376) == (16, None)
-    assert first_fitting(configs, needs.__getitem__, 65536) == (16, 1)
-    with pytest.raises(ValueError, match=r"no configuration fits the device's 40000 B .*\(16, 1\): 51200 B"):
-        first_fitting(configs, needs.__getitem__, 40000)
-    assert combine_configs(16) == ((16, None), (16, 1))
-
-
-def _fake_device(monkeypatch, target, limit) -> None:
-    """The launcher's view of a GPU: ``limit`` bytes of shared memory a block and warm-up builds for ``target``."""
-    from quantmla_core.backends.triton.attention_v2_kernel import split_kernel_v2
-    from quantmla_core.backends.triton.attention_v3_kernel import split_kernel_v3
-
-    kernels = {"protect_combine": protect_combine_kernel, "split_v2": split_kernel_v2, "split_v3": split_kernel_v3}
-
-    def shared_bytes(name, arg_dtypes, consts, options, device_index):
-        args = tuple(17 if a is int else 1.5 if a is float else a for a in arg_dtypes)
-        launch = ob.Launch(name, kernels[name], args, dict(consts), dict(options))
-        return int(ob.compile_launch(launch, target).metadata.shared)
-
-    monkeypatch.setattr(att, "max_shared", lambda device: limit)
-    monkeypatch.setattr(att, "_shared_bytes", shared_bytes)
+    needs = {(32, None): (166912, 0), (16, None): (92672, 0), (16, 1): (51200, 0)}
+    assert first_fitting(configs, needs.__getitem__, DeviceLimits()) == (32, None)
+    assert first_fitting(configs, needs.__getitem__, DeviceLimits(shared=232448)) == (32, None)
+    assert first_fitting(configs, needs.__getitem__, DeviceLimits(shared=101376)) == (16, None)
+    assert first_fitting(configs, needs.__getitem__, DeviceLimits(shared=65536)) == (16, 1)
+    with pytest.raises(ValueError, match=r"no configuration fits: .*\(16, 1\) needs 51200 B of shared memory a block, "
+                                         r"this GPU gives 40000 B"):
+        first_fitting(configs, needs.__getitem__, DeviceLimits(shared=40000))
+    tmem = {(32, None): (1000, 640), (16, None): (1000, 512), (16, 1): (1000, 0)}
+    assert first_fitting(configs, tmem.__getitem__, DeviceLimits(tmem=512)) == (16, None)
+    assert DeviceLimits(shared=10, tmem=512).excess((20, 513)) == (
+        "needs 20 B of shared memory a block, this GPU gives 10 B and 513 columns of tensor memory, an SM has 512")
+    assert DeviceLimits(shared=10, tmem=512).excess((10, 512)) is None
 
 
 def test_launcher_fits_the_combine_to_mi300x(monkeypatch):
@@ -135,20 +174,56 @@ def test_launcher_runs_v2_where_v3_does_not_fit(monkeypatch):
     _fake_device(monkeypatch, GPUTarget("cuda", 86, 32), 101376)
     assert _names(ob.launches_of("C4R4", 128)) == ["write", "split_v2", "protect_combine"]
     monkeypatch.setenv(att.VARIANT_ENV, "v3")
-    with pytest.raises(ValueError, match=r"=v3: kernel v3 needs \d+ B of shared memory a block for C4R4.*gives 101376 B"):
+    with pytest.raises(ValueError, match=r"=v3: kernel v3 needs \d+ B of shared memory a block, this GPU gives 101376 B "
+                                         r"for C4R4"):
         ob.launches_of("C4R4", 128)
     _fake_device(monkeypatch, *HOPPER)
     monkeypatch.delenv(att.VARIANT_ENV)
     assert _names(ob.launches_of("C4R4", 128)) == ["write", "split_v3", "protect_combine"]
 
 
-def test_max_shared_is_a_limit_only_where_the_plans_may_not_fit(monkeypatch):
-    """The launcher checks shared memory only on devices that give a block less than the plans may ask for
-    (PLANNED_SHARED_MAX): MI300X's 64 KB and sm_86's 99 KB are limits, A100's 163 KB and H200's 227 KB are not."""
+def test_launcher_runs_v2_where_v3_overflows_tensor_memory(monkeypatch):
+    """On a B200 auto runs v2 at 128 heads over packed pages and v1 over BF16 pages (v3 would trap), v3 at d_c 256
+    where it fits (512 columns); forced, v3 says why it cannot run."""
+    _fake_device(monkeypatch, B200, 232448, TMEM_COLUMNS)
+    assert _names(ob.launches_of("C4R4", 128)) == ["write", "split_v2", "protect_combine"]
+    assert _names(ob.launches_of("BF16", 128)) == ["write", "split_v1", "protect_combine"]
+    assert _names(ob.launches_of("C4R4", 128, latent_dim=256, rope_dim=32)) == ["write", "split_v3", "protect_combine"]
+    monkeypatch.setenv(att.VARIANT_ENV, "v3")
+    with pytest.raises(ValueError, match=r"=v3: kernel v3 needs \d+ columns of tensor memory, an SM has 512 for C2R4"):
+        ob.launches_of("C2R4", 128)
+
+
+def test_wide_vectors_fit_the_combine_on_hopper_and_name_v1_on_a100(monkeypatch):
+    """At d_c 1024 the combine's plan needs 314 KB of shared memory, more than any GPU gives a block: on an H200 the
+    launcher runs 16-token combine tiles; on an A100 (163 KB) kernel v1 over BF16 pages (182 KB) says why it cannot
+    run, instead of Triton's OutOfResources at launch."""
+    _fake_device(monkeypatch, *HOPPER)
+    launches = ob.launches_of("C4R4", 16, latent_dim=1024, rope_dim=64)
+    assert _names(launches) == ["write", "split_v2", "protect_combine"]
+    assert att.LAST_LAUNCH["combine_config"][0] == 16
+    assert _needs(ob.compile_launch(launches[-1], HOPPER[0]))[0] <= HOPPER[1]
+    _fake_device(monkeypatch, *A100)
+    with pytest.raises(ValueError, match=r"Triton kernel v1 needs \d+ B of shared memory a block, this GPU gives 166912 B "
+                                         r"for BF16"):
+        ob.launches_of("BF16", 16, latent_dim=1024, rope_dim=64)
+
+
+def test_device_limits_check_only_what_a_plan_may_exceed(monkeypatch):
+    """Shared memory is checked on devices that give a block less than the plans may ask for at these dims
+    (PLANNED_SHARED_MAX at d_c <= 512, d_r <= 64): MI300X's 64 KB and sm_86's 99 KB are limits there, A100's 163 KB and
+    H200's 227 KB are not; wider vectors are checked on every GPU. Tensor memory is checked from sm_100."""
     from quantmla_core.backends.triton.heuristics import PLANNED_SHARED_MAX
 
     cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(att, "_has_tensor_memory", lambda index: False)
     for device_limit, want in ((65536, 65536), (101376, 101376), (PLANNED_SHARED_MAX, None), (232448, None)):
         monkeypatch.setattr(att, "_device_max_shared", lambda index, v=device_limit: v)
-        assert att.max_shared(cuda) == want
-    assert att.max_shared(torch.device("cpu")) is None
+        assert att.device_limits(cuda, 512, 64) == DeviceLimits(shared=want)
+        assert att.device_limits(cuda, 256, 32) == DeviceLimits(shared=want)
+        assert att.device_limits(cuda, 1024, 64) == DeviceLimits(shared=device_limit)
+        assert att.device_limits(cuda, 512, 128) == DeviceLimits(shared=device_limit)
+    monkeypatch.setattr(att, "_has_tensor_memory", lambda index: True)
+    monkeypatch.setattr(att, "_device_max_shared", lambda index: 232448)
+    assert att.device_limits(cuda, 512, 64) == DeviceLimits(shared=None, tmem=TMEM_COLUMNS)
+    assert att.device_limits(torch.device("cpu"), 1024, 64) == DeviceLimits()

@@ -7,8 +7,15 @@ used by CI without a GPU). Nothing here imports ``triton`` at module import time
 
 from __future__ import annotations
 
+import re
+
 from ...dispatch import Backend, Capabilities, Problem
 from ...envvars import getenv
+
+#: the oldest triton whose compiler builds every kernel here: 3.2 and older reject tuples built inside a kernel (the
+#: query slices of kernels v2 and v3); checked by compiling every launch for sm_90, sm_80, gfx942 and gfx90a under
+#: triton 3.0 to 3.9 (benchmarks/RESULTS.md, "Stop 42")
+MIN_TRITON = (3, 3)
 
 #: smallest K of a ``tl.dot``; a packed slice (see ``attention.py``) must be at least this wide
 MIN_DOT_K = 16
@@ -29,6 +36,18 @@ def slice_width(dim: int, bits: int, group: int) -> int:
     if bits == 16:
         return min(64, dim)
     return min(group, dim * bits // 8)
+
+
+def triton_version_reason(version: str) -> str | None:
+    """Why a triton of ``version`` (``triton.__version__``, e.g. ``"3.2.0"`` or ``"3.3.0+gitabc"``) cannot build
+    these kernels, or None."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    if m is None:
+        return f"triton version {version!r} is not of the form MAJOR.MINOR"
+    if (int(m.group(1)), int(m.group(2))) < MIN_TRITON:
+        want = ".".join(map(str, MIN_TRITON))
+        return f"triton {version} is older than {want}, the oldest release that builds these kernels (pip install 'triton>={want}')"
+    return None
 
 
 def _capabilities(devices: frozenset[str]) -> Capabilities:
@@ -55,6 +74,14 @@ class TritonBackend(Backend):
         return _capabilities(self._DEVICES | ({"cpu"} if interpreting() else set()))
 
     requires = ("triton",)
+
+    def unavailable_reason(self) -> str | None:
+        why = super().unavailable_reason()
+        if why:
+            return why
+        import triton
+
+        return triton_version_reason(triton.__version__)
 
     def extra_reasons(self, problem: Problem) -> list[str]:
         reasons: list[str] = []

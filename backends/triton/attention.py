@@ -21,9 +21,9 @@ from .attention_kernel import protect_combine_kernel, split_kernel
 from .attention_v2_kernel import split_kernel_v2
 from .attention_v3_kernel import split_kernel_v3
 from .common import launch_dims, page_layout_constexprs, ptr_or_dummy
-from .heuristics import (INTERPRETER_SM_COUNT, V2_FLOAT32_ON_GPU, V2_HOLD_RAW, V2_ZSUB, V3_BLOCK_N, V3_BLOCK_R,
-                         V3_MIN_ROWS, V3_NUM_STAGES, V3_NUM_WARPS, V3_PREFETCH, PLANNED_SHARED_MAX, AttentionPlan,
-                         combine_configs, first_fitting, plan, plan_v2, plan_v3)
+from .heuristics import (INTERPRETER_SM_COUNT, TMEM_COLUMNS, V2_FLOAT32_ON_GPU, V2_HOLD_RAW, V2_ZSUB, V3_BLOCK_N,
+                         V3_BLOCK_R, V3_MIN_ROWS, V3_NUM_STAGES, V3_NUM_WARPS, V3_PREFETCH, AttentionPlan, DeviceLimits,
+                         combine_configs, first_fitting, plan, plan_v2, plan_v3, planned_shared_max)
 
 #: environment variable choosing the split kernel ("auto" default, "v1", "v2", "v3"); read on every call
 VARIANT_ENV = "QUANTMLA_TRITON_ATTENTION"
@@ -34,8 +34,9 @@ _PLANNERS = {"v1": plan, "v2": plan_v2, "v3": plan_v3}
 
 def auto_variant(quantized: bool, q_bf16: bool, rows: int = 1, v3_fits: bool = True) -> str:
     """The kernel ``auto`` runs for requests of ``rows`` = S_q x H query rows: v3 (64 rows per
-    program) from :data:`heuristics.V3_MIN_ROWS` rows with bfloat16 queries where its shared memory fits the device
-    (``v3_fits``: 115-156 KB on NVIDIA, more than sm_86/sm_89 give a block); else v2 for
+    program) from :data:`heuristics.V3_MIN_ROWS` rows with bfloat16 queries where it fits the device (``v3_fits``:
+    115-156 KB of shared memory on NVIDIA, more than sm_86/sm_89 give a block; 832-1,152 columns of tensor memory at
+    d_c 512 on sm_100, more than an SM has); else v2 for
     packed formats with bfloat16 queries (on the H200 it takes 0.55-0.6x of v1's time there,
     benchmarks/RESULTS.md), v1 for BF16 pages (v1 is faster on them) and float32 queries (v2
     keeps float32 queries for the interpreter)."""
@@ -69,13 +70,22 @@ def v3_constexprs(quant: bool, cbits: int, rbits: int, dot_bf16: bool, prefetch:
     return dict(CBIAS=v2["CBIAS"], RBIAS=v2["RBIAS"], PREFETCH=bool(prefetch))
 
 
-def max_shared(device: torch.device) -> int | None:
-    """Shared memory one block may use on ``device``, in bytes, where it is less than the plans may ask for
-    (:data:`heuristics.PLANNED_SHARED_MAX`); None where it is not, off a GPU and in the interpreter: no limit."""
+def device_limits(device: torch.device, latent_dim: int, rope_dim: int) -> DeviceLimits:
+    """What the launcher checks each build against on ``device`` for ``latent_dim`` / ``rope_dim`` vectors: shared
+    memory a block where it is less than the plans may ask for (:func:`heuristics.planned_shared_max`), and tensor
+    memory on NVIDIA GPUs that have it (sm_100 and later); nothing off a GPU and in the interpreter."""
     if interpreting() or device.type != "cuda":
-        return None
-    limit = _device_max_shared(_device_index(device))
-    return limit if limit < PLANNED_SHARED_MAX else None
+        return DeviceLimits()
+    index = _device_index(device)
+    shared = _device_max_shared(index)
+    planned = planned_shared_max(latent_dim, rope_dim)
+    return DeviceLimits(shared=None if planned is not None and shared >= planned else shared,
+                        tmem=TMEM_COLUMNS if _has_tensor_memory(index) else None)
+
+
+@functools.lru_cache(maxsize=16)
+def _has_tensor_memory(index: int) -> bool:
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 10
 
 
 def _device_index(device: torch.device) -> int:
@@ -102,41 +112,44 @@ def _arg_kinds(args: tuple) -> tuple:
 
 
 @functools.lru_cache(maxsize=256)
-def _shared_bytes(kernel_name: str, arg_dtypes: tuple, consts: tuple, options: tuple, device_index: int) -> int:
-    """Shared memory of the kernel ``kernel_name`` built for these constexprs and launch options on the device: a
-    warm-up build (Triton caches it, so the launch that follows does not build again), pointers as their dtypes
-    (``arg_dtypes``: :func:`_arg_kinds`)."""
+def _build_needs(kernel_name: str, arg_dtypes: tuple, consts: tuple, options: tuple, device_index: int) -> tuple[int, int]:
+    """(shared memory bytes a block, tensor-memory columns) of the kernel ``kernel_name`` built for these constexprs
+    and launch options on the device: a warm-up build (Triton caches it, so the launch that follows does not build
+    again), pointers as their dtypes (``arg_dtypes``: :func:`_arg_kinds`)."""
     kernel = {"protect_combine": protect_combine_kernel, **{f"split_{v}": k for v, k in _KERNELS.items()}}[kernel_name]
     args = tuple(_PLAIN_INT if a is int else 1.5 if a is float else a for a in arg_dtypes)  # no value specialised
     with torch.cuda.device(device_index):
-        return int(kernel.warmup(*args, grid=(1,), **dict(consts), **dict(options)).metadata.shared)
+        metadata = kernel.warmup(*args, grid=(1,), **dict(consts), **dict(options)).metadata
+    return int(metadata.shared), int(getattr(metadata, "tmem_size", 0) or 0)
 
 
-def _v3_shared(fmt, q: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torch.Tensor, dot_bf16: bool,
-               device: torch.device) -> int:
-    """Shared memory kernel v3 takes for this call's format and dtypes on ``device``, before its partials exist: the
-    split kernels' arguments (see :func:`attention`) with the partials as their dtype and one split."""
-    consts = _split_constexprs(fmt, "v3", q.dtype == torch.bfloat16, dot_bf16, V3_BLOCK_N, V3_BLOCK_R)
+def _split_excess(variant: str, fmt, q: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                  dot_bf16: bool, block: tuple[int, int], dims: tuple[int, int], device: torch.device,
+                  limits: DeviceLimits) -> str | None:
+    """Why split kernel ``variant`` with ``block`` = (BLOCK_N, BLOCK_R) and ``dims`` = (warps, stages) does not fit
+    ``limits`` for this call's format and dtypes, or None; checked before its partials exist (the split kernels'
+    arguments, see :func:`attention`, with the partials as their dtype and one split)."""
+    consts = _split_constexprs(fmt, variant, q.dtype == torch.bfloat16, dot_bf16, *block)
     args = (q, q, cache.pages, block_table, seq_lens, torch.float32, torch.float32, block_table.stride(0),
             cache.num_pages, 1.0, 1, 1, 1, cache.sink, cache.local, 1)
-    return _shared_bytes("split_v3", _arg_kinds(args), tuple(consts.items()),
-                         tuple(launch_dims(V3_NUM_WARPS, V3_NUM_STAGES).items()), _device_index(device))
+    return limits.excess(_build_needs(f"split_{variant}", _arg_kinds(args), tuple(consts.items()),
+                                      tuple(launch_dims(*dims).items()), _device_index(device)))
 
 
 def _combine_config(args: tuple, consts: dict, block_t: int, num_warps: int, device: torch.device,
-                    limit: int | None) -> tuple[int, int | None]:
+                    limits: DeviceLimits) -> tuple[int, int | None]:
     """(tokens per tile, stages) of the combine kernel launched with ``args`` and ``consts``: the plan's, or where
-    ``limit`` (:func:`max_shared`) is below its need the first of :func:`heuristics.combine_configs` that fits."""
-    if limit is None:
+    ``limits`` (:func:`device_limits`) are checked the first of :func:`heuristics.combine_configs` that fits them."""
+    if not limits.checked:
         return block_t, None
 
-    def shared_of(config: tuple[int, int | None]) -> int:
+    def needs_of(config: tuple[int, int | None]) -> tuple[int, int]:
         options = launch_dims(num_warps, config[1])
-        return _shared_bytes("protect_combine", _arg_kinds(args), tuple({**consts, "BLOCK_T": config[0]}.items()),
-                             tuple(options.items()), _device_index(device))
+        return _build_needs("protect_combine", _arg_kinds(args), tuple({**consts, "BLOCK_T": config[0]}.items()),
+                            tuple(options.items()), _device_index(device))
 
     try:
-        return first_fitting(combine_configs(block_t), shared_of, limit)
+        return first_fitting(combine_configs(block_t), needs_of, limits)
     except ValueError as exc:
         raise ValueError(f"the Triton combine kernel does not fit this GPU: {exc}") from None
 
@@ -200,13 +213,13 @@ def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: 
     q_bf16 = q.dtype == torch.bfloat16
     interp = interpreting()
     dot_bf16 = q_bf16 and not interp  # the interpreter's bfloat16 math is wrong: float32 there
-    limit = max_shared(dev)
+    limits = device_limits(dev, dc, dr)
     if q_bf16 and (variant == "v3" or (variant == "auto" and rows >= V3_MIN_ROWS)):
-        v3_need = 0 if limit is None else _v3_shared(fmt, q, cache, block_table, seq_lens, dot_bf16, dev)
-        v3_fits = limit is None or v3_need <= limit
-        if variant == "v3" and not v3_fits:
-            raise ValueError(f"{VARIANT_ENV}=v3: kernel v3 needs {v3_need} B of shared memory a block for {fmt}, this "
-                             f"GPU gives {limit} B (auto runs v2 there)")
+        v3_excess = limits.checked and _split_excess("v3", fmt, q, cache, block_table, seq_lens, dot_bf16,
+                                                     (V3_BLOCK_N, V3_BLOCK_R), (V3_NUM_WARPS, V3_NUM_STAGES), dev, limits)
+        if variant == "v3" and v3_excess:
+            raise ValueError(f"{VARIANT_ENV}=v3: kernel v3 {v3_excess} for {fmt} (auto runs v2 there)")
+        v3_fits = not v3_excess
     else:
         v3_fits = True
     if variant == "auto":
@@ -244,6 +257,11 @@ def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: 
         o_part, lse_part, out, lse = (torch.empty(shape, dtype=dt, device=dev) for shape, dt in specs)
     scale_log2 = float(softmax_scale) * math.log2(math.e)
     LAST_LAUNCH["plan"] = pl
+    if limits.checked and variant != "v3":  # v3's plan is the one checked above
+        excess = _split_excess(variant, fmt, q, cache, block_table, seq_lens, dot_bf16, (pl.block_n, pl.block_r),
+                               (pl.num_warps, pl.num_stages), dev, limits)
+        if excess:
+            raise ValueError(f"Triton kernel {variant} {excess} for {fmt}; no smaller plan of it is built")
     args = (q, qr, cache.pages, block_table, seq_lens, o_part, lse_part,
             block_table.stride(0), cache.num_pages, scale_log2, rows, h, s_q, cache.sink, cache.local, pl.num_splits)
     if probe_skip_pv or switches:  # probes: built per call
@@ -261,7 +279,7 @@ def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: 
              o_part, lse_part, out, lse, cache.max_seqs, scale_log2, rows, h, s_q, cache.sink, cache.local, pl.num_splits)
     cconsts = dict(Q_BF16=q_bf16, DOT_BF16=dot_bf16, PROT_BF16=cache.sink_buf.dtype == torch.bfloat16, DC=dc, DR=dr,
                    BLOCK_R=crb)
-    block_t, stages = _combine_config(cargs, cconsts, pl.combine_block_t, pl.combine_warps, dev, limit)
+    block_t, stages = _combine_config(cargs, cconsts, pl.combine_block_t, pl.combine_warps, dev, limits)
     LAST_LAUNCH["combine_config"] = (block_t, stages)
     LAST_LAUNCH["combine"] = protect_combine_kernel[(b, -(-rows // crb))](
         *cargs, **cconsts, BLOCK_T=block_t, **launch_dims(pl.combine_warps, stages))

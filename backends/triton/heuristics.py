@@ -56,10 +56,48 @@ FP32_PROTECT_BLOCK_T = 16  # protected tokens per tile in the combine kernel (si
 #: sm_86/sm_89 (A10, L4, L40S: 101,376 B) and MI300X/MI250 (65,536 B) give a block; 16 tokens 92,672 / 36,864 B;
 #: 16 tokens in one stage 51,200 / 32,768 B
 SMALL_SHARED_COMBINE = ((16, None), (16, 1))
-#: the most shared memory a block any planned launch needs in those builds (the combine kernel on NVIDIA); devices that
-#: give a block at least this much (A100: exactly this, H100/H200: 232,448 B) run the plans without the warm-up builds
-#: that check them
+#: the most shared memory a block any planned launch needs in those builds at d_c <= 512 and d_r <= 64 (the combine
+#: kernel on NVIDIA at 512 / 64); devices that give a block at least this much (A100: exactly this, H100/H200: 232,448 B)
+#: run those plans without the warm-up builds that check them. Wider vectors need more (sm_90, triton 3.7.1, stop 42:
+#: the combine takes 185,344 B at 512 / 128 and 305-333 KB at d_c 1024, v1 177-193 KB and v3 185-197 KB at d_c 1024), so
+#: there every GPU checks.
 PLANNED_SHARED_MAX = 166912
+PLANNED_DIMS_MAX = (512, 64)
+#: Blackwell's tensor memory (sm_100 and later): 512 32-bit columns an SM. Triton 3.7.1 builds a kernel whose
+#: accumulators need more as a kernel that traps at once (kernel v3 at d_c 512 needs 832-1,152, stop 42), so the
+#: launcher checks every build on such GPUs.
+TMEM_COLUMNS = 512
+
+
+def planned_shared_max(latent_dim: int, rope_dim: int) -> int | None:
+    """The most shared memory a block the plans need at these dims where it is known (:data:`PLANNED_SHARED_MAX`),
+    None where not (check every build)."""
+    if latent_dim <= PLANNED_DIMS_MAX[0] and rope_dim <= PLANNED_DIMS_MAX[1]:
+        return PLANNED_SHARED_MAX
+    return None
+
+
+@dataclass(frozen=True)
+class DeviceLimits:
+    """What a GPU gives one block that a planned launch may exceed: ``shared`` bytes of shared memory and ``tmem``
+    columns of tensor memory; None where no plan can exceed it (nothing to check)."""
+
+    shared: int | None = None
+    tmem: int | None = None
+
+    @property
+    def checked(self) -> bool:
+        return self.shared is not None or self.tmem is not None
+
+    def excess(self, need: tuple[int, int]) -> str | None:
+        """Why a build that needs ``need`` = (shared bytes, tensor-memory columns) does not fit, or None."""
+        shared, tmem = need
+        why = []
+        if self.shared is not None and shared > self.shared:
+            why.append(f"{shared} B of shared memory a block, this GPU gives {self.shared} B")
+        if self.tmem is not None and tmem > self.tmem:
+            why.append(f"{tmem} columns of tensor memory, an SM has {self.tmem}")
+        return "needs " + " and ".join(why) if why else None
 
 
 @dataclass(frozen=True)
@@ -86,18 +124,18 @@ def combine_configs(block_t: int) -> tuple[tuple[int, int | None], ...]:
     return tuple(dict.fromkeys(((block_t, None), *SMALL_SHARED_COMBINE)))
 
 
-def first_fitting(configs, shared_of, limit: int | None):
-    """The first of ``configs`` whose shared memory ``shared_of(config)`` (bytes) is at most ``limit`` (None: no
-    limit, the first). Raises ``ValueError`` naming each config's need when none fits."""
-    if limit is None:
+def first_fitting(configs, needs_of, limits: DeviceLimits):
+    """The first of ``configs`` whose build needs ``needs_of(config)`` = (shared bytes, tensor-memory columns) fit
+    ``limits`` (nothing checked: the first). Raises ``ValueError`` naming each config's excess when none fits."""
+    if not limits.checked:
         return configs[0]
-    needs = []
+    excesses = []
     for config in configs:
-        need = shared_of(config)
-        if need <= limit:
+        excess = limits.excess(needs_of(config))
+        if excess is None:
             return config
-        needs.append(f"{config}: {need} B")
-    raise ValueError(f"no configuration fits the device's {limit} B of shared memory a block ({'; '.join(needs)})")
+        excesses.append(f"{config} {excess}")
+    raise ValueError(f"no configuration fits: {'; '.join(excesses)}")
 
 
 @functools.lru_cache(maxsize=4096)  # pure; a decode step asks for the same plan on every layer

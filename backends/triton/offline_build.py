@@ -10,16 +10,24 @@ bfloat16 dots) is the GPU's; no kernel runs.
 
     python -m quantmla_core.backends.triton.offline_build            # gfx942: every kernel, the default matrix
     python -m quantmla_core.backends.triton.offline_build gfx90a C4R4 C2R4
+    python -m quantmla_core.backends.triton.offline_build sm_80      # NVIDIA A100
 
-:func:`amd_resources` reads what the AMD compiler reports (VGPRs, AGPRs, spills, scratch, LDS, occupancy, MFMA count).
+:func:`amd_resources` reads what the AMD compiler reports (VGPRs, AGPRs, spills, scratch, LDS, occupancy, MFMA count);
+:func:`nvidia_resources` what Triton's own ``ptxas -v`` reports (registers, spill bytes, shared memory, MMA count).
+Run under another triton (``PYTHONPATH=<an unpacked triton wheel>``) it checks that release builds the kernels
+(:data:`quantmla_core.backends.triton.MIN_TRITON`); :func:`compile_launch` speaks both ``ASTSource`` APIs (3.3+
+and 3.0-3.2).
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import re
+import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -121,10 +129,25 @@ def compile_launch(launch: Launch, target) -> Any:
             if default is inspect.Parameter.empty:
                 raise ValueError(f"{launch.name}: no value for parameter {p!r}")
             consts[p] = default
-    sig.update({p: "constexpr" for p in consts})
-    src = ASTSource(launch.kernel, sig, constexprs={(params.index(p),): v for p, v in consts.items()}, attrs=attrs)
+    if "constexprs" in inspect.signature(ASTSource).parameters:
+        sig.update({p: "constexpr" for p in consts})
+        src = ASTSource(launch.kernel, sig, constexprs={(params.index(p),): v for p, v in consts.items()}, attrs=attrs)
+    else:  # triton < 3.3: constants by name, an AttrsDescriptor of the aligned arguments' indices
+        src = ASTSource(launch.kernel, sig, consts, _old_attrs([i for (i,) in attrs]))
     options = {k: v for k, v in launch.options.items() if k != "maxnreg" or target.backend == "cuda"}
     return triton.compile(src, target=target, options=options)
+
+
+def _old_attrs(divisible_by_16: list[int]) -> Any:
+    """The ``AttrsDescriptor`` of triton 3.0-3.2 for arguments at ``divisible_by_16`` (parameter indices)."""
+    try:  # 3.2
+        from triton.backends.compiler import AttrsDescriptor
+
+        return AttrsDescriptor.from_hints({i: 16 for i in divisible_by_16})
+    except ImportError:  # 3.0, 3.1
+        from triton.compiler.compiler import AttrsDescriptor
+
+        return AttrsDescriptor(divisible_by_16=tuple(divisible_by_16), equal_to_1=())
 
 
 def amd_resources(compiled) -> dict[str, int]:
@@ -172,19 +195,81 @@ def launches_of(fmt_name: str, heads: int = 16, s_q: int = 1, latent_dim: int = 
 DEFAULT_MATRIX = [("C4R4", 16), ("C2R4", 16), ("C8R8", 16), ("BF16", 16), ("C4R4", 128), ("BF16", 128)]
 
 
-def main(argv: list[str]) -> None:
+def target_of(arch: str):
+    """The ``GPUTarget`` of ``arch``: ``"gfx942"`` (AMD, wave 64) or ``"sm_90"`` / ``"90"`` (NVIDIA)."""
     from triton.backends.compiler import GPUTarget
+
+    if arch.startswith("gfx"):
+        return GPUTarget("hip", arch, 64)
+    return GPUTarget("cuda", int(arch.removeprefix("sm_")), 32)
+
+
+def _run_ptxas(arch: str, ptx_path: str) -> subprocess.CompletedProcess:
+    """``ptxas -v`` of Triton's wheel on ``ptx_path`` for ``arch`` (``sm_90a``): the ``ptxas`` Triton builds that
+    target with first (``ptxas-blackwell`` from sm_100), the other where the first refuses the PTX version."""
+    import triton
+
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    names = ["ptxas", "ptxas-blackwell"]
+    if int(re.sub(r"\D", "", arch)) >= 100:
+        names.reverse()
+    r = None
+    for name in [n for n in names if os.path.exists(os.path.join(bin_dir, n))]:
+        r = subprocess.run([os.path.join(bin_dir, name), "-v", "--gpu-name", arch, ptx_path, "-o", os.devnull],
+                           capture_output=True, text=True)
+        if r.returncode == 0:
+            break
+    if r is None:
+        raise RuntimeError(f"this triton has no ptxas in {bin_dir}")
+    return r
+
+
+def nvidia_resources(compiled) -> dict[str, int]:
+    """Registers, spill bytes (stores), shared memory and MMA instructions (``wgmma``, ``mma.sync``) of a kernel
+    compiled for an NVIDIA target, from the ``ptxas -v`` bundled with Triton (registers are known only once a
+    driver loads the cubin); ``tcgen05`` counts Blackwell's tensor-memory MMAs."""
+    ptx = compiled.asm["ptx"]
+    arch = re.search(r"^\.target\s+(\w+)", ptx, re.M).group(1)
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        r = _run_ptxas(arch, f.name)
+    finally:
+        os.unlink(f.name)
+    if r.returncode != 0:
+        raise RuntimeError(f"ptxas failed on {compiled.metadata.name}: {r.stderr[-500:]}")
+    txt = r.stderr + r.stdout
+    regs, spill = re.search(r"Used (\d+) registers", txt), re.search(r"(\d+) bytes spill stores", txt)
+    if regs is None:
+        raise RuntimeError(f"ptxas -v reported no register count for {compiled.metadata.name}: {txt[-500:]}")
+    return {"regs": int(regs.group(1)), "spill_bytes": int(spill.group(1)) if spill else 0,
+            "shared": int(compiled.metadata.shared), "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
+            "mma_sync": len(re.findall(r"\bmma\.sync", ptx)), "tcgen05": len(re.findall(r"tcgen05\.mma", ptx))}
+
+
+def innermost_error(exc: BaseException) -> str:
+    """``Type: message`` of the exception that started ``exc``'s chain: the compiler's own words (a failing
+    ``triton.compile`` raises at the outermost call of a kernel's helpers)."""
+    while exc.__cause__ is not None or exc.__context__ is not None:
+        exc = exc.__cause__ or exc.__context__
+    return f"{type(exc).__name__}: {exc}"
+
+
+def main(argv: list[str]) -> None:
+    import triton
 
     arch = argv[0] if argv else "gfx942"
     runs = [(f, h) for f in argv[1:] for h in (16, 128)] if len(argv) > 1 else DEFAULT_MATRIX
-    target = GPUTarget("hip", arch, 64)
+    target = target_of(arch)
+    resources = amd_resources if target.backend == "hip" else nvidia_resources
     for fmt_name, heads in runs:
         for launch in launches_of(fmt_name, heads):
             try:
-                res = amd_resources(compile_launch(launch, target))
+                res = resources(compile_launch(launch, target))
             except Exception as exc:  # report, keep going
-                res = {"err": f"{type(exc).__name__}: {exc}"[:300]}
-            print({"arch": arch, "fmt": fmt_name, "H": heads, "kernel": launch.name, **launch.options, **res}, flush=True)
+                res = {"err": innermost_error(exc)[-300:]}
+            print({"triton": triton.__version__, "arch": arch, "fmt": fmt_name, "H": heads, "kernel": launch.name,
+                   **launch.options, **res}, flush=True)
 
 
 if __name__ == "__main__":

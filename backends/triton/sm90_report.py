@@ -14,14 +14,12 @@ bytes, shared memory and how many ``wgmma`` the TTGIR holds. Numbers track the H
 from __future__ import annotations
 
 import inspect
-import os
 import re
-import subprocess
 import sys
-import tempfile
 
 from . import slice_width
 from .common import page_layout_constexprs
+from .offline_build import nvidia_resources
 
 
 def _consts(variant: str, fmt, block_n: int, block_r: int, bf16: bool, **switches) -> dict:
@@ -78,21 +76,11 @@ def compile_report(variant: str = "v2", fmt_name: str = "C4R4", latent_dim: int 
     if maxnreg:
         opts["maxnreg"] = maxnreg
     k = triton.compile(ASTSource(fn, sig, constexprs=cex, attrs=attrs), target=GPUTarget("cuda", 90, 32), options=opts)
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(k.asm["ptx"])
-    try:
-        r = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True, text=True)
-    finally:
-        os.unlink(f.name)
-    txt = r.stderr + r.stdout
-    regs = re.search(r"Used (\d+) registers", txt)
-    spill = re.search(r"(\d+) bytes spill stores", txt)
+    res = nvidia_resources(k)
     ttgir = k.asm["ttgir"]
     return {"variant": variant, "fmt": fmt.name, "dc": latent_dim, "P": page_size, "G": group_size, "bf16": bf16,
             "block_n": block_n, "block_r": block_r, "num_warps": num_warps, "num_stages": num_stages, **switches,
-            "regs": int(regs.group(1)) if regs else None, "spill_bytes": int(spill.group(1)) if spill else None,
-            "smem": k.metadata.shared, "wgmma": len(re.findall(r"warp_group_dot ", ttgir)),
+            "regs": res["regs"], "spill_bytes": res["spill_bytes"], "smem": res["shared"], "wgmma": len(re.findall(r"warp_group_dot ", ttgir)),
             "mma_sync": len(re.findall(r"tt\.dot ", ttgir))}
 
 
