@@ -120,6 +120,15 @@ def _check_tile_source(fmt_name: str, ptx: str) -> None:
         assert "fma.rn.bf16x2" in ptx and "prefetch.global.L2" not in ptx
 
 
+@pytest.mark.parametrize("capability, kib", [((8, 0), 163), ((8, 6), 99), ((8, 7), 163), ((8, 9), 99), ((9, 0), 227),
+                                             ((10, 0), 227), ((10, 3), 227), ((11, 0), 227), ((12, 0), 99),
+                                             ((12, 1), 99), (None, 227)])
+def test_smem_per_block_by_compute_capability(capability, kib):
+    """Consumer Blackwell (sm_120/121) gives a block 99 KB like sm_86/89, not Hopper's 227 KB: v4's plan checks
+    against it."""
+    assert smem_per_block(capability) == kib * 1024
+
+
 def test_v4_smem_layout():
     # C4R4, 2 stages of 64 x 317 B, K and queries 64 rows x (576 x 2 + 16) B, P 64 x (128 + 16) B, the
     # score exchange 8 warps x 4 n-tiles x 32 lanes x 16 B, four float rows of 64 row statistics

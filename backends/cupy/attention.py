@@ -244,9 +244,10 @@ V5_PACKED_GROUPS = True
 
 
 def smem_per_block(capability: tuple[int, int] | None) -> int:
-    """Opt-in dynamic shared memory per block (bytes): 227 KB on sm_90 (and when the GPU is not
-    known yet), 163 KB on sm_80/87, 99 KB on the other sm_8x parts (CUDA programming guide)."""
-    if capability is None or tuple(capability) >= (9, 0):
+    """Opt-in dynamic shared memory per block (bytes): 227 KB on sm_90, sm_100 and sm_110 (and when the GPU is not
+    known yet), 163 KB on sm_80/87, 99 KB on the other sm_8x parts and on sm_120/121 (consumer Blackwell; CUDA
+    programming guide, compute capabilities table)."""
+    if capability is None or (9, 0) <= tuple(capability) < (12, 0):
         return 227 * 1024
     return 163 * 1024 if tuple(capability) in ((8, 0), (8, 7)) else 99 * 1024
 
