@@ -227,3 +227,27 @@ def test_device_limits_check_only_what_a_plan_may_exceed(monkeypatch):
     monkeypatch.setattr(att, "_device_max_shared", lambda index: 232448)
     assert att.device_limits(cuda, 512, 64) == DeviceLimits(shared=None, tmem=TMEM_COLUMNS)
     assert att.device_limits(torch.device("cpu"), 1024, 64) == DeviceLimits()
+
+
+def test_auto_runs_v3_on_hopper_only(monkeypatch):
+    """Off Hopper auto runs v2 over packed pages and v1 over BF16 pages at 128 heads (v3's dots are not warpgroup MMAs
+    there); a forced v3 still runs where it fits."""
+    monkeypatch.setattr(att, "v3_suits", lambda device: False)
+    assert _names(ob.launches_of("C4R4", 128)) == ["write", "split_v2", "protect_combine"]
+    assert _names(ob.launches_of("BF16", 128)) == ["write", "split_v1", "protect_combine"]
+    assert _split_launch("C4R4", 128, "v3", monkeypatch).name == "split_v3"
+    monkeypatch.undo()
+    assert _names(ob.launches_of("C4R4", 128)) == ["write", "split_v3", "protect_combine"]  # the control
+
+
+@pytest.mark.parametrize("capability, hip, hopper", [((9, 0), None, True), ((8, 0), None, False),
+                                                     ((8, 6), None, False), ((10, 0), None, False),
+                                                     ((12, 0), None, False), ((9, 4), "6.2", False)])
+def test_hopper_is_sm90_on_cuda(capability, hip, hopper, monkeypatch):
+    """sm_90 is Hopper; ROCm reports MI300X as capability 9.4, which is not."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    assert att._is_hopper.__wrapped__(0) is hopper
+    monkeypatch.setattr(att, "_is_hopper", lambda index: hopper)
+    assert att.v3_suits(torch.device("cuda", 0)) is hopper
+    assert att.v3_suits(torch.device("cpu")) is True

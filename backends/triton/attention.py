@@ -34,15 +34,29 @@ _PLANNERS = {"v1": plan, "v2": plan_v2, "v3": plan_v3}
 
 def auto_variant(quantized: bool, q_bf16: bool, rows: int = 1, v3_fits: bool = True) -> str:
     """The kernel ``auto`` runs for requests of ``rows`` = S_q x H query rows: v3 (64 rows per
-    program) from :data:`heuristics.V3_MIN_ROWS` rows with bfloat16 queries where it fits the device (``v3_fits``:
-    115-156 KB of shared memory on NVIDIA, more than sm_86/sm_89 give a block; 832-1,152 columns of tensor memory at
-    d_c 512 on sm_100, more than an SM has); else v2 for
+    program) from :data:`heuristics.V3_MIN_ROWS` rows with bfloat16 queries where it suits the device (``v3_fits``:
+    a Hopper GPU, see :func:`v3_suits`, whose shared memory holds it); else v2 for
     packed formats with bfloat16 queries (on the H200 it takes 0.55-0.6x of v1's time there,
     benchmarks/RESULTS.md), v1 for BF16 pages (v1 is faster on them) and float32 queries (v2
     keeps float32 queries for the interpreter)."""
     if q_bf16 and rows >= V3_MIN_ROWS and v3_fits:
         return "v3"
     return "v2" if quantized and q_bf16 else "v1"
+
+
+def v3_suits(device: torch.device) -> bool:
+    """Whether ``auto`` may run kernel v3 on ``device``: on Hopper (sm_90), where its dots are warpgroup MMAs, and in
+    the interpreter, which plans as the H200. Elsewhere its 64-row output stays in registers (A100: mma.sync, 24,920
+    instructions and 2,726 spill loads and stores a warp a tile, against v2's 3,849 and none; gfx942: 1.6 KB of
+    scratch a lane) or overflows Blackwell's tensor memory (a trap at d_c 512), stop 42; v2 and v1 run there."""
+    if interpreting() or device.type != "cuda":
+        return True
+    return _is_hopper(_device_index(device))
+
+
+@functools.lru_cache(maxsize=16)
+def _is_hopper(index: int) -> bool:
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] == 9
 
 
 #: compiled-kernel handles of the last launch (``n_regs``, ``n_spills``) for probes
@@ -214,14 +228,13 @@ def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: 
     interp = interpreting()
     dot_bf16 = q_bf16 and not interp  # the interpreter's bfloat16 math is wrong: float32 there
     limits = device_limits(dev, dc, dr)
-    if q_bf16 and (variant == "v3" or (variant == "auto" and rows >= V3_MIN_ROWS)):
+    v3_fits = False
+    if q_bf16 and (variant == "v3" or (variant == "auto" and rows >= V3_MIN_ROWS and v3_suits(dev))):
         v3_excess = limits.checked and _split_excess("v3", fmt, q, cache, block_table, seq_lens, dot_bf16,
                                                      (V3_BLOCK_N, V3_BLOCK_R), (V3_NUM_WARPS, V3_NUM_STAGES), dev, limits)
         if variant == "v3" and v3_excess:
             raise ValueError(f"{VARIANT_ENV}=v3: kernel v3 {v3_excess} for {fmt} (auto runs v2 there)")
         v3_fits = not v3_excess
-    else:
-        v3_fits = True
     if variant == "auto":
         variant = auto_variant(fmt.quantized, q_bf16, rows, v3_fits)
     if variant in ("v2", "v3") and not q_bf16 and not interp and not V2_FLOAT32_ON_GPU:
