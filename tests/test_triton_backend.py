@@ -162,6 +162,29 @@ def test_v3_attention_matches_reference(case, dtype, monkeypatch):
     assert LAST_LAUNCH["variant"] == ("v3" if dtype == "bfloat16" or not GPU else "v1")
 
 
+def _declared_dims_cases() -> list[Case]:
+    """The dims the backend declares beyond 512/64 and 256/32 (d_c 128-1024, d_r 32-128), through ``auto``: v2 and v1
+    at 4 heads, v3 at 64. On a GPU these are the plans whose shared memory the launcher checks on every device (the
+    d_c 1024 combine runs 16-token tiles; stop 42)."""
+    f = PackFormat.parse
+    return [
+        Case(f("C4R4", latent_dim=1024, rope_dim=64), (70, 130), heads=4, seed=9201),
+        Case(f("BF16", latent_dim=1024, rope_dim=128), (90, 5), heads=4, seed=9202),
+        Case(f("C2R4", latent_dim=1024, rope_dim=64), (140,), heads=64, seed=9203),
+        Case(f("C4R4", latent_dim=512, rope_dim=128), (100, 33), heads=64, seed=9204),
+        Case(f("C4R8", latent_dim=128, rope_dim=32), (80, 17), heads=4, s_q=2, seed=9205),
+    ]
+
+
+@pytest.mark.parametrize("case", _declared_dims_cases(), ids=str)
+def test_declared_dims_match_reference(case):
+    from quantmla_core.backends.triton.attention import LAST_LAUNCH
+
+    check_attention_case(case, "torch", "triton", DEVICE, "bfloat16")
+    if not GPU or (torch.version.hip is None and torch.cuda.get_device_capability()[0] == 9):  # Hopper, interpreter
+        assert LAST_LAUNCH["variant"] == ("v3" if case.heads >= 64 else "v2" if case.fmt.quantized else "v1")
+
+
 @pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_v3_split_counts_and_prefetch(splits, prefetch):
