@@ -245,6 +245,10 @@ elif [ "$MODE" = halves ]; then
   echo "=== 2 against 4 workers at d_c 256, twice (CUDA graphs)"; timeout 240 python3 -P benchmarks/graph_probe.py \
     --backends cupy --dims 256,32 --settings "$W2;$W4;$W2;$W4" --formats C4R4,C2R4 \
     --shapes ${FOUR_SHAPES:-16x32x32768,16x128x32768,16x32x131072} --json "$OUT/graph_v5_four.json" 2>&1 | grep -v "^{" | tail -24
+  echo "=== Triton at the declared dims beyond 512/64 and 256/32 (stop 42: the d_c 1024 combine in 16-token tiles)"
+  timeout 300 $T tests/test_triton_backend.py -k "declared_dims" 2>&1 | tail -3
+  python3 -P -c "import torch; from quantmla_core.backends.triton import attention as a; d = torch.device('cuda');
+print('limits 512/64', a.device_limits(d, 512, 64), '1024/64', a.device_limits(d, 1024, 64), 'v3_suits', a.v3_suits(d))"
 elif [ "$MODE" = v6pair ]; then
   echo "=== v6 pairs: one small case first (a hang or a failure stops here)"; timeout 120 $T tests/test_cupy_v6.py \
     -k "v6_pair_matches and L64_128_192" 2>&1 | tail -2 | tee "$OUT/v6_pair_first.txt"
