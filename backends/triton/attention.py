@@ -46,9 +46,9 @@ def auto_variant(quantized: bool, q_bf16: bool, rows: int = 1, v3_fits: bool = T
 
 def v3_suits(device: torch.device) -> bool:
     """Whether ``auto`` may run kernel v3 on ``device``: on Hopper (sm_90), where its dots are warpgroup MMAs, and in
-    the interpreter, which plans as the H200. Elsewhere its 64-row output stays in registers (A100: mma.sync, 24,920
-    instructions and 2,726 spill loads and stores a warp a tile, against v2's 3,849 and none; gfx942: 1.6 KB of
-    scratch a lane) or overflows Blackwell's tensor memory (a trap at d_c 512), stop 42; v2 and v1 run there."""
+    the interpreter, which plans as the H200. Elsewhere its 64-row output stays in registers (A100: mma.sync; for 64
+    rows and 128 tokens its loops issue 1.6x v2's warp instructions, 22K of them spill loads and stores; gfx942: 1.6 KB
+    of scratch a lane) or overflows Blackwell's tensor memory (a trap at d_c 512), stop 42; v2 and v1 run there."""
     if interpreting() or device.type != "cuda":
         return True
     return _is_hopper(_device_index(device))

@@ -175,7 +175,7 @@ def split_kernel(
     b = tl.program_id(1)
     rb = tl.program_id(2)
     DOT_DT: tl.constexpr = tl.bfloat16 if DOT_BF16 else tl.float32
-    CBIAS: tl.constexpr = 128 if ((DOT_BF16 and QUANT) and CBITS < 8) else 0  # triton < 3.4 takes two operands an and
+    CBIAS: tl.constexpr = 128 if ((DOT_BF16 and QUANT) and CBITS < 8) else 0  # triton 3.3: no chained `and`
     RBIAS: tl.constexpr = 128 if ((DOT_BF16 and QUANT) and RBITS < 8) else 0
     NSC: tl.constexpr = DC // CCW
 
