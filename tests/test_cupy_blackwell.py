@@ -43,15 +43,18 @@ def selected(capability: tuple[int, int]) -> set[tuple[str, str]]:
 
 
 def _cubin(arch: str, source: str, defines: dict[str, int]) -> tuple[int, str, str]:
-    """(nvcc's return code, its ``ptxas -v`` messages, the PTX) of ``kernels/<source>`` for ``arch``."""
+    """(return code, messages, the PTX) of ``kernels/<source>`` compiled for ``arch``: nvcc to PTX, then ``ptxas -v``
+    on that PTX (registers, spills; an instruction the target lacks fails here)."""
     with tempfile.TemporaryDirectory() as tmp:
-        base = [NVCC, f"-arch={arch}", "--std=c++17", f"-I{KERNEL_DIR}", *define_options(defines), str(KERNEL_DIR / source)]
-        r = subprocess.run([*base, "-cubin", "-Xptxas", "-v", "-o", os.path.join(tmp, "k.cubin")], capture_output=True,
-                           text=True)
-        ptx = ""
-        if r.returncode == 0:
-            subprocess.run([*base, "-ptx", "-o", os.path.join(tmp, "k.ptx")], check=True, capture_output=True)
-            ptx = open(os.path.join(tmp, "k.ptx")).read()
+        ptx_path = os.path.join(tmp, "k.ptx")
+        r = subprocess.run([NVCC, "-ptx", f"-arch={arch}", "--std=c++17", f"-I{KERNEL_DIR}", *define_options(defines),
+                            "-o", ptx_path, str(KERNEL_DIR / source)], capture_output=True, text=True)
+        if r.returncode:
+            return r.returncode, r.stderr + r.stdout, ""
+        ptx = open(ptx_path).read()
+        ptxas = os.path.join(os.path.dirname(NVCC), "ptxas")
+        r = subprocess.run([ptxas, "-v", f"-arch={arch}", ptx_path, "-o", os.path.join(tmp, "k.cubin")],
+                           capture_output=True, text=True)
     return r.returncode, r.stderr + r.stdout, ptx
 
 

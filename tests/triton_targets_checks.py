@@ -41,7 +41,7 @@ def _names(launches) -> list[str]:
 
 def _needs(compiled) -> tuple[int, int]:
     """(shared memory bytes a block, tensor-memory columns) of a compiled kernel."""
-    return int(compiled.metadata.shared), int(getattr(compiled.metadata, "tmem_size", 0) or 0)
+    return att.build_needs_of(compiled.metadata)
 
 
 def _fake_device(monkeypatch, target, limit, tmem=None) -> None:
@@ -50,8 +50,8 @@ def _fake_device(monkeypatch, target, limit, tmem=None) -> None:
     kernels = {"protect_combine": protect_combine_kernel, **{f"split_{v}": k for v, k in att._KERNELS.items()}}
 
     def build_needs(name, arg_dtypes, consts, options, device_index):
-        args = tuple(17 if a is int else 1.5 if a is float else a for a in arg_dtypes)
-        return _needs(ob.compile_launch(ob.Launch(name, kernels[name], args, dict(consts), dict(options)), target))
+        launch = ob.Launch(name, kernels[name], att.warmup_args(arg_dtypes), dict(consts), dict(options))
+        return _needs(ob.compile_launch(launch, target))
 
     monkeypatch.setattr(att, "device_limits", lambda device, dc, dr: DeviceLimits(shared=limit, tmem=tmem))
     monkeypatch.setattr(att, "_build_needs", build_needs)

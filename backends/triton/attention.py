@@ -131,10 +131,27 @@ def _build_needs(kernel_name: str, arg_dtypes: tuple, consts: tuple, options: tu
     and launch options on the device: a warm-up build (Triton caches it, so the launch that follows does not build
     again), pointers as their dtypes (``arg_dtypes``: :func:`_arg_kinds`)."""
     kernel = {"protect_combine": protect_combine_kernel, **{f"split_{v}": k for v, k in _KERNELS.items()}}[kernel_name]
-    args = tuple(_PLAIN_INT if a is int else 1.5 if a is float else a for a in arg_dtypes)  # no value specialised
     with torch.cuda.device(device_index):
-        metadata = kernel.warmup(*args, grid=(1,), **dict(consts), **dict(options)).metadata
+        metadata = kernel.warmup(*warmup_args(arg_dtypes), grid=(1,), **dict(consts), **dict(options)).metadata
+    return build_needs_of(metadata)
+
+
+def warmup_args(arg_dtypes: tuple) -> tuple:
+    """Stand-ins for launch arguments of these kinds (:func:`_arg_kinds`) that Triton specialises on no value."""
+    return tuple(_PLAIN_INT if a is int else 1.5 if a is float else a for a in arg_dtypes)
+
+
+def build_needs_of(metadata) -> tuple[int, int]:
+    """(shared memory bytes a block, tensor-memory columns) of a compiled kernel's ``metadata`` (no tensor memory
+    where the target has none)."""
     return int(metadata.shared), int(getattr(metadata, "tmem_size", 0) or 0)
+
+
+def _split_args(q: torch.Tensor, qr: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torch.Tensor, o_part,
+                lse_part, scale_log2: float, rows: int, heads: int, s_q: int, num_splits: int) -> tuple:
+    """The split kernels' positional arguments (v1, v2 and v3 take the same)."""
+    return (q, qr, cache.pages, block_table, seq_lens, o_part, lse_part, block_table.stride(0), cache.num_pages,
+            scale_log2, rows, heads, s_q, cache.sink, cache.local, num_splits)
 
 
 def _split_excess(variant: str, fmt, q: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -144,8 +161,7 @@ def _split_excess(variant: str, fmt, q: torch.Tensor, cache, block_table: torch.
     ``limits`` for this call's format and dtypes, or None; checked before its partials exist (the split kernels'
     arguments, see :func:`attention`, with the partials as their dtype and one split)."""
     consts = _split_constexprs(fmt, variant, q.dtype == torch.bfloat16, dot_bf16, *block)
-    args = (q, q, cache.pages, block_table, seq_lens, torch.float32, torch.float32, block_table.stride(0),
-            cache.num_pages, 1.0, 1, 1, 1, cache.sink, cache.local, 1)
+    args = _split_args(q, q, cache, block_table, seq_lens, torch.float32, torch.float32, 1.0, 1, 1, 1, 1)
     return limits.excess(_build_needs(f"split_{variant}", _arg_kinds(args), tuple(consts.items()),
                                       tuple(launch_dims(*dims).items()), _device_index(device)))
 
@@ -230,8 +246,8 @@ def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: 
     limits = device_limits(dev, dc, dr)
     v3_fits = False
     if q_bf16 and (variant == "v3" or (variant == "auto" and rows >= V3_MIN_ROWS and v3_suits(dev))):
-        v3_excess = limits.checked and _split_excess("v3", fmt, q, cache, block_table, seq_lens, dot_bf16,
-                                                     (V3_BLOCK_N, V3_BLOCK_R), (V3_NUM_WARPS, V3_NUM_STAGES), dev, limits)
+        v3_excess = _split_excess("v3", fmt, q, cache, block_table, seq_lens, dot_bf16, (V3_BLOCK_N, V3_BLOCK_R),
+                                  (V3_NUM_WARPS, V3_NUM_STAGES), dev, limits) if limits.checked else None
         if variant == "v3" and v3_excess:
             raise ValueError(f"{VARIANT_ENV}=v3: kernel v3 {v3_excess} for {fmt} (auto runs v2 there)")
         v3_fits = not v3_excess
@@ -275,8 +291,7 @@ def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: 
                                (pl.num_warps, pl.num_stages), dev, limits)
         if excess:
             raise ValueError(f"Triton kernel {variant} {excess} for {fmt}; no smaller plan of it is built")
-    args = (q, qr, cache.pages, block_table, seq_lens, o_part, lse_part,
-            block_table.stride(0), cache.num_pages, scale_log2, rows, h, s_q, cache.sink, cache.local, pl.num_splits)
+    args = _split_args(q, qr, cache, block_table, seq_lens, o_part, lse_part, scale_log2, rows, h, s_q, pl.num_splits)
     if probe_skip_pv or switches:  # probes: built per call
         consts = dict(_split_constexprs(fmt, variant, q_bf16, dot_bf16, pl.block_n, pl.block_r))
         consts["PROBE_SKIP_PV"] = probe_skip_pv
