@@ -251,3 +251,17 @@ def test_hopper_is_sm90_on_cuda(capability, hip, hopper, monkeypatch):
     monkeypatch.setattr(att, "_is_hopper", lambda index: hopper)
     assert att.v3_suits(torch.device("cuda", 0)) is hopper
     assert att.v3_suits(torch.device("cpu")) is True
+
+
+def test_sass_counts_show_v3_spilling_in_its_loop_on_a100(monkeypatch):
+    """What ``auto``'s Hopper-only rule for v3 rests on (offline_build.nvidia_resources): on sm_80 v3's tile loop holds
+    spill stores and loads, on sm_90 far fewer, and v2's loop stores none on either."""
+    a100 = ob.nvidia_resources(ob.compile_launch(_split_launch("C4R4", 128, "v3", monkeypatch), A100[0]))
+    hopper = ob.nvidia_resources(ob.compile_launch(_split_launch("C4R4", 128, "v3", monkeypatch), HOPPER[0]))
+    print(a100, hopper)
+    assert a100["sass_in_loops"] > 0 and a100["stl_in_loops"] > 10 * hopper["stl_in_loops"] > 0
+    assert a100["mma_sync"] > 0 and a100["wgmma"] == 0 and hopper["wgmma"] > 0
+    for target in (A100[0], HOPPER[0]):
+        v2 = ob.nvidia_resources(ob.compile_launch(_split_launch("C4R4", 16, "v2", monkeypatch), target))
+        assert v2["sass_in_loops"] > 0 and v2["stl_in_loops"] == 0 and not v2["trap"]
+    assert ob.nvidia_resources(ob.compile_launch(_split_launch("C4R4", 128, "v3", monkeypatch), B200))["trap"]

@@ -11,9 +11,11 @@ bfloat16 dots) is the GPU's; no kernel runs.
     python -m quantmla_core.backends.triton.offline_build            # gfx942: every kernel, the default matrix
     python -m quantmla_core.backends.triton.offline_build gfx90a C4R4 C2R4
     python -m quantmla_core.backends.triton.offline_build sm_80      # NVIDIA A100
+    QUANTMLA_TRITON_ATTENTION=v3 python -m quantmla_core.backends.triton.offline_build sm_100 C4R4 dims=1024,64
 
 :func:`amd_resources` reads what the AMD compiler reports (VGPRs, AGPRs, spills, scratch, LDS, occupancy, MFMA count);
-:func:`nvidia_resources` what Triton's own ``ptxas -v`` reports (registers, spill bytes, shared memory, MMA count).
+:func:`nvidia_resources` what Triton's own ``ptxas -v`` reports (registers, spill bytes, shared memory, MMA count),
+with tensor memory, whether the kernel is a ``trap;`` and its SASS loop and spill counts (:func:`sass_loop_counts`).
 Run under another triton (``PYTHONPATH=<an unpacked triton wheel>``) it checks that release builds the kernels
 (:data:`quantmla_core.backends.triton.MIN_TRITON`); :func:`compile_launch` speaks both ``ASTSource`` APIs (3.3+
 and 3.0-3.2).
@@ -168,7 +170,9 @@ def amd_resources(compiled) -> dict[str, int]:
 def launches_of(fmt_name: str, heads: int = 16, s_q: int = 1, latent_dim: int = 512, rope_dim: int = 64,
                 length: int = 4096, page_size: int = 64, dtype: torch.dtype = torch.bfloat16) -> list[Launch]:
     """The launches of one write and one attention call on a ``fmt_name`` cache (``dtype`` tokens and queries, 2
-    requests of ``length`` tokens, sink 4 / local 128), recorded on CPU tensors: the kernels a GPU call builds."""
+    requests of ``length`` tokens, sink 4 / local 128), recorded on CPU tensors: the kernels a GPU call builds. The
+    launcher plans as for an H200 here (no device limits, ``v3_suits``); set ``QUANTMLA_TRITON_ATTENTION`` to record
+    another split kernel."""
     import quantmla_core as qm
 
     from .attention import attention
@@ -243,8 +247,39 @@ def nvidia_resources(compiled) -> dict[str, int]:
     if regs is None:
         raise RuntimeError(f"ptxas -v reported no register count for {compiled.metadata.name}: {txt[-500:]}")
     return {"regs": int(regs.group(1)), "spill_bytes": int(spill.group(1)) if spill else 0,
-            "shared": int(compiled.metadata.shared), "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
-            "mma_sync": len(re.findall(r"\bmma\.sync", ptx)), "tcgen05": len(re.findall(r"tcgen05\.mma", ptx))}
+            "shared": int(compiled.metadata.shared), "tmem": int(getattr(compiled.metadata, "tmem_size", 0) or 0),
+            "trap": "trap;" in ptx, "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
+            "mma_sync": len(re.findall(r"\bmma\.sync", ptx)), "tcgen05": len(re.findall(r"tcgen05\.mma", ptx)),
+            **sass_loop_counts(compiled)}
+
+
+def sass_loop_counts(compiled) -> dict[str, int]:
+    """Instructions of a kernel compiled for NVIDIA, from ``cuobjdump -sass`` of its cubin (Triton's own): all of
+    them, those inside loops (between a backward branch and its target), and the local-memory spill stores (STL) and
+    loads (LDL) among those."""
+    import triton
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    index: dict[int, int] = {}
+    ins: list[str] = []
+    for m in re.finditer(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*)$", sass, re.M):
+        index[int(m.group(1), 16)] = len(ins)
+        ins.append(m.group(2))
+    in_loop = [False] * len(ins)
+    for i, text in enumerate(ins):
+        m = re.search(r"BRA\s+(?:\S+\s+)?0x([0-9a-f]+)", text)
+        start = index.get(int(m.group(1), 16)) if m else None
+        if start is not None and start <= i:
+            in_loop[start:i + 1] = [True] * (i + 1 - start)
+    return {"sass": len(ins), "sass_in_loops": sum(in_loop),
+            "stl_in_loops": sum("STL" in t for t, inside in zip(ins, in_loop) if inside),
+            "ldl_in_loops": sum("LDL" in t for t, inside in zip(ins, in_loop) if inside)}
 
 
 def innermost_error(exc: BaseException) -> str:
@@ -258,18 +293,21 @@ def innermost_error(exc: BaseException) -> str:
 def main(argv: list[str]) -> None:
     import triton
 
+    dims = [a for a in argv if a.startswith("dims=")]
+    argv = [a for a in argv if a not in dims]
+    latent_dim, rope_dim = (int(x) for x in (dims[-1][5:] if dims else "512,64").split(","))
     arch = argv[0] if argv else "gfx942"
     runs = [(f, h) for f in argv[1:] for h in (16, 128)] if len(argv) > 1 else DEFAULT_MATRIX
     target = target_of(arch)
     resources = amd_resources if target.backend == "hip" else nvidia_resources
     for fmt_name, heads in runs:
-        for launch in launches_of(fmt_name, heads):
+        for launch in launches_of(fmt_name, heads, latent_dim=latent_dim, rope_dim=rope_dim):
             try:
                 res = resources(compile_launch(launch, target))
             except Exception as exc:  # report, keep going
                 res = {"err": innermost_error(exc)[-300:]}
-            print({"triton": triton.__version__, "arch": arch, "fmt": fmt_name, "H": heads, "kernel": launch.name,
-                   **launch.options, **res}, flush=True)
+            print({"triton": triton.__version__, "arch": arch, "fmt": fmt_name, "dims": (latent_dim, rope_dim), "H": heads,
+                   "kernel": launch.name, **launch.options, **res}, flush=True)
 
 
 if __name__ == "__main__":
