@@ -11,7 +11,7 @@ import pytest
 
 import quantmla_core as qm
 import quantmla_core.backends.triton as triton_backend
-from quantmla_core.backends.triton import MIN_TRITON, triton_version_reason
+from quantmla_core.backends.triton import MIN_TRITON, interpreter_loop_reason, triton_version_reason
 from quantmla_core.dispatch import DeviceInfo, NoBackendError, Problem, select_backend
 
 KERNEL_DIR = pathlib.Path(triton_backend.__file__).parent
@@ -71,3 +71,30 @@ def test_kernels_have_no_chained_boolean_ops():
     assert any(p.name == "attention_v2_kernel.py" for p in sources)
     found = [f"{p.name}:{hit}" for p in sources for hit in chained_boolean_ops(p.read_text())]
     assert not found, found
+
+
+@pytest.mark.parametrize("triton_version, numpy_version", [("3.6.0", "2.4.6"), ("3.3.1", "2.4.0"), ("3.6.0", "3.0.0")])
+def test_old_interpreter_with_strict_numpy_is_refused(triton_version, numpy_version):
+    reason = interpreter_loop_reason(triton_version, numpy_version)
+    assert reason is not None and triton_version in reason and numpy_version in reason and "triton>=3.7" in reason
+
+
+@pytest.mark.parametrize("triton_version, numpy_version", [("3.7.0", "2.4.6"), ("3.7.1", "2.4.6"), ("3.6.0", "2.3.5"),
+                                                           ("3.9.0", "3.1.0"), ("dev", "2.4.6")])
+def test_fixed_interpreter_or_lenient_numpy_has_no_reason(triton_version, numpy_version):
+    assert interpreter_loop_reason(triton_version, numpy_version) is None
+
+
+def test_auto_on_cpu_skips_triton_attention_under_an_old_interpreter_and_says_why(monkeypatch):
+    triton = pytest.importorskip("triton")
+    np = pytest.importorskip("numpy")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    monkeypatch.setattr(np, "__version__", "2.4.6")
+    fmt = qm.PackFormat.parse("C4R4")
+    attention = Problem("attention", fmt, DeviceInfo("cpu"), num_heads=16, q_len=1)
+    with pytest.raises(NoBackendError, match="interpreter of triton 3.6.0 cannot run the attention kernels"):
+        select_backend(attention, backend="triton", env={})
+    assert select_backend(attention, backend="auto", env={}).name != "triton"
+    writer = Problem("write", fmt, DeviceInfo("cpu"), num_heads=16, q_len=1)
+    assert select_backend(writer, backend="triton", env={}).name == "triton"  # the writer has no such loop

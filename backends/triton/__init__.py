@@ -17,6 +17,13 @@ from ...envvars import getenv
 #: triton 3.0 to 3.9 (benchmarks/RESULTS.md, "Stop 42")
 MIN_TRITON = (3, 3)
 
+#: the first triton whose interpreter takes a loop bound loaded from memory under numpy 2.4 or newer: before it,
+#: ``range(t_lo, t_hi)`` calls ``int()`` on a one-element array, which numpy 2.4 refuses ("only 0-dimensional arrays
+#: can be converted to Python scalars"); the attention kernels' tile loops are bounded by each request's length
+INTERPRETER_LOOP_FIX = (3, 7)
+#: the numpy release that turned the conversion above from a deprecation warning into an error
+NUMPY_STRICT_SCALARS = (2, 4)
+
 #: smallest K of a ``tl.dot``; a packed slice (see ``attention.py``) must be at least this wide
 MIN_DOT_K = 16
 
@@ -38,16 +45,33 @@ def slice_width(dim: int, bits: int, group: int) -> int:
     return min(group, dim * bits // 8)
 
 
+def _release(version: str) -> tuple[int, int] | None:
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
 def triton_version_reason(version: str) -> str | None:
     """Why a triton of ``version`` (``triton.__version__``, e.g. ``"3.2.0"`` or ``"3.3.0+gitabc"``) cannot build
     these kernels, or None."""
-    m = re.match(r"(\d+)\.(\d+)", version)
-    if m is None:
+    release = _release(version)
+    if release is None:
         return f"triton version {version!r} is not of the form MAJOR.MINOR"
-    if (int(m.group(1)), int(m.group(2))) < MIN_TRITON:
+    if release < MIN_TRITON:
         want = ".".join(map(str, MIN_TRITON))
         return f"triton {version} is older than {want}, the oldest release that builds these kernels (pip install 'triton>={want}')"
     return None
+
+
+def interpreter_loop_reason(triton_version: str, numpy_version: str) -> str | None:
+    """Why the interpreter of triton ``triton_version`` cannot run the attention kernels beside numpy
+    ``numpy_version``, or None (checked: triton 3.6.0 fails with numpy 2.4.6 and passes with 2.3.5; 3.7.0 fixed it)."""
+    tv, nv = _release(triton_version), _release(numpy_version)
+    if tv is None or nv is None or tv >= INTERPRETER_LOOP_FIX or nv < NUMPY_STRICT_SCALARS:
+        return None
+    fix, strict = ".".join(map(str, INTERPRETER_LOOP_FIX)), ".".join(map(str, NUMPY_STRICT_SCALARS))
+    return (f"the interpreter of triton {triton_version} cannot run the attention kernels with numpy {numpy_version}: "
+            f"before triton {fix} it converts loop bounds with int() on one-element arrays, which numpy {strict} "
+            f"refuses (pip install 'triton>={fix}' or 'numpy<{strict}')")
 
 
 def _capabilities(devices: frozenset[str]) -> Capabilities:
@@ -87,6 +111,13 @@ class TritonBackend(Backend):
         reasons: list[str] = []
         if problem.device.kind == "cpu" and not interpreting():
             reasons.append("CPU tensors need TRITON_INTERPRET=1 (the Triton interpreter)")
+        if problem.device.kind == "cpu" and interpreting() and problem.op == "attention":
+            import numpy
+            import triton
+
+            why = interpreter_loop_reason(triton.__version__, numpy.__version__)
+            if why:
+                reasons.append(why)
         f = problem.format
         if problem.op == "attention":
             gc = f.content_group_size if f.quantized else 64
