@@ -27,7 +27,7 @@ import sys
 import time
 
 import torch
-from quantmla_core.backends.cupy.attention import VARIANT_ENV, select_variant, variant_nvrtc
+from quantmla_core.backends.cupy.variants import VARIANT_ENV, select_variant, variant_nvrtc
 from quantmla_core.backends.cupy.attention import attention as cupy_attention
 from quantmla_core.backends.torch.attention import attention as torch_attention
 

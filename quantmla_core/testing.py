@@ -215,12 +215,31 @@ class LaunchLog(list):
         return found[0]
 
 
+def cupy_launcher_modules() -> tuple:
+    """The modules of the CuPy attention launcher that look GPU-facing names up: the op, its plans and its variant
+    choice (each imports what it calls by name, so a stub goes into every one that has the name)."""
+    from .backends.cupy import attention, plans, variants
+
+    return attention, plans, variants
+
+
+def patch_cupy_launcher(monkeypatch: Any, **stubs: Any) -> None:
+    """Set each of ``stubs`` (name=value) in every launcher module that has that name (:func:`cupy_launcher_modules`);
+    a name no module has is an error, so a stub cannot silently miss. ``monkeypatch``: pytest's fixture."""
+    modules = cupy_launcher_modules()
+    for name, value in stubs.items():
+        owners = [m for m in modules if hasattr(m, name)]
+        if not owners:
+            raise AttributeError(f"no CuPy launcher module has {name!r}")
+        for m in owners:
+            monkeypatch.setattr(m, name, value)
+
+
 def stub_cupy_launcher(monkeypatch: Any, sm_count: int = 132, nvrtc: tuple[int, int] = (13, 0)) -> tuple[list, list]:
-    """Let ``quantmla_core.backends.cupy.attention`` run its host logic without a GPU: compilation
-    returns :class:`StubKernel`, launches are recorded, the device is an sm_90 with ``sm_count``
-    SMs holding 2 CTAs each and NVRTC ``nvrtc``, and scratch and tables live on the CPU. ``monkeypatch``: pytest's fixture.
-    Returns (kernels asked for, launches as a :class:`LaunchLog`)."""
-    from .backends.cupy import attention as A
+    """Let the CuPy attention launcher (``quantmla_core.backends.cupy.attention`` and the modules it plans with) run
+    its host logic without a GPU: compilation returns :class:`StubKernel`, launches are recorded, the device is an
+    sm_90 with ``sm_count`` SMs holding 2 CTAs each and NVRTC ``nvrtc``, and scratch and tables live on the CPU.
+    ``monkeypatch``: pytest's fixture. Returns (kernels asked for, launches as a :class:`LaunchLog`)."""
     from .backends.cupy.kernel_args import pack_args
 
     kernels: list = []
@@ -237,20 +256,16 @@ def stub_cupy_launcher(monkeypatch: Any, sm_count: int = 132, nvrtc: tuple[int, 
         launches.append((fn, grid, block, args, smem))
         launches.streams.append(stream)
 
-    monkeypatch.setattr(A, "get_kernel", get_kernel)
-    monkeypatch.setattr(A, "launch", launch)
-    monkeypatch.setattr(A, "external_stream", lambda dev, torch_stream=None: torch_stream)
-    monkeypatch.setattr(A, "_fork_side_stream", lambda dev: "side")
-    monkeypatch.setattr(A, "_join_side_stream", lambda dev, side: None)
-    monkeypatch.setattr(A, "_device_info", lambda dev: (sm_count, (9, 0)))
-    monkeypatch.setattr(A, "nvrtc_version", lambda: nvrtc)
-    monkeypatch.setattr(A, "resident_ctas", lambda fn, threads, smem, dev, sms: 2 * sms)
-    monkeypatch.setattr(A, "_workspace", lambda dev, n: torch.empty(n, dtype=torch.float32))
-    monkeypatch.setattr(A, "_device_table", lambda rows, dev: torch.tensor(rows, dtype=torch.int32))
+    patch_cupy_launcher(
+        monkeypatch, get_kernel=get_kernel, launch=launch,
+        external_stream=lambda dev, torch_stream=None: torch_stream,
+        _fork_side_stream=lambda dev: "side", _join_side_stream=lambda dev, side: None,
+        device_info=lambda dev: (sm_count, (9, 0)), nvrtc_version=lambda: nvrtc,
+        resident_ctas=lambda fn, threads, smem, dev, sms: 2 * sms,
+        _workspace=lambda dev, n: torch.empty(n, dtype=torch.float32),
+        _device_table=lambda rows, dev: torch.tensor(rows, dtype=torch.int32),
+        _FNS={}, _PLANS={}, _PREPARED={})
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(A, "_FNS", {})
-    monkeypatch.setattr(A, "_PLANS", {})
-    monkeypatch.setattr(A, "_PREPARED", {})
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     return kernels, launches
 

@@ -15,21 +15,19 @@ import pytest
 import torch
 from conformance import check_attention_case, check_writer
 from quantmla_core.backends.cupy import KERNEL_DIR, CupyBackend, define_options
-from quantmla_core.backends.cupy.attention import (
-    VARIANT_ENV,
+from quantmla_core.backends.cupy.builds import (
     attention_defines,
     protected_ctas,
     protected_defines,
-    select_variant,
     v2_default_stages,
     v2_defines,
     v2_smem_bytes,
-    v2_unsupported_reasons,
     v3_defines,
     v4_defines,
     v5_defines,
     v6_defines,
 )
+from quantmla_core.backends.cupy.variants import VARIANT_ENV, select_variant, v2_unsupported_reasons
 from quantmla_core.backends.cupy.writer import writer_defines
 
 import quantmla_core as qm
@@ -232,10 +230,8 @@ def test_v2_selection_is_per_call_and_falls_back(monkeypatch):
 
 
 def test_v2_plan_and_smem():
-    from quantmla_core.backends.cupy.attention import (
-        V2_MIN_TILES_PER_SPLIT,
-        plan_splits_v2,
-    )
+    from quantmla_core.backends.cupy.knobs import V2_MIN_TILES_PER_SPLIT
+    from quantmla_core.backends.cupy.plans import plan_splits_v2
 
     for batch, chunks, tokens in ((8, 1, 4096), (32, 1, 32768), (1, 4, 1 << 20), (128, 4, 32768), (1, 1, 1)):
         splits, per = plan_splits_v2(batch, chunks, tokens, 264)
@@ -250,7 +246,8 @@ def test_v2_plan_and_smem():
 
 
 def test_v2_min_tiles_knob_reaches_the_split_plan(monkeypatch):
-    from quantmla_core.backends.cupy.attention import V2_MIN_TILES_PER_SPLIT, V2Knobs, plan_splits_v2
+    from quantmla_core.backends.cupy.knobs import V2_MIN_TILES_PER_SPLIT, V2Knobs
+    from quantmla_core.backends.cupy.plans import plan_splits_v2
 
     monkeypatch.delenv("QUANTMLA_CUPY_V2_MIN_TILES", raising=False)
     assert V2Knobs.from_env().min_tiles == V2_MIN_TILES_PER_SPLIT
@@ -266,7 +263,7 @@ def test_v2_min_tiles_knob_reaches_the_split_plan(monkeypatch):
 
 
 def test_v2_tuning_knobs_reach_the_defines(monkeypatch):
-    from quantmla_core.backends.cupy.attention import v2_defines
+    from quantmla_core.backends.cupy.builds import v2_defines
 
     fmt = qm.PackFormat.parse("C4R4")
     assert v2_defines(fmt)["QMLA_V2_LAZY_RESCALE"] == 0
@@ -595,7 +592,7 @@ def test_v2_launch_arguments_match_kernel_signature(monkeypatch, h, s_q, rg_env,
     # the combine's block is the kernel's QMLA_COMBINE_THREADS (its launch bounds; a thread per 4 channels)
     import re
 
-    from quantmla_core.backends.cupy.attention import COMBINE_THREADS
+    from quantmla_core.backends.cupy.builds import COMBINE_THREADS
 
     kernel_threads = re.search(r"#define QMLA_COMBINE_THREADS (\d+)", (KERNEL_DIR / "attention.cu").read_text())
     assert cblock == (COMBINE_THREADS,) and int(kernel_threads.group(1)) == COMBINE_THREADS
@@ -654,20 +651,20 @@ def test_v2_protected_only_mode_is_gone():
 def test_v1_launch_arguments_match_kernel_signature(monkeypatch, variant, dtype):
     """v1 (and v2's float32 fallback) through the same stubs: v1's kernel and argument list."""
     from quantmla_core.backends.cupy import attention as A
+    from quantmla_core.testing import patch_cupy_launcher
 
     launches = []
     monkeypatch.setenv(VARIANT_ENV, variant)
-    monkeypatch.setattr(A, "get_kernel", lambda source, kernel, defines, dev, smem=0: (source, kernel))
-    monkeypatch.setattr(A, "launch", lambda fn, grid, block, args, dev, smem=0, stream=None, types=None:
-                        launches.append((fn, grid, block, args if types is None else tuple(map(lambda t, a: t(a), types, args)))))
-    monkeypatch.setattr(A, "external_stream", lambda dev: None)
-    monkeypatch.setattr(A, "_device_info", lambda dev: (132, (9, 0)))
-    monkeypatch.setattr(A, "nvrtc_version", lambda: (13, 0))
-    monkeypatch.setattr(A, "resident_ctas", lambda fn, threads, smem, dev, sms: 2 * sms)
+    patch_cupy_launcher(
+        monkeypatch, get_kernel=lambda source, kernel, defines, dev, smem=0: (source, kernel),
+        launch=lambda fn, grid, block, args, dev, smem=0, stream=None, types=None:
+        launches.append((fn, grid, block, args if types is None else tuple(map(lambda t, a: t(a), types, args)))),
+        external_stream=lambda dev: None, device_info=lambda dev: (132, (9, 0)), nvrtc_version=lambda: (13, 0),
+        resident_ctas=lambda fn, threads, smem, dev, sms: 2 * sms,
+        _workspace=lambda dev, n: torch.zeros(n, dtype=torch.float32))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch, "empty", lambda *a, device=None, **k: torch.zeros(*a, **k))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(A, "_workspace", lambda dev, n: torch.zeros(n, dtype=torch.float32))
     fmt = qm.PackFormat.parse("C4R4")
 
     class Cache:

@@ -14,7 +14,8 @@ import pytest
 
 import quantmla_core as qm
 from quantmla_core.backends.cupy import KERNEL_DIR, define_options
-from quantmla_core.backends.cupy import attention as ca
+from quantmla_core.backends.cupy import builds as ca
+from quantmla_core.backends.cupy.variants import select_variant
 from quantmla_core.backends.cupy.writer import writer_defines
 
 NVCC = shutil.which("nvcc")
@@ -36,7 +37,7 @@ def selected(capability: tuple[int, int]) -> set[tuple[str, str]]:
     """{(variant, format)} auto runs over :data:`CALLS` on a GPU of ``capability``."""
     out = set()
     for name, rows, tokens, batch in CALLS:
-        variant, _ = ca.select_variant(qm.PackFormat.parse(name), "bfloat16", capability, max_tokens=tokens, rows=rows,
+        variant, _ = select_variant(qm.PackFormat.parse(name), "bfloat16", capability, max_tokens=tokens, rows=rows,
                                        batch=batch)
         out.add((variant, name))
     return out

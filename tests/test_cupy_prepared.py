@@ -19,6 +19,7 @@ import torch
 import quantmla_core as qm
 from quantmla_core.backends.cupy import CupyBackend
 from quantmla_core.backends.cupy import attention as A
+from quantmla_core.backends.cupy.variants import VARIANT_ENV
 from quantmla_core.plan import AttentionPlan
 from quantmla_core.testing import stub_cupy_launcher
 
@@ -45,7 +46,7 @@ class Stubbed(NamedTuple):
 def stubbed(monkeypatch) -> Stubbed:
     """The launcher stubbed, with ``prepare`` calls, workspaces and allocations recorded."""
     _kernels, launches = stub_cupy_launcher(monkeypatch)
-    monkeypatch.delenv(A.VARIANT_ENV, raising=False)
+    monkeypatch.delenv(VARIANT_ENV, raising=False)
     rec = Stubbed(launches, [], [], [])
     real_prepare, real_empty = A.prepare, torch.empty
     monkeypatch.setattr(A, "prepare", lambda *a, **k: rec.made.append(a) or real_prepare(*a, **k))
@@ -100,19 +101,19 @@ def test_other_tensors_geometry_shapes_or_scale_prepare_again(stubbed):
 def test_a_knob_prepare_read_changes_the_call(stubbed, monkeypatch):
     launches, made = stubbed.launches, stubbed.made
     table, lens, ids = _index()
-    monkeypatch.setenv(A.VARIANT_ENV, "v2")
+    monkeypatch.setenv(VARIANT_ENV, "v2")
     _call(table, lens, ids)
     assert launches[0][0].kernel == "qmla_attn_v2"
     launches.clear()
-    monkeypatch.setenv(A.VARIANT_ENV, "v5")
+    monkeypatch.setenv(VARIANT_ENV, "v5")
     _call(table, lens, ids)
     assert len(made) == 2 and launches[0][0].kernel == "qmla_attn_v5"
     launches.clear()
     monkeypatch.setenv("QUANTMLA_TEST_UNREAD_KNOB", "1")  # a variable prepare never read
     _call(table, lens, ids)
     assert len(made) == 2 and launches[0][0].kernel == "qmla_attn_v5"
-    monkeypatch.setenv(A.VARIANT_ENV, "v9")
-    with pytest.raises(ValueError, match=A.VARIANT_ENV):
+    monkeypatch.setenv(VARIANT_ENV, "v9")
+    with pytest.raises(ValueError, match=VARIANT_ENV):
         _call(table, lens, ids)
 
 

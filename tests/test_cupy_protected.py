@@ -16,7 +16,8 @@ import tempfile
 import pytest
 from conformance import check_attention_case
 from quantmla_core.backends.cupy import KERNEL_DIR, define_options
-from quantmla_core.backends.cupy.attention import VARIANT_ENV, protected_ctas, protected_defines, protected_smem_bytes
+from quantmla_core.backends.cupy.builds import protected_ctas, protected_defines, protected_smem_bytes
+from quantmla_core.backends.cupy.variants import VARIANT_ENV
 from test_cupy_backend import BIG, NVCC, V2_CASES, _kernel_params, _run_v2_stubbed, gpu, ptxas_usage
 
 import quantmla_core as qm

@@ -241,7 +241,7 @@ def test_v5_descriptor_advance_knob(name):
     """QMLA_V5_DESC64 (default: 2-bit content only): with 1 the packed loop builds each of its 68 wgmma descriptors by
     one UIADD3.64 instead of a UIADD3 and a UMOV of the high word, 56-57 fewer instructions; the protected loop keeps
     desc_advance either way (ptxas turned 64-bit adds there into four instructions each)."""
-    from quantmla_core.backends.cupy.attention import v5_defines
+    from quantmla_core.backends.cupy.builds import v5_defines
     from quantmla_core.backends.cupy.sass_report import V4_WGMMA_ARCH, _build_sass, v5_loops
 
     fmt = qm.PackFormat.parse(name)

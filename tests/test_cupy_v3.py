@@ -13,13 +13,8 @@ import numpy as np
 import pytest
 import torch
 from conformance import check_attention_case
-from quantmla_core.backends.cupy.attention import (
-    VARIANT_ENV,
-    protected_smem_bytes,
-    select_variant,
-    v3_defines,
-    v3_smem_bytes,
-)
+from quantmla_core.backends.cupy.builds import protected_smem_bytes, v3_defines, v3_smem_bytes
+from quantmla_core.backends.cupy.variants import VARIANT_ENV, select_variant
 from test_cupy_backend import (
     compile_all,
     BIG,
@@ -95,7 +90,7 @@ def test_v3_smem_fits_two_ctas_per_sm():
 
 
 def test_v3_selection(monkeypatch):
-    from quantmla_core.backends.cupy.attention import V3_MIN_TOKENS
+    from quantmla_core.backends.cupy.variants import V3_MIN_TOKENS
 
     c4 = qm.PackFormat.parse("C4R4")
     monkeypatch.delenv(VARIANT_ENV, raising=False)
@@ -157,7 +152,7 @@ def test_v3_launches_match_kernel_signatures(monkeypatch, h, s_q, prot):
 
 
 def test_v3_knobs(monkeypatch):
-    from quantmla_core.backends.cupy.attention import V3Knobs
+    from quantmla_core.backends.cupy.knobs import V3Knobs
 
     knobs = V3Knobs.from_env()
     assert (knobs.stages, knobs.minb, knobs.lazy, knobs.warps) == (3, None, True, 4)

@@ -15,20 +15,17 @@ import numpy as np
 import pytest
 import torch
 from conformance import Case, check_attention_case
-from quantmla_core.backends.cupy.attention import (
-    V4_MIN_ROWS,
-    VARIANT_ENV,
-    V4Knobs,
+from quantmla_core.backends.cupy.builds import (
     protected_ctas,
     protected_smem_bytes,
-    select_variant,
     smem_per_block,
     stage_bytes,
     v4_defines,
     v4_smem_bytes,
-    v4_unsupported_reasons,
     v4_uses_wgmma,
 )
+from quantmla_core.backends.cupy.knobs import V4Knobs
+from quantmla_core.backends.cupy.variants import V4_MIN_ROWS, VARIANT_ENV, select_variant, v4_unsupported_reasons
 from test_cupy_backend import (
     compile_all,
     BIG,
@@ -209,9 +206,9 @@ def test_v4_launches_match_kernel_signatures(monkeypatch, h, s_q, prot, in_grid)
     """One v4 launch over 64-row chunks and the combine. A cache with sink/local tokens adds, for
     splits of >= V4_INGRID_MIN_TILES tiles (patched here to choose), one CTA per protected 64-token
     tile to the same launch (the protected build), else v2/v3's protected-only kernel."""
-    from quantmla_core.backends.cupy import attention as A
+    from quantmla_core.backends.cupy import plans
 
-    monkeypatch.setattr(A, "V4_INGRID_MIN_TILES", 1 if in_grid else 1 << 30)
+    monkeypatch.setattr(plans, "V4_INGRID_MIN_TILES", 1 if in_grid else 1 << 30)
     launches, _kernels, fmt, b = _run_v4_stubbed(monkeypatch, h, s_q, prot)
     params = _kernel_params("attention_v4.cu", "qmla_attn_v4")
     assert params == _kernel_params("attention_v3.cu", "qmla_attn_v3")  # one argument list for all split kernels
@@ -342,10 +339,10 @@ def test_attention_v4_matches_reference(case, monkeypatch):
 def test_attention_v4_protected_in_grid(case, monkeypatch):
     """The build whose own CTAs attend to the protected tiles (chosen for long splits) passes the
     same cases; here it is forced for every split length."""
-    from quantmla_core.backends.cupy import attention as A
+    from quantmla_core.backends.cupy import plans
 
     monkeypatch.setenv(VARIANT_ENV, "v4")
-    monkeypatch.setattr(A, "V4_INGRID_MIN_TILES", 1)
+    monkeypatch.setattr(plans, "V4_INGRID_MIN_TILES", 1)
     check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
 
 

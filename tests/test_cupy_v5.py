@@ -16,27 +16,29 @@ import numpy as np
 import pytest
 import torch
 from conformance import Case, check_attention_case
-from quantmla_core.backends.cupy.attention import (
+from quantmla_core.backends.cupy.builds import (
     ROPE_FOLD_CONTENT_BITS,
     V5_PACKED_GROUPS,
     V5_QUAD_LOADS,
-    V3_MIN_TOKENS,
-    V4_MIN_ROWS,
-    V5_MIN_BATCH_TOKENS,
     V5_HALVES_CHOICES,
     V5_WORKER_CHOICES,
     V4_WGMMA_ARCH,
-    VARIANT_ENV,
-    V5Knobs,
     protected_ctas,
     protected_smem_bytes,
-    select_variant,
     smem_per_block,
     v5_defines,
     v5_build_reasons,
     v5_quad_loads,
     v5_rope_fold,
     v5_smem_bytes,
+)
+from quantmla_core.backends.cupy.knobs import V5Knobs
+from quantmla_core.backends.cupy.variants import (
+    V3_MIN_TOKENS,
+    V4_MIN_ROWS,
+    V5_MIN_BATCH_TOKENS,
+    VARIANT_ENV,
+    select_variant,
     v5_unsupported_reasons,
 )
 from test_cupy_backend import (
@@ -399,14 +401,14 @@ def test_protected_side_stream_rule(monkeypatch, variant, heads):
 def test_v5_plans_splits_with_its_own_overhead(monkeypatch):
     """v5's split plan counts V5_CTA_OVERHEAD_TILES of fixed work per CTA (two workers, two partials),
     v3's the planner's default."""
-    from quantmla_core.backends.cupy import attention as A
+    from quantmla_core.backends.cupy import plans
     from quantmla_core.backends.splits import CTA_OVERHEAD_TILES
 
     seen = []
-    real = A.plan_kv_splits
-    monkeypatch.setattr(A, "plan_kv_splits", lambda *a: seen.append(a) or real(*a))
+    real = plans.plan_kv_splits
+    monkeypatch.setattr(plans, "plan_kv_splits", lambda *a: seen.append(a) or real(*a))
     _run_v5_stubbed(monkeypatch, 16, 1, False)
-    assert seen[-1][-1] == A.V5_CTA_OVERHEAD_TILES == 2.0
+    assert seen[-1][-1] == plans.V5_CTA_OVERHEAD_TILES == 2.0
     _run_v2_stubbed(monkeypatch, 16, 1, False, {}, variant="v3", pages_per=9)
     assert seen[-1][-1] == CTA_OVERHEAD_TILES == 1.0
 

@@ -20,7 +20,7 @@ import itertools
 import pytest
 
 import quantmla_core as qm
-from quantmla_core.backends.cupy.attention import attention_defines, v5_build_reasons, v5_quad_loads
+from quantmla_core.backends.cupy.builds import attention_defines, v5_build_reasons, v5_quad_loads
 from test_cupy_v5 import V5_BUILDS, V5_HALVES_BUILDS
 
 T = 64  # tokens per tile (a worker's four warps, 16 tokens each)

@@ -17,27 +17,22 @@ import numpy as np
 import pytest
 import torch
 from conformance import Case, check_attention_case
-from quantmla_core.backends.cupy.attention import (
-    V2_MIN_TILES_PER_SPLIT,
+from quantmla_core.backends.cupy.builds import (
     V4_WGMMA_ARCH,
-    VARIANT_ENV,
-    V6_BALANCE,
-    V6_BALANCE_CONTENT_BITS,
     V6_MAX_SLACK,
     V6_PAIR_AUTO,
     V6_ROPE_FOLD_CONTENT_BITS,
     V6_SLACK,
-    V6Knobs,
     protected_ctas,
-    select_variant,
     smem_per_block,
-    v6_balanced,
     v6_defines,
     v6_pairs,
     v6_rope_fold,
     v6_smem_bytes,
-    v6_unsupported_reasons,
 )
+from quantmla_core.backends.cupy.knobs import V2_MIN_TILES_PER_SPLIT, V6_BALANCE, V6Knobs
+from quantmla_core.backends.cupy.plans import V6_BALANCE_CONTENT_BITS, v6_balanced
+from quantmla_core.backends.cupy.variants import VARIANT_ENV, select_variant, v6_unsupported_reasons
 from test_cupy_backend import (
     BIG,
     NVCC,
@@ -53,7 +48,7 @@ from test_cupy_backend import (
 from test_cupy_v4 import V4_CASES
 
 import quantmla_core as qm
-import quantmla_core.backends.cupy.attention as cupy_attention
+import quantmla_core.backends.cupy.plans as cupy_plans
 
 #: (format, d_c, d_r, group size, page size)
 V6_BUILDS = [
@@ -385,7 +380,7 @@ def test_v6_balanced_launch(monkeypatch, h, s_q, prot, length):
     params = _kernel_params("attention_v6.cu", "qmla_attn_v6")
     (attn, grid, _block, args, _smem), _stream = launches.of("qmla_attn_v6")
     chunks = -(-(h * s_q) // 64)
-    (plan,) = cupy_attention._PLANS.values()
+    (plan,) = cupy_plans._PLANS.values()
     (table,) = plan.keep
     assert attn.defines["QMLA_V6_PIECES"] == 1 and grid == (table.shape[0] * chunks, 1)
     assert int(args[params.index("const int4* __restrict__ pieces")]) == table.data_ptr()
@@ -396,7 +391,7 @@ def test_v6_balanced_launch(monkeypatch, h, s_q, prot, length):
     launches, *_ = _run_v2_stubbed(monkeypatch, h, s_q, prot, {"QUANTMLA_CUPY_V6_BALANCE": "1"}, variant="v6",
                                    pages_per=9, length=length, capturing=True)
     (attn, grid, _block, args, _smem), _stream = launches.of("qmla_attn_v6")
-    assert attn.defines["QMLA_V6_PIECES"] == 0 and not cupy_attention._PLANS
+    assert attn.defines["QMLA_V6_PIECES"] == 0 and not cupy_plans._PLANS
     assert int(args[params.index("const int4* __restrict__ pieces")]) == 0
     assert int(args[params.index("int num_splits")]) == grid[1] and grid[0] == b * chunks  # equal splits
 
@@ -577,8 +572,8 @@ def test_attention_v6_balanced_matches_reference(case, resident, monkeypatch):
     """Balanced plans (QUANTMLA_CUPY_V6_BALANCE=1) planned for a GPU that runs only ``resident`` CTAs at once, so that
     requests are cut into pieces mid-request, in launch orders other than the requests', with different numbers of
     partials per request (the unused slots marked empty), compute the same attention."""
-    monkeypatch.setattr(cupy_attention, "resident_ctas", lambda *a, **k: resident)
-    monkeypatch.setattr(cupy_attention, "_PLANS", {})
+    monkeypatch.setattr(cupy_plans, "resident_ctas", lambda *a, **k: resident)
+    monkeypatch.setattr(cupy_plans, "_PLANS", {})
     _check_v6_on_gpu(case, monkeypatch, {"QUANTMLA_CUPY_V6_BALANCE": "1"})
 
 

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from ...formats import PackFormat
 from . import KERNEL_DIR, define_options
-from .attention import (
+from .builds import (
     CODES_IN_PLACE,
     V3_STAGES,
     V4_WGMMA_ARCH,
