@@ -27,16 +27,22 @@ deepseek_v2                         interleaved      interleaved          comple
                                                                           flattened back in place
 deepseek_v3, rope_interleave=True   interleaved      half                 ``apply_rotary_pos_emb_interleave``
 (also kimi_k2 / kimi_k25 text,                                            rotates (2i, 2i+1) and writes
-glm4_moe_lite, longcat_flash)                                             ``cat([even, odd])``: the cached k_rot
-                                                                          is laid out [even | odd], so pair i
+glm4_moe_lite, longcat_flash,                                             ``cat([even, odd])``: the cached k_rot
+sarvam_mla)                                                               is laid out [even | odd], so pair i
                                                                           sits at (i, i + d_r/2)
 deepseek_v3, rope_interleave=False  half             half                 neox-style ``rotate_half``: pairs
-(glm4_moe_lite likewise)                                                  (i, i + d_r/2) before and after
+(glm4_moe_lite, sarvam_mla                                                (i, i + d_r/2) before and after
+likewise)
 ==================================  ===============  ===================  =====================================
 
 Every layout rotates pair i by the same angle ``pos * inv_freq[i]`` (times YaRN's attention
 factor, a scalar); a per-pair complex scalar (the RoPE transform of DESIGN.md §6) therefore
 commutes with RoPE in both layouts.
+
+Models whose attention is not plain dense MLA are refused by name, with the reason (:data:`NOT_SERVED`): DeepSeek
+Sparse Attention (``deepseek_v32``, ``glm_moe_dsa``, ``glm5_next``) cache the same latent, but each query attends only
+to the ``index_topk`` tokens its indexer picks, and QuantMLA's decode attention is dense, so outputs would change past
+that many tokens; DeepSeek-V4 (``deepseek_v4``) caches one compressed key-value head, not an MLA latent.
 
 ``softmax_scale`` is the module's ``scaling`` attribute (``qk_head_dim**-0.5``, times YaRN's
 ``mscale(factor, mscale_all_dim)**2`` when the model uses YaRN), i.e. the tau of DESIGN.md §2.
@@ -236,7 +242,7 @@ def _longcat_scales(attn: nn.Module, cfg: Any) -> tuple[float, float]:
 
 _ADAPTERS: list[MLAAdapter] = [
     MLAAdapter(("deepseek_v2",), lambda cfg: ("interleaved", "interleaved")),
-    MLAAdapter(("deepseek_v3", "kimi_k2", "glm4_moe_lite"), _v3_layouts),
+    MLAAdapter(("deepseek_v3", "kimi_k2", "glm4_moe_lite", "sarvam_mla"), _v3_layouts),
     MLAAdapter(("longcat_flash",), lambda cfg: ("interleaved", "half"), scales=_longcat_scales),
 ]
 
@@ -261,10 +267,26 @@ def text_config(config: Any) -> Any:
     return getattr(config, "text_config", None) or config
 
 
+_DSA = ("attends, per query, only to the index_topk tokens its DeepSeek Sparse Attention indexer picks; QuantMLA's "
+        "decode attention is dense over the cached latent, so the model's outputs would change past index_topk tokens")
+
+#: model types that look like MLA but that QuantMLA cannot serve as the model computes, with the reason
+NOT_SERVED: dict[str, str] = {
+    "deepseek_v32": _DSA,
+    "glm_moe_dsa": _DSA,
+    "glm5_next": _DSA,
+    "glm5_next_text": _DSA,
+    "deepseek_v4": "caches one compressed key-value head per token (compressor and indexer), not an MLA latent",
+}
+
+
 def get_adapter(model_type: str) -> MLAAdapter:
+    """The adapter registered for ``model_type``; ``ValueError`` naming the type and why when none serves it."""
     for a in _ADAPTERS:
         if model_type in a.model_types:
             return a
+    if model_type in NOT_SERVED:
+        raise ValueError(f"model_type: {model_type!r} is not served: it {NOT_SERVED[model_type]}")
     raise ValueError(
         f"model_type: no MLA adapter for {model_type!r}; known: "
         f"{sorted(t for a in _ADAPTERS for t in a.model_types)} (add one with register_adapter)"

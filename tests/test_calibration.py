@@ -189,6 +189,29 @@ def test_cli_end_to_end(tmp_path):
     assert sorted(content) == [0, 1] and meta["format"] == "C2R4" and meta["rope_layout"] == "interleaved"
 
 
+@pytest.mark.parametrize("config_name,why", [("DeepseekV32Config", "index_topk"), ("GlmMoeDsaConfig", "index_topk"),
+                                             ("DeepseekV4Config", "not an MLA latent")])
+def test_models_it_cannot_serve_are_refused_with_the_reason(config_name, why):
+    """DeepSeek Sparse Attention models cache an MLA latent but attend to their indexer's top-k tokens only, and
+    DeepSeek-V4 caches no latent: finding their MLA layers fails naming the model type and why, not with the
+    generic "no adapter" error."""
+    transformers = pytest.importorskip("transformers")
+    config_cls = getattr(transformers, config_name, None)
+    if config_cls is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {config_name}")
+    model = type("Model", (torch.nn.Module,), {})()
+    model.config = config_cls()
+    with pytest.raises(ValueError, match=f"{model.config.model_type!r} is not served: it .*{why}"):
+        find_mla_layers(model)
+
+
+def test_unknown_model_types_name_the_known_ones():
+    model = type("Model", (torch.nn.Module,), {})()
+    model.config = type("Config", (), {"model_type": "llama"})()
+    with pytest.raises(ValueError, match="no MLA adapter for 'llama'; known: .*sarvam_mla"):
+        find_mla_layers(model)
+
+
 def test_fuse_accepts_attention_module():
     """``transform.fuse`` takes an MLALayerSpec or the transformers attention module itself."""
     m = _model("v3", True, False, True)

@@ -272,17 +272,21 @@ def _family_model(kind: str) -> nn.Module:
     dims = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, kv_lora_rank=64, q_lora_rank=32,
                 qk_nope_head_dim=16, qk_rope_head_dim=32, v_head_dim=16, n_routed_experts=4,
                 max_position_embeddings=512, pad_token_id=2)
+    v3_like = dict(intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2, num_key_value_heads=4,
+                   num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1)
     if kind == "glm4_moe_lite":
-        cfg = transformers.Glm4MoeLiteConfig(**dims, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-                                             num_key_value_heads=4, num_experts_per_tok=2, n_shared_experts=1,
-                                             first_k_dense_replace=1, n_group=1, topk_group=1)
+        cfg = transformers.Glm4MoeLiteConfig(**dims, **v3_like)
         cls = transformers.Glm4MoeLiteForCausalLM
+    elif kind == "sarvam_mla":  # its own config, DeepSeek-V3's modules (transformers' auto mapping)
+        cfg = transformers.SarvamMLAConfig(**dims, **v3_like)
+        cls = transformers.AutoModelForCausalLM.from_config
     else:  # two MLA blocks per layer, latent and query multipliers
         cfg = transformers.LongcatFlashConfig(**dims, ffn_hidden_size=128, expert_ffn_hidden_size=32, num_layers=2,
                                               moe_topk=2, zero_expert_num=1, head_dim=32)
         cls = transformers.LongcatFlashForCausalLM
     cfg._attn_implementation = "eager"
     model = cls(cfg).float().eval()
+    assert model.config.model_type == kind
     with torch.no_grad():
         for name, m in model.named_modules():
             if isinstance(m, nn.Linear) and ".self_attn." in name:
@@ -290,9 +294,12 @@ def _family_model(kind: str) -> nn.Module:
     return model
 
 
-@pytest.mark.parametrize("kind", ["glm4_moe_lite", "longcat_flash"])
+FAMILY_CONFIGS = {"glm4_moe_lite": "Glm4MoeLiteConfig", "longcat_flash": "LongcatFlashConfig", "sarvam_mla": "SarvamMLAConfig"}
+
+
+@pytest.mark.parametrize("kind", sorted(FAMILY_CONFIGS))
 def test_other_mla_families_through_the_adapter(kind):
-    if not hasattr(transformers, {"glm4_moe_lite": "Glm4MoeLiteConfig", "longcat_flash": "LongcatFlashConfig"}[kind]):
+    if not hasattr(transformers, FAMILY_CONFIGS[kind]):
         pytest.skip(f"transformers {transformers.__version__} has no {kind}")
     model = _family_model(kind)
     ids = prompt(30, seed=12)
