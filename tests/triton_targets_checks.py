@@ -265,3 +265,16 @@ def test_sass_counts_show_v3_spilling_in_its_loop_on_a100(monkeypatch):
         v2 = ob.nvidia_resources(ob.compile_launch(_split_launch("C4R4", 16, "v2", monkeypatch), target))
         assert v2["sass_in_loops"] > 0 and v2["stl_in_loops"] == 0 and not v2["trap"]
     assert ob.nvidia_resources(ob.compile_launch(_split_launch("C4R4", 128, "v3", monkeypatch), B200))["trap"]
+
+
+@pytest.mark.parametrize("target", [HOPPER[0], MI300X], ids=lambda t: str(t.arch))
+def test_every_launch_states_fp_fusion(target):
+    """Every launch asks for fused multiply-adds itself (triton 3.10 turns the default off; the results and tolerances
+    were measured with it on), and the compiled kernels carry that option on NVIDIA and AMD."""
+    from quantmla_core.backends.triton.common import FP_FUSION
+
+    launches = ob.launches_of("C4R4", 16) + ob.launches_of("C4R4", 128)[1:]
+    assert FP_FUSION is True
+    for launch in launches:
+        assert launch.options.get("enable_fp_fusion") is True, (launch.name, launch.options)
+        assert ob.compile_launch(launch, target).metadata.enable_fp_fusion is True

@@ -36,11 +36,17 @@ def page_layout_constexprs(fmt) -> Mapping[str, int | bool]:
     ))
 
 
+#: fused multiply-adds on (``enable_fp_fusion``), stated rather than left to the release: triton up to 3.9 fuses by
+#: default, 3.9 warns that 3.10 will not, and every number in benchmarks/RESULTS.md and the conformance tolerances
+#: were measured with fusion on
+FP_FUSION = True
+
+
 def launch_dims(num_warps: int, num_stages: int | None = None) -> dict:
-    """Launch options; the interpreter ignores them, so none are passed there."""
+    """Launch options (:data:`FP_FUSION` with them); the interpreter ignores them, so none are passed there."""
     if interpreting():
         return {}
-    out = {"num_warps": num_warps}
+    out = {"num_warps": num_warps, "enable_fp_fusion": FP_FUSION}
     if num_stages is not None:
         out["num_stages"] = num_stages
     return out

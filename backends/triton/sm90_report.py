@@ -18,7 +18,7 @@ import re
 import sys
 
 from . import slice_width
-from .common import page_layout_constexprs
+from .common import FP_FUSION, page_layout_constexprs
 from .offline_build import nvidia_resources
 
 
@@ -72,7 +72,7 @@ def compile_report(variant: str = "v2", fmt_name: str = "C4R4", latent_dim: int 
     cex = {(params.index(k),): v for k, v in consts.items()}
     attrs = {(params.index(p),): [["tt.divisibility", 16]] for p in types
              if types[p].startswith("*") or p in ("stride_table", "R")}
-    opts = {"num_warps": num_warps, "num_stages": num_stages}
+    opts = {"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": FP_FUSION}
     if maxnreg:
         opts["maxnreg"] = maxnreg
     k = triton.compile(ASTSource(fn, sig, constexprs=cex, attrs=attrs), target=GPUTarget("cuda", 90, 32), options=opts)
