@@ -37,7 +37,7 @@
 #       case first (a hang stops there), conformance, memcheck and racecheck, CUDA graphs of 1 against 2 twice over
 #       HALVES_SHAPES (C4R4, C2R4, FlashInfer BF16 in the process), ncu of both at H16 B32 L32K C4R4; then the same
 #       occupancy without the exchange: four workers at d_c 256 (QUANTMLA_CUPY_V5_WORKERS=4) against two, conformance
-#       and CUDA graphs over FOUR_SHAPES
+#       and CUDA graphs over FOUR_SHAPES; Triton at the declared dims; torch.ops.quantmla under torch.compile
 #   bash benchmarks/run_h200_kernels.sh v6pair   # v6 as two-CTA clusters sharing each key tile (QUANTMLA_CUPY_V6_PAIR):
 #       conformance of forced pairs, CUDA graphs of 0 against 1 over V6PAIR_SHAPES, memcheck of the pairs
 #   bash benchmarks/run_h200_kernels.sh v6fold   # v6's slack maximum and RoPE fold (QUANTMLA_CUPY_V6_SLACK / _ROPE_FOLD):
@@ -249,6 +249,8 @@ elif [ "$MODE" = halves ]; then
   timeout 300 $T tests/test_triton_backend.py -k "declared_dims" 2>&1 | tail -3
   python3 -P -c "import torch; from quantmla_core.backends.triton import attention as a; d = torch.device('cuda');
 print('limits 512/64', a.device_limits(d, 512, 64), '1024/64', a.device_limits(d, 1024, 64), 'v3_suits', a.v3_suits(d))"
+  echo "=== torch.ops.quantmla under torch.compile on the GPU (stop 43), and the refactored CuPy launcher's stubbed tests"
+  timeout 240 $T tests/test_torch_ops.py tests/test_cupy_prepared.py 2>&1 | tail -3
 elif [ "$MODE" = v6pair ]; then
   echo "=== v6 pairs: one small case first (a hang or a failure stops here)"; timeout 120 $T tests/test_cupy_v6.py \
     -k "v6_pair_matches and L64_128_192" 2>&1 | tail -2 | tee "$OUT/v6_pair_first.txt"
