@@ -16,6 +16,7 @@ Quick start::
 
 from .api import attention, write
 from .cache import MLACache, compression_ratio, memory_bytes
+from .cache_io import load_cache, save_cache
 from .dispatch import (
     Backend,
     Capabilities,
@@ -44,6 +45,8 @@ __all__ = [
     "plan_attention",
     "AttentionPlan",
     "memory_bytes",
+    "save_cache",
+    "load_cache",
     "compression_ratio",
     "Backend",
     "Capabilities",
