@@ -29,21 +29,18 @@ def _inputs(case: Case, device: str):
     return batch, args, allocate(case, batch, device)
 
 
-def _step(cache, args, scale: float, backend: str):
-    """One decode step through the operators: write the tokens, attend."""
-    torch_ops.write(cache, args["latent"], args["k_rope"], slot_mapping=args["slot_mapping"], seq_ids=args["seq_ids"],
-                    positions=args["positions"], seq_lens=args["seq_lens"], backend=backend)
-    return torch_ops.attention(args["q_latent"], args["q_rope"], cache, block_table=args["block_table"],
-                               seq_lens=args["attn_seq_lens"], seq_ids=args["attn_seq_ids"], softmax_scale=scale,
-                               backend=backend)
+def _step(api, cache, args, scale: float, backend: str):
+    """One decode step, write then attend, through ``api``: ``torch_ops`` (the operators) or ``qm`` (the eager API;
+    both take the same arguments)."""
+    api.write(cache, args["latent"], args["k_rope"], slot_mapping=args["slot_mapping"], seq_ids=args["seq_ids"],
+              positions=args["positions"], seq_lens=args["seq_lens"], backend=backend)
+    return api.attention(args["q_latent"], args["q_rope"], cache, block_table=args["block_table"],
+                         seq_lens=args["attn_seq_lens"], seq_ids=args["attn_seq_ids"], softmax_scale=scale,
+                         backend=backend)
 
 
-def _eager(cache, args, scale: float, backend: str):
-    qm.write(cache, args["latent"], args["k_rope"], slot_mapping=args["slot_mapping"], seq_ids=args["seq_ids"],
-             positions=args["positions"], seq_lens=args["seq_lens"], backend=backend)
-    return qm.attention(args["q_latent"], args["q_rope"], cache, block_table=args["block_table"],
-                        seq_lens=args["attn_seq_lens"], seq_ids=args["attn_seq_ids"], softmax_scale=scale,
-                        backend=backend)
+def _compiled_step(cache, args, scale: float, backend: str):
+    return _step(torch_ops, cache, args, scale, backend)
 
 
 @pytest.mark.parametrize("name, kw", [("C4R4", {}), ("C2R4", {"latent_dim": 256, "rope_dim": 32}), ("BF16", {}),
@@ -88,9 +85,9 @@ def test_compiled_step_matches_eager_api_and_reference(case, backend, device):
     backend = "auto" if device == "cuda" else backend
     batch, args, cache = _inputs(case, device)
     eager_cache = copy.deepcopy(cache)
-    want_out, want_lse = _eager(eager_cache, args, batch.softmax_scale, backend)
+    want_out, want_lse = _step(qm, eager_cache, args, batch.softmax_scale, backend)
     torch._dynamo.reset()
-    step = torch.compile(_step, backend="aot_eager", fullgraph=True)
+    step = torch.compile(_compiled_step, backend="aot_eager", fullgraph=True)
     out, lse = step(cache, args, batch.softmax_scale, backend)
     assert torch.equal(cache.pages, eager_cache.pages) and torch.equal(cache.local_buf, eager_cache.local_buf)
     assert torch.equal(cache.sink_buf, eager_cache.sink_buf)
@@ -107,9 +104,9 @@ def test_inductor_keeps_the_operators_and_their_results():
     case, backend = CASES[0]
     batch, args, cache = _inputs(case, "cpu")
     eager_cache = copy.deepcopy(cache)
-    want_out, want_lse = _eager(eager_cache, args, batch.softmax_scale, backend)
+    want_out, want_lse = _step(qm, eager_cache, args, batch.softmax_scale, backend)
     torch._dynamo.reset()
-    out, lse = torch.compile(_step, fullgraph=True)(cache, args, batch.softmax_scale, backend)
+    out, lse = torch.compile(_compiled_step, fullgraph=True)(cache, args, batch.softmax_scale, backend)
     assert torch.equal(cache.pages, eager_cache.pages) and torch.equal(out, want_out) and torch.equal(lse, want_lse)
 
 
