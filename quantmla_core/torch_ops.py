@@ -77,8 +77,15 @@ def _attention_op(q_latent: torch.Tensor, q_rope: torch.Tensor, pages: torch.Ten
     and typed like ``q_latent``, lse ``q_latent.shape[:-1]`` float32)."""
     out, lse = _attention(q_latent, q_rope, _cache_of(fmt, pages, sink_buf, local_buf), block_table=block_table,
                           seq_lens=seq_lens, seq_ids=seq_ids, softmax_scale=softmax_scale, backend=backend)
-    # an operator's outputs may not alias each other or its inputs; the backends return fresh tensors
+    # an operator's outputs may not alias each other or its inputs (PyTorch checks), but under CUDA-graph capture the
+    # CuPy backend carves out and lse from one allocation, so that its scratch lives as long as they do
+    if _same_storage(out, lse):
+        lse = lse.clone()
     return out, lse
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 @_attention_op.register_fake

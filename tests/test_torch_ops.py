@@ -119,3 +119,22 @@ def test_attention_without_lse_returns_out_only():
                               seq_lens=args["attn_seq_lens"], seq_ids=args["attn_seq_ids"],
                               softmax_scale=batch.softmax_scale, backend=backend, return_lse=False)
     assert isinstance(out, torch.Tensor) and out.shape == args["q_latent"].shape
+
+
+def test_outputs_carved_from_one_allocation_come_back_apart(monkeypatch):
+    """Under CUDA-graph capture the CuPy backend returns out and lse as views of one allocation (its scratch with
+    them); PyTorch refuses an operator whose outputs alias, so the operator hands back lse as its own tensor."""
+    def carving_attention(q_latent, q_rope, cache, **kw):
+        buf = torch.empty(q_latent.numel() + q_latent.shape[:-1].numel())
+        out, lse = buf[:q_latent.numel()].view(q_latent.shape), buf[q_latent.numel():].view(q_latent.shape[:-1])
+        out.copy_(q_latent)
+        lse.fill_(0.5)
+        return out, lse
+
+    monkeypatch.setattr(torch_ops, "_attention", carving_attention)
+    cache = qm.MLACache.allocate(qm.PackFormat.parse("C4R4"), 2, 2, device="cpu")
+    q = torch.randn(2, 4, 512)
+    out, lse = torch_ops.attention(q, torch.randn(2, 4, 64), cache, block_table=torch.zeros(2, 1, dtype=torch.int32),
+                                   seq_lens=torch.ones(2, dtype=torch.int32), seq_ids=torch.arange(2), softmax_scale=0.1)
+    assert torch.equal(out, q) and torch.equal(lse, torch.full((2, 4), 0.5))
+    assert out.untyped_storage().data_ptr() != lse.untyped_storage().data_ptr()
