@@ -138,3 +138,31 @@ def test_outputs_carved_from_one_allocation_come_back_apart(monkeypatch):
                                    seq_lens=torch.ones(2, dtype=torch.int32), seq_ids=torch.arange(2), softmax_scale=0.1)
     assert torch.equal(out, q) and torch.equal(lse, torch.full((2, 4), 0.5))
     assert out.untyped_storage().data_ptr() != lse.untyped_storage().data_ptr()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_reduce_overhead_mode_captures_the_operator_in_a_cuda_graph():
+    """``torch.compile(mode="reduce-overhead")`` records the attention operator into a CUDA graph (on the CuPy
+    backend: its capture path, which carves out and lse from one allocation) and replays the eager result."""
+    case = CASES[0][0]
+    batch = build(case)
+    args = batch.to("cuda", "bfloat16")
+    cache = allocate(case, batch, "cuda")
+    qm.write(cache, args["latent"], args["k_rope"], slot_mapping=args["slot_mapping"], seq_ids=args["seq_ids"],
+             positions=args["positions"], seq_lens=args["seq_lens"])
+    # index tensors in the dtypes the kernels take: a capture cannot keep a converted copy
+    index = dict(block_table=args["block_table"].int().contiguous(), seq_lens=args["attn_seq_lens"].long(),
+                 seq_ids=args["attn_seq_ids"].long())
+    want_out, want_lse = qm.attention(args["q_latent"], args["q_rope"], cache, softmax_scale=batch.softmax_scale,
+                                      **index)
+
+    def attend(q, r):
+        return torch_ops.attention(q, r, cache, softmax_scale=batch.softmax_scale, **index)
+
+    torch._dynamo.reset()
+    step = torch.compile(attend, mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):  # warm-up, record, replay
+        out, lse = step(args["q_latent"], args["q_rope"])
+    torch.cuda.synchronize()
+    assert torch.equal(out.clone(), want_out) and torch.equal(lse.clone(), want_lse)
