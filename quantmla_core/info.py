@@ -20,7 +20,8 @@ def _installed(dist: str) -> str:
 
 
 def report() -> str:
-    optional = {n: _installed(d) for n, d in (("triton", "triton"), ("numba", "numba"), ("transformers", "transformers"))}
+    optional = {n: _installed(d) for n, d in (("triton", "triton"), ("numba", "numba"), ("transformers", "transformers"),
+                                               ("safetensors", "safetensors"))}
     cupy = next((v for v in (_installed(d) for d in ("cupy-cuda13x", "cupy-cuda12x", "cupy")) if v != "-"), "-")
     lines = [
         f"quantmla_core {__version__}  python {platform.python_version()}  torch {torch.__version__}  numpy {np.__version__}",
