@@ -164,6 +164,40 @@ class PagedMLACache:
         self._free_pages = list(range(old.num_pages + add_p - 1, old.num_pages - 1, -1)) + self._free_pages
         self._free_rows = list(range(old.max_seqs + need_r - 1, old.max_seqs - 1, -1)) + self._free_rows
 
+    def allocator_state(self) -> dict[str, Any]:
+        """The allocator's bookkeeping as plain lists and dicts (JSON-friendly): free pages and request rows in the
+        order they are handed out, each live request's pages and length, and the backend."""
+        return {"free_pages": list(self._free_pages), "free_rows": list(self._free_rows),
+                "pages": {str(s): list(p) for s, p in self._pages.items()},
+                "lens": {str(s): n for s, n in self._lens.items()}, "backend": self.backend}
+
+    @classmethod
+    def from_layers(cls, layers: Sequence[MLACache], state: dict[str, Any]) -> "PagedMLACache":
+        """A cache over ``layers`` (same format and sizes) with the bookkeeping of :meth:`allocator_state`;
+        ``ValueError`` naming what is inconsistent (a page or row owned twice or by no one, a length that does not
+        fit its pages)."""
+        first = layers[0]
+        p = first.format.page_size
+        try:
+            pages = {int(s): [int(x) for x in v] for s, v in state["pages"].items()}
+            lens = {int(s): int(n) for s, n in state["lens"].items()}
+            free_pages, free_rows = [int(x) for x in state["free_pages"]], [int(x) for x in state["free_rows"]]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"state: expected free_pages, free_rows, pages and lens as in allocator_state(), got {e!r}") from None
+        owned = sorted(free_pages + [x for v in pages.values() for x in v])
+        if owned != list(range(first.num_pages)):
+            raise ValueError(f"state: every page 0..{first.num_pages - 1} must be free or owned by exactly one request")
+        if sorted(free_rows + list(pages)) != list(range(first.max_seqs)) or sorted(lens) != sorted(pages):
+            raise ValueError(f"state: every request row 0..{first.max_seqs - 1} must be free or live exactly once")
+        for s, n in lens.items():
+            if len(pages[s]) != -(-n // p):
+                raise ValueError(f"state: request {s} holds {len(pages[s])} pages for {n} tokens of {p} a page")
+        self = cls.__new__(cls)
+        self.cache, self._more_layers = first, list(layers[1:])
+        self.backend = state.get("backend", "auto")
+        self._free_pages, self._free_rows, self._pages, self._lens = free_pages, free_rows, pages, lens
+        return self
+
     def _check_live(self, seq_id: int) -> int:
         if seq_id not in self._lens:
             raise ValueError(f"seq_id: expected a live request id in {self.active_requests}, got {seq_id}")

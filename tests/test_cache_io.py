@@ -66,15 +66,19 @@ def test_torch_cache_loads_as_numpy_with_float32_protection(tmp_path):
     assert np.array_equal(loaded.local_buf, cache.local_buf.float().numpy())  # bfloat16 -> float32 is exact
 
 
-def _saved(tmp_path, **meta_changes):
-    _, _, cache = _written(CASES[0], "cpu")
-    path = tmp_path / "c.safetensors"
-    qm.save_cache(cache, path)
-    tensors = load_file(path)
+def _saved_file(tmp_path, cache) -> tuple:
+    """(path, tensors, metadata) of ``cache`` saved under ``tmp_path``, for a test to change and save again."""
     from safetensors import safe_open
 
+    path = tmp_path / "c.safetensors"
+    qm.save_cache(cache, path)
     with safe_open(path, framework="pt") as f:
         meta = dict(f.metadata())
+    return path, load_file(path), meta
+
+
+def _saved(tmp_path, **meta_changes):
+    path, tensors, meta = _saved_file(tmp_path, _written(CASES[0], "cpu")[2])
     for k, v in meta_changes.items():
         if v is None:
             meta.pop(k)
@@ -115,4 +119,61 @@ def test_missing_array_is_named(tmp_path):
     del tensors["local_buf"]
     save_file(tensors, path, metadata=meta)
     with pytest.raises(ValueError, match=r"lacks \['local_buf'\]"):
+        qm.load_cache(path)
+
+
+def _paged(device: str, layers: int = 2) -> tuple[qm.PagedMLACache, list[int]]:
+    """A two-layer paged cache with three requests of different lengths, one freed and one forked (free pages and
+    rows out of order)."""
+    g = torch.Generator().manual_seed(7)
+    paged = qm.PagedMLACache("C4R4", num_pages=12, max_seqs=4, sink=4, local=16, device=device, num_layers=layers)
+    ids = [paged.add_request() for _ in range(3)]
+    for s, n in zip(ids, (70, 130, 9)):
+        plan = paged.reserve([(s, n)])
+        for i in range(layers):
+            lat, kr = torch.randn(n, 512, generator=g), torch.randn(n, 64, generator=g)
+            if device == "numpy":
+                lat, kr = lat.numpy(), kr.numpy()
+            paged.write(plan, lat, kr, layer=i)
+    paged.free(ids[1])
+    return paged, [ids[0], paged.fork(ids[0]), ids[2]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_paged_cache_round_trip_keeps_layers_and_bookkeeping(device, tmp_path):
+    paged, live = _paged(device)
+    qm.save_cache(paged, tmp_path / "paged.safetensors")
+    loaded = qm.load_cache(tmp_path / "paged.safetensors", device=device)
+    assert isinstance(loaded, qm.PagedMLACache) and loaded.num_layers == 2
+    assert loaded.allocator_state() == paged.allocator_state()
+    for i in range(2):
+        for name in ("pages", "sink_buf", "local_buf"):
+            assert np.array_equal(_host(getattr(loaded.layer(i), name)), _host(getattr(paged.layer(i), name)))
+    g = torch.Generator().manual_seed(8)
+    q, r = torch.randn(3, 16, 512, generator=g), torch.randn(3, 16, 64, generator=g)
+    if device == "numpy":
+        q, r = q.numpy(), r.numpy()
+    elif device == "cuda":
+        q, r = q.cuda().bfloat16(), r.cuda().bfloat16()
+    for i in range(2):
+        a = loaded.attention(q, r, live, 0.05, layer=i)
+        b = paged.attention(q, r, live, 0.05, layer=i)
+        assert np.array_equal(_host(a[0]), _host(b[0])) and np.array_equal(_host(a[1]), _host(b[1]))
+    # the loaded allocator goes on as the saved one would
+    assert loaded.add_request() == paged.add_request() and loaded.num_free_pages == paged.num_free_pages
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda st: st["free_pages"].pop(), "every page 0..11 must be free or owned by exactly one request"),
+    (lambda st: st["lens"].update({"0": 500}), "request 0 holds 2 pages for 500 tokens"),
+    (lambda st: st["free_rows"].append(0), "every request row 0..3 must be free or live exactly once"),
+    (lambda st: st.pop("lens"), "state: expected free_pages, free_rows, pages and lens"),
+])
+def test_inconsistent_allocator_state_is_refused(edit, match, tmp_path):
+    path, tensors, meta = _saved_file(tmp_path, _paged("cpu")[0])
+    state = json.loads(meta["state"])
+    edit(state)
+    meta["state"] = json.dumps(state)
+    save_file(tensors, path, metadata=meta)
+    with pytest.raises(ValueError, match=match):
         qm.load_cache(path)
