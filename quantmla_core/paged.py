@@ -118,6 +118,20 @@ class PagedMLACache:
         del self._lens[seq_id]
         self._free_rows.append(seq_id)
 
+    def truncate(self, seq_id: int, length: int) -> None:
+        """Shorten a request to its first ``length`` tokens; pages past them go back to the free list. The pages and
+        sink rows keep what the removed tokens wrote (nothing reads past a request's length), but the local ring
+        does not get back the older tokens the removed ones overwrote: a caller that rolls tokens back restores those
+        ring rows itself (the Hugging Face integration's ``crop``)."""
+        self._check_live(seq_id)
+        if not 0 <= length <= self._lens[seq_id]:
+            raise ValueError(f"length: expected 0 <= length <= {self._lens[seq_id]} (request {seq_id}), got {length}")
+        pages = self._pages[seq_id]
+        keep = -(-length // self.format.page_size)
+        self._free_pages.extend(reversed(pages[keep:]))
+        del pages[keep:]
+        self._lens[seq_id] = length
+
     def fork(self, seq_id: int) -> int:
         """New request holding a copy of ``seq_id``'s tokens (pages and protection rows copied)."""
         self._check_live(seq_id)

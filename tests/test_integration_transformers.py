@@ -22,6 +22,7 @@ import quantmla_core as qm  # noqa: E402
 from quantmla_core.integrations.transformers import (  # noqa: E402
     QuantMLACache,
     QuantMLAHandle,
+    QuantMLALayer,
     enable_quantmla,
 )
 
@@ -362,3 +363,94 @@ def test_other_caches_pass_through_and_errors():
         enable_quantmla(nn.Sequential(nn.Linear(2, 2)))
     with pytest.raises(ValueError, match="model or a config"):
         QuantMLACache()
+
+
+# ------------------------------------------------------------------------------------- rollback (crop)
+def _tokens(n: int, seed: int, batch: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random latent [B, n, 64] and k_rot [B, n, 32] of the tiny models' dims."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, n, 64, generator=g), torch.randn(batch, n, 32, generator=g)
+
+
+def _layer(steps, crop: int = 0, local: int = 8, rollback: bool = True):
+    """A QuantMLALayer after ``steps`` (each a list of writes: one forward), then ``crop(-crop)``."""
+    layer = QuantMLALayer(qm.PackFormat.parse("C4R4", latent_dim=64, rope_dim=32), 4, local, BACKEND,
+                          rollback=rollback)
+    for writes in steps:
+        layer.begin_step()
+        for lat, kr in writes:
+            layer.write(lat, kr, None)
+    if crop:
+        layer.crop(-crop)
+    return layer
+
+
+def _same_state(a, b) -> None:
+    """Same lengths, ring, sink rows and pages in use, and bit-identical attention over the two layers."""
+    assert a.seq_lengths() == b.seq_lengths() and a.hf_len == b.hf_len
+    assert a.paged.pages_in_use == b.paged.pages_in_use
+    assert torch.equal(a.paged.cache.local_buf[a.rows], b.paged.cache.local_buf[b.rows])
+    g = torch.Generator().manual_seed(9)
+    q, r = torch.randn(2, 1, 4, 64, generator=g), torch.randn(2, 1, 4, 32, generator=g)
+    assert torch.equal(a.attend(q, r, 0.2), b.attend(q, r, 0.2))
+
+
+@pytest.mark.parametrize("prompt_len, spec, reject", [(40, 8, 5), (40, 8, 8), (5, 6, 4), (40, 3, 1)])
+def test_crop_restores_what_the_rejected_tokens_overwrote(prompt_len, spec, reject):
+    """Write a prompt, then ``spec`` candidates in one decode step, reject the last ``reject``: the cache equals one
+    that only ever saw the accepted tokens, also after the next token (the ring rows the rejected tokens overwrote
+    hold the older tokens again; pages past the new length are free)."""
+    p, c, nxt = _tokens(prompt_len, 1), _tokens(spec, 2), _tokens(1, 3)
+    keep = spec - reject
+    accepted = (c[0][:, :keep], c[1][:, :keep])
+    a = _layer([[p], [c]], crop=reject)
+    b = _layer([[p], [accepted]] if keep else [[p]])
+    _same_state(a, b)
+    a.begin_step(), b.begin_step()
+    a.write(*nxt, None), b.write(*nxt, None)
+    _same_state(a, b)
+
+
+def test_crop_of_prefill_tokens_and_across_the_chunks_of_one_forward():
+    """Assisted generation's first forward is the prompt plus its candidates (a prefill); a long decode step is
+    written in chunks. Rejected tokens come back out of either."""
+    p, extra = _tokens(30, 4), _tokens(6, 5)
+    whole = (torch.cat([p[0], extra[0]], 1), torch.cat([p[1], extra[1]], 1))
+    _same_state(_layer([[whole]], crop=6), _layer([[p]]))
+    c1, c2 = _tokens(5, 6), _tokens(4, 7)
+    a = _layer([[p], [c1, c2]], crop=6)  # all of the second chunk and 2 of the first
+    b = _layer([[p], [(c1[0][:, :3], c1[1][:, :3])]])
+    _same_state(a, b)
+
+
+def test_crop_refuses_what_it_cannot_take_back():
+    p, c = _tokens(40, 8), _tokens(12, 9)
+    with pytest.raises(NotImplementedError, match="rollback=True"):
+        _layer([[p], [c]], crop=2, rollback=False)
+    with pytest.raises(NotImplementedError, match="can remove 8 tokens"):
+        _layer([[p], [c]], crop=9, local=8)  # a write gives back at most `local` tokens
+    layer = _layer([[p], [c]])
+    layer.begin_step()
+    with pytest.raises(NotImplementedError, match="can remove 0 tokens"):
+        layer.crop(-1)  # a new forward began: the last one's tokens stay
+    layer.crop(0)
+
+
+def test_assisted_generation_with_rollback_matches_plain_generation(monkeypatch):
+    """``generate(prompt_lookup_num_tokens=...)`` verifies candidates and crops the rejected ones; on a cache made
+    with rollback=True it gives the tokens plain greedy generation gives on the same quantized cache."""
+    model = tiny_model("v3")
+    ids = prompt(40, seed=3)
+    rep = torch.cat([ids, ids[:, :20], ids[:, :20]], 1)  # repeats, so that prompt lookup proposes candidates
+    removed = []
+    real_crop = QuantMLALayer.crop
+    monkeypatch.setattr(QuantMLALayer, "crop", lambda self, n: removed.append(-n) or real_crop(self, n))
+    with enable_quantmla(model, "C4R4", sink=SINK, local=8, backend=BACKEND):
+        plain = model.generate(rep, max_new_tokens=20, do_sample=False, cache=QuantMLACache(model), pad_token_id=2)
+        cache = QuantMLACache(model, rollback=True)
+        assert cache.is_croppable and not QuantMLACache(model).is_croppable
+        assisted = model.generate(rep, max_new_tokens=20, do_sample=False, cache=cache, pad_token_id=2,
+                                  prompt_lookup_num_tokens=5)
+    assert max(removed) > 0  # candidates were rejected and taken back
+    assert torch.equal(assisted, plain)
+    assert cache.layers[0].seq_lengths() == [assisted.shape[1] - 1]

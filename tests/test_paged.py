@@ -141,3 +141,18 @@ def test_decode_reserve_slots_match_prefill_layout():
     assert np.array_equal(np.concatenate([s.slot_mapping for s in singles]), bulk.slot_mapping)
     assert np.array_equal(np.concatenate([s.positions for s in singles]), bulk.positions)
     assert np.array_equal(singles[-1].seq_lens, bulk.seq_lens) and b.seq_len(sb) == p + 3
+
+
+def test_truncate_frees_the_pages_past_the_new_length():
+    c = qm.PagedMLACache("C4R4", num_pages=6, max_seqs=2, device="cpu")
+    s = c.add_request()
+    c.append(s, torch.randn(150, 512), torch.randn(150, 64))  # 3 pages of 64
+    assert c.num_free_pages == 3
+    c.truncate(s, 128)
+    assert c.seq_len(s) == 128 and c.num_free_pages == 4 and c.block_table([s]).shape == (1, 2)
+    c.truncate(s, 0)
+    assert c.seq_len(s) == 0 and c.num_free_pages == 6
+    with pytest.raises(ValueError, match="length: expected 0 <= length <= 0"):
+        c.truncate(s, 1)
+    with pytest.raises(ValueError, match="seq_id: expected a live request id"):
+        c.truncate(s + 1, 0)

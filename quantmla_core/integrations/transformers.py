@@ -99,6 +99,73 @@ def _value_dtype(dtype: torch.dtype) -> torch.dtype:
 # ---------------------------------------------------------------------------------------------
 # the cache
 # ---------------------------------------------------------------------------------------------
+@dataclass
+class _WriteUndo:
+    """What one write changed, to take its last tokens back (:meth:`QuantMLALayer.crop`): the requests (``rows``),
+    each one's length before it (``starts``), the tokens it wrote a row (``written``) and how many of them are still in
+    the cache (``tokens``); with a local ring, ``slots`` [rows, window]: the ring rows of its last ``window`` positions,
+    and ``prior`` [rows, window, d_c + d_r]: what each must hold once its position is gone (the token ``local``
+    positions earlier: from the ring before the write, or from the write itself)."""
+
+    rows: list[int]
+    starts: list[int]
+    written: int
+    tokens: int
+    slots: torch.Tensor | None = None
+    prior: torch.Tensor | None = None
+
+    @classmethod
+    def record(cls, paged: PagedMLACache, items: list, t: int, local: int) -> "_WriteUndo":
+        """Before ``paged`` writes ``t`` tokens to each of ``items`` (request, latent [t, d_c], k_rope [t, d_r])."""
+        rows = [s for s, _, _ in items]
+        starts = [paged.seq_len(s) for s in rows]
+        if not local:
+            return cls(rows, starts, t, t)
+        m = min(t, local)
+        ring = paged.cache.local_buf
+        dev = ring.device
+        a = torch.tensor(starts)[:, None]
+        q = a + (t - m - local) + torch.arange(m)[None, :]  # [R, m] the positions the ring rows must hold again
+        prior = torch.zeros((len(rows), m, ring.shape[-1]), dtype=ring.dtype, device=dev)
+        in_ring, in_write = (q >= 0) & (q < a), q >= a
+        if bool(in_ring.any()):
+            r, i = in_ring.nonzero(as_tuple=True)
+            prior[r.to(dev), i.to(dev)] = ring[torch.tensor(rows)[r].to(dev), (q[r, i] % local).to(dev)]
+        if bool(in_write.any()):
+            values = torch.stack([torch.cat([x, kr], -1) for _, x, kr in items]).to(ring.dtype)  # as the writers store
+            r, i = in_write.nonzero(as_tuple=True)
+            prior[r.to(dev), i.to(dev)] = values[r.to(dev), (q[r, i] - a[r, 0]).to(dev)]
+        return cls(rows, starts, t, t, ((q + local) % local).to(dev), prior)
+
+    def restore(self, paged: PagedMLACache, n: int) -> None:
+        """Take the last ``n`` tokens still in the cache of this write back from every request."""
+        keep = self.tokens - n
+        if self.slots is not None:
+            first = self.written - self.slots.shape[1]  # the window's first position, relative to the write
+            lo, hi = keep - first, self.tokens - first
+            rows = torch.tensor(self.rows, device=self.slots.device)[:, None]
+            paged.cache.local_buf[rows, self.slots[:, lo:hi]] = self.prior[:, lo:hi]
+        for s, a in zip(self.rows, self.starts):
+            paged.truncate(s, a + keep)
+        self.tokens = keep
+
+    @property
+    def removable(self) -> int:
+        """Tokens of this write that can still be taken back (its last ``window`` positions with a ring)."""
+        return self.tokens - (0 if self.slots is None else self.written - self.slots.shape[1])
+
+
+def _removable(undo: list[_WriteUndo]) -> int:
+    """Tokens the writes of ``undo`` can give back, last write first (an earlier write's only once the later ones
+    are wholly gone)."""
+    can = 0
+    for u in reversed(undo):
+        can += u.removable
+        if u.removable < u.tokens:
+            break
+    return can
+
+
 class QuantMLALayer(CacheLayerMixin):
     """One model layer's QuantMLA cache: a :class:`PagedMLACache` with one request per batch row.
 
@@ -108,7 +175,7 @@ class QuantMLALayer(CacheLayerMixin):
     """
 
     is_compileable = False
-    is_croppable = False
+    is_croppable = False  # with rollback=True: the tokens of the last forward (crop)
     is_sliding = False
     supports_early_init = False
 
@@ -120,8 +187,10 @@ class QuantMLALayer(CacheLayerMixin):
         backend: str,
         protect_dtype: Any = None,
         max_length: int | None = None,
+        rollback: bool = False,
     ) -> None:
         super().__init__()
+        self.rollback = self.is_croppable = bool(rollback)
         self.format = fmt
         self.sink, self.local, self.backend = int(sink), int(local), backend
         self.protect_dtype = protect_dtype
@@ -131,6 +200,7 @@ class QuantMLALayer(CacheLayerMixin):
         self.hf_len = 0
         self.device: torch.device | None = None
         self._pending_valid: torch.Tensor | None = None
+        self._undo: list[_WriteUndo] | None = []  # the last forward's writes (rollback); None: it cannot be undone
 
     def __repr__(self) -> str:
         return f"QuantMLALayer({_format_name(self.format)}, rows={len(self.rows)}, len={self.hf_len})"
@@ -165,6 +235,7 @@ class QuantMLALayer(CacheLayerMixin):
                 "form; call quantmla_core.integrations.transformers.enable_quantmla(model) before generate()"
             )
         valid, self._pending_valid = self._pending_valid, None
+        self.begin_step()
         self.write(key_states[:, 0], value_states[:, 0], valid)
         return key_states, value_states
 
@@ -190,13 +261,32 @@ class QuantMLALayer(CacheLayerMixin):
                 if s >= 0:
                     self.paged.free(s)
         self.rows, self.hf_len, self.is_initialized = [], 0, False
+        self._undo = []
 
     def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove:
+        """Remove the last ``-tokens_to_remove`` tokens (transformers 5; a positive value is the length to keep, as
+        transformers 4 passed it), with ``rollback=True`` only (:class:`QuantMLACache`). Tokens of the last forward
+        can go, as assisted (speculative) generation removes the candidates it rejected: their pages go back to the
+        free list, and the local-window ring rows they overwrote get back the older tokens they held."""
+        remove = self.hf_len - tokens_to_remove if tokens_to_remove > 0 else -tokens_to_remove
+        if remove <= 0:
+            return
+        if not self.rollback:
+            raise NotImplementedError("QuantMLACache.crop: make the cache with QuantMLACache(model, rollback=True) to "
+                                      "remove tokens (assisted/speculative generation)")
+        undo = self._undo
+        can = _removable(undo or [])
+        if undo is None or remove > can:
             raise NotImplementedError(
-                "QuantMLACache.crop: the local protection ring cannot be rolled back; assisted/speculative "
-                "generation that crops the cache is not supported"
-            )
+                f"QuantMLACache.crop: can remove {can} tokens (of the last forward: up to local={self.local} of each "
+                f"write, and none of a forward with padding in it), asked to remove {remove}")
+        while remove:
+            n = min(remove, undo[-1].removable)
+            undo[-1].restore(self.paged, n)
+            remove -= n
+            self.hf_len -= n
+            if undo[-1].tokens == 0:
+                undo.pop()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._reindex([int(i) for i in beam_idx.tolist()])
@@ -258,8 +348,23 @@ class QuantMLALayer(CacheLayerMixin):
             paged = self.paged
             items = [(self.rows[b], x, r) for b, x, r in per_row]
             paged.grow(sum(paged.pages_needed(s, int(x.shape[0])) for s, x, _ in items), 0)  # doubles when short
+            self._record_undo(items, t, full=len(items) == batch and all(int(x.shape[0]) == t for _, x, _ in items))
             paged.append_many(items)
         self.hf_len += t
+
+    def begin_step(self) -> None:
+        """A forward starts: what :meth:`crop` may take back is its writes (the prefill, or a decode step's chunks)."""
+        self._undo = []
+
+    def _record_undo(self, items: list, t: int, full: bool) -> None:
+        """With ``rollback``, note what this write changes so that :meth:`crop` can take it back, where every row
+        gets all ``t`` tokens (``full``; otherwise this forward cannot be taken back)."""
+        if not self.rollback or self._undo is None:
+            return
+        if not full:
+            self._undo = None
+            return
+        self._undo.append(_WriteUndo.record(self.paged, items, t, self.local))
 
     def attend(self, q_latent: torch.Tensor, q_rope: torch.Tensor, softmax_scale: float) -> torch.Tensor:
         """Causal attention of ``q [B, S, H, d]`` (the last S tokens of every row, just written) over
@@ -284,6 +389,7 @@ class QuantMLALayer(CacheLayerMixin):
 
     def _reindex(self, indices: list[int]) -> None:
         """New batch row i continues old row ``indices[i]`` (duplicates are forked, unused rows freed)."""
+        self._undo = None
         if self.paged is None:
             self.rows = [self.rows[i] for i in indices] if self.rows else []
             return
@@ -334,6 +440,10 @@ class QuantMLACache(Cache):
             it pages are allocated at prefill and doubled when they run out.
         protect_dtype: protection-buffer dtype (bfloat16 default; float32 allowed on CPU).
         page_size, group_size: page tokens (16/32/64/128) and quantization group.
+        rollback: let :meth:`crop` take back the tokens of the last forward (assisted / speculative generation:
+            ``generate(..., assistant_model=...)`` or ``prompt_lookup_num_tokens=...``), up to ``local`` a row. It
+            snapshots the local-window ring rows each write overwrites (a few small copies per layer and step), so it
+            is off by default.
 
     One layer per decoder layer, each a :class:`QuantMLALayer` over its own
     :class:`~quantmla_core.PagedMLACache`. Any batch size, left padding and generation length.
@@ -354,6 +464,7 @@ class QuantMLACache(Cache):
         protect_dtype: Any = None,
         page_size: int | None = None,
         group_size: int | None = None,
+        rollback: bool = False,
     ) -> None:
         handle: QuantMLAHandle | None = getattr(model, _HANDLE_ATTR, None) if model is not None else None
         if model is None and config is None:
@@ -388,7 +499,8 @@ class QuantMLACache(Cache):
         if max_length is not None and int(max_length) < 1:
             raise ValueError(f"max_length: expected a positive token count, got {max_length}")
         layers = [
-            QuantMLALayer(fmt, self.sink, self.local, self.backend, self.protect_dtype, max_length) for _ in range(n_layers)
+            QuantMLALayer(fmt, self.sink, self.local, self.backend, self.protect_dtype, max_length, rollback)
+            for _ in range(n_layers)
         ]
         super().__init__(layers=layers)
         self._valid_memo: tuple[Any, int, int, torch.Tensor | None] | None = None
@@ -692,6 +804,7 @@ def _absorbed_forward(spec: Any, layer: QuantMLALayer, hidden_states: torch.Tens
     k_rot = k_rot.to(_value_dtype(latent.dtype))
     q_rot = q_rot.to(cdt)
     outs = []
+    layer.begin_step()
     for a in range(0, t, MAX_QUERY_CHUNK):  # one writer call and one attention call per chunk
         b = min(t, a + MAX_QUERY_CHUNK)
         layer.write(latent[:, a:b], k_rot[:, a:b], None)
