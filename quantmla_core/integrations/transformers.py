@@ -770,6 +770,7 @@ def _make_forward(spec: Any, original: Any):
                 "attention_mask: QuantMLACache needs every token after the prompt to be real (padding only at "
                 "prefill, e.g. left padding); the mask marks some new tokens as padding"
             )
+        layer.begin_step()  # what crop() may take back: this forward's writes
         return _absorbed_forward(spec, layer, hidden_states, kwargs.get("position_embeddings"))
 
     forward.__wrapped_quantmla__ = original  # type: ignore[attr-defined]
@@ -804,7 +805,6 @@ def _absorbed_forward(spec: Any, layer: QuantMLALayer, hidden_states: torch.Tens
     k_rot = k_rot.to(_value_dtype(latent.dtype))
     q_rot = q_rot.to(cdt)
     outs = []
-    layer.begin_step()
     for a in range(0, t, MAX_QUERY_CHUNK):  # one writer call and one attention call per chunk
         b = min(t, a + MAX_QUERY_CHUNK)
         layer.write(latent[:, a:b], k_rot[:, a:b], None)
