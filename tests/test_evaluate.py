@@ -73,3 +73,25 @@ def test_cli_writes_the_table_and_json(model, tmp_path, capsys):
     assert "C4R4" in out and "top-1" in out
     rows = json.loads((tmp_path / "q.json").read_text())
     assert [r["format"] for r in rows] == ["BF16", "C4R4"] and rows[0]["tokens"] == 60 - 16 - 1
+
+
+def test_calibrated_transforms_cut_the_cache_error_against_round_to_nearest(model):
+    """The method end to end: calibrate the tiny model for C2R4 (a short recipe), fuse, and the quantized cache moves
+    its predictions less than round-to-nearest on the unfused model does, while the fused model itself (the
+    reference, quantization off) predicts as before."""
+    import copy
+
+    from quantmla_core.calibration.pipeline import CalibrationConfig, calibrate
+    from quantmla_core.calibration.train import Recipe
+
+    fused = copy.deepcopy(model)
+    train = torch.randint(3, 256, (12, 64), generator=torch.Generator().manual_seed(1))
+    cfg = CalibrationConfig(fmt="C2R4", n_train=8, n_val=4, seq_len=64, recipe=Recipe(steps=60, val_every=20),
+                            baselines=False, analysis=False, progress=False, check=False)
+    calibrate(fused, train, cfg, log=lambda *a, **k: None)
+    held_out = _sequences(model, n=3, length=160, seed=5)
+    kw = dict(prefix=16, chunk=16, sink=4, local=8, backend=BACKEND)
+    (rtn,) = evaluate_formats(model, held_out, ["C2R4"], **kw)
+    (cal,) = evaluate_formats(fused, held_out, ["C2R4"], **kw)
+    assert abs(cal.nll_reference - rtn.nll_reference) < 1e-4
+    assert cal.kl < 0.6 * rtn.kl and cal.top1_agreement > rtn.top1_agreement
