@@ -81,26 +81,26 @@ def evaluate_formats(model: nn.Module, sequences: torch.Tensor, formats: Sequenc
     if not 1 <= prefix or not 1 <= chunk:
         raise ValueError(f"prefix, chunk: expected >= 1, got {prefix}, {chunk}")
     device = next(model.parameters()).device
-    seqs = sequences.to(device)
-    targets = seqs[:, prefix + 1:]
-    ref_logp = [F.log_softmax(_logits(model, seqs[i:i + 1])[:, prefix:-1], -1) for i in range(seqs.shape[0])]
-    results = []
-    for fmt in formats:
-        with enable_quantmla(model, fmt, sink=sink, local=local, backend=backend):
-            logp = [F.log_softmax(decode_logits(model, seqs[i:i + 1], prefix, chunk)[:, :-1], -1)
-                    for i in range(seqs.shape[0])]
-        results.append(_score(fmt, torch.cat(logp), torch.cat(ref_logp), targets))
-    return results
+    sums = {fmt: torch.zeros(4, dtype=torch.float64) for fmt in formats}  # NLL, reference NLL, KL, top-1 matches
+    for i in range(sequences.shape[0]):  # one sequence at a time: [T, vocab] log-probabilities are large
+        ids = sequences[i:i + 1].to(device)
+        targets = ids[:, prefix + 1:]
+        ref_logp = F.log_softmax(_logits(model, ids)[:, prefix:-1], -1)
+        for fmt in formats:
+            with enable_quantmla(model, fmt, sink=sink, local=local, backend=backend):
+                logp = F.log_softmax(decode_logits(model, ids, prefix, chunk)[:, :-1], -1)
+            sums[fmt] += _sums(logp, ref_logp, targets)
+    tokens = sequences.shape[0] * (sequences.shape[1] - prefix - 1)
+    return [CacheQuality(fmt, tokens, *(sums[fmt] / tokens).tolist()) for fmt in formats]
 
 
-def _score(fmt: str, logp: torch.Tensor, ref_logp: torch.Tensor, targets: torch.Tensor) -> CacheQuality:
-    """Scores of log-probabilities [N, T', V] against the reference's on ``targets`` [N, T']."""
+def _sums(logp: torch.Tensor, ref_logp: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sums over the positions of log-probabilities [1, T', V] against the reference's, on ``targets`` [1, T']: NLL,
+    reference NLL, KL(reference || quantized) and top-1 agreements (float64 [4])."""
     pick = targets.unsqueeze(-1)
-    nll = -logp.gather(-1, pick).mean().item()
-    nll_ref = -ref_logp.gather(-1, pick).mean().item()
-    kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1).mean().item()
-    agree = (logp.argmax(-1) == ref_logp.argmax(-1)).float().mean().item()
-    return CacheQuality(fmt, int(targets.numel()), nll, nll_ref, kl, agree)
+    return torch.stack([-logp.gather(-1, pick).sum(), -ref_logp.gather(-1, pick).sum(),
+                        (ref_logp.exp() * (ref_logp - logp)).sum(), (logp.argmax(-1) == ref_logp.argmax(-1)).sum()]
+                       ).double().cpu()
 
 
 def format_table(results: Sequence[CacheQuality]) -> str:
