@@ -249,8 +249,8 @@ elif [ "$MODE" = halves ]; then
   timeout 300 $T tests/test_triton_backend.py -k "declared_dims" 2>&1 | tail -3
   python3 -P -c "import torch; from quantmla_core.backends.triton import attention as a; d = torch.device('cuda');
 print('limits 512/64', a.device_limits(d, 512, 64), '1024/64', a.device_limits(d, 1024, 64), 'v3_suits', a.v3_suits(d))"
-  echo "=== torch.ops.quantmla under torch.compile on the GPU (stop 43), and the refactored CuPy launcher's stubbed tests"
-  timeout 240 $T tests/test_torch_ops.py tests/test_cupy_prepared.py 2>&1 | tail -3
+  echo "=== torch.ops.quantmla under torch.compile, save/load of CUDA caches (stop 43), the split CuPy launcher's stub tests"
+  timeout 240 $T tests/test_torch_ops.py tests/test_cupy_prepared.py tests/test_cache_io.py 2>&1 | tail -3
 elif [ "$MODE" = v6pair ]; then
   echo "=== v6 pairs: one small case first (a hang or a failure stops here)"; timeout 120 $T tests/test_cupy_v6.py \
     -k "v6_pair_matches and L64_128_192" 2>&1 | tail -2 | tee "$OUT/v6_pair_first.txt"
