@@ -215,18 +215,13 @@ class LaunchLog(list):
         return found[0]
 
 
-def cupy_launcher_modules() -> tuple:
-    """The modules of the CuPy attention launcher that look GPU-facing names up: the op, its plans and its variant
-    choice (each imports what it calls by name, so a stub goes into every one that has the name)."""
+def patch_cupy_launcher(monkeypatch: Any, **stubs: Any) -> None:
+    """Set each of ``stubs`` (name=value) in every module of the CuPy attention launcher that has that name: the op,
+    its plans and its variant choice, each of which imports what it calls by name. A name no module has is an error,
+    so a stub cannot silently miss. ``monkeypatch``: pytest's fixture."""
     from .backends.cupy import attention, plans, variants
 
-    return attention, plans, variants
-
-
-def patch_cupy_launcher(monkeypatch: Any, **stubs: Any) -> None:
-    """Set each of ``stubs`` (name=value) in every launcher module that has that name (:func:`cupy_launcher_modules`);
-    a name no module has is an error, so a stub cannot silently miss. ``monkeypatch``: pytest's fixture."""
-    modules = cupy_launcher_modules()
+    modules = (attention, plans, variants)
     for name, value in stubs.items():
         owners = [m for m in modules if hasattr(m, name)]
         if not owners:

@@ -26,6 +26,7 @@ from .api import attention as _attention
 from .api import write as _write
 from .cache import MLACache
 from .formats import PackFormat
+from .validation import check_cache
 
 #: the operators' namespace: ``torch.ops.quantmla``
 NAMESPACE = "quantmla"
@@ -95,9 +96,9 @@ def _attention_fake(q_latent, q_rope, pages, sink_buf, local_buf, block_table, s
 
 
 def _tensor_cache(cache: MLACache) -> MLACache:
-    if not isinstance(cache, MLACache) or not isinstance(cache.pages, torch.Tensor):
-        got = type(cache).__name__ if not isinstance(cache, MLACache) else "an MLACache of NumPy arrays"
-        raise TypeError(f"cache: expected an MLACache of torch tensors, got {got}")
+    cache = check_cache(cache)
+    if cache.is_numpy:
+        raise TypeError("cache: expected an MLACache of torch tensors, got an MLACache of NumPy arrays")
     return cache
 
 

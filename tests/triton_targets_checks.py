@@ -247,8 +247,9 @@ def test_hopper_is_sm90_on_cuda(capability, hip, hopper, monkeypatch):
     """sm_90 is Hopper; ROCm reports MI300X as capability 9.4, which is not."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability)
     monkeypatch.setattr(torch.version, "hip", hip)
-    assert att._is_hopper.__wrapped__(0) is hopper
-    monkeypatch.setattr(att, "_is_hopper", lambda index: hopper)
+    major = att._nvidia_major.__wrapped__(0)
+    assert (major == 9) is hopper
+    monkeypatch.setattr(att, "_nvidia_major", lambda index: major)
     assert att.v3_suits(torch.device("cuda", 0)) is hopper
     assert att.v3_suits(torch.device("cpu")) is True
 

@@ -51,12 +51,13 @@ def v3_suits(device: torch.device) -> bool:
     of scratch a lane) or overflows Blackwell's tensor memory (a trap at d_c 512), stop 42; v2 and v1 run there."""
     if interpreting() or device.type != "cuda":
         return True
-    return _is_hopper(_device_index(device))
+    return _nvidia_major(_device_index(device)) == 9
 
 
 @functools.lru_cache(maxsize=16)
-def _is_hopper(index: int) -> bool:
-    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] == 9
+def _nvidia_major(index: int) -> int | None:
+    """The CUDA compute capability's major number of device ``index``; None on ROCm (whose MI250/MI300X report 9.x)."""
+    return None if torch.version.hip is not None else torch.cuda.get_device_capability(index)[0]
 
 
 #: compiled-kernel handles of the last launch (``n_regs``, ``n_spills``) for probes
@@ -97,9 +98,9 @@ def device_limits(device: torch.device, latent_dim: int, rope_dim: int) -> Devic
                         tmem=TMEM_COLUMNS if _has_tensor_memory(index) else None)
 
 
-@functools.lru_cache(maxsize=16)
 def _has_tensor_memory(index: int) -> bool:
-    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 10
+    """Blackwell and later (sm_100+): the dots' accumulators live in tensor memory."""
+    return (_nvidia_major(index) or 0) >= 10
 
 
 def _device_index(device: torch.device) -> int:

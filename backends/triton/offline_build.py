@@ -208,23 +208,37 @@ def target_of(arch: str):
     return GPUTarget("cuda", int(arch.removeprefix("sm_")), 32)
 
 
+def _nvidia_tool(name: str) -> str:
+    """The path of ``name`` (``ptxas``, ``cuobjdump``, ...) among the NVIDIA tools Triton's wheel bundles."""
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+@contextlib.contextmanager
+def _temp_file(data: str | bytes, suffix: str) -> Iterator[str]:
+    """The path of a temporary file holding ``data``, removed afterwards (the NVIDIA tools read files)."""
+    with tempfile.NamedTemporaryFile("wb" if isinstance(data, bytes) else "w", suffix=suffix, delete=False) as f:
+        f.write(data)
+    try:
+        yield f.name
+    finally:
+        os.unlink(f.name)
+
+
 def _run_ptxas(arch: str, ptx_path: str) -> subprocess.CompletedProcess:
     """``ptxas -v`` of Triton's wheel on ``ptx_path`` for ``arch`` (``sm_90a``): the ``ptxas`` Triton builds that
     target with first (``ptxas-blackwell`` from sm_100), the other where the first refuses the PTX version."""
-    import triton
-
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     names = ["ptxas", "ptxas-blackwell"]
     if int(re.sub(r"\D", "", arch)) >= 100:
         names.reverse()
     r = None
-    for name in [n for n in names if os.path.exists(os.path.join(bin_dir, n))]:
-        r = subprocess.run([os.path.join(bin_dir, name), "-v", "--gpu-name", arch, ptx_path, "-o", os.devnull],
-                           capture_output=True, text=True)
+    for path in [p for p in map(_nvidia_tool, names) if os.path.exists(p)]:
+        r = subprocess.run([path, "-v", "--gpu-name", arch, ptx_path, "-o", os.devnull], capture_output=True, text=True)
         if r.returncode == 0:
             break
     if r is None:
-        raise RuntimeError(f"this triton has no ptxas in {bin_dir}")
+        raise RuntimeError(f"this triton has no ptxas in {os.path.dirname(_nvidia_tool('ptxas'))}")
     return r
 
 
@@ -234,12 +248,8 @@ def nvidia_resources(compiled) -> dict[str, int]:
     driver loads the cubin); ``tcgen05`` counts Blackwell's tensor-memory MMAs."""
     ptx = compiled.asm["ptx"]
     arch = re.search(r"^\.target\s+(\w+)", ptx, re.M).group(1)
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(ptx)
-    try:
-        r = _run_ptxas(arch, f.name)
-    finally:
-        os.unlink(f.name)
+    with _temp_file(ptx, ".ptx") as path:
+        r = _run_ptxas(arch, path)
     if r.returncode != 0:
         raise RuntimeError(f"ptxas failed on {compiled.metadata.name}: {r.stderr[-500:]}")
     txt = r.stderr + r.stdout
@@ -257,15 +267,9 @@ def sass_loop_counts(compiled) -> dict[str, int]:
     """Instructions of a kernel compiled for NVIDIA, from ``cuobjdump -sass`` of its cubin (Triton's own): all of
     them, those inside loops (between a backward branch and its target), and the local-memory spill stores (STL) and
     loads (LDL) among those."""
-    import triton
-
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(compiled.asm["cubin"])
-    try:
-        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    finally:
-        os.unlink(f.name)
+    with _temp_file(compiled.asm["cubin"], ".cubin") as path:
+        sass = subprocess.run([_nvidia_tool("cuobjdump"), "-sass", path], capture_output=True, text=True,
+                              check=True).stdout
     index: dict[int, int] = {}
     ins: list[str] = []
     for m in re.finditer(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*)$", sass, re.M):

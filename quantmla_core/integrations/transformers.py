@@ -348,7 +348,7 @@ class QuantMLALayer(CacheLayerMixin):
             paged = self.paged
             items = [(self.rows[b], x, r) for b, x, r in per_row]
             paged.grow(sum(paged.pages_needed(s, int(x.shape[0])) for s, x, _ in items), 0)  # doubles when short
-            self._record_undo(items, t, full=len(items) == batch and all(int(x.shape[0]) == t for _, x, _ in items))
+            self._record_undo(items, t, batch)
             paged.append_many(items)
         self.hf_len += t
 
@@ -356,12 +356,12 @@ class QuantMLALayer(CacheLayerMixin):
         """A forward starts: what :meth:`crop` may take back is its writes (the prefill, or a decode step's chunks)."""
         self._undo = []
 
-    def _record_undo(self, items: list, t: int, full: bool) -> None:
-        """With ``rollback``, note what this write changes so that :meth:`crop` can take it back, where every row
-        gets all ``t`` tokens (``full``; otherwise this forward cannot be taken back)."""
+    def _record_undo(self, items: list, t: int, batch: int) -> None:
+        """With ``rollback``, note what this write changes so that :meth:`crop` can take it back, where every one of
+        the ``batch`` rows gets all ``t`` tokens (otherwise this forward cannot be taken back)."""
         if not self.rollback or self._undo is None:
             return
-        if not full:
+        if len(items) != batch or any(int(x.shape[0]) != t for _, x, _ in items):
             self._undo = None
             return
         self._undo.append(_WriteUndo.record(self.paged, items, t, self.local))
