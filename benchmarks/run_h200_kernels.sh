@@ -34,10 +34,11 @@
 #   bash benchmarks/run_h200_kernels.sh packed   # v5's packed zero-point/scale loads (QUANTMLA_CUPY_V5_PACKED_GROUPS, 2-bit
 #       d_c 512): conformance, CUDA graphs of 0 against 1 twice over PACKED_SHAPES (C2R4), memcheck
 #   bash benchmarks/run_h200_kernels.sh halves   # v5 with two warpgroups a worker (QUANTMLA_CUPY_V5_HALVES=2): one small
-#       case first (a hang stops there), conformance, memcheck and racecheck, CUDA graphs of 1 against 2 twice over
-#       HALVES_SHAPES (C4R4, C2R4, FlashInfer BF16 in the process), ncu of both at H16 B32 L32K C4R4; then the same
-#       occupancy without the exchange: four workers at d_c 256 (QUANTMLA_CUPY_V5_WORKERS=4) against two, conformance
-#       and CUDA graphs over FOUR_SHAPES; Triton at the declared dims; torch.ops.quantmla under torch.compile
+#       case first (a hang stops there), conformance, CUDA graphs of 1 against 2 twice over HALVES_SHAPES (C4R4, C2R4,
+#       FlashInfer BF16 in the process), memcheck and racecheck, ncu of both at H16 B32 L32K C4R4
+#   bash benchmarks/run_h200_kernels.sh stop43   # torch.ops.quantmla under torch.compile, CUDA cache save/load, the
+#       prepared-call tests; the same occupancy as the halves without the exchange: four workers at d_c 256
+#       (QUANTMLA_CUPY_V5_WORKERS=4) against two, conformance and CUDA graphs over FOUR_SHAPES; Triton at the declared dims
 #   bash benchmarks/run_h200_kernels.sh v6pair   # v6 as two-CTA clusters sharing each key tile (QUANTMLA_CUPY_V6_PAIR):
 #       conformance of forced pairs, CUDA graphs of 0 against 1 over V6PAIR_SHAPES, memcheck of the pairs
 #   bash benchmarks/run_h200_kernels.sh v6fold   # v6's slack maximum and RoPE fold (QUANTMLA_CUPY_V6_SLACK / _ROPE_FOLD):
@@ -220,37 +221,38 @@ elif [ "$MODE" = halves ]; then
   echo "=== v5 halves: one small case first"; timeout 120 $T tests/test_cupy_v5.py \
     -k "v5_halves_match and C4R4 and L64_65_4097_128" 2>&1 | tail -2 | tee "$OUT/v5_halves_first.txt"
   grep -q " passed" "$OUT/v5_halves_first.txt" && ! grep -q "failed\|error" "$OUT/v5_halves_first.txt" || exit 1
-  echo "=== conformance"; timeout 240 $T tests/test_cupy_v5.py -k "v5_halves_match" 2>&1 | tail -3 \
+  echo "=== conformance"; timeout 200 $T tests/test_cupy_v5.py -k "v5_halves_match" 2>&1 | tail -3 \
     | tee "$OUT/v5_halves_conformance.txt"
   grep -q " passed" "$OUT/v5_halves_conformance.txt" && ! grep -q "failed\|error" "$OUT/v5_halves_conformance.txt" || exit 1
-  for tool in memcheck racecheck; do
-    echo "=== $tool (halves)"; env $H2 timeout 150 compute-sanitizer --tool $tool $T tests/test_cupy_v5.py \
-      -k "v5_halves_match and (L2000_4_150 or L5000_321)" 2>&1 | tail -2
-  done
-  echo "=== 1 against 2, twice (CUDA graphs)"; timeout 330 python3 -P benchmarks/graph_probe.py --backends cupy \
+  echo "=== 1 against 2, twice (CUDA graphs)"; timeout 240 python3 -P benchmarks/graph_probe.py --backends cupy \
     --settings "${HALVES_SETTINGS:-$H1;$H2;$H1;$H2}" --formats C4R4,C2R4 \
     --shapes ${HALVES_SHAPES:-16x8x4096,16x32x32768,16x128x32768,16x32x131072} \
     --json "$OUT/graph_v5_halves.json" 2>&1 | grep -v "^{" | tail -40
+  for tool in memcheck racecheck; do
+    echo "=== $tool (halves)"; env $H2 timeout 100 compute-sanitizer --tool $tool $T tests/test_cupy_v5.py \
+      -k "v5_halves_match and (L2000_4_150 or L5000_321)" 2>&1 | tail -2
+  done
   NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
   for setting in $H1 $H2; do
-    tag=$(echo "$setting" | tr -c "A-Za-z0-9\n" _); echo "=== ncu v5 $setting"; env $setting timeout 100 $NCU -k regex:qmla_attn_v5 -s 2 -c 1 --clock-control none \
+    tag=$(echo "$setting" | tr -c "A-Za-z0-9\n" _); echo "=== ncu v5 $setting"; env $setting timeout 60 $NCU -k regex:qmla_attn_v5 -s 2 -c 1 --clock-control none \
       --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
       python3 -P benchmarks/cupy_probe.py --variant v5 --shapes 16x32x32768 --formats C4R4 --no-writer --protection 0,0 \
       > "$OUT/ncu_v5_$tag.txt" 2>&1
     grep -v "^==PROF==" "$OUT/ncu_v5_$tag.txt" | grep -E "Duration|L1/TEX Cache|Issue Slots|Issued Warp|Warp Cycles Per Issued" | head -12
   done
+elif [ "$MODE" = stop43 ]; then
   W2=QUANTMLA_CUPY_V5_WORKERS=2; W4=QUANTMLA_CUPY_V5_WORKERS=4
-  echo "=== v5 four workers at d_c 256: conformance"; timeout 150 $T tests/test_cupy_v5.py \
+  echo "=== torch.ops.quantmla under torch.compile, save/load of CUDA caches (stop 43), the split CuPy launcher's stub tests"
+  timeout 200 $T tests/test_torch_ops.py tests/test_cupy_prepared.py tests/test_cache_io.py 2>&1 | tail -3
+  echo "=== v5 four workers at d_c 256: conformance"; timeout 120 $T tests/test_cupy_v5.py \
     -k "v5_matches_reference and dc256 and -4]" 2>&1 | tail -2
-  echo "=== 2 against 4 workers at d_c 256, twice (CUDA graphs)"; timeout 240 python3 -P benchmarks/graph_probe.py \
+  echo "=== 2 against 4 workers at d_c 256, twice (CUDA graphs)"; timeout 150 python3 -P benchmarks/graph_probe.py \
     --backends cupy --dims 256,32 --settings "$W2;$W4;$W2;$W4" --formats C4R4,C2R4 \
     --shapes ${FOUR_SHAPES:-16x32x32768,16x128x32768,16x32x131072} --json "$OUT/graph_v5_four.json" 2>&1 | grep -v "^{" | tail -24
-  echo "=== Triton at the declared dims beyond 512/64 and 256/32 (stop 42: the d_c 1024 combine in 16-token tiles)"
-  timeout 300 $T tests/test_triton_backend.py -k "declared_dims" 2>&1 | tail -3
   python3 -P -c "import torch; from quantmla_core.backends.triton import attention as a; d = torch.device('cuda');
 print('limits 512/64', a.device_limits(d, 512, 64), '1024/64', a.device_limits(d, 1024, 64), 'v3_suits', a.v3_suits(d))"
-  echo "=== torch.ops.quantmla under torch.compile, save/load of CUDA caches (stop 43), the split CuPy launcher's stub tests"
-  timeout 240 $T tests/test_torch_ops.py tests/test_cupy_prepared.py tests/test_cache_io.py 2>&1 | tail -3
+  echo "=== Triton at the declared dims beyond 512/64 and 256/32 (stop 42: the d_c 1024 combine in 16-token tiles)"
+  timeout 200 $T tests/test_triton_backend.py -k "declared_dims" 2>&1 | tail -3
 elif [ "$MODE" = v6pair ]; then
   echo "=== v6 pairs: one small case first (a hang or a failure stops here)"; timeout 120 $T tests/test_cupy_v6.py \
     -k "v6_pair_matches and L64_128_192" 2>&1 | tail -2 | tee "$OUT/v6_pair_first.txt"
