@@ -14,7 +14,9 @@ CUDA graph. Two numbers, at H = 16, B = 8, 64 pages per request:
   by one that takes [B, H, d] queries as the CuPy backend does and returns preallocated outputs
   (argument checks, dispatch);
 * ``cupy_planned_run`` (and ``_into_outputs``): ``AttentionPlan.run`` of a CuPy plan made once,
-  launches reduced to their argument packing (query checks, output allocation or none, arguments).
+  launches reduced to their argument packing (query checks, output allocation or none, arguments);
+* ``triton_planned_run`` (and ``_into_outputs``): the same for a Triton plan (``PreparedCall``),
+  the two kernels replaced by recorders (partials and outputs allocated, argument tuples built).
 
     python -m pytest benchmarks/test_host_overhead.py -m benchmark --benchmark-enable
 """
@@ -111,5 +113,24 @@ def test_cupy_planned_run(benchmark, stubbed_cupy, given_outputs):
     out, lse = plan.run(q3, r3, **kw)
     assert out.shape == (B, H, 512) and lse.shape == (B, H)
     benchmark.extra_info.update({"what": "CuPy plan.run host path, CUDA stubbed", "B": B, "H": H,
+                                 "given_outputs": given_outputs})
+    benchmark(plan.run, q3, r3, **kw)
+
+
+@pytest.mark.parametrize("given_outputs", [False, True], ids=["", "into_outputs"])
+def test_triton_planned_run(benchmark, monkeypatch, given_outputs):
+    from quantmla_core.backends.triton import TritonBackend
+    from quantmla_core.plan import AttentionPlan
+
+    launches = stub_triton_launcher(monkeypatch)
+    cache = _cache()
+    q, r, table, lens, ids = _inputs()
+    q3, r3 = q[:, 0].contiguous(), r[:, 0].contiguous()
+    runner = TritonBackend().plan_attention(cache, table, lens.int(), ids.int(), (B, H, 512), torch.bfloat16, 0.05)
+    plan = AttentionPlan(cache, runner, "triton", (B, H, 512), torch.bfloat16, validate=False)
+    kw = {"out": torch.empty_like(q3), "lse": torch.empty((B, H))} if given_outputs else {}
+    out, lse = plan.run(q3, r3, **kw)
+    assert out.shape == (B, H, 512) and lse.shape == (B, H) and len(launches) == 2
+    benchmark.extra_info.update({"what": "Triton plan.run host path, kernels stubbed", "B": B, "H": H,
                                  "given_outputs": given_outputs})
     benchmark(plan.run, q3, r3, **kw)

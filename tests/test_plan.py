@@ -15,9 +15,10 @@ from quantmla_core.testing import (
     build,
     check_attention,
     stub_cupy_launcher,
+    stub_triton_launcher,
 )
 
-CPU_BACKENDS = [("torch", "cpu"), ("numba", "cpu"), ("reference", "numpy"), ("reference", "cpu")]
+CPU_BACKENDS = [("torch", "cpu"), ("numba", "cpu"), ("reference", "numpy"), ("reference", "cpu"), ("triton", "cpu")]
 CASES = [
     Case(qm.PackFormat.parse("C4R4"), (1, 70, 200), heads=4, s_q=1, seed=3),
     Case(qm.PackFormat.parse("C2R4"), (9, 64, 131), heads=3, s_q=3, seed=4),
@@ -181,6 +182,48 @@ def test_cupy_plan_prepares_once(monkeypatch):
         else:
             # queries, pages, buffers, index arrays, then (partials) and the scalars
             assert args[:8] == want[3][:8] and args[10:] == want[3][10:]
+
+
+def test_triton_plan_prepares_once(monkeypatch):
+    """Triton (kernels stubbed, CPU): a plan's runs issue exactly the launches of the backend's eager call
+    (kernels, grids, constexprs, launch options, every argument but the partials and outputs) without
+    preparing again; given outputs are the combine's destinations; a non-contiguous ``out`` is refused."""
+    from quantmla_core.backends.triton import TritonBackend
+    from quantmla_core.backends.triton import attention as A
+
+    launches = stub_triton_launcher(monkeypatch)
+    case = Case(qm.PackFormat.parse("C4R4"), (300, 70, 129), heads=16, sink=4, local=128, seed=9)
+    batch = build(case)
+    args = batch.to("cpu", "bfloat16")
+    cache = allocate(case, batch, "cpu")
+    meta = (args["block_table"].int(), args["attn_seq_lens"].int(), args["attn_seq_ids"].int())
+    q, r = args["q_latent"][:, 0].contiguous(), args["q_rope"][:, 0].contiguous()
+    A.attention(q[:, None], r[:, None], cache, *meta, 0.05)
+    eager = list(launches)
+    run = TritonBackend().plan_attention(cache, *meta, tuple(q.shape), torch.bfloat16, 0.05)
+    prepared = []
+    monkeypatch.setattr(A, "prepare", lambda *a, **k: prepared.append(1))
+    launches.clear()
+    out, lse = run(q, r, cache, None, None)
+    assert out.shape == q.shape and lse.shape == q.shape[:-1] and not prepared
+    o_buf, l_buf = torch.empty_like(q), torch.empty(q.shape[:-1])
+    assert run(q, r, cache, o_buf, l_buf) == (o_buf, l_buf)
+    assert len(launches) == 2 * len(eager) == 4
+    partials = {5, 6}  # o_part, lse_part: fresh per call
+    for got, want in zip(launches, eager + eager):
+        (name, grid, a, kw), (w_name, w_grid, w_a, w_kw) = got, want
+        assert (name, grid, kw) == (w_name, w_grid, w_kw)
+        fresh = partials if name != "protect_combine_kernel" else {6, 7, 8, 9}
+        for i, (x, y) in enumerate(zip(a, w_a, strict=True)):
+            if i in fresh:
+                assert x.shape == y.shape and x.dtype == y.dtype
+            else:
+                same = x.data_ptr() == y.data_ptr() and x.shape == y.shape if isinstance(x, torch.Tensor) else x == y
+                assert same, (name, i)
+    combine = launches[3][2]
+    assert combine[8].data_ptr() == o_buf.data_ptr() and combine[9].data_ptr() == l_buf.data_ptr()
+    with pytest.raises(ValueError, match="out: the Triton backend writes contiguous outputs"):
+        run(q, r, cache, torch.empty((q.shape[0], 512, 16), dtype=torch.bfloat16).transpose(1, 2), None)
 
 
 def _gpu_reason() -> str | None:

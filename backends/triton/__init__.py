@@ -140,3 +140,17 @@ class TritonBackend(Backend):
         from .attention import attention
 
         return attention(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale)
+
+    def plan_attention(self, cache, block_table, seq_lens, seq_ids, q_shape, q_dtype, softmax_scale):
+        """Variant, launch plan, constexprs and the combine kernel's tile decided once (``PreparedCall``); a run
+        allocates the partials (and the outputs unless given) and launches the two kernels."""
+        from .attention import prepare
+
+        b, h = q_shape[0], q_shape[-2]
+        call = prepare(cache, block_table, seq_lens, seq_ids, b, 1 if len(q_shape) == 3 else q_shape[1], h, q_dtype,
+                       softmax_scale)
+
+        def run(q_latent, q_rope, layer_cache, out=None, lse=None, want_lse=True):
+            return call.run(q_latent, q_rope, layer_cache, out, lse)
+
+        return run

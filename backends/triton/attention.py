@@ -155,14 +155,14 @@ def _split_args(q: torch.Tensor, qr: torch.Tensor, cache, block_table: torch.Ten
             scale_log2, rows, heads, s_q, cache.sink, cache.local, num_splits)
 
 
-def _split_excess(variant: str, fmt, q: torch.Tensor, cache, block_table: torch.Tensor, seq_lens: torch.Tensor,
+def _split_excess(variant: str, fmt, q_dtype: torch.dtype, cache, block_table: torch.Tensor, seq_lens: torch.Tensor,
                   dot_bf16: bool, block: tuple[int, int], dims: tuple[int, int], device: torch.device,
                   limits: DeviceLimits) -> str | None:
     """Why split kernel ``variant`` with ``block`` = (BLOCK_N, BLOCK_R) and ``dims`` = (warps, stages) does not fit
     ``limits`` for this call's format and dtypes, or None; checked before its partials exist (the split kernels'
     arguments, see :func:`attention`, with the partials as their dtype and one split)."""
-    consts = _split_constexprs(fmt, variant, q.dtype == torch.bfloat16, dot_bf16, *block)
-    args = _split_args(q, q, cache, block_table, seq_lens, torch.float32, torch.float32, 1.0, 1, 1, 1, 1)
+    consts = _split_constexprs(fmt, variant, q_dtype == torch.bfloat16, dot_bf16, *block)
+    args = _split_args(q_dtype, q_dtype, cache, block_table, seq_lens, torch.float32, torch.float32, 1.0, 1, 1, 1, 1)
     return limits.excess(_build_needs(f"split_{variant}", _arg_kinds(args), tuple(consts.items()),
                                       tuple(launch_dims(*dims).items()), _device_index(device)))
 
@@ -231,23 +231,98 @@ def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: 
     ``variant`` ("auto"/"v1"/"v2"/"v3") overrides ``$QUANTMLA_TRITON_ATTENTION`` (read per call;
     default "auto", see :func:`auto_variant`). v2 on a GPU with float32 queries runs v1 (``heuristics.V2_FLOAT32_ON_GPU``);
     ``LAST_LAUNCH["variant"]`` names the kernel that ran."""
+    b, s_q, h, _ = q_latent.shape
+    call = prepare(cache, block_table, seq_lens, seq_ids, b, s_q, h, q_latent.dtype, softmax_scale,
+                   num_splits=num_splits, overrides=overrides, variant=variant)
+    return call.run(q_latent, q_rope, cache)
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedCall:
+    """One decode-attention call with everything but the queries, the outputs and the layer's cache
+    decided (:func:`prepare`): variant, launch plan, constexprs, grids, the combine kernel's tile."""
+
+    variant: str
+    plan: AttentionPlan
+    batch: int
+    q_len: int
+    heads: int
+    q_dtype: torch.dtype
+    device: torch.device
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    seq_ids: torch.Tensor
+    scale_log2: float
+    split_consts: Mapping
+    split_dims: Mapping
+    combine_consts: Mapping
+    combine_dims: Mapping
+
+    def run(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache, out: torch.Tensor | None = None,
+            lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q_latent ``[B, S_q, H, d_c]`` / ``[B, H, d_c]`` (S_q = 1), q_rope likewise with d_r (the prepared dtype,
+        on the prepared device), ``cache`` of the prepared geometry -> (out, lse) shaped like the queries (out:
+        [..., d_c] in their dtype, lse float32 [...]). ``out`` / ``lse`` given (contiguous, those shapes): the combine
+        kernel writes there."""
+        b, rows, pl = self.batch, self.q_len * self.heads, self.plan
+        dc, dr = q_latent.shape[-1], q_rope.shape[-1]
+        q = q_latent.contiguous().view(b, rows, dc)
+        qr = q_rope.contiguous().view(b, rows, dr)
+        specs = [((b, pl.num_splits, rows, dc), torch.float32), ((b, pl.num_splits, rows), torch.float32)]
+        specs += [((b, rows, dc), q.dtype)] if out is None else []
+        specs += [((b, rows), torch.float32)] if lse is None else []
+        if graph_capturing():  # one allocation: the partials live as long as the outputs (backends/buffers.py)
+            made = iter(carve(specs, self.device))
+        else:
+            made = iter([torch.empty(shape, dtype=dt, device=self.device) for shape, dt in specs])
+        o_part, lse_part = next(made), next(made)
+        o_flat = next(made) if out is None else _given("out", out).view(b, rows, dc)
+        l_flat = next(made) if lse is None else _given("lse", lse).view(b, rows)
+        args = _split_args(q, qr, cache, self.block_table, self.seq_lens, o_part, lse_part, self.scale_log2, rows,
+                           self.heads, self.q_len, pl.num_splits)
+        LAST_LAUNCH["split"] = _KERNELS[self.variant][(pl.num_splits, b, pl.row_blocks)](
+            *args, **self.split_consts, **self.split_dims)
+        cargs = _combine_args(q, qr, cache, self.seq_lens, self.seq_ids, o_part, lse_part, o_flat, l_flat,
+                              self.scale_log2, rows, self.heads, self.q_len, pl.num_splits)
+        LAST_LAUNCH["combine"] = protect_combine_kernel[(b, -(-rows // pl.combine_block_r))](
+            *cargs, **self.combine_consts, **self.combine_dims)
+        lead = q_latent.shape[:-1]
+        return (o_flat.view(*lead, dc) if out is None else out), (l_flat.view(lead) if lse is None else lse)
+
+
+def _given(name: str, x: torch.Tensor) -> torch.Tensor:
+    """A caller-given output the combine kernel can write: contiguous."""
+    if not x.is_contiguous():
+        raise ValueError(f"{name}: the Triton backend writes contiguous outputs, got strides {tuple(x.stride())}")
+    return x
+
+
+def _combine_args(q, qr, cache, seq_lens, seq_ids, o_part, lse_part, out, lse, scale_log2: float, rows: int,
+                  heads: int, s_q: int, num_splits: int) -> tuple:
+    """The combine kernel's positional arguments (tensors, or their dtypes for a warm-up build)."""
+    return (q, qr, ptr_or_dummy(cache.sink_buf), ptr_or_dummy(cache.local_buf), seq_lens, seq_ids, o_part, lse_part,
+            out, lse, cache.max_seqs, scale_log2, rows, heads, s_q, cache.sink, cache.local, num_splits)
+
+
+def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: torch.Tensor, batch: int, q_len: int,
+            heads: int, q_dtype: torch.dtype, softmax_scale: float, *, num_splits: int | None = None,
+            overrides: dict | None = None, variant: str | None = None) -> PreparedCall:
+    """Decide a call of :func:`attention` for ``batch`` x ``q_len`` x ``heads`` queries of ``q_dtype`` over caches
+    of ``cache``'s geometry (the arguments mean what they mean there; ``block_table``, ``seq_lens``, ``seq_ids`` are
+    kept by reference). Checks the kernels' fit to the GPU once; :meth:`PreparedCall.run` launches."""
     variant = variant or getenv(VARIANT_ENV, "").strip().lower() or "auto"
     if variant not in VARIANTS:
         raise ValueError(f"{VARIANT_ENV}: expected one of {VARIANTS}, got {variant!r}")
     fmt = cache.format
-    b, s_q, h, dc = q_latent.shape
-    rows = s_q * h
-    dr = fmt.rope_dim
-    dev = q_latent.device
-    q = q_latent.contiguous().view(b, rows, dc)
-    qr = q_rope.contiguous().view(b, rows, dr)
-    q_bf16 = q.dtype == torch.bfloat16
+    b, rows, dc, dr = batch, q_len * heads, fmt.latent_dim, fmt.rope_dim
+    dev = cache.pages.device
+    q_bf16 = q_dtype == torch.bfloat16
     interp = interpreting()
     dot_bf16 = q_bf16 and not interp  # the interpreter's bfloat16 math is wrong: float32 there
     limits = device_limits(dev, dc, dr)
     v3_fits = False
     if q_bf16 and (variant == "v3" or (variant == "auto" and rows >= V3_MIN_ROWS and v3_suits(dev))):
-        v3_excess = _split_excess("v3", fmt, q, cache, block_table, seq_lens, dot_bf16, (V3_BLOCK_N, V3_BLOCK_R),
+        v3_excess = _split_excess("v3", fmt, q_dtype, cache, block_table, seq_lens, dot_bf16, (V3_BLOCK_N, V3_BLOCK_R),
                                   (V3_NUM_WARPS, V3_NUM_STAGES), dev, limits) if limits.checked else None
         if variant == "v3" and v3_excess:
             raise ValueError(f"{VARIANT_ENV}=v3: kernel v3 {v3_excess} for {fmt} (auto runs v2 there)")
@@ -279,20 +354,12 @@ def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: 
         pl = dataclasses.replace(pl, **overrides)
         if "block_r" in overrides:
             pl = dataclasses.replace(pl, row_blocks=-(-rows // pl.block_r))
-    specs = [((b, pl.num_splits, rows, dc), torch.float32), ((b, pl.num_splits, rows), torch.float32),
-             ((b, rows, dc), q.dtype), ((b, rows), torch.float32)]
-    if graph_capturing():  # one allocation: the partials live as long as the outputs (backends/buffers.py)
-        o_part, lse_part, out, lse = carve(specs, dev)
-    else:
-        o_part, lse_part, out, lse = (torch.empty(shape, dtype=dt, device=dev) for shape, dt in specs)
-    scale_log2 = float(softmax_scale) * math.log2(math.e)
     LAST_LAUNCH["plan"] = pl
     if limits.checked and variant != "v3":  # v3's plan is the one checked above
-        excess = _split_excess(variant, fmt, q, cache, block_table, seq_lens, dot_bf16, (pl.block_n, pl.block_r),
+        excess = _split_excess(variant, fmt, q_dtype, cache, block_table, seq_lens, dot_bf16, (pl.block_n, pl.block_r),
                                (pl.num_warps, pl.num_stages), dev, limits)
         if excess:
             raise ValueError(f"Triton kernel {variant} {excess} for {fmt}; no smaller plan of it is built")
-    args = _split_args(q, qr, cache, block_table, seq_lens, o_part, lse_part, scale_log2, rows, h, s_q, pl.num_splits)
     if probe_skip_pv or switches:  # probes: built per call
         consts = dict(_split_constexprs(fmt, variant, q_bf16, dot_bf16, pl.block_n, pl.block_r))
         consts["PROBE_SKIP_PV"] = probe_skip_pv
@@ -300,16 +367,15 @@ def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: 
             consts.update((v2_constexprs if variant == "v2" else v3_constexprs)(*_code_bits(fmt), dot_bf16, **switches))
     else:
         consts = _split_constexprs(fmt, variant, q_bf16, dot_bf16, pl.block_n, pl.block_r)
-    grid = (pl.num_splits, b, pl.row_blocks)
-    dims = {**launch_dims(pl.num_warps, pl.num_stages), **({} if interp else extra_launch)}
-    LAST_LAUNCH["split"] = _KERNELS[variant][grid](*args, **consts, **dims)
-    crb = pl.combine_block_r
-    cargs = (q, qr, ptr_or_dummy(cache.sink_buf), ptr_or_dummy(cache.local_buf), seq_lens, seq_ids,
-             o_part, lse_part, out, lse, cache.max_seqs, scale_log2, rows, h, s_q, cache.sink, cache.local, pl.num_splits)
+    scale_log2 = float(softmax_scale) * math.log2(math.e)
+    cargs = _combine_args(q_dtype, q_dtype, cache, seq_lens, seq_ids, torch.float32, torch.float32, q_dtype,
+                          torch.float32, scale_log2, rows, heads, q_len, pl.num_splits)
     cconsts = dict(Q_BF16=q_bf16, DOT_BF16=dot_bf16, PROT_BF16=cache.sink_buf.dtype == torch.bfloat16, DC=dc, DR=dr,
-                   BLOCK_R=crb)
+                   BLOCK_R=pl.combine_block_r)
     block_t, stages = _combine_config(cargs, cconsts, pl.combine_block_t, pl.combine_warps, dev, limits)
     LAST_LAUNCH["combine_config"] = (block_t, stages)
-    LAST_LAUNCH["combine"] = protect_combine_kernel[(b, -(-rows // crb))](
-        *cargs, **cconsts, BLOCK_T=block_t, **launch_dims(pl.combine_warps, stages))
-    return out.view(b, s_q, h, dc), lse.view(b, s_q, h)
+    return PreparedCall(variant, pl, b, q_len, heads, q_dtype, dev, block_table, seq_lens, seq_ids, scale_log2,
+                        MappingProxyType(dict(consts)),
+                        MappingProxyType({**launch_dims(pl.num_warps, pl.num_stages), **({} if interp else extra_launch)}),
+                        MappingProxyType({**cconsts, "BLOCK_T": block_t}),
+                        MappingProxyType(launch_dims(pl.combine_warps, stages)))
