@@ -9,7 +9,10 @@ any of them -- in practice as long as the outputs the caller keeps.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -35,3 +38,25 @@ def capturing() -> bool:
         return bool(torch.cuda.is_current_stream_capturing())
     except (RuntimeError, AssertionError):  # CPU-only builds
         return False
+
+
+_CALL_OWNED = contextvars.ContextVar("quantmla_call_owned_scratch", default=False)
+
+
+@contextlib.contextmanager
+def call_owned_scratch() -> Iterator[None]:
+    """Within: the launchers keep no allocation for a later call (no reused workspace, no kept prepared call or plan
+    table); a call's scratch lives in its outputs' allocation or is freed when it returns. What torch.compile's CUDA
+    graphs (``mode="reduce-overhead"``) ask of an operator in their warm-up runs, whose allocations come from the
+    graphs' pool: every allocation it leaves alive must be one of its outputs."""
+    token = _CALL_OWNED.set(True)
+    try:
+        yield
+    finally:
+        _CALL_OWNED.reset(token)
+
+
+def nothing_kept() -> bool:
+    """True where a call may keep no allocation for later calls: under CUDA-graph capture, or within
+    :func:`call_owned_scratch`."""
+    return _CALL_OWNED.get() or capturing()

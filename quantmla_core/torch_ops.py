@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from .api import attention as _attention
+from .backends.buffers import call_owned_scratch
 from .api import write as _write
 from .cache import MLACache
 from .formats import PackFormat
@@ -76,8 +77,11 @@ def _attention_op(q_latent: torch.Tensor, q_rope: torch.Tensor, pages: torch.Ten
                   softmax_scale: float, fmt: str, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantmla_core.attention` over the cache made of ``pages``, ``sink_buf`` and ``local_buf``: (out shaped
     and typed like ``q_latent``, lse ``q_latent.shape[:-1]`` float32)."""
-    out, lse = _attention(q_latent, q_rope, _cache_of(fmt, pages, sink_buf, local_buf), block_table=block_table,
-                          seq_lens=seq_lens, seq_ids=seq_ids, softmax_scale=softmax_scale, backend=backend)
+    # no workspace or prepared call kept across calls: under mode="reduce-overhead" the warm-up runs allocate from the
+    # CUDA graphs' pool, where every live allocation must be one of the operator's outputs
+    with call_owned_scratch():
+        out, lse = _attention(q_latent, q_rope, _cache_of(fmt, pages, sink_buf, local_buf), block_table=block_table,
+                              seq_lens=seq_lens, seq_ids=seq_ids, softmax_scale=softmax_scale, backend=backend)
     # an operator's outputs may not alias each other or its inputs (PyTorch checks), but under CUDA-graph capture the
     # CuPy backend carves out and lse from one allocation, so that its scratch lives as long as they do
     if _same_storage(out, lse):

@@ -134,6 +134,8 @@ def _paged(device: str, layers: int = 2) -> tuple[qm.PagedMLACache, list[int]]:
             lat, kr = torch.randn(n, 512, generator=g), torch.randn(n, 64, generator=g)
             if device == "numpy":
                 lat, kr = lat.numpy(), kr.numpy()
+            elif device == "cuda":  # the GPU backends take bfloat16 on the cache's device
+                lat, kr = lat.cuda().bfloat16(), kr.cuda().bfloat16()
             paged.write(plan, lat, kr, layer=i)
     paged.free(ids[1])
     return paged, [ids[0], paged.fork(ids[0]), ids[2]]

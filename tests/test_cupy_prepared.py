@@ -218,3 +218,30 @@ def test_plan_run_without_lse_allocates_nothing_into_given_outputs(stubbed):
     assert ws.data_ptr() <= _combine_lse_pointer(launches) < ws.data_ptr() + 4 * ws.numel()
     out, lse = plan.run(q, r)
     assert lse.shape == (B, H) and _combine_lse_pointer(launches) == lse.data_ptr()
+
+
+def test_call_owned_scratch_keeps_nothing(stubbed):
+    """Within ``buffers.call_owned_scratch`` (what ``torch.ops.quantmla.attention`` runs in): no reused workspace, no
+    kept prepared call; out, lse and the partials share the outputs' one allocation (a plan's given-outputs path
+    allocates its scratch afresh); outside it the workspace and the kept call come back."""
+    from quantmla_core.backends.buffers import call_owned_scratch, nothing_kept
+
+    made, scratch = stubbed.made, stubbed.scratch
+    table, lens, ids = _index()
+    assert not nothing_kept()
+    with call_owned_scratch():
+        assert nothing_kept()
+        for _ in range(2):
+            stubbed.launches.clear()
+            out, lse = _call(table, lens, ids)
+            assert out.untyped_storage().data_ptr() == lse.untyped_storage().data_ptr()
+            partials = int(stubbed.launches[0][3][8])  # the split kernel's partial outputs pointer
+            base = out.untyped_storage().data_ptr()
+            assert base <= partials < base + out.untyped_storage().nbytes()
+        runner = CupyBackend().plan_attention(Cache, table, lens, ids, (B, 1, H, 512), torch.bfloat16, 0.05)
+        q, r = _queries()
+        runner(q[:, None], r[:, None], Cache, torch.empty((B, 1, H, 512), dtype=torch.bfloat16), None)
+    assert not nothing_kept()
+    assert len(made) == 3 and not A._PREPARED and scratch == []
+    _call(table, lens, ids)
+    assert len(A._PREPARED) == 1 and len(scratch) == 1

@@ -663,3 +663,31 @@ def test_attention_v5_auto_and_eager_rescale(case, monkeypatch):
     monkeypatch.setenv(VARIANT_ENV, "v5")
     monkeypatch.setenv("QUANTMLA_CUPY_V5_LAZY_RESCALE", "0")
     check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
+
+
+def test_v5_workers_rule(monkeypatch):
+    """``QUANTMLA_CUPY_V5_WORKERS`` unset or ``auto``: four workers at d_c 256 from V5_FOUR_WORKERS_MIN_TOKENS of batch x
+    block-table capacity (where they build), else two; a set value wins; the plan launches what the rule says."""
+    from quantmla_core.backends.cupy import plans
+    from quantmla_core.backends.cupy.builds import V5_FOUR_WORKERS_MIN_TOKENS, v5_workers
+    from quantmla_core.testing import stub_cupy_launcher
+
+    small, c4 = qm.PackFormat.parse("C4R4", 256, 32), qm.PackFormat.parse("C4R4")
+    assert V5_FOUR_WORKERS_MIN_TOKENS == 1 << 22
+    assert v5_workers(small, 128, 32768) == 4 and v5_workers(small, 32, 131072) == 4
+    assert v5_workers(small, 32, 32768) == 2 and v5_workers(small, 8, 4096) == 2
+    assert v5_workers(c4, 128, 131072) == 2  # four workers build at d_c 256 only
+    assert v5_workers(small, 128, 32768, workers=2) == 2 and v5_workers(small, 8, 4096, workers=4) == 4
+    for raw, want in (("", None), ("auto", None), ("3", 3)):
+        monkeypatch.setenv("QUANTMLA_CUPY_V5_WORKERS", raw)
+        assert V5Knobs.from_env().workers == want
+    monkeypatch.setenv("QUANTMLA_CUPY_V5_WORKERS", "many")
+    with pytest.raises(ValueError, match="QUANTMLA_CUPY_V5_WORKERS: expected one of"):
+        V5Knobs.from_env()
+    stub_cupy_launcher(monkeypatch)
+    for batch, pages, knobs, threads in ((128, 512, V5Knobs(), 512), (32, 512, V5Knobs(), 256),
+                                         (128, 512, V5Knobs(workers=2), 256)):
+        plan = plans.v5_plan(small, 0, 132, batch, 16, pages, True, knobs)
+        (attn, _grid, block, smem), = plan.launches
+        assert block == (threads,) and attn.defines["QMLA_V5_WORKERS"] == threads // 128, (batch, knobs)
+        assert smem == attn.defines["QMLA_V5_SMEM"]

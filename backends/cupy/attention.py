@@ -59,7 +59,7 @@ import torch
 
 from ...envvars import recording, snapshot
 from ..buffers import capturing as graph_capturing
-from ..buffers import carve
+from ..buffers import carve, nothing_kept
 from . import current_stream_handle, external_stream, launch
 from .builds import COMBINE_THREADS
 from .knobs import V2Knobs, V3Knobs, V4Knobs, V5Knobs, V6Knobs, protected_on_side_stream
@@ -96,14 +96,14 @@ def outputs_and_partials(shape: tuple[int, ...], dtype: torch.dtype, partial_flo
     """``out`` (``shape`` = [B, S_q, H, d_c], ``dtype``), ``lse`` ([B, S_q, H] float32) and a float32
     scratch of ``partial_floats`` for the split partials.
 
-    Eagerly the scratch is the reused per-stream workspace. While a CUDA graph is being captured
-    all three are views of ONE new allocation: the graph's kernels write the scratch on every
+    Eagerly the scratch is the reused per-stream workspace. While a CUDA graph is being captured (and
+    within :func:`~quantmla_core.backends.buffers.call_owned_scratch`) all three are views of ONE new allocation: the graph's kernels write the scratch on every
     replay, so its memory must live as long as the outputs the caller keeps (a scratch freed at
     the end of the call could be handed to a later allocation of the same capture)."""
     if capturing is None:
         capturing = graph_capturing()
     lse_shape = shape[:-1]
-    if not capturing:
+    if not capturing and not nothing_kept():
         ws = _workspace(dev, partial_floats)
         return torch.empty(shape, dtype=dtype, device=device), torch.empty(lse_shape, dtype=torch.float32, device=device), ws
 
@@ -122,7 +122,8 @@ def attention(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_s
     b, h = shape[0], shape[-2]
     s_q = shape[1] if len(shape) == 4 else 1
     capturing = graph_capturing()
-    call = prepared(cache, block_table, seq_lens, seq_ids, b, s_q, h, q_latent.dtype, softmax_scale, shape, capturing)
+    call = prepared(cache, block_table, seq_lens, seq_ids, b, s_q, h, q_latent.dtype, softmax_scale, shape,
+                    capturing or nothing_kept())
     return call.run(q_latent, q_rope, cache, want_lse=want_lse, capturing=capturing)
 
 
@@ -133,7 +134,7 @@ PREPARED_KEEP = 64
 
 
 def prepared(cache, block_table, seq_lens, seq_ids, batch: int, s_q: int, heads: int, q_dtype: torch.dtype,
-             softmax_scale: float, out_shape: tuple[int, ...], capturing: bool) -> "SplitCall":
+             softmax_scale: float, out_shape: tuple[int, ...], fresh: bool) -> "SplitCall":
     """:func:`prepare`'s call for these arguments, reused while nothing it depends on changed.
 
     A kept call is reused for the same ``block_table``, ``seq_lens`` and ``seq_ids`` objects (it
@@ -142,8 +143,9 @@ def prepared(cache, block_table, seq_lens, seq_ids, batch: int, s_q: int, heads:
     variable ``prepare`` read (:func:`~quantmla_core.envvars.recording`). Only calls that use the
     index tensors as they are get kept: the kernels read their values at launch, so values changed
     in place between calls are seen. A call that converts one (a copy of this call's values) and
-    any call under CUDA-graph capture (``capturing``) is prepared afresh."""
-    if capturing:
+    any call that may keep nothing (``fresh``: under CUDA-graph capture, see
+    :func:`~quantmla_core.backends.buffers.nothing_kept`) is prepared afresh."""
+    if fresh:
         return prepare(cache, block_table, seq_lens, seq_ids, batch, s_q, heads, q_dtype, softmax_scale, out_shape)
     key = (id(block_table), block_table.shape, block_table.stride(), id(seq_lens), seq_lens.shape, seq_lens.stride(),
            id(seq_ids), seq_ids.shape, seq_ids.stride(), cache.format, cache.pages.device, cache.pages.shape[0],
@@ -304,6 +306,8 @@ class SplitCall:
             if capturing:
                 ws = torch.empty(n_scratch, dtype=torch.float32, device=q_latent.device)
                 self.graph_scratch.append(ws)
+            elif nothing_kept():
+                ws = torch.empty(n_scratch, dtype=torch.float32, device=q_latent.device)
             else:
                 ws = _workspace(dev, n_scratch)
             if out is None:

@@ -40,9 +40,13 @@ V5_WORKERS = 2
 #: 168 registers a thread, with the loads issued after QK and QK chunks of 2 k-steps; four at d_c 256 only (128
 #: registers a thread: 16 warps an SM, the occupancy v5's halves seek at d_c 512, without their exchange)
 V5_WORKER_CHOICES = (2, 3, 4)
+#: batch x block-table tokens from which v5 runs four workers at d_c 256 / d_r 32 by default (H200, stop 44, CUDA
+#: graphs, H16: four against two took 4-9 % less time from B128 L32K and B32 L128K (4.2M tokens) up, in both C4R4 and
+#: C2R4; -4..+3 % at 1M tokens; 10-18 % more at B8 L32K and B32 L4K)
+V5_FOUR_WORKERS_MIN_TOKENS = 1 << 22
 #: warpgroups of one v5 worker (``QUANTMLA_CUPY_V5_HALVES``): 1, or 2, each taking half of every tile's channels and
 #: adding the pair's scores through shared memory, so four warpgroups share an SM at 128 registers a thread (d_c 512 /
-#: d_r 64, two workers; a measurement knob, built and modelled offline in stop 41, not yet timed)
+#: d_r 64, two workers; a measurement knob, built in stop 41; timed in stop 44: 15-35 % slower than one)
 V5_HALVES = 1
 V5_HALVES_CHOICES = (1, 2)
 #: the only compute capability v5's sm_90a build runs on
@@ -276,6 +280,17 @@ def v5_defines(fmt: PackFormat, lazy_rescale: bool = True, index64: bool = True,
              QMLA_V5_QUAD_LOADS=int(v5_quad_loads(fmt, workers, quad_loads)),
              QMLA_V5_PACKED_GROUPS=int(packed_groups and _v5_loads_token_groups(fmt, workers, 2)))
     return d
+
+
+def v5_workers(fmt: PackFormat, batch: int, max_tokens: int, workers: int | None = None) -> int:
+    """Worker warpgroups of a v5 CTA: ``workers`` where set (``QUANTMLA_CUPY_V5_WORKERS``), else four where they build
+    (d_c 256) and the call covers :data:`V5_FOUR_WORKERS_MIN_TOKENS` (``batch`` x ``max_tokens``, the block table's
+    capacity), else :data:`V5_WORKERS`."""
+    if workers is not None:
+        return workers
+    if batch * max_tokens >= V5_FOUR_WORKERS_MIN_TOKENS and not v5_build_reasons(fmt, 4):
+        return 4
+    return V5_WORKERS
 
 
 def v5_smem_bytes(fmt: PackFormat, workers: int = V5_WORKERS, halves: int = V5_HALVES) -> int:

@@ -12,7 +12,7 @@ tokens; ``inline``: sink/local tokens inside the split kernel, from the bf16 buf
 ``QUANTMLA_CUPY_V3_MINB`` / ``QUANTMLA_CUPY_V3_LAZY_RESCALE`` (default 1: measured 1-2 % faster,
 bit-identical) / ``QUANTMLA_CUPY_V3_WARPS`` (4 or 8) and ``QUANTMLA_CUPY_V4_STAGES`` (2 or 3) /
 ``QUANTMLA_CUPY_V4_LAZY_RESCALE`` (default 1) / ``QUANTMLA_CUPY_V4_MMA`` (``auto``, ``wgmma``, ``mma``)
-and ``QUANTMLA_CUPY_V5_LAZY_RESCALE`` (default 1) / ``QUANTMLA_CUPY_V5_WORKERS`` (2 or 3) /
+and ``QUANTMLA_CUPY_V5_LAZY_RESCALE`` (default 1) / ``QUANTMLA_CUPY_V5_WORKERS`` (auto, 2, 3 or 4) /
 ``QUANTMLA_CUPY_V5_PROTECTED`` (``inline``, ``separate``) / ``QUANTMLA_CUPY_V5_PROT_LOADS`` (``pairs``, ``vec``) /
 ``QUANTMLA_CUPY_V5_ROPE_FOLD`` / ``QUANTMLA_CUPY_V5_QUAD_LOADS`` (``auto``, 0/1) / ``QUANTMLA_CUPY_V5_PACKED_GROUPS``
 (0/1) / ``QUANTMLA_CUPY_V5_HALVES`` (1/2) and ``QUANTMLA_CUPY_V6_PV_AT`` (1-3) / ``QUANTMLA_CUPY_V6_PAGE_AHEAD``
@@ -79,6 +79,12 @@ def _env_choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
     if raw not in allowed:
         raise ValueError(f"{name}: expected one of {allowed}, got {raw!r}")
     return raw
+
+
+def _env_auto_int(name: str, allowed: tuple[int, ...]) -> int | None:
+    """An ``auto``/integer knob: None (unset or ``auto``: the launcher's rule) or one of ``allowed``."""
+    raw = getenv(name, "").strip().lower()
+    return None if raw in ("", "auto") else _env_int(name, allowed[0], allowed)
 
 
 def _env_auto_bool(name: str) -> bool | None:
@@ -152,7 +158,8 @@ class V4Knobs:
 @dataclass(frozen=True)
 class V5Knobs:
     """The ``QUANTMLA_CUPY_V5_*`` tuning variables of one call (lazy: skip the output rescale while
-    no row's maximum moves; workers: worker warpgroups per CTA; separate (``QUANTMLA_CUPY_V5_PROTECTED``,
+    no row's maximum moves; workers: worker warpgroups per CTA (``QUANTMLA_CUPY_V5_WORKERS``, ``auto`` (default: None,
+    :func:`~.builds.v5_workers`), 2, 3 or 4); separate (``QUANTMLA_CUPY_V5_PROTECTED``,
     ``inline`` (default) or ``separate``): leave the sink/local tokens to the protected-only launch instead
     of attending to them as the kernel's own tiles; plan_protected (``QUANTMLA_CUPY_PLAN_PROTECTED``, 0/1,
     default 1): count those tiles in the split plan; prot_vec (``QUANTMLA_CUPY_V5_PROT_LOADS``, ``vec``
@@ -168,7 +175,7 @@ class V5Knobs:
 
     lazy: bool = True
     min_tiles: int = V2_MIN_TILES_PER_SPLIT
-    workers: int = V5_WORKERS
+    workers: int | None = None
     separate: bool = False
     plan_protected: bool = True
     prot_vec: bool = True
@@ -182,7 +189,7 @@ class V5Knobs:
     def from_env() -> "V5Knobs":
         return V5Knobs(bool(_env_int("QUANTMLA_CUPY_V5_LAZY_RESCALE", 1, (0, 1))),
                        _env_int("QUANTMLA_CUPY_V2_MIN_TILES", V2_MIN_TILES_PER_SPLIT, (1, 2, 4, 8, 16)),
-                       _env_int("QUANTMLA_CUPY_V5_WORKERS", V5_WORKERS, V5_WORKER_CHOICES),
+                       _env_auto_int("QUANTMLA_CUPY_V5_WORKERS", V5_WORKER_CHOICES),
                        _env_choice("QUANTMLA_CUPY_V5_PROTECTED", "inline", ("inline", "separate")) == "separate",
                        bool(_env_int("QUANTMLA_CUPY_PLAN_PROTECTED", 1, (0, 1))),
                        _env_choice("QUANTMLA_CUPY_V5_PROT_LOADS", "vec", ("vec", "pairs")) == "vec",

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from ...formats import PackFormat
-from ..buffers import capturing as graph_capturing
+from ..buffers import nothing_kept
 from ..splits import CTA_OVERHEAD_TILES, PiecePlan, equal_splits_cost, plan_kv_splits, plan_pieces
 from . import ATTN_TILE, ATTN_WARPS, get_kernel, nvrtc_version, resident_ctas
 from .builds import (
@@ -47,6 +47,7 @@ from .builds import (
     v4_smem_bytes,
     v4_uses_wgmma,
     v5_build_reasons,
+    v5_workers,
     v5_defines,
     v5_smem_bytes,
     v6_defines,
@@ -346,6 +347,7 @@ def v5_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
     writing one partial per worker; the sink/local tokens are the last tiles of one split per row chunk
     (``stage.cuh``'s ``qmla_protected_split``), so there is no protected-only launch (but with
     ``knobs.separate``)."""
+    knobs = replace(knobs, workers=v5_workers(fmt, batch, max_pages * fmt.page_size, knobs.workers))
     key = ("v5", fmt, dev, sm_count, batch, rows, max_pages, no_prot, knobs, sink, local, index64)
     plan = _PLANS.get(key)
     if plan is None:
@@ -419,7 +421,7 @@ def v6_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
         unit_tiles = -(-(max(1, max_pages) * fmt.page_size) // V6_TILE) + own
         resident = resident_ctas(attn, V6_THREADS, smem, dev, sm_count)
         balanced = v6_balanced(fmt, knobs, pair, batch, chunks, unit_tiles, resident)
-        if balanced is not None and not graph_capturing():
+        if balanced is not None and not nothing_kept():
             # entry e: blockIdx.x / chunks (the kernel's v6_piece); int4 rows
             table = _device_table(balanced.pieces, dev)
             attn, smem = _v6_kernel(fmt, dev, index64, knobs, pair, fold, True)
@@ -429,7 +431,8 @@ def v6_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
             with _LOCK:
                 _PLANS[key] = plan
         else:
-            # a balanced plan's table cannot be uploaded under capture: equal splits now, uncached, the table next call
+            # a balanced plan's table cannot be uploaded under capture (nor kept for a torch.compile operator's CUDA
+            # graphs): equal splits now, uncached, the table next call
             plan = _packed_split_plan(key, attn, smem, V6_THREADS, V6_TILE, 1, fmt, dev, sm_count, batch, rows,
                                       max_pages, no_prot or not knobs.separate, knobs.min_tiles, sink, local, index64,
                                       V6_CTA_OVERHEAD_TILES, rows_per_cta=V6_ROWS, own_protected_tiles=own,
