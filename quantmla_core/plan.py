@@ -4,8 +4,9 @@ A decode step asks every layer the same question: the same block table, lengths,
 head count and query shape, only the queries and the layer's cache differ. :func:`plan_attention`
 checks those arguments and chooses the backend once; :meth:`AttentionPlan.run` then checks only
 the queries (shape, dtype, device by identity, no sync) and launches. On the CuPy backend the
-plan also fixes the kernel variant, its launch plan and the packed scalar arguments, so a run
-is the output allocation and the launches::
+plan also fixes the kernel variant, its launch plan and the packed scalar arguments, on the Triton
+backend the variant, its launch plan, constexprs and combine tile, so a run is the output (and
+partials) allocation and the launches::
 
     plan = qm.plan_attention(caches[0], block_table=table, seq_lens=lens, seq_ids=ids,
                              num_heads=16, q_dtype=torch.bfloat16, softmax_scale=tau)
@@ -66,7 +67,7 @@ class AttentionPlan:
         ``cache`` (default: the cache planned with; another layer's cache of the same geometry
         may be given) -> ``out`` shaped and typed like q_latent and, with ``return_lse``, ``lse``
         float32 ``q_shape[:-1]``. ``out`` / ``lse`` given: the results are written into them
-        (the CuPy backend writes there directly; contiguous, 16-byte aligned)."""
+        (the CuPy and Triton backends write there directly; contiguous, and for CuPy 16-byte aligned)."""
         if cache is None:
             cache = self.cache
         elif cache is not self.cache and (not isinstance(cache, MLACache) or _geometry(cache) != self._geometry):

@@ -42,7 +42,7 @@ V5_WORKERS = 2
 V5_WORKER_CHOICES = (2, 3, 4)
 #: batch x block-table tokens from which v5 runs four workers at d_c 256 / d_r 32 by default (H200, stop 44, CUDA
 #: graphs, H16: four against two took 4-9 % less time from B128 L32K and B32 L128K (4.2M tokens) up, in both C4R4 and
-#: C2R4; -4..+3 % at 1M tokens; 10-18 % more at B8 L32K and B32 L4K)
+#: C2R4; -4..+2 % at 1M tokens; 11-18 % more at B8 L32K and B32 L4K)
 V5_FOUR_WORKERS_MIN_TOKENS = 1 << 22
 #: warpgroups of one v5 worker (``QUANTMLA_CUPY_V5_HALVES``): 1, or 2, each taking half of every tile's channels and
 #: adding the pair's scores through shared memory, so four warpgroups share an SM at 128 registers a thread (d_c 512 /

@@ -37,7 +37,6 @@ from .builds import (
     V5_HALVES,
     V5_HALVES_CHOICES,
     V5_PACKED_GROUPS,
-    V5_WORKERS,
     V5_WORKER_CHOICES,
     V6_PAGE_AHEAD,
     V6_PV_AT,

@@ -57,7 +57,10 @@
 // its QK order) and partial-output channels; the worker writes one partial. Offline (stop 41, nvcc 13), the packed
 // tile loop issues 946 instructions a warp in half 0 and 708 in half 1 for C4R4 (979 / 651 for C2R4), against 1,307
 // (1,218) in a v5 worker's warp: 27 % (34 %) more per tile, which the doubled warps must pay for (break-even near
-// 71 % (75 %) of issue slots used, from v5's 56 %); not yet run on a GPU.
+// 71 % (75 %) of issue slots used, from v5's 56 %). On the H200 (stop 44) it ran 15-35 % slower than one warpgroup a
+// worker at H16 L >= 32K: the four warps a scheduler issued only 13 % more often, each waiting 1.8x as long between
+// instructions; racecheck reports RAW hazards between the halves (not traced; the conformance cases pass). Off by
+// default, a measurement knob.
 #include "common.cuh"
 
 #ifndef QMLA_V5_MAX_SLACK
