@@ -99,38 +99,34 @@ def test_api_front_end(benchmark, monkeypatch):
     benchmark(qm.attention, q[:, 0], r[:, 0], cache, **kw)
 
 
-@pytest.mark.parametrize("given_outputs", [False, True], ids=["", "into_outputs"])
-def test_cupy_planned_run(benchmark, stubbed_cupy, given_outputs):
-    from quantmla_core.backends.cupy import CupyBackend
+def _bench_planned(benchmark, backend, given_outputs: bool, what: str) -> None:
+    """One checked ``AttentionPlan.run`` of a plan ``backend`` (a stubbed backend instance) made once, then its
+    benchmark; into given outputs where ``given_outputs``."""
     from quantmla_core.plan import AttentionPlan
 
     cache = _cache()
     q, r, table, lens, ids = _inputs()
     q3, r3 = q[:, 0].contiguous(), r[:, 0].contiguous()
-    runner = CupyBackend().plan_attention(cache, table, lens.int(), ids.int(), (B, H, 512), torch.bfloat16, 0.05)
-    plan = AttentionPlan(cache, runner, "cupy", (B, H, 512), torch.bfloat16, validate=False)
+    runner = backend.plan_attention(cache, table, lens.int(), ids.int(), (B, H, 512), torch.bfloat16, 0.05)
+    plan = AttentionPlan(cache, runner, backend.name, (B, H, 512), torch.bfloat16, validate=False)
     kw = {"out": torch.empty_like(q3), "lse": torch.empty((B, H))} if given_outputs else {}
     out, lse = plan.run(q3, r3, **kw)
     assert out.shape == (B, H, 512) and lse.shape == (B, H)
-    benchmark.extra_info.update({"what": "CuPy plan.run host path, CUDA stubbed", "B": B, "H": H,
-                                 "given_outputs": given_outputs})
+    benchmark.extra_info.update({"what": what, "B": B, "H": H, "given_outputs": given_outputs})
     benchmark(plan.run, q3, r3, **kw)
+
+
+@pytest.mark.parametrize("given_outputs", [False, True], ids=["", "into_outputs"])
+def test_cupy_planned_run(benchmark, stubbed_cupy, given_outputs):
+    from quantmla_core.backends.cupy import CupyBackend
+
+    _bench_planned(benchmark, CupyBackend(), given_outputs, "CuPy plan.run host path, CUDA stubbed")
 
 
 @pytest.mark.parametrize("given_outputs", [False, True], ids=["", "into_outputs"])
 def test_triton_planned_run(benchmark, monkeypatch, given_outputs):
     from quantmla_core.backends.triton import TritonBackend
-    from quantmla_core.plan import AttentionPlan
 
     launches = stub_triton_launcher(monkeypatch)
-    cache = _cache()
-    q, r, table, lens, ids = _inputs()
-    q3, r3 = q[:, 0].contiguous(), r[:, 0].contiguous()
-    runner = TritonBackend().plan_attention(cache, table, lens.int(), ids.int(), (B, H, 512), torch.bfloat16, 0.05)
-    plan = AttentionPlan(cache, runner, "triton", (B, H, 512), torch.bfloat16, validate=False)
-    kw = {"out": torch.empty_like(q3), "lse": torch.empty((B, H))} if given_outputs else {}
-    out, lse = plan.run(q3, r3, **kw)
-    assert out.shape == (B, H, 512) and lse.shape == (B, H) and len(launches) == 2
-    benchmark.extra_info.update({"what": "Triton plan.run host path, kernels stubbed", "B": B, "H": H,
-                                 "given_outputs": given_outputs})
-    benchmark(plan.run, q3, r3, **kw)
+    _bench_planned(benchmark, TritonBackend(), given_outputs, "Triton plan.run host path, kernels stubbed")
+    assert {name for name, *_ in launches} == {"split_kernel_v2", "protect_combine_kernel"}
