@@ -97,9 +97,10 @@ def outputs_and_partials(shape: tuple[int, ...], dtype: torch.dtype, partial_flo
     scratch of ``partial_floats`` for the split partials.
 
     Eagerly the scratch is the reused per-stream workspace. While a CUDA graph is being captured (and
-    within :func:`~quantmla_core.backends.buffers.call_owned_scratch`) all three are views of ONE new allocation: the graph's kernels write the scratch on every
-    replay, so its memory must live as long as the outputs the caller keeps (a scratch freed at
-    the end of the call could be handed to a later allocation of the same capture)."""
+    within :func:`~quantmla_core.backends.buffers.call_owned_scratch`) all three are views of ONE new
+    allocation: the graph's kernels write the scratch on every replay, so its memory must live as long
+    as the outputs the caller keeps (a scratch freed at the end of the call could be handed to a later
+    allocation of the same capture)."""
     if capturing is None:
         capturing = graph_capturing()
     lse_shape = shape[:-1]
