@@ -266,6 +266,10 @@ def test_plan_matches_attention_on_gpu(backend, env, monkeypatch):
         out, lse = plan.run(q, r, cache)
         want, want_lse = qm.attention(q, r, cache, softmax_scale=batch.softmax_scale, backend=backend, **meta)
         assert torch.equal(out, want) and torch.equal(lse, want_lse)
+        # without lse (the CuPy backend then writes it to its scratch): the same out
+        assert torch.equal(plan.run(q, r, cache, return_lse=False), want)
+        assert torch.equal(qm.attention(q, r, cache, softmax_scale=batch.softmax_scale, backend=backend,
+                                        return_lse=False, **meta), want)
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
