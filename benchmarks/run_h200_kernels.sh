@@ -241,7 +241,7 @@ elif [ "$MODE" = halves ]; then
     grep -v "^==PROF==" "$OUT/ncu_v5_$tag.txt" | grep -E "Duration|L1/TEX Cache|Issue Slots|Issued Warp|Warp Cycles Per Issued" | head -12
   done
 elif [ "$MODE" = stop43 ]; then
-  W2=QUANTMLA_CUPY_V5_WORKERS=2; W4=QUANTMLA_CUPY_V5_WORKERS=4
+  W2=QUANTMLA_CUPY_V5_WORKERS=2; W4=QUANTMLA_CUPY_V5_WORKERS=4; WA=QUANTMLA_CUPY_V5_WORKERS=auto
   echo "=== torch.ops.quantmla under torch.compile, save/load of CUDA caches (stop 43), the split CuPy launcher's stub tests"
   timeout 200 $T tests/test_torch_ops.py tests/test_cupy_prepared.py tests/test_cache_io.py tests/test_plan.py 2>&1 | tail -3
   echo "=== eager qm.attention against plan.run (Triton's prepared call, stop 44), host and device time"
@@ -249,7 +249,7 @@ elif [ "$MODE" = stop43 ]; then
   echo "=== v5 four workers at d_c 256: conformance"; timeout 120 $T tests/test_cupy_v5.py \
     -k "v5_matches_reference and dc256 and -4]" 2>&1 | tail -2
   echo "=== 2 against 4 workers at d_c 256, twice (CUDA graphs)"; timeout 150 python3 -P benchmarks/graph_probe.py \
-    --backends cupy --dims 256,32 --settings "$W2;$W4;$W2;$W4" --formats C4R4,C2R4 \
+    --backends cupy --dims 256,32 --settings "$W2;$W4;$WA;$W2;$W4;$WA" --formats C4R4,C2R4 \
     --shapes ${FOUR_SHAPES:-16x32x32768,16x128x32768,16x32x131072} --json "$OUT/graph_v5_four.json" 2>&1 | grep -v "^{" | tail -24
   python3 -P -c "import torch; from quantmla_core.backends.triton import attention as a; d = torch.device('cuda');
 print('limits 512/64', a.device_limits(d, 512, 64), '1024/64', a.device_limits(d, 1024, 64), 'v3_suits', a.v3_suits(d))"

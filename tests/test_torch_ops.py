@@ -142,10 +142,12 @@ def test_outputs_carved_from_one_allocation_come_back_apart(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_reduce_overhead_mode_captures_the_operator_in_a_cuda_graph():
+@pytest.mark.parametrize("case", [CASES[0][0], Case(qm.PackFormat.parse("C2R4"), (300, 1000, 77), heads=128, seed=44)],
+                         ids=["H16", "H128"])
+def test_reduce_overhead_mode_captures_the_operator_in_a_cuda_graph(case):
     """``torch.compile(mode="reduce-overhead")`` records the attention operator into a CUDA graph (on the CuPy
-    backend: its capture path, which carves out and lse from one allocation) and replays the eager result."""
-    case = CASES[0][0]
+    backend: its capture path, which carves out and lse from one allocation) and replays the eager result; the
+    warm-up runs before it leave no allocation but the outputs (no reused workspace, no kept plan: H128 runs v6)."""
     batch = build(case)
     args = batch.to("cuda", "bfloat16")
     cache = allocate(case, batch, "cuda")
