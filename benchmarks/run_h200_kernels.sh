@@ -38,7 +38,7 @@
 #       FlashInfer BF16 in the process), memcheck and racecheck, ncu of both at H16 B32 L32K C4R4
 #   bash benchmarks/run_h200_kernels.sh stop43   # torch.ops.quantmla under torch.compile, CUDA cache save/load, the
 #       prepared-call and plan tests, host_probe --plan; the same occupancy as the halves without the exchange: four workers at d_c 256
-#       (QUANTMLA_CUPY_V5_WORKERS=4) against two, conformance and CUDA graphs over FOUR_SHAPES; Triton at the declared dims
+#       (QUANTMLA_CUPY_V5_WORKERS=4) against two and auto, conformance and CUDA graphs over FOUR_SHAPES; Triton at the declared dims
 #   bash benchmarks/run_h200_kernels.sh v6pair   # v6 as two-CTA clusters sharing each key tile (QUANTMLA_CUPY_V6_PAIR):
 #       conformance of forced pairs, CUDA graphs of 0 against 1 over V6PAIR_SHAPES, memcheck of the pairs
 #   bash benchmarks/run_h200_kernels.sh v6fold   # v6's slack maximum and RoPE fold (QUANTMLA_CUPY_V6_SLACK / _ROPE_FOLD):
