@@ -56,7 +56,12 @@ def call_owned_scratch() -> Iterator[None]:
         _CALL_OWNED.reset(token)
 
 
+def owned_by_call() -> bool:
+    """True within :func:`call_owned_scratch` (no CUDA query: for launchers that asked :func:`capturing` already)."""
+    return _CALL_OWNED.get()
+
+
 def nothing_kept() -> bool:
     """True where a call may keep no allocation for later calls: under CUDA-graph capture, or within
     :func:`call_owned_scratch`."""
-    return _CALL_OWNED.get() or capturing()
+    return owned_by_call() or capturing()

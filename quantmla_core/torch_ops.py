@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 
 from .api import attention as _attention
-from .backends.buffers import call_owned_scratch
 from .api import write as _write
+from .backends.buffers import call_owned_scratch
 from .cache import MLACache
 from .formats import PackFormat
 from .validation import check_cache

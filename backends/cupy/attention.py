@@ -59,7 +59,7 @@ import torch
 
 from ...envvars import recording, snapshot
 from ..buffers import capturing as graph_capturing
-from ..buffers import carve, nothing_kept
+from ..buffers import carve, owned_by_call
 from . import current_stream_handle, external_stream, launch
 from .builds import COMBINE_THREADS
 from .knobs import V2Knobs, V3Knobs, V4Knobs, V5Knobs, V6Knobs, protected_on_side_stream
@@ -104,7 +104,7 @@ def outputs_and_partials(shape: tuple[int, ...], dtype: torch.dtype, partial_flo
     if capturing is None:
         capturing = graph_capturing()
     lse_shape = shape[:-1]
-    if not capturing and not nothing_kept():
+    if not capturing and not owned_by_call():
         ws = _workspace(dev, partial_floats)
         return torch.empty(shape, dtype=dtype, device=device), torch.empty(lse_shape, dtype=torch.float32, device=device), ws
 
@@ -124,7 +124,7 @@ def attention(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_s
     s_q = shape[1] if len(shape) == 4 else 1
     capturing = graph_capturing()
     call = prepared(cache, block_table, seq_lens, seq_ids, b, s_q, h, q_latent.dtype, softmax_scale, shape,
-                    capturing or nothing_kept())
+                    capturing or owned_by_call())
     return call.run(q_latent, q_rope, cache, want_lse=want_lse, capturing=capturing)
 
 
@@ -145,7 +145,7 @@ def prepared(cache, block_table, seq_lens, seq_ids, batch: int, s_q: int, heads:
     index tensors as they are get kept: the kernels read their values at launch, so values changed
     in place between calls are seen. A call that converts one (a copy of this call's values) and
     any call that may keep nothing (``fresh``: under CUDA-graph capture, see
-    :func:`~quantmla_core.backends.buffers.nothing_kept`) is prepared afresh."""
+    :func:`~quantmla_core.backends.buffers.call_owned_scratch`) is prepared afresh."""
     if fresh:
         return prepare(cache, block_table, seq_lens, seq_ids, batch, s_q, heads, q_dtype, softmax_scale, out_shape)
     key = (id(block_table), block_table.shape, block_table.stride(), id(seq_lens), seq_lens.shape, seq_lens.stride(),
@@ -307,7 +307,7 @@ class SplitCall:
             if capturing:
                 ws = torch.empty(n_scratch, dtype=torch.float32, device=q_latent.device)
                 self.graph_scratch.append(ws)
-            elif nothing_kept():
+            elif owned_by_call():
                 ws = torch.empty(n_scratch, dtype=torch.float32, device=q_latent.device)
             else:
                 ws = _workspace(dev, n_scratch)

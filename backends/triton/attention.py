@@ -247,7 +247,6 @@ class PreparedCall:
     batch: int
     q_len: int
     heads: int
-    q_dtype: torch.dtype
     device: torch.device
     block_table: torch.Tensor
     seq_lens: torch.Tensor
@@ -374,7 +373,7 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
                    BLOCK_R=pl.combine_block_r)
     block_t, stages = _combine_config(cargs, cconsts, pl.combine_block_t, pl.combine_warps, dev, limits)
     LAST_LAUNCH["combine_config"] = (block_t, stages)
-    return PreparedCall(variant, pl, b, q_len, heads, q_dtype, dev, block_table, seq_lens, seq_ids, scale_log2,
+    return PreparedCall(variant, pl, b, q_len, heads, dev, block_table, seq_lens, seq_ids, scale_log2,
                         MappingProxyType(dict(consts)),
                         MappingProxyType({**launch_dims(pl.num_warps, pl.num_stages), **({} if interp else extra_launch)}),
                         MappingProxyType({**cconsts, "BLOCK_T": block_t}),
