@@ -390,3 +390,12 @@ def test_v6_tile_loops_within_budget(name, dc, dr):
     assert att.total <= att_budget, f"{name}: attender {att.total} instructions per warp per tile (budget {att_budget})"
     assert deq.total <= deq_budget, f"{name}: dequantizer {deq.total} instructions per warp per tile (budget {deq_budget})"
     assert att.count("LDL", "STL") == 0 and deq.count("LDL", "STL") == 0, "local-memory traffic (spills) in a tile loop"
+
+
+@pytest.mark.parametrize("dc,dr,expected", [(512, 64, [2, 3]), (256, 32, [2, 3, 4])])
+def test_report_covers_only_the_v5_worker_counts_that_build(dc, dr, expected):
+    """The report's v5 section compiles each worker count that builds (stop 44 made four a choice at d_c 256
+    only, and the report asked for it at d_c 512 and stopped with its ValueError)."""
+    from quantmla_core.backends.cupy.sass_report import v5_report_workers
+
+    assert v5_report_workers(qm.PackFormat.parse("C4R4", latent_dim=dc, rope_dim=dr)) == expected

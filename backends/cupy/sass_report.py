@@ -50,6 +50,7 @@ from .builds import (
     v3_defines,
     v4_defines,
     v5_defines,
+    v5_build_reasons,
     v6_defines,
 )
 
@@ -283,6 +284,11 @@ def v5_loops(sass: str) -> dict[str, LoopReport]:
             "protected": max((lp for lp in found if not lp.count("HADD2")), key=lambda lp: lp.total)}
 
 
+def v5_report_workers(fmt: PackFormat) -> list[int]:
+    """The worker counts of :data:`V5_WORKER_CHOICES` that v5 builds for ``fmt`` (four only at d_c 256)."""
+    return [w for w in V5_WORKER_CHOICES if not v5_build_reasons(fmt, w)]
+
+
 def main(argv: list[str]) -> None:
     cases = [(argv[0], int(argv[1]), int(argv[2]))] if argv else [("C4R4", 512, 64), ("C2R4", 512, 64)]
     for name, dc, dr in cases:
@@ -312,7 +318,7 @@ def main(argv: list[str]) -> None:
         print(f"{name} {dc}/{dr} kernel v4, wgmma build (64 rows x 64-token tiles, 8 warps): {loop.total} instructions "
               f"per warp per tile, {loop.count('HGMMA')} HGMMA, {regs} registers\n    {top}")
     for name, dc, dr in cases:
-        for workers in V5_WORKER_CHOICES:
+        for workers in v5_report_workers(PackFormat.parse(name, latent_dim=dc, rope_dim=dr)):
             sass, ptxas = compile_sass_v5(PackFormat.parse(name, latent_dim=dc, rope_dim=dr), workers)
             loop, regs, top = _loop_summary(sass, ptxas)
             spills = re.search(r"(\d+) bytes spill stores", ptxas)
