@@ -36,7 +36,8 @@
 #   bash benchmarks/run_h200_kernels.sh halves   # v5 with two warpgroups a worker (QUANTMLA_CUPY_V5_HALVES=2): one small
 #       case first (a hang stops there), conformance, CUDA graphs of 1 against 2 twice over HALVES_SHAPES (C4R4, C2R4,
 #       FlashInfer BF16 in the process), memcheck and racecheck, ncu of both at H16 B32 L32K C4R4
-#   bash benchmarks/run_h200_kernels.sh stop43   # torch.ops.quantmla under torch.compile, CUDA cache save/load, the
+#   bash benchmarks/run_h200_kernels.sh stop43   # torch.ops.quantmla under torch.compile, CUDA cache save/load, decode steps
+#       without stream syncs (stop 45), the
 #       prepared-call and plan tests, host_probe --plan; the same occupancy as the halves without the exchange: four workers at d_c 256
 #       (QUANTMLA_CUPY_V5_WORKERS=4) against two and auto, conformance and CUDA graphs over FOUR_SHAPES; Triton at the declared dims
 #   bash benchmarks/run_h200_kernels.sh v6pair   # v6 as two-CTA clusters sharing each key tile (QUANTMLA_CUPY_V6_PAIR):
@@ -244,6 +245,8 @@ elif [ "$MODE" = stop43 ]; then
   W2=QUANTMLA_CUPY_V5_WORKERS=2; W4=QUANTMLA_CUPY_V5_WORKERS=4; WA=QUANTMLA_CUPY_V5_WORKERS=auto
   echo "=== torch.ops.quantmla under torch.compile, save/load of CUDA caches (stop 43), the split CuPy launcher's stub tests"
   timeout 200 $T tests/test_torch_ops.py tests/test_cupy_prepared.py tests/test_cache_io.py tests/test_plan.py 2>&1 | tail -3
+  echo "=== decode steps queue without a stream sync (stop 45: index arrays from pinned memory)"
+  timeout 120 $T tests/test_paged.py tests/test_integration_transformers.py -k "stream_sync" 2>&1 | tail -3
   echo "=== eager qm.attention against plan.run (Triton's prepared call, stop 44), host and device time"
   timeout 150 python3 -P benchmarks/host_probe.py --plan --json "$OUT/host_plan.json" 2>&1 | tail -16
   echo "=== v5 four workers at d_c 256: conformance"; timeout 120 $T tests/test_cupy_v5.py \

@@ -21,6 +21,23 @@ from .plan import AttentionPlan
 from .plan import plan_attention as _plan_attention
 
 
+def index_tensor(values: Sequence[int] | np.ndarray, dtype: Any, device: torch.device) -> torch.Tensor:
+    """``values`` as a torch ``dtype`` (NumPy dtype) tensor on ``device``, made on the host (:func:`to_device`)."""
+    return to_device(torch.from_numpy(np.ascontiguousarray(values, dtype=dtype)), device)
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without waiting for the GPU.
+
+    On CUDA the host copy is pinned and sent with ``non_blocking=True``: a copy from pageable
+    memory synchronizes the stream first (torch waits for every queued kernel), which a decode
+    step that rebuilds its index arrays per layer would pay once per array and layer. torch's
+    pinned-memory allocator keeps the host block until the copy has run."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class OutOfPagesError(RuntimeError):
     """Raised when an append needs more pages (or request rows) than are free."""
 
@@ -219,8 +236,9 @@ class PagedMLACache:
 
     # ------------------------------------------------------------------ arrays
     def _index_array(self, values: Sequence[int] | np.ndarray, dtype=np.int64):
-        arr = np.asarray(values, dtype=dtype)
-        return arr if self.cache.is_numpy else torch.from_numpy(arr).to(self.cache.pages.device)
+        if self.cache.is_numpy:
+            return np.asarray(values, dtype=dtype)
+        return index_tensor(values, dtype, self.cache.pages.device)
 
     def block_table(self, seq_ids: Sequence[int]):
         """int32 ``[B, max_pages]`` page table (padded with 0) of the given requests."""

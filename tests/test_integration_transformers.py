@@ -454,3 +454,36 @@ def test_assisted_generation_with_rollback_matches_plain_generation(monkeypatch)
     assert max(removed) > 0  # candidates were rejected and taken back
     assert torch.equal(assisted, plain)
     assert cache.layers[0].seq_lengths() == [assisted.shape[1] - 1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: counts stream synchronizations")
+@pytest.mark.parametrize("rollback", [False, True])
+def test_decode_step_of_a_layer_queues_without_a_stream_sync(rollback):
+    """One decode step of a QuantMLALayer (write one token a row, attend) on the GPU backends waits for no kernel:
+    before stop 45 each step moved six index arrays from pageable memory, a stream sync each, in every layer."""
+    dev = torch.device("cuda")
+    layer = QuantMLALayer(qm.PackFormat.parse("C4R4", latent_dim=512, rope_dim=64), 4, 128, "auto", rollback=rollback)
+    g = torch.Generator(device=dev).manual_seed(3)
+
+    def tokens(n: int):
+        return (torch.randn(3, n, 512, device=dev, generator=g, dtype=torch.bfloat16),
+                torch.randn(3, n, 64, device=dev, generator=g, dtype=torch.bfloat16))
+
+    def step():
+        layer.begin_step()
+        layer.write(*tokens(1), None)
+        q = torch.randn(3, 1, 16, 512, device=dev, generator=g, dtype=torch.bfloat16)
+        return layer.attend(q, torch.randn(3, 1, 16, 64, device=dev, generator=g, dtype=torch.bfloat16), 0.04)
+
+    layer.write(*tokens(300), None)
+    step()  # builds the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.shape == (3, 1, 16, 512) and torch.isfinite(out.float()).all()
+    if rollback:
+        layer.crop(-1)
+        assert layer.seq_lengths() == [301] * 3

@@ -156,3 +156,52 @@ def test_truncate_frees_the_pages_past_the_new_length():
         c.truncate(s, 1)
     with pytest.raises(ValueError, match="seq_id: expected a live request id"):
         c.truncate(s + 1, 0)
+
+
+def test_index_tensor_values_and_dtype():
+    from quantmla_core.paged import index_tensor
+
+    t = index_tensor([3, -1, 70000], np.int32, torch.device("cpu"))
+    assert t.dtype == torch.int32 and t.tolist() == [3, -1, 70000]
+    table = np.arange(12, dtype=np.int64).reshape(3, 4)[:, ::2]  # not contiguous
+    t = index_tensor(table, np.int32, torch.device("cpu"))
+    assert t.dtype == torch.int32 and t.tolist() == table.tolist()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: counts stream synchronizations")
+def test_decode_step_moves_its_indices_without_a_stream_sync():
+    """A decode step through the allocator (reserve + write, page table, lengths, ids, attention) queues its work
+    without waiting for the GPU: its index arrays go up from pinned memory (a pageable copy synchronizes the stream,
+    once per array and layer in the Hugging Face integration before stop 45). The GPU backends only: the torch
+    backend reads lengths on the host by design."""
+    backend = "auto"
+    fmt = qm.PackFormat.parse("C4R4", latent_dim=512, rope_dim=64)
+    dev = torch.device("cuda")
+    pc = qm.PagedMLACache(fmt, num_pages=64, max_seqs=4, device=dev, backend=backend)
+    rows = [pc.add_request() for _ in range(3)]
+    g = torch.Generator(device=dev).manual_seed(0)
+    prompt = [(s, torch.randn(300 + 50 * s, 512, device=dev, generator=g, dtype=torch.bfloat16),
+               torch.randn(300 + 50 * s, 64, device=dev, generator=g, dtype=torch.bfloat16)) for s in rows]
+    pc.append_many(prompt)
+    q = torch.randn(3, 16, 512, device=dev, generator=g, dtype=torch.bfloat16)
+    qr = torch.randn(3, 16, 64, device=dev, generator=g, dtype=torch.bfloat16)
+
+    def step(seed: int):
+        new = [(s, torch.randn(1, 512, device=dev, generator=g, dtype=torch.bfloat16),
+                torch.randn(1, 64, device=dev, generator=g, dtype=torch.bfloat16)) for s in rows]
+        pc.append_many(new)
+        return qm.attention(q, qr, pc.cache, block_table=pc.block_table(rows), seq_lens=pc.seq_lens(rows),
+                            seq_ids=qm.paged.index_tensor(rows, np.int32, dev), softmax_scale=0.04,
+                            backend=backend, return_lse=False)
+
+    step(0)  # builds and caches the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = step(1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    want = qm.attention(q, qr, pc.cache, block_table=pc.block_table(rows), seq_lens=pc.seq_lens(rows),
+                        seq_ids=qm.paged.index_tensor(rows, np.int32, dev), softmax_scale=0.04, backend="torch",
+                        return_lse=False)
+    assert torch.isfinite(out.float()).all() and (out.float() - want.float()).abs().max() < 2e-2

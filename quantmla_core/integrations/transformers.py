@@ -50,6 +50,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -73,7 +74,7 @@ except ImportError as _exc:  # pragma: no cover - old transformers
 
 from .. import api as _api
 from ..formats import PackFormat
-from ..paged import PagedMLACache
+from ..paged import PagedMLACache, index_tensor, to_device
 
 __all__ = ["QuantMLACache", "QuantMLALayer", "QuantMLAHandle", "enable_quantmla", "disable_quantmla"]
 
@@ -128,14 +129,15 @@ class _WriteUndo:
         q = a + (t - m - local) + torch.arange(m)[None, :]  # [R, m] the positions the ring rows must hold again
         prior = torch.zeros((len(rows), m, ring.shape[-1]), dtype=ring.dtype, device=dev)
         in_ring, in_write = (q >= 0) & (q < a), q >= a
-        if bool(in_ring.any()):
+        if bool(in_ring.any()):  # host tensors: no sync
             r, i = in_ring.nonzero(as_tuple=True)
-            prior[r.to(dev), i.to(dev)] = ring[torch.tensor(rows)[r].to(dev), (q[r, i] % local).to(dev)]
+            prior[to_device(r, dev), to_device(i, dev)] = ring[to_device(torch.tensor(rows)[r], dev),
+                                                             to_device(q[r, i] % local, dev)]
         if bool(in_write.any()):
             values = torch.stack([torch.cat([x, kr], -1) for _, x, kr in items]).to(ring.dtype)  # as the writers store
             r, i = in_write.nonzero(as_tuple=True)
-            prior[r.to(dev), i.to(dev)] = values[r.to(dev), (q[r, i] - a[r, 0]).to(dev)]
-        return cls(rows, starts, t, t, ((q + local) % local).to(dev), prior)
+            prior[to_device(r, dev), to_device(i, dev)] = values[to_device(r, dev), to_device(q[r, i] - a[r, 0], dev)]
+        return cls(rows, starts, t, t, to_device((q + local) % local, dev), prior)
 
     def restore(self, paged: PagedMLACache, n: int) -> None:
         """Take the last ``n`` tokens still in the cache of this write back from every request."""
@@ -143,7 +145,7 @@ class _WriteUndo:
         if self.slots is not None:
             first = self.written - self.slots.shape[1]  # the window's first position, relative to the write
             lo, hi = keep - first, self.tokens - first
-            rows = torch.tensor(self.rows, device=self.slots.device)[:, None]
+            rows = index_tensor(self.rows, np.int64, self.slots.device)[:, None]
             paged.cache.local_buf[rows, self.slots[:, lo:hi]] = self.prior[:, lo:hi]
         for s, a in zip(self.rows, self.starts):
             paged.truncate(s, a + keep)
@@ -374,14 +376,13 @@ class QuantMLALayer(CacheLayerMixin):
         chunk written before it attends, so the local ring always matches the lengths passed)."""
         paged = self.paged
         assert paged is not None
-        dev = paged.cache.pages.device
         return _api.attention(
             q_latent,
             q_rope,
             paged.cache,
             block_table=paged.block_table(self.rows),
-            seq_lens=torch.tensor(self.seq_lengths(), dtype=torch.int32, device=dev),
-            seq_ids=torch.tensor(self.rows, dtype=torch.int32, device=dev),
+            seq_lens=paged.seq_lens(self.rows),
+            seq_ids=index_tensor(self.rows, np.int32, paged.cache.pages.device),
             softmax_scale=softmax_scale,
             backend=self.backend,
             return_lse=False,
