@@ -29,7 +29,8 @@ def _families(prof) -> dict[str, float]:
         if not us or e.key.startswith(("ProfilerStep", "aten::", "cuda")):
             continue
         k = e.key.lower()
-        fam = ("attention" if "qmla_attn" in k or "split_kernel" in k else "combine" if "combine" in k
+        fam = ("attention" if "qmla_attn" in k or "split_kernel" in k or "protect_kernel" in k
+               else "combine" if "combine" in k or "merge_kernel" in k
                else "writer" if "write" in k and ("qmla" in k or "write_kernel" in k) else "other kernels")
         out[fam] = out.get(fam, 0.0) + us
     return out

@@ -129,4 +129,4 @@ def test_triton_planned_run(benchmark, monkeypatch, given_outputs):
 
     launches = stub_triton_launcher(monkeypatch)
     _bench_planned(benchmark, TritonBackend(), given_outputs, "Triton plan.run host path, kernels stubbed")
-    assert {name for name, *_ in launches} == {"split_kernel_v2", "protect_combine_kernel"}
+    assert {name for name, *_ in launches} == {"split_kernel_v2", "protect_kernel", "merge_kernel"}

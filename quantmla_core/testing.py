@@ -284,7 +284,8 @@ def stub_triton_launcher(monkeypatch: Any, sm_count: int = 132) -> list:
 
     for variant, kernel in list(A._KERNELS.items()):
         monkeypatch.setitem(A._KERNELS, variant, Kernel(kernel.fn.__name__))
-    monkeypatch.setattr(A, "protect_combine_kernel", Kernel("protect_combine_kernel"))
+    monkeypatch.setattr(A, "protect_kernel", Kernel("protect_kernel"))
+    monkeypatch.setattr(A, "merge_kernel", Kernel("merge_kernel"))
     monkeypatch.setattr(A, "interpreting", lambda: False)
     monkeypatch.setattr(A, "_sm_count", lambda dev: sm_count)
     monkeypatch.setattr(C, "interpreting", lambda: False)

@@ -190,7 +190,7 @@ def test_cupy_plan_prepares_once(monkeypatch):
 def test_triton_plan_prepares_once(monkeypatch):
     """Triton (kernels stubbed, CPU): a plan's runs issue exactly the launches of the backend's eager call
     (kernels, grids, constexprs, launch options, every argument but the partials and outputs) without
-    preparing again; given outputs are the combine's destinations; a non-contiguous ``out`` is refused."""
+    preparing again; given outputs are the merge's destinations; a non-contiguous ``out`` is refused."""
     from quantmla_core.backends.triton import TritonBackend
     from quantmla_core.backends.triton import attention as A
 
@@ -211,20 +211,22 @@ def test_triton_plan_prepares_once(monkeypatch):
     assert out.shape == q.shape and lse.shape == q.shape[:-1] and not prepared
     o_buf, l_buf = torch.empty_like(q), torch.empty(q.shape[:-1])
     assert run(q, r, cache, o_buf, l_buf) == (o_buf, l_buf)
-    assert len(launches) == 2 * len(eager) == 4
-    partials = {5, 6}  # o_part, lse_part: fresh per call
+    assert len(launches) == 2 * len(eager) == 6
+    # fresh per call: the split and protected partials, the merge's inputs and outputs
+    fresh_args = {"protect_kernel": {6, 7}, "merge_kernel": {0, 1, 2, 3, 4, 5}}
     for got, want in zip(launches, eager + eager):
         (name, grid, a, kw), (w_name, w_grid, w_a, w_kw) = got, want
         assert (name, grid, kw) == (w_name, w_grid, w_kw)
-        fresh = partials if name != "protect_combine_kernel" else {6, 7, 8, 9}
+        fresh = fresh_args.get(name, {5, 6})
         for i, (x, y) in enumerate(zip(a, w_a, strict=True)):
             if i in fresh:
                 assert x.shape == y.shape and x.dtype == y.dtype
             else:
                 same = x.data_ptr() == y.data_ptr() and x.shape == y.shape if isinstance(x, torch.Tensor) else x == y
                 assert same, (name, i)
-    combine = launches[3][2]
-    assert combine[8].data_ptr() == o_buf.data_ptr() and combine[9].data_ptr() == l_buf.data_ptr()
+    merge = launches[5][2]
+    assert [n for n, *_ in launches[3:]] == ["split_kernel_v2", "protect_kernel", "merge_kernel"]
+    assert merge[4].data_ptr() == o_buf.data_ptr() and merge[5].data_ptr() == l_buf.data_ptr()
     with pytest.raises(ValueError, match="out: the Triton backend writes contiguous outputs"):
         run(q, r, cache, torch.empty((q.shape[0], 512, 16), dtype=torch.bfloat16).transpose(1, 2), None)
 

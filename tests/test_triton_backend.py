@@ -326,6 +326,18 @@ def test_split_counts_and_causal_sq(fmt_name, splits, variant):
         _attend_direct(case, num_splits=splits)
 
 
+@pytest.mark.parametrize("fmt_name, splits, sink, local", [("C4R4", 20, 4, 100), ("C2R4", 17, 0, 70), ("BF16", 5, 3, 0)])
+def test_merge_over_many_splits_and_protected_tiles(fmt_name, splits, sink, local):
+    """More partials than the merge reads a load (splits > MERGE_SPLITS_A_LOAD), several protected tiles (local 100:
+    4 tiles of 32 tokens) or only the sink, 17 query rows (a partial row block), causal S_q > 1, channels in blocks."""
+    from quantmla_core.backends.triton.heuristics import MERGE_SPLITS_A_LOAD
+
+    assert splits > MERGE_SPLITS_A_LOAD or fmt_name == "BF16"
+    fmt = PackFormat.parse(fmt_name, latent_dim=256, rope_dim=32)
+    _attend_direct(Case(fmt, (2200, 130, 3), heads=17, s_q=1, sink=sink, local=local, seed=splits), num_splits=splits)
+    _attend_direct(Case(fmt, (260, 40), heads=3, s_q=4, sink=sink, local=local, seed=splits + 1), num_splits=splits)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("case", [
     Case(PackFormat.parse("C4R4"), (70, 9), heads=2, seed=31),

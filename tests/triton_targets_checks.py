@@ -1,8 +1,8 @@
 """Run by ``tests/test_triton_targets.py`` in a subprocess with ``TRITON_INTERPRET=0``: the Triton kernels built for
 GPUs this machine does not have (``backends/triton/offline_build.py``): every kernel
-the launchers would launch compiles for AMD's MI300X (gfx942), with matrix-core dots where it has dots; the combine
-kernel's shared memory is fitted to devices that give a block less than its plan asks for (MI300X/MI250: 64 KB of
-LDS; A10/L4/L40S: 99 KB; every GPU at d_c 1024), and kernel v3 gives way to v2 where it does not fit, in shared memory
+the launchers would launch compiles for AMD's MI300X (gfx942), with matrix-core dots where it has dots; the
+protected-tile kernel fits devices with little shared memory (MI300X/MI250: 64 KB of LDS; A10/L4/L40S: 99 KB) at
+d_c 512 and 1024, and kernel v3 gives way to v2 where it does not fit, in shared memory
 or in Blackwell's tensor memory (B200: a v3 build that needs more than 512 columns traps). Offline: triton's own
 compiler for each target, no GPU."""
 
@@ -22,9 +22,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from quantmla_core.backends.triton import attention as att  # noqa: E402
 from quantmla_core.backends.triton import offline_build as ob  # noqa: E402
-from quantmla_core.backends.triton.attention_kernel import protect_combine_kernel  # noqa: E402
-from quantmla_core.backends.triton.heuristics import (TMEM_COLUMNS, DeviceLimits, combine_configs,  # noqa: E402
-                                                      first_fitting)
+from quantmla_core.backends.triton.attention_kernel import protect_kernel  # noqa: E402
+from quantmla_core.backends.triton.heuristics import TMEM_COLUMNS, DeviceLimits  # noqa: E402
 
 MI300X = GPUTarget("hip", "gfx942", 64)
 #: (target, shared memory a block may use): MI300X and MI250 (64 KB of LDS), sm_86/sm_89 (A10, L4, L40S: 99 KB),
@@ -47,7 +46,7 @@ def _needs(compiled) -> tuple[int, int]:
 def _fake_device(monkeypatch, target, limit, tmem=None) -> None:
     """The launcher's view of a GPU: ``limit`` bytes of shared memory a block (checked at every dims), ``tmem``
     tensor-memory columns, and warm-up builds for ``target``."""
-    kernels = {"protect_combine": protect_combine_kernel, **{f"split_{v}": k for v, k in att._KERNELS.items()}}
+    kernels = {"protect": protect_kernel, **{f"split_{v}": k for v, k in att._KERNELS.items()}}
 
     def build_needs(name, arg_dtypes, consts, options, device_index):
         launch = ob.Launch(name, kernels[name], att.warmup_args(arg_dtypes), dict(consts), dict(options))
@@ -60,15 +59,16 @@ def _fake_device(monkeypatch, target, limit, tmem=None) -> None:
 @pytest.mark.parametrize("fmt_name, heads, split", [("C4R4", 16, "split_v2"), ("C2R4", 16, "split_v2"),
                                                      ("BF16", 16, "split_v1"), ("C4R4", 128, "split_v3")])
 def test_every_kernel_builds_for_mi300x(fmt_name, heads, split):
-    """The writer, the split kernel auto picks and the combine kernel compile for gfx942 (portable Triton: nothing
-    NVIDIA-only on the default path); the split and combine kernels' dots become MFMA instructions."""
+    """The writer, the split kernel auto picks, the protected-tile and the merge kernel compile for gfx942 (portable
+    Triton: nothing NVIDIA-only on the default path); the split and protected-tile kernels' dots become MFMA
+    instructions."""
     launches = ob.launches_of(fmt_name, heads)
-    assert _names(launches) == ["write", split, "protect_combine"]
+    assert _names(launches) == ["write", split, "protect", "merge"]
     for launch in launches:
         res = ob.amd_resources(ob.compile_launch(launch, MI300X))
         print(fmt_name, heads, launch.name, res)
         assert res["vgpr"] > 0 and res["occupancy"] >= 1, res
-        assert (res["mfma"] > 0) == (launch.name != "write"), res
+        assert (res["mfma"] > 0) == (launch.name not in ("write", "merge")), res
 
 
 @pytest.mark.parametrize("target, limit", [(B200, 232448), (GPUTarget("hip", "gfx950", 64), 163840)],
@@ -111,98 +111,82 @@ def test_v2_fits_tensor_memory_on_b200(monkeypatch):
     assert "tcgen05.mma" in compiled.asm["ptx"] and "trap;" not in compiled.asm["ptx"]
 
 
-def _combine_launch():
-    return [launch for launch in ob.launches_of("C4R4", 16) if launch.name == "protect_combine"][0]
-
-
-def _combine_shared(launch, target, config) -> int:
-    variant = ob.Launch(launch.name, launch.kernel, launch.args, {**launch.constexprs, "BLOCK_T": config[0]},
-                        {**launch.options, **({"num_stages": config[1]} if config[1] else {})})
-    return int(ob.compile_launch(variant, target).metadata.shared)
+def _protect_launch(**kw):
+    return [launch for launch in ob.launches_of("C4R4", 16, **kw) if launch.name == "protect"][0]
 
 
 @pytest.mark.parametrize("target, limit", SMALL + [HOPPER], ids=lambda v: getattr(v, "arch", v))
-def test_combine_config_fits_the_device(target, limit):
-    """On every device the first fitting combine configuration fits, and on the small ones the plan's own (32 tokens,
-    Triton's default stages) does not: without the smaller configurations the launch fails there (Triton's
-    OutOfResources)."""
-    launch = _combine_launch()
-    configs = combine_configs(launch.constexprs["BLOCK_T"])
-    needs = {c: (_combine_shared(launch, target, c), 0) for c in configs}
-    chosen = first_fitting(configs, needs.__getitem__, DeviceLimits(shared=limit))
-    assert needs[chosen][0] <= limit
-    assert (chosen == configs[0]) == (target is HOPPER[0]), needs
+def test_protect_plan_fits_the_device(target, limit):
+    """The protected-tile kernel's plan (one tile of 16 tokens a program since stop 45) fits every device at d_c 512
+    and 1024, with bfloat16 and float32 queries, where the combine kernel before it needed 166,912 B at 512 (and
+    smaller fallback tiles on the 64-99 KB devices). The exception: float32 queries at d_c 1024 on the 99 KB NVIDIA
+    devices (139,264 B; the split kernel v1 needs more there, and the launcher refuses the call, tested below)."""
+    for dims in ({}, {"latent_dim": 1024, "rope_dim": 64}):
+        for dtype in (torch.bfloat16, torch.float32):
+            launch = _protect_launch(dtype=dtype, **dims)
+            shared = _needs(ob.compile_launch(launch, target))[0]
+            print(target.arch, dims, dtype, shared)
+            too_big = dims and dtype == torch.float32 and target.arch == 86
+            assert launch.constexprs["BLOCK_T"] == 16 and (shared <= limit) != too_big, (dims, dtype, shared)
 
 
-def test_first_fitting_rule():
-    configs = ((32, None), (16, None), (16, 1))
-    needs = {(32, None): (166912, 0), (16, None): (92672, 0), (16, 1): (51200, 0)}
-    assert first_fitting(configs, needs.__getitem__, DeviceLimits()) == (32, None)
-    assert first_fitting(configs, needs.__getitem__, DeviceLimits(shared=232448)) == (32, None)
-    assert first_fitting(configs, needs.__getitem__, DeviceLimits(shared=101376)) == (16, None)
-    assert first_fitting(configs, needs.__getitem__, DeviceLimits(shared=65536)) == (16, 1)
-    with pytest.raises(ValueError, match=r"no configuration fits: .*\(16, 1\) needs 51200 B of shared memory a block, "
-                                         r"this GPU gives 40000 B"):
-        first_fitting(configs, needs.__getitem__, DeviceLimits(shared=40000))
-    tmem = {(32, None): (1000, 640), (16, None): (1000, 512), (16, 1): (1000, 0)}
-    assert first_fitting(configs, tmem.__getitem__, DeviceLimits(tmem=512)) == (16, None)
-    assert DeviceLimits(shared=10, tmem=512).excess((20, 513)) == (
-        "needs 20 B of shared memory a block, this GPU gives 10 B and 513 columns of tensor memory, an SM has 512")
-    assert DeviceLimits(shared=10, tmem=512).excess((10, 512)) is None
+def test_launcher_refuses_a_protect_kernel_that_does_not_fit(monkeypatch):
+    """Where a device gives less than the protected-tile kernel needs, prepare says which kernel and by how much."""
+    _fake_device(monkeypatch, *HOPPER)
+    monkeypatch.setattr(att, "device_limits", lambda device, dc, dr: DeviceLimits(shared=20000))
+    monkeypatch.setattr(att, "_split_excess", lambda *a, **k: None)
+    with pytest.raises(ValueError, match=r"the Triton protected-tile kernel needs 32768 B of shared memory a block, "
+                                         r"this GPU gives 20000 B for C4R4"):
+        ob.launches_of("C4R4", 16)
 
 
-def test_launcher_fits_the_combine_to_mi300x(monkeypatch):
-    _fake_device(monkeypatch, MI300X, 65536)
-    launches = ob.launches_of("C4R4", 16)
-    combine = launches[-1]
-    assert combine.constexprs["BLOCK_T"] == 16 and att.LAST_LAUNCH["combine_config"] == (16, None)
-    assert _combine_shared(combine, MI300X, (16, None)) <= 65536
-
-
-def test_launcher_fits_the_float32_combine_to_sm86(monkeypatch):
-    """Float32 queries plan 16-token combine tiles already (147,456 B on sm_86 with Triton's stages): on a 99 KB
-    device the launcher runs them in one stage (73,728 B)."""
-    _fake_device(monkeypatch, GPUTarget("cuda", 86, 32), 101376)
-    combine = ob.launches_of("C4R4", 16, dtype=torch.float32)[-1]
-    assert combine.name == "protect_combine" and att.LAST_LAUNCH["combine_config"] == (16, 1)
-    assert combine.options["num_stages"] == 1 and combine.constexprs["BLOCK_T"] == 16
+def test_launcher_runs_the_protect_plan_on_mi300x_and_sm86(monkeypatch):
+    """The launcher checks the plan on the small devices and keeps it (8 warps, 16 tokens); at d_c 1024 with float32
+    queries a 99 KB device cannot run the split kernel, and the launcher says why."""
+    for target, limit in (SMALL[0], SMALL[2]):
+        _fake_device(monkeypatch, target, limit)
+        for dtype in (torch.bfloat16, torch.float32):
+            protect = _protect_launch(dtype=dtype)
+            assert protect.constexprs["BLOCK_T"] == 16 and protect.options["num_warps"] == 8
+    with pytest.raises(ValueError, match=r"needs \d+ B of shared memory a block, this GPU gives 101376 B"):
+        ob.launches_of("C4R4", 16, dtype=torch.float32, latent_dim=1024, rope_dim=64)
 
 
 def test_launcher_runs_v2_where_v3_does_not_fit(monkeypatch):
     """At 128 heads auto runs v3, which needs 115 KB of shared memory on NVIDIA: on a 99 KB device (sm_86) it runs
     v2; forced, v3 says why it cannot run."""
     _fake_device(monkeypatch, GPUTarget("cuda", 86, 32), 101376)
-    assert _names(ob.launches_of("C4R4", 128)) == ["write", "split_v2", "protect_combine"]
+    assert _names(ob.launches_of("C4R4", 128)) == ["write", "split_v2", "protect", "merge"]
     monkeypatch.setenv(att.VARIANT_ENV, "v3")
     with pytest.raises(ValueError, match=r"=v3: kernel v3 needs \d+ B of shared memory a block, this GPU gives 101376 B "
                                          r"for C4R4"):
         ob.launches_of("C4R4", 128)
     _fake_device(monkeypatch, *HOPPER)
     monkeypatch.delenv(att.VARIANT_ENV)
-    assert _names(ob.launches_of("C4R4", 128)) == ["write", "split_v3", "protect_combine"]
+    assert _names(ob.launches_of("C4R4", 128)) == ["write", "split_v3", "protect", "merge"]
 
 
 def test_launcher_runs_v2_where_v3_overflows_tensor_memory(monkeypatch):
     """On a B200 auto runs v2 at 128 heads over packed pages and v1 over BF16 pages (v3 would trap), v3 at d_c 256
     where it fits (512 columns); forced, v3 says why it cannot run."""
     _fake_device(monkeypatch, B200, 232448, TMEM_COLUMNS)
-    assert _names(ob.launches_of("C4R4", 128)) == ["write", "split_v2", "protect_combine"]
-    assert _names(ob.launches_of("BF16", 128)) == ["write", "split_v1", "protect_combine"]
-    assert _names(ob.launches_of("C4R4", 128, latent_dim=256, rope_dim=32)) == ["write", "split_v3", "protect_combine"]
+    assert _names(ob.launches_of("C4R4", 128)) == ["write", "split_v2", "protect", "merge"]
+    assert _names(ob.launches_of("BF16", 128)) == ["write", "split_v1", "protect", "merge"]
+    assert _names(ob.launches_of("C4R4", 128, latent_dim=256, rope_dim=32)) == ["write", "split_v3", "protect", "merge"]
     monkeypatch.setenv(att.VARIANT_ENV, "v3")
     with pytest.raises(ValueError, match=r"=v3: kernel v3 needs \d+ columns of tensor memory, an SM has 512 for C2R4"):
         ob.launches_of("C2R4", 128)
 
 
-def test_wide_vectors_fit_the_combine_on_hopper_and_name_v1_on_a100(monkeypatch):
-    """At d_c 1024 the combine's plan needs 314 KB of shared memory, more than any GPU gives a block: on an H200 the
-    launcher runs 16-token combine tiles; on an A100 (163 KB) kernel v1 over BF16 pages (182 KB) says why it cannot
-    run, instead of Triton's OutOfResources at launch."""
+def test_wide_vectors_fit_the_protect_on_hopper_and_name_v1_on_a100(monkeypatch):
+    """At d_c 1024 the protected-tile kernel's plan needs 128 KB of shared memory (the combine it replaced: 314 KB):
+    on an H200 it runs as planned; on an A100 (163 KB) kernel v1 over BF16 pages (182 KB) says why it cannot run,
+    instead of Triton's OutOfResources at launch."""
     _fake_device(monkeypatch, *HOPPER)
     launches = ob.launches_of("C4R4", 16, latent_dim=1024, rope_dim=64)
-    assert _names(launches) == ["write", "split_v2", "protect_combine"]
-    assert att.LAST_LAUNCH["combine_config"][0] == 16
-    assert _needs(ob.compile_launch(launches[-1], HOPPER[0]))[0] <= HOPPER[1]
+    assert _names(launches) == ["write", "split_v2", "protect", "merge"]
+    assert launches[-2].constexprs["BLOCK_T"] == 16
+    assert all(_needs(ob.compile_launch(launch, HOPPER[0]))[0] <= HOPPER[1] for launch in launches[-2:])
     _fake_device(monkeypatch, *A100)
     with pytest.raises(ValueError, match=r"Triton kernel v1 needs \d+ B of shared memory a block, this GPU gives 166912 B "
                                          r"for BF16"):
@@ -233,11 +217,11 @@ def test_auto_runs_v3_on_hopper_only(monkeypatch):
     """Off Hopper auto runs v2 over packed pages and v1 over BF16 pages at 128 heads (v3's dots are not warpgroup MMAs
     there); a forced v3 still runs where it fits."""
     monkeypatch.setattr(att, "v3_suits", lambda device: False)
-    assert _names(ob.launches_of("C4R4", 128)) == ["write", "split_v2", "protect_combine"]
-    assert _names(ob.launches_of("BF16", 128)) == ["write", "split_v1", "protect_combine"]
+    assert _names(ob.launches_of("C4R4", 128)) == ["write", "split_v2", "protect", "merge"]
+    assert _names(ob.launches_of("BF16", 128)) == ["write", "split_v1", "protect", "merge"]
     assert _split_launch("C4R4", 128, "v3", monkeypatch).name == "split_v3"
     monkeypatch.undo()
-    assert _names(ob.launches_of("C4R4", 128)) == ["write", "split_v3", "protect_combine"]  # the control
+    assert _names(ob.launches_of("C4R4", 128)) == ["write", "split_v3", "protect", "merge"]  # the control
 
 
 @pytest.mark.parametrize("capability, hip, hopper", [((9, 0), None, True), ((8, 0), None, False),

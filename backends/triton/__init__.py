@@ -142,8 +142,8 @@ class TritonBackend(Backend):
         return attention(q_latent, q_rope, cache, block_table, seq_lens, seq_ids, softmax_scale)
 
     def plan_attention(self, cache, block_table, seq_lens, seq_ids, q_shape, q_dtype, softmax_scale):
-        """Variant, launch plan, constexprs and the combine kernel's tile decided once (``PreparedCall``); a run
-        allocates the partials (and the outputs unless given) and launches the two kernels."""
+        """Variant, launch plan, constexprs and the protected tiles decided once (``PreparedCall``); a run
+        allocates the partials (and the outputs unless given) and launches the kernels."""
         from .attention import prepare
 
         b, h = q_shape[0], q_shape[-2]

@@ -1,4 +1,4 @@
-"""Triton decode attention: split-KV kernel over packed pages + protected-token/combine kernel.
+"""Triton decode attention: split-KV kernel over packed pages, protected-tile kernel, merge kernel.
 
 See ``attention_kernel.py`` for the math and ``heuristics.py`` for the launch rules.
 """
@@ -17,13 +17,14 @@ from ...envvars import getenv
 from ..buffers import capturing as graph_capturing
 from ..buffers import carve
 from . import interpreting, slice_width
-from .attention_kernel import protect_combine_kernel, split_kernel
+from .attention_kernel import merge_kernel, protect_kernel, split_kernel
 from .attention_v2_kernel import split_kernel_v2
 from .attention_v3_kernel import split_kernel_v3
 from .common import launch_dims, page_layout_constexprs, ptr_or_dummy
-from .heuristics import (INTERPRETER_SM_COUNT, TMEM_COLUMNS, V2_FLOAT32_ON_GPU, V2_HOLD_RAW, V2_ZSUB, V3_BLOCK_N,
+from .heuristics import (INTERPRETER_SM_COUNT, MERGE_BLOCK_C, MERGE_BLOCK_R, MERGE_SPLITS_A_LOAD, MERGE_WARPS,
+                         TMEM_COLUMNS, V2_FLOAT32_ON_GPU, V2_HOLD_RAW, V2_ZSUB, V3_BLOCK_N,
                          V3_BLOCK_R, V3_MIN_ROWS, V3_NUM_STAGES, V3_NUM_WARPS, V3_PREFETCH, AttentionPlan, DeviceLimits,
-                         combine_configs, first_fitting, plan, plan_v2, plan_v3, planned_shared_max)
+                         plan, plan_v2, plan_v3, planned_shared_max)
 
 #: environment variable choosing the split kernel ("auto" default, "v1", "v2", "v3"); read on every call
 VARIANT_ENV = "QUANTMLA_TRITON_ATTENTION"
@@ -131,7 +132,7 @@ def _build_needs(kernel_name: str, arg_dtypes: tuple, consts: tuple, options: tu
     """(shared memory bytes a block, tensor-memory columns) of the kernel ``kernel_name`` built for these constexprs
     and launch options on the device: a warm-up build (Triton caches it, so the launch that follows does not build
     again), pointers as their dtypes (``arg_dtypes``: :func:`_arg_kinds`)."""
-    kernel = {"protect_combine": protect_combine_kernel, **{f"split_{v}": k for v, k in _KERNELS.items()}}[kernel_name]
+    kernel = {"protect": protect_kernel, **{f"split_{v}": k for v, k in _KERNELS.items()}}[kernel_name]
     with torch.cuda.device(device_index):
         metadata = kernel.warmup(*warmup_args(arg_dtypes), grid=(1,), **dict(consts), **dict(options)).metadata
     return build_needs_of(metadata)
@@ -167,22 +168,17 @@ def _split_excess(variant: str, fmt, q_dtype: torch.dtype, cache, block_table: t
                                       tuple(launch_dims(*dims).items()), _device_index(device)))
 
 
-def _combine_config(args: tuple, consts: dict, block_t: int, num_warps: int, device: torch.device,
-                    limits: DeviceLimits) -> tuple[int, int | None]:
-    """(tokens per tile, stages) of the combine kernel launched with ``args`` and ``consts``: the plan's, or where
-    ``limits`` (:func:`device_limits`) are checked the first of :func:`heuristics.combine_configs` that fits them."""
+def _check_protect_fits(args: tuple, consts: dict, num_warps: int, fmt, device: torch.device,
+                        limits: DeviceLimits) -> None:
+    """Raise ``ValueError`` where the protected-tile kernel launched with ``args`` and ``consts`` does not fit
+    ``limits`` (:func:`device_limits`; nothing to check: nothing built). One tile, no loop: no smaller plan of it."""
     if not limits.checked:
-        return block_t, None
-
-    def needs_of(config: tuple[int, int | None]) -> tuple[int, int]:
-        options = launch_dims(num_warps, config[1])
-        return _build_needs("protect_combine", _arg_kinds(args), tuple({**consts, "BLOCK_T": config[0]}.items()),
-                            tuple(options.items()), _device_index(device))
-
-    try:
-        return first_fitting(combine_configs(block_t), needs_of, limits)
-    except ValueError as exc:
-        raise ValueError(f"the Triton combine kernel does not fit this GPU: {exc}") from None
+        return
+    needs = _build_needs("protect", _arg_kinds(args), tuple(consts.items()), tuple(launch_dims(num_warps).items()),
+                         _device_index(device))
+    excess = limits.excess(needs)
+    if excess:
+        raise ValueError(f"the Triton protected-tile kernel {excess} for {fmt}; no smaller plan of it is built")
 
 
 def _sm_count(device: torch.device) -> int:
@@ -240,7 +236,8 @@ def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: 
 @dataclasses.dataclass(frozen=True)
 class PreparedCall:
     """One decode-attention call with everything but the queries, the outputs and the layer's cache
-    decided (:func:`prepare`): variant, launch plan, constexprs, grids, the combine kernel's tile."""
+    decided (:func:`prepare`): variant, launch plan, constexprs, grids, the protected tiles (``protect_tiles`` of
+    ``protect_consts["BLOCK_T"]`` tokens; 0 without sink and local tokens)."""
 
     variant: str
     plan: AttentionPlan
@@ -254,53 +251,63 @@ class PreparedCall:
     scale_log2: float
     split_consts: Mapping
     split_dims: Mapping
-    combine_consts: Mapping
-    combine_dims: Mapping
+    protect_tiles: int
+    protect_consts: Mapping
+    protect_dims: Mapping
+    merge_consts: Mapping
+    merge_dims: Mapping
 
     def run(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache, out: torch.Tensor | None = None,
             lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """q_latent ``[B, S_q, H, d_c]`` / ``[B, H, d_c]`` (S_q = 1), q_rope likewise with d_r (the prepared dtype,
         on the prepared device), ``cache`` of the prepared geometry -> (out, lse) shaped like the queries (out:
-        [..., d_c] in their dtype, lse float32 [...]). ``out`` / ``lse`` given (contiguous, those shapes): the combine
+        [..., d_c] in their dtype, lse float32 [...]). ``out`` / ``lse`` given (contiguous, those shapes): the merge
         kernel writes there."""
-        b, rows, pl = self.batch, self.q_len * self.heads, self.plan
+        b, rows, pl, npt = self.batch, self.q_len * self.heads, self.plan, self.protect_tiles
         dc, dr = q_latent.shape[-1], q_rope.shape[-1]
         q = q_latent.contiguous().view(b, rows, dc)
         qr = q_rope.contiguous().view(b, rows, dr)
-        specs = [((b, pl.num_splits, rows, dc), torch.float32), ((b, pl.num_splits, rows), torch.float32)]
-        specs += [((b, rows, dc), q.dtype)] if out is None else []
-        specs += [((b, rows), torch.float32)] if lse is None else []
+        partials = [((b, pl.num_splits, rows, dc), torch.float32), ((b, pl.num_splits, rows), torch.float32),
+                    ((b, npt, rows, dc), torch.float32), ((b, npt, rows), torch.float32)]
+        outputs = [((b, rows, dc), q.dtype)] if out is None else []
+        outputs += [((b, rows), torch.float32)] if lse is None else []
         if graph_capturing():  # one allocation: the partials live as long as the outputs (backends/buffers.py)
-            made = iter(carve(specs, self.device))
-        else:
-            made = iter([torch.empty(shape, dtype=dt, device=self.device) for shape, dt in specs])
-        o_part, lse_part = next(made), next(made)
+            made = iter(carve(partials + outputs, self.device))
+        else:  # the partials in one allocation, freed on return; the outputs on their own
+            made = iter(carve(partials, self.device) + [torch.empty(sh, dtype=dt, device=self.device) for sh, dt in outputs])
+        o_part, lse_part, o_prot, lse_prot = next(made), next(made), next(made), next(made)
         o_flat = next(made) if out is None else _given("out", out).view(b, rows, dc)
         l_flat = next(made) if lse is None else _given("lse", lse).view(b, rows)
         args = _split_args(q, qr, cache, self.block_table, self.seq_lens, o_part, lse_part, self.scale_log2, rows,
                            self.heads, self.q_len, pl.num_splits)
         LAST_LAUNCH["split"] = _KERNELS[self.variant][(pl.num_splits, b, pl.row_blocks)](
             *args, **self.split_consts, **self.split_dims)
-        cargs = _combine_args(q, qr, cache, self.seq_lens, self.seq_ids, o_part, lse_part, o_flat, l_flat,
-                              self.scale_log2, rows, self.heads, self.q_len, pl.num_splits)
-        LAST_LAUNCH["combine"] = protect_combine_kernel[(b, -(-rows // pl.combine_block_r))](
-            *cargs, **self.combine_consts, **self.combine_dims)
+        if npt:
+            pargs = _protect_args(q, qr, cache, self.seq_lens, self.seq_ids, o_prot, lse_prot, self.scale_log2, rows,
+                                  self.heads, self.q_len, npt)
+            LAST_LAUNCH["protect"] = protect_kernel[(b, -(-rows // pl.protect_block_r), npt)](
+                *pargs, **self.protect_consts, **self.protect_dims)
+        else:  # no sink or local tokens: the merge reads no protected partial (any pointer will do)
+            o_prot, lse_prot = o_part, lse_part
+        margs = (o_part, lse_part, o_prot, lse_prot, o_flat, l_flat, rows, pl.num_splits, npt)
+        LAST_LAUNCH["merge"] = merge_kernel[(b, -(-rows // MERGE_BLOCK_R), dc // self.merge_consts["BLOCK_C"])](
+            *margs, **self.merge_consts, **self.merge_dims)
         lead = q_latent.shape[:-1]
         return (o_flat.view(*lead, dc) if out is None else out), (l_flat.view(lead) if lse is None else lse)
 
 
 def _given(name: str, x: torch.Tensor) -> torch.Tensor:
-    """A caller-given output the combine kernel can write: contiguous."""
+    """A caller-given output the merge kernel can write: contiguous."""
     if not x.is_contiguous():
         raise ValueError(f"{name}: the Triton backend writes contiguous outputs, got strides {tuple(x.stride())}")
     return x
 
 
-def _combine_args(q, qr, cache, seq_lens, seq_ids, o_part, lse_part, out, lse, scale_log2: float, rows: int,
-                  heads: int, s_q: int, num_splits: int) -> tuple:
-    """The combine kernel's positional arguments (tensors, or their dtypes for a warm-up build)."""
-    return (q, qr, ptr_or_dummy(cache.sink_buf), ptr_or_dummy(cache.local_buf), seq_lens, seq_ids, o_part, lse_part,
-            out, lse, cache.max_seqs, scale_log2, rows, heads, s_q, cache.sink, cache.local, num_splits)
+def _protect_args(q, qr, cache, seq_lens, seq_ids, o_prot, lse_prot, scale_log2: float, rows: int, heads: int,
+                  s_q: int, tiles: int) -> tuple:
+    """The protected-tile kernel's positional arguments (tensors, or their dtypes for a warm-up build)."""
+    return (q, qr, ptr_or_dummy(cache.sink_buf), ptr_or_dummy(cache.local_buf), seq_lens, seq_ids, o_prot, lse_prot,
+            cache.max_seqs, scale_log2, rows, heads, s_q, cache.sink, cache.local, tiles)
 
 
 def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: torch.Tensor, batch: int, q_len: int,
@@ -367,14 +374,15 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
     else:
         consts = _split_constexprs(fmt, variant, q_bf16, dot_bf16, pl.block_n, pl.block_r)
     scale_log2 = float(softmax_scale) * math.log2(math.e)
-    cargs = _combine_args(q_dtype, q_dtype, cache, seq_lens, seq_ids, torch.float32, torch.float32, q_dtype,
-                          torch.float32, scale_log2, rows, heads, q_len, pl.num_splits)
-    cconsts = dict(Q_BF16=q_bf16, DOT_BF16=dot_bf16, PROT_BF16=cache.sink_buf.dtype == torch.bfloat16, DC=dc, DR=dr,
-                   BLOCK_R=pl.combine_block_r)
-    block_t, stages = _combine_config(cargs, cconsts, pl.combine_block_t, pl.combine_warps, dev, limits)
-    LAST_LAUNCH["combine_config"] = (block_t, stages)
+    pargs = _protect_args(q_dtype, q_dtype, cache, seq_lens, seq_ids, torch.float32, torch.float32, scale_log2, rows,
+                          heads, q_len, 1)
+    pconsts = dict(Q_BF16=q_bf16, DOT_BF16=dot_bf16, PROT_BF16=cache.sink_buf.dtype == torch.bfloat16, DC=dc, DR=dr,
+                   BLOCK_T=pl.protect_block_t, BLOCK_R=pl.protect_block_r)
+    _check_protect_fits(pargs, pconsts, pl.protect_warps, fmt, dev, limits)
+    mconsts = dict(Q_BF16=q_bf16, DC=dc, BLOCK_R=MERGE_BLOCK_R, BLOCK_C=min(MERGE_BLOCK_C, dc), SC=MERGE_SPLITS_A_LOAD)
     return PreparedCall(variant, pl, b, q_len, heads, dev, block_table, seq_lens, seq_ids, scale_log2,
                         MappingProxyType(dict(consts)),
                         MappingProxyType({**launch_dims(pl.num_warps, pl.num_stages), **({} if interp else extra_launch)}),
-                        MappingProxyType({**cconsts, "BLOCK_T": block_t}),
-                        MappingProxyType(launch_dims(pl.combine_warps, stages)))
+                        -(-(cache.sink + cache.local) // pl.protect_block_t),
+                        MappingProxyType(pconsts), MappingProxyType(launch_dims(pl.protect_warps)),
+                        MappingProxyType(mconsts), MappingProxyType(launch_dims(MERGE_WARPS)))

@@ -20,9 +20,13 @@ side (never per element), and codes enter ``tl.dot`` as exact small integers. Ba
 split is stored normalised, with its log2-sum-exp. The zero-point term is subtracted per tile
 (not in a running sum) to keep the +128 bias from cancelling catastrophically.
 
-``protect_combine_kernel`` — grid ``(B, row_blocks)``: attends to the sink and local-window
-tokens from the protection buffers (same softmax), then merges the splits' partials by
-log-sum-exp and writes ``out`` and ``lse`` (natural log).
+``protect_kernel`` — grid ``(B, row_blocks, protected tiles)``: one tile of the sink and local-window tokens
+from the protection buffers per program (same softmax), written as one more partial.
+
+``merge_kernel`` — grid ``(B, row_blocks, d_c / BLOCK_C)``: merges the splits' and protected tiles' partials by
+log-sum-exp, a block of channels per program, and writes ``out`` and ``lse`` (natural log). Until stop 45 one
+program per request and row block attended the protected tiles one after another and then merged the partials
+one at a time (each a dependent round trip): at B = 8 that was 8 programs for the whole request.
 """
 
 from __future__ import annotations
@@ -250,17 +254,15 @@ def split_kernel(
 
 
 @triton.jit
-def protect_combine_kernel(
+def protect_kernel(
     q_ptr,  # [B, R, DC]
     qr_ptr,  # [B, R, DR]
     sink_ptr,  # [max_seqs, SINK, DC + DR]
     local_ptr,  # [max_seqs, LOCAL, DC + DR]
     lens_ptr,  # [B]
     ids_ptr,  # [B]
-    o_part_ptr,  # float32 [B, NSPLIT, R, DC]
-    lse_part_ptr,  # float32 [B, NSPLIT, R]
-    out_ptr,  # [B, R, DC] float32 / bfloat16
-    lse_ptr,  # float32 [B, R]
+    o_prot_ptr,  # float32 [B, NPT, R, DC]
+    lse_prot_ptr,  # float32 [B, NPT, R]
     max_seqs,
     sm_scale_log2,
     R,
@@ -268,7 +270,7 @@ def protect_combine_kernel(
     S_Q,
     SINK,
     LOCAL,
-    NSPLIT,
+    NPT,
     Q_BF16: tl.constexpr,
     DOT_BF16: tl.constexpr,
     PROT_BF16: tl.constexpr,
@@ -277,8 +279,11 @@ def protect_combine_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
+    """Program (b, rb, j): protected tile j, positions ``j * BLOCK_T ..`` of the sink then the local window, for query
+    rows block rb of request b -> its partial (normalised output, log2-sum-exp), as a split's."""
     b = tl.program_id(0)
     rb = tl.program_id(1)
+    j = tl.program_id(2)
     DOT_DT: tl.constexpr = tl.bfloat16 if DOT_BF16 else tl.float32
     W: tl.constexpr = DC + DR
     L = tl.load(lens_ptr + b).to(tl.int32)
@@ -295,51 +300,96 @@ def protect_combine_kernel(
     qr_offs = (b.to(tl.int64) * R + rows[:, None]) * DR + dr[None, :]
     qr = load_f32(qr_ptr, qr_offs, row_ok[:, None], Q_BF16).to(DOT_DT)
 
-    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, DC], tl.float32)
     n_sink = tl.minimum(SINK, L)
     first_local = tl.maximum(L - LOCAL, n_sink)
-    for t0 in range(0, SINK + LOCAL, BLOCK_T):
-        t = t0 + tl.arange(0, BLOCK_T)
-        is_sink = t < SINK
-        n = tl.where(is_sink, t, first_local + t - SINK)
-        valid = seq_ok & tl.where(is_sink, t < n_sink, (t < SINK + LOCAL) & (n < L))
-        ring = tl.where(is_sink, 0, n % tl.maximum(LOCAL, 1))
-        s_row = (seq * SINK + tl.where(is_sink & valid, t, 0)) * W
-        l_row = (seq * LOCAL + tl.where(valid & ~is_sink, ring, 0)) * W
-        ms = (valid & is_sink)[:, None]
-        ml = (valid & ~is_sink)[:, None]
-        kc = load_f32(sink_ptr, s_row[:, None] + dc[None, :], ms, PROT_BF16) + load_f32(local_ptr, l_row[:, None] + dc[None, :], ml, PROT_BF16)
-        kr = load_f32(sink_ptr, s_row[:, None] + DC + dr[None, :], ms, PROT_BF16) + load_f32(local_ptr, l_row[:, None] + DC + dr[None, :], ml, PROT_BF16)
-        kc = kc.to(DOT_DT)
-        score = _dot(qc, tl.trans(kc), DOT_BF16) + _dot(qr, tl.trans(kr.to(DOT_DT)), DOT_BF16)  # [BLOCK_R, BLOCK_T]
-        vis = valid[None, :] & (n[None, :] < limit[:, None])
-        score = tl.where(vis, score * sm_scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(score, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(score - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p.to(DOT_DT), kc, DOT_BF16)
-        m_i = m_new
+    t = j * BLOCK_T + tl.arange(0, BLOCK_T)
+    is_sink = t < SINK
+    n = tl.where(is_sink, t, first_local + t - SINK)
+    valid = seq_ok & tl.where(is_sink, t < n_sink, (t < SINK + LOCAL) & (n < L))
+    ring = tl.where(is_sink, 0, n % tl.maximum(LOCAL, 1))
+    s_row = (seq * SINK + tl.where(is_sink & valid, t, 0)) * W
+    l_row = (seq * LOCAL + tl.where(valid & ~is_sink, ring, 0)) * W
+    ms = (valid & is_sink)[:, None]
+    ml = (valid & ~is_sink)[:, None]
+    kc = load_f32(sink_ptr, s_row[:, None] + dc[None, :], ms, PROT_BF16) + load_f32(local_ptr, l_row[:, None] + dc[None, :], ml, PROT_BF16)
+    kr = load_f32(sink_ptr, s_row[:, None] + DC + dr[None, :], ms, PROT_BF16) + load_f32(local_ptr, l_row[:, None] + DC + dr[None, :], ml, PROT_BF16)
+    kc = kc.to(DOT_DT)
+    score = _dot(qc, tl.trans(kc), DOT_BF16) + _dot(qr, tl.trans(kr.to(DOT_DT)), DOT_BF16)  # [BLOCK_R, BLOCK_T]
+    vis = valid[None, :] & (n[None, :] < limit[:, None])
+    score = tl.where(vis, score * sm_scale_log2, float("-inf"))
+    m = tl.max(score, axis=1)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    p = tl.exp2(score - m_safe[:, None])
+    l = tl.sum(p, axis=1)
+    l_safe = tl.where(l > 0.0, l, 1.0)
+    acc = _dot(p.to(DOT_DT), kc, DOT_BF16)
+    part = (b.to(tl.int64) * NPT + j) * R
+    tl.store(o_prot_ptr + (part + rows[:, None]) * DC + dc[None, :], acc / l_safe[:, None], mask=row_ok[:, None])
+    tl.store(lse_prot_ptr + part + rows, tl.where(l > 0.0, m + tl.log2(l_safe), float("-inf")), mask=row_ok)
 
-    # merge the splits' partials (normalised outputs with log2-sum-exp)
-    for s in range(0, NSPLIT):
-        part = (b.to(tl.int64) * NSPLIT + s) * R
-        lse_s = tl.load(lse_part_ptr + part + rows, mask=row_ok, other=float("-inf"))
-        m_new = tl.maximum(m_i, lse_s)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        w = tl.exp2(lse_s - m_safe)
-        o_s = tl.load(o_part_ptr + (part + rows[:, None]) * DC + dc[None, :], mask=row_ok[:, None] & (lse_s > float("-inf"))[:, None], other=0.0)
-        l_i = l_i * alpha + w
-        acc = acc * alpha[:, None] + w[:, None] * o_s
-        m_i = m_new
 
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    out_offs = (b.to(tl.int64) * R + rows[:, None]) * DC + dc[None, :]
-    store_f32(out_ptr, out_offs, out, row_ok[:, None], Q_BF16)
-    lse = tl.where(l_i > 0.0, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
-    tl.store(lse_ptr + b.to(tl.int64) * R + rows, lse, mask=row_ok)
+@triton.jit
+def _partials_max(lse_ptr, b, NS, R, rows, row_ok, m, SC: tl.constexpr):
+    """``m`` [BLOCK_R] raised to the largest log2-sum-exp of the ``NS`` partials of request b (float32 [B, NS, R])."""
+    for s0 in range(0, NS, SC):
+        s = s0 + tl.arange(0, SC)
+        offs = (b.to(tl.int64) * NS + s[:, None]) * R + rows[None, :]
+        lse = tl.load(lse_ptr + offs, mask=(s < NS)[:, None] & row_ok[None, :], other=float("-inf"))
+        m = tl.maximum(m, tl.max(lse, axis=0))
+    return m
+
+
+@triton.jit
+def _partials_sum(o_ptr, lse_ptr, b, NS, R, rows, row_ok, cols, m_safe, l, acc, DC: tl.constexpr, SC: tl.constexpr):
+    """(l, acc) plus the ``NS`` partials of request b weighted by 2^(lse - m_safe): ``l`` [BLOCK_R] their weights,
+    ``acc`` [BLOCK_R, BLOCK_C] their outputs' channels ``cols`` (o float32 [B, NS, R, DC]). SC partials a load."""
+    for s0 in range(0, NS, SC):
+        s = s0 + tl.arange(0, SC)
+        part = (b.to(tl.int64) * NS + s[:, None]) * R + rows[None, :]  # [SC, BLOCK_R]
+        lse = tl.load(lse_ptr + part, mask=(s < NS)[:, None] & row_ok[None, :], other=float("-inf"))
+        w = tl.exp2(lse - m_safe[None, :])
+        o = tl.load(o_ptr + part[:, :, None] * DC + cols[None, None, :], mask=(lse > float("-inf"))[:, :, None],
+                    other=0.0)
+        l += tl.sum(w, axis=0)
+        acc += tl.sum(w[:, :, None] * o, axis=0)
+    return l, acc
+
+
+@triton.jit
+def merge_kernel(
+    o_part_ptr,  # float32 [B, NSPLIT, R, DC]
+    lse_part_ptr,  # float32 [B, NSPLIT, R]
+    o_prot_ptr,  # float32 [B, NPT, R, DC]
+    lse_prot_ptr,  # float32 [B, NPT, R]
+    out_ptr,  # [B, R, DC] float32 / bfloat16
+    lse_ptr,  # float32 [B, R]
+    R,
+    NSPLIT,
+    NPT,
+    Q_BF16: tl.constexpr,
+    DC: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    SC: tl.constexpr,
+):
+    """Program (b, rb, cb): channels ``cb * BLOCK_C ..`` of query rows block rb of request b, merged over the
+    splits' and protected tiles' partials by log-sum-exp; ``lse`` (natural log) from the programs with cb = 0."""
+    b = tl.program_id(0)
+    rb = tl.program_id(1)
+    cb = tl.program_id(2)
+    rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    m = _partials_max(lse_part_ptr, b, NSPLIT, R, rows, row_ok, m, SC)
+    m = _partials_max(lse_prot_ptr, b, NPT, R, rows, row_ok, m, SC)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    l = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
+    l, acc = _partials_sum(o_part_ptr, lse_part_ptr, b, NSPLIT, R, rows, row_ok, cols, m_safe, l, acc, DC, SC)
+    l, acc = _partials_sum(o_prot_ptr, lse_prot_ptr, b, NPT, R, rows, row_ok, cols, m_safe, l, acc, DC, SC)
+    l_safe = tl.where(l > 0.0, l, 1.0)
+    out_offs = (b.to(tl.int64) * R + rows[:, None]) * DC + cols[None, :]
+    store_f32(out_ptr, out_offs, acc / l_safe[:, None], row_ok[:, None], Q_BF16)
+    lse = tl.where(l > 0.0, (m + tl.log2(l_safe)) * LN2, float("-inf"))
+    tl.store(lse_ptr + b.to(tl.int64) * R + rows, lse, mask=row_ok & (cb == 0))

@@ -2,8 +2,8 @@
 
 Runs by default for packed formats with bfloat16 queries (``attention.auto_variant``; forced
 with ``QUANTMLA_TRITON_ATTENTION=v2``, read per call); the H200 measured it 1.6-1.9x faster
-than v1 there. The protected-token + log-sum-exp combine kernel is
-v1's (``attention_kernel.protect_combine_kernel``): v2 writes the same partials. Float32 queries
+than v1 there. The protected-tile and log-sum-exp merge kernels are
+v1's (``attention_kernel.protect_kernel``, ``merge_kernel``): v2 writes the same partials. Float32 queries
 on a GPU run v1 (``heuristics.V2_FLOAT32_ON_GPU``); the interpreter runs v2 in float32.
 
 Design note

@@ -4,7 +4,7 @@ For requests with at least :data:`heuristics.V3_MIN_ROWS` query rows (S_q x H: D
 and Kimi-K2 decode at H = 128, H = 64, speculative decoding). Kernels v1/v2 take the query rows
 as the N dimension, 16 per program, so at H = 128 eight programs unpack the same tokens. Here one
 program takes BLOCK_R = 64 rows of one request and writes v1's partials, so
-``attention_kernel.protect_combine_kernel`` adds the protected tokens and merges the splits.
+``attention_kernel.protect_kernel`` adds the protected tokens and ``merge_kernel`` merges the partials.
 
 Per tile of BLOCK_N = 128 tokens and per chunk ``c`` (CW bytes of every token's code row, all
 its bit planes dequantized and joined: ``[BLOCK_N, CW * PLANES]``, 128 channels at 4 bits, 256

@@ -12,7 +12,7 @@ run in the interpreter (CPU) with ``sm_count`` = :data:`INTERPRETER_SM_COUNT`.
   is the cheapest under the wave model of ``backends/splits.py`` (whole rounds of the
   :data:`CTAS_PER_SM` x ``sm_count`` programs the GPU holds at once), but never into shares
   shorter than :data:`MIN_TILES_PER_SPLIT` tiles (each split costs one partial
-  ``BLOCK_R x d_c`` float32 write and read back in the combine kernel) and never more than
+  ``BLOCK_R x d_c`` float32 write and read back in the merge kernel) and never more than
   :data:`MAX_SPLITS`. The longest possible request (``max_pages x P`` from the block
   table's width) bounds the tile count, so no device sync is needed.
 """
@@ -43,23 +43,30 @@ INTERPRETER_SM_COUNT = 4
 WRITER_BLOCK_T = 1
 WRITER_NUM_WARPS = 1
 WRITER_BLOCK_T_INTERPRETER = 32
-PROTECT_BLOCK_T = 32
+#: the protected-tile kernel (one tile of sink/local tokens a program): 16 tokens over 8 warps. Offline (triton 3.7.1,
+#: sm_90, C4R4 H16, bfloat16 queries; registers / spilled bytes / SASS): 32 tokens over 4 warps 255 / 520 / 4,320,
+#: over 8 warps 255 / 176 / 3,264; 16 over 4 warps 255 / 168 / 3,456, over 8 warps 255 / 24 / 2,576. Sink 4 + local
+#: 128 make 9 tiles, each its own program
+PROTECT_BLOCK_T = 16
+PROTECT_WARPS = 8
 #: float32 queries use IEEE float32 dots (operands twice as wide, no tensor cores); measured on
 #: an H200: 32-token tiles with 2 stages asked for 258,048 B of shared memory (limit 232,448),
 #: so float32 runs 16-token tiles, one stage, and 16-token protected tiles.
 FP32_MAX_BLOCK_N = 16
 FP32_NUM_STAGES = 1
-FP32_PROTECT_BLOCK_T = 16  # protected tokens per tile in the combine kernel (sink + local <= 132 → ≤ 5 tiles)
-#: what the combine kernel falls to where its plan's shared memory exceeds the device's, in order (tokens per tile,
-#: pipeline stages; None: Triton's default). Offline builds (triton 3.7.1, ``offline_build.py``, stop 41): 32 tokens
-#: with the default stages take 166,912 B on NVIDIA sm_80-sm_90 and 73,728 B of LDS on AMD gfx942/gfx90a, more than
-#: sm_86/sm_89 (A10, L4, L40S: 101,376 B) and MI300X/MI250 (65,536 B) give a block; 16 tokens 92,672 / 36,864 B;
-#: 16 tokens in one stage 51,200 / 32,768 B
-SMALL_SHARED_COMBINE = ((16, None), (16, 1))
-#: the most shared memory a block any planned launch needs in those builds at d_c <= 512 and d_r <= 64 (the combine
-#: kernel on NVIDIA at 512 / 64); devices that give a block at least this much (A100: exactly this, H100/H200: 232,448 B)
-#: run those plans without the warm-up builds that check them. Wider vectors need more (sm_90, triton 3.7.1, stop 42:
-#: the combine takes 185,344 B at 512 / 128 and 305-333 KB at d_c 1024, v1 177-193 KB and v3 185-197 KB at d_c 1024), so
+#: the merge kernel (``attention_kernel.merge_kernel``): a program merges MERGE_BLOCK_R query rows x MERGE_BLOCK_C
+#: channels of one request, reading MERGE_SPLITS_A_LOAD partials with one load ([16, 16, 32] float32: 64 registers a
+#: thread over 4 warps), so a request's 32 splits (H16 B8 L4K) and 5 protected tiles are three dependent round trips
+#: on 16 programs per request and row block (d_c 512), where the combine it replaced made 37 on one
+MERGE_BLOCK_R = 16
+MERGE_BLOCK_C = 32
+MERGE_SPLITS_A_LOAD = 16
+MERGE_WARPS = 4
+#: a bound on the shared memory a block any planned launch needs at d_c <= 512 and d_r <= 64: the combine kernel's
+#: 166,912 B on NVIDIA at 512 / 64 until stop 45 (offline builds, triton 3.7.1); its successors need less (the
+#: protected-tile kernel 32,768 B at 16 tokens, the merge 1,024 B, stop 45), and the bound stays. Devices that give a
+#: block at least this much (A100: exactly this, H100/H200: 232,448 B) run those plans without the warm-up builds that
+#: check them. Wider vectors need more (sm_90, triton 3.7.1, stop 42: v1 177-193 KB and v3 185-197 KB at d_c 1024), so
 #: there every GPU checks.
 PLANNED_SHARED_MAX = 166912
 PLANNED_DIMS_MAX = (512, 64)
@@ -108,34 +115,13 @@ class AttentionPlan:
     num_splits: int
     num_warps: int
     num_stages: int
-    combine_block_r: int
-    combine_warps: int
-    combine_block_t: int = PROTECT_BLOCK_T
+    protect_block_r: int
+    protect_warps: int
+    protect_block_t: int = PROTECT_BLOCK_T
 
 
 def _pow2_at_least(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
-
-
-@functools.lru_cache(maxsize=8)
-def combine_configs(block_t: int) -> tuple[tuple[int, int | None], ...]:
-    """The combine kernel's (tokens per tile, stages) to try in order: the plan's ``block_t`` with Triton's default
-    stages, then :data:`SMALL_SHARED_COMBINE`."""
-    return tuple(dict.fromkeys(((block_t, None), *SMALL_SHARED_COMBINE)))
-
-
-def first_fitting(configs, needs_of, limits: DeviceLimits):
-    """The first of ``configs`` whose build needs ``needs_of(config)`` = (shared bytes, tensor-memory columns) fit
-    ``limits`` (nothing checked: the first). Raises ``ValueError`` naming each config's excess when none fits."""
-    if not limits.checked:
-        return configs[0]
-    excesses = []
-    for config in configs:
-        excess = limits.excess(needs_of(config))
-        if excess is None:
-            return config
-        excesses.append(f"{config} {excess}")
-    raise ValueError(f"no configuration fits: {'; '.join(excesses)}")
 
 
 @functools.lru_cache(maxsize=4096)  # pure; a decode step asks for the same plan on every layer
@@ -155,10 +141,9 @@ def plan(batch: int, rows: int, latent_dim: int, page_size: int, max_tokens: int
     if num_splits is None:
         min_tiles = MIN_TILES_PER_SPLIT_INTERPRETER if interpreter else MIN_TILES_PER_SPLIT
         num_splits = plan_kv_splits(batch * row_blocks, tiles, CTAS_PER_SM * sm_count, min_tiles, MAX_SPLITS)[0]
-    combine_block_r = MIN_DOT_N
+    protect_block_r = MIN_DOT_N
     return AttentionPlan(block_n, block_r, row_blocks, int(num_splits), num_warps,
-                         FP32_NUM_STAGES if gpu_fp32 else 2, combine_block_r, 4,
-                         FP32_PROTECT_BLOCK_T if gpu_fp32 else PROTECT_BLOCK_T)
+                         FP32_NUM_STAGES if gpu_fp32 else 2, protect_block_r, PROTECT_WARPS)
 
 
 # ------------------------------------------------------------------ attention kernel v2
@@ -201,7 +186,6 @@ V2_FLOAT32_ON_GPU = False
 def plan_v2(batch: int, rows: int, latent_dim: int, page_size: int, max_tokens: int, sm_count: int,
             interpreter: bool = False, num_splits: int | None = None, fp32_dot: bool = False) -> AttentionPlan:
     """Launch plan of attention kernel v2 (same fields and split rule as :func:`plan`)."""
-    gpu_fp32 = fp32_dot and not interpreter
     block_n = V2_BLOCK_N
     num_warps = V2_NUM_WARPS
     threads = num_warps * THREADS_PER_WARP
@@ -213,8 +197,8 @@ def plan_v2(batch: int, rows: int, latent_dim: int, page_size: int, max_tokens: 
     if num_splits is None:
         min_tiles = MIN_TILES_PER_SPLIT_INTERPRETER if interpreter else V2_MIN_TILES_PER_SPLIT
         num_splits = plan_kv_splits(batch * row_blocks, tiles, CTAS_PER_SM * sm_count, min_tiles, MAX_SPLITS)[0]
-    return AttentionPlan(block_n, block_r, row_blocks, int(num_splits), num_warps, V2_NUM_STAGES, MIN_DOT_N, 4,
-                         FP32_PROTECT_BLOCK_T if gpu_fp32 else PROTECT_BLOCK_T)
+    return AttentionPlan(block_n, block_r, row_blocks, int(num_splits), num_warps, V2_NUM_STAGES, MIN_DOT_N,
+                         PROTECT_WARPS)
 
 
 # ------------------------------------------------------------------ attention kernel v3
@@ -238,7 +222,7 @@ V3_NUM_STAGES = 1
 V3_PREFETCH = True
 #: one program per SM (8 warps x ~255 registers fill the register file)
 V3_CTAS_PER_SM = 1
-#: a split writes a BLOCK_R x DC float32 partial (128 KB) that the combine reads back
+#: a split writes a BLOCK_R x DC float32 partial (128 KB) that the merge reads back
 V3_MIN_TILES_PER_SPLIT = 4
 
 
@@ -252,6 +236,5 @@ def plan_v3(batch: int, rows: int, latent_dim: int, page_size: int, max_tokens: 
     if num_splits is None:
         min_tiles = MIN_TILES_PER_SPLIT_INTERPRETER if interpreter else V3_MIN_TILES_PER_SPLIT
         num_splits = plan_kv_splits(batch * row_blocks, tiles, V3_CTAS_PER_SM * sm_count, min_tiles, MAX_SPLITS)[0]
-    gpu_fp32 = fp32_dot and not interpreter
-    return AttentionPlan(V3_BLOCK_N, block_r, row_blocks, int(num_splits), V3_NUM_WARPS, V3_NUM_STAGES, MIN_DOT_N, 4,
-                         FP32_PROTECT_BLOCK_T if gpu_fp32 else PROTECT_BLOCK_T)
+    return AttentionPlan(V3_BLOCK_N, block_r, row_blocks, int(num_splits), V3_NUM_WARPS, V3_NUM_STAGES, MIN_DOT_N,
+                         PROTECT_WARPS)

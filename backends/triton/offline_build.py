@@ -77,19 +77,21 @@ def recorded_launches() -> Iterator[list[Launch]]:
     from . import writer as wr
 
     seen: list[Launch] = []
-    saved = (dict(att._KERNELS), att.protect_combine_kernel, wr.write_kernel, os.environ.pop("TRITON_INTERPRET", None))
+    saved = (dict(att._KERNELS), att.protect_kernel, att.merge_kernel, wr.write_kernel,
+             os.environ.pop("TRITON_INTERPRET", None))
     try:
         for variant, kernel in saved[0].items():
             att._KERNELS[variant] = _Recorder(f"split_{variant}", kernel, seen)
-        att.protect_combine_kernel = _Recorder("protect_combine", saved[1], seen)
-        wr.write_kernel = _Recorder("write", saved[2], seen)
+        att.protect_kernel = _Recorder("protect", saved[1], seen)
+        att.merge_kernel = _Recorder("merge", saved[2], seen)
+        wr.write_kernel = _Recorder("write", saved[3], seen)
         yield seen
     finally:
         att._KERNELS.clear()
         att._KERNELS.update(saved[0])
-        att.protect_combine_kernel, wr.write_kernel = saved[1], saved[2]
-        if saved[3] is not None:
-            os.environ["TRITON_INTERPRET"] = saved[3]
+        att.protect_kernel, att.merge_kernel, wr.write_kernel = saved[1], saved[2], saved[3]
+        if saved[4] is not None:
+            os.environ["TRITON_INTERPRET"] = saved[4]
 
 
 def _arg_type(value: Any) -> str:
@@ -195,7 +197,7 @@ def launches_of(fmt_name: str, heads: int = 16, s_q: int = 1, latent_dim: int = 
 
 
 #: (format, heads): the writer, the split kernel auto runs (v2 at 16 rows, v3 at 128 for packed formats; v1 and v3 for
-#: BF16 pages) and the combine
+#: BF16 pages), the protected tiles and the merge
 DEFAULT_MATRIX = [("C4R4", 16), ("C2R4", 16), ("C8R8", 16), ("BF16", 16), ("C4R4", 128), ("BF16", 128)]
 
 
