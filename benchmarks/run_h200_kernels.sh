@@ -36,10 +36,13 @@
 #   bash benchmarks/run_h200_kernels.sh halves   # v5 with two warpgroups a worker (QUANTMLA_CUPY_V5_HALVES=2): one small
 #       case first (a hang stops there), conformance, CUDA graphs of 1 against 2 twice over HALVES_SHAPES (C4R4, C2R4,
 #       FlashInfer BF16 in the process), memcheck and racecheck, ncu of both at H16 B32 L32K C4R4
-#   bash benchmarks/run_h200_kernels.sh stop43   # torch.ops.quantmla under torch.compile, CUDA cache save/load, decode steps
-#       without stream syncs (stop 45), the
+#   bash benchmarks/run_h200_kernels.sh stop43   # torch.ops.quantmla under torch.compile, CUDA cache save/load, the
 #       prepared-call and plan tests, host_probe --plan; the same occupancy as the halves without the exchange: four workers at d_c 256
 #       (QUANTMLA_CUPY_V5_WORKERS=4) against two and auto, conformance and CUDA graphs over FOUR_SHAPES; Triton at the declared dims
+#   bash benchmarks/run_h200_kernels.sh stop45   # decode steps without stream syncs; Triton's protected-tile and merge
+#       kernels: conformance, memcheck, before / after twice (the sources before them in probe_tmp/triton_before, carried:
+#       mkdir -p probe_tmp/triton_before && for f in $(git ls-tree --name-only 89ce25e backends/triton/ | grep py$); do
+#       git show 89ce25e:$f > probe_tmp/triton_before/$(basename $f); done)
 #   bash benchmarks/run_h200_kernels.sh v6pair   # v6 as two-CTA clusters sharing each key tile (QUANTMLA_CUPY_V6_PAIR):
 #       conformance of forced pairs, CUDA graphs of 0 against 1 over V6PAIR_SHAPES, memcheck of the pairs
 #   bash benchmarks/run_h200_kernels.sh v6fold   # v6's slack maximum and RoPE fold (QUANTMLA_CUPY_V6_SLACK / _ROPE_FOLD):
@@ -245,8 +248,6 @@ elif [ "$MODE" = stop43 ]; then
   W2=QUANTMLA_CUPY_V5_WORKERS=2; W4=QUANTMLA_CUPY_V5_WORKERS=4; WA=QUANTMLA_CUPY_V5_WORKERS=auto
   echo "=== torch.ops.quantmla under torch.compile, save/load of CUDA caches (stop 43), the split CuPy launcher's stub tests"
   timeout 200 $T tests/test_torch_ops.py tests/test_cupy_prepared.py tests/test_cache_io.py tests/test_plan.py 2>&1 | tail -3
-  echo "=== decode steps queue without a stream sync (stop 45: index arrays from pinned memory)"
-  timeout 120 $T tests/test_paged.py tests/test_integration_transformers.py -k "stream_sync" 2>&1 | tail -3
   echo "=== eager qm.attention against plan.run (Triton's prepared call, stop 44), host and device time"
   timeout 150 python3 -P benchmarks/host_probe.py --plan --json "$OUT/host_plan.json" 2>&1 | tail -16
   echo "=== v5 four workers at d_c 256: conformance"; timeout 120 $T tests/test_cupy_v5.py \
@@ -258,6 +259,22 @@ elif [ "$MODE" = stop43 ]; then
 print('limits 512/64', a.device_limits(d, 512, 64), '1024/64', a.device_limits(d, 1024, 64), 'v3_suits', a.v3_suits(d))"
   echo "=== Triton at the declared dims beyond 512/64 and 256/32 (stop 42: the d_c 1024 combine in 16-token tiles)"
   timeout 200 $T tests/test_triton_backend.py -k "declared_dims" 2>&1 | tail -3
+elif [ "$MODE" = stop45 ]; then
+  echo "=== decode steps queue without a stream sync (index arrays from pinned memory)"
+  timeout 120 $T tests/test_paged.py tests/test_integration_transformers.py -k "stream_sync" 2>&1 | tail -3
+  echo "=== Triton's protected-tile and merge kernels: conformance (real shapes, many splits and protected tiles, plans)"
+  timeout 200 $T tests/test_triton_backend.py -k "real_shapes or merge_over" 2>&1 | tail -3
+  timeout 90 $T tests/test_plan.py -k "triton" 2>&1 | tail -2
+  echo "=== memcheck"; timeout 90 compute-sanitizer --tool memcheck $T tests/test_triton_backend.py -k "merge_over" 2>&1 | tail -2
+  # before / after, interleaved: the Triton sources of the commit before stop 45 (carried in probe_tmp/triton_before)
+  rm -rf /tmp/qm_before && cp -r /tmp/qm /tmp/qm_before && cp probe_tmp/triton_before/*.py /tmp/qm_before/quantmla_core/backends/triton/
+  n=0
+  for run in before after before after; do
+    n=$((n + 1)); [ $run = before ] && P=${PYTHONPATH/\/tmp\/qm:/\/tmp\/qm_before:} || P=$PYTHONPATH
+    echo "=== Triton $run (eager and CUDA graphs; FlashInfer BF16 in the process)"
+    PYTHONPATH=$P timeout 120 python3 -P benchmarks/graph_probe.py --backends triton --formats C4R4,C2R4 \
+      --shapes ${S45_SHAPES:-16x8x4096,16x32x32768,128x8x4096} --json "$OUT/graph_triton_${n}_${run}.json" 2>&1 | grep -v "^{" | tail -8
+  done
 elif [ "$MODE" = v6pair ]; then
   echo "=== v6 pairs: one small case first (a hang or a failure stops here)"; timeout 120 $T tests/test_cupy_v6.py \
     -k "v6_pair_matches and L64_128_192" 2>&1 | tail -2 | tee "$OUT/v6_pair_first.txt"

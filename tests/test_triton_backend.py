@@ -329,13 +329,30 @@ def test_split_counts_and_causal_sq(fmt_name, splits, variant):
 @pytest.mark.parametrize("fmt_name, splits, sink, local", [("C4R4", 20, 4, 100), ("C2R4", 17, 0, 70), ("BF16", 5, 3, 0)])
 def test_merge_over_many_splits_and_protected_tiles(fmt_name, splits, sink, local):
     """More partials than the merge reads a load (splits > MERGE_SPLITS_A_LOAD), several protected tiles (local 100:
-    4 tiles of 32 tokens) or only the sink, 17 query rows (a partial row block), causal S_q > 1, channels in blocks."""
+    7 tiles of 16 tokens, in one program for 3 requests x 2 row blocks and in two for 2 requests x 1 on the
+    interpreter's 4 SMs) or only the sink, 17 query rows (a partial row block), causal S_q > 1, channels in blocks."""
     from quantmla_core.backends.triton.heuristics import MERGE_SPLITS_A_LOAD
 
     assert splits > MERGE_SPLITS_A_LOAD or fmt_name == "BF16"
     fmt = PackFormat.parse(fmt_name, latent_dim=256, rope_dim=32)
     _attend_direct(Case(fmt, (2200, 130, 3), heads=17, s_q=1, sink=sink, local=local, seed=splits), num_splits=splits)
     _attend_direct(Case(fmt, (260, 40), heads=3, s_q=4, sink=sink, local=local, seed=splits + 1), num_splits=splits)
+
+
+def test_protect_parts_rule():
+    """Protected tiles spread over as many programs as fill the GPU, one part (one partial) where the requests and
+    row blocks fill it alone, never an empty part."""
+    from quantmla_core.backends.triton.heuristics import protect_parts
+
+    assert protect_parts(9, 8, 132) == (9, 1)  # H16 B8: a tile a program
+    assert protect_parts(9, 32, 132) == (5, 2)
+    assert protect_parts(9, 256, 132) == (1, 9)  # H128 B32 (8 row blocks): the requests fill the GPU
+    assert protect_parts(5, 1, 4) == (3, 2)  # four parts would leave one empty
+    assert protect_parts(0, 8, 132) == (0, 0)  # no sink or local tokens: no launch
+    for tiles in range(1, 12):
+        for programs in (1, 3, 50, 500):
+            parts, per = protect_parts(tiles, programs, 132)
+            assert (parts - 1) * per < tiles <= parts * per
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

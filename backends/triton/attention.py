@@ -22,9 +22,9 @@ from .attention_v2_kernel import split_kernel_v2
 from .attention_v3_kernel import split_kernel_v3
 from .common import launch_dims, page_layout_constexprs, ptr_or_dummy
 from .heuristics import (INTERPRETER_SM_COUNT, MERGE_BLOCK_C, MERGE_BLOCK_R, MERGE_SPLITS_A_LOAD, MERGE_WARPS,
-                         TMEM_COLUMNS, V2_FLOAT32_ON_GPU, V2_HOLD_RAW, V2_ZSUB, V3_BLOCK_N,
+                         PROTECT_STAGES, TMEM_COLUMNS, V2_FLOAT32_ON_GPU, V2_HOLD_RAW, V2_ZSUB, V3_BLOCK_N,
                          V3_BLOCK_R, V3_MIN_ROWS, V3_NUM_STAGES, V3_NUM_WARPS, V3_PREFETCH, AttentionPlan, DeviceLimits,
-                         plan, plan_v2, plan_v3, planned_shared_max)
+                         plan, plan_v2, plan_v3, planned_shared_max, protect_parts)
 
 #: environment variable choosing the split kernel ("auto" default, "v1", "v2", "v3"); read on every call
 VARIANT_ENV = "QUANTMLA_TRITON_ATTENTION"
@@ -171,11 +171,12 @@ def _split_excess(variant: str, fmt, q_dtype: torch.dtype, cache, block_table: t
 def _check_protect_fits(args: tuple, consts: dict, num_warps: int, fmt, device: torch.device,
                         limits: DeviceLimits) -> None:
     """Raise ``ValueError`` where the protected-tile kernel launched with ``args`` and ``consts`` does not fit
-    ``limits`` (:func:`device_limits`; nothing to check: nothing built). One tile, no loop: no smaller plan of it."""
+    ``limits`` (:func:`device_limits`; nothing to check: nothing built). 16-token tiles in one stage: no smaller
+    plan of it."""
     if not limits.checked:
         return
-    needs = _build_needs("protect", _arg_kinds(args), tuple(consts.items()), tuple(launch_dims(num_warps).items()),
-                         _device_index(device))
+    needs = _build_needs("protect", _arg_kinds(args), tuple(consts.items()),
+                         tuple(launch_dims(num_warps, PROTECT_STAGES).items()), _device_index(device))
     excess = limits.excess(needs)
     if excess:
         raise ValueError(f"the Triton protected-tile kernel {excess} for {fmt}; no smaller plan of it is built")
@@ -236,8 +237,9 @@ def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: 
 @dataclasses.dataclass(frozen=True)
 class PreparedCall:
     """One decode-attention call with everything but the queries, the outputs and the layer's cache
-    decided (:func:`prepare`): variant, launch plan, constexprs, grids, the protected tiles (``protect_tiles`` of
-    ``protect_consts["BLOCK_T"]`` tokens; 0 without sink and local tokens)."""
+    decided (:func:`prepare`): variant, launch plan, constexprs, grids, the protected tiles (``protect_parts``
+    programs a request and row block, ``protect_tiles`` tiles of ``protect_consts["BLOCK_T"]`` tokens each; 0
+    without sink and local tokens)."""
 
     variant: str
     plan: AttentionPlan
@@ -251,6 +253,7 @@ class PreparedCall:
     scale_log2: float
     split_consts: Mapping
     split_dims: Mapping
+    protect_parts: int
     protect_tiles: int
     protect_consts: Mapping
     protect_dims: Mapping
@@ -263,7 +266,7 @@ class PreparedCall:
         on the prepared device), ``cache`` of the prepared geometry -> (out, lse) shaped like the queries (out:
         [..., d_c] in their dtype, lse float32 [...]). ``out`` / ``lse`` given (contiguous, those shapes): the merge
         kernel writes there."""
-        b, rows, pl, npt = self.batch, self.q_len * self.heads, self.plan, self.protect_tiles
+        b, rows, pl, npt = self.batch, self.q_len * self.heads, self.plan, self.protect_parts
         dc, dr = q_latent.shape[-1], q_rope.shape[-1]
         q = q_latent.contiguous().view(b, rows, dc)
         qr = q_rope.contiguous().view(b, rows, dr)
@@ -284,7 +287,7 @@ class PreparedCall:
             *args, **self.split_consts, **self.split_dims)
         if npt:
             pargs = _protect_args(q, qr, cache, self.seq_lens, self.seq_ids, o_prot, lse_prot, self.scale_log2, rows,
-                                  self.heads, self.q_len, npt)
+                                  self.heads, self.q_len, npt, self.protect_tiles)
             LAST_LAUNCH["protect"] = protect_kernel[(b, -(-rows // pl.protect_block_r), npt)](
                 *pargs, **self.protect_consts, **self.protect_dims)
         else:  # no sink or local tokens: the merge reads no protected partial (any pointer will do)
@@ -304,10 +307,10 @@ def _given(name: str, x: torch.Tensor) -> torch.Tensor:
 
 
 def _protect_args(q, qr, cache, seq_lens, seq_ids, o_prot, lse_prot, scale_log2: float, rows: int, heads: int,
-                  s_q: int, tiles: int) -> tuple:
+                  s_q: int, parts: int, tiles: int) -> tuple:
     """The protected-tile kernel's positional arguments (tensors, or their dtypes for a warm-up build)."""
     return (q, qr, ptr_or_dummy(cache.sink_buf), ptr_or_dummy(cache.local_buf), seq_lens, seq_ids, o_prot, lse_prot,
-            cache.max_seqs, scale_log2, rows, heads, s_q, cache.sink, cache.local, tiles)
+            cache.max_seqs, scale_log2, rows, heads, s_q, cache.sink, cache.local, parts, tiles)
 
 
 def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: torch.Tensor, batch: int, q_len: int,
@@ -338,8 +341,9 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
     if variant in ("v2", "v3") and not q_bf16 and not interp and not V2_FLOAT32_ON_GPU:
         variant = "v1"  # float32 queries on a GPU: see heuristics.V2_FLOAT32_ON_GPU
     LAST_LAUNCH["variant"] = variant
+    sms = _sm_count(dev)
     pl: AttentionPlan = _PLANNERS[variant](b, rows, dc, fmt.page_size, int(block_table.shape[1]) * fmt.page_size,
-                                _sm_count(dev), interp, num_splits, fp32_dot=not dot_bf16)
+                                sms, interp, num_splits, fp32_dot=not dot_bf16)
     probe_skip_pv = False
     switches: dict = {}
     extra_launch: dict = {}
@@ -375,7 +379,7 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
         consts = _split_constexprs(fmt, variant, q_bf16, dot_bf16, pl.block_n, pl.block_r)
     scale_log2 = float(softmax_scale) * math.log2(math.e)
     pargs = _protect_args(q_dtype, q_dtype, cache, seq_lens, seq_ids, torch.float32, torch.float32, scale_log2, rows,
-                          heads, q_len, 1)
+                          heads, q_len, 2, 2)
     pconsts = dict(Q_BF16=q_bf16, DOT_BF16=dot_bf16, PROT_BF16=cache.sink_buf.dtype == torch.bfloat16, DC=dc, DR=dr,
                    BLOCK_T=pl.protect_block_t, BLOCK_R=pl.protect_block_r)
     _check_protect_fits(pargs, pconsts, pl.protect_warps, fmt, dev, limits)
@@ -383,6 +387,7 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
     return PreparedCall(variant, pl, b, q_len, heads, dev, block_table, seq_lens, seq_ids, scale_log2,
                         MappingProxyType(dict(consts)),
                         MappingProxyType({**launch_dims(pl.num_warps, pl.num_stages), **({} if interp else extra_launch)}),
-                        -(-(cache.sink + cache.local) // pl.protect_block_t),
-                        MappingProxyType(pconsts), MappingProxyType(launch_dims(pl.protect_warps)),
+                        *protect_parts(-(-(cache.sink + cache.local) // pl.protect_block_t),
+                                       b * -(-rows // pl.protect_block_r), sms),
+                        MappingProxyType(pconsts), MappingProxyType(launch_dims(pl.protect_warps, PROTECT_STAGES)),
                         MappingProxyType(mconsts), MappingProxyType(launch_dims(MERGE_WARPS)))

@@ -20,8 +20,9 @@ side (never per element), and codes enter ``tl.dot`` as exact small integers. Ba
 split is stored normalised, with its log2-sum-exp. The zero-point term is subtracted per tile
 (not in a running sum) to keep the +128 bias from cancelling catastrophically.
 
-``protect_kernel`` — grid ``(B, row_blocks, protected tiles)``: one tile of the sink and local-window tokens
-from the protection buffers per program (same softmax), written as one more partial.
+``protect_kernel`` — grid ``(B, row_blocks, parts)``: a run of tiles of the sink and local-window tokens from the
+protection buffers per program (same softmax), written as one more partial; one tile a program where B x row_blocks
+leaves SMs idle, all of them in one program where it fills the GPU (``heuristics.protect_parts``).
 
 ``merge_kernel`` — grid ``(B, row_blocks, d_c / BLOCK_C)``: merges the splits' and protected tiles' partials by
 log-sum-exp, a block of channels per program, and writes ``out`` and ``lse`` (natural log). Until stop 45 one
@@ -271,6 +272,7 @@ def protect_kernel(
     SINK,
     LOCAL,
     NPT,
+    TILES,
     Q_BF16: tl.constexpr,
     DOT_BF16: tl.constexpr,
     PROT_BF16: tl.constexpr,
@@ -279,8 +281,9 @@ def protect_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    """Program (b, rb, j): protected tile j, positions ``j * BLOCK_T ..`` of the sink then the local window, for query
-    rows block rb of request b -> its partial (normalised output, log2-sum-exp), as a split's."""
+    """Program (b, rb, j): protected tiles ``j * TILES .. j * TILES + TILES - 1`` (BLOCK_T positions each of the sink
+    then the local window) for query rows block rb of request b -> their partial j of NPT (normalised output,
+    log2-sum-exp), as a split's."""
     b = tl.program_id(0)
     rb = tl.program_id(1)
     j = tl.program_id(2)
@@ -300,32 +303,38 @@ def protect_kernel(
     qr_offs = (b.to(tl.int64) * R + rows[:, None]) * DR + dr[None, :]
     qr = load_f32(qr_ptr, qr_offs, row_ok[:, None], Q_BF16).to(DOT_DT)
 
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, DC], tl.float32)
     n_sink = tl.minimum(SINK, L)
     first_local = tl.maximum(L - LOCAL, n_sink)
-    t = j * BLOCK_T + tl.arange(0, BLOCK_T)
-    is_sink = t < SINK
-    n = tl.where(is_sink, t, first_local + t - SINK)
-    valid = seq_ok & tl.where(is_sink, t < n_sink, (t < SINK + LOCAL) & (n < L))
-    ring = tl.where(is_sink, 0, n % tl.maximum(LOCAL, 1))
-    s_row = (seq * SINK + tl.where(is_sink & valid, t, 0)) * W
-    l_row = (seq * LOCAL + tl.where(valid & ~is_sink, ring, 0)) * W
-    ms = (valid & is_sink)[:, None]
-    ml = (valid & ~is_sink)[:, None]
-    kc = load_f32(sink_ptr, s_row[:, None] + dc[None, :], ms, PROT_BF16) + load_f32(local_ptr, l_row[:, None] + dc[None, :], ml, PROT_BF16)
-    kr = load_f32(sink_ptr, s_row[:, None] + DC + dr[None, :], ms, PROT_BF16) + load_f32(local_ptr, l_row[:, None] + DC + dr[None, :], ml, PROT_BF16)
-    kc = kc.to(DOT_DT)
-    score = _dot(qc, tl.trans(kc), DOT_BF16) + _dot(qr, tl.trans(kr.to(DOT_DT)), DOT_BF16)  # [BLOCK_R, BLOCK_T]
-    vis = valid[None, :] & (n[None, :] < limit[:, None])
-    score = tl.where(vis, score * sm_scale_log2, float("-inf"))
-    m = tl.max(score, axis=1)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    p = tl.exp2(score - m_safe[:, None])
-    l = tl.sum(p, axis=1)
-    l_safe = tl.where(l > 0.0, l, 1.0)
-    acc = _dot(p.to(DOT_DT), kc, DOT_BF16)
+    for k in range(0, TILES):
+        t = (j * TILES + k) * BLOCK_T + tl.arange(0, BLOCK_T)
+        is_sink = t < SINK
+        n = tl.where(is_sink, t, first_local + t - SINK)
+        valid = seq_ok & tl.where(is_sink, t < n_sink, (t < SINK + LOCAL) & (n < L))
+        ring = tl.where(is_sink, 0, n % tl.maximum(LOCAL, 1))
+        s_row = (seq * SINK + tl.where(is_sink & valid, t, 0)) * W
+        l_row = (seq * LOCAL + tl.where(valid & ~is_sink, ring, 0)) * W
+        ms = (valid & is_sink)[:, None]
+        ml = (valid & ~is_sink)[:, None]
+        kc = load_f32(sink_ptr, s_row[:, None] + dc[None, :], ms, PROT_BF16) + load_f32(local_ptr, l_row[:, None] + dc[None, :], ml, PROT_BF16)
+        kr = load_f32(sink_ptr, s_row[:, None] + DC + dr[None, :], ms, PROT_BF16) + load_f32(local_ptr, l_row[:, None] + DC + dr[None, :], ml, PROT_BF16)
+        kc = kc.to(DOT_DT)
+        score = _dot(qc, tl.trans(kc), DOT_BF16) + _dot(qr, tl.trans(kr.to(DOT_DT)), DOT_BF16)  # [BLOCK_R, BLOCK_T]
+        vis = valid[None, :] & (n[None, :] < limit[:, None])
+        score = tl.where(vis, score * sm_scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(score, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(score - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _dot(p.to(DOT_DT), kc, DOT_BF16)
+        m_i = m_new
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     part = (b.to(tl.int64) * NPT + j) * R
     tl.store(o_prot_ptr + (part + rows[:, None]) * DC + dc[None, :], acc / l_safe[:, None], mask=row_ok[:, None])
-    tl.store(lse_prot_ptr + part + rows, tl.where(l > 0.0, m + tl.log2(l_safe), float("-inf")), mask=row_ok)
+    tl.store(lse_prot_ptr + part + rows, tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf")), mask=row_ok)
 
 
 @triton.jit

@@ -49,6 +49,11 @@ WRITER_BLOCK_T_INTERPRETER = 32
 #: 128 make 9 tiles, each its own program
 PROTECT_BLOCK_T = 16
 PROTECT_WARPS = 8
+#: one stage: the protected-tile kernel's loop (a run of tiles a program) is short, and Triton's software pipelining of
+#: its loads would take the shared memory the combine kernel needed before stop 45 (166,912 B at 32 tokens)
+PROTECT_STAGES = 1
+#: programs of the protected-tile kernel an SM holds at once (8 warps x 255 registers fill the register file)
+PROTECT_CTAS_PER_SM = 1
 #: float32 queries use IEEE float32 dots (operands twice as wide, no tensor cores); measured on
 #: an H200: 32-token tiles with 2 stages asked for 258,048 B of shared memory (limit 232,448),
 #: so float32 runs 16-token tiles, one stage, and 16-token protected tiles.
@@ -122,6 +127,19 @@ class AttentionPlan:
 
 def _pow2_at_least(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=4096)
+def protect_parts(tiles: int, programs: int, sm_count: int) -> tuple[int, int]:
+    """(parts, tiles a part) of ``tiles`` protected tiles for ``programs`` = B x row blocks: as many parts as fill the
+    :data:`PROTECT_CTAS_PER_SM` x ``sm_count`` programs the GPU holds (each part one more partial for the merge), at
+    least one, at most one a tile. Where B x row blocks fill the GPU alone, one part: a partial a request and row
+    block (B 1024 x 8 row blocks x 9 tiles would be 2.4 GB of float32 partials at d_c 512 with one tile a part)."""
+    if tiles <= 0:
+        return 0, 0
+    parts = max(1, min(tiles, -(-PROTECT_CTAS_PER_SM * sm_count // max(1, programs))))
+    per = -(-tiles // parts)
+    return -(-tiles // per), per
 
 
 @functools.lru_cache(maxsize=4096)  # pure; a decode step asks for the same plan on every layer
