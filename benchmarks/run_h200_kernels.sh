@@ -263,7 +263,7 @@ elif [ "$MODE" = stop45 ]; then
   echo "=== decode steps queue without a stream sync (index arrays from pinned memory)"
   timeout 120 $T tests/test_paged.py tests/test_integration_transformers.py -k "stream_sync" 2>&1 | tail -3
   echo "=== Triton's protected-tile and merge kernels: conformance (real shapes, many splits and protected tiles, plans)"
-  timeout 200 $T tests/test_triton_backend.py -k "real_shapes or merge_over" 2>&1 | tail -3
+  timeout 240 $T tests/test_triton_backend.py -k "real_shapes or merge_over or split_counts" 2>&1 | tail -3
   timeout 90 $T tests/test_plan.py -k "triton" 2>&1 | tail -2
   echo "=== memcheck"; timeout 90 compute-sanitizer --tool memcheck $T tests/test_triton_backend.py -k "merge_over" 2>&1 | tail -2
   # before / after, interleaved: the Triton sources of the commit before stop 45 (carried in probe_tmp/triton_before)

@@ -382,12 +382,14 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
                           heads, q_len, 2, 2)
     pconsts = dict(Q_BF16=q_bf16, DOT_BF16=dot_bf16, PROT_BF16=cache.sink_buf.dtype == torch.bfloat16, DC=dc, DR=dr,
                    BLOCK_T=pl.protect_block_t, BLOCK_R=pl.protect_block_r)
-    _check_protect_fits(pargs, pconsts, pl.protect_warps, fmt, dev, limits)
+    parts, tiles = protect_parts(-(-(cache.sink + cache.local) // pl.protect_block_t), b * -(-rows // pl.protect_block_r),
+                                 sms)
+    if parts:
+        _check_protect_fits(pargs, pconsts, pl.protect_warps, fmt, dev, limits)
     mconsts = dict(Q_BF16=q_bf16, DC=dc, BLOCK_R=MERGE_BLOCK_R, BLOCK_C=min(MERGE_BLOCK_C, dc), SC=MERGE_SPLITS_A_LOAD)
     return PreparedCall(variant, pl, b, q_len, heads, dev, block_table, seq_lens, seq_ids, scale_log2,
                         MappingProxyType(dict(consts)),
                         MappingProxyType({**launch_dims(pl.num_warps, pl.num_stages), **({} if interp else extra_launch)}),
-                        *protect_parts(-(-(cache.sink + cache.local) // pl.protect_block_t),
-                                       b * -(-rows // pl.protect_block_r), sms),
+                        parts, tiles,
                         MappingProxyType(pconsts), MappingProxyType(launch_dims(pl.protect_warps, PROTECT_STAGES)),
                         MappingProxyType(mconsts), MappingProxyType(launch_dims(MERGE_WARPS)))
