@@ -11,8 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import quantmla_core as qm
-
 from quantmla_core.backends.triton import interpreting  # noqa: E402
 
 triton = pytest.importorskip("triton")
