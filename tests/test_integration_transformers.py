@@ -487,3 +487,19 @@ def test_decode_step_of_a_layer_queues_without_a_stream_sync(rollback):
     if rollback:
         layer.crop(-1)
         assert layer.seq_lengths() == [301] * 3
+
+
+def test_decode_write_of_every_row_matches_the_per_row_write():
+    """A decode step without rollback writes the whole [B, t, d] batch in one reservation; the protection buffers,
+    lengths, pages in use and attention (bit for bit) equal those of the per-row path (which rollback keeps), across a
+    page boundary. (The pages' unwritten slots are uninitialised memory, so pages are compared through attention.)"""
+    fast, per_row = (_layer([], rollback=False), _layer([], rollback=True))
+    for step, t in enumerate([70, 1, 1, 3, 1]):  # prefill, then decode steps and a 3-token chunk
+        lat, kr = _tokens(t, seed=50 + step)
+        for layer in (fast, per_row):
+            layer.begin_step()
+            layer.write(lat, kr, None)
+    assert fast.seq_lengths() == per_row.seq_lengths() == [76, 76]
+    assert fast.paged.block_table(fast.rows).tolist() == per_row.paged.block_table(per_row.rows).tolist()
+    assert torch.equal(fast.paged.cache.sink_buf, per_row.paged.cache.sink_buf)
+    _same_state(fast, per_row)

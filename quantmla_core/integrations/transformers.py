@@ -333,6 +333,9 @@ class QuantMLALayer(CacheLayerMixin):
             raise ValueError(f"QuantMLACache: batch size changed from {len(self.rows)} to {batch} without reset()")
         dt = _value_dtype(latent.dtype)
         latent, k_rope = latent.to(dt), k_rope.to(dt)
+        if valid is None and not self.rollback and self.paged is not None:
+            self._write_every_row(latent, k_rope)
+            return
         per_row: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (batch row, latent, k_rope)
         if valid is None:
             per_row = [(b, latent[b], k_rope[b]) for b in range(batch)]
@@ -352,6 +355,16 @@ class QuantMLALayer(CacheLayerMixin):
             paged.grow(sum(paged.pages_needed(s, int(x.shape[0])) for s, x, _ in items), 0)  # doubles when short
             self._record_undo(items, t, batch)
             paged.append_many(items)
+        self.hf_len += t
+
+    def _write_every_row(self, latent: torch.Tensor, k_rope: torch.Tensor) -> None:
+        """All ``t`` tokens of every row (a decode step without rollback): one reservation in row order, and the
+        ``[B, t, d]`` tensors go to the writer as ``[B * t, d]`` without a slice and a copy per row."""
+        t = int(latent.shape[1])
+        paged = self.paged
+        items = [(s, t) for s in self.rows]
+        paged.grow(sum(paged.pages_needed(s, t) for s in self.rows), 0)  # doubles when short
+        paged.write(paged.reserve(items), latent.reshape(-1, latent.shape[-1]), k_rope.reshape(-1, k_rope.shape[-1]))
         self.hf_len += t
 
     def begin_step(self) -> None:
