@@ -5,8 +5,8 @@ head count and query shape, only the queries and the layer's cache differ. :func
 checks those arguments and chooses the backend once; :meth:`AttentionPlan.run` then checks only
 the queries (shape, dtype, device by identity, no sync) and launches. On the CuPy backend the
 plan also fixes the kernel variant, its launch plan and the packed scalar arguments, on the Triton
-backend the variant, its launch plan, constexprs and combine tile, so a run is the output (and
-partials) allocation and the launches::
+backend the variant, its launch plan, constexprs, grids and how the protected tiles spread over
+programs, so a run is the output (and partials) allocation and the launches::
 
     plan = qm.plan_attention(caches[0], block_table=table, seq_lens=lens, seq_ids=ids,
                              num_heads=16, q_dtype=torch.bfloat16, softmax_scale=tau)

@@ -237,9 +237,10 @@ def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: 
 @dataclasses.dataclass(frozen=True)
 class PreparedCall:
     """One decode-attention call with everything but the queries, the outputs and the layer's cache
-    decided (:func:`prepare`): variant, launch plan, constexprs, grids, the protected tiles (``protect_parts``
-    programs a request and row block, ``protect_tiles`` tiles of ``protect_consts["BLOCK_T"]`` tokens each; 0
-    without sink and local tokens)."""
+    decided (:func:`prepare`): variant, launch plan, constexprs, grids, the float32 partials (shape, dtype) (the splits'
+    outputs and log2-sum-exps, then the protected parts'), the protected tiles (``protect_grid[2]`` parts a request
+    and row block of ``protect_tiles`` tiles of ``protect_consts["BLOCK_T"]`` tokens; no grid without sink and
+    local tokens)."""
 
     variant: str
     plan: AttentionPlan
@@ -251,12 +252,15 @@ class PreparedCall:
     seq_lens: torch.Tensor
     seq_ids: torch.Tensor
     scale_log2: float
+    partial_specs: tuple
+    split_grid: tuple
     split_consts: Mapping
     split_dims: Mapping
-    protect_parts: int
+    protect_grid: tuple | None
     protect_tiles: int
     protect_consts: Mapping
     protect_dims: Mapping
+    merge_grid: tuple
     merge_consts: Mapping
     merge_dims: Mapping
 
@@ -266,12 +270,12 @@ class PreparedCall:
         on the prepared device), ``cache`` of the prepared geometry -> (out, lse) shaped like the queries (out:
         [..., d_c] in their dtype, lse float32 [...]). ``out`` / ``lse`` given (contiguous, those shapes): the merge
         kernel writes there."""
-        b, rows, pl, npt = self.batch, self.q_len * self.heads, self.plan, self.protect_parts
+        b, rows, pl = self.batch, self.q_len * self.heads, self.plan
+        npt = self.protect_grid[2] if self.protect_grid else 0
         dc, dr = q_latent.shape[-1], q_rope.shape[-1]
         q = q_latent.contiguous().view(b, rows, dc)
         qr = q_rope.contiguous().view(b, rows, dr)
-        partials = [((b, pl.num_splits, rows, dc), torch.float32), ((b, pl.num_splits, rows), torch.float32),
-                    ((b, npt, rows, dc), torch.float32), ((b, npt, rows), torch.float32)]
+        partials = list(self.partial_specs)
         outputs = [((b, rows, dc), q.dtype)] if out is None else []
         outputs += [((b, rows), torch.float32)] if lse is None else []
         if graph_capturing():  # one allocation: the partials live as long as the outputs (backends/buffers.py)
@@ -283,18 +287,15 @@ class PreparedCall:
         l_flat = next(made) if lse is None else _given("lse", lse).view(b, rows)
         args = _split_args(q, qr, cache, self.block_table, self.seq_lens, o_part, lse_part, self.scale_log2, rows,
                            self.heads, self.q_len, pl.num_splits)
-        LAST_LAUNCH["split"] = _KERNELS[self.variant][(pl.num_splits, b, pl.row_blocks)](
-            *args, **self.split_consts, **self.split_dims)
+        LAST_LAUNCH["split"] = _KERNELS[self.variant][self.split_grid](*args, **self.split_consts, **self.split_dims)
         if npt:
             pargs = _protect_args(q, qr, cache, self.seq_lens, self.seq_ids, o_prot, lse_prot, self.scale_log2, rows,
                                   self.heads, self.q_len, npt, self.protect_tiles)
-            LAST_LAUNCH["protect"] = protect_kernel[(b, -(-rows // pl.protect_block_r), npt)](
-                *pargs, **self.protect_consts, **self.protect_dims)
+            LAST_LAUNCH["protect"] = protect_kernel[self.protect_grid](*pargs, **self.protect_consts, **self.protect_dims)
         else:  # no sink or local tokens: the merge reads no protected partial (any pointer will do)
             o_prot, lse_prot = o_part, lse_part
         margs = (o_part, lse_part, o_prot, lse_prot, o_flat, l_flat, rows, pl.num_splits, npt)
-        LAST_LAUNCH["merge"] = merge_kernel[(b, -(-rows // MERGE_BLOCK_R), dc // self.merge_consts["BLOCK_C"])](
-            *margs, **self.merge_consts, **self.merge_dims)
+        LAST_LAUNCH["merge"] = merge_kernel[self.merge_grid](*margs, **self.merge_consts, **self.merge_dims)
         lead = q_latent.shape[:-1]
         return (o_flat.view(*lead, dc) if out is None else out), (l_flat.view(lead) if lse is None else lse)
 
@@ -386,10 +387,14 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
                                  sms)
     if parts:
         _check_protect_fits(pargs, pconsts, pl.protect_warps, fmt, dev, limits)
-    mconsts = dict(Q_BF16=q_bf16, DC=dc, BLOCK_R=MERGE_BLOCK_R, BLOCK_C=min(MERGE_BLOCK_C, dc), SC=MERGE_SPLITS_A_LOAD)
-    return PreparedCall(variant, pl, b, q_len, heads, dev, block_table, seq_lens, seq_ids, scale_log2,
-                        MappingProxyType(dict(consts)),
+    block_c = min(MERGE_BLOCK_C, dc)
+    mconsts = dict(Q_BF16=q_bf16, DC=dc, BLOCK_R=MERGE_BLOCK_R, BLOCK_C=block_c, SC=MERGE_SPLITS_A_LOAD)
+    partial_specs = tuple((shape, torch.float32) for shape in (
+        (b, pl.num_splits, rows, dc), (b, pl.num_splits, rows), (b, parts, rows, dc), (b, parts, rows)))
+    return PreparedCall(variant, pl, b, q_len, heads, dev, block_table, seq_lens, seq_ids, scale_log2, partial_specs,
+                        (pl.num_splits, b, pl.row_blocks), MappingProxyType(dict(consts)),
                         MappingProxyType({**launch_dims(pl.num_warps, pl.num_stages), **({} if interp else extra_launch)}),
-                        parts, tiles,
+                        (b, -(-rows // pl.protect_block_r), parts) if parts else None, tiles,
                         MappingProxyType(pconsts), MappingProxyType(launch_dims(pl.protect_warps, PROTECT_STAGES)),
+                        (b, -(-rows // MERGE_BLOCK_R), dc // block_c),
                         MappingProxyType(mconsts), MappingProxyType(launch_dims(MERGE_WARPS)))

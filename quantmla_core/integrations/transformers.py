@@ -72,7 +72,6 @@ except ImportError as _exc:  # pragma: no cover - old transformers
         f"(cache_utils.CacheLayerMixin, transformers >= 4.56; 5.x tested); found transformers {_hf.__version__}"
     ) from _exc
 
-from .. import api as _api
 from ..formats import PackFormat
 from ..paged import PagedMLACache, index_tensor, to_device
 
@@ -387,19 +386,8 @@ class QuantMLALayer(CacheLayerMixin):
 
         S is at most :data:`MAX_QUERY_CHUNK` per call (longer steps are split by the caller, each
         chunk written before it attends, so the local ring always matches the lengths passed)."""
-        paged = self.paged
-        assert paged is not None
-        return _api.attention(
-            q_latent,
-            q_rope,
-            paged.cache,
-            block_table=paged.block_table(self.rows),
-            seq_lens=paged.seq_lens(self.rows),
-            seq_ids=index_tensor(self.rows, np.int32, paged.cache.pages.device),
-            softmax_scale=softmax_scale,
-            backend=self.backend,
-            return_lse=False,
-        )
+        assert self.paged is not None
+        return self.paged.attention(q_latent, q_rope, self.rows, softmax_scale, return_lse=False)
 
     def _reindex(self, indices: list[int]) -> None:
         """New batch row i continues old row ``indices[i]`` (duplicates are forked, unused rows freed)."""
