@@ -47,8 +47,9 @@ def quantize(
     lo = g.amin(-1).clamp(max=0.0)
     hi = g.amax(-1).clamp(min=0.0)
     # divide by a tensor, not a Python scalar: CUDA turns scalar division into a multiplication by
-    # the reciprocal, which is not correctly rounded and can move the stored scale by one ulp
-    s = (hi - lo).clamp(min=SCALE_FLOOR) / torch.tensor(m, dtype=torch.float32, device=g.device)
+    # the reciprocal, which is not correctly rounded and can move the stored scale by one ulp; made by a fill
+    # (torch.tensor would copy from pageable host memory and synchronize the stream)
+    s = (hi - lo).clamp(min=SCALE_FLOOR) / torch.full((), m, dtype=torch.float32, device=g.device)
     s = s.clamp(max=torch.finfo(scale_dtype).max).to(scale_dtype)
     s32 = s.float().unsqueeze(-1)
     z = torch.round(-lo.unsqueeze(-1) / s32).clamp(0, m)

@@ -159,7 +159,7 @@ def test_truncate_frees_the_pages_past_the_new_length():
 
 
 def test_index_tensor_values_and_dtype():
-    from quantmla_core.paged import index_tensor
+    from quantmla_core.host_copy import index_tensor
 
     t = index_tensor([3, -1, 70000], np.int32, torch.device("cpu"))
     assert t.dtype == torch.int32 and t.tolist() == [3, -1, 70000]
@@ -191,7 +191,7 @@ def test_decode_step_moves_its_indices_without_a_stream_sync():
                 torch.randn(1, 64, device=dev, generator=g, dtype=torch.bfloat16)) for s in rows]
         pc.append_many(new)
         return qm.attention(q, qr, pc.cache, block_table=pc.block_table(rows), seq_lens=pc.seq_lens(rows),
-                            seq_ids=qm.paged.index_tensor(rows, np.int32, dev), softmax_scale=0.04,
+                            seq_ids=qm.host_copy.index_tensor(rows, np.int32, dev), softmax_scale=0.04,
                             backend=backend, return_lse=False)
 
     step(0)  # builds and caches the kernels
@@ -202,6 +202,6 @@ def test_decode_step_moves_its_indices_without_a_stream_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     want = qm.attention(q, qr, pc.cache, block_table=pc.block_table(rows), seq_lens=pc.seq_lens(rows),
-                        seq_ids=qm.paged.index_tensor(rows, np.int32, dev), softmax_scale=0.04, backend="torch",
+                        seq_ids=qm.host_copy.index_tensor(rows, np.int32, dev), softmax_scale=0.04, backend="torch",
                         return_lse=False)
     assert torch.isfinite(out.float()).all() and (out.float() - want.float()).abs().max() < 2e-2

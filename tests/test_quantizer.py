@@ -116,3 +116,21 @@ def test_fake_quantize_straight_through():
 def test_bf16_round_matches_torch():
     x = np.random.default_rng(0).standard_normal(10000).astype(np.float32) * 1e3
     assert np.array_equal(ref.bf16_round(x), torch.from_numpy(x).bfloat16().float().numpy())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: counts stream synchronizations")
+def test_quantize_on_cuda_queues_without_a_stream_sync():
+    """The plain PyTorch writer's quantizer makes its divisor on the device (a ``torch.tensor`` from a Python number
+    copies from pageable memory and waits for the GPU) and still rounds every scale as the reference does."""
+    x = torch.randn(37, 512, generator=torch.Generator().manual_seed(3)) * 3
+    xc = x.cuda()
+    quantize(xc, 4, 64, torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        codes, scale, zero = quantize(xc, 4, 64, torch.bfloat16)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    want = quantize(x, 4, 64, torch.bfloat16)
+    assert torch.equal(scale.cpu(), want[1]) and torch.equal(zero.cpu(), want[2])
+    assert (codes.cpu().int() - want[0].int()).abs().max() <= 1

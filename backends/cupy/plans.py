@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from ...formats import PackFormat
+from ...host_copy import to_device
 from ..buffers import nothing_kept
 from ..splits import CTA_OVERHEAD_TILES, PiecePlan, equal_splits_cost, plan_kv_splits, plan_pieces
 from . import ATTN_TILE, ATTN_WARPS, get_kernel, nvrtc_version, resident_ctas
@@ -376,8 +377,9 @@ def _v6_kernel(fmt: PackFormat, dev: int, index64: bool, knobs: V6Knobs, pair: b
 
 
 def _device_table(rows: tuple, dev: int) -> torch.Tensor:
-    """``rows`` (equal-length int tuples) as an int32 [len(rows), width] tensor on CUDA device ``dev``."""
-    return torch.tensor(rows, dtype=torch.int32, device=torch.device("cuda", dev))
+    """``rows`` (equal-length int tuples) as an int32 [len(rows), width] tensor on CUDA device ``dev`` (copied
+    without a stream sync)."""
+    return to_device(torch.tensor(rows, dtype=torch.int32), torch.device("cuda", dev))
 
 
 def v6_balanced(fmt: PackFormat, knobs: V6Knobs, pair: bool, batch: int, chunks: int, unit_tiles: int, resident: int

@@ -73,7 +73,8 @@ except ImportError as _exc:  # pragma: no cover - old transformers
     ) from _exc
 
 from ..formats import PackFormat
-from ..paged import PagedMLACache, index_tensor, to_device
+from ..host_copy import index_tensor, to_device
+from ..paged import PagedMLACache
 
 __all__ = ["QuantMLACache", "QuantMLALayer", "QuantMLAHandle", "enable_quantmla", "disable_quantmla"]
 
