@@ -85,6 +85,7 @@ ATTN_BAD = [
     ("seq_ids", lambda a: a["attn_seq_ids"] + 7, ValueError, "seq_ids: expected a protection-buffer row"),
     ("softmax_scale", lambda a: float("nan"), ValueError, "softmax_scale: expected a finite value"),
     ("softmax_scale", lambda a: -1.0, ValueError, "softmax_scale: expected a finite value"),
+    ("softmax_scale", lambda a: 0.0, ValueError, "softmax_scale: expected a finite value > 0, got 0.0"),
     ("softmax_scale", lambda a: "0.1", TypeError, "softmax_scale: expected a float"),
     ("q_latent", lambda a: a["q_latent"][:, 0].index_fill(1, torch.tensor([0]), float("inf")), ValueError, "q_latent: expected finite"),
     ("backend", lambda a: "nope", ValueError, "backend: expected 'auto' or one of"),

@@ -106,6 +106,9 @@ def test_memory_accounting_matches_design():
     assert compression_ratio(PackFormat.parse("C2R4"), L) >= 6.0
     assert memory_bytes(c4, 0) == 132 * 1152
     assert memory_bytes(c4, 65) == 2 * 20352 + 132 * 1152
+    # BF16's side is its pages alone (73,728 B per 64 tokens); at one page the protection buffers dominate
+    assert compression_ratio(c4, 64) == 73728 / (20352 + 132 * 1152)
+    assert compression_ratio(c4, 64, sink=0, local=0) == 73728 / 20352
     with pytest.raises(ValueError, match="seq_len"):
         memory_bytes(c4, -1)
 

@@ -108,6 +108,8 @@ def _cpu_plan(**over):
     ({"q_dtype": torch.float16}, TypeError, "q_dtype: expected one of"),
     ({"softmax_scale": -1.0}, ValueError, "softmax_scale: expected a finite value > 0"),
     ({"block_table": torch.zeros((3,), dtype=torch.int32)}, ValueError, "block_table: expected shape"),
+    ({"block_table": torch.zeros((0, 2), dtype=torch.int32)}, ValueError,
+     r"block_table: expected shape \[B, max_pages\] with B >= 1, got \(0, 2\)"),
     ({"seq_lens": torch.zeros((2,), dtype=torch.int32)}, ValueError, r"seq_lens: expected shape \(3,\)"),
     ({"seq_lens": torch.full((3,), 10_000, dtype=torch.int32)}, ValueError, "seq_lens: expected a length"),
     ({"backend": "nope"}, Exception, "nope"),
@@ -115,6 +117,36 @@ def _cpu_plan(**over):
 def test_plan_argument_errors(over, exc, match):
     with pytest.raises(exc, match=match):
         _cpu_plan(**over)
+
+
+def test_numpy_cache_refuses_a_torch_query_dtype():
+    case = CASES[0]
+    batch = build(case)
+    args = batch.to("numpy")
+    cache = allocate(case, batch, "numpy")
+    with pytest.raises(TypeError, match="q_dtype: expected one of .*float32.*, got torch.float32"):
+        qm.plan_attention(cache, block_table=args["block_table"], seq_lens=args["attn_seq_lens"],
+                          seq_ids=args["attn_seq_ids"], num_heads=case.heads, q_dtype=torch.float32, softmax_scale=0.1,
+                          backend="reference")
+
+
+def test_run_without_lse_tells_the_backend():
+    """``return_lse=False`` reaches the backend's runner as ``want_lse=False`` (so a backend may skip allocating
+    lse) and returns the output alone; by default the runner is asked for both."""
+    plan, _cache, args = _cpu_plan()
+    q, r = args["q_latent"][:, 0], args["q_rope"][:, 0]
+    calls = []
+    runner = plan._runner
+
+    def spy(*a, **kw):
+        calls.append(kw.get("want_lse", True))
+        return runner(*a, **kw)
+
+    plan._runner = spy
+    out = plan.run(q, r, return_lse=False)
+    both = plan.run(q, r)
+    assert calls == [False, True]
+    assert isinstance(out, torch.Tensor) and torch.equal(out, both[0]) and both[1].shape == (3, 4)
 
 
 def test_run_argument_errors():
