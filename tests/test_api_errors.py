@@ -107,6 +107,24 @@ def test_s_q_longer_than_sequence(setup):
         _attend(cache, args, batch, q_latent=q, q_rope=r)
 
 
+def test_block_table_is_checked_on_the_pages_in_use_only(setup):
+    """Entries past a row's last page (ceil(len / P)) may hold anything, as serving engines pad tables; entries in
+    use must be page indices. Row lengths 20 and 70 with P = 64 use 1 and 2 pages; at 64 the second page is unused."""
+    batch, args, cache = setup
+    want = _attend(cache, args, batch)[0]
+    padded = args["block_table"].clone()
+    padded[0, 1:] = -1
+    padded[1, 2:] = cache.num_pages + 7
+    assert torch.equal(_attend(cache, args, batch, block_table=padded)[0], want)
+    bad = args["block_table"].clone()
+    bad[1, 1] = -1
+    with pytest.raises(ValueError, match=rf"block_table\[1\]: expected a page index in \[0, {cache.num_pages}\), got -1 at index 1"):
+        _attend(cache, args, batch, block_table=bad)
+    one_page = args["attn_seq_lens"].clone()
+    one_page[1] = 64
+    _attend(cache, args, batch, block_table=bad, seq_lens=one_page)
+
+
 def test_numpy_cache_rejects_tensors_and_vice_versa(setup):
     batch, args, cache = setup
     np_cache = allocate(CASE, batch, "numpy")

@@ -19,6 +19,8 @@ def test_c4r4_default_layout_matches_design():
     assert f.page_bytes == 20352
     assert f.token_bytes == 318
     assert f.packed_token_bytes == 256 + 32 + 16 + 8 + 4 + 1
+    assert f.bf16_token_bytes == (512 + 64) * 2
+    assert PackFormat.parse("C2R4", latent_dim=256, rope_dim=32).bf16_token_bytes == (256 + 32) * 2
 
 
 def test_sections_are_computed_once_and_handed_out_as_copies():
