@@ -124,6 +124,13 @@ def test_available_backends_lists_all_with_reasons():
     assert all(v is None or isinstance(v, str) and v for v in avail.values())
 
 
+def test_available_backends_for_a_device_says_which_do_not_serve_it():
+    numpy_dev = qm.available_backends(qm.dispatch.DeviceInfo("numpy", "numpy"))
+    assert numpy_dev["reference"] is None
+    assert numpy_dev["torch"] == "does not serve device 'numpy'"
+    assert qm.available_backends(qm.dispatch.DeviceInfo("cpu", "cpu"))["torch"] is None
+
+
 def test_info_command_lists_every_backend():
     out = subprocess.run([sys.executable, "-m", "quantmla_core.info"], capture_output=True, text=True, check=True).stdout
     for name in ("triton", "cupy", "numba", "torch", "reference"):
