@@ -49,6 +49,11 @@ def test_overhead_tiles_steers_away_from_many_small_splits():
 
 
 
+def test_ties_prefer_fewer_splits():
+    # 2 requests, 4 tiles, 2 CTAs resident, no overhead: 1, 2 and 4 splits all cost 4 tile-times
+    assert plan_kv_splits(2, 4, 2, overhead_tiles=0.0) == (1, 4)
+
+
 def test_list_schedule():
     """Jobs go, in order, to whichever worker frees first."""
     assert list_schedule([3, 3, 2, 2, 2], 2) == 7.0  # 3 | 3, then 5 | 5, then 7 | 5

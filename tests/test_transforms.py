@@ -44,6 +44,10 @@ def test_cayley_orthogonal_and_identity_at_zero():
     assert torch.allclose(r @ r.T, torch.eye(32, dtype=torch.float64), atol=1e-12)
     assert torch.linalg.det(r) > 0
     assert torch.equal(cayley(torch.zeros(8, 8)), torch.eye(8))
+    # 2 x 2: K = [[0, t], [-t, 0]] gives the rotation with cos = (1 - t^2) / (1 + t^2), sin = 2t / (1 + t^2)
+    t2 = 0.5
+    want = torch.tensor([[1 - t2**2, 2 * t2], [-2 * t2, 1 - t2**2]], dtype=torch.float64) / (1 + t2**2)
+    assert torch.allclose(cayley(torch.tensor([[0.3, t2], [0.0, -1.2]], dtype=torch.float64)), want, atol=1e-14)
     t = ContentTransform(16)
     assert torch.allclose(t.R, torch.eye(16)) and torch.allclose(t.s, torch.ones(16))
 
