@@ -125,8 +125,9 @@ def test_grow_keeps_pages_rows_and_contents(device):
     b = pc.add_request()
     plan = pc.reserve([(b, 40)])
     assert pc.pages_in_use == 2 + 3
-    pc.grow(0, 0)  # nothing needed: no change
-    assert pc.layer(0).num_pages == 5
+    kept = pc.layer(0)
+    pc.grow(0, 0)  # nothing needed: no change, not even a copy
+    assert pc.layer(0) is kept and pc.layer(0).num_pages == 5
     pc.grow(min_free_rows=2)  # rows only (one of three is free): the pages stay as they are, with none free
     assert pc.num_free_pages == 0 and pc.layer(0).num_pages == 5 and pc.cache.max_seqs == 3 + 1
 
