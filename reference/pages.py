@@ -105,9 +105,11 @@ def read_token(cache, slot: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def write(cache, latent, k_rope, slot_mapping, seq_ids, positions, seq_lens) -> None:
-    """Reference of ``quantmla_core.write``: pack every token with ``slot >= 0`` into its slot
-    and copy protected tokens (``position < sink``; ``position >= seq_lens[seq] - local``,
-    ring index ``position % local``) into the protection buffers, in place."""
+    """Reference of ``quantmla_core.write``: pack every token whose slot lies in the cache into its
+    slot and copy protected tokens (``position < sink``; ``position >= seq_lens[seq] - local``,
+    ring index ``position % local``) into the protection buffers, in place. As every backend
+    masks them (``validate=False``): a slot of -1 or outside the pages skips the token, and a
+    seq id outside ``[0, max_seqs)`` or a negative position skips its protection copies."""
     fmt = cache.format
     pages, _ = _view(cache.pages)
     c_all, kr_all = _floats(latent), _floats(k_rope)
@@ -115,10 +117,12 @@ def write(cache, latent, k_rope, slot_mapping, seq_ids, positions, seq_lens) -> 
     p = fmt.page_size
     for t in range(c_all.shape[0]):
         slot = int(slots[t])
-        if slot < 0:
+        if not 0 <= slot < pages.shape[0] * p:
             continue
         encode_token(fmt, pages[slot // p], slot % p, c_all[t], kr_all[t])
         seq, n = int(seqs[t]), int(pos[t])
+        if not (0 <= seq < cache.max_seqs and n >= 0):
+            continue
         both = np.concatenate([c_all[t], kr_all[t]])
         if n < cache.sink:
             _store_protected(cache.sink_buf, seq, n, both)

@@ -138,16 +138,54 @@ def test_backend_that_cannot_serve_names_reasons(setup):
         _attend(cache, args, batch, backend="cupy")
 
 
-def test_validate_false_masks_bad_slots(setup):
+WRITERS = ["torch", "numba", "reference", "triton"]
+
+
+def _usable(backend: str) -> None:
+    reason = qm.available_backends()[backend]
+    if reason is not None:
+        pytest.skip(f"{backend}: {reason}")
+
+
+@pytest.mark.parametrize("backend", WRITERS)
+def test_validate_false_masks_bad_slots(setup, backend):
     """Without validation a bad slot is skipped: guard pages around the cache stay untouched."""
+    _usable(backend)
     batch, args, _ = setup
     fmt = CASE.fmt
     backing = torch.full((batch.num_pages + 2, fmt.page_bytes), 0x3C, dtype=torch.uint8)
     cache = qm.MLACache(fmt, backing[1:-1], torch.zeros(2, 4, 288), torch.zeros(2, 8, 288), 2, 4, 8)
     slots = args["slot_mapping"].clone()
     slots[:3] = torch.tensor([-7, batch.num_pages * fmt.page_size, 10**9])
-    _write(cache, args, slot_mapping=slots, validate=False)
+    _write(cache, args, slot_mapping=slots, validate=False, backend=backend)
     assert (backing[0] == 0x3C).all() and (backing[-1] == 0x3C).all()
+
+
+def _guarded_write(batch, args, backend: str):
+    """A write whose first two and last two tokens name request ids outside [0, 2), into buffers with guard rows."""
+    fmt = CASE.fmt
+    sink_back, local_back = torch.full((4, 4, 288), 7.0), torch.full((4, 8, 288), 7.0)
+    cache = qm.MLACache(fmt, torch.zeros(batch.num_pages, fmt.page_bytes, dtype=torch.uint8), sink_back[1:-1],
+                        local_back[1:-1], 2, 4, 8)
+    seqs = args["seq_ids"].clone()
+    seqs[:2] = torch.tensor([-1, 2])
+    seqs[-2:] = torch.tensor([2, 10**6])
+    _write(cache, args, seq_ids=seqs, validate=False, backend=backend)
+    return sink_back, local_back
+
+
+@pytest.mark.parametrize("backend", WRITERS)
+def test_validate_false_skips_protection_rows_of_bad_seq_ids(setup, backend):
+    """Without validation a token whose request id is outside [0, max_seqs) still gets its packed copy but touches
+    no protection row: guard rows around the sink and local buffers stay untouched, and the rows in range hold
+    what the reference writes there."""
+    _usable(backend)
+    batch, args, _ = setup
+    got = _guarded_write(batch, args, backend)
+    want = _guarded_write(batch, args, "reference")
+    for back, ref_back in zip(got, want):
+        assert (back[0] == 7.0).all() and (back[-1] == 7.0).all()
+        assert torch.equal(back, ref_back)
 
 
 def test_allocate_rejects_bad_arguments():
