@@ -179,6 +179,8 @@ def generate_cases(cap: Capabilities, quick: bool = True, dtype: str = "float32"
         cases.append(Case(base, (150, 40, 5), heads=16, s_q=4, dtype=dtype, seed=300))
         cases.append(Case(base, (90, 17), heads=3, s_q=2, sink=0, local=0, dtype=dtype, seed=301))
         cases.append(Case(base, (130,), heads=2, s_q=1, sink=0, local=32, dtype=dtype, seed=302))
+        # a one-token sink and ring: with S_q = 2 the first new token is read from its packed copy
+        cases.append(Case(base, (7, 2, 66), heads=2, s_q=2, sink=1, local=1, dtype=dtype, seed=303))
     return cases
 
 

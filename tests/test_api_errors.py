@@ -205,10 +205,16 @@ def test_allocate_rejects_bad_arguments():
 def test_torch_backend_checks_indices_without_validation(setup):
     """validate=False skips the API's syncing checks; the torch backend still refuses bad pages."""
     batch, args, cache = setup
-    with pytest.raises(ValueError, match=r"block_table\[0\]: expected page indices"):
-        _attend(cache, args, batch, block_table=args["block_table"] + 1000, validate=False)
-    with pytest.raises(ValueError, match=r"seq_ids\[0\]"):
-        _attend(cache, args, batch, seq_ids=args["attn_seq_ids"] + 9, validate=False)
+    for bad_page in (cache.num_pages, -1):
+        table = args["block_table"].clone()
+        table[1, 1] = bad_page  # request 1 (70 tokens) uses two pages
+        with pytest.raises(ValueError, match=rf"block_table\[1\]: expected page indices .*, got {bad_page}"):
+            _attend(cache, args, batch, block_table=table, validate=False)
+    for bad_id in (cache.max_seqs, -1):
+        ids = args["attn_seq_ids"].clone()
+        ids[0] = bad_id
+        with pytest.raises(ValueError, match=rf"seq_ids\[0\]: expected a protection-buffer row .*, got {bad_id}"):
+            _attend(cache, args, batch, seq_ids=ids, validate=False)
     with pytest.raises(ValueError, match=r"seq_lens\[0\]: expected 1..192"):
         _attend(cache, args, batch, seq_lens=args["attn_seq_lens"] * 100, validate=False)
 

@@ -65,7 +65,7 @@ def variant(request, monkeypatch):
 def _v2_cases() -> list[Case]:
     """A small set for kernel v2 in the interpreter: every fast format, both dims, S_q 1 and 3,
     heads 4 and 20 (20 rows: the wide 8-warp program), lengths crossing page / 64-token tile /
-    split edges, protection on and off, pages of 16 (tiles spanning pages), groups of 128."""
+    split edges, protection on and off and a one-token sink and ring, pages of 16 (tiles spanning pages), groups of 128."""
     f = PackFormat.parse
     return [
         Case(f("C4R4"), (63, 64, 65), heads=4, seed=9001),
@@ -80,6 +80,7 @@ def _v2_cases() -> list[Case]:
         Case(f("C4R4", page_size=16), (37, 100), heads=3, s_q=2, seed=9010),
         Case(f("C2R4", page_size=32), (70, 33), heads=4, seed=9011),
         Case(f("C4R4", group_size=128), (70, 9), heads=4, seed=9012),
+        Case(f("C4R4", latent_dim=256, rope_dim=32), (7, 2, 66), heads=2, s_q=2, sink=1, local=1, seed=9013),
     ]
 
 
@@ -106,6 +107,7 @@ def _v3_cases() -> list[Case]:
         Case(f("C2R4", page_size=32), (170, 33), heads=64, seed=9111),
         Case(f("C4R4", group_size=128), (170, 9), heads=64, seed=9112),
         Case(f("C4R4"), (140, 5), heads=4, s_q=2, seed=9113),
+        Case(f("C2R4", latent_dim=256, rope_dim=32), (7, 2, 66), heads=32, s_q=2, sink=1, local=1, seed=9114),
     ]
 
 
