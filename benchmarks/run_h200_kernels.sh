@@ -262,6 +262,9 @@ print('limits 512/64', a.device_limits(d, 512, 64), '1024/64', a.device_limits(d
 elif [ "$MODE" = stop45 ]; then
   echo "=== decode steps queue without a stream sync (index arrays from pinned memory)"
   timeout 120 $T tests/test_paged.py tests/test_integration_transformers.py tests/test_quantizer.py -k "stream_sync" 2>&1 | tail -3
+  echo "=== stop 46: a one-token sink and ring with S_q = 2 on every GPU backend (CuPy v5/v6 attend protected tiles themselves)"
+  timeout 150 $T tests/test_cupy_backend.py tests/test_triton_backend.py tests/test_torch_backend.py -k "sink1-local1" 2>&1 | tail -3
+  timeout 200 $T tests/test_cupy_v5.py tests/test_cupy_v6.py -k "matches and sink1-local1" 2>&1 | tail -3
   echo "=== Triton's protected-tile and merge kernels: conformance (real shapes, many splits and protected tiles, plans)"
   timeout 240 $T tests/test_triton_backend.py -k "real_shapes or merge_over or split_counts" 2>&1 | tail -3
   timeout 90 $T tests/test_plan.py -k "triton" 2>&1 | tail -2

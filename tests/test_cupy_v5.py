@@ -499,6 +499,8 @@ V5_CASES = [
     # protected tiles with S_q 4 (four 16-row chunks, causal limits inside the local window), a request of S_q tokens
     # (its sink tile only) and one whose protected split is past its packed tokens
     Case(qm.PackFormat.parse("C4R4"), (2000, 4, 150), heads=16, s_q=4, sink=4, local=128, seed=997),
+    # a one-token sink and ring: with S_q 2 the first new token comes from its packed copy
+    Case(qm.PackFormat.parse("C2R4"), (7, 2, 200), heads=16, s_q=2, sink=1, local=1, seed=998),
 ]
 
 

@@ -523,6 +523,8 @@ V6_CASES = [
     # protected tiles: two sink tiles, a local window over three tiles, short requests whose protected split
     # is one past their packed tokens, causal rows (S_q 2) inside the window
     Case(qm.PackFormat.parse("C2R4"), (70, 9000, 200), heads=64, s_q=2, sink=80, local=100, seed=963),
+    # a one-token sink and ring: with S_q 2 the first new token comes from its packed copy
+    Case(qm.PackFormat.parse("C4R4"), (7, 2, 200), heads=64, s_q=2, sink=1, local=1, seed=964),
 ]
 
 
