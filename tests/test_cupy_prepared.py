@@ -245,3 +245,20 @@ def test_call_owned_scratch_keeps_nothing(stubbed):
     assert len(made) == 3 and not A._PREPARED and scratch == []
     _call(table, lens, ids)
     assert len(A._PREPARED) == 1 and len(scratch) == 1
+
+
+@pytest.mark.parametrize("variant", ["v2", "v3", "v4", "v5", "v6"])
+def test_split_launch_scalars_name_the_call(stubbed, monkeypatch, variant):
+    """After its ten pointers every split kernel gets S_q, H, the block table's width and row stride, the cache's
+    pages, request rows, sink and local, the plan's tiles per split and partial slots, and the softmax scale in log2
+    units: the values of this call, in this order."""
+    monkeypatch.setenv(VARIANT_ENV, variant)
+    table, lens, ids = _index()
+    _call(table, lens, ids, s_q=4, scale=0.0625)
+    split = stubbed.launches[0]
+    assert split[0].kernel == f"qmla_attn_{variant}"
+    scalars = split[3][A.SPLIT_POINTERS:A.SPLIT_POINTERS + 11]
+    assert [int(x) for x in scalars[:8]] == [4, H, PAGES, PAGES, B * PAGES, B, 4, 128]
+    assert all(type(x) is np.int32 for x in scalars[:10])
+    assert int(scalars[8]) >= 1 and int(scalars[9]) >= 1
+    assert scalars[10] == np.float32(0.0625 * A.LOG2E)
