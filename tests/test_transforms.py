@@ -166,3 +166,22 @@ def test_gradients_flow():
     loss = (t.inverse(t.apply_to_normalized(u) ** 2)).sum() + (r.apply_to_cache(torch.randn(2, 8)) ** 3).sum()
     loss.backward()
     assert t.A.grad is not None and t.log_s.grad is not None and r.phi.grad is not None and r.log_s.grad is not None
+
+
+def test_layer_view_prefers_the_module_and_falls_back_to_its_config():
+    """A transformers MLA module's dims come from its own attributes where set, else from its ``config`` (modules of
+    some families keep only the config)."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from quantmla_core.transforms import _LayerView
+
+    m = nn.Module()
+    m.kv_a_proj_with_mqa, m.kv_a_layernorm = nn.Linear(8, 40), nn.LayerNorm(32)
+    m.kv_b_proj, m.q_proj = nn.Linear(32, 64), nn.Linear(8, 48)
+    m.kv_lora_rank, m.qk_rope_head_dim = 32, None  # None: not set on the module
+    m.config = SimpleNamespace(kv_lora_rank=999, qk_rope_head_dim=8, qk_nope_head_dim=16, num_attention_heads=2)
+    v = _LayerView.of(m)
+    assert (v.num_heads, v.d_c, v.d_r, v.qk_nope_head_dim) == (2, 32, 8, 16)
+    assert v.q_out_proj is m.q_proj and v.kv_b_proj is m.kv_b_proj
