@@ -114,7 +114,7 @@ def test_torch_unquantized_baseline(benchmark):
     """Plain PyTorch absorbed MLA over the unquantized cache (bmm + softmax), queries' dtype."""
     case, batch, args, _ = _written("BF16", "torch")
     dt = getattr(torch, DTYPE)
-    b, h = len(LENS), HEADS
+    b = len(LENS)
     lmax = max(LENS)
     c = torch.zeros(b, lmax, 512, dtype=dt, device=DEVICE)
     kr = torch.zeros(b, lmax, 64, dtype=dt, device=DEVICE)

@@ -17,7 +17,7 @@ import random
 import re
 
 import pytest
-from test_cupy_v6_protocol import Violation, _sync_statements, v6_source
+from test_cupy_v6_protocol import Violation, v6_source
 
 FULL, EMPTY, PREADY, PFREE = "FULL", "EMPTY", "PREADY", "PFREE"
 

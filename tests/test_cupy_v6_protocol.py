@@ -77,7 +77,6 @@ def run_protocol(n: int, rng: random.Random, drop: str | None = None, split: boo
     raises Violation on a broken rule."""
     roles = {"A": attender(n, drop), "D": deq if deq is not None else dequantizer(n, drop, split)}
     pending: dict = {}  # barrier -> arrivals not yet matched by the other side's sync
-    blocked: dict = {}  # role -> the barrier it waits at
     held = {0: None, 1: None}  # key tile buffer -> tile it holds
     k_readers = {0: set(), 1: set()}  # buffer -> PVs in flight on it
     p_tile, p_readers = None, set()
