@@ -262,6 +262,22 @@ def test_v2_min_tiles_knob_reaches_the_split_plan(monkeypatch):
         V2Knobs.from_env()
 
 
+def test_min_tiles_knob_reaches_every_variant(monkeypatch):
+    """``QUANTMLA_CUPY_V2_MIN_TILES`` is the split floor of every variant's plan: each of its values reaches each
+    variant's knobs, and anything else is refused by every one of them."""
+    from quantmla_core.backends.cupy import knobs as K
+
+    kinds = (K.V2Knobs, K.V3Knobs, K.V4Knobs, K.V5Knobs, K.V6Knobs)
+    for value in K.MIN_TILES_CHOICES:
+        monkeypatch.setenv("QUANTMLA_CUPY_V2_MIN_TILES", str(value))
+        assert [kind.from_env().min_tiles for kind in kinds] == [value] * len(kinds)
+    for bad in ("0", "3", "32", "x"):
+        monkeypatch.setenv("QUANTMLA_CUPY_V2_MIN_TILES", bad)
+        for kind in kinds:
+            with pytest.raises(ValueError, match=r"QUANTMLA_CUPY_V2_MIN_TILES: expected one of \(1, 2, 4, 8, 16\)"):
+                kind.from_env()
+
+
 def test_v2_tuning_knobs_reach_the_defines(monkeypatch):
     from quantmla_core.backends.cupy.builds import v2_defines
 

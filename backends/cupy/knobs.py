@@ -46,6 +46,8 @@ from .builds import (
 
 #: v2 split heuristic: never create splits shorter than this many tiles (256 tokens)
 V2_MIN_TILES_PER_SPLIT = 8
+#: the values ``QUANTMLA_CUPY_V2_MIN_TILES`` may take
+MIN_TILES_CHOICES = (1, 2, 4, 8, 16)
 
 #: whether v6's split plan counts the sink/local tiles it appends to one split (:class:`V6Knobs` ``plan_protected``):
 #: H200, H128/H64 B8-B128 L4K-128K, CUDA graphs (stop 26): within -4 % .. +2 % of not counting them, so off (stop
@@ -56,6 +58,11 @@ V6_PLAN_PROTECTED = False
 #: of requests cut so that every SM gets as many tiles; ``backends/splits.py``'s :func:`plan_pieces`) for the content
 #: bits in :data:`~.plans.V6_BALANCE_CONTENT_BITS` where its simulated schedule beats equal splits per request
 V6_BALANCE = "auto"
+
+
+def _min_tiles() -> int:
+    """``QUANTMLA_CUPY_V2_MIN_TILES``: the split floor in tiles that every variant's plan keeps."""
+    return _env_int("QUANTMLA_CUPY_V2_MIN_TILES", V2_MIN_TILES_PER_SPLIT, MIN_TILES_CHOICES)
 
 
 def _env_int(name: str, default: int, allowed: tuple[int, ...]) -> int:
@@ -111,7 +118,7 @@ class V2Knobs:
                        _env_int("QUANTMLA_CUPY_V2_STAGES", v2_default_stages(tile), (3, 4, 5)),
                        bool(_env_int("QUANTMLA_CUPY_V2_LAZY_RESCALE", 0, (0, 1))),
                        _env_choice("QUANTMLA_CUPY_V2_PROTECTED", "separate", ("inline", "separate")) == "separate",
-                       _env_int("QUANTMLA_CUPY_V2_MIN_TILES", V2_MIN_TILES_PER_SPLIT, (1, 2, 4, 8, 16)), tile)
+                       _min_tiles(), tile)
 
 
 @dataclass(frozen=True)
@@ -130,7 +137,7 @@ class V3Knobs:
     def from_env() -> "V3Knobs":
         return V3Knobs(_env_int("QUANTMLA_CUPY_V3_STAGES", V3_STAGES, (3, 4)),
                        _env_int("QUANTMLA_CUPY_V3_MINB", 0, (1, 2, 3)) or None,
-                       _env_int("QUANTMLA_CUPY_V2_MIN_TILES", V2_MIN_TILES_PER_SPLIT, (1, 2, 4, 8, 16)),
+                       _min_tiles(),
                        bool(_env_int("QUANTMLA_CUPY_V3_LAZY_RESCALE", 1, (0, 1))),
                        _env_int("QUANTMLA_CUPY_V3_WARPS", V3_WARPS, (4, 8)))
 
@@ -150,7 +157,7 @@ class V4Knobs:
     def from_env() -> "V4Knobs":
         return V4Knobs(_env_int("QUANTMLA_CUPY_V4_STAGES", V4_STAGES, (2, 3)),
                        bool(_env_int("QUANTMLA_CUPY_V4_LAZY_RESCALE", 1, (0, 1))),
-                       _env_int("QUANTMLA_CUPY_V2_MIN_TILES", V2_MIN_TILES_PER_SPLIT, (1, 2, 4, 8, 16)),
+                       _min_tiles(),
                        _env_choice("QUANTMLA_CUPY_V4_MMA", "auto", ("auto", "wgmma", "mma")))
 
 
@@ -187,7 +194,7 @@ class V5Knobs:
     @staticmethod
     def from_env() -> "V5Knobs":
         return V5Knobs(bool(_env_int("QUANTMLA_CUPY_V5_LAZY_RESCALE", 1, (0, 1))),
-                       _env_int("QUANTMLA_CUPY_V2_MIN_TILES", V2_MIN_TILES_PER_SPLIT, (1, 2, 4, 8, 16)),
+                       _min_tiles(),
                        _env_auto_int("QUANTMLA_CUPY_V5_WORKERS", V5_WORKER_CHOICES),
                        _env_choice("QUANTMLA_CUPY_V5_PROTECTED", "inline", ("inline", "separate")) == "separate",
                        bool(_env_int("QUANTMLA_CUPY_PLAN_PROTECTED", 1, (0, 1))),
@@ -228,7 +235,7 @@ class V6Knobs:
 
     @staticmethod
     def from_env() -> "V6Knobs":
-        return V6Knobs(_env_int("QUANTMLA_CUPY_V2_MIN_TILES", V2_MIN_TILES_PER_SPLIT, (1, 2, 4, 8, 16)),
+        return V6Knobs(_min_tiles(),
                        _env_int("QUANTMLA_CUPY_V6_PV_AT", V6_PV_AT, (1, 2, 3)),
                        bool(_env_int("QUANTMLA_CUPY_V6_PAGE_AHEAD", int(V6_PAGE_AHEAD), (0, 1))),
                        _env_choice("QUANTMLA_CUPY_V6_PROTECTED", "inline", ("inline", "separate")) == "separate",
