@@ -29,7 +29,9 @@ def write(
     slot_mapping ``[N]`` (``page * P + offset``, -1 skips the token), seq_ids ``[N]`` (row of
     each token's request in the protection buffers), positions ``[N]``, seq_lens
     ``[max_seqs]`` (each request's length after this write). Integer arrays int32/int64.
-    ``validate`` (default: on for CPU/NumPy) checks index ranges and finite values.
+    ``validate`` (default: on for CPU/NumPy) checks index ranges and finite values. Without it,
+    every backend masks bad indices: a slot outside the pages skips the token, and a seq id outside
+    ``[0, max_seqs)`` or a negative position skips its protection copies.
     """
     cache = v.check_cache(cache)
     fmt = cache.format
