@@ -222,3 +222,24 @@ def test_fuse_accepts_attention_module():
         rope[s.layer_idx].fuse(s.attn)
     eq = equivalence_check(ref, m, torch.randint(0, 256, (1, 16)))
     assert eq["logits_rel_err"] <= 1e-5
+
+
+@pytest.mark.parametrize("kind", ["content", "rope"])
+def test_fusion_of_one_kind_alone(kind):
+    """``fuse_model`` with only content or only RoPE transforms fuses those alone: logits kept, the cached latent
+    (content) or RoPE key (rope) transformed, the other left as it was."""
+    arch, q_lora, yarn, inter, layouts = CASES[0]
+    m = _model(arch, q_lora, yarn, inter)
+    fused = copy.deepcopy(m)
+    content, rope = random_transforms(m, seed=4)
+    fuse_model(fused, content if kind == "content" else None, rope if kind == "rope" else None)
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    assert equivalence_check(m, fused, ids)["logits_rel_err"] <= 1e-5
+    ca, cb = capture(m, find_mla_layers(m), ids), capture(fused, find_mla_layers(fused), ids)
+    rel = lambda a, b: float((a.detach() - b.detach()).norm() / b.detach().norm())  # noqa: E731
+    for i in ca:
+        da, db = layer_tensors(ca[i]), layer_tensors(cb[i])
+        if kind == "content":
+            assert rel(content[i].apply_to_cache(da.c), db.c) < 1e-5 and rel(da.kr, db.kr) < 1e-6
+        else:
+            assert rel(rope[i].apply_to_cache(da.kr), db.kr) < 1e-5 and rel(da.c, db.c) < 1e-6
