@@ -235,6 +235,10 @@ def test_fusion_of_one_kind_alone(kind):
     fuse_model(fused, content if kind == "content" else None, rope if kind == "rope" else None)
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
     assert equivalence_check(m, fused, ids)["logits_rel_err"] <= 1e-5
+    from quantmla_core.calibration.fuse import TRANSFORMS_NAME
+
+    assert fused.config.quantmla == {"transforms": TRANSFORMS_NAME, "fused": True}  # saved with the model
+    assert not hasattr(m.config, "quantmla")
     ca, cb = capture(m, find_mla_layers(m), ids), capture(fused, find_mla_layers(fused), ids)
     rel = lambda a, b: float((a.detach() - b.detach()).norm() / b.detach().norm())  # noqa: E731
     for i in ca:
