@@ -379,13 +379,13 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
     else:
         consts = _split_constexprs(fmt, variant, q_bf16, dot_bf16, pl.block_n, pl.block_r)
     scale_log2 = float(softmax_scale) * math.log2(math.e)
-    pargs = _protect_args(q_dtype, q_dtype, cache, seq_lens, seq_ids, torch.float32, torch.float32, scale_log2, rows,
-                          heads, q_len, 2, 2)
     pconsts = dict(Q_BF16=q_bf16, DOT_BF16=dot_bf16, PROT_BF16=cache.sink_buf.dtype == torch.bfloat16, DC=dc, DR=dr,
                    BLOCK_T=pl.protect_block_t, BLOCK_R=pl.protect_block_r)
-    parts, tiles = protect_parts(-(-(cache.sink + cache.local) // pl.protect_block_t), b * -(-rows // pl.protect_block_r),
-                                 sms)
+    protect_blocks = -(-rows // pl.protect_block_r)
+    parts, tiles = protect_parts(-(-(cache.sink + cache.local) // pl.protect_block_t), b * protect_blocks, sms)
     if parts:
+        pargs = _protect_args(q_dtype, q_dtype, cache, seq_lens, seq_ids, torch.float32, torch.float32, scale_log2,
+                              rows, heads, q_len, 2, 2)
         _check_protect_fits(pargs, pconsts, pl.protect_warps, fmt, dev, limits)
     block_c = min(MERGE_BLOCK_C, dc)
     mconsts = dict(Q_BF16=q_bf16, DC=dc, BLOCK_R=MERGE_BLOCK_R, BLOCK_C=block_c, SC=MERGE_SPLITS_A_LOAD)
@@ -394,7 +394,7 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
     return PreparedCall(variant, pl, b, q_len, heads, dev, block_table, seq_lens, seq_ids, scale_log2, partial_specs,
                         (pl.num_splits, b, pl.row_blocks), MappingProxyType(dict(consts)),
                         MappingProxyType({**launch_dims(pl.num_warps, pl.num_stages), **({} if interp else extra_launch)}),
-                        (b, -(-rows // pl.protect_block_r), parts) if parts else None, tiles,
+                        (b, protect_blocks, parts) if parts else None, tiles,
                         MappingProxyType(pconsts), MappingProxyType(launch_dims(pl.protect_warps, PROTECT_STAGES)),
                         (b, -(-rows // MERGE_BLOCK_R), dc // block_c),
                         MappingProxyType(mconsts), MappingProxyType(launch_dims(MERGE_WARPS)))

@@ -352,7 +352,7 @@ class QuantMLALayer(CacheLayerMixin):
             self._ensure_paged(batch, sum(-(-int(x.shape[0]) // p) for _, x, _ in per_row))
             paged = self.paged
             items = [(self.rows[b], x, r) for b, x, r in per_row]
-            paged.grow(sum(paged.pages_needed(s, int(x.shape[0])) for s, x, _ in items), 0)  # doubles when short
+            self._make_room([(s, int(x.shape[0])) for s, x, _ in items])
             self._record_undo(items, t, batch)
             paged.append_many(items)
         self.hf_len += t
@@ -363,9 +363,14 @@ class QuantMLALayer(CacheLayerMixin):
         t = int(latent.shape[1])
         paged = self.paged
         items = [(s, t) for s in self.rows]
-        paged.grow(sum(paged.pages_needed(s, t) for s in self.rows), 0)  # doubles when short
+        self._make_room(items)
         paged.write(paged.reserve(items), latent.reshape(-1, latent.shape[-1]), k_rope.reshape(-1, k_rope.shape[-1]))
         self.hf_len += t
+
+    def _make_room(self, counts: list[tuple[int, int]]) -> None:
+        """Grow the page pool (doubling when short) so that every ``(request, tokens)`` of ``counts`` fits."""
+        paged = self.paged
+        paged.grow(sum(paged.pages_needed(s, n) for s, n in counts), 0)
 
     def begin_step(self) -> None:
         """A forward starts: what :meth:`crop` may take back is its writes (the prefill, or a decode step's chunks)."""
