@@ -247,3 +247,41 @@ def test_fusion_of_one_kind_alone(kind):
             assert rel(content[i].apply_to_cache(da.c), db.c) < 1e-5 and rel(da.kr, db.kr) < 1e-6
         else:
             assert rel(rope[i].apply_to_cache(da.kr), db.kr) < 1e-5 and rel(da.c, db.c) < 1e-6
+
+
+def _output_nmse(d, c, kr):
+    from quantmla_core.calibration.objectives import attention_output
+    with torch.no_grad():
+        return float((attention_output(d, c, kr) - d.y).pow(2).sum() / d.y.pow(2).sum())
+
+
+def test_dual_path_injects_each_paths_own_quantization_error(outlier_layer):
+    """At the format's own cache NMSE the injected error is exactly RTN's, with its sign, on one path at a time."""
+    from quantmla_core.calibration.analysis import dual_path
+    d = outlier_layer[1]
+    qs = QuantSpec.from_format("C2R4", d.u.shape[-1], d.kr.shape[-1])
+    qc, qk = qs.q_content(d.c), qs.q_rope(d.kr)
+    own = lambda q, x: float((q - x).pow(2).sum() / x.pow(2).sum())
+    want_c, want_r = _output_nmse(d, qc, d.kr), _output_nmse(d, d.c, qk)
+    got_c = dual_path(d, qs, cache_nmse=own(qc, d.c))
+    got_r = dual_path(d, qs, cache_nmse=own(qk, d.kr))
+    assert got_c["content_out_nmse"] == pytest.approx(want_c, rel=1e-3)
+    assert got_r["rope_out_nmse"] == pytest.approx(want_r, rel=1e-3)
+    # the opposite sign would be another error: this layer's outputs tell them apart
+    assert _output_nmse(d, 2 * d.c - qc, d.kr) != pytest.approx(want_c, rel=1e-2)
+    assert got_c["ratio"] == pytest.approx(got_c["rope_out_nmse"] / got_c["content_out_nmse"], rel=1e-12)
+    assert got_c["layer"] == d.spec.layer_idx and got_c["cache_nmse"] == own(qc, d.c)
+
+
+def test_dual_path_gaussian_noise_is_seeded_and_scales_with_the_cache_nmse(outlier_layer):
+    from quantmla_core.calibration.analysis import dual_path
+    d = outlier_layer[1]
+    qs = QuantSpec.from_format("C4R4", d.u.shape[-1], d.kr.shape[-1])
+    a = dual_path(d, qs, cache_nmse=1e-6, noise="gaussian", seed=1)
+    assert dual_path(d, qs, cache_nmse=1e-6, noise="gaussian", seed=1) == a
+    assert dual_path(d, qs, cache_nmse=1e-6, noise="gaussian", seed=2)["content_out_nmse"] != a["content_out_nmse"]
+    b = dual_path(d, qs, cache_nmse=4e-6, noise="gaussian", seed=1)
+    for path in ("content_out_nmse", "rope_out_nmse"):  # small noise: output NMSE is linear in the cache NMSE
+        assert 0 < a[path] and b[path] / a[path] == pytest.approx(4.0, rel=0.05), path
+    with pytest.raises(ValueError, match="noise: expected 'quant' or 'gaussian', got 'uniform'"):
+        dual_path(d, qs, noise="uniform")
