@@ -43,9 +43,9 @@
 #       kernels: conformance, memcheck, before / after twice (the sources before them in probe_tmp/triton_before, carried:
 #       mkdir -p probe_tmp/triton_before && for f in $(git ls-tree --name-only 89ce25e backends/triton/ | grep py$); do
 #       git show 89ce25e:$f > probe_tmp/triton_before/$(basename $f); done)
-#   bash benchmarks/run_h200_kernels.sh stop47   # each Triton kernel's device time before / after stop 45 at B8 L4K
-#       (H128 got slower as a graph there), the stop 43/44 test files, v5 four workers at d_c 256, the rest of Triton's
-#       real-shape conformance (stop45's 240 s ran out on a cold H100 compile cache); probe_tmp/triton_before carried
+#   bash benchmarks/run_h200_kernels.sh stop47   # each Triton kernel's device time before stop 45, at stop 45 and now
+#       (probe_tmp/triton_before, probe_tmp/triton_s45 = git show 3779299:backends/triton/*.py, carried) at L4K,
+#       the stop 43/44 test files, v5 four workers at d_c 256, the rest of Triton's real-shape conformance
 #   bash benchmarks/run_h200_kernels.sh v6pair   # v6 as two-CTA clusters sharing each key tile (QUANTMLA_CUPY_V6_PAIR):
 #       conformance of forced pairs, CUDA graphs of 0 against 1 over V6PAIR_SHAPES, memcheck of the pairs
 #   bash benchmarks/run_h200_kernels.sh v6fold   # v6's slack maximum and RoPE fold (QUANTMLA_CUPY_V6_SLACK / _ROPE_FOLD):
@@ -282,12 +282,15 @@ elif [ "$MODE" = stop45 ]; then
       --shapes ${S45_SHAPES:-16x8x4096,16x32x32768,128x8x4096} --json "$OUT/graph_triton_${n}_${run}.json" 2>&1 | grep -v "^{" | tail -8
   done
 elif [ "$MODE" = stop47 ]; then
-  rm -rf /tmp/qm_before && cp -r /tmp/qm /tmp/qm_before && cp probe_tmp/triton_before/*.py /tmp/qm_before/quantmla_core/backends/triton/
-  for run in before after; do
-    [ $run = before ] && P=${PYTHONPATH/\/tmp\/qm:/\/tmp\/qm_before:} || P=$PYTHONPATH
+  # three Triton trees: before stop 45 (89ce25e), stop 45's protect_parts (3779299), this tree (waves x tiles a part)
+  for tree in before s45; do
+    rm -rf /tmp/qm_$tree && cp -r /tmp/qm /tmp/qm_$tree && cp probe_tmp/triton_$tree/*.py /tmp/qm_$tree/quantmla_core/backends/triton/
+  done
+  for run in before s45 after; do
+    [ $run = after ] && P=$PYTHONPATH || P=${PYTHONPATH/\/tmp\/qm:/\/tmp\/qm_$run:}
     echo "=== Triton $run: each kernel's device time (torch.profiler), the call as a CUDA graph, FlashInfer BF16"
     PYTHONPATH=$P timeout 100 python3 -P benchmarks/kernel_times.py --backends triton --formats C4R4 \
-      --shapes ${S47_SHAPES:-128x8x4096,16x8x4096} --json "$OUT/kernel_times_triton_$run.json" 2>&1 | grep -v "^{" | tail -24
+      --shapes ${S47_SHAPES:-128x8x4096,16x8x4096,16x32x4096} --json "$OUT/kernel_times_triton_$run.json" 2>&1 | grep -v "^{" | tail -30
   done
   echo "=== torch.ops.quantmla under torch.compile, CUDA cache save/load, plans (stop 43/44)"
   timeout 150 $T tests/test_torch_ops.py tests/test_cache_io.py tests/test_plan.py 2>&1 | tail -2

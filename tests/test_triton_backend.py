@@ -342,12 +342,16 @@ def test_merge_over_many_splits_and_protected_tiles(fmt_name, splits, sink, loca
 
 
 def test_protect_parts_rule():
-    """Protected tiles spread over as many programs as fill the GPU, one part (one partial) where the requests and
-    row blocks fill it alone, never an empty part."""
+    """Protected tiles spread over the parts that take the fewest tile-times (waves x tiles a part, fewer parts on a
+    tie), one part (one partial) where the requests and row blocks fill the GPU alone, never an empty part."""
     from quantmla_core.backends.triton.heuristics import protect_parts
 
     assert protect_parts(9, 8, 132) == (9, 1)  # H16 B8: a tile a program
-    assert protect_parts(9, 32, 132) == (5, 2)
+    assert protect_parts(9, 32, 132) == (3, 3)  # H16 B32: one wave of 3 tiles, not two waves of 2 (5 parts)
+    assert protect_parts(9, 64, 132) == (2, 5)  # H128 B8: one wave of 5 tiles, not two waves of 3 (3 parts)
+    assert protect_parts(9, 128, 132) == (1, 9)  # H16 B128: 3 parts would take three waves of 3 tiles, a tie
+    assert protect_parts(9, 131, 132) == (1, 9)
+    assert protect_parts(9, 132, 132) == (1, 9)
     assert protect_parts(9, 256, 132) == (1, 9)  # H128 B32 (8 row blocks): the requests fill the GPU
     assert protect_parts(5, 1, 4) == (3, 2)  # four parts would leave one empty
     assert protect_parts(0, 8, 132) == (0, 0)  # no sink or local tokens: no launch
@@ -355,6 +359,10 @@ def test_protect_parts_rule():
         for programs in (1, 3, 50, 500):
             parts, per = protect_parts(tiles, programs, 132)
             assert (parts - 1) * per < tiles <= parts * per
+            waves = -(-programs * parts // 132)
+            for other in range(1, tiles + 1):  # no split takes fewer tile-times
+                o_per = -(-tiles // other)
+                assert waves * per <= -(-programs * -(-tiles // o_per) // 132) * o_per or programs >= 132
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -131,15 +131,23 @@ def _pow2_at_least(x: int) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def protect_parts(tiles: int, programs: int, sm_count: int) -> tuple[int, int]:
-    """(parts, tiles a part) of ``tiles`` protected tiles for ``programs`` = B x row blocks: as many parts as fill the
-    :data:`PROTECT_CTAS_PER_SM` x ``sm_count`` programs the GPU holds (each part one more partial for the merge), at
-    least one, at most one a tile. Where B x row blocks fill the GPU alone, one part: a partial a request and row
-    block (B 1024 x 8 row blocks x 9 tiles would be 2.4 GB of float32 partials at d_c 512 with one tile a part)."""
+    """(parts, tiles a part) of ``tiles`` protected tiles for ``programs`` = B x row blocks.
+
+    Where the programs leave some of the :data:`PROTECT_CTAS_PER_SM` x ``sm_count`` slots empty, the parts that take
+    the fewest tile-times: waves of ``programs x parts`` programs times tiles a part (fewer parts on a tie: each part
+    is one more partial for the merge). H128 B8 (64 programs, 9 tiles, 132 SMs): 2 parts, one wave of 5 tiles, not 3
+    parts in two waves of 3. Where B x row blocks fill the slots alone, one part: a partial a request and row block
+    (B 1024 x 8 row blocks x 9 tiles would be 2.4 GB of float32 partials at d_c 512 with one tile a part)."""
     if tiles <= 0:
         return 0, 0
-    parts = max(1, min(tiles, -(-PROTECT_CTAS_PER_SM * sm_count // max(1, programs))))
-    per = -(-tiles // parts)
-    return -(-tiles // per), per
+    slots, programs = PROTECT_CTAS_PER_SM * sm_count, max(1, programs)
+    if programs >= slots:
+        return 1, tiles
+    best = (tiles, 1, tiles)  # (tile-times, parts, tiles a part) of one part
+    for per in range(tiles - 1, 0, -1):
+        parts = -(-tiles // per)
+        best = min(best, (-(-programs * parts // slots) * per, parts, per))
+    return best[1], best[2]
 
 
 @functools.lru_cache(maxsize=4096)  # pure; a decode step asks for the same plan on every layer
