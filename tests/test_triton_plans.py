@@ -40,3 +40,27 @@ def test_interpreter_plans_allow_one_tile_splits():
     assert hz.plan_v2(2, 16, 512, 64, 256, 4, interpreter=True).num_splits == 4
     assert hz.plan_v2(2, 16, 512, 64, 256, 4).num_splits <= 2
     assert hz.plan_v2(2, 16, 512, 64, 256, 4, num_splits=3).num_splits == 3
+
+
+@pytest.mark.parametrize("batch,tokens,row_blocks,splits", [
+    (8, 4096, 2, 8),          # H128 B8 L4K: 16 programs of 32 tiles, 8 splits of 4 (one program a SM)
+    (32, 32768, 2, 2),        # H128 B32 L32K: 64 programs, two splits fill 128 of 132 SMs
+    (128, 131072, 2, 18),     # H128 B128 L128K: 256 programs, 18 splits of 57 tiles
+])
+def test_v3_plans_at_known_shapes(batch, tokens, row_blocks, splits):
+    """Kernel v3 (64 query rows a program, 128-token tiles, one program a SM) at H = 128."""
+    p = hz.plan_v3(batch, 128, 512, 64, tokens, H200_SMS)
+    assert (p.block_n, p.block_r, p.row_blocks, p.num_splits) == (128, 64, row_blocks, splits)
+    assert (p.num_warps, p.num_stages) == (hz.V3_NUM_WARPS, hz.V3_NUM_STAGES)
+    tiles = -(-tokens // 128)
+    assert splits == 1 or tiles // splits >= hz.V3_MIN_TILES_PER_SPLIT
+
+
+@pytest.mark.parametrize("fp32,block_n,stages,splits_b32", [(False, 32, 2, 8), (True, 16, 1, 41)])
+def test_v1_plans_at_known_shapes(fp32, block_n, stages, splits_b32):
+    """Kernel v1 (float32 queries on a GPU, bf16 pages): 32-token tiles, 16 for IEEE float32 dots, one stage."""
+    p = hz.plan(8, 16, 512, 64, 4096, H200_SMS, fp32_dot=fp32)
+    assert (p.block_n, p.block_r, p.row_blocks, p.num_splits, p.num_stages) == (block_n, 16, 1, 32, stages)
+    assert hz.plan(32, 16, 512, 64, 32768, H200_SMS, fp32_dot=fp32).num_splits == splits_b32
+    assert hz.plan(8, 128, 512, 64, 4096, H200_SMS, fp32_dot=fp32).row_blocks == 8
+    assert hz.plan(8, 16, 512, 64, 4096, H200_SMS, interpreter=True, fp32_dot=True).block_n == 32  # interpreter: no IEEE limit
