@@ -64,3 +64,22 @@ def test_v1_plans_at_known_shapes(fp32, block_n, stages, splits_b32):
     assert hz.plan(32, 16, 512, 64, 32768, H200_SMS, fp32_dot=fp32).num_splits == splits_b32
     assert hz.plan(8, 128, 512, 64, 4096, H200_SMS, fp32_dot=fp32).row_blocks == 8
     assert hz.plan(8, 16, 512, 64, 4096, H200_SMS, interpreter=True, fp32_dot=True).block_n == 32  # interpreter: no IEEE limit
+
+
+def test_v1_plan_rows_and_splits_follow_the_latent_width_and_the_sm_count():
+    """d_c 256 holds 32 rows a program in 64 accumulator registers a thread; splits fill CTAS_PER_SM x SMs."""
+    p = hz.plan(4, 64, 256, 64, 1000, H200_SMS)
+    assert (p.block_r, p.row_blocks, p.num_splits) == (32, 2, 8)
+    assert hz.plan(128, 16, 512, 64, 32768, H200_SMS).num_splits == 2  # 128 requests: two splits fill 2 x 132 programs
+    assert hz.plan(128, 16, 512, 64, 32768, 66).num_splits == 1  # half the SMs: the requests fill them alone
+    for planner in (hz.plan, hz.plan_v2, hz.plan_v3):  # an empty table still plans one tile and one split
+        assert planner(1, 64, 512, 64, 0, H200_SMS).num_splits == 1
+
+
+def test_device_limits_fit_a_build_at_exactly_the_limit():
+    lim = hz.DeviceLimits(shared=1000, tmem=256)
+    assert lim.excess((1000, 256)) is None
+    assert lim.excess((1001, 256)) == "needs 1001 B of shared memory a block, this GPU gives 1000 B"
+    assert lim.excess((1000, 257)) == "needs 257 columns of tensor memory, an SM has 256"
+    assert hz.DeviceLimits().excess((1 << 30, 1 << 20)) is None  # nothing known: nothing to check
+    assert lim.checked and not hz.DeviceLimits().checked
