@@ -286,7 +286,7 @@ elif [ "$MODE" = stop47 ]; then
   for tree in before s45; do
     rm -rf /tmp/qm_$tree && cp -r /tmp/qm /tmp/qm_$tree && cp probe_tmp/triton_$tree/*.py /tmp/qm_$tree/quantmla_core/backends/triton/
   done
-  for run in before s45 after; do
+  for run in ${S47_RUNS:-s45 after before}; do
     [ $run = after ] && P=$PYTHONPATH || P=${PYTHONPATH/\/tmp\/qm:/\/tmp\/qm_$run:}
     echo "=== Triton $run: each kernel's device time (torch.profiler), the call as a CUDA graph, FlashInfer BF16"
     PYTHONPATH=$P timeout 100 python3 -P benchmarks/kernel_times.py --backends triton --formats C4R4 \
