@@ -21,8 +21,9 @@ split is stored normalised, with its log2-sum-exp. The zero-point term is subtra
 (not in a running sum) to keep the +128 bias from cancelling catastrophically.
 
 ``protect_kernel`` — grid ``(B, row_blocks, parts)``: a run of tiles of the sink and local-window tokens from the
-protection buffers per program (same softmax), written as one more partial; one tile a program where B x row_blocks
-leaves SMs idle, all of them in one program where it fills the GPU (``heuristics.protect_parts``).
+protection buffers per program (same softmax), written as one more partial; where B x row_blocks leaves SMs idle the
+tiles split into the parts that take the fewest waves x tiles a part, all of them in one program where it fills the
+GPU (``heuristics.protect_parts``).
 
 ``merge_kernel`` — grid ``(B, row_blocks, d_c / BLOCK_C)``: merges the splits' and protected tiles' partials by
 log-sum-exp, a block of channels per program, and writes ``out`` and ``lse`` (natural log). Until stop 45 one

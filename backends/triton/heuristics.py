@@ -46,7 +46,7 @@ WRITER_BLOCK_T_INTERPRETER = 32
 #: the protected-tile kernel (one tile of sink/local tokens a program): 16 tokens over 8 warps. Offline (triton 3.7.1,
 #: sm_90, C4R4 H16, bfloat16 queries; registers / spilled bytes / SASS): 32 tokens over 4 warps 255 / 520 / 4,320,
 #: over 8 warps 255 / 176 / 3,264; 16 over 4 warps 255 / 168 / 3,456, over 8 warps 255 / 24 / 2,576. Sink 4 + local
-#: 128 make 9 tiles, each its own program
+#: 128 make 9 tiles, split into parts by ``protect_parts``
 PROTECT_BLOCK_T = 16
 PROTECT_WARPS = 8
 #: one stage: the protected-tile kernel's loop (a run of tiles a program) is short, and Triton's software pipelining of
