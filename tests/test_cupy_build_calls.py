@@ -52,7 +52,8 @@ def test_get_kernel_raises_the_shared_memory_limit_above_48_kb(fake_cupy):
 
 def test_get_kernel_builds_arch_targets_through_compile_cubin(fake_cupy, monkeypatch, tmp_path):
     asked = []
-    monkeypatch.setattr(C, "compile_cubin", lambda code, options, arch: asked.append((options, arch)) or tmp_path / "k.cubin")
+    monkeypatch.setattr(C, "compile_cubin",
+                        lambda code, options, arch: asked.append((options, arch)) or tmp_path / "k.cubin")
     C.get_kernel("attention_v6.cu", "qmla_attn_v6", {"QMLA_X": 1}, 0, arch="sm_90a")
     assert asked == [(("--std=c++17", f"-I{C.KERNEL_DIR}", "-DQMLA_X=1"), "sm_90a")]
     assert fake_cupy == [(None, (), str(tmp_path / "k.cubin"))]

@@ -72,5 +72,6 @@ def test_a_given_stream_is_used_and_streams_are_wrapped_once_a_handle(fake):
     a = C.external_stream(0)
     assert C.external_stream(0) is a and fake.wrapped == [(1000, 0)]
     assert C.external_stream(0, SimpleNamespace(cuda_stream=55)).ptr == 55
-    assert C.external_stream(1, SimpleNamespace(cuda_stream=55)) is not C.external_stream(0, SimpleNamespace(cuda_stream=55))
+    same_handle = SimpleNamespace(cuda_stream=55)
+    assert C.external_stream(1, same_handle) is not C.external_stream(0, same_handle)
     assert fake.wrapped == [(1000, 0), (55, 0), (55, 1)]  # a handle is wrapped per device

@@ -50,7 +50,8 @@ def test_v4_adds_protected_tiles_to_its_grid_where_the_splits_are_long(kernels):
     (attn, grid, block, _), = plan.launches  # one launch: the protected tiles are CTAs of the split kernel
     nprot = protected_ctas(4, 128, V4_TILE)
     splits = plan.slots - nprot
-    assert grid == (512, splits + nprot) and block == (V4_WARPS * 32,) and nprot == 1 + 3  # the sink tile, every tile the ring can touch
+    assert grid == (512, splits + nprot) and block == (V4_WARPS * 32,)
+    assert nprot == 1 + 3  # the sink's tile, every tile the ring can touch
     assert splits * plan.per * V4_TILE >= 2048 * 64
     assert attn.defines["QMLA_V4_PROTECTED"] == 1  # the build whose last CTAs attend to the protected tiles
 

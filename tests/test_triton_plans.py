@@ -63,7 +63,8 @@ def test_v1_plans_at_known_shapes(fp32, block_n, stages, splits_b32):
     assert (p.block_n, p.block_r, p.row_blocks, p.num_splits, p.num_stages) == (block_n, 16, 1, 32, stages)
     assert hz.plan(32, 16, 512, 64, 32768, H200_SMS, fp32_dot=fp32).num_splits == splits_b32
     assert hz.plan(8, 128, 512, 64, 4096, H200_SMS, fp32_dot=fp32).row_blocks == 8
-    assert hz.plan(8, 16, 512, 64, 4096, H200_SMS, interpreter=True, fp32_dot=True).block_n == 32  # interpreter: no IEEE limit
+    # the interpreter has no IEEE float32 tile limit
+    assert hz.plan(8, 16, 512, 64, 4096, H200_SMS, interpreter=True, fp32_dot=True).block_n == 32
 
 
 def test_v1_plan_rows_and_splits_follow_the_latent_width_and_the_sm_count():
