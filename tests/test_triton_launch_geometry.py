@@ -1,0 +1,52 @@
+"""The Triton backend's launch geometry at the PERFORMANCE.md shapes, as ``attention.prepare`` decides it for an
+sm_90 of 132 SMs (kernels stubbed, CPU): the split kernel's grid, the protected-tile kernel's parts and tiles, the
+merge's grid and the partials it reads. RESULTS.md reasons from these numbers (stops 45 and 47); a change to the
+launcher or the heuristics has to change them here, visibly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import quantmla_core as qm
+from quantmla_core.backends.triton import attention as A
+from quantmla_core.testing import stub_triton_launcher
+
+
+def _prepare(monkeypatch, batch, heads, tokens, sink=4, local=128, fmt="C4R4"):
+    stub_triton_launcher(monkeypatch, sm_count=132)
+    monkeypatch.delenv(A.VARIANT_ENV, raising=False)
+    f = qm.PackFormat.parse(fmt)
+    pages = tokens // f.page_size
+    cache = qm.MLACache.allocate(f, batch * pages, batch, sink, local, device="cpu")
+    table = torch.arange(batch * pages, dtype=torch.int32).view(batch, pages)
+    lens = torch.full((batch,), tokens, dtype=torch.int32)
+    return A.prepare(cache, table, lens, torch.arange(batch, dtype=torch.int32), batch, 1, heads, torch.bfloat16, 0.05)
+
+
+@pytest.mark.parametrize("batch,heads,tokens,variant,split_grid,protect_grid,tiles,merge_grid", [
+    # H16 B8 L4K: 32 splits of two 64-token tiles; 9 protected parts of one 16-token tile; 16 channel blocks
+    (8, 16, 4096, "v2", (32, 8, 1), (8, 1, 9), 1, (8, 1, 16)),
+    # H16 B32 L32K: 8 splits; protected tiles in 3 parts of 3 (one wave of 96 programs)
+    (32, 16, 32768, "v2", (8, 32, 1), (32, 1, 3), 3, (32, 1, 16)),
+    # H128 B8 L4K: kernel v3 (64 rows, 2 row blocks, 8 splits); 8 protected row blocks of 16 in 2 parts of 5
+    (8, 128, 4096, "v3", (8, 8, 2), (8, 8, 2), 5, (8, 8, 16)),
+    # H128 B32 L32K: the 256 protected programs fill the GPU alone: one part of all 9 tiles
+    (32, 128, 32768, "v3", (2, 32, 2), (32, 8, 1), 9, (32, 8, 16)),
+])
+def test_launch_geometry(monkeypatch, batch, heads, tokens, variant, split_grid, protect_grid, tiles, merge_grid):
+    call = _prepare(monkeypatch, batch, heads, tokens)
+    assert call.variant == variant
+    assert (call.split_grid, call.protect_grid, call.protect_tiles, call.merge_grid) == (
+        split_grid, protect_grid, tiles, merge_grid)
+    splits, parts, rows = split_grid[0], protect_grid[2], heads
+    # the partials the merge reads: every split's and every protected part's, for every query row
+    assert [shape for shape, _ in call.partial_specs] == [(batch, splits, rows, 512), (batch, splits, rows),
+                                                          (batch, parts, rows, 512), (batch, parts, rows)]
+    assert call.protect_consts["BLOCK_T"] * tiles * parts >= 4 + 128  # the parts cover the sink and the ring
+
+
+def test_no_protected_launch_without_sink_and_ring(monkeypatch):
+    call = _prepare(monkeypatch, 8, 16, 4096, sink=0, local=0)
+    assert call.protect_grid is None and call.protect_tiles == 0
+    assert [shape for shape, _ in call.partial_specs][2:] == [(8, 0, 16, 512), (8, 0, 16)]
