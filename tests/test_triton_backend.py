@@ -459,3 +459,16 @@ def test_compiles_to_wgmma_for_sm90_offline(variant, extra):
     assert "err" not in rep, rep
     assert rep["wgmma"] > 0 and rep["mma_sync"] == 0
     assert 0 < rep["regs"] <= 255
+
+
+@pytest.mark.parametrize("block_r", [32, 64])
+@pytest.mark.parametrize("variant", ["v2", "v3"])
+def test_wider_protected_row_blocks(block_r, variant):
+    """The probe's ``protect_block_r`` override (H = 128 reads the sink and ring once per 16-row block by default):
+    the protected-tile kernel over 32 or 64 query rows a program, several parts, rows not a multiple of the block."""
+    case = Case(PackFormat.parse("C4R4"), (90, 40), heads=36, sink=4, local=40, seed=91)
+    from quantmla_core.backends.triton.attention import LAST_LAUNCH
+
+    _attend_direct(case, "bfloat16" if GPU else "float32", variant=variant, overrides={"protect_block_r": block_r},
+                   num_splits=2)
+    assert LAST_LAUNCH["plan"].protect_block_r == block_r

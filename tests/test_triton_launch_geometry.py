@@ -50,3 +50,19 @@ def test_no_protected_launch_without_sink_and_ring(monkeypatch):
     call = _prepare(monkeypatch, 8, 16, 4096, sink=0, local=0)
     assert call.protect_grid is None and call.protect_tiles == 0
     assert [shape for shape, _ in call.partial_specs][2:] == [(8, 0, 16, 512), (8, 0, 16)]
+
+
+@pytest.mark.parametrize("rows,protect_grid,tiles", [("16", (8, 8, 2), 5), ("32", (8, 4, 3), 3), ("64", (8, 2, 5), 2)])
+def test_protect_rows_knob(monkeypatch, rows, protect_grid, tiles):
+    """``QUANTMLA_TRITON_PROTECT_ROWS`` (read per call): H128 B8 L4K's protected tiles over 16, 32 or 64 query rows a
+    program; fewer row blocks leave more SMs to split the tiles over."""
+    monkeypatch.setenv(A.PROTECT_ROWS_ENV, rows)
+    call = _prepare(monkeypatch, 8, 128, 4096)
+    assert (call.protect_grid, call.protect_tiles, call.protect_consts["BLOCK_R"]) == (protect_grid, tiles, int(rows))
+    assert call.plan.protect_block_r == int(rows) and call.merge_grid == (8, 8, 16)  # the merge is unchanged
+
+
+def test_protect_rows_knob_refuses_other_values(monkeypatch):
+    monkeypatch.setenv(A.PROTECT_ROWS_ENV, "48")
+    with pytest.raises(ValueError, match=r"QUANTMLA_TRITON_PROTECT_ROWS: expected one of 16, 32, 64, got '48'"):
+        _prepare(monkeypatch, 8, 128, 4096)

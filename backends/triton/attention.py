@@ -24,11 +24,14 @@ from .common import launch_dims, page_layout_constexprs, ptr_or_dummy
 from .heuristics import (INTERPRETER_SM_COUNT, MERGE_BLOCK_C, MERGE_BLOCK_R, MERGE_SPLITS_A_LOAD, MERGE_WARPS,
                          PROTECT_STAGES, TMEM_COLUMNS, V2_FLOAT32_ON_GPU, V2_HOLD_RAW, V2_ZSUB, V3_BLOCK_N,
                          V3_BLOCK_R, V3_MIN_ROWS, V3_NUM_STAGES, V3_NUM_WARPS, V3_PREFETCH, AttentionPlan, DeviceLimits,
-                         plan, plan_v2, plan_v3, planned_shared_max, protect_parts)
+                         PROTECT_ROWS_CHOICES, plan, plan_v2, plan_v3, planned_shared_max, protect_parts)
 
 #: environment variable choosing the split kernel ("auto" default, "v1", "v2", "v3"); read on every call
 VARIANT_ENV = "QUANTMLA_TRITON_ATTENTION"
 VARIANTS = ("auto", "v1", "v2", "v3")
+#: query rows a program of the protected-tile kernel attends (a measurement knob, read on every call; unset: the
+#: plan's 16, see heuristics.PROTECT_ROWS_CHOICES)
+PROTECT_ROWS_ENV = "QUANTMLA_TRITON_PROTECT_ROWS"
 _KERNELS = {"v1": split_kernel, "v2": split_kernel_v2, "v3": split_kernel_v3}
 _PLANNERS = {"v1": plan, "v2": plan_v2, "v3": plan_v3}
 
@@ -314,6 +317,17 @@ def _protect_args(q, qr, cache, seq_lens, seq_ids, o_prot, lse_prot, scale_log2:
             cache.max_seqs, scale_log2, rows, heads, s_q, cache.sink, cache.local, parts, tiles)
 
 
+def _protect_rows_from_env(pl: AttentionPlan, overrides: dict | None) -> AttentionPlan:
+    """``pl`` with ``$QUANTMLA_TRITON_PROTECT_ROWS`` query rows a protected-tile program, where set (an explicit
+    ``protect_block_r`` override wins)."""
+    raw = getenv(PROTECT_ROWS_ENV, "").strip()
+    if not raw or (overrides and "protect_block_r" in overrides):
+        return pl
+    if raw not in {str(c) for c in PROTECT_ROWS_CHOICES}:
+        raise ValueError(f"{PROTECT_ROWS_ENV}: expected one of {', '.join(map(str, PROTECT_ROWS_CHOICES))}, got {raw!r}")
+    return dataclasses.replace(pl, protect_block_r=int(raw))
+
+
 def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: torch.Tensor, batch: int, q_len: int,
             heads: int, q_dtype: torch.dtype, softmax_scale: float, *, num_splits: int | None = None,
             overrides: dict | None = None, variant: str | None = None) -> PreparedCall:
@@ -365,6 +379,7 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
         pl = dataclasses.replace(pl, **overrides)
         if "block_r" in overrides:
             pl = dataclasses.replace(pl, row_blocks=-(-rows // pl.block_r))
+    pl = _protect_rows_from_env(pl, overrides)
     LAST_LAUNCH["plan"] = pl
     if limits.checked and variant != "v3":  # v3's plan is the one checked above
         excess = _split_excess(variant, fmt, q_dtype, cache, block_table, seq_lens, dot_bf16, (pl.block_n, pl.block_r),

@@ -52,6 +52,11 @@ PROTECT_WARPS = 8
 #: one stage: the protected-tile kernel's loop (a run of tiles a program) is short, and Triton's software pipelining of
 #: its loads would take the shared memory the combine kernel needed before stop 45 (166,912 B at 32 tokens)
 PROTECT_STAGES = 1
+#: query rows a protected-tile program may take (``QUANTMLA_TRITON_PROTECT_ROWS``; the plans take 16). Offline
+#: (triton 3.7.1, sm_90, C4R4 H128, 16 tokens, 8 warps; registers / spilled bytes / shared memory): 16 rows 255 / 0 /
+#: 51,200 B (mma.sync); 32 rows 255 / 224 / 69,632 B; 64 rows 255 / 372 / 131,072 B (wgmma). At H128 16 rows read
+#: every protected tile 8 times a request, 64 rows twice: which pays is for the GPU to say (stop 47)
+PROTECT_ROWS_CHOICES = (16, 32, 64)
 #: programs of the protected-tile kernel an SM holds at once (8 warps x 255 registers fill the register file)
 PROTECT_CTAS_PER_SM = 1
 #: float32 queries use IEEE float32 dots (operands twice as wide, no tensor cores); measured on
