@@ -45,7 +45,8 @@
 #       git show 89ce25e:$f > probe_tmp/triton_before/$(basename $f); done)
 #   bash benchmarks/run_h200_kernels.sh stop47   # each Triton kernel's device time before stop 45, at stop 45 and now
 #       (probe_tmp/triton_before, probe_tmp/triton_s45 = git show 3779299:backends/triton/*.py, carried) at L4K,
-#       the stop 43/44 test files, v5 four workers at d_c 256, the rest of Triton's real-shape conformance
+#       QUANTMLA_TRITON_PROTECT_ROWS 16/32/64 at H128 (CUDA graphs), the stop 43/44 test files, v5 four workers at
+#       d_c 256, the rest of Triton's real-shape conformance (S47_REAL_S seconds)
 #   bash benchmarks/run_h200_kernels.sh v6pair   # v6 as two-CTA clusters sharing each key tile (QUANTMLA_CUPY_V6_PAIR):
 #       conformance of forced pairs, CUDA graphs of 0 against 1 over V6PAIR_SHAPES, memcheck of the pairs
 #   bash benchmarks/run_h200_kernels.sh v6fold   # v6's slack maximum and RoPE fold (QUANTMLA_CUPY_V6_SLACK / _ROPE_FOLD):
@@ -292,6 +293,13 @@ elif [ "$MODE" = stop47 ]; then
     PYTHONPATH=$P timeout 100 python3 -P benchmarks/kernel_times.py --backends triton --formats C4R4 \
       --shapes ${S47_SHAPES:-128x8x4096,16x8x4096,16x32x4096} --json "$OUT/kernel_times_triton_$run.json" 2>&1 | grep -v "^{" | tail -30
   done
+  R=QUANTMLA_TRITON_PROTECT_ROWS
+  echo "=== Triton protected rows a program 32 and 64: conformance first (64 rows build wgmma, which the interpreter does not)"
+  timeout 120 $T tests/test_triton_backend.py -k "wider_protected" 2>&1 | tail -2
+  env $R=64 timeout 120 $T tests/test_triton_backend.py -k "real_shapes and H128 and sink4 and v3 and C4R4" 2>&1 | tail -2
+  echo "=== Triton protected rows a program: 16 (default), 32, 64, twice (CUDA graphs; FlashInfer BF16 in the process)"
+  timeout 150 python3 -P benchmarks/graph_probe.py --backends triton --formats C4R4 --settings "$R=16;$R=32;$R=64;$R=16;$R=32;$R=64" \
+    --shapes ${S47_ROW_SHAPES:-128x8x4096,128x32x4096,16x8x4096} --json "$OUT/graph_protect_rows.json" 2>&1 | grep -v "^{" | tail -20
   echo "=== torch.ops.quantmla under torch.compile, CUDA cache save/load, plans (stop 43/44)"
   timeout 150 $T tests/test_torch_ops.py tests/test_cache_io.py tests/test_plan.py 2>&1 | tail -2
   echo "=== v5 four workers at d_c 256: conformance"
