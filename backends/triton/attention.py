@@ -324,7 +324,8 @@ def _protect_rows_from_env(pl: AttentionPlan, overrides: dict | None) -> Attenti
     if not raw or (overrides and "protect_block_r" in overrides):
         return pl
     if raw not in {str(c) for c in PROTECT_ROWS_CHOICES}:
-        raise ValueError(f"{PROTECT_ROWS_ENV}: expected one of {', '.join(map(str, PROTECT_ROWS_CHOICES))}, got {raw!r}")
+        choices = ", ".join(map(str, PROTECT_ROWS_CHOICES))
+        raise ValueError(f"{PROTECT_ROWS_ENV}: expected one of {choices}, got {raw!r}")
     return dataclasses.replace(pl, protect_block_r=int(raw))
 
 
