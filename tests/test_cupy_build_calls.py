@@ -87,13 +87,19 @@ def fake_nvrtc(monkeypatch):
     return nv, calls
 
 
-def test_compile_cubin_adds_cupys_options_and_writes_the_cubin(fake_nvrtc):
+def test_compile_cubin_adds_cupys_options_and_writes_the_cubin(fake_nvrtc, monkeypatch, tmp_path):
+    """The target last, CuPy's own options (-ftz, device code by default) before it; the cubin written to a
+    per-process folder that goes at exit (CuPy's compiler cannot name the "a" targets)."""
     nv, calls = fake_nvrtc
+    exits = []
+    monkeypatch.setattr(C.atexit, "register", lambda fn, *args: exits.append((fn, args)))
+    monkeypatch.setattr(C.tempfile, "mkdtemp", lambda prefix: str(tmp_path))
     path = C.compile_cubin("__global__ void k() {}", ("-DQMLA_X=1",), "sm_90a")
     assert calls == [("create", "qmla_kernel.cu"),
                      ("compile", ("-DQMLA_X=1", "-ftz=true", "--device-as-default-execution-space", "-arch=sm_90a")),
                      ("destroy", "prog")]
-    assert path.read_bytes() == b"\x7fELF cubin"
+    assert exits == [(C.shutil.rmtree, (tmp_path, True))]  # the folder goes at exit
+    assert path.parent == tmp_path and path.read_bytes() == b"\x7fELF cubin"
     assert C.compile_cubin("__global__ void k() {}", ("-DQMLA_X=2",), "sm_90a") != path  # options are in the name
 
 
