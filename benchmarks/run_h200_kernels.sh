@@ -47,6 +47,9 @@
 #       (probe_tmp/triton_before, probe_tmp/triton_s45 = git show 3779299:backends/triton/*.py, carried) at L4K,
 #       QUANTMLA_TRITON_PROTECT_ROWS 16/32/64 at H128 (CUDA graphs), the stop 43/44 test files, v5 four workers at
 #       d_c 256, the rest of Triton's real-shape conformance (S47_REAL_S seconds)
+#   bash benchmarks/run_h200_kernels.sh stop48   # Triton's protected-tile kernel on a side stream
+#       (QUANTMLA_TRITON_PROTECTED_STREAM): bit-identity on the GPU (eager and captured), CUDA graphs of 0 against 1
+#       twice over S48_SHAPES (FlashInfer BF16 in the process); then everything the stop47 mode runs
 #   bash benchmarks/run_h200_kernels.sh v6pair   # v6 as two-CTA clusters sharing each key tile (QUANTMLA_CUPY_V6_PAIR):
 #       conformance of forced pairs, CUDA graphs of 0 against 1 over V6PAIR_SHAPES, memcheck of the pairs
 #   bash benchmarks/run_h200_kernels.sh v6fold   # v6's slack maximum and RoPE fold (QUANTMLA_CUPY_V6_SLACK / _ROPE_FOLD):
@@ -61,6 +64,15 @@ MODE=${1:-check}
 OUT=${OUT:-/tmp/qm_out}
 source benchmarks/h200_setup.sh
 T="python3 -P -m pytest -q -p no:cacheprovider"
+if [ "$MODE" = stop48 ]; then
+  PS=QUANTMLA_TRITON_PROTECTED_STREAM
+  echo "=== Triton protected tiles on a side stream: bit-identical to one stream (eager and in a CUDA graph)"
+  timeout 150 $T -rfE tests/test_triton_backend.py tests/test_triton_launch_geometry.py -k "side_stream" 2>&1 | tail -3
+  echo "=== Triton protected tiles: one stream (0) against a side stream (1), twice (CUDA graphs; FlashInfer BF16)"
+  timeout 200 python3 -P benchmarks/graph_probe.py --backends triton --formats C4R4,C2R4 --settings "$PS=0;$PS=1;$PS=0;$PS=1" \
+    --shapes ${S48_SHAPES:-16x8x4096,16x32x4096,128x8x4096} --json "$OUT/graph_triton_side_stream.json" 2>&1 | grep -v "^{" | tail -30
+  MODE=stop47
+fi
 if [ "$MODE" = check ]; then
   echo "=== cupy v2 conformance"; timeout 190 $T tests/test_cupy_backend.py -x -k v2 2>&1 | tail -6 | tee "$OUT/cupy_v2.txt"
   echo "=== cuda graph capture"; timeout 90 $T tests/test_cupy_backend.py -k cuda_graph 2>&1 | tail -4

@@ -472,3 +472,35 @@ def test_wider_protected_row_blocks(block_r, variant):
     _attend_direct(case, "bfloat16" if GPU else "float32", variant=variant, overrides={"protect_block_r": block_r},
                    num_splits=2)
     assert LAST_LAUNCH["plan"].protect_block_r == block_r
+
+
+@pytest.mark.skipif(not GPU, reason="CUDA streams and graphs need a CUDA GPU")
+@pytest.mark.parametrize("heads", [16, 128])
+def test_protected_tiles_on_a_side_stream_are_bit_identical(heads, monkeypatch):
+    """``QUANTMLA_TRITON_PROTECTED_STREAM``: the protected-tile kernel on a second stream (eager, and forked inside a
+    captured CUDA graph, the default there) gives the one-stream call's outputs bit for bit."""
+    from quantmla_core.backends.triton import attention as A
+
+    case = Case(PackFormat.parse("C4R4"), (700, 2100, 90), heads=heads, sink=4, local=128, seed=93)
+    batch = build(case)
+    args = batch.to("cuda", "bfloat16")
+    cache = allocate(case, batch, "cuda")
+    qm.write(cache, args["latent"], args["k_rope"], slot_mapping=args["slot_mapping"], seq_ids=args["seq_ids"],
+             positions=args["positions"], seq_lens=args["seq_lens"], backend="torch")
+    call = A.prepare(cache, args["block_table"], args["attn_seq_lens"], args["attn_seq_ids"], len(case.lengths), 1,
+                     heads, torch.bfloat16, batch.softmax_scale)
+    q, r = args["q_latent"], args["q_rope"]
+    monkeypatch.setenv(A.PROTECTED_STREAM_ENV, "0")
+    one = call.run(q, r, cache)
+    monkeypatch.setenv(A.PROTECTED_STREAM_ENV, "1")
+    side = call.run(q, r, cache)
+    monkeypatch.delenv(A.PROTECTED_STREAM_ENV)
+    call.run(q, r, cache)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call.run(q, r, cache)
+    graph.replay()
+    torch.cuda.synchronize()
+    for got in (side, captured):
+        assert torch.equal(one[0], got[0]) and torch.equal(one[1], got[1])
+    check_attention_case(case, "torch", "triton", "cuda", "bfloat16")

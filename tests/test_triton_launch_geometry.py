@@ -13,8 +13,12 @@ from quantmla_core.backends.triton import attention as A
 from quantmla_core.testing import stub_triton_launcher
 
 
-def _prepare(monkeypatch, batch, heads, tokens, sink=4, local=128, fmt="C4R4"):
-    stub_triton_launcher(monkeypatch, sm_count=132)
+def _prepare(monkeypatch, batch, heads, tokens, sink=4, local=128, fmt="C4R4", launches=None):
+    """``A.prepare`` of ``batch`` requests of ``tokens`` tokens (kernels stubbed; their launches are recorded in
+    ``launches``, where given)."""
+    recorded = stub_triton_launcher(monkeypatch, sm_count=132)
+    if launches is not None:
+        launches.append(recorded)
     monkeypatch.delenv(A.VARIANT_ENV, raising=False)
     f = qm.PackFormat.parse(fmt)
     pages = tokens // f.page_size
@@ -66,3 +70,57 @@ def test_protect_rows_knob_refuses_other_values(monkeypatch):
     monkeypatch.setenv(A.PROTECT_ROWS_ENV, "48")
     with pytest.raises(ValueError, match=r"QUANTMLA_TRITON_PROTECT_ROWS: expected one of 16, 32, 64, got '48'"):
         _prepare(monkeypatch, 8, 128, 4096)
+
+
+def _run_recording_streams(monkeypatch, capturing: bool, sink=4, local=128) -> list:
+    """Run H16 B8 L4K's prepared call as on a CUDA device (kernels and streams stubbed) and return, in order, the
+    launches and the stream operations: ("fork",), ("on", stream) ... ("off", stream), ("join",)."""
+    import contextlib
+
+    found: list = []
+    call = _prepare(monkeypatch, 8, 16, 4096, sink=sink, local=local, launches=found)
+    events = found[0]  # the stubbed kernels record their launches here, the stream stubs beside them
+
+    @contextlib.contextmanager
+    def launching_on(side):
+        events.append(("on", side))
+        yield
+        events.append(("off", side))
+
+    monkeypatch.setattr(A, "_uses_cuda_streams", lambda dev: True)
+    monkeypatch.setattr(A, "graph_capturing", lambda: capturing)
+    monkeypatch.setattr(A, "fork_side_stream", lambda dev: events.append(("fork",)) or "side")
+    monkeypatch.setattr(A, "join_side_stream", lambda dev, side: events.append(("join", side)))
+    monkeypatch.setattr(A, "launching_on", launching_on)
+    q = torch.randn((8, 16, 512)).to(torch.bfloat16)
+    call.run(q, torch.randn((8, 16, 64)).to(torch.bfloat16), qm.MLACache.allocate(qm.PackFormat.parse("C4R4"), 8 * 64, 8, sink, local, device="cpu"))
+    return [e if e[0] in ("fork", "on", "off", "join") else e[0] for e in events]
+
+
+@pytest.mark.parametrize("env,capturing,side", [(None, True, True), (None, False, False), ("1", False, True),
+                                                ("0", True, False)])
+def test_protected_tiles_on_a_side_stream(monkeypatch, env, capturing, side):
+    """``QUANTMLA_TRITON_PROTECTED_STREAM`` (unset: under CUDA-graph capture): the protected-tile kernel runs on a
+    second stream forked before the split launch (a fork after it would wait for the split kernel), and the merge
+    is ordered after both."""
+    if env is None:
+        monkeypatch.delenv(A.PROTECTED_STREAM_ENV, raising=False)
+    else:
+        monkeypatch.setenv(A.PROTECTED_STREAM_ENV, env)
+    events = _run_recording_streams(monkeypatch, capturing)
+    if side:
+        assert events == [("fork",), ("on", "side"), "protect_kernel", ("off", "side"), "split_kernel_v2",
+                          ("join", "side"), "merge_kernel"]
+    else:
+        assert events == [("on", None), "protect_kernel", ("off", None), "split_kernel_v2", "merge_kernel"]
+
+
+def test_no_side_stream_without_protected_tiles(monkeypatch):
+    monkeypatch.setenv(A.PROTECTED_STREAM_ENV, "1")
+    assert _run_recording_streams(monkeypatch, True, sink=0, local=0) == ["split_kernel_v2", "merge_kernel"]
+
+
+def test_protected_stream_knob_refuses_other_values(monkeypatch):
+    monkeypatch.setenv(A.PROTECTED_STREAM_ENV, "yes")
+    with pytest.raises(ValueError, match=r"QUANTMLA_TRITON_PROTECTED_STREAM: expected 0 or 1, got 'yes'"):
+        _run_recording_streams(monkeypatch, True)

@@ -60,6 +60,8 @@ import torch
 from ...envvars import recording, snapshot
 from ..buffers import capturing as graph_capturing
 from ..buffers import carve, owned_by_call
+from ..streams import fork_side_stream as _fork_side_stream
+from ..streams import join_side_stream as _join_side_stream
 from . import current_stream_handle, external_stream, launch
 from .builds import COMBINE_THREADS
 from .knobs import V2Knobs, V3Knobs, V4Knobs, V5Knobs, V6Knobs, protected_on_side_stream
@@ -216,30 +218,6 @@ def _kernel_input(name: str, x: torch.Tensor, dtype: torch.dtype, capturing: boo
                          f"{dtype} tensor (a converted copy would not outlive the capture), got {x.dtype}"
                          f"{'' if x.is_contiguous() else ', non-contiguous'}{'' if aligned else ', misaligned'}")
     return x.to(dtype).contiguous() if x.dtype != dtype or not x.is_contiguous() else x.clone()
-
-
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def _side_stream(dev: int) -> torch.cuda.Stream:
-    """A second stream of device ``dev``, made once (one per device and process)."""
-    s = _SIDE_STREAMS.get(dev)
-    if s is None:
-        with _LOCK:
-            s = _SIDE_STREAMS.setdefault(dev, torch.cuda.Stream(dev))
-    return s
-
-
-def _fork_side_stream(dev: int) -> torch.cuda.Stream:
-    """The side stream of ``dev``, ordered after the work queued so far on the current stream."""
-    side = _side_stream(dev)
-    side.wait_stream(torch.cuda.current_stream(dev))
-    return side
-
-
-def _join_side_stream(dev: int, side: torch.cuda.Stream) -> None:
-    """Order the current stream's next work after everything queued on ``side``."""
-    torch.cuda.current_stream(dev).wait_stream(side)
 
 
 @dataclass(frozen=True)

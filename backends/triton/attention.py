@@ -16,6 +16,7 @@ import torch
 from ...envvars import getenv
 from ..buffers import capturing as graph_capturing
 from ..buffers import carve
+from ..streams import fork_side_stream, join_side_stream, launching_on
 from . import interpreting, slice_width
 from .attention_kernel import merge_kernel, protect_kernel, split_kernel
 from .attention_v2_kernel import split_kernel_v2
@@ -32,6 +33,9 @@ VARIANTS = ("auto", "v1", "v2", "v3")
 #: query rows a program of the protected-tile kernel attends (a measurement knob, read on every call; unset: the
 #: plan's 16, see heuristics.PROTECT_ROWS_CHOICES)
 PROTECT_ROWS_ENV = "QUANTMLA_TRITON_PROTECT_ROWS"
+#: "1": the protected-tile kernel runs on a second stream beside the split kernel, "0": after it on the caller's
+#: stream; unset: on the second stream under CUDA-graph capture only (read on every call; bit-identical either way)
+PROTECTED_STREAM_ENV = "QUANTMLA_TRITON_PROTECTED_STREAM"
 _KERNELS = {"v1": split_kernel, "v2": split_kernel_v2, "v3": split_kernel_v3}
 _PLANNERS = {"v1": plan, "v2": plan_v2, "v3": plan_v3}
 
@@ -288,15 +292,22 @@ class PreparedCall:
         o_part, lse_part, o_prot, lse_prot = next(made), next(made), next(made), next(made)
         o_flat = next(made) if out is None else _given("out", out).view(b, rows, dc)
         l_flat = next(made) if lse is None else _given("lse", lse).view(b, rows)
+        side = None
+        if npt:  # forked before the split launch, so that the side stream does not wait for it
+            if _uses_cuda_streams(self.device) and _protect_on_side_stream(graph_capturing()):
+                side = fork_side_stream(self.device.index)
+            pargs = _protect_args(q, qr, cache, self.seq_lens, self.seq_ids, o_prot, lse_prot, self.scale_log2, rows,
+                                  self.heads, self.q_len, npt, self.protect_tiles)
+            with launching_on(side):
+                LAST_LAUNCH["protect"] = protect_kernel[self.protect_grid](*pargs, **self.protect_consts,
+                                                                           **self.protect_dims)
+        else:  # no sink or local tokens: the merge reads no protected partial (any pointer will do)
+            o_prot, lse_prot = o_part, lse_part
         args = _split_args(q, qr, cache, self.block_table, self.seq_lens, o_part, lse_part, self.scale_log2, rows,
                            self.heads, self.q_len, pl.num_splits)
         LAST_LAUNCH["split"] = _KERNELS[self.variant][self.split_grid](*args, **self.split_consts, **self.split_dims)
-        if npt:
-            pargs = _protect_args(q, qr, cache, self.seq_lens, self.seq_ids, o_prot, lse_prot, self.scale_log2, rows,
-                                  self.heads, self.q_len, npt, self.protect_tiles)
-            LAST_LAUNCH["protect"] = protect_kernel[self.protect_grid](*pargs, **self.protect_consts, **self.protect_dims)
-        else:  # no sink or local tokens: the merge reads no protected partial (any pointer will do)
-            o_prot, lse_prot = o_part, lse_part
+        if side is not None:
+            join_side_stream(self.device.index, side)
         margs = (o_part, lse_part, o_prot, lse_prot, o_flat, l_flat, rows, pl.num_splits, npt)
         LAST_LAUNCH["merge"] = merge_kernel[self.merge_grid](*margs, **self.merge_consts, **self.merge_dims)
         lead = q_latent.shape[:-1]
@@ -315,6 +326,22 @@ def _protect_args(q, qr, cache, seq_lens, seq_ids, o_prot, lse_prot, scale_log2:
     """The protected-tile kernel's positional arguments (tensors, or their dtypes for a warm-up build)."""
     return (q, qr, ptr_or_dummy(cache.sink_buf), ptr_or_dummy(cache.local_buf), seq_lens, seq_ids, o_prot, lse_prot,
             cache.max_seqs, scale_log2, rows, heads, s_q, cache.sink, cache.local, parts, tiles)
+
+
+def _uses_cuda_streams(device: torch.device) -> bool:
+    """Whether launches on ``device`` go to CUDA streams (not under the interpreter, whose tensors are on the CPU)."""
+    return device.type == "cuda"
+
+
+def _protect_on_side_stream(capturing: bool) -> bool:
+    """``$QUANTMLA_TRITON_PROTECTED_STREAM`` ("0"/"1"); unset: ``capturing`` (a fork costs host time an eager call
+    pays, and a CUDA graph does not)."""
+    raw = getenv(PROTECTED_STREAM_ENV, "").strip()
+    if not raw:
+        return capturing
+    if raw not in ("0", "1"):
+        raise ValueError(f"{PROTECTED_STREAM_ENV}: expected 0 or 1, got {raw!r}")
+    return raw == "1"
 
 
 def _protect_rows_from_env(pl: AttentionPlan, overrides: dict | None) -> AttentionPlan:
