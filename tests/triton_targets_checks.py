@@ -61,7 +61,7 @@ def test_every_kernel_builds_for_mi300x(fmt_name, heads, split):
     Triton: nothing NVIDIA-only on the default path); the split and protected-tile kernels' dots become MFMA
     instructions."""
     launches = ob.launches_of(fmt_name, heads)
-    assert _names(launches) == ["write", split, "protect", "merge"]
+    assert _names(launches) == ["write", "protect", split, "merge"]
     for launch in launches:
         res = ob.amd_resources(ob.compile_launch(launch, MI300X))
         print(fmt_name, heads, launch.name, res)
@@ -154,23 +154,23 @@ def test_launcher_runs_v2_where_v3_does_not_fit(monkeypatch):
     """At 128 heads auto runs v3, which needs 115 KB of shared memory on NVIDIA: on a 99 KB device (sm_86) it runs
     v2; forced, v3 says why it cannot run."""
     _fake_device(monkeypatch, GPUTarget("cuda", 86, 32), 101376)
-    assert _names(ob.launches_of("C4R4", 128)) == ["write", "split_v2", "protect", "merge"]
+    assert _names(ob.launches_of("C4R4", 128)) == ["write", "protect", "split_v2", "merge"]
     monkeypatch.setenv(att.VARIANT_ENV, "v3")
     with pytest.raises(ValueError, match=r"=v3: kernel v3 needs \d+ B of shared memory a block, this GPU gives 101376 B "
                                          r"for C4R4"):
         ob.launches_of("C4R4", 128)
     _fake_device(monkeypatch, *HOPPER)
     monkeypatch.delenv(att.VARIANT_ENV)
-    assert _names(ob.launches_of("C4R4", 128)) == ["write", "split_v3", "protect", "merge"]
+    assert _names(ob.launches_of("C4R4", 128)) == ["write", "protect", "split_v3", "merge"]
 
 
 def test_launcher_runs_v2_where_v3_overflows_tensor_memory(monkeypatch):
     """On a B200 auto runs v2 at 128 heads over packed pages and v1 over BF16 pages (v3 would trap), v3 at d_c 256
     where it fits (512 columns); forced, v3 says why it cannot run."""
     _fake_device(monkeypatch, B200, 232448, TMEM_COLUMNS)
-    assert _names(ob.launches_of("C4R4", 128)) == ["write", "split_v2", "protect", "merge"]
-    assert _names(ob.launches_of("BF16", 128)) == ["write", "split_v1", "protect", "merge"]
-    assert _names(ob.launches_of("C4R4", 128, latent_dim=256, rope_dim=32)) == ["write", "split_v3", "protect", "merge"]
+    assert _names(ob.launches_of("C4R4", 128)) == ["write", "protect", "split_v2", "merge"]
+    assert _names(ob.launches_of("BF16", 128)) == ["write", "protect", "split_v1", "merge"]
+    assert _names(ob.launches_of("C4R4", 128, latent_dim=256, rope_dim=32)) == ["write", "protect", "split_v3", "merge"]
     monkeypatch.setenv(att.VARIANT_ENV, "v3")
     with pytest.raises(ValueError, match=r"=v3: kernel v3 needs \d+ columns of tensor memory, an SM has 512 for C2R4"):
         ob.launches_of("C2R4", 128)
@@ -182,9 +182,10 @@ def test_wide_vectors_fit_the_protect_on_hopper_and_name_v1_on_a100(monkeypatch)
     instead of Triton's OutOfResources at launch."""
     _fake_device(monkeypatch, *HOPPER)
     launches = ob.launches_of("C4R4", 16, latent_dim=1024, rope_dim=64)
-    assert _names(launches) == ["write", "split_v2", "protect", "merge"]
-    assert launches[-2].constexprs["BLOCK_T"] == 16
-    assert all(_needs(ob.compile_launch(launch, HOPPER[0]))[0] <= HOPPER[1] for launch in launches[-2:])
+    assert _names(launches) == ["write", "protect", "split_v2", "merge"]
+    protect, merge = launches[1], launches[-1]
+    assert protect.constexprs["BLOCK_T"] == 16
+    assert all(_needs(ob.compile_launch(launch, HOPPER[0]))[0] <= HOPPER[1] for launch in (protect, merge))
     _fake_device(monkeypatch, *A100)
     with pytest.raises(ValueError, match=r"Triton kernel v1 needs \d+ B of shared memory a block, this GPU gives 166912 B "
                                          r"for BF16"):
@@ -215,11 +216,11 @@ def test_auto_runs_v3_on_hopper_only(monkeypatch):
     """Off Hopper auto runs v2 over packed pages and v1 over BF16 pages at 128 heads (v3's dots are not warpgroup MMAs
     there); a forced v3 still runs where it fits."""
     monkeypatch.setattr(att, "v3_suits", lambda device: False)
-    assert _names(ob.launches_of("C4R4", 128)) == ["write", "split_v2", "protect", "merge"]
-    assert _names(ob.launches_of("BF16", 128)) == ["write", "split_v1", "protect", "merge"]
+    assert _names(ob.launches_of("C4R4", 128)) == ["write", "protect", "split_v2", "merge"]
+    assert _names(ob.launches_of("BF16", 128)) == ["write", "protect", "split_v1", "merge"]
     assert _split_launch("C4R4", 128, "v3", monkeypatch).name == "split_v3"
     monkeypatch.undo()
-    assert _names(ob.launches_of("C4R4", 128)) == ["write", "split_v3", "protect", "merge"]  # the control
+    assert _names(ob.launches_of("C4R4", 128)) == ["write", "protect", "split_v3", "merge"]  # the control
 
 
 @pytest.mark.parametrize("capability, hip, hopper", [((9, 0), None, True), ((8, 0), None, False),
