@@ -50,6 +50,9 @@
 #   bash benchmarks/run_h200_kernels.sh stop48   # Triton's protected-tile kernel on a side stream
 #       (QUANTMLA_TRITON_PROTECTED_STREAM): bit-identity on the GPU (eager and captured), CUDA graphs of 0 against 1
 #       twice over S48_SHAPES (FlashInfer BF16 in the process); then everything the stop47 mode runs
+#   bash benchmarks/run_h200_kernels.sh stop48b  # the Triton merge in one pass: GPU conformance of the merge, then each
+#       kernel's device time and the call as a CUDA graph in the tree before it (probe_tmp/triton_s47 = git show
+#       245c658:backends/triton/*.py, carried) and this one, twice, over S48_SHAPES; Triton real shapes (S48_REAL_S)
 #   bash benchmarks/run_h200_kernels.sh v6pair   # v6 as two-CTA clusters sharing each key tile (QUANTMLA_CUPY_V6_PAIR):
 #       conformance of forced pairs, CUDA graphs of 0 against 1 over V6PAIR_SHAPES, memcheck of the pairs
 #   bash benchmarks/run_h200_kernels.sh v6fold   # v6's slack maximum and RoPE fold (QUANTMLA_CUPY_V6_SLACK / _ROPE_FOLD):
@@ -318,6 +321,19 @@ elif [ "$MODE" = stop47 ]; then
   timeout 90 $T tests/test_cupy_v5.py -k "v5_matches_reference and dc256 and -4]" 2>&1 | tail -2
   echo "=== Triton conformance at real shapes, split counts, declared dims"
   timeout ${S47_REAL_S:-150} $T -rfE tests/test_triton_backend.py -k "real_shapes or split_counts or declared_dims" 2>&1 | tail -4
+elif [ "$MODE" = stop48b ]; then
+  echo "=== Triton merge in one pass: conformance on the GPU"
+  timeout 150 $T -rfE tests/test_triton_backend.py -k "merge or poisoned or side_stream or split_counts" 2>&1 | tail -4
+  rm -rf /tmp/qm_s47 && cp -r /tmp/qm /tmp/qm_s47 && cp probe_tmp/triton_s47/*.py /tmp/qm_s47/quantmla_core/backends/triton/
+  for run in s47 after s47 after; do
+    [ $run = after ] && P=$PYTHONPATH || P=${PYTHONPATH/\/tmp\/qm:/\/tmp\/qm_$run:}
+    echo "=== Triton $run: each kernel's device time (torch.profiler), the call as a CUDA graph, FlashInfer BF16"
+    PYTHONPATH=$P timeout 100 python3 -P benchmarks/kernel_times.py --backends triton --formats C4R4 \
+      --shapes ${S48_SHAPES:-128x8x4096,16x8x4096,16x32x32768} --json "$OUT/kernel_times_triton_${run}_$SECONDS.json" 2>&1 \
+      | grep -v "^{\|profiler" | tail -30
+  done
+  echo "=== Triton conformance at real shapes, split counts, declared dims"
+  timeout ${S48_REAL_S:-150} $T -rfE tests/test_triton_backend.py -k "real_shapes or declared_dims" 2>&1 | tail -4
 elif [ "$MODE" = v6pair ]; then
   echo "=== v6 pairs: one small case first (a hang or a failure stops here)"; timeout 120 $T tests/test_cupy_v6.py \
     -k "v6_pair_matches and L64_128_192" 2>&1 | tail -2 | tee "$OUT/v6_pair_first.txt"

@@ -341,6 +341,29 @@ def test_merge_over_many_splits_and_protected_tiles(fmt_name, splits, sink, loca
     _attend_direct(Case(fmt, (260, 40), heads=3, s_q=4, sink=sink, local=local, seed=splits + 1), num_splits=splits)
 
 
+def test_merge_reads_poisoned_scratch_safely(monkeypatch):
+    """The partials' scratch filled with NaN before every call (torch.empty may hold anything): every slot the merge
+    weighs is written first or weighs nothing (empty splits, parts past the protected tokens), so the result still
+    matches the reference. Forced splits leave some splits empty; S_q 3 masks some rows' tiles."""
+    from quantmla_core.backends.triton import attention as A
+
+    real = A.carve
+
+    def poisoned(specs, device):
+        return [t.fill_(float("nan")) if t.is_floating_point() else t for t in real(specs, device)]
+
+    monkeypatch.setattr(A, "carve", poisoned)
+    fmt = PackFormat.parse("C4R4", latent_dim=256, rope_dim=32)
+    _attend_direct(Case(fmt, (300, 5, 70), heads=3, s_q=3, sink=4, local=20, seed=44), num_splits=9)
+
+
+def test_merge_load_width():
+    from quantmla_core.backends.triton.heuristics import MERGE_SPLITS_A_LOAD, merge_load_width
+
+    assert [merge_load_width(n) for n in (0, 1, 2, 3, 5, 8, 9, 16, 17, 64)] == [2, 2, 2, 4, 8, 8, 16, 16, 16, 16]
+    assert MERGE_SPLITS_A_LOAD == 16
+
+
 def test_protect_parts_rule():
     """Protected tiles spread over the parts that take the fewest tile-times (waves x tiles a part, fewer parts on a
     tie), one part (one partial) where the requests and row blocks fill the GPU alone, never an empty part."""
@@ -477,8 +500,8 @@ def test_wider_protected_row_blocks(block_r, variant):
 @pytest.mark.skipif(not GPU, reason="CUDA streams and graphs need a CUDA GPU")
 @pytest.mark.parametrize("heads", [16, 128])
 def test_protected_tiles_on_a_side_stream_are_bit_identical(heads, monkeypatch):
-    """``QUANTMLA_TRITON_PROTECTED_STREAM``: the protected-tile kernel on a second stream (eager, and forked inside a
-    captured CUDA graph, the default there) gives the one-stream call's outputs bit for bit."""
+    """``QUANTMLA_TRITON_PROTECTED_STREAM=1``: the protected-tile kernel on a second stream (eager, and forked inside a
+    captured CUDA graph) gives the one-stream call's outputs bit for bit."""
     from quantmla_core.backends.triton import attention as A
 
     case = Case(PackFormat.parse("C4R4"), (700, 2100, 90), heads=heads, sink=4, local=128, seed=93)
@@ -487,14 +510,13 @@ def test_protected_tiles_on_a_side_stream_are_bit_identical(heads, monkeypatch):
     cache = allocate(case, batch, "cuda")
     qm.write(cache, args["latent"], args["k_rope"], slot_mapping=args["slot_mapping"], seq_ids=args["seq_ids"],
              positions=args["positions"], seq_lens=args["seq_lens"], backend="torch")
-    call = A.prepare(cache, args["block_table"], args["attn_seq_lens"], args["attn_seq_ids"], len(case.lengths), 1,
+    call = A.prepare(cache, args["block_table"], args["attn_seq_lens"], args["attn_seq_ids"], len(case.lens), 1,
                      heads, torch.bfloat16, batch.softmax_scale)
     q, r = args["q_latent"], args["q_rope"]
     monkeypatch.setenv(A.PROTECTED_STREAM_ENV, "0")
     one = call.run(q, r, cache)
     monkeypatch.setenv(A.PROTECTED_STREAM_ENV, "1")
     side = call.run(q, r, cache)
-    monkeypatch.delenv(A.PROTECTED_STREAM_ENV)
     call.run(q, r, cache)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

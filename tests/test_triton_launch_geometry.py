@@ -97,11 +97,11 @@ def _run_recording_streams(monkeypatch, capturing: bool, sink=4, local=128) -> l
     return [e if e[0] in ("fork", "on", "off", "join") else e[0] for e in events]
 
 
-@pytest.mark.parametrize("env,capturing,side", [(None, True, True), (None, False, False), ("1", False, True),
-                                                ("0", True, False)])
+@pytest.mark.parametrize("env,capturing,side", [(None, True, False), (None, False, False), ("1", False, True),
+                                                ("1", True, True), ("0", True, False)])
 def test_protected_tiles_on_a_side_stream(monkeypatch, env, capturing, side):
-    """``QUANTMLA_TRITON_PROTECTED_STREAM`` (unset: under CUDA-graph capture): the protected-tile kernel runs on a
-    second stream forked before the split launch (a fork after it would wait for the split kernel), and the merge
+    """``QUANTMLA_TRITON_PROTECTED_STREAM=1`` (unset: one stream, eager or captured): the protected-tile kernel runs on
+    a second stream forked before the split launch (a fork after it would wait for the split kernel), and the merge
     is ordered after both."""
     if env is None:
         monkeypatch.delenv(A.PROTECTED_STREAM_ENV, raising=False)

@@ -22,10 +22,11 @@ from .attention_kernel import merge_kernel, protect_kernel, split_kernel
 from .attention_v2_kernel import split_kernel_v2
 from .attention_v3_kernel import split_kernel_v3
 from .common import launch_dims, page_layout_constexprs, ptr_or_dummy
-from .heuristics import (INTERPRETER_SM_COUNT, MERGE_BLOCK_C, MERGE_BLOCK_R, MERGE_SPLITS_A_LOAD, MERGE_WARPS,
+from .heuristics import (INTERPRETER_SM_COUNT, MERGE_BLOCK_C, MERGE_BLOCK_R, MERGE_WARPS,
                          PROTECT_STAGES, TMEM_COLUMNS, V2_FLOAT32_ON_GPU, V2_HOLD_RAW, V2_ZSUB, V3_BLOCK_N,
                          V3_BLOCK_R, V3_MIN_ROWS, V3_NUM_STAGES, V3_NUM_WARPS, V3_PREFETCH, AttentionPlan, DeviceLimits,
-                         PROTECT_ROWS_CHOICES, plan, plan_v2, plan_v3, planned_shared_max, protect_parts)
+                         PROTECT_ROWS_CHOICES, merge_load_width, plan, plan_v2, plan_v3, planned_shared_max,
+                         protect_parts)
 
 #: environment variable choosing the split kernel ("auto" default, "v1", "v2", "v3"); read on every call
 VARIANT_ENV = "QUANTMLA_TRITON_ATTENTION"
@@ -33,8 +34,9 @@ VARIANTS = ("auto", "v1", "v2", "v3")
 #: query rows a program of the protected-tile kernel attends (a measurement knob, read on every call; unset: the
 #: plan's 16, see heuristics.PROTECT_ROWS_CHOICES)
 PROTECT_ROWS_ENV = "QUANTMLA_TRITON_PROTECT_ROWS"
-#: "1": the protected-tile kernel runs on a second stream beside the split kernel, "0": after it on the caller's
-#: stream; unset: on the second stream under CUDA-graph capture only (read on every call; bit-identical either way)
+#: "1": the protected-tile kernel runs on a second stream beside the split kernel (bit-identical); "0" or unset: on the
+#: caller's stream (read on every call). A measurement knob: as CUDA graphs on an H100 (stop 48) the fork made H16 B8
+#: L4K 24 % slower (49.3 -> 61.4 us) and H128 B8 L4K no faster
 PROTECTED_STREAM_ENV = "QUANTMLA_TRITON_PROTECTED_STREAM"
 _KERNELS = {"v1": split_kernel, "v2": split_kernel_v2, "v3": split_kernel_v3}
 _PLANNERS = {"v1": plan, "v2": plan_v2, "v3": plan_v3}
@@ -294,7 +296,7 @@ class PreparedCall:
         l_flat = next(made) if lse is None else _given("lse", lse).view(b, rows)
         side = None
         if npt:  # forked before the split launch, so that the side stream does not wait for it
-            if _uses_cuda_streams(self.device) and _protect_on_side_stream(graph_capturing()):
+            if _uses_cuda_streams(self.device) and _protect_on_side_stream():
                 side = fork_side_stream(self.device.index)
             pargs = _protect_args(q, qr, cache, self.seq_lens, self.seq_ids, o_prot, lse_prot, self.scale_log2, rows,
                                   self.heads, self.q_len, npt, self.protect_tiles)
@@ -333,13 +335,10 @@ def _uses_cuda_streams(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def _protect_on_side_stream(capturing: bool) -> bool:
-    """``$QUANTMLA_TRITON_PROTECTED_STREAM`` ("0"/"1"); unset: ``capturing`` (a fork costs host time an eager call
-    pays, and a CUDA graph does not)."""
+def _protect_on_side_stream() -> bool:
+    """``$QUANTMLA_TRITON_PROTECTED_STREAM`` is "1" ("0" or unset: one stream; anything else is refused)."""
     raw = getenv(PROTECTED_STREAM_ENV, "").strip()
-    if not raw:
-        return capturing
-    if raw not in ("0", "1"):
+    if raw not in ("", "0", "1"):
         raise ValueError(f"{PROTECTED_STREAM_ENV}: expected 0 or 1, got {raw!r}")
     return raw == "1"
 
@@ -431,7 +430,8 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
                               rows, heads, q_len, 2, 2)
         _check_protect_fits(pargs, pconsts, pl.protect_warps, fmt, dev, limits)
     block_c = min(MERGE_BLOCK_C, dc)
-    mconsts = dict(Q_BF16=q_bf16, DC=dc, BLOCK_R=MERGE_BLOCK_R, BLOCK_C=block_c, SC=MERGE_SPLITS_A_LOAD)
+    mconsts = dict(Q_BF16=q_bf16, DC=dc, BLOCK_R=MERGE_BLOCK_R, BLOCK_C=block_c, SC=merge_load_width(pl.num_splits),
+                   SCP=merge_load_width(parts))
     partial_specs = tuple((shape, torch.float32) for shape in (
         (b, pl.num_splits, rows, dc), (b, pl.num_splits, rows), (b, parts, rows, dc), (b, parts, rows)))
     return PreparedCall(variant, pl, b, q_len, heads, dev, block_table, seq_lens, seq_ids, scale_log2, partial_specs,

@@ -339,30 +339,26 @@ def protect_kernel(
 
 
 @triton.jit
-def _partials_max(lse_ptr, b, NS, R, rows, row_ok, m, SC: tl.constexpr):
-    """``m`` [BLOCK_R] raised to the largest log2-sum-exp of the ``NS`` partials of request b (float32 [B, NS, R])."""
+def _merge_partials(o_ptr, lse_ptr, b, NS, R, rows, row_ok, cols, m, l, acc, DC: tl.constexpr, SC: tl.constexpr):
+    """Fold the ``NS`` partials of request b (o float32 [B, NS, R, DC], lse float32 [B, NS, R], log2 units) into the
+    running merge of query rows ``rows``: ``m`` [BLOCK_R] the largest log2-sum-exp so far, ``l`` [BLOCK_R] the weights'
+    sum and ``acc`` [BLOCK_R, BLOCK_C] the weighted outputs' channels ``cols``, both relative to 2^m. SC partials a
+    step, their lse and outputs loaded together (neither load waits for the other). Every slot read was written: an
+    empty split stores zeros and lse -inf."""
     for s0 in range(0, NS, SC):
         s = s0 + tl.arange(0, SC)
-        offs = (b.to(tl.int64) * NS + s[:, None]) * R + rows[None, :]
-        lse = tl.load(lse_ptr + offs, mask=(s < NS)[:, None] & row_ok[None, :], other=float("-inf"))
-        m = tl.maximum(m, tl.max(lse, axis=0))
-    return m
-
-
-@triton.jit
-def _partials_sum(o_ptr, lse_ptr, b, NS, R, rows, row_ok, cols, m_safe, l, acc, DC: tl.constexpr, SC: tl.constexpr):
-    """(l, acc) plus the ``NS`` partials of request b weighted by 2^(lse - m_safe): ``l`` [BLOCK_R] their weights,
-    ``acc`` [BLOCK_R, BLOCK_C] their outputs' channels ``cols`` (o float32 [B, NS, R, DC]). SC partials a load."""
-    for s0 in range(0, NS, SC):
-        s = s0 + tl.arange(0, SC)
-        part = (b.to(tl.int64) * NS + s[:, None]) * R + rows[None, :]  # [SC, BLOCK_R]
-        lse = tl.load(lse_ptr + part, mask=(s < NS)[:, None] & row_ok[None, :], other=float("-inf"))
+        ok = (s < NS)[:, None] & row_ok[None, :]  # [SC, BLOCK_R]
+        part = (b.to(tl.int64) * NS + s[:, None]) * R + rows[None, :]
+        lse = tl.load(lse_ptr + part, mask=ok, other=float("-inf"))
+        o = tl.load(o_ptr + part[:, :, None] * DC + cols[None, None, :], mask=ok[:, :, None], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)  # 0 while nothing was merged (m = -inf)
         w = tl.exp2(lse - m_safe[None, :])
-        o = tl.load(o_ptr + part[:, :, None] * DC + cols[None, None, :], mask=(lse > float("-inf"))[:, :, None],
-                    other=0.0)
-        l += tl.sum(w, axis=0)
-        acc += tl.sum(w[:, :, None] * o, axis=0)
-    return l, acc
+        l = l * alpha + tl.sum(w, axis=0)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, axis=0)
+        m = m_new
+    return m, l, acc
 
 
 @triton.jit
@@ -381,9 +377,11 @@ def merge_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
     SC: tl.constexpr,
+    SCP: tl.constexpr,
 ):
     """Program (b, rb, cb): channels ``cb * BLOCK_C ..`` of query rows block rb of request b, merged over the
-    splits' and protected tiles' partials by log-sum-exp; ``lse`` (natural log) from the programs with cb = 0."""
+    splits' partials (SC a load) and the protected parts' (SCP a load) by log-sum-exp in one pass; ``lse`` (natural
+    log) from the programs with cb = 0."""
     b = tl.program_id(0)
     rb = tl.program_id(1)
     cb = tl.program_id(2)
@@ -391,13 +389,10 @@ def merge_kernel(
     row_ok = rows < R
     cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    m = _partials_max(lse_part_ptr, b, NSPLIT, R, rows, row_ok, m, SC)
-    m = _partials_max(lse_prot_ptr, b, NPT, R, rows, row_ok, m, SC)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
     l = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
-    l, acc = _partials_sum(o_part_ptr, lse_part_ptr, b, NSPLIT, R, rows, row_ok, cols, m_safe, l, acc, DC, SC)
-    l, acc = _partials_sum(o_prot_ptr, lse_prot_ptr, b, NPT, R, rows, row_ok, cols, m_safe, l, acc, DC, SC)
+    m, l, acc = _merge_partials(o_part_ptr, lse_part_ptr, b, NSPLIT, R, rows, row_ok, cols, m, l, acc, DC, SC)
+    m, l, acc = _merge_partials(o_prot_ptr, lse_prot_ptr, b, NPT, R, rows, row_ok, cols, m, l, acc, DC, SCP)
     l_safe = tl.where(l > 0.0, l, 1.0)
     out_offs = (b.to(tl.int64) * R + rows[:, None]) * DC + cols[None, :]
     store_f32(out_ptr, out_offs, acc / l_safe[:, None], row_ok[:, None], Q_BF16)

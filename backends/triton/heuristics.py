@@ -65,13 +65,24 @@ PROTECT_CTAS_PER_SM = 1
 FP32_MAX_BLOCK_N = 16
 FP32_NUM_STAGES = 1
 #: the merge kernel (``attention_kernel.merge_kernel``): a program merges MERGE_BLOCK_R query rows x MERGE_BLOCK_C
-#: channels of one request, reading MERGE_SPLITS_A_LOAD partials with one load ([16, 16, 32] float32: 64 registers a
-#: thread over 4 warps), so a request's 32 splits (H16 B8 L4K) and 5 protected tiles are three dependent round trips
-#: on 16 programs per request and row block (d_c 512), where the combine it replaced made 37 on one
+#: channels of one request in one pass (a running maximum), reading up to MERGE_SPLITS_A_LOAD partials with one load
+#: ([16, 16, 32] float32: 64 registers a thread over 4 warps) and their log-sum-exps beside it (:func:`merge_load_width`).
+#: H16 B8 L4K's 32 splits and 9 protected parts are then three round trips to memory. Its first form (stop 45) found
+#: the maximum first and loaded each output after its weight: nine round trips there, six at H128 B8 L4K (8 splits,
+#: 2 parts), where it took 36.3 us of a 227 us call (H100, stop 48: ~0.6 TB/s of partials)
 MERGE_BLOCK_R = 16
 MERGE_BLOCK_C = 32
 MERGE_SPLITS_A_LOAD = 16
 MERGE_WARPS = 4
+
+
+def merge_load_width(partials: int) -> int:
+    """Partials the merge loads at a time from a source of ``partials`` (splits or protected parts): the power of two
+    that covers them, 2 to :data:`MERGE_SPLITS_A_LOAD` (fewer masked lanes where a source is short)."""
+    width = 2
+    while width < min(partials, MERGE_SPLITS_A_LOAD):
+        width *= 2
+    return width
 #: a bound on the shared memory a block any planned launch needs at d_c <= 512 and d_r <= 64: the combine kernel's
 #: 166,912 B on NVIDIA at 512 / 64 until stop 45 (offline builds, triton 3.7.1); its successors need less (the
 #: protected-tile kernel 32,768 B at 16 tokens, the merge 1,024 B, stop 45), and the bound stays. Devices that give a
