@@ -325,6 +325,7 @@ elif [ "$MODE" = stop48b ]; then
   echo "=== Triton merge in one pass: conformance on the GPU"
   timeout 150 $T -rfE tests/test_triton_backend.py -k "merge or poisoned or side_stream or split_counts" 2>&1 | tail -4
   rm -rf /tmp/qm_s47 && cp -r /tmp/qm /tmp/qm_s47 && cp probe_tmp/triton_s47/*.py /tmp/qm_s47/quantmla_core/backends/triton/
+  export QUANTMLA_TRITON_PROTECTED_STREAM=0  # one stream in both trees (245c658 forked under capture by default)
   for run in s47 after s47 after; do
     [ $run = after ] && P=$PYTHONPATH || P=${PYTHONPATH/\/tmp\/qm:/\/tmp\/qm_$run:}
     echo "=== Triton $run: each kernel's device time (torch.profiler), the call as a CUDA graph, FlashInfer BF16"
