@@ -326,13 +326,21 @@ elif [ "$MODE" = stop48b ]; then
   timeout 150 $T -rfE tests/test_triton_backend.py -k "merge or poisoned or side_stream or split_counts" 2>&1 | tail -4
   rm -rf /tmp/qm_s47 && cp -r /tmp/qm /tmp/qm_s47 && cp probe_tmp/triton_s47/*.py /tmp/qm_s47/quantmla_core/backends/triton/
   export QUANTMLA_TRITON_PROTECTED_STREAM=0  # one stream in both trees (245c658 forked under capture by default)
-  for run in s47 after s47 after; do
-    [ $run = after ] && P=$PYTHONPATH || P=${PYTHONPATH/\/tmp\/qm:/\/tmp\/qm_$run:}
-    echo "=== Triton $run: each kernel's device time (torch.profiler), the call as a CUDA graph, FlashInfer BF16"
-    PYTHONPATH=$P timeout 100 python3 -P benchmarks/kernel_times.py --backends triton --formats C4R4 \
-      --shapes ${S48_SHAPES:-128x8x4096,16x8x4096,16x32x32768} --json "$OUT/kernel_times_triton_${run}_$SECONDS.json" 2>&1 \
-      | grep -v "^{\|profiler" | tail -30
-  done
+  kt() {
+    for run in s47 after; do
+      [ $run = after ] && P=$PYTHONPATH || P=${PYTHONPATH/\/tmp\/qm:/\/tmp\/qm_$run:}
+      echo "=== Triton $run: each kernel's device time (torch.profiler), the call as a CUDA graph, FlashInfer BF16"
+      PYTHONPATH=$P timeout 100 python3 -P benchmarks/kernel_times.py --backends triton --formats C4R4 \
+        --shapes ${S48_SHAPES:-128x8x4096,16x8x4096,16x32x32768} --json "$OUT/kernel_times_triton_${run}_$SECONDS.json" \
+        2>&1 | grep -v "^{\|profiler" | tail -30
+    done
+  }
+  kt
+  R=QUANTMLA_TRITON_PROTECT_ROWS
+  echo "=== Triton protected rows a program 16 against 64, twice (CUDA graphs, one stream; FlashInfer BF16 in the process)"
+  timeout 120 python3 -P benchmarks/graph_probe.py --backends triton --formats C4R4 --settings "$R=16;$R=64;$R=16;$R=64" \
+    --shapes 128x8x4096,128x32x4096 --json "$OUT/graph_protect_rows_one_stream.json" 2>&1 | grep -v "^{" | tail -10
+  kt
   echo "=== Triton conformance at real shapes, split counts, declared dims"
   timeout ${S48_REAL_S:-150} $T -rfE tests/test_triton_backend.py -k "real_shapes or declared_dims" 2>&1 | tail -4
 elif [ "$MODE" = v6pair ]; then
