@@ -83,6 +83,8 @@ def merge_load_width(partials: int) -> int:
     while width < min(partials, MERGE_SPLITS_A_LOAD):
         width *= 2
     return width
+
+
 #: a bound on the shared memory a block any planned launch needs at d_c <= 512 and d_r <= 64: the combine kernel's
 #: 166,912 B on NVIDIA at 512 / 64 until stop 45 (offline builds, triton 3.7.1); its successors need less (the
 #: protected-tile kernel 32,768 B at 16 tokens, the merge 1,024 B, stop 45), and the bound stays. Devices that give a
