@@ -69,7 +69,8 @@ FP32_NUM_STAGES = 1
 #: ([16, 16, 32] float32: 64 registers a thread over 4 warps) and their log-sum-exps beside it (:func:`merge_load_width`).
 #: H16 B8 L4K's 32 splits and 9 protected parts are then three round trips to memory. Its first form (stop 45) found
 #: the maximum first and loaded each output after its weight: nine round trips there, six at H128 B8 L4K (8 splits,
-#: 2 parts), where it took 36.3 us of a 227 us call (H100, stop 48: ~0.6 TB/s of partials)
+#: 2 parts), where it took 36 us of a 229 us call and this one takes 11 (H100, stop 48: the call 203 us). At H16 B8 L4K
+#: both take ~10 us: 128 programs (one a SM) of three round trips each are bound by latency, not instructions
 MERGE_BLOCK_R = 16
 MERGE_BLOCK_C = 32
 MERGE_SPLITS_A_LOAD = 16
