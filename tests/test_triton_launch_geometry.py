@@ -1,9 +1,12 @@
 """The Triton backend's launch geometry at the PERFORMANCE.md shapes, as ``attention.prepare`` decides it for an
 sm_90 of 132 SMs (kernels stubbed, CPU): the split kernel's grid, the protected-tile kernel's parts and tiles, the
 merge's grid and the partials it reads. RESULTS.md reasons from these numbers (stops 45 and 47); a change to the
-launcher or the heuristics has to change them here, visibly."""
+launcher or the heuristics has to change them here, visibly. Also the order of a prepared call's launches and stream
+operations (``QUANTMLA_TRITON_PROTECTED_STREAM``)."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -74,9 +77,7 @@ def test_protect_rows_knob_refuses_other_values(monkeypatch):
 
 def _run_recording_streams(monkeypatch, capturing: bool, sink=4, local=128) -> list:
     """Run H16 B8 L4K's prepared call as on a CUDA device (kernels and streams stubbed) and return, in order, the
-    launches and the stream operations: ("fork",), ("on", stream) ... ("off", stream), ("join",)."""
-    import contextlib
-
+    launches and the stream operations: ("fork",), ("on", stream) ... ("off", stream), ("join", stream)."""
     found: list = []
     call = _prepare(monkeypatch, 8, 16, 4096, sink=sink, local=local, launches=found)
     events = found[0]  # the stubbed kernels record their launches here, the stream stubs beside them
@@ -92,8 +93,8 @@ def _run_recording_streams(monkeypatch, capturing: bool, sink=4, local=128) -> l
     monkeypatch.setattr(A, "fork_side_stream", lambda dev: events.append(("fork",)) or "side")
     monkeypatch.setattr(A, "join_side_stream", lambda dev, side: events.append(("join", side)))
     monkeypatch.setattr(A, "launching_on", launching_on)
-    q = torch.randn((8, 16, 512)).to(torch.bfloat16)
-    call.run(q, torch.randn((8, 16, 64)).to(torch.bfloat16), qm.MLACache.allocate(qm.PackFormat.parse("C4R4"), 8 * 64, 8, sink, local, device="cpu"))
+    q, r = torch.randn((8, 16, 512)).to(torch.bfloat16), torch.randn((8, 16, 64)).to(torch.bfloat16)
+    call.run(q, r, qm.MLACache.allocate(qm.PackFormat.parse("C4R4"), 8 * 64, 8, sink, local, device="cpu"))
     return [e if e[0] in ("fork", "on", "off", "join") else e[0] for e in events]
 
 
