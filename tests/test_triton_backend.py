@@ -343,8 +343,8 @@ def test_merge_over_many_splits_and_protected_tiles(fmt_name, splits, sink, loca
 
 def test_merge_reads_poisoned_scratch_safely(monkeypatch):
     """The partials' scratch filled with NaN before every call (torch.empty may hold anything): every slot the merge
-    weighs is written first or weighs nothing (empty splits, parts past the protected tokens), so the result still
-    matches the reference. Forced splits leave some splits empty; S_q 3 masks some rows' tiles."""
+    reads is written first (an empty split stores zeros and lse -inf), so the result still matches the reference.
+    Forced splits leave some splits empty; S_q 3 masks some rows' tiles."""
     from quantmla_core.backends.triton import attention as A
 
     real = A.carve
@@ -517,7 +517,7 @@ def test_protected_tiles_on_a_side_stream_are_bit_identical(heads, monkeypatch):
     one = call.run(q, r, cache)
     monkeypatch.setenv(A.PROTECTED_STREAM_ENV, "1")
     side = call.run(q, r, cache)
-    call.run(q, r, cache)  # compile outside the capture
+    call.run(q, r, cache)  # a warm-up outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = call.run(q, r, cache)
