@@ -67,6 +67,18 @@ MODE=${1:-check}
 OUT=${OUT:-/tmp/qm_out}
 source benchmarks/h200_setup.sh
 T="python3 -P -m pytest -q -p no:cacheprovider"
+# another commit's Triton sources (carried in probe_tmp/triton_$1) over a copy of the installed package: /tmp/qm_$1
+triton_tree() { rm -rf /tmp/qm_$1 && cp -r /tmp/qm /tmp/qm_$1 && cp probe_tmp/triton_$1/*.py /tmp/qm_$1/quantmla_core/backends/triton/; }
+# PYTHONPATH with tree $1's package in place of this one ("after": this tree)
+tree_path() { [ "$1" = after ] && echo "$PYTHONPATH" || echo "${PYTHONPATH/\/tmp\/qm:/\/tmp\/qm_$1:}"; }
+# each Triton kernel's device time (C4R4) in the trees $1 over the shapes $2; JSON $OUT/kernel_times_triton_<tree>$3.json
+triton_kernel_times() {
+  for run in $1; do
+    echo "=== Triton $run: each kernel's device time (torch.profiler), the call as a CUDA graph, FlashInfer BF16"
+    PYTHONPATH=$(tree_path $run) timeout 100 python3 -P benchmarks/kernel_times.py --backends triton --formats C4R4 \
+      --shapes $2 --json "$OUT/kernel_times_triton_$run$3.json" 2>&1 | grep -v "^{\|profiler" | tail -30
+  done
+}
 if [ "$MODE" = stop48 ]; then
   PS=QUANTMLA_TRITON_PROTECTED_STREAM
   echo "=== Triton protected tiles on a side stream: bit-identical to one stream (eager and in a CUDA graph)"
@@ -289,25 +301,18 @@ elif [ "$MODE" = stop45 ]; then
   timeout 90 $T tests/test_plan.py -k "triton" 2>&1 | tail -2
   echo "=== memcheck"; timeout 90 compute-sanitizer --tool memcheck $T tests/test_triton_backend.py -k "merge_over" 2>&1 | tail -2
   # before / after, interleaved: the Triton sources of the commit before stop 45 (carried in probe_tmp/triton_before)
-  rm -rf /tmp/qm_before && cp -r /tmp/qm /tmp/qm_before && cp probe_tmp/triton_before/*.py /tmp/qm_before/quantmla_core/backends/triton/
+  triton_tree before
   n=0
   for run in before after before after; do
-    n=$((n + 1)); [ $run = before ] && P=${PYTHONPATH/\/tmp\/qm:/\/tmp\/qm_before:} || P=$PYTHONPATH
+    n=$((n + 1))
     echo "=== Triton $run (eager and CUDA graphs; FlashInfer BF16 in the process)"
-    PYTHONPATH=$P timeout 120 python3 -P benchmarks/graph_probe.py --backends triton --formats C4R4,C2R4 \
+    PYTHONPATH=$(tree_path $run) timeout 120 python3 -P benchmarks/graph_probe.py --backends triton --formats C4R4,C2R4 \
       --shapes ${S45_SHAPES:-16x8x4096,16x32x32768,128x8x4096} --json "$OUT/graph_triton_${n}_${run}.json" 2>&1 | grep -v "^{" | tail -8
   done
 elif [ "$MODE" = stop47 ]; then
   # three Triton trees: before stop 45 (89ce25e), stop 45's protect_parts (3779299), this tree (waves x tiles a part)
-  for tree in before s45; do
-    rm -rf /tmp/qm_$tree && cp -r /tmp/qm /tmp/qm_$tree && cp probe_tmp/triton_$tree/*.py /tmp/qm_$tree/quantmla_core/backends/triton/
-  done
-  for run in ${S47_RUNS:-s45 after before}; do
-    [ $run = after ] && P=$PYTHONPATH || P=${PYTHONPATH/\/tmp\/qm:/\/tmp\/qm_$run:}
-    echo "=== Triton $run: each kernel's device time (torch.profiler), the call as a CUDA graph, FlashInfer BF16"
-    PYTHONPATH=$P timeout 100 python3 -P benchmarks/kernel_times.py --backends triton --formats C4R4 \
-      --shapes ${S47_SHAPES:-128x8x4096,16x8x4096,16x32x4096} --json "$OUT/kernel_times_triton_$run.json" 2>&1 | grep -v "^{" | tail -30
-  done
+  triton_tree before && triton_tree s45
+  triton_kernel_times "${S47_RUNS:-s45 after before}" ${S47_SHAPES:-128x8x4096,16x8x4096,16x32x4096} ""
   R=QUANTMLA_TRITON_PROTECT_ROWS
   echo "=== Triton protected rows a program 32 and 64: conformance first (64 rows build wgmma, which the interpreter does not)"
   timeout 120 $T tests/test_triton_backend.py -k "wider_protected" 2>&1 | tail -2
@@ -324,17 +329,9 @@ elif [ "$MODE" = stop47 ]; then
 elif [ "$MODE" = stop48b ]; then
   echo "=== Triton merge in one pass: conformance on the GPU"
   timeout 150 $T -rfE tests/test_triton_backend.py -k "merge or poisoned or side_stream or split_counts" 2>&1 | tail -4
-  rm -rf /tmp/qm_s47 && cp -r /tmp/qm /tmp/qm_s47 && cp probe_tmp/triton_s47/*.py /tmp/qm_s47/quantmla_core/backends/triton/
+  triton_tree s47
   export QUANTMLA_TRITON_PROTECTED_STREAM=0  # one stream in both trees (245c658 forked under capture by default)
-  kt() {
-    for run in s47 after; do
-      [ $run = after ] && P=$PYTHONPATH || P=${PYTHONPATH/\/tmp\/qm:/\/tmp\/qm_$run:}
-      echo "=== Triton $run: each kernel's device time (torch.profiler), the call as a CUDA graph, FlashInfer BF16"
-      PYTHONPATH=$P timeout 100 python3 -P benchmarks/kernel_times.py --backends triton --formats C4R4 \
-        --shapes ${S48_SHAPES:-128x8x4096,16x8x4096,16x32x32768} --json "$OUT/kernel_times_triton_${run}_$SECONDS.json" \
-        2>&1 | grep -v "^{\|profiler" | tail -30
-    done
-  }
+  kt() { triton_kernel_times "s47 after" ${S48_SHAPES:-128x8x4096,16x8x4096,16x32x32768} _$SECONDS; }
   kt
   R=QUANTMLA_TRITON_PROTECT_ROWS
   echo "=== Triton protected rows a program 16 against 64, twice (CUDA graphs, one stream; FlashInfer BF16 in the process)"
