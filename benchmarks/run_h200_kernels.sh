@@ -53,6 +53,9 @@
 #   bash benchmarks/run_h200_kernels.sh stop48b  # the Triton merge in one pass: GPU conformance of the merge, then each
 #       kernel's device time and the call as a CUDA graph in the tree before it (probe_tmp/triton_s47 = git show
 #       245c658:backends/triton/*.py, carried) and this one, twice, over S48_SHAPES; Triton real shapes (S48_REAL_S)
+#   bash benchmarks/run_h200_kernels.sh stop49   # Triton launches with PDL (QUANTMLA_TRITON_PDL) and kernel v3's protected
+#       rows: conformance (bit-identity, the default plans, real shapes), PDL 0/1/2 x rows 16/64, the defaults against
+#       PDL 0 with 16 rows (CUDA graphs, FlashInfer BF16 with .whl carried), memcheck with PDL 2
 #   bash benchmarks/run_h200_kernels.sh v6pair   # v6 as two-CTA clusters sharing each key tile (QUANTMLA_CUPY_V6_PAIR):
 #       conformance of forced pairs, CUDA graphs of 0 against 1 over V6PAIR_SHAPES, memcheck of the pairs
 #   bash benchmarks/run_h200_kernels.sh v6fold   # v6's slack maximum and RoPE fold (QUANTMLA_CUPY_V6_SLACK / _ROPE_FOLD):
@@ -341,6 +344,26 @@ elif [ "$MODE" = stop48b ]; then
   kt
   echo "=== Triton conformance at real shapes, split counts, declared dims"
   timeout ${S48_REAL_S:-150} $T -rfE tests/test_triton_backend.py -k "real_shapes or declared_dims" 2>&1 | tail -4
+elif [ "$MODE" = stop49 ]; then
+  echo "=== Triton PDL and v3's protected rows: conformance (bit-identity, defaults, the merge, real shapes)"
+  timeout 300 $T -rfE tests/test_triton_backend.py -k "pdl or many_requests or merge_over or poisoned or wider_protected \
+    or (real_shapes and v3)" 2>&1 | tail -5
+  P=QUANTMLA_TRITON_PDL; R=QUANTMLA_TRITON_PROTECT_ROWS
+  echo "=== PDL 0 / 1 / 2, twice (CUDA graphs, 16 protected rows)"
+  timeout 250 python3 -P benchmarks/graph_probe.py --backends triton --formats C4R4,C2R4 --settings \
+    "$P=0 $R=16;$P=1 $R=16;$P=2 $R=16;$P=0 $R=16;$P=1 $R=16;$P=2 $R=16" --shapes 16x8x4096,16x32x4096,128x8x4096,16x32x32768 \
+    --json "$OUT/graph_triton_pdl.json" 2>&1 | grep -v "^{" | tail -52
+  S="$P=1 $R=16;$P=2 $R=16;$P=1 $R=64;$P=2 $R=64"
+  echo "=== PDL 1 / 2 x protected rows 16 / 64, twice (CUDA graphs)"
+  timeout 400 python3 -P benchmarks/graph_probe.py --backends triton --formats C4R4 --settings "$S;$S" \
+    --shapes 128x8x4096,128x32x4096,128x128x4096,128x32x32768,16x128x4096 --json "$OUT/graph_triton_pdl_rows.json" 2>&1 | grep -v "^{" | tail -45
+  echo "=== PDL 0 with 16 rows against the defaults (both unset), twice (CUDA graphs)"
+  O="$P=0 $R=16"; N="$P= $R="
+  timeout 250 python3 -P benchmarks/graph_probe.py --backends triton --formats C4R4,C2R4 --settings "$O;$N;$O;$N" \
+    --shapes 16x8x4096,16x32x32768,128x8x4096,128x32x4096,128x128x4096,128x32x32768 --json "$OUT/graph_triton_defaults.json" \
+    2>&1 | grep -v "^{" | tail -50
+  echo "=== memcheck with PDL 2"
+  QUANTMLA_TRITON_PDL=2 timeout 70 compute-sanitizer --tool memcheck $T tests/test_triton_backend.py -k "merge_over or poisoned" 2>&1 | tail -3
 elif [ "$MODE" = v6pair ]; then
   echo "=== v6 pairs: one small case first (a hang or a failure stops here)"; timeout 120 $T tests/test_cupy_v6.py \
     -k "v6_pair_matches and L64_128_192" 2>&1 | tail -2 | tee "$OUT/v6_pair_first.txt"

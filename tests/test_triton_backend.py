@@ -526,3 +526,60 @@ def test_protected_tiles_on_a_side_stream_are_bit_identical(heads, monkeypatch):
     for got in (side, captured):
         assert torch.equal(one[0], got[0]) and torch.equal(one[1], got[1])
     check_attention_case(case, "torch", "triton", "cuda", "bfloat16")
+
+
+@pytest.mark.skipif(not GPU, reason="programmatic dependent launch needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["1", "2"])
+@pytest.mark.parametrize("heads,sink,local", [(16, 4, 128), (128, 4, 128), (16, 0, 0)])
+def test_launches_with_pdl_are_bit_identical(heads, sink, local, mode, monkeypatch):
+    """``QUANTMLA_TRITON_PDL`` 1 (the merge) and 2 (also the protected tiles, after the split kernel): kernels launched
+    with programmatic dependent launch, which wait on the GPU for their predecessors, give the plain launches' outputs
+    bit for bit, eager and replayed ten times from a CUDA graph, and match the reference."""
+    from quantmla_core.backends.triton import attention as A
+
+    why = A.pdl_unsupported(torch.device("cuda"))
+    if why:
+        pytest.skip(why)
+    case = Case(PackFormat.parse("C4R4"), (700, 2100, 90, 4099), heads=heads, sink=sink, local=local, seed=94)
+    batch = build(case)
+    args = batch.to("cuda", "bfloat16")
+    cache = allocate(case, batch, "cuda")
+    qm.write(cache, args["latent"], args["k_rope"], slot_mapping=args["slot_mapping"], seq_ids=args["seq_ids"],
+             positions=args["positions"], seq_lens=args["seq_lens"], backend="torch")
+    calls = {}
+    for env in ("0", mode):
+        monkeypatch.setenv(A.PDL_ENV, env)
+        calls[env] = A.prepare(cache, args["block_table"], args["attn_seq_lens"], args["attn_seq_ids"], len(case.lens),
+                               1, heads, torch.bfloat16, batch.softmax_scale)
+    assert (calls["0"].pdl, calls[mode].pdl) == (0, int(mode))
+    q, r = args["q_latent"], args["q_rope"]
+    plain = calls["0"].run(q, r, cache)
+    eager = calls[mode].run(q, r, cache)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = calls[mode].run(q, r, cache)
+    for _ in range(10):
+        captured[0].fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for got in (eager, captured):
+            assert torch.equal(plain[0], got[0]) and torch.equal(plain[1], got[1])
+    check_attention_case(case, "torch", "triton", "cuda", "bfloat16")
+
+
+@pytest.mark.skipif(not GPU, reason="the default plan of many requests needs a GPU's SM count")
+def test_v3_defaults_at_many_requests(monkeypatch):
+    """Kernel v3's defaults where B x H/16 protected programs would fill the SMs: 64 query rows a protected-tile
+    program (``heuristics.v3_protect_rows``) and, on Hopper, PDL mode 2 (the protected tiles after the split kernel),
+    against the reference."""
+    from quantmla_core.backends.triton import attention as A
+
+    monkeypatch.delenv(A.PDL_ENV, raising=False)
+    monkeypatch.delenv(A.PROTECT_ROWS_ENV, raising=False)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    batch = -(-sms // 8)  # B x 128 / 16 >= the SM count
+    lens = tuple(150 + 37 * i for i in range(batch))
+    case = Case(PackFormat.parse("C4R4"), lens, heads=128, sink=4, local=128, seed=95)
+    check_attention_case(case, "torch", "triton", "cuda", "bfloat16")
+    assert A.LAST_LAUNCH["variant"] == "v3" and A.LAST_LAUNCH["plan"].protect_block_r == 64
+    assert A.LAST_LAUNCH["pdl"] == (0 if A.pdl_unsupported(torch.device("cuda")) else 2)

@@ -7,6 +7,7 @@ operations (``QUANTMLA_TRITON_PROTECTED_STREAM``)."""
 from __future__ import annotations
 
 import contextlib
+import re
 
 import pytest
 import torch
@@ -38,8 +39,9 @@ def _prepare(monkeypatch, batch, heads, tokens, sink=4, local=128, fmt="C4R4", l
     (32, 16, 32768, "v2", (8, 32, 1), (32, 1, 3), 3, (32, 1, 16)),
     # H128 B8 L4K: kernel v3 (64 rows, 2 row blocks, 8 splits); 8 protected row blocks of 16 in 2 parts of 5
     (8, 128, 4096, "v3", (8, 8, 2), (8, 8, 2), 5, (8, 8, 16)),
-    # H128 B32 L32K: the 256 protected programs fill the GPU alone: one part of all 9 tiles
-    (32, 128, 32768, "v3", (2, 32, 2), (32, 8, 1), 9, (32, 8, 16)),
+    # H128 B32 L32K: 256 16-row blocks would fill the GPU alone, so 64 rows a program (heuristics.v3_protect_rows):
+    # 64 programs, 2 parts of 5 tiles
+    (32, 128, 32768, "v3", (2, 32, 2), (32, 2, 2), 5, (32, 8, 16)),
 ])
 def test_launch_geometry(monkeypatch, batch, heads, tokens, variant, split_grid, protect_grid, tiles, merge_grid):
     call = _prepare(monkeypatch, batch, heads, tokens)
@@ -51,6 +53,16 @@ def test_launch_geometry(monkeypatch, batch, heads, tokens, variant, split_grid,
     assert [shape for shape, _ in call.partial_specs] == [(batch, splits, rows, 512), (batch, splits, rows),
                                                           (batch, parts, rows, 512), (batch, parts, rows)]
     assert call.protect_consts["BLOCK_T"] * tiles * parts >= 4 + 128  # the parts cover the sink and the ring
+
+
+@pytest.mark.parametrize("batch,rows,want", [(8, 128, 16), (16, 128, 16), (17, 128, 64), (32, 128, 64),
+                                             (1024, 128, 64), (32, 64, 16), (33, 64, 64), (1024, 16, 16), (1024, 48, 16)])
+def test_v3_protect_rows(batch, rows, want):
+    """Kernel v3's protected tiles take 64 query rows a program where ``batch`` x ``rows`` / 16 programs would fill
+    132 SMs, and 16 rows elsewhere (fewer rows than one 64-row block: always 16)."""
+    from quantmla_core.backends.triton.heuristics import v3_protect_rows
+
+    assert v3_protect_rows(batch, rows, 132) == want
 
 
 def test_no_protected_launch_without_sink_and_ring(monkeypatch):
@@ -125,3 +137,91 @@ def test_protected_stream_knob_refuses_other_values(monkeypatch):
     monkeypatch.setenv(A.PROTECTED_STREAM_ENV, "yes")
     with pytest.raises(ValueError, match=r"QUANTMLA_TRITON_PROTECTED_STREAM: expected 0 or 1, got 'yes'"):
         _run_recording_streams(monkeypatch, True)
+
+
+def _pdl_launches(monkeypatch, pdl_env, side_env=None, supported=True) -> list:
+    """[(kernel name, launch kwargs)] of H16 B8 L4K's prepared call run as on a CUDA device (kernels and streams
+    stubbed), in launch order, with ``QUANTMLA_TRITON_PDL`` = ``pdl_env`` (None: unset) and the GPU's PDL check
+    faked."""
+    for env, value in ((A.PDL_ENV, pdl_env), (A.PROTECTED_STREAM_ENV, side_env)):
+        if value is None:
+            monkeypatch.delenv(env, raising=False)
+        else:
+            monkeypatch.setenv(env, value)
+    monkeypatch.setattr(A, "pdl_unsupported", lambda dev: None if supported else "no PDL on this GPU")
+    found: list = []
+    call = _prepare(monkeypatch, 8, 16, 4096, launches=found)
+    monkeypatch.setattr(A, "_uses_cuda_streams", lambda dev: True)
+    monkeypatch.setattr(A, "fork_side_stream", lambda dev: "side")
+    monkeypatch.setattr(A, "join_side_stream", lambda dev, side: None)
+    monkeypatch.setattr(A, "launching_on", lambda side: contextlib.nullcontext())
+    q, r = torch.randn((8, 16, 512)).to(torch.bfloat16), torch.randn((8, 16, 64)).to(torch.bfloat16)
+    call.run(q, r, qm.MLACache.allocate(qm.PackFormat.parse("C4R4"), 8 * 64, 8, 4, 128, device="cpu"))
+    return [(name, kwargs) for name, _, _, kwargs in found[0]]
+
+
+def _pdl_summary(launches: list) -> list:
+    """(name, the PDL constexpr, whether the launch asks for PDL) of each launch."""
+    return [(name.replace("_kernel", ""), kw["PDL"], kw.get("launch_pdl", False)) for name, kw in launches]
+
+
+#: (kernel, built with PDL, launched with PDL) in launch order, for each QUANTMLA_TRITON_PDL on one stream
+PDL_LAUNCHES = {
+    "0": [("protect", False, False), ("split_v2", False, False), ("merge", False, False)],
+    # the merge launch overlaps the split kernel's end
+    "1": [("protect", False, False), ("split_v2", True, False), ("merge", True, True)],
+    # the protected tiles after the split kernel, launched with PDL too
+    "2": [("split_v2", True, False), ("protect", True, True), ("merge", True, True)],
+}
+
+
+@pytest.mark.parametrize("pdl_env,side_env,want", [
+    *((mode, None, launches) for mode, launches in PDL_LAUNCHES.items()),
+    # the side stream: plain launches in the side stream's order (the kernels built with PDL do nothing more)
+    ("1", "1", [("protect", False, False), ("split_v2", True, False), ("merge", True, False)]),
+    ("2", "1", [("protect", True, False), ("split_v2", True, False), ("merge", True, False)]),
+])
+def test_pdl_launches(monkeypatch, pdl_env, side_env, want):
+    """``QUANTMLA_TRITON_PDL``: which kernels are built with PDL and which launches ask for it, in launch order."""
+    assert _pdl_summary(_pdl_launches(monkeypatch, pdl_env, side_env)) == want
+
+
+@pytest.mark.parametrize("default", [0, 1, 2])
+@pytest.mark.parametrize("supported", [False, True])
+def test_pdl_default_only_where_supported(monkeypatch, default, supported):
+    """Unset, ``heuristics.pdl_default`` applies where :func:`pdl_unsupported` finds nothing against PDL, and 0
+    elsewhere."""
+    monkeypatch.setattr(A, "pdl_default", lambda variant: default)
+    got = _pdl_summary(_pdl_launches(monkeypatch, None, supported=supported))
+    assert got == PDL_LAUNCHES[str(default if supported else 0)]
+
+
+@pytest.mark.parametrize("value,match", [
+    ("yes", r"QUANTMLA_TRITON_PDL: expected one of 0, 1, 2, got 'yes'"),
+    ("3", r"QUANTMLA_TRITON_PDL: expected one of 0, 1, 2, got '3'"),
+    ("1", r"QUANTMLA_TRITON_PDL=1: no PDL on this GPU"),
+    ("2", r"QUANTMLA_TRITON_PDL=2: no PDL on this GPU")])
+def test_pdl_knob_refusals(monkeypatch, value, match):
+    with pytest.raises(ValueError, match=match):
+        _pdl_launches(monkeypatch, value, supported=False)
+
+
+@pytest.mark.parametrize("device,major,why", [
+    ("cpu", 9, r"needs a CUDA GPU, the call runs on cpu"), ("cuda:0", None, r"ROCm has no"),
+    ("cuda:0", 8, r"compute capability 9.0 or later, cuda:0 is 8.x"), ("cuda:0", 9, None), ("cuda:0", 10, None)])
+def test_pdl_unsupported_reasons(monkeypatch, device, major, why):
+    monkeypatch.setattr(A, "interpreting", lambda: False)
+    monkeypatch.setattr(A, "_nvidia_major", lambda index: major)
+    got = A.pdl_unsupported(torch.device(device))
+    assert (got is None) if why is None else re.search(why, got), got
+
+
+@pytest.mark.parametrize("batch,heads,tokens,mode", [(8, 16, 4096, 1), (32, 16, 32768, 1), (8, 128, 4096, 2),
+                                                      (32, 128, 32768, 2)])
+def test_pdl_default_by_kernel(monkeypatch, batch, heads, tokens, mode):
+    """Unset on a GPU with PDL: mode 2 (the protected tiles after the split kernel) where the call runs kernel v3, mode
+    1 (the merge) where it runs v2 (``heuristics.pdl_default``, from stop 49's H100 timings)."""
+    monkeypatch.delenv(A.PDL_ENV, raising=False)
+    monkeypatch.setattr(A, "pdl_unsupported", lambda dev: None)
+    call = _prepare(monkeypatch, batch, heads, tokens)
+    assert (call.variant, call.pdl) == ("v3" if heads == 128 else "v2", mode)

@@ -262,3 +262,32 @@ def test_every_launch_states_fp_fusion(target):
     for launch in launches:
         assert launch.options.get("enable_fp_fusion") is True, (launch.name, launch.options)
         assert ob.compile_launch(launch, target).metadata.enable_fp_fusion is True
+
+
+@pytest.mark.parametrize("heads,split", [(16, "split_v2"), (128, "split_v3")])
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_pdl_builds_for_hopper(monkeypatch, heads, split, mode):
+    """``QUANTMLA_TRITON_PDL`` on an sm_90 (the launcher's device check faked). 1: the split kernel lets its dependents
+    launch after its tile loop, and the merge kernel, launched with ``launch_pdl``, waits for its predecessor before
+    its first load. 2: also the protected-tile kernel, launched with PDL after the split kernel, lets the merge launch
+    and waits for the split kernel after its last store. 0: none of these instructions, plain launches."""
+    monkeypatch.setenv(att.PDL_ENV, str(mode))
+    monkeypatch.setattr(att, "pdl_unsupported", lambda device: None)
+    launches = ob.launches_of("C4R4", heads)
+    by_name = {launch.name: launch for launch in launches}
+    assert _names(launches) == (["write", "protect", split, "merge"] if mode < 2 else ["write", split, "protect", "merge"])
+    for name, built, launched in (("protect", mode == 2, mode == 2), (split, mode > 0, False),
+                                  ("merge", mode > 0, mode > 0)):
+        assert by_name[name].constexprs["PDL"] is built and by_name[name].options.get("launch_pdl", False) is launched
+    ptx = {name: ob.compile_launch(by_name[name], HOPPER[0]).asm["ptx"] for name in ("protect", split, "merge")}
+
+    def has(name, op):
+        return f"griddepcontrol.{op}" in ptx[name]
+
+    assert (has(split, "launch_dependents"), has(split, "wait")) == (mode > 0, False)
+    assert (has("merge", "launch_dependents"), has("merge", "wait")) == (False, mode > 0)
+    assert (has("protect", "launch_dependents"), has("protect", "wait")) == (mode == 2, mode == 2)
+    if mode:  # the merge waits before its first load of a partial; the protected tiles after their last store
+        assert ptx["merge"].index("griddepcontrol.wait") < ptx["merge"].index("ld.global")
+    if mode == 2:
+        assert ptx["protect"].rindex("st.global") < ptx["protect"].index("griddepcontrol.wait")

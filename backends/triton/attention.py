@@ -22,11 +22,11 @@ from .attention_kernel import merge_kernel, protect_kernel, split_kernel
 from .attention_v2_kernel import split_kernel_v2
 from .attention_v3_kernel import split_kernel_v3
 from .common import launch_dims, page_layout_constexprs, ptr_or_dummy
-from .heuristics import (INTERPRETER_SM_COUNT, MERGE_BLOCK_C, MERGE_BLOCK_R, MERGE_WARPS,
+from .heuristics import (INTERPRETER_SM_COUNT, MERGE_BLOCK_C, MERGE_BLOCK_R, MERGE_WARPS, PDL_MODES,
                          PROTECT_STAGES, TMEM_COLUMNS, V2_FLOAT32_ON_GPU, V2_HOLD_RAW, V2_ZSUB, V3_BLOCK_N,
                          V3_BLOCK_R, V3_MIN_ROWS, V3_NUM_STAGES, V3_NUM_WARPS, V3_PREFETCH, AttentionPlan, DeviceLimits,
-                         PROTECT_ROWS_CHOICES, merge_load_width, plan, plan_v2, plan_v3, planned_shared_max,
-                         protect_parts)
+                         PROTECT_ROWS_CHOICES, merge_load_width, pdl_default, plan, plan_v2, plan_v3,
+                         planned_shared_max, protect_parts)
 
 #: environment variable choosing the split kernel ("auto" default, "v1", "v2", "v3"); read on every call
 VARIANT_ENV = "QUANTMLA_TRITON_ATTENTION"
@@ -38,6 +38,14 @@ PROTECT_ROWS_ENV = "QUANTMLA_TRITON_PROTECT_ROWS"
 #: caller's stream (read on every call). A measurement knob: as CUDA graphs on an H100 (stop 48) the fork made H16 B8
 #: L4K 24 % slower (49.3 -> 61.4 us) and H128 B8 L4K no faster
 PROTECTED_STREAM_ENV = "QUANTMLA_TRITON_PROTECTED_STREAM"
+#: programmatic dependent launch (PDL, NVIDIA sm_90+): a kernel launched with it starts its programs while the one
+#: before it finishes and waits on the GPU for that one's writes (bit-identical). "1": the merge kernel; "2": also
+#: the protected-tile kernel, launched after the split kernel instead of before it (it reads no partial; it waits for
+#: the split kernel only at its end, so that the merge, waiting for it, waits for both); "0": plain launches; unset:
+#: :func:`heuristics.pdl_default` where the GPU and triton have PDL. Read when a call is prepared; 1 or 2 where they
+#: have not is refused. With ``QUANTMLA_TRITON_PROTECTED_STREAM=1`` the launches are plain (the merge waits on the side
+#: stream's event)
+PDL_ENV = "QUANTMLA_TRITON_PDL"
 _KERNELS = {"v1": split_kernel, "v2": split_kernel_v2, "v3": split_kernel_v3}
 _PLANNERS = {"v1": plan, "v2": plan_v2, "v3": plan_v3}
 
@@ -249,7 +257,7 @@ class PreparedCall:
     decided (:func:`prepare`): variant, launch plan, constexprs, grids, the float32 partials (shape, dtype) (the splits'
     outputs and log2-sum-exps, then the protected parts'), the protected tiles (``protect_grid[2]`` parts a request
     and row block of ``protect_tiles`` tiles of ``protect_consts["BLOCK_T"]`` tokens; no grid without sink and
-    local tokens)."""
+    local tokens), which launches use PDL (``pdl``: 0, 1 or 2, see :data:`PDL_ENV`)."""
 
     variant: str
     plan: AttentionPlan
@@ -272,6 +280,7 @@ class PreparedCall:
     merge_grid: tuple
     merge_consts: Mapping
     merge_dims: Mapping
+    pdl: int = 0
 
     def run(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache, out: torch.Tensor | None = None,
             lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -295,25 +304,34 @@ class PreparedCall:
         o_flat = next(made) if out is None else _given("out", out).view(b, rows, dc)
         l_flat = next(made) if lse is None else _given("lse", lse).view(b, rows)
         side = None
-        if npt:  # forked before the split launch, so that the side stream does not wait for it
-            if _uses_cuda_streams(self.device) and _protect_on_side_stream():
-                side = fork_side_stream(self.device.index)
+        if npt and _uses_cuda_streams(self.device) and _protect_on_side_stream():
+            side = fork_side_stream(self.device.index)  # before the split launch, so that it does not wait for it
+        protect_after = bool(npt) and self.pdl == 2 and side is None
+        pdl = {"launch_pdl": True} if self.pdl and side is None else {}
+        if npt:
             pargs = _protect_args(q, qr, cache, self.seq_lens, self.seq_ids, o_prot, lse_prot, self.scale_log2, rows,
                                   self.heads, self.q_len, npt, self.protect_tiles)
-            with launching_on(side):
-                LAST_LAUNCH["protect"] = protect_kernel[self.protect_grid](*pargs, **self.protect_consts,
-                                                                           **self.protect_dims)
         else:  # no sink or local tokens: the merge reads no protected partial (any pointer will do)
             o_prot, lse_prot = o_part, lse_part
+        if npt and not protect_after:
+            with launching_on(side):
+                self._launch_protect(pargs)
         args = _split_args(q, qr, cache, self.block_table, self.seq_lens, o_part, lse_part, self.scale_log2, rows,
                            self.heads, self.q_len, pl.num_splits)
         LAST_LAUNCH["split"] = _KERNELS[self.variant][self.split_grid](*args, **self.split_consts, **self.split_dims)
+        if protect_after:
+            self._launch_protect(pargs, **pdl)
         if side is not None:
             join_side_stream(self.device.index, side)
         margs = (o_part, lse_part, o_prot, lse_prot, o_flat, l_flat, rows, pl.num_splits, npt)
-        LAST_LAUNCH["merge"] = merge_kernel[self.merge_grid](*margs, **self.merge_consts, **self.merge_dims)
+        LAST_LAUNCH["merge"] = merge_kernel[self.merge_grid](*margs, **self.merge_consts, **self.merge_dims, **pdl)
         lead = q_latent.shape[:-1]
         return (o_flat.view(*lead, dc) if out is None else out), (l_flat.view(lead) if lse is None else lse)
+
+    def _launch_protect(self, pargs: tuple, **launch) -> None:
+        """The protected-tile kernel over ``pargs`` (:func:`_protect_args`), with extra ``launch`` options."""
+        LAST_LAUNCH["protect"] = protect_kernel[self.protect_grid](*pargs, **self.protect_consts, **self.protect_dims,
+                                                                   **launch)
 
 
 def _given(name: str, x: torch.Tensor) -> torch.Tensor:
@@ -341,6 +359,50 @@ def _protect_on_side_stream() -> bool:
     if raw not in ("", "0", "1"):
         raise ValueError(f"{PROTECTED_STREAM_ENV}: expected 0 or 1, got {raw!r}")
     return raw == "1"
+
+
+def _pdl_from_env(device: torch.device, variant: str) -> int:
+    """Which launches of a call of split kernel ``variant`` use PDL (:data:`PDL_ENV`: "0", "1", "2", or unset for
+    :func:`heuristics.pdl_default` where :func:`pdl_unsupported` finds nothing against it)."""
+    raw = getenv(PDL_ENV, "").strip()
+    if raw not in {"", *map(str, PDL_MODES)}:
+        raise ValueError(f"{PDL_ENV}: expected one of {', '.join(map(str, PDL_MODES))}, got {raw!r}")
+    if raw == "0":
+        return 0
+    why = pdl_unsupported(device)
+    if raw and why:
+        raise ValueError(f"{PDL_ENV}={raw}: {why}")
+    if why:
+        return 0
+    return int(raw) if raw else pdl_default(variant)
+
+
+def pdl_unsupported(device: torch.device) -> str | None:
+    """Why kernels on ``device`` cannot be launched with programmatic dependent launch, or None: it needs an NVIDIA
+    GPU of compute capability 9.0 or later and a triton whose launches take ``launch_pdl``."""
+    if interpreting() or device.type != "cuda":
+        return f"programmatic dependent launch needs a CUDA GPU, the call runs on {device.type}" + (
+            " (TRITON_INTERPRET=1)" if interpreting() else "")
+    major = _nvidia_major(_device_index(device))
+    if major is None:
+        return "ROCm has no programmatic dependent launch"
+    if major < 9:
+        return f"programmatic dependent launch needs compute capability 9.0 or later, {device} is {major}.x"
+    if not _triton_launches_pdl():
+        import triton
+
+        return f"triton {triton.__version__} launches no kernel with launch_pdl"
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_launches_pdl() -> bool:
+    """Whether this triton's NVIDIA launch options include ``launch_pdl``."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in {f.name for f in dataclasses.fields(CUDAOptions)}
 
 
 def _protect_rows_from_env(pl: AttentionPlan, overrides: dict | None) -> AttentionPlan:
@@ -420,9 +482,12 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
             consts.update((v2_constexprs if variant == "v2" else v3_constexprs)(*_code_bits(fmt), dot_bf16, **switches))
     else:
         consts = _split_constexprs(fmt, variant, q_bf16, dot_bf16, pl.block_n, pl.block_r)
+    pdl = _pdl_from_env(dev, variant)
+    LAST_LAUNCH["pdl"] = pdl
+    consts = {**consts, "PDL": pdl > 0}
     scale_log2 = float(softmax_scale) * math.log2(math.e)
     pconsts = dict(Q_BF16=q_bf16, DOT_BF16=dot_bf16, PROT_BF16=cache.sink_buf.dtype == torch.bfloat16, DC=dc, DR=dr,
-                   BLOCK_T=pl.protect_block_t, BLOCK_R=pl.protect_block_r)
+                   BLOCK_T=pl.protect_block_t, BLOCK_R=pl.protect_block_r, PDL=pdl == 2)
     protect_blocks = -(-rows // pl.protect_block_r)
     parts, tiles = protect_parts(-(-(cache.sink + cache.local) // pl.protect_block_t), b * protect_blocks, sms)
     if parts:
@@ -431,7 +496,7 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
         _check_protect_fits(pargs, pconsts, pl.protect_warps, fmt, dev, limits)
     block_c = min(MERGE_BLOCK_C, dc)
     mconsts = dict(Q_BF16=q_bf16, DC=dc, BLOCK_R=MERGE_BLOCK_R, BLOCK_C=block_c, SC=merge_load_width(pl.num_splits),
-                   SCP=merge_load_width(parts))
+                   SCP=merge_load_width(parts), PDL=pdl > 0)
     partial_specs = tuple((shape, torch.float32) for shape in (
         (b, pl.num_splits, rows, dc), (b, pl.num_splits, rows), (b, parts, rows, dc), (b, parts, rows)))
     return PreparedCall(variant, pl, b, q_len, heads, dev, block_table, seq_lens, seq_ids, scale_log2, partial_specs,
@@ -440,4 +505,4 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
                         (b, protect_blocks, parts) if parts else None, tiles,
                         MappingProxyType(pconsts), MappingProxyType(launch_dims(pl.protect_warps, PROTECT_STAGES)),
                         (b, -(-rows // MERGE_BLOCK_R), dc // block_c),
-                        MappingProxyType(mconsts), MappingProxyType(launch_dims(MERGE_WARPS)))
+                        MappingProxyType(mconsts), MappingProxyType(launch_dims(MERGE_WARPS)), pdl)

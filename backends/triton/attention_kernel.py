@@ -36,7 +36,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common_kernels import bf16_bits_to_f32, load_f32, store_f32
+from .common_kernels import bf16_bits_to_f32, load_f32, pdl_launch_dependents, pdl_wait, store_f32
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -174,9 +174,11 @@ def split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     PROBE_SKIP_PV: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """One (split, request, row block): partial normalised output and log2-sum-exp.
-    ``PROBE_SKIP_PV`` (benchmark probes only; wrong results) drops the PV product."""
+    ``PROBE_SKIP_PV`` (benchmark probes only; wrong results) drops the PV product. ``PDL``: the merge kernel may
+    launch once every program has left its tile loop (common_kernels.pdl_launch_dependents)."""
     pid_s = tl.program_id(0)
     b = tl.program_id(1)
     rb = tl.program_id(2)
@@ -246,6 +248,7 @@ def split_kernel(
         acc = acc * alpha[None, :, None] + pv
         m_i = m_new
 
+    pdl_launch_dependents(PDL)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[None, :, None]
     lse2 = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
@@ -281,10 +284,13 @@ def protect_kernel(
     DR: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program (b, rb, j): protected tiles ``j * TILES .. j * TILES + TILES - 1`` (BLOCK_T positions each of the sink
     then the local window) for query rows block rb of request b -> their partial j of NPT (normalised output,
-    log2-sum-exp), as a split's."""
+    log2-sum-exp), as a split's. ``PDL``: launched with ``launch_pdl`` after the split kernel, whose partials it does
+    not read; it lets the merge launch after its tiles and ends only after the split kernel has (the merge waits for
+    this kernel alone)."""
     b = tl.program_id(0)
     rb = tl.program_id(1)
     j = tl.program_id(2)
@@ -332,10 +338,12 @@ def protect_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + _dot(p.to(DOT_DT), kc, DOT_BF16)
         m_i = m_new
+    pdl_launch_dependents(PDL)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     part = (b.to(tl.int64) * NPT + j) * R
     tl.store(o_prot_ptr + (part + rows[:, None]) * DC + dc[None, :], acc / l_safe[:, None], mask=row_ok[:, None])
     tl.store(lse_prot_ptr + part + rows, tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf")), mask=row_ok)
+    pdl_wait(PDL)
 
 
 @triton.jit
@@ -378,10 +386,13 @@ def merge_kernel(
     BLOCK_C: tl.constexpr,
     SC: tl.constexpr,
     SCP: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program (b, rb, cb): channels ``cb * BLOCK_C ..`` of query rows block rb of request b, merged over the
     splits' partials (SC a load) and the protected parts' (SCP a load) by log-sum-exp in one pass; ``lse`` (natural
-    log) from the programs with cb = 0."""
+    log) from the programs with cb = 0. ``PDL``: launched with ``launch_pdl`` after the split kernel, it waits for
+    that kernel's partials before its first load (the protected-tile kernel, launched before the split kernel
+    without PDL, has finished before the split kernel starts)."""
     b = tl.program_id(0)
     rb = tl.program_id(1)
     cb = tl.program_id(2)
@@ -391,6 +402,7 @@ def merge_kernel(
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
+    pdl_wait(PDL)
     m, l, acc = _merge_partials(o_part_ptr, lse_part_ptr, b, NSPLIT, R, rows, row_ok, cols, m, l, acc, DC, SC)
     m, l, acc = _merge_partials(o_prot_ptr, lse_prot_ptr, b, NPT, R, rows, row_ok, cols, m, l, acc, DC, SCP)
     l_safe = tl.where(l > 0.0, l, 1.0)

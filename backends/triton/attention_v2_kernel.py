@@ -69,7 +69,7 @@ import triton
 import triton.language as tl
 
 from .attention_kernel import split_tiles
-from .common_kernels import bf16_bits_to_f32, load_f32
+from .common_kernels import bf16_bits_to_f32, load_f32, pdl_launch_dependents
 
 
 @triton.jit
@@ -343,9 +343,10 @@ def split_kernel_v2(
     HOLD_RAW: tl.constexpr = True,
     ZSUB: tl.constexpr = False,
     PROBE_SKIP_PV: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """One (split, request, row block): partial normalised output and log2-sum-exp (same
-    partial format as v1's ``split_kernel``). ``PROBE_SKIP_PV`` (probes only; wrong results)."""
+    partial format as v1's ``split_kernel``). ``PROBE_SKIP_PV`` (probes only; wrong results); ``PDL`` as v1's."""
     pid_s = tl.program_id(0)
     b = tl.program_id(1)
     rb = tl.program_id(2)
@@ -440,6 +441,7 @@ def split_kernel_v2(
                 new = _pv_update(accs[sl], alpha, k, pg, zero, PV_FORM, DOT_BF16)
                 accs = _tuple_set(accs, sl, new, NSC)
 
+    pdl_launch_dependents(PDL)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     lse2 = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
     part = (b.to(tl.int64) * NSPLIT + pid_s) * R

@@ -39,7 +39,7 @@ import triton.language as tl
 from .attention_kernel import split_tiles
 from .attention_v2_kernel import (_codes, _load_bf16_vals, _load_raw, _scale_col, _scale_rows, _tuple_set,
                                   _zeros_tuple, _zsub, tile_pages)
-from .common_kernels import load_f32
+from .common_kernels import load_f32, pdl_launch_dependents
 
 
 @triton.jit
@@ -246,10 +246,11 @@ def split_kernel_v3(
     BLOCK_R: tl.constexpr,
     PREFETCH: tl.constexpr = False,
     PROBE_SKIP_PV: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """One (split, request, block of BLOCK_R query rows): partial normalised output and
     log2-sum-exp over the split's share of the packed tokens (v1's partial format).
-    ``PROBE_SKIP_PV`` (probes only; wrong results) leaves the PV products out."""
+    ``PROBE_SKIP_PV`` (probes only; wrong results) leaves the PV products out; ``PDL`` as v1's."""
     pid_s = tl.program_id(0)
     b = tl.program_id(1)
     rb = tl.program_id(2)
@@ -307,6 +308,7 @@ def split_kernel_v3(
             accs = _pv(accs, alpha, p, pages_ptr, page_off, tp, ld_mask, tok_ok, tl.minimum(n0, 0), DC, cbits, CCW,
                        CG, C_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF, C_SCALE_BF16, CBIAS, DOT_BF16, BLOCK_N)
 
+    pdl_launch_dependents(PDL)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     lse2 = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
     part = (b.to(tl.int64) * NSPLIT + pid_s) * R

@@ -60,3 +60,22 @@ def rint(x):
     """Round half to even for |x| < 2**22 (codes and zero points are far below that): adding and
     removing 1.5 * 2**23 leaves no fraction bits, and the float32 add itself rounds half to even."""
     return (x + MAGIC) - MAGIC
+
+
+@triton.jit
+def pdl_launch_dependents(PDL: tl.constexpr):
+    """With PDL (programmatic dependent launch, sm_90+): let the next kernel on the stream, launched with
+    ``launch_pdl``, start its programs now; they wait in :func:`pdl_wait` for this kernel to finish. Nothing
+    without PDL (the branch is not compiled: ROCm and the interpreter never see the instruction)."""
+    if PDL:
+        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0 unused", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """With PDL: wait until the kernel before this one on the stream has finished and its writes are visible
+    (a no-op on a launch without ``launch_pdl``). Nothing without PDL."""
+    if PDL:
+        tl.inline_asm_elementwise("griddepcontrol.wait; // $0 unused", "=r", [], dtype=tl.int32, is_pure=False,
+                                  pack=1)

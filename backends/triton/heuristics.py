@@ -52,7 +52,8 @@ PROTECT_WARPS = 8
 #: one stage: the protected-tile kernel's loop (a run of tiles a program) is short, and Triton's software pipelining of
 #: its loads would take the shared memory the combine kernel needed before stop 45 (166,912 B at 32 tokens)
 PROTECT_STAGES = 1
-#: query rows a protected-tile program may take (``QUANTMLA_TRITON_PROTECT_ROWS``; the plans take 16). Offline
+#: query rows a protected-tile program may take (``QUANTMLA_TRITON_PROTECT_ROWS``; the plans take 16, kernel v3's
+#: :func:`v3_protect_rows`). Offline
 #: (triton 3.7.1, sm_90, C4R4 H128, 16 tokens, 8 warps; registers / spilled bytes / shared memory): 16 rows 255 / 0 /
 #: 51,200 B (mma.sync); 32 rows 255 / 224 / 69,632 B; 64 rows 255 / 372 / 131,072 B (wgmma). At H128 16 rows read
 #: every protected tile 8 times a request, 64 rows twice: which pays is for the GPU to say (stop 47)
@@ -75,6 +76,21 @@ MERGE_BLOCK_R = 16
 MERGE_BLOCK_C = 32
 MERGE_SPLITS_A_LOAD = 16
 MERGE_WARPS = 4
+#: which launches use programmatic dependent launch where the GPU has it (attention.PDL_ENV: 0 none, 1 the merge, 2
+#: the merge and the protected tiles after the split kernel): a kernel's programs are placed and wait on the GPU while
+#: the one before it finishes, instead of starting after it ends. See :func:`pdl_default`
+PDL_MODES = (0, 1, 2)
+
+
+def pdl_default(variant: str) -> int:
+    """The PDL mode a call of split kernel ``variant`` takes unless ``QUANTMLA_TRITON_PDL`` says otherwise: 2 for v3,
+    1 for v1 and v2. H100, CUDA graphs, C4R4, twice each (stop 49; modes 0 / 1 / 2, 16 protected rows): H16 B8 L4K
+    48.5-48.9 / 47.9 / 50.1-50.2 us (C2R4 46.3-46.7 / 45.4-45.5 / 47.8), H16 B32 L4K 116.8 / 116.3 / 114.3-114.5,
+    H16 B128 L4K - / 359.9-360.5 / 359.2-365.0, H16 B32 L32K 647 / 646 / 645; kernel v3: H128 B8 L4K 200.4-201.4 /
+    200.4-200.7 / 193.5-193.8, B32 L4K - / 470.2-473.3 / 460.9-461.5, B128 L4K - / 1,681-1,682 / 1,660-1,661, B32
+    L32K - / 2,546 / 2,530-2,532. Mode 1 never lost (I had predicted 3-5 us at H16 B8 L4K; it took 0.6-1.0); mode 2
+    gained at every v3 shape and lost 1.5 us at H16 B8 L4K, the shape nearest its 1.5x target."""
+    return 2 if variant == "v3" else 1
 
 
 def merge_load_width(partials: int) -> int:
@@ -271,6 +287,15 @@ V3_CTAS_PER_SM = 1
 V3_MIN_TILES_PER_SPLIT = 4
 
 
+def v3_protect_rows(batch: int, rows: int, sm_count: int) -> int:
+    """Query rows a protected-tile program takes beside kernel v3: 64 where blocks of 16 rows alone (``batch`` x
+    ``rows`` / 16 programs) would fill the SMs, so that each program reads a request's sink and ring for 64 rows, not
+    16; else 16, leaving the spare SMs to :func:`protect_parts`. H100, C4R4, CUDA graphs, twice each (stop 49; 16 / 64
+    rows with PDL mode 2): H128 B8 L4K 193.6-193.8 / 198.4-198.8 us (64 programs of 16 rows), B32 L4K 460.9-461.5 /
+    434.9-436.0, B128 L4K 1,660-1,661 / 1,506-1,507, B32 L32K 2,530-2,532 / 2,506-2,507."""
+    return V3_BLOCK_R if rows >= V3_BLOCK_R and batch * -(-rows // MIN_DOT_N) >= PROTECT_CTAS_PER_SM * sm_count else MIN_DOT_N
+
+
 @functools.lru_cache(maxsize=4096)
 def plan_v3(batch: int, rows: int, latent_dim: int, page_size: int, max_tokens: int, sm_count: int,
             interpreter: bool = False, num_splits: int | None = None, fp32_dot: bool = False) -> AttentionPlan:
@@ -281,5 +306,5 @@ def plan_v3(batch: int, rows: int, latent_dim: int, page_size: int, max_tokens: 
     if num_splits is None:
         min_tiles = MIN_TILES_PER_SPLIT_INTERPRETER if interpreter else V3_MIN_TILES_PER_SPLIT
         num_splits = plan_kv_splits(batch * row_blocks, tiles, V3_CTAS_PER_SM * sm_count, min_tiles, MAX_SPLITS)[0]
-    return AttentionPlan(V3_BLOCK_N, block_r, row_blocks, int(num_splits), V3_NUM_WARPS, V3_NUM_STAGES, MIN_DOT_N,
-                         PROTECT_WARPS)
+    return AttentionPlan(V3_BLOCK_N, block_r, row_blocks, int(num_splits), V3_NUM_WARPS, V3_NUM_STAGES,
+                         v3_protect_rows(batch, rows, sm_count), PROTECT_WARPS)

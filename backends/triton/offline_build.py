@@ -36,7 +36,7 @@ from typing import Any, Iterator
 import torch
 
 #: the launch options of a Triton launch (not kernel arguments)
-LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg", "enable_fp_fusion")
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg", "enable_fp_fusion", "launch_pdl")
 _TRITON_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "u8",
                   torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
 
@@ -138,7 +138,7 @@ def compile_launch(launch: Launch, target) -> Any:
         src = ASTSource(launch.kernel, sig, constexprs={(params.index(p),): v for p, v in consts.items()}, attrs=attrs)
     else:  # triton < 3.3: constants by name, an AttrsDescriptor of the aligned arguments' indices
         src = ASTSource(launch.kernel, sig, consts, _old_attrs([i for (i,) in attrs]))
-    options = {k: v for k, v in launch.options.items() if k != "maxnreg" or target.backend == "cuda"}
+    options = {k: v for k, v in launch.options.items() if k not in ("maxnreg", "launch_pdl") or target.backend == "cuda"}
     return triton.compile(src, target=target, options=options)
 
 

@@ -67,7 +67,10 @@ def compile_report(variant: str = "v2", fmt_name: str = "C4R4", latent_dim: int 
     types = dict(q_ptr=qt, qr_ptr=qt, pages_ptr="*u8", table_ptr="*i32", lens_ptr="*i32", o_part_ptr="*fp32",
                  lse_part_ptr="*fp32", stride_table="i32", num_pages="i32", sm_scale_log2="fp32", R="i32", H="i32",
                  S_Q="i32", SINK="i32", LOCAL="i32", NSPLIT="i32")
-    params = list(inspect.signature(fn.fn).parameters)
+    signature = inspect.signature(fn.fn).parameters
+    consts.update({p: v.default for p, v in signature.items()  # constexprs left at their defaults (PDL, ...)
+                   if p not in consts and p not in types and v.default is not inspect.Parameter.empty})
+    params = list(signature)
     sig = {p: ("constexpr" if p in consts else types[p]) for p in params if p in consts or p in types}
     cex = {(params.index(k),): v for k, v in consts.items()}
     attrs = {(params.index(p),): [["tt.divisibility", 16]] for p in types
