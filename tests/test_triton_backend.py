@@ -497,6 +497,38 @@ def test_wider_protected_row_blocks(block_r, variant):
     assert LAST_LAUNCH["plan"].protect_block_r == block_r
 
 
+def _written_on_gpu(case: Case) -> tuple:
+    """``case``'s bfloat16 tensors on the GPU (``args``), its cache written by the torch backend, and a function that
+    prepares a Triton call of its queries over that cache (reading the environment when called)."""
+    from quantmla_core.backends.triton import attention as A
+
+    batch = build(case)
+    args = batch.to("cuda", "bfloat16")
+    cache = allocate(case, batch, "cuda")
+    qm.write(cache, args["latent"], args["k_rope"], slot_mapping=args["slot_mapping"], seq_ids=args["seq_ids"],
+             positions=args["positions"], seq_lens=args["seq_lens"], backend="torch")
+
+    def prepare():
+        return A.prepare(cache, args["block_table"], args["attn_seq_lens"], args["attn_seq_ids"], len(case.lens), 1,
+                         case.heads, torch.bfloat16, batch.softmax_scale)
+
+    return args, cache, prepare
+
+
+def _assert_graph_matches(run, want: tuple, eager: tuple, replays: int) -> None:
+    """Capture ``run()`` (out, lse) in a CUDA graph and replay it ``replays`` times, its output NaN-poisoned before
+    each; after each, the replay's and the ``eager`` call's outputs equal ``want`` bit for bit."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    for _ in range(replays):
+        captured[0].fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for got in (eager, captured):
+            assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+
+
 @pytest.mark.skipif(not GPU, reason="CUDA streams and graphs need a CUDA GPU")
 @pytest.mark.parametrize("heads", [16, 128])
 def test_protected_tiles_on_a_side_stream_are_bit_identical(heads, monkeypatch):
@@ -505,26 +537,15 @@ def test_protected_tiles_on_a_side_stream_are_bit_identical(heads, monkeypatch):
     from quantmla_core.backends.triton import attention as A
 
     case = Case(PackFormat.parse("C4R4"), (700, 2100, 90), heads=heads, sink=4, local=128, seed=93)
-    batch = build(case)
-    args = batch.to("cuda", "bfloat16")
-    cache = allocate(case, batch, "cuda")
-    qm.write(cache, args["latent"], args["k_rope"], slot_mapping=args["slot_mapping"], seq_ids=args["seq_ids"],
-             positions=args["positions"], seq_lens=args["seq_lens"], backend="torch")
-    call = A.prepare(cache, args["block_table"], args["attn_seq_lens"], args["attn_seq_ids"], len(case.lens), 1,
-                     heads, torch.bfloat16, batch.softmax_scale)
+    args, cache, prepare = _written_on_gpu(case)
+    call = prepare()
     q, r = args["q_latent"], args["q_rope"]
     monkeypatch.setenv(A.PROTECTED_STREAM_ENV, "0")
     one = call.run(q, r, cache)
     monkeypatch.setenv(A.PROTECTED_STREAM_ENV, "1")
     side = call.run(q, r, cache)
     call.run(q, r, cache)  # a warm-up outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = call.run(q, r, cache)
-    graph.replay()
-    torch.cuda.synchronize()
-    for got in (side, captured):
-        assert torch.equal(one[0], got[0]) and torch.equal(one[1], got[1])
+    _assert_graph_matches(lambda: call.run(q, r, cache), one, side, replays=1)
     check_attention_case(case, "torch", "triton", "cuda", "bfloat16")
 
 
@@ -541,29 +562,16 @@ def test_launches_with_pdl_are_bit_identical(heads, sink, local, mode, monkeypat
     if why:
         pytest.skip(why)
     case = Case(PackFormat.parse("C4R4"), (700, 2100, 90, 4099), heads=heads, sink=sink, local=local, seed=94)
-    batch = build(case)
-    args = batch.to("cuda", "bfloat16")
-    cache = allocate(case, batch, "cuda")
-    qm.write(cache, args["latent"], args["k_rope"], slot_mapping=args["slot_mapping"], seq_ids=args["seq_ids"],
-             positions=args["positions"], seq_lens=args["seq_lens"], backend="torch")
+    args, cache, prepare = _written_on_gpu(case)
     calls = {}
     for env in ("0", mode):
         monkeypatch.setenv(A.PDL_ENV, env)
-        calls[env] = A.prepare(cache, args["block_table"], args["attn_seq_lens"], args["attn_seq_ids"], len(case.lens),
-                               1, heads, torch.bfloat16, batch.softmax_scale)
+        calls[env] = prepare()
     assert (calls["0"].pdl, calls[mode].pdl) == (0, int(mode))
     q, r = args["q_latent"], args["q_rope"]
     plain = calls["0"].run(q, r, cache)
     eager = calls[mode].run(q, r, cache)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = calls[mode].run(q, r, cache)
-    for _ in range(10):
-        captured[0].fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        for got in (eager, captured):
-            assert torch.equal(plain[0], got[0]) and torch.equal(plain[1], got[1])
+    _assert_graph_matches(lambda: calls[mode].run(q, r, cache), plain, eager, replays=10)
     check_attention_case(case, "torch", "triton", "cuda", "bfloat16")
 
 
