@@ -55,8 +55,8 @@ def test_launch_geometry(monkeypatch, batch, heads, tokens, variant, split_grid,
     assert call.protect_consts["BLOCK_T"] * tiles * parts >= 4 + 128  # the parts cover the sink and the ring
 
 
-@pytest.mark.parametrize("batch,rows,want", [(8, 128, 16), (16, 128, 16), (17, 128, 64), (32, 128, 64),
-                                             (1024, 128, 64), (32, 64, 16), (33, 64, 64), (1024, 16, 16), (1024, 48, 16)])
+@pytest.mark.parametrize("batch,rows,want", [(8, 128, 16), (16, 128, 16), (17, 128, 64), (32, 128, 64), (1024, 128, 64),
+                                             (32, 64, 16), (33, 64, 64), (1024, 16, 16), (1024, 48, 16)])
 def test_v3_protect_rows(batch, rows, want):
     """Kernel v3's protected tiles take 64 query rows a program where ``batch`` x ``rows`` / 16 programs would fill
     132 SMs, and 16 rows elsewhere (fewer rows than one 64-row block: always 16)."""

@@ -390,9 +390,9 @@ def merge_kernel(
 ):
     """Program (b, rb, cb): channels ``cb * BLOCK_C ..`` of query rows block rb of request b, merged over the
     splits' partials (SC a load) and the protected parts' (SCP a load) by log-sum-exp in one pass; ``lse`` (natural
-    log) from the programs with cb = 0. ``PDL``: launched with ``launch_pdl`` after the split kernel, it waits for
-    that kernel's partials before its first load (the protected-tile kernel, launched before the split kernel
-    without PDL, has finished before the split kernel starts)."""
+    log) from the programs with cb = 0. ``PDL``: launched with ``launch_pdl``, it waits for the kernel before it before
+    its first load: the split kernel (the protected-tile kernel, launched before it without PDL, has ended before it
+    starts), or with PDL mode 2 the protected-tile kernel, which ends only after the split kernel."""
     b = tl.program_id(0)
     rb = tl.program_id(1)
     cb = tl.program_id(2)

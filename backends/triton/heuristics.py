@@ -56,7 +56,7 @@ PROTECT_STAGES = 1
 #: :func:`v3_protect_rows`). Offline
 #: (triton 3.7.1, sm_90, C4R4 H128, 16 tokens, 8 warps; registers / spilled bytes / shared memory): 16 rows 255 / 0 /
 #: 51,200 B (mma.sync); 32 rows 255 / 224 / 69,632 B; 64 rows 255 / 372 / 131,072 B (wgmma). At H128 16 rows read
-#: every protected tile 8 times a request, 64 rows twice: which pays is for the GPU to say (stop 47)
+#: every protected tile 8 times a request, 64 rows twice: 64 paid where the SMs are full (stop 49, v3_protect_rows)
 PROTECT_ROWS_CHOICES = (16, 32, 64)
 #: programs of the protected-tile kernel an SM holds at once (8 warps x 255 registers fill the register file)
 PROTECT_CTAS_PER_SM = 1
@@ -293,7 +293,8 @@ def v3_protect_rows(batch: int, rows: int, sm_count: int) -> int:
     16; else 16, leaving the spare SMs to :func:`protect_parts`. H100, C4R4, CUDA graphs, twice each (stop 49; 16 / 64
     rows with PDL mode 2): H128 B8 L4K 193.6-193.8 / 198.4-198.8 us (64 programs of 16 rows), B32 L4K 460.9-461.5 /
     434.9-436.0, B128 L4K 1,660-1,661 / 1,506-1,507, B32 L32K 2,530-2,532 / 2,506-2,507."""
-    return V3_BLOCK_R if rows >= V3_BLOCK_R and batch * -(-rows // MIN_DOT_N) >= PROTECT_CTAS_PER_SM * sm_count else MIN_DOT_N
+    fills = batch * -(-rows // MIN_DOT_N) >= PROTECT_CTAS_PER_SM * sm_count
+    return V3_BLOCK_R if rows >= V3_BLOCK_R and fills else MIN_DOT_N
 
 
 @functools.lru_cache(maxsize=4096)

@@ -138,7 +138,8 @@ def compile_launch(launch: Launch, target) -> Any:
         src = ASTSource(launch.kernel, sig, constexprs={(params.index(p),): v for p, v in consts.items()}, attrs=attrs)
     else:  # triton < 3.3: constants by name, an AttrsDescriptor of the aligned arguments' indices
         src = ASTSource(launch.kernel, sig, consts, _old_attrs([i for (i,) in attrs]))
-    options = {k: v for k, v in launch.options.items() if k not in ("maxnreg", "launch_pdl") or target.backend == "cuda"}
+    cuda_only = ("maxnreg", "launch_pdl")
+    options = {k: v for k, v in launch.options.items() if k not in cuda_only or target.backend == "cuda"}
     return triton.compile(src, target=target, options=options)
 
 
