@@ -78,3 +78,14 @@ def snapshot(names: tuple[str, ...]) -> tuple[str | None, ...]:
     data, encodekey, _ = live
     keys = _KEYS
     return tuple([data.get(keys.get(n) or _key(n, encodekey)) for n in names])
+
+
+def env_int_choice(name: str, allowed: tuple[int, ...]) -> int | None:
+    """The integer ``$name`` holds, one of ``allowed``; None where it is unset or blank. Anything else is refused: a
+    ValueError naming the variable, the values it may hold and the one it holds."""
+    raw = (getenv(name, "") or "").strip()
+    if not raw:
+        return None
+    if raw not in {str(a) for a in allowed}:
+        raise ValueError(f"{name}: expected one of {', '.join(map(str, allowed))}, got {raw!r}")
+    return int(raw)

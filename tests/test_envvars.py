@@ -73,3 +73,23 @@ def test_snapshot_follows_the_environment(monkeypatch):
     assert snapshot(names)[0] is None and snapshot(names) != before
     monkeypatch.setenv(names[1], "x")
     assert snapshot(names) == before
+
+
+@pytest.mark.parametrize("raw,want", [(None, None), ("", None), ("  ", None), ("16", 16), (" 64 ", 64)])
+def test_env_int_choice_reads(monkeypatch, raw, want):
+    from quantmla_core.envvars import env_int_choice
+
+    if raw is None:
+        monkeypatch.delenv("QUANTMLA_TEST_CHOICE", raising=False)
+    else:
+        monkeypatch.setenv("QUANTMLA_TEST_CHOICE", raw)
+    assert env_int_choice("QUANTMLA_TEST_CHOICE", (16, 32, 64)) == want
+
+
+@pytest.mark.parametrize("raw", ["48", "016", "sixteen", "16.0"])
+def test_env_int_choice_refuses(monkeypatch, raw):
+    from quantmla_core.envvars import env_int_choice
+
+    monkeypatch.setenv("QUANTMLA_TEST_CHOICE", raw)
+    with pytest.raises(ValueError, match=rf"QUANTMLA_TEST_CHOICE: expected one of 16, 32, 64, got '{raw}'"):
+        env_int_choice("QUANTMLA_TEST_CHOICE", (16, 32, 64))

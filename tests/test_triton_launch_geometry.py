@@ -135,7 +135,7 @@ def test_no_side_stream_without_protected_tiles(monkeypatch):
 
 def test_protected_stream_knob_refuses_other_values(monkeypatch):
     monkeypatch.setenv(A.PROTECTED_STREAM_ENV, "yes")
-    with pytest.raises(ValueError, match=r"QUANTMLA_TRITON_PROTECTED_STREAM: expected 0 or 1, got 'yes'"):
+    with pytest.raises(ValueError, match=r"QUANTMLA_TRITON_PROTECTED_STREAM: expected one of 0, 1, got 'yes'"):
         _run_recording_streams(monkeypatch, True)
 
 

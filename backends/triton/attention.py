@@ -13,7 +13,7 @@ from typing import Mapping
 
 import torch
 
-from ...envvars import getenv
+from ...envvars import env_int_choice, getenv
 from ..buffers import capturing as graph_capturing
 from ..buffers import carve
 from ..streams import fork_side_stream, join_side_stream, launching_on
@@ -355,26 +355,21 @@ def _uses_cuda_streams(device: torch.device) -> bool:
 
 def _protect_on_side_stream() -> bool:
     """``$QUANTMLA_TRITON_PROTECTED_STREAM`` is "1" ("0" or unset: one stream; anything else is refused)."""
-    raw = getenv(PROTECTED_STREAM_ENV, "").strip()
-    if raw not in ("", "0", "1"):
-        raise ValueError(f"{PROTECTED_STREAM_ENV}: expected 0 or 1, got {raw!r}")
-    return raw == "1"
+    return env_int_choice(PROTECTED_STREAM_ENV, (0, 1)) == 1
 
 
 def _pdl_from_env(device: torch.device, variant: str) -> int:
     """Which launches of a call of split kernel ``variant`` use PDL (:data:`PDL_ENV`: "0", "1", "2", or unset for
     :func:`heuristics.pdl_default` where :func:`pdl_unsupported` finds nothing against it)."""
-    raw = getenv(PDL_ENV, "").strip()
-    if raw not in {"", *map(str, PDL_MODES)}:
-        raise ValueError(f"{PDL_ENV}: expected one of {', '.join(map(str, PDL_MODES))}, got {raw!r}")
-    if raw == "0":
+    mode = env_int_choice(PDL_ENV, PDL_MODES)
+    if mode == 0:
         return 0
     why = pdl_unsupported(device)
-    if raw and why:
-        raise ValueError(f"{PDL_ENV}={raw}: {why}")
+    if mode is not None and why:
+        raise ValueError(f"{PDL_ENV}={mode}: {why}")
     if why:
         return 0
-    return int(raw) if raw else pdl_default(variant)
+    return pdl_default(variant) if mode is None else mode
 
 
 def pdl_unsupported(device: torch.device) -> str | None:
@@ -408,13 +403,10 @@ def _triton_launches_pdl() -> bool:
 def _protect_rows_from_env(pl: AttentionPlan, overrides: dict | None) -> AttentionPlan:
     """``pl`` with ``$QUANTMLA_TRITON_PROTECT_ROWS`` query rows a protected-tile program, where set (an explicit
     ``protect_block_r`` override wins)."""
-    raw = getenv(PROTECT_ROWS_ENV, "").strip()
-    if not raw or (overrides and "protect_block_r" in overrides):
+    if overrides and "protect_block_r" in overrides:
         return pl
-    if raw not in {str(c) for c in PROTECT_ROWS_CHOICES}:
-        choices = ", ".join(map(str, PROTECT_ROWS_CHOICES))
-        raise ValueError(f"{PROTECT_ROWS_ENV}: expected one of {choices}, got {raw!r}")
-    return dataclasses.replace(pl, protect_block_r=int(raw))
+    rows = env_int_choice(PROTECT_ROWS_ENV, PROTECT_ROWS_CHOICES)
+    return pl if rows is None else dataclasses.replace(pl, protect_block_r=rows)
 
 
 def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: torch.Tensor, batch: int, q_len: int,
