@@ -133,10 +133,22 @@ def test_no_side_stream_without_protected_tiles(monkeypatch):
     assert _run_recording_streams(monkeypatch, True, sink=0, local=0) == ["split_kernel_v2", "merge_kernel"]
 
 
-def test_protected_stream_knob_refuses_other_values(monkeypatch):
+@pytest.mark.parametrize("cuda", [True, False])
+def test_protected_stream_knob_refuses_other_values(monkeypatch, cuda):
+    """A malformed ``QUANTMLA_TRITON_PROTECTED_STREAM`` is refused on every device, not only where streams exist."""
     monkeypatch.setenv(A.PROTECTED_STREAM_ENV, "yes")
     with pytest.raises(ValueError, match=r"QUANTMLA_TRITON_PROTECTED_STREAM: expected one of 0, 1, got 'yes'"):
-        _run_recording_streams(monkeypatch, True)
+        if cuda:
+            _run_recording_streams(monkeypatch, True)
+        else:
+            _run_on_the_cpu(monkeypatch)
+
+
+def _run_on_the_cpu(monkeypatch) -> None:
+    """H16 B8 L4K's prepared call run with its kernels stubbed and no CUDA streams (as in the interpreter)."""
+    call = _prepare(monkeypatch, 8, 16, 4096)
+    q, r = torch.randn((8, 16, 512)).to(torch.bfloat16), torch.randn((8, 16, 64)).to(torch.bfloat16)
+    call.run(q, r, qm.MLACache.allocate(qm.PackFormat.parse("C4R4"), 8 * 64, 8, 4, 128, device="cpu"))
 
 
 def _pdl_launches(monkeypatch, pdl_env, side_env=None, supported=True) -> list:

@@ -304,7 +304,7 @@ class PreparedCall:
         o_flat = next(made) if out is None else _given("out", out).view(b, rows, dc)
         l_flat = next(made) if lse is None else _given("lse", lse).view(b, rows)
         side = None
-        if npt and _uses_cuda_streams(self.device) and _protect_on_side_stream():
+        if npt and _protect_on_side_stream() and _uses_cuda_streams(self.device):  # the knob checked everywhere
             side = fork_side_stream(self.device.index)  # before the split launch, so that it does not wait for it
         protect_after = bool(npt) and self.pdl == 2 and side is None
         pdl = {"launch_pdl": True} if self.pdl and side is None else {}
