@@ -87,13 +87,16 @@ def test_protect_rows_knob_refuses_other_values(monkeypatch):
         _prepare(monkeypatch, 8, 128, 4096)
 
 
-def _run_recording_streams(monkeypatch, capturing: bool, sink=4, local=128) -> list:
-    """Run H16 B8 L4K's prepared call as on a CUDA device (kernels and streams stubbed) and return, in order, the
-    launches and the stream operations: ("fork",), ("on", stream) ... ("off", stream), ("join", stream)."""
-    found: list = []
-    call = _prepare(monkeypatch, 8, 16, 4096, sink=sink, local=local, launches=found)
-    events = found[0]  # the stubbed kernels record their launches here, the stream stubs beside them
+def _run(call, sink=4, local=128) -> None:
+    """Run H16 B8 L4K's prepared ``call`` (kernels stubbed) on random bfloat16 queries over a CPU cache."""
+    q, r = torch.randn((8, 16, 512)).to(torch.bfloat16), torch.randn((8, 16, 64)).to(torch.bfloat16)
+    call.run(q, r, qm.MLACache.allocate(qm.PackFormat.parse("C4R4"), 8 * 64, 8, sink, local, device="cpu"))
 
+
+def _stub_cuda_streams(monkeypatch, events: list, capturing: bool = False) -> None:
+    """Launch as on a CUDA device (under graph capture where ``capturing``): the side-stream operations are stubbed
+    and appended to ``events`` beside the stubbed kernels' launches: ("fork",), ("on", stream) ... ("off", stream),
+    ("join", stream)."""
     @contextlib.contextmanager
     def launching_on(side):
         events.append(("on", side))
@@ -105,8 +108,24 @@ def _run_recording_streams(monkeypatch, capturing: bool, sink=4, local=128) -> l
     monkeypatch.setattr(A, "fork_side_stream", lambda dev: events.append(("fork",)) or "side")
     monkeypatch.setattr(A, "join_side_stream", lambda dev, side: events.append(("join", side)))
     monkeypatch.setattr(A, "launching_on", launching_on)
-    q, r = torch.randn((8, 16, 512)).to(torch.bfloat16), torch.randn((8, 16, 64)).to(torch.bfloat16)
-    call.run(q, r, qm.MLACache.allocate(qm.PackFormat.parse("C4R4"), 8 * 64, 8, sink, local, device="cpu"))
+
+
+def _set_env(monkeypatch, name: str, value: str | None) -> None:
+    """``$name`` = ``value``; unset where None."""
+    if value is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, value)
+
+
+def _run_recording_streams(monkeypatch, capturing: bool, sink=4, local=128) -> list:
+    """Run H16 B8 L4K's prepared call as on a CUDA device (kernels and streams stubbed) and return, in order, the
+    kernels' names and the stream operations (:func:`_stub_cuda_streams`)."""
+    found: list = []
+    call = _prepare(monkeypatch, 8, 16, 4096, sink=sink, local=local, launches=found)
+    events = found[0]  # the stubbed kernels record their launches here, the stream stubs beside them
+    _stub_cuda_streams(monkeypatch, events, capturing)
+    _run(call, sink, local)
     return [e if e[0] in ("fork", "on", "off", "join") else e[0] for e in events]
 
 
@@ -116,10 +135,7 @@ def test_protected_tiles_on_a_side_stream(monkeypatch, env, capturing, side):
     """``QUANTMLA_TRITON_PROTECTED_STREAM=1`` (unset: one stream, eager or captured): the protected-tile kernel runs on
     a second stream forked before the split launch (a fork after it would wait for the split kernel), and the merge
     is ordered after both."""
-    if env is None:
-        monkeypatch.delenv(A.PROTECTED_STREAM_ENV, raising=False)
-    else:
-        monkeypatch.setenv(A.PROTECTED_STREAM_ENV, env)
+    _set_env(monkeypatch, A.PROTECTED_STREAM_ENV, env)
     events = _run_recording_streams(monkeypatch, capturing)
     if side:
         assert events == [("fork",), ("on", "side"), "protect_kernel", ("off", "side"), "split_kernel_v2",
@@ -140,36 +156,22 @@ def test_protected_stream_knob_refuses_other_values(monkeypatch, cuda):
     with pytest.raises(ValueError, match=r"QUANTMLA_TRITON_PROTECTED_STREAM: expected one of 0, 1, got 'yes'"):
         if cuda:
             _run_recording_streams(monkeypatch, True)
-        else:
-            _run_on_the_cpu(monkeypatch)
-
-
-def _run_on_the_cpu(monkeypatch) -> None:
-    """H16 B8 L4K's prepared call run with its kernels stubbed and no CUDA streams (as in the interpreter)."""
-    call = _prepare(monkeypatch, 8, 16, 4096)
-    q, r = torch.randn((8, 16, 512)).to(torch.bfloat16), torch.randn((8, 16, 64)).to(torch.bfloat16)
-    call.run(q, r, qm.MLACache.allocate(qm.PackFormat.parse("C4R4"), 8 * 64, 8, 4, 128, device="cpu"))
+        else:  # no CUDA streams, as in the interpreter
+            _run(_prepare(monkeypatch, 8, 16, 4096))
 
 
 def _pdl_launches(monkeypatch, pdl_env, side_env=None, supported=True) -> list:
     """[(kernel name, launch kwargs)] of H16 B8 L4K's prepared call run as on a CUDA device (kernels and streams
     stubbed), in launch order, with ``QUANTMLA_TRITON_PDL`` = ``pdl_env`` (None: unset) and the GPU's PDL check
     faked."""
-    for env, value in ((A.PDL_ENV, pdl_env), (A.PROTECTED_STREAM_ENV, side_env)):
-        if value is None:
-            monkeypatch.delenv(env, raising=False)
-        else:
-            monkeypatch.setenv(env, value)
+    _set_env(monkeypatch, A.PDL_ENV, pdl_env)
+    _set_env(monkeypatch, A.PROTECTED_STREAM_ENV, side_env)
     monkeypatch.setattr(A, "pdl_unsupported", lambda dev: None if supported else "no PDL on this GPU")
     found: list = []
     call = _prepare(monkeypatch, 8, 16, 4096, launches=found)
-    monkeypatch.setattr(A, "_uses_cuda_streams", lambda dev: True)
-    monkeypatch.setattr(A, "fork_side_stream", lambda dev: "side")
-    monkeypatch.setattr(A, "join_side_stream", lambda dev, side: None)
-    monkeypatch.setattr(A, "launching_on", lambda side: contextlib.nullcontext())
-    q, r = torch.randn((8, 16, 512)).to(torch.bfloat16), torch.randn((8, 16, 64)).to(torch.bfloat16)
-    call.run(q, r, qm.MLACache.allocate(qm.PackFormat.parse("C4R4"), 8 * 64, 8, 4, 128, device="cpu"))
-    return [(name, kwargs) for name, _, _, kwargs in found[0]]
+    _stub_cuda_streams(monkeypatch, found[0])
+    _run(call)
+    return [(e[0], e[3]) for e in found[0] if len(e) == 4]  # the kernels' launches, not the stream operations
 
 
 def _pdl_summary(launches: list) -> list:

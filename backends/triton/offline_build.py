@@ -108,6 +108,18 @@ def _arg_type(value: Any) -> str:
     raise TypeError(f"cannot type a kernel argument of {type(value).__name__}")
 
 
+def defaults_of(signature: Any, given: set[str], kernel_name: str) -> dict[str, Any]:
+    """The parameters of a kernel's ``signature`` (``inspect.signature(kernel.fn).parameters``) not in ``given``, at
+    their defaults (constexprs a launch leaves out); a ValueError for one without a default."""
+    left = {}
+    for p, param in signature.items():
+        if p not in given:
+            if param.default is inspect.Parameter.empty:
+                raise ValueError(f"{kernel_name}: no value for parameter {p!r}")
+            left[p] = param.default
+    return left
+
+
 def compile_launch(launch: Launch, target) -> Any:
     """``triton.compile`` of ``launch`` for ``target`` (a ``GPUTarget``): the compiled kernel (``.asm``, ``.metadata``)."""
     import triton
@@ -127,12 +139,7 @@ def compile_launch(launch: Launch, target) -> Any:
         if aligned:
             attrs[(params.index(p),)] = [["tt.divisibility", 16]]
     consts = {p: v for p, v in launch.constexprs.items() if p in params}
-    for p in params:  # constexprs left at their defaults
-        if p not in sig and p not in consts:
-            default = signature[p].default
-            if default is inspect.Parameter.empty:
-                raise ValueError(f"{launch.name}: no value for parameter {p!r}")
-            consts[p] = default
+    consts.update(defaults_of(signature, {*sig, *consts}, launch.name))
     if "constexprs" in inspect.signature(ASTSource).parameters:
         sig.update({p: "constexpr" for p in consts})
         src = ASTSource(launch.kernel, sig, constexprs={(params.index(p),): v for p, v in consts.items()}, attrs=attrs)

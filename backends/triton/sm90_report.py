@@ -19,7 +19,7 @@ import sys
 
 from . import slice_width
 from .common import FP_FUSION, page_layout_constexprs
-from .offline_build import nvidia_resources
+from .offline_build import defaults_of, nvidia_resources
 
 
 def _consts(variant: str, fmt, block_n: int, block_r: int, bf16: bool, **switches) -> dict:
@@ -68,8 +68,7 @@ def compile_report(variant: str = "v2", fmt_name: str = "C4R4", latent_dim: int 
                  lse_part_ptr="*fp32", stride_table="i32", num_pages="i32", sm_scale_log2="fp32", R="i32", H="i32",
                  S_Q="i32", SINK="i32", LOCAL="i32", NSPLIT="i32")
     signature = inspect.signature(fn.fn).parameters
-    consts.update({p: v.default for p, v in signature.items()  # constexprs left at their defaults (PDL, ...)
-                   if p not in consts and p not in types and v.default is not inspect.Parameter.empty})
+    consts.update(defaults_of(signature, {*consts, *types}, fn.fn.__name__))  # PDL, ...
     params = list(signature)
     sig = {p: ("constexpr" if p in consts else types[p]) for p in params if p in consts or p in types}
     cex = {(params.index(k),): v for k, v in consts.items()}
