@@ -56,6 +56,9 @@
 #   bash benchmarks/run_h200_kernels.sh stop49   # Triton launches with PDL (QUANTMLA_TRITON_PDL) and kernel v3's protected
 #       rows: conformance (bit-identity, the default plans, real shapes), PDL 0/1/2 x rows 16/64, the defaults against
 #       PDL 0 with 16 rows (CUDA graphs, FlashInfer BF16 with .whl carried), memcheck with PDL 2
+#   bash benchmarks/run_h200_kernels.sh stop50   # kernel v3's codes from 32-bit words: conformance, each kernel's device
+#       time before (probe_tmp/triton_head, carried) and now, CUDA graphs of before / WORDS 2 / 1 / 0 over S50_SHAPES
+#       (FlashInfer BF16 in each process; probe_tmp/words_probe.py forces WORDS), memcheck, v3 at real shapes
 #   bash benchmarks/run_h200_kernels.sh v6pair   # v6 as two-CTA clusters sharing each key tile (QUANTMLA_CUPY_V6_PAIR):
 #       conformance of forced pairs, CUDA graphs of 0 against 1 over V6PAIR_SHAPES, memcheck of the pairs
 #   bash benchmarks/run_h200_kernels.sh v6fold   # v6's slack maximum and RoPE fold (QUANTMLA_CUPY_V6_SLACK / _ROPE_FOLD):
@@ -364,6 +367,29 @@ elif [ "$MODE" = stop49 ]; then
     2>&1 | grep -v "^{" | tail -50
   echo "=== memcheck with PDL 2"
   QUANTMLA_TRITON_PDL=2 timeout 70 compute-sanitizer --tool memcheck $T tests/test_triton_backend.py -k "merge_over or poisoned" 2>&1 | tail -3
+elif [ "$MODE" = stop50 ]; then
+  # kernel v3's codes from 32-bit words (WORDS 2: taken apart in PTX, the default on NVIDIA; 1: portable Triton; 0: bytes)
+  # against the tree before (probe_tmp/triton_head = git show a9b7113:backends/triton/*.py, carried)
+  echo "=== v3 code words: conformance (each WORDS, the v3 tests)"
+  timeout 200 $T -rfE tests/test_triton_backend.py -k "code_words or v3_attention or v3_split or many_requests" 2>&1 | tail -4
+  triton_tree head
+  triton_kernel_times "head after" ${S50_KT_SHAPES:-128x8x4096,128x32x32768} ""
+  n=0
+  for run in head 2 1 0 head 2; do
+    n=$((n + 1))
+    echo "=== Triton $run (CUDA graphs; FlashInfer BF16 in the process)"
+    if [ "$run" = head ]; then
+      PYTHONPATH=$(tree_path head) timeout 150 python3 -P benchmarks/graph_probe.py --backends triton --formats C4R4,C2R4 \
+        --shapes ${S50_SHAPES:-128x8x4096,128x32x32768,16x32x32768x4} --json "$OUT/graph_words_${n}_head.json" 2>&1 | grep -v "^{" | tail -8
+    else
+      WORDS_MODE=$run timeout 150 python3 -P probe_tmp/words_probe.py --backends triton --formats C4R4,C2R4 \
+        --shapes ${S50_SHAPES:-128x8x4096,128x32x32768,16x32x32768x4} --json "$OUT/graph_words_${n}_$run.json" 2>&1 | grep -v "^{" | tail -8
+    fi
+  done
+  echo "=== memcheck (words in PTX)"
+  timeout 90 compute-sanitizer --tool memcheck $T tests/test_triton_backend.py -k "code_words and C4R4" 2>&1 | tail -3
+  echo "=== Triton v3 at real shapes"
+  timeout ${S50_REAL_S:-200} $T -rfE tests/test_triton_backend.py -k "real_shapes and v3" 2>&1 | tail -4
 elif [ "$MODE" = v6pair ]; then
   echo "=== v6 pairs: one small case first (a hang or a failure stops here)"; timeout 120 $T tests/test_cupy_v6.py \
     -k "v6_pair_matches and L64_128_192" 2>&1 | tail -2 | tee "$OUT/v6_pair_first.txt"

@@ -212,6 +212,26 @@ def test_v3_plan(batch, rows, tokens, splits):
     assert ctas < 132 or ctas / (132 * -(-ctas // 132)) > 0.95  # the last round nearly full
 
 
+@pytest.mark.parametrize("words", [{"word_codes": False}, {"word_codes": True}, {"word_codes": True, "ptx_split": False}],
+                         ids=str)
+@pytest.mark.parametrize("fmt_name", ["C4R4", "C2R4", "C4R8", "C8R8"])
+def test_v3_code_words(fmt_name, words):
+    """Kernel v3's codes from bytes and from 32-bit words (2- and 4-bit codes; 8-bit ones stay bytes), the words taken
+    apart in PTX (the default on NVIDIA GPUs) or in portable Triton; 64 rows over partial tiles and two splits."""
+    case = Case(PackFormat.parse(fmt_name), (300, 129), heads=32, s_q=2, seed=81)
+    _attend_direct(case, "bfloat16" if GPU else "float32", variant="v3", num_splits=2, overrides=words)
+
+
+def test_ptx_split_is_refused_off_nvidia():
+    """The PTX path is NVIDIA's: asked for where the call cannot run it, the launcher says why."""
+    case = Case(PackFormat.parse("C4R4"), (70,), heads=64, seed=4)
+    if GPU and torch.version.hip is None:
+        pytest.skip("this GPU runs PTX")
+    with pytest.raises(ValueError, match="'ptx_split' cannot run here: PTX runs on NVIDIA GPUs, the call runs on cpu"
+                       if not GPU else "'ptx_split' cannot run here: ROCm"):
+        _attend_direct(case, variant="v3", overrides={"ptx_split": True})
+
+
 def test_kernel_switches_name_their_variant():
     case = Case(PackFormat.parse("C4R4"), (70,), heads=4, seed=3)
     with pytest.raises(ValueError, match="'prefetch' is a kernel-v3 switch"):
@@ -495,6 +515,42 @@ def test_wider_protected_row_blocks(block_r, variant):
     _attend_direct(case, "bfloat16" if GPU else "float32", variant=variant, overrides={"protect_block_r": block_r},
                    num_splits=2)
     assert LAST_LAUNCH["plan"].protect_block_r == block_r
+
+
+def _sm90_report(*args: str) -> dict:
+    """``sm90_report``'s line for one kernel build (in a subprocess without ``TRITON_INTERPRET``, outside the
+    checkout so the installed package is the one imported)."""
+    import ast
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, *(["-P"] if sys.flags.safe_path else []), "-m", "quantmla_core.backends.triton.sm90_report",
+           *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tempfile.gettempdir())
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    assert lines, r.stdout + r.stderr
+    rep = ast.literal_eval(lines[-1])
+    assert "err" not in rep, rep
+    return rep
+
+
+@pytest.mark.parametrize("fmt_name", ["C4R4", "C2R4"])
+def test_v3_code_words_shorten_the_tile_loop_offline(fmt_name):
+    """Offline sm_90a SASS of kernel v3's tile loop: codes from words taken apart in PTX issue fewer instructions a
+    thread than portable words, and those fewer than bytes (C4R4: 2,848 / 3,662 / 4,003 with triton 3.7.1)."""
+    import os
+
+    triton = pytest.importorskip("triton")
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("this Triton has no bundled ptxas")
+    base = ["v3", fmt_name, "block_r=64"]
+    ptx, portable, raw = (_sm90_report(*base, *extra)["sass_in_loops"]
+                          for extra in ([], ["ptx_split=false"], ["word_codes=false"]))
+    print(fmt_name, {"ptx": ptx, "portable words": portable, "bytes": raw})
+    assert ptx < 0.9 * portable and portable < raw and ptx < 0.8 * raw
 
 
 def _written_on_gpu(case: Case) -> tuple:

@@ -24,7 +24,7 @@ from .attention_v3_kernel import split_kernel_v3
 from .common import launch_dims, page_layout_constexprs, ptr_or_dummy
 from .heuristics import (INTERPRETER_SM_COUNT, MERGE_BLOCK_C, MERGE_BLOCK_R, MERGE_WARPS, PDL_MODES,
                          PROTECT_STAGES, TMEM_COLUMNS, V2_FLOAT32_ON_GPU, V2_HOLD_RAW, V2_ZSUB, V3_BLOCK_N,
-                         V3_BLOCK_R, V3_MIN_ROWS, V3_NUM_STAGES, V3_NUM_WARPS, V3_PREFETCH, AttentionPlan, DeviceLimits,
+                         V3_BLOCK_R, V3_MIN_ROWS, V3_NUM_STAGES, V3_NUM_WARPS, V3_PREFETCH, V3_WORD_CODES, AttentionPlan, DeviceLimits,
                          PROTECT_ROWS_CHOICES, merge_load_width, pdl_default, plan, plan_v2, plan_v3,
                          planned_shared_max, protect_parts)
 
@@ -97,10 +97,24 @@ def v2_constexprs(quant: bool, cbits: int, rbits: int, dot_bf16: bool, pv_form: 
     return dict(CBIAS=bias(cbits), RBIAS=bias(rbits), PV_FORM=int(pv_form), HOLD_RAW=bool(hold_raw), ZSUB=bool(zsub))
 
 
-def v3_constexprs(quant: bool, cbits: int, rbits: int, dot_bf16: bool, prefetch: bool = V3_PREFETCH) -> dict:
-    """Kernel-v3 switches: v2's code biases (the same operand algebra) and ``PREFETCH``."""
+def v3_constexprs(quant: bool, cbits: int, rbits: int, dot_bf16: bool, prefetch: bool = V3_PREFETCH,
+                  word_codes: bool = V3_WORD_CODES, ptx_split: bool = False) -> dict:
+    """Kernel-v3 switches: v2's code biases (the same operand algebra), ``PREFETCH`` and ``WORDS`` (0: codes
+    from bytes; 1: from 32-bit words; 2: words taken apart in PTX, ``ptx_split``, NVIDIA only:
+    :func:`nvidia_asm_unsupported`)."""
     v2 = v2_constexprs(quant, cbits, rbits, dot_bf16)
-    return dict(CBIAS=v2["CBIAS"], RBIAS=v2["RBIAS"], PREFETCH=bool(prefetch))
+    words = (2 if ptx_split else 1) if word_codes else 0
+    return dict(CBIAS=v2["CBIAS"], RBIAS=v2["RBIAS"], PREFETCH=bool(prefetch), WORDS=words)
+
+
+def nvidia_asm_unsupported(device: torch.device) -> str | None:
+    """Why the kernels on ``device`` cannot hold NVIDIA PTX (``attention_v3_kernel``'s ``PTX_SPLIT``), or None."""
+    if interpreting() or device.type != "cuda":
+        return f"PTX runs on NVIDIA GPUs, the call runs on {device.type}" + (" (TRITON_INTERPRET=1)" if interpreting()
+                                                                              else "")
+    if _nvidia_major(_device_index(device)) is None:
+        return "ROCm GPUs run no NVIDIA PTX"
+    return None
 
 
 def device_limits(device: torch.device, latent_dim: int, rope_dim: int) -> DeviceLimits:
@@ -212,9 +226,9 @@ def _code_bits(fmt) -> tuple[bool, int, int]:
 
 @functools.lru_cache(maxsize=256)
 def _split_constexprs(fmt, variant: str, q_bf16: bool, dot_bf16: bool, block_n: int,
-                      block_r: int) -> Mapping[str, int | bool]:
+                      block_r: int, nvidia_asm: bool = False) -> Mapping[str, int | bool]:
     """Constexprs of one split-kernel launch without probe switches; cached, since a decode step
-    asks for the same ones on every layer (read-only)."""
+    asks for the same ones on every layer (read-only). ``nvidia_asm``: the device runs NVIDIA PTX."""
     quant, cbits, rbits = _code_bits(fmt)
     cg = fmt.content_group_size if quant else 64
     rg = fmt.rope_group_size if quant else 64
@@ -227,7 +241,7 @@ def _split_constexprs(fmt, variant: str, q_bf16: bool, dot_bf16: bool, block_n: 
     if variant == "v2":
         consts.update(v2_constexprs(quant, cbits, rbits, dot_bf16))
     elif variant == "v3":
-        consts.update(v3_constexprs(quant, cbits, rbits, dot_bf16))
+        consts.update(v3_constexprs(quant, cbits, rbits, dot_bf16, ptx_split=nvidia_asm))
     return MappingProxyType(consts)
 
 
@@ -240,7 +254,8 @@ def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: 
 
     ``num_splits`` overrides the heuristic (tests use it to cover several splits);
     ``overrides`` replaces fields of the heuristic plan (benchmark probes; v2 also takes the
-    kernel switches ``pv_form``, ``hold_raw``, ``code_bias``, ``zsub``, v3 ``prefetch``; all take
+    kernel switches ``pv_form``, ``hold_raw``, ``code_bias``, ``zsub``, v3 ``prefetch``, ``word_codes``,
+    ``ptx_split``; all take
     ``maxnreg``).
     ``variant`` ("auto"/"v1"/"v2"/"v3") overrides ``$QUANTMLA_TRITON_ATTENTION`` (read per call;
     default "auto", see :func:`auto_variant`). v2 on a GPU with float32 queries runs v1 (``heuristics.V2_FLOAT32_ON_GPU``);
@@ -451,10 +466,11 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
                 if variant != "v2":
                     raise ValueError(f"overrides: {key!r} is a kernel-v2 switch, the call runs {variant}")
                 switches[key] = overrides.pop(key)
-        if "prefetch" in overrides:
-            if variant != "v3":
-                raise ValueError(f"overrides: 'prefetch' is a kernel-v3 switch, the call runs {variant}")
-            switches["prefetch"] = bool(overrides.pop("prefetch"))
+        for key in ("prefetch", "word_codes", "ptx_split"):
+            if key in overrides:
+                if variant != "v3":
+                    raise ValueError(f"overrides: {key!r} is a kernel-v3 switch, the call runs {variant}")
+                switches[key] = bool(overrides.pop(key))
         if "maxnreg" in overrides:  # CUDA only (ptx .maxnreg); probes
             extra_launch["maxnreg"] = int(overrides.pop("maxnreg"))
         pl = dataclasses.replace(pl, **overrides)
@@ -467,13 +483,18 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
                                (pl.num_warps, pl.num_stages), dev, limits)
         if excess:
             raise ValueError(f"Triton kernel {variant} {excess} for {fmt}; no smaller plan of it is built")
+    nvidia_asm = nvidia_asm_unsupported(dev) is None
+    if switches.get("ptx_split") and not nvidia_asm:
+        raise ValueError(f"overrides: 'ptx_split' cannot run here: {nvidia_asm_unsupported(dev)}")
     if probe_skip_pv or switches:  # probes: built per call
-        consts = dict(_split_constexprs(fmt, variant, q_bf16, dot_bf16, pl.block_n, pl.block_r))
+        consts = dict(_split_constexprs(fmt, variant, q_bf16, dot_bf16, pl.block_n, pl.block_r, nvidia_asm))
         consts["PROBE_SKIP_PV"] = probe_skip_pv
-        if variant in ("v2", "v3"):
-            consts.update((v2_constexprs if variant == "v2" else v3_constexprs)(*_code_bits(fmt), dot_bf16, **switches))
+        if variant == "v2":
+            consts.update(v2_constexprs(*_code_bits(fmt), dot_bf16, **switches))
+        elif variant == "v3":
+            consts.update(v3_constexprs(*_code_bits(fmt), dot_bf16, **{"ptx_split": nvidia_asm, **switches}))
     else:
-        consts = _split_constexprs(fmt, variant, q_bf16, dot_bf16, pl.block_n, pl.block_r)
+        consts = _split_constexprs(fmt, variant, q_bf16, dot_bf16, pl.block_n, pl.block_r, nvidia_asm)
     pdl = _pdl_from_env(dev, variant)
     LAST_LAUNCH["pdl"] = pdl
     consts = {**consts, "PDL": pdl > 0}

@@ -52,11 +52,19 @@ def _dot_acc(a, b, acc, DOT_BF16: tl.constexpr):
 
 
 @triton.jit
-def _chunk_channels(c: tl.constexpr, CW: tl.constexpr, PLANES: tl.constexpr, BYTES: tl.constexpr):
+def _chunk_channels(c: tl.constexpr, CW: tl.constexpr, PLANES: tl.constexpr, BYTES: tl.constexpr,
+                    WORDS: tl.constexpr = False):
     """Channel of each column ``e`` of chunk ``c`` (bytes ``[c*CW, (c+1)*CW)``, all PLANES bit planes
-    joined): column ``j*PLANES + pl`` is element ``pl*BYTES + c*CW + j`` (split-half packing)."""
+    joined). Bytes: column ``j*PLANES + pl`` is element ``pl*BYTES + c*CW + j`` (split-half packing).
+    ``WORDS`` (:func:`_word_operand`'s order): column ``2*(M*i + m) + h``, ``M = 2*PLANES``, ``m = b*PLANES + pl``,
+    is plane ``pl`` of byte ``4*i + 2*h + b`` of the chunk."""
     e = tl.arange(0, CW * PLANES)
-    return (e % PLANES) * BYTES + c * CW + e // PLANES
+    if WORDS:
+        M: tl.constexpr = 2 * PLANES
+        m = (e // 2) % M
+        return (m % PLANES) * BYTES + c * CW + 4 * (e // (2 * M)) + 2 * (e % 2) + m // PLANES
+    else:
+        return (e % PLANES) * BYTES + c * CW + e // PLANES
 
 
 @triton.jit
@@ -67,18 +75,21 @@ def _load_q_plane(q_base, rows, row_ok, ch0, D: tl.constexpr, CW: tl.constexpr, 
 
 @triton.jit
 def _load_q_chunks(q_base, rows, row_ok, D: tl.constexpr, BITS: tl.constexpr, CW: tl.constexpr,
-                   Q_BF16: tl.constexpr, DOT_BF16: tl.constexpr):
+                   Q_BF16: tl.constexpr, DOT_BF16: tl.constexpr, WORDS: tl.constexpr):
     """Query rows as a tuple of chunk operands ``[CW * PLANES, BLOCK_M]`` in the dot dtype, rows in
     the column order of :func:`_chunk_operand` (0 past R). BF16 pages: slices of CW channels.
-    Each plane is loaded as a contiguous run of channels and interleaved in registers."""
+    Bytes: each plane is loaded as a contiguous run of channels and interleaved in registers."""
     PLANES: tl.constexpr = 8 // BITS if BITS < 16 else 1
     BYTES: tl.constexpr = D * BITS // 8 if BITS < 16 else D
     qs = ()
     for c in tl.static_range(BYTES // CW):
-        x0 = _load_q_plane(q_base, rows, row_ok, c * CW, D, CW, Q_BF16)
-        if PLANES == 1:
-            x = x0
+        if WORDS:  # one gather in the column order of the word operands
+            ch = _chunk_channels(c, CW, PLANES, BYTES, True)
+            x = load_f32(q_base, rows[None, :] * D + ch[:, None], row_ok[None, :], Q_BF16)
+        elif PLANES == 1:
+            x = _load_q_plane(q_base, rows, row_ok, c * CW, D, CW, Q_BF16)
         else:
+            x0 = _load_q_plane(q_base, rows, row_ok, c * CW, D, CW, Q_BF16)
             x1 = _load_q_plane(q_base, rows, row_ok, BYTES + c * CW, D, CW, Q_BF16)
             if PLANES == 2:  # join: [j, m, pl] -> [j, pl, m]
                 x = tl.reshape(tl.permute(tl.join(x0, x1), (0, 2, 1)), [2 * CW, x0.shape[1]])
@@ -103,7 +114,10 @@ def _plane_operand(raw, srow, zrow, tok_ok, pl: tl.constexpr, c: tl.constexpr, N
     cache stores it. ``ALT``: see ``attention_v2_kernel._codes``."""
     s, zb = _scale_col(srow, zrow, tok_ok, (pl * NCH + c) * CW // G, SCALE_BF16, BIAS)
     k = _zsub(_codes(raw, pl, BITS, BIAS, DOT_BF16, ALT), zb, DOT_BF16)
-    if DOT_BF16:
+    if DOT_BF16 and SCALE_BF16:
+        # bfloat16 scale x exact small integer: the product rounded once, as in float32 and back
+        return k * s.to(tl.bfloat16)[:, None]
+    elif DOT_BF16:
         return (k.to(tl.float32) * s[:, None]).to(tl.bfloat16)
     else:
         return k * s[:, None]
@@ -131,13 +145,131 @@ def _raw_operand(raw, srow, zrow, tok_ok, c: tl.constexpr, NCH: tl.constexpr, CW
 
 
 @triton.jit
+def _load_words(pages_ptr, page_off, tp, ld_mask, lv0, c, BYTES: tl.constexpr, CW: tl.constexpr,
+                CODES_OFF: tl.constexpr):
+    """Bytes ``[c*CW, (c+1)*CW)`` of the tile's packed code rows as uint32 words ``[BLOCK_N, CW // 4]``
+    (byte ``4*i + t`` is bits ``8*t`` to ``8*t + 7`` of word ``i``). ``lv0``: see ``_load_raw``."""
+    W: tl.constexpr = CW // 4
+    row = pages_ptr.to(tl.pointer_type(tl.uint32)) + (page_off + CODES_OFF + tp * BYTES) // 4
+    col = tl.max_contiguous(tl.multiple_of(c * W + tl.arange(0, W) + lv0, W), W)
+    return tl.load(row[:, None] + col[None, :], mask=ld_mask, other=0)
+
+
+# (x & mask) | 0x43004300 in one lop3 (LUT 0xEA), then the two halves as bfloat16 128 + code; the _ALT forms
+# use ^ (LUT 0x6A: the same bits, mask and 0x4300 share none) so that CSE keeps QK's and PV's operands apart
+ASM_NIBBLES = tl.constexpr("{ .reg .b32 t; lop3.b32 t, $2, 983055, 1124090624, 0xEA; mov.b32 {$0, $1}, t; }")
+ASM_NIBBLES_ALT = tl.constexpr("{ .reg .b32 t; lop3.b32 t, $2, 983055, 1124090624, 0x6A; mov.b32 {$0, $1}, t; }")
+ASM_CRUMBS = tl.constexpr("{ .reg .b32 t; lop3.b32 t, $2, 196611, 1124090624, 0xEA; mov.b32 {$0, $1}, t; }")
+ASM_CRUMBS_ALT = tl.constexpr("{ .reg .b32 t; lop3.b32 t, $2, 196611, 1124090624, 0x6A; mov.b32 {$0, $1}, t; }")
+
+
+@triton.jit
+def _or_bias_split(x, ASM: tl.constexpr):
+    """uint32 ``x`` ``[N, W]`` -> ``[N, W, 2]`` bfloat16 ``128 + code`` of its two masked halves (NVIDIA PTX)."""
+    lo, hi = tl.inline_asm_elementwise(ASM, "=h,=h,r", [x], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+    return tl.join(lo, hi)
+
+
+@triton.jit
+def _word_pair(w, SHIFT: tl.constexpr, BITS: tl.constexpr, BIAS: tl.constexpr, DOT_BF16: tl.constexpr,
+               ALT: tl.constexpr, PTX_SPLIT: tl.constexpr):
+    """The codes at bit ``SHIFT`` of both 16-bit halves of the words ``w`` ``[N, W]`` as ``BIAS + code``
+    ``[N, W, 2]`` (low half first) in the dot dtype. With bfloat16 dots and BIAS 128 one mask and one OR
+    make two operands (``bits(code | 0x4300)`` = bfloat16 ``128 + code``); ``ALT`` adds 0x4300 instead
+    (see ``attention_v2_kernel._codes``). ``PTX_SPLIT`` (NVIDIA): mask, OR and the split into halves in
+    one ``lop3`` and a register move; portable Triton takes each half apart (offline sm_90a, C4R4 tile
+    loop: 3,670 instructions a thread against 2,848)."""
+    MASK: tl.constexpr = ((1 << BITS) - 1) * 0x00010001
+    if DOT_BF16 and BIAS == 128 and PTX_SPLIT:
+        if BITS == 4:
+            return _or_bias_split(w >> SHIFT, ASM_NIBBLES_ALT if ALT else ASM_NIBBLES)
+        else:
+            return _or_bias_split(w >> SHIFT, ASM_CRUMBS_ALT if ALT else ASM_CRUMBS)
+    elif DOT_BF16 and BIAS == 128:
+        v = (w >> SHIFT) & MASK
+        if ALT:
+            v = v + 0x43004300
+        else:
+            v = v | 0x43004300
+        return tl.join(v.to(tl.int16), (v >> 16).to(tl.int16)).to(tl.bfloat16, bitcast=True)
+    else:
+        v = (w >> SHIFT) & MASK
+        x = tl.join(v & 0xFFFF, v >> 16) + BIAS
+        if DOT_BF16:
+            return x.to(tl.bfloat16)
+        else:
+            return x.to(tl.float32)
+
+
+@triton.jit
+def _scaled_pair(w, s, zb, SHIFT: tl.constexpr, BITS: tl.constexpr, SCALE_BF16: tl.constexpr, BIAS: tl.constexpr,
+                 DOT_BF16: tl.constexpr, ALT: tl.constexpr, PTX_SPLIT: tl.constexpr):
+    """``s * (code - zero)`` of :func:`_word_pair`'s codes, ``[N, W, 2]`` in the dot dtype (``s``, ``zb``:
+    ``[N]`` float32 from ``_scale_col``). ``code - zero`` is exact; a bfloat16 scale times it is
+    rounded once, in one packed product per two elements."""
+    k = _word_pair(w, SHIFT, BITS, BIAS, DOT_BF16, ALT, PTX_SPLIT)
+    if DOT_BF16:
+        k = k - zb.to(tl.bfloat16)[:, None, None]
+        if SCALE_BF16:
+            return k * s.to(tl.bfloat16)[:, None, None]
+        else:
+            return (k.to(tl.float32) * s[:, None, None]).to(tl.bfloat16)
+    else:
+        return (k - zb[:, None, None]) * s[:, None, None]
+
+
+@triton.jit
+def _join_bits(x):
+    """A tuple of 2**k tensors ``[..., ]`` joined into ``[..., 2, ..., 2]`` (k axes) whose row-major
+    order is the tuple's order (k = 1, 2, 3)."""
+    if len(x) == 2:
+        return tl.join(x[0], x[1])
+    elif len(x) == 4:
+        return tl.join(tl.join(x[0], x[2]), tl.join(x[1], x[3]))
+    else:
+        return tl.join(tl.join(tl.join(x[0], x[4]), tl.join(x[2], x[6])),
+                       tl.join(tl.join(x[1], x[5]), tl.join(x[3], x[7])))
+
+
+@triton.jit
+def _word_operand(w, srow, zrow, tok_ok, c: tl.constexpr, NCH: tl.constexpr, CW: tl.constexpr, G: tl.constexpr,
+                  BITS: tl.constexpr, SCALE_BF16: tl.constexpr, BIAS: tl.constexpr, DOT_BF16: tl.constexpr,
+                  ALT: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
+    """Chunk ``c``'s words ``w`` ``[BLOCK_N, CW // 4]`` (2- and 4-bit codes) dequantized:
+    ``[BLOCK_N, CW * PLANES]`` in the ``WORDS`` column order of :func:`_chunk_channels`. Every mask and
+    OR works on two codes at once (the byte path of :func:`_raw_operand` takes one code each)."""
+    PLANES: tl.constexpr = 8 // BITS
+    scales = ()
+    zeros = ()
+    for pl in tl.static_range(PLANES):
+        s, zb = _scale_col(srow, zrow, tok_ok, (pl * NCH + c) * CW // G, SCALE_BF16, BIAS)
+        scales = scales + (s,)
+        zeros = zeros + (zb,)
+    ks = ()
+    for b in tl.static_range(2):
+        for pl in tl.static_range(PLANES):
+            ks = ks + (_scaled_pair(w, scales[pl], zeros[pl], 8 * b + BITS * pl, BITS, SCALE_BF16, BIAS, DOT_BF16,
+                                    ALT, WORDS == 2),)
+    x = _join_bits(ks)  # [N, W, h, m bits...]: the halves innermost, so a packed product's pair is two neighbours
+    if PLANES == 2:
+        x = tl.permute(x, (0, 1, 3, 4, 2))
+    else:
+        x = tl.permute(x, (0, 1, 3, 4, 5, 2))
+    return tl.reshape(x, [BLOCK_N, CW * PLANES])
+
+
+@triton.jit
 def _tile_raws(pages_ptr, page_off, tp, ld_mask, lv0, D: tl.constexpr, BITS: tl.constexpr, CW: tl.constexpr,
-               CODES_OFF: tl.constexpr):
-    """Every chunk's bytes of one path of the tile, loaded together (their latencies overlap)."""
+               CODES_OFF: tl.constexpr, WORDS: tl.constexpr):
+    """Every chunk's bytes (words where ``WORDS``) of one path of the tile, loaded together (their
+    latencies overlap)."""
     BYTES: tl.constexpr = D * BITS // 8
     raws = ()
     for c in tl.static_range(BYTES // CW):
-        raws = raws + (_load_raw(pages_ptr, page_off, tp, ld_mask, lv0, c, BYTES, CW, CODES_OFF),)
+        if WORDS:
+            raws = raws + (_load_words(pages_ptr, page_off, tp, ld_mask, lv0, c, BYTES, CW, CODES_OFF),)
+        else:
+            raws = raws + (_load_raw(pages_ptr, page_off, tp, ld_mask, lv0, c, BYTES, CW, CODES_OFF),)
     return raws
 
 
@@ -146,22 +278,29 @@ def _chunk_operand(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, c: tl.constexp
                    D: tl.constexpr, BITS: tl.constexpr, CW: tl.constexpr, G: tl.constexpr,
                    CODES_OFF: tl.constexpr, SCALES_OFF: tl.constexpr, ZEROS_OFF: tl.constexpr,
                    SCALE_BF16: tl.constexpr, BIAS: tl.constexpr, DOT_BF16: tl.constexpr, ALT: tl.constexpr,
-                   BLOCK_N: tl.constexpr, raws):
+                   BLOCK_N: tl.constexpr, WORDS: tl.constexpr, raws):
     """Dequantized chunk ``c`` of the tile, ``[BLOCK_N, CW * PLANES]`` in the dot dtype, columns
     in :func:`_chunk_channels` order (one operand per run of bytes, so every product is as wide
     as the bytes allow: 128 channels for 4-bit codes, 256 for 2-bit). BF16 pages: slice ``c``.
-    ``raws``: the chunks' bytes from :func:`_tile_raws` (empty: loaded here)."""
+    ``WORDS``: the codes taken from 32-bit words (2- and 4-bit codes only).
+    ``raws``: the chunks' bytes or words from :func:`_tile_raws` (empty: loaded here)."""
     if BITS == 16:
         k = _load_bf16_vals(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, c, D, CW, CODES_OFF, DOT_BF16)
     else:
         BYTES: tl.constexpr = D * BITS // 8
         NCH: tl.constexpr = BYTES // CW
         srow, zrow = _scale_rows(pages_ptr, page_off, tp, D // G, SCALES_OFF, ZEROS_OFF, SCALE_BF16)
-        if len(raws) == 0:
-            raw = _load_raw(pages_ptr, page_off, tp, ld_mask, lv0, c, BYTES, CW, CODES_OFF)
-        else:
+        if len(raws) > 0:
             raw = raws[c]
-        k = _raw_operand(raw, srow, zrow, tok_ok, c, NCH, CW, G, BITS, SCALE_BF16, BIAS, DOT_BF16, ALT, BLOCK_N)
+        elif WORDS:
+            raw = _load_words(pages_ptr, page_off, tp, ld_mask, lv0, c, BYTES, CW, CODES_OFF)
+        else:
+            raw = _load_raw(pages_ptr, page_off, tp, ld_mask, lv0, c, BYTES, CW, CODES_OFF)
+        if WORDS:
+            k = _word_operand(raw, srow, zrow, tok_ok, c, NCH, CW, G, BITS, SCALE_BF16, BIAS, DOT_BF16, ALT, BLOCK_N,
+                              WORDS)
+        else:
+            k = _raw_operand(raw, srow, zrow, tok_ok, c, NCH, CW, G, BITS, SCALE_BF16, BIAS, DOT_BF16, ALT, BLOCK_N)
     return k
 
 
@@ -170,14 +309,14 @@ def _scores_t(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, qs, score,
               D: tl.constexpr, BITS: tl.constexpr, CW: tl.constexpr, G: tl.constexpr,
               CODES_OFF: tl.constexpr, SCALES_OFF: tl.constexpr, ZEROS_OFF: tl.constexpr,
               SCALE_BF16: tl.constexpr, BIAS: tl.constexpr, DOT_BF16: tl.constexpr, BLOCK_N: tl.constexpr,
-              raws):
+              WORDS: tl.constexpr, raws):
     """``score`` ``[BLOCK_N, BLOCK_M]`` (tokens x rows, before the softmax scale) plus one path's
     (content or RoPE) products of the tile; ``qs`` from :func:`_load_q_chunks`; ``raws`` see
     :func:`_chunk_operand`."""
     BYTES: tl.constexpr = D * BITS // 8 if BITS < 16 else D
     for c in tl.static_range(BYTES // CW):
         k = _chunk_operand(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, c, D, BITS, CW, G, CODES_OFF, SCALES_OFF,
-                           ZEROS_OFF, SCALE_BF16, BIAS, DOT_BF16, False, BLOCK_N, raws)
+                           ZEROS_OFF, SCALE_BF16, BIAS, DOT_BF16, False, BLOCK_N, WORDS, raws)
         score = _dot_acc(k, qs[c], score, DOT_BF16)
     return score
 
@@ -186,7 +325,8 @@ def _scores_t(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, qs, score,
 def _pv(accs, alpha, p, pages_ptr, page_off, tp, ld_mask, tok_ok, lv0,
         DC: tl.constexpr, BITS: tl.constexpr, CW: tl.constexpr, G: tl.constexpr,
         CODES_OFF: tl.constexpr, SCALES_OFF: tl.constexpr, ZEROS_OFF: tl.constexpr,
-        SCALE_BF16: tl.constexpr, BIAS: tl.constexpr, DOT_BF16: tl.constexpr, BLOCK_N: tl.constexpr):
+        SCALE_BF16: tl.constexpr, BIAS: tl.constexpr, DOT_BF16: tl.constexpr, BLOCK_N: tl.constexpr,
+        WORDS: tl.constexpr):
     """The output chunks ``[BLOCK_M, CW * PLANES]`` after one tile: ``O * alpha + P @ k_chunk``."""
     BYTES: tl.constexpr = DC * BITS // 8 if BITS < 16 else DC
     NACC: tl.constexpr = BYTES // CW
@@ -196,7 +336,7 @@ def _pv(accs, alpha, p, pages_ptr, page_off, tp, ld_mask, tok_ok, lv0,
         pg = p
     for c in tl.static_range(NACC):
         k = _chunk_operand(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, c, DC, BITS, CW, G, CODES_OFF, SCALES_OFF,
-                           ZEROS_OFF, SCALE_BF16, BIAS, DOT_BF16, True, BLOCK_N, ())
+                           ZEROS_OFF, SCALE_BF16, BIAS, DOT_BF16, True, BLOCK_N, WORDS, ())
         accs = _tuple_set(accs, c, _dot_acc(pg, k, accs[c] * alpha[:, None], DOT_BF16), NACC)
     return accs
 
@@ -247,6 +387,7 @@ def split_kernel_v3(
     PREFETCH: tl.constexpr = False,
     PROBE_SKIP_PV: tl.constexpr = False,
     PDL: tl.constexpr = False,
+    WORDS: tl.constexpr = 0,
 ):
     """One (split, request, block of BLOCK_R query rows): partial normalised output and
     log2-sum-exp over the split's share of the packed tokens (v1's partial format).
@@ -260,6 +401,8 @@ def split_kernel_v3(
     ONE_PAGE: tl.constexpr = (P % BLOCK_N) == 0  # a tile never spans two pages: one table lookup
     cbits: tl.constexpr = CBITS if QUANT else 16
     rbits: tl.constexpr = RBITS if QUANT else 16
+    cwords: tl.constexpr = WORDS if cbits < 8 else 0  # codes from 32-bit words (_word_operand)
+    rwords: tl.constexpr = WORDS if rbits < 8 else 0
 
     L = tl.load(lens_ptr + b).to(tl.int32)
     ps, pe, t_lo, t_hi = split_tiles(L, SINK, LOCAL, NSPLIT, pid_s, BLOCK_N)
@@ -267,8 +410,8 @@ def split_kernel_v3(
     rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < R
     limit = L - S_Q + rows // H + 1  # row r (query i = r // H) sees tokens n < limit
-    qc = _load_q_chunks(q_ptr + b.to(tl.int64) * R * DC, rows, row_ok, DC, cbits, CCW, Q_BF16, DOT_BF16)
-    qr = _load_q_chunks(qr_ptr + b.to(tl.int64) * R * DR, rows, row_ok, DR, rbits, RCW, Q_BF16, DOT_BF16)
+    qc = _load_q_chunks(q_ptr + b.to(tl.int64) * R * DC, rows, row_ok, DC, cbits, CCW, Q_BF16, DOT_BF16, cwords)
+    qr = _load_q_chunks(qr_ptr + b.to(tl.int64) * R * DR, rows, row_ok, DR, rbits, RCW, Q_BF16, DOT_BF16, rwords)
     table_row = table_ptr + b.to(tl.int64) * stride_table
 
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
@@ -283,13 +426,13 @@ def split_kernel_v3(
         craws = ()
         rraws = ()
         if QUANT and PREFETCH:
-            craws = _tile_raws(pages_ptr, page_off, tp, ld_mask, lv0, DC, CBITS, CCW, C_CODES_OFF)
-            rraws = _tile_raws(pages_ptr, page_off, tp, ld_mask, lv0, DR, RBITS, RCW, R_CODES_OFF)
+            craws = _tile_raws(pages_ptr, page_off, tp, ld_mask, lv0, DC, CBITS, CCW, C_CODES_OFF, cwords)
+            rraws = _tile_raws(pages_ptr, page_off, tp, ld_mask, lv0, DR, RBITS, RCW, R_CODES_OFF, rwords)
         score = _scores_t(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, qc, tl.zeros([BLOCK_N, BLOCK_R], tl.float32),
                           DC, cbits, CCW, CG, C_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF, C_SCALE_BF16, CBIAS, DOT_BF16, BLOCK_N,
-                          craws)
+                          cwords, craws)
         score = _scores_t(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, qr, score, DR, rbits, RCW, RG,
-                          R_CODES_OFF, R_SCALES_OFF, R_ZEROS_OFF, R_SCALE_BF16, RBIAS, DOT_BF16, BLOCK_N, rraws)
+                          R_CODES_OFF, R_SCALES_OFF, R_ZEROS_OFF, R_SCALE_BF16, RBIAS, DOT_BF16, BLOCK_N, rwords, rraws)
         vis = tok_ok[:, None] & (n[:, None] < limit[None, :])
         score = tl.where(vis, score * sm_scale_log2, float("-inf"))  # [BLOCK_N, BLOCK_R]
 
@@ -306,13 +449,13 @@ def split_kernel_v3(
         else:
             # a second loop-variant zero: the same one would let CSE keep the QK operands alive
             accs = _pv(accs, alpha, p, pages_ptr, page_off, tp, ld_mask, tok_ok, tl.minimum(n0, 0), DC, cbits, CCW,
-                       CG, C_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF, C_SCALE_BF16, CBIAS, DOT_BF16, BLOCK_N)
+                       CG, C_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF, C_SCALE_BF16, CBIAS, DOT_BF16, BLOCK_N, cwords)
 
     pdl_launch_dependents(PDL)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     lse2 = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
     part = (b.to(tl.int64) * NSPLIT + pid_s) * R
     for c in tl.static_range(NACC):
-        o_offs = (part + rows[:, None]) * DC + _chunk_channels(c, CCW, CPLANES, CBYTES)[None, :]
+        o_offs = (part + rows[:, None]) * DC + _chunk_channels(c, CCW, CPLANES, CBYTES, cwords)[None, :]
         tl.store(o_part_ptr + o_offs, accs[c] / l_safe[:, None], mask=row_ok[:, None])
     tl.store(lse_part_ptr + part + rows, lse2, mask=row_ok)

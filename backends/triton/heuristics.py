@@ -281,6 +281,10 @@ V3_NUM_STAGES = 1
 #: load every run of code bytes of a tile before its first product, so their latencies overlap
 #: (one program per SM leaves nothing else to hide them); H200: 2,593 us against 2,626 without
 V3_PREFETCH = True
+#: take 2- and 4-bit codes from 32-bit words, two codes per mask and OR, and scale content in packed bfloat16
+#: products (``attention_v3_kernel._word_operand``): offline sm_90a SASS of the C4R4 tile loop, 5,298 instructions
+#: a thread with bytes, 4,003 with the packed scaling alone, WORDS_SASS with both
+V3_WORD_CODES = True
 #: one program per SM (8 warps x ~255 registers fill the register file)
 V3_CTAS_PER_SM = 1
 #: a split writes a BLOCK_R x DC float32 partial (128 KB) that the merge reads back

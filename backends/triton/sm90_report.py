@@ -34,6 +34,8 @@ def _consts(variant: str, fmt, block_n: int, block_r: int, bf16: bool, **switche
     if variant in ("v2", "v3"):
         from .attention import v2_constexprs, v3_constexprs
 
+        if variant == "v3":  # an NVIDIA target: v3 takes its codes apart in PTX, as on the GPU
+            switches = {"ptx_split": True, **switches}
         c.update((v2_constexprs if variant == "v2" else v3_constexprs)(quant, cb, rb, bf16, **switches))
     return c
 
@@ -82,7 +84,8 @@ def compile_report(variant: str = "v2", fmt_name: str = "C4R4", latent_dim: int 
     ttgir = k.asm["ttgir"]
     return {"variant": variant, "fmt": fmt.name, "dc": latent_dim, "P": page_size, "G": group_size, "bf16": bf16,
             "block_n": block_n, "block_r": block_r, "num_warps": num_warps, "num_stages": num_stages, **switches,
-            "regs": res["regs"], "spill_bytes": res["spill_bytes"], "smem": res["shared"], "wgmma": len(re.findall(r"warp_group_dot ", ttgir)),
+            "regs": res["regs"], "spill_bytes": res["spill_bytes"], "smem": res["shared"], "sass_in_loops": res["sass_in_loops"],
+            "wgmma": len(re.findall(r"warp_group_dot ", ttgir)),
             "mma_sync": len(re.findall(r"tt\.dot ", ttgir))}
 
 
@@ -96,6 +99,7 @@ DEFAULT_MATRIX = [
     ("v2", "C4R4", {"hold_raw": True}),
     ("v2", "C4R4", {"pv_form": 1}),
     ("v3", "C4R4", {"block_r": 64}),
+    ("v3", "C4R4", {"block_r": 64, "word_codes": False}),
     ("v3", "C2R4", {"block_r": 64}),
     ("v3", "BF16", {"block_r": 64}),
 ]
