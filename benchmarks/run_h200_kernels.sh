@@ -57,8 +57,9 @@
 #       rows: conformance (bit-identity, the default plans, real shapes), PDL 0/1/2 x rows 16/64, the defaults against
 #       PDL 0 with 16 rows (CUDA graphs, FlashInfer BF16 with .whl carried), memcheck with PDL 2
 #   bash benchmarks/run_h200_kernels.sh stop50   # kernel v3's codes from 32-bit words: conformance, each kernel's device
-#       time before (probe_tmp/triton_head, carried) and now, CUDA graphs of before / WORDS 2 / 1 / 0 over S50_SHAPES
-#       (FlashInfer BF16 in each process; probe_tmp/words_probe.py forces WORDS), memcheck, v3 at real shapes
+#       time before (probe_tmp/triton_head, carried) and now (S50_KT=0: not), CUDA graphs over S50_SHAPES of the runs
+#       S50_RUNS (default "head 2 1 0 head 2": before, WORDS forced to 2 / 1 / 0 by probe_tmp/words_probe.py; "after":
+#       this tree's defaults), FlashInfer BF16 in each process; memcheck, v3 at real shapes (S50_REAL_K: "and C2R4")
 #   bash benchmarks/run_h200_kernels.sh v6pair   # v6 as two-CTA clusters sharing each key tile (QUANTMLA_CUPY_V6_PAIR):
 #       conformance of forced pairs, CUDA graphs of 0 against 1 over V6PAIR_SHAPES, memcheck of the pairs
 #   bash benchmarks/run_h200_kernels.sh v6fold   # v6's slack maximum and RoPE fold (QUANTMLA_CUPY_V6_SLACK / _ROPE_FOLD):
@@ -373,14 +374,14 @@ elif [ "$MODE" = stop50 ]; then
   echo "=== v3 code words: conformance (each WORDS, the v3 tests)"
   timeout 200 $T -rfE tests/test_triton_backend.py -k "code_words or v3_attention or v3_split or many_requests" 2>&1 | tail -4
   triton_tree head
-  triton_kernel_times "head after" ${S50_KT_SHAPES:-128x8x4096,128x32x32768} ""
+  [ "${S50_KT:-1}" = 1 ] && triton_kernel_times "head after" ${S50_KT_SHAPES:-128x8x4096,128x32x32768} ""
   n=0
-  for run in head 2 1 0 head 2; do
+  for run in ${S50_RUNS:-head 2 1 0 head 2}; do  # head: the tree before; after: this tree's defaults; 0-2: WORDS forced
     n=$((n + 1))
     echo "=== Triton $run (CUDA graphs; FlashInfer BF16 in the process)"
-    if [ "$run" = head ]; then
-      PYTHONPATH=$(tree_path head) timeout 150 python3 -P benchmarks/graph_probe.py --backends triton --formats C4R4,C2R4 \
-        --shapes ${S50_SHAPES:-128x8x4096,128x32x32768,16x32x32768x4} --json "$OUT/graph_words_${n}_head.json" 2>&1 | grep -v "^{" | tail -8
+    if [ "$run" = head ] || [ "$run" = after ]; then
+      PYTHONPATH=$(tree_path $run) timeout 150 python3 -P benchmarks/graph_probe.py --backends triton --formats C4R4,C2R4 \
+        --shapes ${S50_SHAPES:-128x8x4096,128x32x32768,16x32x32768x4} --json "$OUT/graph_words_${n}_$run.json" 2>&1 | grep -v "^{" | tail -8
     else
       WORDS_MODE=$run timeout 150 python3 -P probe_tmp/words_probe.py --backends triton --formats C4R4,C2R4 \
         --shapes ${S50_SHAPES:-128x8x4096,128x32x32768,16x32x32768x4} --json "$OUT/graph_words_${n}_$run.json" 2>&1 | grep -v "^{" | tail -8
@@ -389,7 +390,7 @@ elif [ "$MODE" = stop50 ]; then
   echo "=== memcheck (words in PTX)"
   timeout 90 compute-sanitizer --tool memcheck $T tests/test_triton_backend.py -k "code_words and C4R4" 2>&1 | tail -3
   echo "=== Triton v3 at real shapes"
-  timeout ${S50_REAL_S:-200} $T -rfE tests/test_triton_backend.py -k "real_shapes and v3" 2>&1 | tail -4
+  timeout ${S50_REAL_S:-200} $T -rfE tests/test_triton_backend.py -k "real_shapes and v3 ${S50_REAL_K:-}" 2>&1 | tail -4
 elif [ "$MODE" = v6pair ]; then
   echo "=== v6 pairs: one small case first (a hang or a failure stops here)"; timeout 120 $T tests/test_cupy_v6.py \
     -k "v6_pair_matches and L64_128_192" 2>&1 | tail -2 | tee "$OUT/v6_pair_first.txt"

@@ -217,7 +217,8 @@ def test_v3_plan(batch, rows, tokens, splits):
 @pytest.mark.parametrize("fmt_name", ["C4R4", "C2R4", "C4R8", "C8R8"])
 def test_v3_code_words(fmt_name, words):
     """Kernel v3's codes from bytes and from 32-bit words (2- and 4-bit codes; 8-bit ones stay bytes), the words taken
-    apart in PTX (the default on NVIDIA GPUs) or in portable Triton; 64 rows over partial tiles and two splits."""
+    apart in PTX (the default on NVIDIA GPUs for 4-bit content) or in portable Triton; 64 rows over partial tiles and
+    two splits."""
     case = Case(PackFormat.parse(fmt_name), (300, 129), heads=32, s_q=2, seed=81)
     _attend_direct(case, "bfloat16" if GPU else "float32", variant="v3", num_splits=2, overrides=words)
 
@@ -230,6 +231,8 @@ def test_ptx_split_is_refused_off_nvidia():
     with pytest.raises(ValueError, match="'ptx_split' cannot run here: PTX runs on NVIDIA GPUs, the call runs on cpu"
                        if not GPU else "'ptx_split' cannot run here: ROCm"):
         _attend_direct(case, variant="v3", overrides={"ptx_split": True})
+    with pytest.raises(ValueError, match="'word_codes' is a kernel-v3 switch, the call runs v2"):
+        _attend_direct(case, variant="v2", overrides={"word_codes": True})
 
 
 def test_kernel_switches_name_their_variant():
@@ -540,13 +543,14 @@ def _sm90_report(*args: str) -> dict:
 @pytest.mark.parametrize("fmt_name", ["C4R4", "C2R4"])
 def test_v3_code_words_shorten_the_tile_loop_offline(fmt_name):
     """Offline sm_90a SASS of kernel v3's tile loop: codes from words taken apart in PTX issue fewer instructions a
-    thread than portable words, and those fewer than bytes (C4R4: 2,848 / 3,662 / 4,003 with triton 3.7.1)."""
+    thread than portable words, and those fewer than bytes (triton 3.7.1, C4R4: 2,848 / 3,662 / 4,003; C2R4: 2,915 /
+    3,695 / 3,946)."""
     import os
 
     triton = pytest.importorskip("triton")
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
         pytest.skip("this Triton has no bundled ptxas")
-    base = ["v3", fmt_name, "block_r=64"]
+    base = ["v3", fmt_name, "block_r=64", "word_codes=true"]
     ptx, portable, raw = (_sm90_report(*base, *extra)["sass_in_loops"]
                           for extra in ([], ["ptx_split=false"], ["word_codes=false"]))
     print(fmt_name, {"ptx": ptx, "portable words": portable, "bytes": raw})

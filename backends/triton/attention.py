@@ -24,9 +24,9 @@ from .attention_v3_kernel import split_kernel_v3
 from .common import launch_dims, page_layout_constexprs, ptr_or_dummy
 from .heuristics import (INTERPRETER_SM_COUNT, MERGE_BLOCK_C, MERGE_BLOCK_R, MERGE_WARPS, PDL_MODES,
                          PROTECT_STAGES, TMEM_COLUMNS, V2_FLOAT32_ON_GPU, V2_HOLD_RAW, V2_ZSUB, V3_BLOCK_N,
-                         V3_BLOCK_R, V3_MIN_ROWS, V3_NUM_STAGES, V3_NUM_WARPS, V3_PREFETCH, V3_WORD_CODES, AttentionPlan, DeviceLimits,
+                         V3_BLOCK_R, V3_MIN_ROWS, V3_NUM_STAGES, V3_NUM_WARPS, V3_PREFETCH, AttentionPlan, DeviceLimits,
                          PROTECT_ROWS_CHOICES, merge_load_width, pdl_default, plan, plan_v2, plan_v3,
-                         planned_shared_max, protect_parts)
+                         planned_shared_max, protect_parts, v3_code_words)
 
 #: environment variable choosing the split kernel ("auto" default, "v1", "v2", "v3"); read on every call
 VARIANT_ENV = "QUANTMLA_TRITON_ATTENTION"
@@ -98,13 +98,21 @@ def v2_constexprs(quant: bool, cbits: int, rbits: int, dot_bf16: bool, pv_form: 
 
 
 def v3_constexprs(quant: bool, cbits: int, rbits: int, dot_bf16: bool, prefetch: bool = V3_PREFETCH,
-                  word_codes: bool = V3_WORD_CODES, ptx_split: bool = False) -> dict:
-    """Kernel-v3 switches: v2's code biases (the same operand algebra), ``PREFETCH`` and ``WORDS`` (0: codes
-    from bytes; 1: from 32-bit words; 2: words taken apart in PTX, ``ptx_split``, NVIDIA only:
-    :func:`nvidia_asm_unsupported`)."""
+                  word_codes: bool | None = None, ptx_split: bool = False) -> dict:
+    """Kernel-v3 switches: v2's code biases (the same operand algebra), ``PREFETCH`` and ``WORDS``
+    (:func:`words_constexpr`)."""
     v2 = v2_constexprs(quant, cbits, rbits, dot_bf16)
-    words = (2 if ptx_split else 1) if word_codes else 0
-    return dict(CBIAS=v2["CBIAS"], RBIAS=v2["RBIAS"], PREFETCH=bool(prefetch), WORDS=words)
+    return dict(CBIAS=v2["CBIAS"], RBIAS=v2["RBIAS"], PREFETCH=bool(prefetch),
+                WORDS=words_constexpr(cbits, word_codes, ptx_split))
+
+
+def words_constexpr(content_bits: int, word_codes: bool | None, ptx_split: bool) -> int:
+    """Kernel v3's ``WORDS`` (``code_words``): 0, codes from bytes; 1, from 32-bit words; 2, words taken apart in
+    PTX (``ptx_split``: NVIDIA only, :func:`nvidia_asm_unsupported`). ``word_codes`` None:
+    :func:`heuristics.v3_code_words` for the content's bits."""
+    if word_codes is None:
+        word_codes = v3_code_words(content_bits)
+    return (2 if ptx_split else 1) if word_codes else 0
 
 
 def nvidia_asm_unsupported(device: torch.device) -> str | None:

@@ -29,6 +29,13 @@ Measured (H200, triton 3.6, CUDA graphs, FlashInfer BF16 in the same run; benchm
 pages 1,942 us = 3.3x, QK alone (``PROBE_SKIP_PV``) 1,610 us; 255 registers, 74 spilled. Limits:
 every ``wgmma`` is waited on at once (no overlap with the dequantization) and one program per SM
 (8 warps) leaves the load latencies exposed.
+
+Operands (stop 50): content scales are bfloat16, so ``s * (code - zero)`` is one packed bfloat16
+product per two elements (exact operands, one rounding, as the float32 product rounded once), and
+``WORDS`` (``heuristics.v3_code_words``: 4-bit content) takes the codes from 32-bit words
+(``code_words``), two per ``lop3``, in PTX on NVIDIA GPUs. Offline sm_90a, C4R4 tile loop: 5,298
+instructions a thread before, 4,003 with the packed scaling, 2,848 with words. H100, CUDA graphs:
+C4R4 H=128 B=32 L=32K 2,531 -> 1,640 us (2.8x FlashInfer BF16), C2R4 (bytes) 2,528 -> 1,921.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import triton.language as tl
 from .attention_kernel import split_tiles
 from .attention_v2_kernel import (_codes, _load_bf16_vals, _load_raw, _scale_col, _scale_rows, _tuple_set,
                                   _zeros_tuple, _zsub, tile_pages)
+from .code_words import load_words, word_pair
 from .common_kernels import load_f32, pdl_launch_dependents
 
 
@@ -145,69 +153,12 @@ def _raw_operand(raw, srow, zrow, tok_ok, c: tl.constexpr, NCH: tl.constexpr, CW
 
 
 @triton.jit
-def _load_words(pages_ptr, page_off, tp, ld_mask, lv0, c, BYTES: tl.constexpr, CW: tl.constexpr,
-                CODES_OFF: tl.constexpr):
-    """Bytes ``[c*CW, (c+1)*CW)`` of the tile's packed code rows as uint32 words ``[BLOCK_N, CW // 4]``
-    (byte ``4*i + t`` is bits ``8*t`` to ``8*t + 7`` of word ``i``). ``lv0``: see ``_load_raw``."""
-    W: tl.constexpr = CW // 4
-    row = pages_ptr.to(tl.pointer_type(tl.uint32)) + (page_off + CODES_OFF + tp * BYTES) // 4
-    col = tl.max_contiguous(tl.multiple_of(c * W + tl.arange(0, W) + lv0, W), W)
-    return tl.load(row[:, None] + col[None, :], mask=ld_mask, other=0)
-
-
-# (x & mask) | 0x43004300 in one lop3 (LUT 0xEA), then the two halves as bfloat16 128 + code; the _ALT forms
-# use ^ (LUT 0x6A: the same bits, mask and 0x4300 share none) so that CSE keeps QK's and PV's operands apart
-ASM_NIBBLES = tl.constexpr("{ .reg .b32 t; lop3.b32 t, $2, 983055, 1124090624, 0xEA; mov.b32 {$0, $1}, t; }")
-ASM_NIBBLES_ALT = tl.constexpr("{ .reg .b32 t; lop3.b32 t, $2, 983055, 1124090624, 0x6A; mov.b32 {$0, $1}, t; }")
-ASM_CRUMBS = tl.constexpr("{ .reg .b32 t; lop3.b32 t, $2, 196611, 1124090624, 0xEA; mov.b32 {$0, $1}, t; }")
-ASM_CRUMBS_ALT = tl.constexpr("{ .reg .b32 t; lop3.b32 t, $2, 196611, 1124090624, 0x6A; mov.b32 {$0, $1}, t; }")
-
-
-@triton.jit
-def _or_bias_split(x, ASM: tl.constexpr):
-    """uint32 ``x`` ``[N, W]`` -> ``[N, W, 2]`` bfloat16 ``128 + code`` of its two masked halves (NVIDIA PTX)."""
-    lo, hi = tl.inline_asm_elementwise(ASM, "=h,=h,r", [x], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
-    return tl.join(lo, hi)
-
-
-@triton.jit
-def _word_pair(w, SHIFT: tl.constexpr, BITS: tl.constexpr, BIAS: tl.constexpr, DOT_BF16: tl.constexpr,
-               ALT: tl.constexpr, PTX_SPLIT: tl.constexpr):
-    """The codes at bit ``SHIFT`` of both 16-bit halves of the words ``w`` ``[N, W]`` as ``BIAS + code``
-    ``[N, W, 2]`` (low half first) in the dot dtype. With bfloat16 dots and BIAS 128 one mask and one OR
-    make two operands (``bits(code | 0x4300)`` = bfloat16 ``128 + code``); ``ALT`` adds 0x4300 instead
-    (see ``attention_v2_kernel._codes``). ``PTX_SPLIT`` (NVIDIA): mask, OR and the split into halves in
-    one ``lop3`` and a register move; portable Triton takes each half apart (offline sm_90a, C4R4 tile
-    loop: 3,670 instructions a thread against 2,848)."""
-    MASK: tl.constexpr = ((1 << BITS) - 1) * 0x00010001
-    if DOT_BF16 and BIAS == 128 and PTX_SPLIT:
-        if BITS == 4:
-            return _or_bias_split(w >> SHIFT, ASM_NIBBLES_ALT if ALT else ASM_NIBBLES)
-        else:
-            return _or_bias_split(w >> SHIFT, ASM_CRUMBS_ALT if ALT else ASM_CRUMBS)
-    elif DOT_BF16 and BIAS == 128:
-        v = (w >> SHIFT) & MASK
-        if ALT:
-            v = v + 0x43004300
-        else:
-            v = v | 0x43004300
-        return tl.join(v.to(tl.int16), (v >> 16).to(tl.int16)).to(tl.bfloat16, bitcast=True)
-    else:
-        v = (w >> SHIFT) & MASK
-        x = tl.join(v & 0xFFFF, v >> 16) + BIAS
-        if DOT_BF16:
-            return x.to(tl.bfloat16)
-        else:
-            return x.to(tl.float32)
-
-
-@triton.jit
 def _scaled_pair(w, s, zb, SHIFT: tl.constexpr, BITS: tl.constexpr, SCALE_BF16: tl.constexpr, BIAS: tl.constexpr,
                  DOT_BF16: tl.constexpr, ALT: tl.constexpr, PTX_SPLIT: tl.constexpr):
-    """``s * (code - zero)`` of :func:`_word_pair`'s codes, ``[N, W, 2]`` in the dot dtype (``s``, ``zb``:
+    """``s * (code - zero)`` of ``code_words.word_pair``'s codes, ``[N, W, 2]`` in the dot dtype (``s``, ``zb``:
     ``[N]`` float32 from ``_scale_col``). ``code - zero`` is exact; a bfloat16 scale times it is
     rounded once, in one packed product per two elements."""
-    k = _word_pair(w, SHIFT, BITS, BIAS, DOT_BF16, ALT, PTX_SPLIT)
+    k = word_pair(w, SHIFT, BITS, BIAS, DOT_BF16, ALT, PTX_SPLIT)
     if DOT_BF16:
         k = k - zb.to(tl.bfloat16)[:, None, None]
         if SCALE_BF16:
@@ -267,7 +218,7 @@ def _tile_raws(pages_ptr, page_off, tp, ld_mask, lv0, D: tl.constexpr, BITS: tl.
     raws = ()
     for c in tl.static_range(BYTES // CW):
         if WORDS:
-            raws = raws + (_load_words(pages_ptr, page_off, tp, ld_mask, lv0, c, BYTES, CW, CODES_OFF),)
+            raws = raws + (load_words(pages_ptr, page_off, tp, ld_mask, lv0, c, BYTES, CW, CODES_OFF),)
         else:
             raws = raws + (_load_raw(pages_ptr, page_off, tp, ld_mask, lv0, c, BYTES, CW, CODES_OFF),)
     return raws
@@ -293,7 +244,7 @@ def _chunk_operand(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, c: tl.constexp
         if len(raws) > 0:
             raw = raws[c]
         elif WORDS:
-            raw = _load_words(pages_ptr, page_off, tp, ld_mask, lv0, c, BYTES, CW, CODES_OFF)
+            raw = load_words(pages_ptr, page_off, tp, ld_mask, lv0, c, BYTES, CW, CODES_OFF)
         else:
             raw = _load_raw(pages_ptr, page_off, tp, ld_mask, lv0, c, BYTES, CW, CODES_OFF)
         if WORDS:
