@@ -116,7 +116,7 @@ def words_constexpr(content_bits: int, word_codes: bool | None, ptx_split: bool)
 
 
 def nvidia_asm_unsupported(device: torch.device) -> str | None:
-    """Why the kernels on ``device`` cannot hold NVIDIA PTX (``attention_v3_kernel``'s ``PTX_SPLIT``), or None."""
+    """Why the kernels on ``device`` cannot hold NVIDIA PTX (kernel v3's ``WORDS`` 2), or None."""
     if interpreting() or device.type != "cuda":
         return f"PTX runs on NVIDIA GPUs, the call runs on {device.type}" + (" (TRITON_INTERPRET=1)" if interpreting()
                                                                               else "")

@@ -114,6 +114,20 @@ def _load_q_chunks(q_base, rows, row_ok, D: tl.constexpr, BITS: tl.constexpr, CW
 
 
 @triton.jit
+def _times_scale(k, s, SCALE_BF16: tl.constexpr, DOT_BF16: tl.constexpr):
+    """``k * s`` in the dot dtype for exact ``k = code - zero`` and float32 scales ``s`` broadcast to it. A bfloat16
+    scale times ``k`` is one packed bfloat16 product per two elements, rounded once: the same bits as the float32
+    product (exact) rounded to bfloat16."""
+    if DOT_BF16:
+        if SCALE_BF16:
+            return k * s.to(tl.bfloat16)
+        else:
+            return (k.to(tl.float32) * s).to(tl.bfloat16)
+    else:
+        return k * s
+
+
+@triton.jit
 def _plane_operand(raw, srow, zrow, tok_ok, pl: tl.constexpr, c: tl.constexpr, NCH: tl.constexpr,
                    CW: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, SCALE_BF16: tl.constexpr,
                    BIAS: tl.constexpr, DOT_BF16: tl.constexpr, ALT: tl.constexpr):
@@ -122,13 +136,7 @@ def _plane_operand(raw, srow, zrow, tok_ok, pl: tl.constexpr, c: tl.constexpr, N
     cache stores it. ``ALT``: see ``attention_v2_kernel._codes``."""
     s, zb = _scale_col(srow, zrow, tok_ok, (pl * NCH + c) * CW // G, SCALE_BF16, BIAS)
     k = _zsub(_codes(raw, pl, BITS, BIAS, DOT_BF16, ALT), zb, DOT_BF16)
-    if DOT_BF16 and SCALE_BF16:
-        # bfloat16 scale x exact small integer: the product rounded once, as in float32 and back
-        return k * s.to(tl.bfloat16)[:, None]
-    elif DOT_BF16:
-        return (k.to(tl.float32) * s[:, None]).to(tl.bfloat16)
-    else:
-        return k * s[:, None]
+    return _times_scale(k, s[:, None], SCALE_BF16, DOT_BF16)
 
 
 @triton.jit
@@ -161,12 +169,9 @@ def _scaled_pair(w, s, zb, SHIFT: tl.constexpr, BITS: tl.constexpr, SCALE_BF16: 
     k = word_pair(w, SHIFT, BITS, BIAS, DOT_BF16, ALT, PTX_SPLIT)
     if DOT_BF16:
         k = k - zb.to(tl.bfloat16)[:, None, None]
-        if SCALE_BF16:
-            return k * s.to(tl.bfloat16)[:, None, None]
-        else:
-            return (k.to(tl.float32) * s[:, None, None]).to(tl.bfloat16)
     else:
-        return (k - zb[:, None, None]) * s[:, None, None]
+        k = k - zb[:, None, None]
+    return _times_scale(k, s[:, None, None], SCALE_BF16, DOT_BF16)
 
 
 @triton.jit
@@ -380,8 +385,8 @@ def split_kernel_v3(
             craws = _tile_raws(pages_ptr, page_off, tp, ld_mask, lv0, DC, CBITS, CCW, C_CODES_OFF, cwords)
             rraws = _tile_raws(pages_ptr, page_off, tp, ld_mask, lv0, DR, RBITS, RCW, R_CODES_OFF, rwords)
         score = _scores_t(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, qc, tl.zeros([BLOCK_N, BLOCK_R], tl.float32),
-                          DC, cbits, CCW, CG, C_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF, C_SCALE_BF16, CBIAS, DOT_BF16, BLOCK_N,
-                          cwords, craws)
+                          DC, cbits, CCW, CG, C_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF, C_SCALE_BF16, CBIAS, DOT_BF16,
+                          BLOCK_N, cwords, craws)
         score = _scores_t(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, qr, score, DR, rbits, RCW, RG,
                           R_CODES_OFF, R_SCALES_OFF, R_ZEROS_OFF, R_SCALE_BF16, RBIAS, DOT_BF16, BLOCK_N, rwords, rraws)
         vis = tok_ok[:, None] & (n[:, None] < limit[None, :])

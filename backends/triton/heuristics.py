@@ -281,21 +281,21 @@ V3_NUM_STAGES = 1
 #: load every run of code bytes of a tile before its first product, so their latencies overlap
 #: (one program per SM leaves nothing else to hide them); H200: 2,593 us against 2,626 without
 V3_PREFETCH = True
+#: one program per SM (8 warps x ~255 registers fill the register file)
+V3_CTAS_PER_SM = 1
+#: a split writes a BLOCK_R x DC float32 partial (128 KB) that the merge reads back
+V3_MIN_TILES_PER_SPLIT = 4
 #: content code widths (bits) whose codes kernel v3 takes from 32-bit words (``code_words``; the RoPE codes follow the
 #: content's choice). H200, CUDA graphs, stop 50, H128 B32 L32K: C4R4 2,590-2,604 us with bytes before the change,
 #: 2,339 with bytes and packed bfloat16 scaling, 1,767 with portable words, 1,658-1,673 with words split in PTX; C2R4
 #: 2,574 / 1,959 / 2,222 / 2,082 (more spilled registers with words: 860 bytes against 664). Kernel v2 (H = 16) took
-#: words too and ran 6-14 % slower with them on an H100 (stop 50; removed)
+#: words too and ran 11-22 % slower with them on an H100 (stop 50; removed)
 V3_CODE_WORDS_BITS = (4,)
 
 
 def v3_code_words(content_bits: int) -> bool:
     """Whether kernel v3 takes codes of ``content_bits`` from 32-bit words by default (V3_CODE_WORDS_BITS)."""
     return content_bits in V3_CODE_WORDS_BITS
-#: one program per SM (8 warps x ~255 registers fill the register file)
-V3_CTAS_PER_SM = 1
-#: a split writes a BLOCK_R x DC float32 partial (128 KB) that the merge reads back
-V3_MIN_TILES_PER_SPLIT = 4
 
 
 def v3_protect_rows(batch: int, rows: int, sm_count: int) -> int:

@@ -84,8 +84,8 @@ def compile_report(variant: str = "v2", fmt_name: str = "C4R4", latent_dim: int 
     ttgir = k.asm["ttgir"]
     return {"variant": variant, "fmt": fmt.name, "dc": latent_dim, "P": page_size, "G": group_size, "bf16": bf16,
             "block_n": block_n, "block_r": block_r, "num_warps": num_warps, "num_stages": num_stages, **switches,
-            "regs": res["regs"], "spill_bytes": res["spill_bytes"], "smem": res["shared"], "sass_in_loops": res["sass_in_loops"],
-            "wgmma": len(re.findall(r"warp_group_dot ", ttgir)),
+            "regs": res["regs"], "spill_bytes": res["spill_bytes"], "smem": res["shared"],
+            "sass_in_loops": res["sass_in_loops"], "wgmma": len(re.findall(r"warp_group_dot ", ttgir)),
             "mma_sync": len(re.findall(r"tt\.dot ", ttgir))}
 
 
