@@ -59,7 +59,8 @@
 #   bash benchmarks/run_h200_kernels.sh stop50   # kernel v3's codes from 32-bit words: conformance, each kernel's device
 #       time before (probe_tmp/triton_head, carried) and now (S50_KT=0: not), CUDA graphs over S50_SHAPES of the runs
 #       S50_RUNS (default "head 2 1 0 head 2": before, WORDS forced to 2 / 1 / 0 by probe_tmp/words_probe.py; "after":
-#       this tree's defaults), FlashInfer BF16 in each process; memcheck, v3 at real shapes (S50_REAL_K: "and C2R4")
+#       this tree's defaults), FlashInfer BF16 in each process; memcheck, v3 at real shapes (S50_REAL_K: "and C2R4").
+#       The conformance step gets S50_CONF_S seconds (420; stop 50 gave it 200, which its kernel builds filled)
 #   bash benchmarks/run_h200_kernels.sh v6pair   # v6 as two-CTA clusters sharing each key tile (QUANTMLA_CUPY_V6_PAIR):
 #       conformance of forced pairs, CUDA graphs of 0 against 1 over V6PAIR_SHAPES, memcheck of the pairs
 #   bash benchmarks/run_h200_kernels.sh v6fold   # v6's slack maximum and RoPE fold (QUANTMLA_CUPY_V6_SLACK / _ROPE_FOLD):
@@ -372,7 +373,7 @@ elif [ "$MODE" = stop50 ]; then
   # kernel v3's codes from 32-bit words (WORDS 2: taken apart in PTX, the default on NVIDIA; 1: portable Triton; 0: bytes)
   # against the tree before (probe_tmp/triton_head = git show a9b7113:backends/triton/*.py, carried)
   echo "=== v3 code words: conformance (each WORDS, the v3 tests)"
-  timeout 200 $T -rfE tests/test_triton_backend.py -k "code_words or v3_attention or v3_split or many_requests" 2>&1 | tail -4
+  timeout ${S50_CONF_S:-420} $T -rfE tests/test_triton_backend.py -k "code_words or v3_attention or v3_split or many_requests" 2>&1 | tail -4
   triton_tree head
   [ "${S50_KT:-1}" = 1 ] && triton_kernel_times "head after" ${S50_KT_SHAPES:-128x8x4096,128x32x32768} ""
   n=0
