@@ -223,6 +223,26 @@ def test_v3_code_words(fmt_name, words):
     _attend_direct(case, "bfloat16" if GPU else "float32", variant="v3", num_splits=2, overrides=words)
 
 
+def test_code_word_runs_are_aligned_in_every_layout():
+    """``code_words.load_words`` reads 32-bit words: every page, code section, token row and chunk of 2- and 4-bit
+    codes starts on a multiple of 4 bytes, for each format, dims, page and group size the backend serves."""
+    from quantmla_core.backends.triton import slice_width
+    from quantmla_core.backends.triton.common import page_layout_constexprs
+
+    checked = 0
+    for c in CASES + FMT_CASES + V3_CASES:
+        fmt, consts = c.fmt, page_layout_constexprs(c.fmt)
+        if not fmt.quantized:
+            continue
+        for bits, dim, group, off in [(fmt.content_bits, fmt.latent_dim, fmt.content_group_size, consts["C_CODES_OFF"]),
+                                      (fmt.rope_bits, fmt.rope_dim, fmt.rope_group_size, consts["R_CODES_OFF"])]:
+            if bits < 8:
+                checked += 1
+                runs = (consts["PAGE_BYTES"], off, dim * bits // 8, slice_width(dim, bits, group))
+                assert all(r % 4 == 0 for r in runs), (fmt, bits, runs)
+    assert checked > 20
+
+
 def test_ptx_split_is_refused_off_nvidia():
     """The PTX path is NVIDIA's: asked for where the call cannot run it, the launcher says why."""
     case = Case(PackFormat.parse("C4R4"), (70,), heads=64, seed=4)

@@ -31,8 +31,10 @@ ASM_CRUMBS_ALT = tl.constexpr("{ .reg .b32 t; lop3.b32 t, $2, 196611, 1124090624
 def load_words(pages_ptr, page_off, tp, ld_mask, lv0, c, BYTES: tl.constexpr, CW: tl.constexpr,
                CODES_OFF: tl.constexpr):
     """Bytes ``[c*CW, (c+1)*CW)`` of the tile's packed code rows (``BYTES`` a token from ``CODES_OFF``, token ``tp``
-    of its page at byte ``page_off``) as uint32 words ``[BLOCK_N, CW // 4]``; 0 outside ``ld_mask``. ``lv0``: a
-    loop-variant zero (``attention_v2_kernel._load_raw``)."""
+    of its page at byte ``page_off``, a multiple of the page's bytes) as uint32 words ``[BLOCK_N, CW // 4]``; 0
+    outside ``ld_mask``. Every layout PackFormat builds keeps these runs 4-byte aligned. ``lv0``: a loop-variant zero
+    (``attention_v2_kernel._load_raw``)."""
+    tl.static_assert((CW % 4 == 0 and BYTES % 4 == 0) and CODES_OFF % 4 == 0, "code words need 4-byte aligned runs")
     W: tl.constexpr = CW // 4
     row = pages_ptr.to(tl.pointer_type(tl.uint32)) + (page_off + CODES_OFF + tp * BYTES) // 4
     col = tl.max_contiguous(tl.multiple_of(c * W + tl.arange(0, W) + lv0, W), W)
