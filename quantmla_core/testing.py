@@ -128,6 +128,19 @@ def allocate(case: Case, batch: Batch, device: str, protect_dtype: Any = None) -
     return cache
 
 
+def write_case(case: Case, device: str, dtype: str = "float32", backend: str = "torch") -> tuple[Batch, dict, MLACache]:
+    """``case``'s batch, its tensors on ``device`` in ``dtype`` (:meth:`Batch.to`) and a poisoned cache holding every
+    token, written in one ``quantmla_core.write`` call by ``backend``."""
+    from .api import write
+
+    batch = build(case)
+    args = batch.to(device, dtype)
+    cache = allocate(case, batch, device)
+    write(cache, args["latent"], args["k_rope"], slot_mapping=args["slot_mapping"], seq_ids=args["seq_ids"],
+          positions=args["positions"], seq_lens=args["seq_lens"], backend=backend)
+    return batch, args, cache
+
+
 def check_attention(out, lse, ref_out: np.ndarray, ref_lse: np.ndarray, dtype: str) -> tuple[float, float]:
     """Assert DESIGN.md §8 tolerances; return (relative error of out, max abs error of lse)."""
     o = out.float().cpu().numpy() if isinstance(out, torch.Tensor) else np.asarray(out, np.float64)

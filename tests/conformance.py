@@ -8,7 +8,7 @@ import torch
 import quantmla_core as qm
 from quantmla_core import reference as ref
 from quantmla_core.reference.quantize import bits_to_bf16
-from quantmla_core.testing import Case, allocate, build, check_attention
+from quantmla_core.testing import Case, allocate, check_attention, write_case
 
 
 def _pages_np(cache) -> np.ndarray:
@@ -91,11 +91,7 @@ def assert_code_diffs_at_half(fmt: qm.PackFormat, got: np.ndarray, want: np.ndar
 
 def write_both(case: Case, backend: str, device: str, dtype: str = "float32"):
     """Write a case with ``backend`` on ``device`` and with the reference on NumPy-compatible CPU."""
-    batch = build(case)
-    args = batch.to(device, dtype)
-    cache = allocate(case, batch, device)
-    qm.write(cache, args["latent"], args["k_rope"], slot_mapping=args["slot_mapping"], seq_ids=args["seq_ids"],
-             positions=args["positions"], seq_lens=args["seq_lens"], backend=backend)
+    batch, _, cache = write_case(case, device, dtype, backend)
     host_args = batch.to("cpu", dtype)
     want = allocate(case, batch, "cpu", protect_dtype=cache.sink_buf.dtype if not isinstance(cache.sink_buf, np.ndarray) else torch.float32)
     ref.write(want, host_args["latent"], host_args["k_rope"], batch.slot_mapping, batch.seq_ids, batch.positions, batch.seq_lens)
@@ -116,15 +112,11 @@ def check_writer(case: Case, backend: str, device: str, dtype: str = "float32") 
 
 def check_attention_case(case: Case, write_backend: str, attn_backend: str, device: str, dtype: str = "float32"):
     """Write with one backend, attend with another; compare with the reference on the same cache."""
-    batch = build(case)
-    args = batch.to(device, dtype)
-    cache = allocate(case, batch, device)
-    qm.write(cache, args["latent"], args["k_rope"], slot_mapping=args["slot_mapping"], seq_ids=args["seq_ids"],
-             positions=args["positions"], seq_lens=args["seq_lens"], backend=write_backend)
+    batch, args, cache = write_case(case, device, dtype, write_backend)
     out, lse = qm.attention(args["q_latent"], args["q_rope"], cache, block_table=args["block_table"],
                             seq_lens=args["attn_seq_lens"], seq_ids=args["attn_seq_ids"],
                             softmax_scale=batch.softmax_scale, backend=attn_backend)
-    host_cache = cache if device in ("cpu", "numpy") else _to_cpu(cache)
+    host_cache = cache if device in ("cpu", "numpy") else cache_to_cpu(cache)
     q = args["q_latent"] if device == "numpy" else args["q_latent"].cpu()
     r = args["q_rope"] if device == "numpy" else args["q_rope"].cpu()
     ref_out, ref_lse = ref.decode_attention(q, r, host_cache, batch.block_table, batch.attn_seq_lens,
@@ -133,6 +125,7 @@ def check_attention_case(case: Case, write_backend: str, attn_backend: str, devi
     return check_attention(out, lse, ref_out, ref_lse, dtype)
 
 
-def _to_cpu(cache):
+def cache_to_cpu(cache):
+    """A copy of a device cache in host memory (torch CPU tensors)."""
     return qm.MLACache(cache.format, cache.pages.cpu(), cache.sink_buf.cpu(), cache.local_buf.cpu(),
                        cache.max_seqs, cache.sink, cache.local)

@@ -28,7 +28,7 @@ from test_cupy_backend import (
 )
 
 import quantmla_core as qm
-from quantmla_core.testing import allocate, build
+from quantmla_core.testing import write_case
 
 #: (arch, format, d_c, d_r, group size, page size[, stages[, warps]])
 V3_BUILDS = [
@@ -206,11 +206,7 @@ def test_protected_launch_on_side_stream(case, variant, monkeypatch):
     if variant == "v2-separate":
         monkeypatch.setenv("QUANTMLA_CUPY_V2_PROTECTED", "separate")
     check_attention_case(case, "cupy", "cupy", "cuda", "bfloat16")
-    batch = build(case)
-    args = batch.to("cuda", "bfloat16")
-    cache = allocate(case, batch, "cuda")
-    qm.write(cache, args["latent"], args["k_rope"], slot_mapping=args["slot_mapping"], seq_ids=args["seq_ids"],
-             positions=args["positions"], seq_lens=args["seq_lens"], backend="cupy")
+    batch, args, cache = write_case(case, "cuda", "bfloat16", "cupy")
 
     def attend():
         return qm.attention(args["q_latent"], args["q_rope"], cache, block_table=args["block_table"],

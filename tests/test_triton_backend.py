@@ -14,9 +14,9 @@ import torch
 import quantmla_core as qm
 from quantmla_core import PackFormat, get_backend
 from quantmla_core import reference as ref
-from quantmla_core.testing import Case, allocate, build, check_attention, edge_lengths, generate_cases
+from quantmla_core.testing import Case, allocate, build, check_attention, edge_lengths, generate_cases, write_case
 
-from conformance import check_attention_case, check_writer
+from conformance import cache_to_cpu, check_attention_case, check_writer
 
 pytest.importorskip("triton")
 
@@ -268,14 +268,10 @@ def _attend_direct(case: Case, dtype: str = "float32", tol_dtype: str | None = N
     variant), compare with the reference."""
     from quantmla_core.backends.triton.attention import attention as triton_attention
 
-    batch = build(case)
-    args = batch.to(DEVICE, dtype)
-    cache = allocate(case, batch, DEVICE)
-    qm.write(cache, args["latent"], args["k_rope"], slot_mapping=args["slot_mapping"], seq_ids=args["seq_ids"],
-             positions=args["positions"], seq_lens=args["seq_lens"], backend="torch")
+    batch, args, cache = write_case(case, DEVICE, dtype)
     out, lse = triton_attention(args["q_latent"], args["q_rope"], cache, args["block_table"], args["attn_seq_lens"],
                                 args["attn_seq_ids"], batch.softmax_scale, **kwargs)
-    host = qm.MLACache(cache.format, cache.pages.cpu(), cache.sink_buf.cpu(), cache.local_buf.cpu(), cache.max_seqs, cache.sink, cache.local)
+    host = cache_to_cpu(cache)
     want_out, want_lse = ref.decode_attention(args["q_latent"].cpu(), args["q_rope"].cpu(), host, batch.block_table,
                                               batch.attn_seq_lens, batch.attn_seq_ids, batch.softmax_scale)
     check_attention(out, lse, want_out, want_lse, tol_dtype or dtype)
@@ -471,11 +467,7 @@ def test_bad_slots_are_skipped(block_t):
 def test_output_shapes_3d_query():
     fmt = PackFormat.parse("C2R4")
     case = Case(fmt, (65, 3), heads=5)
-    batch = build(case)
-    args = batch.to(DEVICE)
-    cache = allocate(case, batch, DEVICE)
-    qm.write(cache, args["latent"], args["k_rope"], slot_mapping=args["slot_mapping"], seq_ids=args["seq_ids"],
-             positions=args["positions"], seq_lens=args["seq_lens"], backend="triton")
+    batch, args, cache = write_case(case, DEVICE, backend="triton")
     out, lse = qm.attention(args["q_latent"][:, 0], args["q_rope"][:, 0], cache, block_table=args["block_table"],
                             seq_lens=args["attn_seq_lens"], seq_ids=args["attn_seq_ids"],
                             softmax_scale=batch.softmax_scale, backend="triton")
@@ -582,11 +574,7 @@ def _written_on_gpu(case: Case) -> tuple:
     prepares a Triton call of its queries over that cache (reading the environment when called)."""
     from quantmla_core.backends.triton import attention as A
 
-    batch = build(case)
-    args = batch.to("cuda", "bfloat16")
-    cache = allocate(case, batch, "cuda")
-    qm.write(cache, args["latent"], args["k_rope"], slot_mapping=args["slot_mapping"], seq_ids=args["seq_ids"],
-             positions=args["positions"], seq_lens=args["seq_lens"], backend="torch")
+    batch, args, cache = write_case(case, "cuda", "bfloat16")
 
     def prepare():
         return A.prepare(cache, args["block_table"], args["attn_seq_lens"], args["attn_seq_ids"], len(case.lens), 1,
