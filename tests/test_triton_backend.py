@@ -213,7 +213,8 @@ def test_v3_plan(batch, rows, tokens, splits):
 
 
 @pytest.mark.parametrize("words", [{"word_codes": False}, {"word_codes": True},
-                                   {"word_codes": True, "ptx_split": False}], ids=str)
+                                   {"word_codes": True, "ptx_split": False}, {"word_codes": True, "word_lanes": 4},
+                                   {"word_codes": True, "ptx_split": False, "word_lanes": 4}], ids=str)
 @pytest.mark.parametrize("fmt_name", ["C4R4", "C2R4", "C4R8", "C8R8"])
 def test_v3_code_words(fmt_name, words):
     """Kernel v3's codes from bytes and from 32-bit words (2- and 4-bit codes; 8-bit ones stay bytes), the words taken

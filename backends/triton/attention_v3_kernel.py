@@ -36,6 +36,10 @@ product per two elements (exact operands, one rounding, as the float32 product r
 (``code_words``), two per ``lop3``, in PTX on NVIDIA GPUs. Offline sm_90a, C4R4 tile loop: 5,298
 instructions a thread before, 4,003 with the packed scaling, 2,848 with words. H100, CUDA graphs:
 C4R4 H=128 B=32 L=32K 2,531 -> 1,640 us (2.8x FlashInfer BF16), C2R4 (bytes) 2,528 -> 1,921.
+
+Stop 51: ``WORD_LANES`` (``heuristics.v3_word_lanes``) orders a chunk's word columns so that QK's operand is built in
+its ``wgmma`` register layout (:func:`_word_operand`). 2-bit content now takes words in that order: H100, CUDA graphs,
+C2R4 H=128 B=32 L=32K 1,924-1,933 -> 1,671-1,672 us (2.9x FlashInfer BF16). C4R4 ran slower in it and keeps 1.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from .attention_kernel import split_tiles
 from .attention_v2_kernel import (_codes, _load_bf16_vals, _load_raw, _scale_col, _scale_rows, _tuple_set,
                                   _zeros_tuple, _zsub, tile_pages)
 from .code_words import load_words, word_pair
-from .common_kernels import load_f32, pdl_launch_dependents
+from .common_kernels import bf16_bits_to_f32, load_f32, pdl_launch_dependents
 
 
 @triton.jit
@@ -61,16 +65,19 @@ def _dot_acc(a, b, acc, DOT_BF16: tl.constexpr):
 
 @triton.jit
 def _chunk_channels(c: tl.constexpr, CW: tl.constexpr, PLANES: tl.constexpr, BYTES: tl.constexpr,
-                    WORDS: tl.constexpr = False):
+                    WORDS: tl.constexpr = False, LANES: tl.constexpr = 1):
     """Channel of each column ``e`` of chunk ``c`` (bytes ``[c*CW, (c+1)*CW)``, all PLANES bit planes
     joined). Bytes: column ``j*PLANES + pl`` is element ``pl*BYTES + c*CW + j`` (split-half packing).
-    ``WORDS`` (:func:`_word_operand`'s order): column ``2*(M*i + m) + h``, ``M = 2*PLANES``, ``m = b*PLANES + pl``,
-    is plane ``pl`` of byte ``4*i + 2*h + b`` of the chunk."""
+    ``WORDS`` (:func:`_word_operand`'s order): column ``h + 2*u + 2*L*(m + M*v)``, ``M = 2*PLANES``,
+    ``m = b*PLANES + pl``, is plane ``pl`` of byte ``4*i + 2*h + b`` of the chunk, word ``i = u*(CW/4/L) + v``;
+    ``L`` is ``LANES`` where it divides the chunk's ``CW // 4`` words, else 1."""
     e = tl.arange(0, CW * PLANES)
     if WORDS:
+        L: tl.constexpr = LANES if (CW // 4) % LANES == 0 else 1
         M: tl.constexpr = 2 * PLANES
-        m = (e // 2) % M
-        return (m % PLANES) * BYTES + c * CW + 4 * (e // (2 * M)) + 2 * (e % 2) + m // PLANES
+        m = (e // (2 * L)) % M
+        word = ((e // 2) % L) * (CW // 4 // L) + e // (2 * L * M)
+        return (m % PLANES) * BYTES + c * CW + 4 * word + 2 * (e % 2) + m // PLANES
     else:
         return (e % PLANES) * BYTES + c * CW + e // PLANES
 
@@ -83,7 +90,7 @@ def _load_q_plane(q_base, rows, row_ok, ch0, D: tl.constexpr, CW: tl.constexpr, 
 
 @triton.jit
 def _load_q_chunks(q_base, rows, row_ok, D: tl.constexpr, BITS: tl.constexpr, CW: tl.constexpr,
-                   Q_BF16: tl.constexpr, DOT_BF16: tl.constexpr, WORDS: tl.constexpr):
+                   Q_BF16: tl.constexpr, DOT_BF16: tl.constexpr, WORDS: tl.constexpr, LANES: tl.constexpr):
     """Query rows as a tuple of chunk operands ``[CW * PLANES, BLOCK_M]`` in the dot dtype, rows in
     the column order of :func:`_chunk_operand` (0 past R). BF16 pages: slices of CW channels.
     Bytes: each plane is loaded as a contiguous run of channels and interleaved in registers."""
@@ -92,7 +99,7 @@ def _load_q_chunks(q_base, rows, row_ok, D: tl.constexpr, BITS: tl.constexpr, CW
     qs = ()
     for c in tl.static_range(BYTES // CW):
         if WORDS:  # one gather in the column order of the word operands
-            ch = _chunk_channels(c, CW, PLANES, BYTES, True)
+            ch = _chunk_channels(c, CW, PLANES, BYTES, True, LANES)
             x = load_f32(q_base, rows[None, :] * D + ch[:, None], row_ok[None, :], Q_BF16)
         elif PLANES == 1:
             x = _load_q_plane(q_base, rows, row_ok, c * CW, D, CW, Q_BF16)
@@ -190,15 +197,26 @@ def _join_bits(x):
 @triton.jit
 def _word_operand(w, srow, zrow, tok_ok, c: tl.constexpr, NCH: tl.constexpr, CW: tl.constexpr, G: tl.constexpr,
                   BITS: tl.constexpr, SCALE_BF16: tl.constexpr, BIAS: tl.constexpr, DOT_BF16: tl.constexpr,
-                  ALT: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
+                  ALT: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr, LANES: tl.constexpr, groups=()):
     """Chunk ``c``'s words ``w`` ``[BLOCK_N, CW // 4]`` (2- and 4-bit codes) dequantized:
     ``[BLOCK_N, CW * PLANES]`` in the ``WORDS`` column order of :func:`_chunk_channels`. Every mask and
-    OR works on two codes at once (the byte path of :func:`_raw_operand` takes one code each)."""
+    OR works on two codes at once (the byte path of :func:`_raw_operand` takes one code each).
+
+    The column order decides where QK's register operand is built. With ``LANES`` 1 a row's words lie in consecutive
+    columns, and the codes of one word would sit in four threads of a quad, so the compiler builds the operand in the
+    words' layout and moves the bfloat16 result through shared memory. With ``LANES`` 4 the word index's high bits
+    are the quad's lane bits of the ``wgmma`` operand, and its pair, byte and plane bits are register bits: each
+    thread dequantizes words it holds, and only the raw words (a quarter of the bytes) and the scales
+    (``groups``, from :func:`_tile_groups`) change layout."""
     PLANES: tl.constexpr = 8 // BITS
     scales = ()
     zeros = ()
     for pl in tl.static_range(PLANES):
-        s, zb = _scale_col(srow, zrow, tok_ok, (pl * NCH + c) * CW // G, SCALE_BF16, BIAS)
+        if len(groups) > 0:
+            s = groups[0][(pl * NCH + c) * CW // G]
+            zb = groups[1][(pl * NCH + c) * CW // G]
+        else:
+            s, zb = _scale_col(srow, zrow, tok_ok, (pl * NCH + c) * CW // G, SCALE_BF16, BIAS)
         scales = scales + (s,)
         zeros = zeros + (zb,)
     ks = ()
@@ -206,12 +224,61 @@ def _word_operand(w, srow, zrow, tok_ok, c: tl.constexpr, NCH: tl.constexpr, CW:
         for pl in tl.static_range(PLANES):
             ks = ks + (_scaled_pair(w, scales[pl], zeros[pl], 8 * b + BITS * pl, BITS, SCALE_BF16, BIAS, DOT_BF16,
                                     ALT, WORDS == 2),)
-    x = _join_bits(ks)  # [N, W, h, m bits...]: the halves innermost, so a packed product's pair is two neighbours
-    if PLANES == 2:
-        x = tl.permute(x, (0, 1, 3, 4, 2))
+    L: tl.constexpr = LANES if (CW // 4) % LANES == 0 else 1  # threads of a quad that split the chunk's words
+    W: tl.constexpr = CW // 4
+    x = _join_bits(ks)  # [N, W, h, m bits...]
+    if PLANES == 2:  # [N, u, v, h, b, pl] -> [N, v, b, pl, u, h]
+        x = tl.permute(tl.reshape(x, [BLOCK_N, L, W // L, 2, 2, 2]), (0, 2, 4, 5, 1, 3))
     else:
-        x = tl.permute(x, (0, 1, 3, 4, 5, 2))
+        x = tl.permute(tl.reshape(x, [BLOCK_N, L, W // L, 2, 2, 2, 2]), (0, 2, 4, 5, 6, 1, 3))
     return tl.reshape(x, [BLOCK_N, CW * PLANES])
+
+
+@triton.jit
+def _group_columns(x, N: tl.constexpr, NG: tl.constexpr):
+    """The ``NG`` columns of ``x`` ``[N, NG]`` (a power of two) as a tuple of ``[N]`` tensors, in order. Halving
+    splits keep every value in its thread, so ``x`` changes layout once, not once per column."""
+    cols = (x,)
+    for lvl in tl.static_range(6):
+        if (1 << lvl) < NG:
+            halves = ()
+            for t in tl.static_range(len(cols)):  # [N, 2m] -> its first and last m columns
+                lo, hi = tl.split(tl.permute(tl.reshape(cols[t], [N, 2, NG >> (lvl + 1)]), (0, 2, 1)))
+                halves = halves + (lo, hi)
+            cols = halves
+    out = ()
+    for g in tl.static_range(NG):
+        out = out + (tl.reshape(cols[g], [N]),)
+    return out
+
+
+@triton.jit
+def _tile_groups(pages_ptr, page_off, tp, tok_ok, lv0, D: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
+                 SCALES_OFF: tl.constexpr, ZEROS_OFF: tl.constexpr, SCALE_BF16: tl.constexpr, BIAS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, WORDS: tl.constexpr, LANES: tl.constexpr):
+    """Every group's scale and ``BIAS + zero`` of the tile's tokens, ``(scales, zeros)``: tuples of ``D // G``
+    float32 ``[BLOCK_N]`` (scale 0 where a token is not ``tok_ok``), from one load of each row; ``()`` unless the
+    codes come from words in quad order (``LANES`` > 1), whose operand layout would take each column apart.
+    ``lv0``: a loop-variant zero that keeps QK's and PV's loads apart."""
+    NG: tl.constexpr = D // G
+    tl.static_assert((NG & (NG - 1)) == 0 and NG <= 64, "a power of two of at most 64 groups")
+    groups = ()
+    if BITS < 8 and WORDS:
+        if LANES > 1:
+            srow, zrow = _scale_rows(pages_ptr, page_off, tp, NG, SCALES_OFF, ZEROS_OFF, SCALE_BF16)
+            g = tl.arange(0, NG) + lv0
+            sc = _group_columns(tl.load(srow[:, None] + g[None, :], mask=tok_ok[:, None], other=0), BLOCK_N, NG)
+            zc = _group_columns(tl.load(zrow[:, None] + g[None, :], mask=tok_ok[:, None], other=0), BLOCK_N, NG)
+            scales = ()
+            zeros = ()
+            for i in tl.static_range(NG):
+                if SCALE_BF16:
+                    scales = scales + (bf16_bits_to_f32(sc[i]),)
+                else:
+                    scales = scales + (sc[i],)
+                zeros = zeros + (zc[i].to(tl.float32) + BIAS,)
+            groups = (scales, zeros)
+    return groups
 
 
 @triton.jit
@@ -234,12 +301,13 @@ def _chunk_operand(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, c: tl.constexp
                    D: tl.constexpr, BITS: tl.constexpr, CW: tl.constexpr, G: tl.constexpr,
                    CODES_OFF: tl.constexpr, SCALES_OFF: tl.constexpr, ZEROS_OFF: tl.constexpr,
                    SCALE_BF16: tl.constexpr, BIAS: tl.constexpr, DOT_BF16: tl.constexpr, ALT: tl.constexpr,
-                   BLOCK_N: tl.constexpr, WORDS: tl.constexpr, raws):
+                   BLOCK_N: tl.constexpr, WORDS: tl.constexpr, LANES: tl.constexpr, raws, groups=()):
     """Dequantized chunk ``c`` of the tile, ``[BLOCK_N, CW * PLANES]`` in the dot dtype, columns
     in :func:`_chunk_channels` order (one operand per run of bytes, so every product is as wide
     as the bytes allow: 128 channels for 4-bit codes, 256 for 2-bit). BF16 pages: slice ``c``.
     ``WORDS``: the codes taken from 32-bit words (2- and 4-bit codes only).
-    ``raws``: the chunks' bytes or words from :func:`_tile_raws` (empty: loaded here)."""
+    ``raws``: the chunks' bytes or words from :func:`_tile_raws` (empty: loaded here); ``groups``: the tile's scales
+    and zeros from :func:`_tile_groups` (empty: loaded per chunk; words only)."""
     if BITS == 16:
         k = _load_bf16_vals(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, c, D, CW, CODES_OFF, DOT_BF16)
     else:
@@ -254,7 +322,7 @@ def _chunk_operand(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, c: tl.constexp
             raw = _load_raw(pages_ptr, page_off, tp, ld_mask, lv0, c, BYTES, CW, CODES_OFF)
         if WORDS:
             k = _word_operand(raw, srow, zrow, tok_ok, c, NCH, CW, G, BITS, SCALE_BF16, BIAS, DOT_BF16, ALT, BLOCK_N,
-                              WORDS)
+                              WORDS, LANES, groups)
         else:
             k = _raw_operand(raw, srow, zrow, tok_ok, c, NCH, CW, G, BITS, SCALE_BF16, BIAS, DOT_BF16, ALT, BLOCK_N)
     return k
@@ -265,14 +333,16 @@ def _scores_t(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, qs, score,
               D: tl.constexpr, BITS: tl.constexpr, CW: tl.constexpr, G: tl.constexpr,
               CODES_OFF: tl.constexpr, SCALES_OFF: tl.constexpr, ZEROS_OFF: tl.constexpr,
               SCALE_BF16: tl.constexpr, BIAS: tl.constexpr, DOT_BF16: tl.constexpr, BLOCK_N: tl.constexpr,
-              WORDS: tl.constexpr, raws):
+              WORDS: tl.constexpr, LANES: tl.constexpr, raws):
     """``score`` ``[BLOCK_N, BLOCK_M]`` (tokens x rows, before the softmax scale) plus one path's
     (content or RoPE) products of the tile; ``qs`` from :func:`_load_q_chunks`; ``raws`` see
     :func:`_chunk_operand`."""
     BYTES: tl.constexpr = D * BITS // 8 if BITS < 16 else D
+    groups = _tile_groups(pages_ptr, page_off, tp, tok_ok, lv0, D, BITS, G, SCALES_OFF, ZEROS_OFF, SCALE_BF16, BIAS,
+                          BLOCK_N, WORDS, LANES)
     for c in tl.static_range(BYTES // CW):
         k = _chunk_operand(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, c, D, BITS, CW, G, CODES_OFF, SCALES_OFF,
-                           ZEROS_OFF, SCALE_BF16, BIAS, DOT_BF16, False, BLOCK_N, WORDS, raws)
+                           ZEROS_OFF, SCALE_BF16, BIAS, DOT_BF16, False, BLOCK_N, WORDS, LANES, raws, groups)
         score = _dot_acc(k, qs[c], score, DOT_BF16)
     return score
 
@@ -282,7 +352,7 @@ def _pv(accs, alpha, p, pages_ptr, page_off, tp, ld_mask, tok_ok, lv0,
         DC: tl.constexpr, BITS: tl.constexpr, CW: tl.constexpr, G: tl.constexpr,
         CODES_OFF: tl.constexpr, SCALES_OFF: tl.constexpr, ZEROS_OFF: tl.constexpr,
         SCALE_BF16: tl.constexpr, BIAS: tl.constexpr, DOT_BF16: tl.constexpr, BLOCK_N: tl.constexpr,
-        WORDS: tl.constexpr):
+        WORDS: tl.constexpr, LANES: tl.constexpr):
     """The output chunks ``[BLOCK_M, CW * PLANES]`` after one tile: ``O * alpha + P @ k_chunk``."""
     BYTES: tl.constexpr = DC * BITS // 8 if BITS < 16 else DC
     NACC: tl.constexpr = BYTES // CW
@@ -290,9 +360,11 @@ def _pv(accs, alpha, p, pages_ptr, page_off, tp, ld_mask, tok_ok, lv0,
         pg = p.to(tl.bfloat16)
     else:
         pg = p
+    groups = _tile_groups(pages_ptr, page_off, tp, tok_ok, lv0, DC, BITS, G, SCALES_OFF, ZEROS_OFF, SCALE_BF16, BIAS,
+                          BLOCK_N, WORDS, LANES)
     for c in tl.static_range(NACC):
         k = _chunk_operand(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, c, DC, BITS, CW, G, CODES_OFF, SCALES_OFF,
-                           ZEROS_OFF, SCALE_BF16, BIAS, DOT_BF16, True, BLOCK_N, WORDS, ())
+                           ZEROS_OFF, SCALE_BF16, BIAS, DOT_BF16, True, BLOCK_N, WORDS, LANES, (), groups)
         accs = _tuple_set(accs, c, _dot_acc(pg, k, accs[c] * alpha[:, None], DOT_BF16), NACC)
     return accs
 
@@ -344,6 +416,7 @@ def split_kernel_v3(
     PROBE_SKIP_PV: tl.constexpr = False,
     PDL: tl.constexpr = False,
     WORDS: tl.constexpr = 0,
+    WORD_LANES: tl.constexpr = 1,
 ):
     """One (split, request, block of BLOCK_R query rows): partial normalised output and
     log2-sum-exp over the split's share of the packed tokens (v1's partial format).
@@ -366,8 +439,10 @@ def split_kernel_v3(
     rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < R
     limit = L - S_Q + rows // H + 1  # row r (query i = r // H) sees tokens n < limit
-    qc = _load_q_chunks(q_ptr + b.to(tl.int64) * R * DC, rows, row_ok, DC, cbits, CCW, Q_BF16, DOT_BF16, cwords)
-    qr = _load_q_chunks(qr_ptr + b.to(tl.int64) * R * DR, rows, row_ok, DR, rbits, RCW, Q_BF16, DOT_BF16, rwords)
+    qc = _load_q_chunks(q_ptr + b.to(tl.int64) * R * DC, rows, row_ok, DC, cbits, CCW, Q_BF16, DOT_BF16, cwords,
+                        WORD_LANES)
+    qr = _load_q_chunks(qr_ptr + b.to(tl.int64) * R * DR, rows, row_ok, DR, rbits, RCW, Q_BF16, DOT_BF16, rwords,
+                        WORD_LANES)
     table_row = table_ptr + b.to(tl.int64) * stride_table
 
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
@@ -386,9 +461,10 @@ def split_kernel_v3(
             rraws = _tile_raws(pages_ptr, page_off, tp, ld_mask, lv0, DR, RBITS, RCW, R_CODES_OFF, rwords)
         score = _scores_t(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, qc, tl.zeros([BLOCK_N, BLOCK_R], tl.float32),
                           DC, cbits, CCW, CG, C_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF, C_SCALE_BF16, CBIAS, DOT_BF16,
-                          BLOCK_N, cwords, craws)
+                          BLOCK_N, cwords, WORD_LANES, craws)
         score = _scores_t(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, qr, score, DR, rbits, RCW, RG,
-                          R_CODES_OFF, R_SCALES_OFF, R_ZEROS_OFF, R_SCALE_BF16, RBIAS, DOT_BF16, BLOCK_N, rwords, rraws)
+                          R_CODES_OFF, R_SCALES_OFF, R_ZEROS_OFF, R_SCALE_BF16, RBIAS, DOT_BF16, BLOCK_N, rwords,
+                          WORD_LANES, rraws)
         vis = tok_ok[:, None] & (n[:, None] < limit[None, :])
         score = tl.where(vis, score * sm_scale_log2, float("-inf"))  # [BLOCK_N, BLOCK_R]
 
@@ -405,13 +481,14 @@ def split_kernel_v3(
         else:
             # a second loop-variant zero: the same one would let CSE keep the QK operands alive
             accs = _pv(accs, alpha, p, pages_ptr, page_off, tp, ld_mask, tok_ok, tl.minimum(n0, 0), DC, cbits, CCW,
-                       CG, C_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF, C_SCALE_BF16, CBIAS, DOT_BF16, BLOCK_N, cwords)
+                       CG, C_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF, C_SCALE_BF16, CBIAS, DOT_BF16, BLOCK_N, cwords,
+                       WORD_LANES)
 
     pdl_launch_dependents(PDL)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     lse2 = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
     part = (b.to(tl.int64) * NSPLIT + pid_s) * R
     for c in tl.static_range(NACC):
-        o_offs = (part + rows[:, None]) * DC + _chunk_channels(c, CCW, CPLANES, CBYTES, cwords)[None, :]
+        o_offs = (part + rows[:, None]) * DC + _chunk_channels(c, CCW, CPLANES, CBYTES, cwords, WORD_LANES)[None, :]
         tl.store(o_part_ptr + o_offs, accs[c] / l_safe[:, None], mask=row_ok[:, None])
     tl.store(lse_part_ptr + part + rows, lse2, mask=row_ok)

@@ -288,9 +288,23 @@ V3_MIN_TILES_PER_SPLIT = 4
 #: content code widths (bits) whose codes kernel v3 takes from 32-bit words (``code_words``; the RoPE codes follow the
 #: content's choice). H200, CUDA graphs, stop 50, H128 B32 L32K: C4R4 2,590-2,604 us with bytes before the change,
 #: 2,339 with bytes and packed bfloat16 scaling, 1,767 with portable words, 1,658-1,673 with words split in PTX; C2R4
-#: 2,574 / 1,959 / 2,222 / 2,082 (more spilled registers with words: 860 bytes against 664). Kernel v2 (H = 16) took
-#: words too and ran 11-22 % slower with them on an H100 (stop 50; removed)
-V3_CODE_WORDS_BITS = (4,)
+#: 2,574 / 1,959 / 2,222 / 2,082 (more spilled registers with words: 860 bytes against 664). 2-bit content joined in
+#: stop 51 with the quad order of V3_WORD_LANES. Kernel v2 (H = 16) took words too and ran 11-22 % slower with them on
+#: an H100 (stop 50; removed)
+V3_CODE_WORDS_BITS = (2, 4)
+#: threads of a quad that split a chunk's code words in kernel v3 (``attention_v3_kernel._word_operand``), by content
+#: bits. 1 puts a row's words in consecutive columns: QK's operand is built in the words' layout and changes layout
+#: through shared memory as bfloat16. 4 orders the columns so that each thread of a quad dequantizes its own words
+#: straight into QK's register operand: the raw words and one row of the tile's scales and zeros change layout instead.
+#: H100, CUDA graphs, stop 51, 4 against 1 (2-bit: against bytes): C2R4 H128 B32 L32K 1,924-1,933 -> 1,671-1,672 us,
+#: H16 B32 L32K S_q 4 1,035-1,040 -> 917-919, H128 B8 L4K 178-182 -> 177-178; C4R4 slower with 4 (1,640-1,646 ->
+#: 1,826-1,828 us at H128 B32 L32K; 648 bytes spilled against 540 offline)
+V3_WORD_LANES = {2: 4, 4: 1}
+
+
+def v3_word_lanes(content_bits: int) -> int:
+    """Kernel v3's ``WORD_LANES`` for content of ``content_bits`` (V3_WORD_LANES; 1 where no words are taken)."""
+    return V3_WORD_LANES.get(content_bits, 1)
 
 
 def v3_code_words(content_bits: int) -> bool:
