@@ -61,6 +61,9 @@
 #       S50_RUNS (default "head 2 1 0 head 2": before, WORDS forced to 2 / 1 / 0 by probe_tmp/words_probe.py; "after":
 #       this tree's defaults), FlashInfer BF16 in each process; memcheck, v3 at real shapes (S50_REAL_K: "and C2R4").
 #       The conformance step gets S50_CONF_S seconds (420; stop 50 gave it 200, which its kernel builds filled)
+#   bash benchmarks/run_h200_kernels.sh stop51   # code words in the wgmma operand's quad order: conformance (v2 words,
+#       v3 code words, v3's C2R4 default) in three processes, CUDA graphs of kernel v2 from bytes against words
+#       (S51_RUNS, S51_SHAPES; probe_tmp/v3_knobs_probe.py carried), memcheck; everything in $OUT/stop51.tgz
 #   bash benchmarks/run_h200_kernels.sh v6pair   # v6 as two-CTA clusters sharing each key tile (QUANTMLA_CUPY_V6_PAIR):
 #       conformance of forced pairs, CUDA graphs of 0 against 1 over V6PAIR_SHAPES, memcheck of the pairs
 #   bash benchmarks/run_h200_kernels.sh v6fold   # v6's slack maximum and RoPE fold (QUANTMLA_CUPY_V6_SLACK / _ROPE_FOLD):
@@ -392,6 +395,29 @@ elif [ "$MODE" = stop50 ]; then
   timeout 90 compute-sanitizer --tool memcheck $T tests/test_triton_backend.py -k "code_words and C4R4" 2>&1 | tail -3
   echo "=== Triton v3 at real shapes"
   timeout ${S50_REAL_S:-200} $T -rfE tests/test_triton_backend.py -k "real_shapes and v3 ${S50_REAL_K:-}" 2>&1 | tail -4
+elif [ "$MODE" = stop51 ]; then
+  # code words in the quad order of the wgmma register operand: kernel v3's 2-bit default (WORD_LANES 4) and kernel
+  # v2's opt-in words (V2_WORDS=1 in probe_tmp/v3_knobs_probe.py, carried); every file lands in one tar ($OUT returns
+  # at most 8 files)
+  mkdir -p /tmp/s51
+  echo "=== conformance: v2 words, v3 code words, v3 C2R4 (the new default), three processes"
+  pids=""
+  for sel in "v2_code_words or v2_switches" "code_words and not v2" "v3_attention_matches or many_requests or real_shapes and v3"; do
+    tag=$(echo "$sel" | tr -c 'A-Za-z0-9\n' _)
+    (timeout ${S51_CONF_S:-400} $T -rfE tests/test_triton_backend.py -k "$sel" > "/tmp/s51/conf_$tag.txt" 2>&1; echo "rc=$?" >> "/tmp/s51/conf_$tag.txt") &
+    pids="$pids $!"
+  done
+  wait $pids  # not a bare wait: h200_setup.sh's nvidia-smi logger runs in the background
+  for f in /tmp/s51/conf_*.txt; do echo "--- $f"; tail -3 "$f"; done
+  n=0
+  for run in ${S51_RUNS:-V2_WORDS=0 V2_WORDS=1 V2_WORDS=0 V2_WORDS=1}; do
+    n=$((n + 1)); echo "=== [$run] (CUDA graphs; FlashInfer BF16 in the process)"
+    env $run timeout 150 python3 -P probe_tmp/v3_knobs_probe.py --backends triton --formats C4R4,C2R4 \
+      --shapes ${S51_SHAPES:-16x8x4096,16x32x32768,16x128x32768} --json "/tmp/s51/graph_${n}.json" 2>&1 | grep -v "^{" | tail -8
+  done
+  echo "=== memcheck (v2 words)"
+  timeout 120 compute-sanitizer --tool memcheck $T tests/test_triton_backend.py -k "v2_code_words and C4R4" 2>&1 | tail -3
+  tar czf "$OUT/stop51.tgz" -C /tmp s51
 elif [ "$MODE" = v6pair ]; then
   echo "=== v6 pairs: one small case first (a hang or a failure stops here)"; timeout 120 $T tests/test_cupy_v6.py \
     -k "v6_pair_matches and L64_128_192" 2>&1 | tail -2 | tee "$OUT/v6_pair_first.txt"

@@ -252,8 +252,10 @@ def test_ptx_split_is_refused_off_nvidia():
     with pytest.raises(ValueError, match="'ptx_split' cannot run here: PTX runs on NVIDIA GPUs, the call runs on cpu"
                        if not GPU else "'ptx_split' cannot run here: ROCm"):
         _attend_direct(case, variant="v3", overrides={"ptx_split": True})
-    with pytest.raises(ValueError, match="'word_codes' is a kernel-v3 switch, the call runs v2"):
-        _attend_direct(case, variant="v2", overrides={"word_codes": True})
+    with pytest.raises(ValueError, match="'word_lanes' is a kernel-v3 switch, the call runs v2"):
+        _attend_direct(case, variant="v2", overrides={"word_lanes": 4})
+    with pytest.raises(ValueError, match="'word_codes' is a kernel-v2/v3 switch, the call runs v1"):
+        _attend_direct(case, variant="v1", overrides={"word_codes": True})
 
 
 def test_kernel_switches_name_their_variant():
@@ -292,6 +294,20 @@ def test_v2_switches(fmt_name, switches):
     # correction would be off by O(1)
     tol = "bfloat16" if "code_bias" in switches else None
     _attend_direct(case, "bfloat16" if GPU else "float32", tol_dtype=tol, variant="v2", overrides=switches, num_splits=2)
+
+
+@pytest.mark.parametrize("switches", [{"word_codes": True}, {"word_codes": True, "ptx_split": False},
+                                      {"word_codes": True, "code_bias": 128}, {"word_codes": True, "zsub": True},
+                                      {"word_codes": True, "hold_raw": True, "pv_form": 1}], ids=str)
+@pytest.mark.parametrize("fmt_name", ["C4R4", "C2R4", "C4R8"])
+def test_v2_code_words(fmt_name, switches):
+    """Kernel v2 with 2- and 4-bit codes from 32-bit words in its operands' quad order (``_word_plane``; the PTX
+    split on NVIDIA GPUs unless ``ptx_split`` is off): the query slices and the partial outputs follow the order,
+    with the bias algebra, ZSUB, held words and both PV orientations."""
+    case = Case(PackFormat.parse(fmt_name), (150, 66), heads=5, s_q=2, seed=78)
+    tol = "bfloat16" if "code_bias" in switches else None
+    _attend_direct(case, "bfloat16" if GPU else "float32", tol_dtype=tol, variant="v2", overrides=switches,
+                   num_splits=2)
 
 
 def test_variant_env_is_read_per_call(monkeypatch):

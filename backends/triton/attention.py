@@ -23,7 +23,8 @@ from .attention_v2_kernel import split_kernel_v2
 from .attention_v3_kernel import split_kernel_v3
 from .common import launch_dims, page_layout_constexprs, ptr_or_dummy
 from .heuristics import (INTERPRETER_SM_COUNT, MERGE_BLOCK_C, MERGE_BLOCK_R, MERGE_WARPS, PDL_MODES,
-                         PROTECT_STAGES, TMEM_COLUMNS, V2_FLOAT32_ON_GPU, V2_HOLD_RAW, V2_ZSUB, V3_BLOCK_N,
+                         PROTECT_STAGES, TMEM_COLUMNS, V2_CODE_WORDS, V2_FLOAT32_ON_GPU, V2_HOLD_RAW, V2_ZSUB,
+                         V3_BLOCK_N,
                          V3_BLOCK_R, V3_MIN_ROWS, V3_NUM_STAGES, V3_NUM_WARPS, V3_PREFETCH, AttentionPlan, DeviceLimits,
                          PROTECT_ROWS_CHOICES, merge_load_width, pdl_default, plan, plan_v2, plan_v3,
                          planned_shared_max, protect_parts, v3_code_words, v3_word_lanes)
@@ -83,10 +84,12 @@ LAST_LAUNCH: dict = {}
 
 
 def v2_constexprs(quant: bool, cbits: int, rbits: int, dot_bf16: bool, pv_form: int = 0,
-                  hold_raw: bool = V2_HOLD_RAW, code_bias: int | None = None, zsub: bool = V2_ZSUB) -> dict:
+                  hold_raw: bool = V2_HOLD_RAW, code_bias: int | None = None, zsub: bool = V2_ZSUB,
+                  word_codes: bool = V2_CODE_WORDS, ptx_split: bool = False) -> dict:
     """Kernel-v2 switches. ``code_bias`` 128 turns codes into ``128 + code`` (the bfloat16 bit trick;
     on by default for bfloat16 dots and codes below 8 bits). Tests force 128 with float32 dots
-    in the interpreter, where the bit trick itself cannot run, to check the bias algebra."""
+    in the interpreter, where the bit trick itself cannot run, to check the bias algebra. ``word_codes`` /
+    ``ptx_split``: ``WORDS`` as kernel v3's (:func:`words_constexpr`), off by default (heuristics.V2_CODE_WORDS)."""
     def bias(bits: int) -> int:
         if not quant or bits >= 8:
             return 0
@@ -94,7 +97,8 @@ def v2_constexprs(quant: bool, cbits: int, rbits: int, dot_bf16: bool, pv_form: 
             return int(code_bias)
         return 128 if dot_bf16 else 0
 
-    return dict(CBIAS=bias(cbits), RBIAS=bias(rbits), PV_FORM=int(pv_form), HOLD_RAW=bool(hold_raw), ZSUB=bool(zsub))
+    return dict(CBIAS=bias(cbits), RBIAS=bias(rbits), PV_FORM=int(pv_form), HOLD_RAW=bool(hold_raw), ZSUB=bool(zsub),
+                WORDS=words_constexpr(cbits, bool(word_codes), ptx_split))
 
 
 def v3_constexprs(quant: bool, cbits: int, rbits: int, dot_bf16: bool, prefetch: bool = V3_PREFETCH,
@@ -248,7 +252,7 @@ def _split_constexprs(fmt, variant: str, q_bf16: bool, dot_bf16: bool, block_n: 
         BLOCK_N=block_n, BLOCK_R=block_r, PROBE_SKIP_PV=False,
     )
     if variant == "v2":
-        consts.update(v2_constexprs(quant, cbits, rbits, dot_bf16))
+        consts.update(v2_constexprs(quant, cbits, rbits, dot_bf16, ptx_split=nvidia_asm))
     elif variant == "v3":
         consts.update(v3_constexprs(quant, cbits, rbits, dot_bf16, ptx_split=nvidia_asm))
     return MappingProxyType(consts)
@@ -475,11 +479,15 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
                 if variant != "v2":
                     raise ValueError(f"overrides: {key!r} is a kernel-v2 switch, the call runs {variant}")
                 switches[key] = overrides.pop(key)
-        for key in ("prefetch", "word_codes", "ptx_split"):
+        for key in ("word_codes", "ptx_split"):
             if key in overrides:
-                if variant != "v3":
-                    raise ValueError(f"overrides: {key!r} is a kernel-v3 switch, the call runs {variant}")
+                if variant not in ("v2", "v3"):
+                    raise ValueError(f"overrides: {key!r} is a kernel-v2/v3 switch, the call runs {variant}")
                 switches[key] = bool(overrides.pop(key))
+        if "prefetch" in overrides:
+            if variant != "v3":
+                raise ValueError(f"overrides: 'prefetch' is a kernel-v3 switch, the call runs {variant}")
+            switches["prefetch"] = bool(overrides.pop("prefetch"))
         if "word_lanes" in overrides:
             if variant != "v3":
                 raise ValueError(f"overrides: 'word_lanes' is a kernel-v3 switch, the call runs {variant}")
@@ -503,7 +511,7 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
         consts = dict(_split_constexprs(fmt, variant, q_bf16, dot_bf16, pl.block_n, pl.block_r, nvidia_asm))
         consts["PROBE_SKIP_PV"] = probe_skip_pv
         if variant == "v2":
-            consts.update(v2_constexprs(*_code_bits(fmt), dot_bf16, **switches))
+            consts.update(v2_constexprs(*_code_bits(fmt), dot_bf16, **{"ptx_split": nvidia_asm, **switches}))
         elif variant == "v3":
             consts.update(v3_constexprs(*_code_bits(fmt), dot_bf16, **{"ptx_split": nvidia_asm, **switches}))
     else:

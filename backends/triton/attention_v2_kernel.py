@@ -45,6 +45,13 @@ code tiles live across the softmax) — the PV pass writes ``code + 0x4300``; in
 (4x the registers of uint8). 32 rows per program spill 0.8-1.8 KB, so H = 128 still runs 8
 row blocks of 16 (heuristics.plan_v2).
 
+Code words (``WORDS``, the ``word_codes`` override, off by default: ``heuristics.V2_CODE_WORDS``): 2- and 4-bit
+codes from 32-bit words, two per mask and OR (``code_words``), in the quad order of the ``wgmma`` register operand
+(:func:`_word_plane`), so QK converts only the raw words' layout. Offline sm_90a (triton 3.7.1), tile loop,
+instructions a thread / bytes spilled: C4R4 3,484 / 76 from bytes (962 of them ``PRMT``), 2,461 / 176 from words
+split in PTX, 2,637 / 184 in portable Triton; C2R4 3,286 / 264, 2,474 / 168, 2,641 / 172. Untimed: stop 50 timed
+words in v2 11-22 % slower in the order that staged the operand through shared memory.
+
 Predictions for the H200 (benchmarks/triton_probe.py, PROBE_VARIANTS=v1,v2,v2z):
 * H = 16, C4R4, B = 32, L = 32K (v1 1,801 µs = 5.9x FlashInfer BF16): the QK side moves from
   3-D mma.sync + an NS-deep float32 reduction to ten wgmma per 64 tokens (spills are not what
@@ -69,6 +76,7 @@ import triton
 import triton.language as tl
 
 from .attention_kernel import split_tiles
+from .code_words import load_words, word_pair
 from .common_kernels import bf16_bits_to_f32, load_f32, pdl_launch_dependents
 
 
@@ -119,6 +127,35 @@ def _zsub(codes, zb, DOT_BF16: tl.constexpr):
         return codes - zb.to(tl.bfloat16)[:, None]
     else:
         return codes - zb[:, None]
+
+
+@triton.jit
+def _slice_order(CW: tl.constexpr, WORDS: tl.constexpr):
+    """Channel offset inside its slice of each column ``e`` of a slice operand: ``e`` from bytes; with ``WORDS``
+    :func:`_word_plane`'s quad order, column ``h + 2u + 2L(b + 2v)`` is byte ``4i + 2h + b`` of the slice's run,
+    word ``i = u*(CW/4/L) + v`` (``L`` 4 where the slice's words divide by 4, else 1)."""
+    e = tl.arange(0, CW)
+    if WORDS:
+        L: tl.constexpr = 4 if (CW // 4) % 4 == 0 else 1
+        word = ((e // 2) % L) * (CW // 4 // L) + e // (4 * L)
+        return 4 * word + 2 * (e % 2) + (e // (2 * L)) % 2
+    else:
+        return e
+
+
+@triton.jit
+def _word_plane(w, PLANE: tl.constexpr, BITS: tl.constexpr, BIAS: tl.constexpr, DOT_BF16: tl.constexpr,
+                ALT: tl.constexpr, WORDS: tl.constexpr, BLOCK_N: tl.constexpr, CW: tl.constexpr):
+    """Plane PLANE of a slice's words ``w`` ``[BLOCK_N, CW // 4]`` as dot operands ``BIAS + code`` ``[BLOCK_N, CW]``
+    in :func:`_slice_order` (``code_words.word_pair``: two codes a mask and OR; ``WORDS`` 2 in NVIDIA PTX). The
+    quad order puts a word's half and byte bits on a thread's registers of the ``wgmma`` operand and its high
+    bits on the quad's lanes, so each thread converts the words it holds (``attention_v3_kernel._word_operand``)."""
+    L: tl.constexpr = 4 if (CW // 4) % 4 == 0 else 1
+    W: tl.constexpr = CW // 4
+    x = tl.join(word_pair(w, BITS * PLANE, BITS, BIAS, DOT_BF16, ALT, WORDS == 2),
+                word_pair(w, 8 + BITS * PLANE, BITS, BIAS, DOT_BF16, ALT, WORDS == 2))  # [N, W, h, b]
+    x = tl.permute(tl.reshape(x, [BLOCK_N, L, W // L, 2, 2]), (0, 2, 4, 1, 3))  # [N, v, b, u, h]
+    return tl.reshape(x, [BLOCK_N, CW])
 
 
 @triton.jit
@@ -179,11 +216,12 @@ def _load_bf16_vals(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, sl, D: tl.con
 
 @triton.jit
 def _load_q_slices(q_base, rows, row_ok, D: tl.constexpr, CW: tl.constexpr, Q_BF16: tl.constexpr,
-                   DOT_BF16: tl.constexpr):
+                   DOT_BF16: tl.constexpr, WORDS: tl.constexpr = 0):
     """Query rows as a tuple of NS slices ``[CW, BLOCK_R]`` (dot dtype) and a tuple of their
-    column sums ``[BLOCK_R]`` (float32, from the values the dot sees)."""
+    column sums ``[BLOCK_R]`` (float32, from the values the dot sees). ``WORDS``: each slice's channels in
+    :func:`_slice_order`."""
     NS: tl.constexpr = D // CW
-    j = tl.arange(0, CW)
+    j = _slice_order(CW, WORDS)
     qs = ()
     sums = ()
     for sl in tl.static_range(NS):
@@ -204,11 +242,12 @@ def _qk_path(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, qs, qsums,
              D: tl.constexpr, BITS: tl.constexpr, CW: tl.constexpr, G: tl.constexpr,
              CODES_OFF: tl.constexpr, SCALES_OFF: tl.constexpr, ZEROS_OFF: tl.constexpr,
              SCALE_BF16: tl.constexpr, BIAS: tl.constexpr, DOT_BF16: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, ZSUB: tl.constexpr = False):
+             BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, ZSUB: tl.constexpr = False, WORDS: tl.constexpr = 0):
     """Unscaled scores ``[BLOCK_N, BLOCK_R]`` of one path (content or RoPE) of one tile, plus the
     tile's raw byte chunks and per-slice (scale, BIAS + zero) columns in (chunk, plane) order.
     ``lv0``: loop-variant zero (int32) that keeps 2-D broadcasts of loop invariants (column
-    offsets, query sums) inside the loop instead of hoisted into registers for its lifetime."""
+    offsets, query sums) inside the loop instead of hoisted into registers for its lifetime. ``WORDS``: the
+    chunks as 32-bit words and the operands in :func:`_word_plane`'s order (2- and 4-bit codes)."""
     lvf = lv0.to(tl.float32)
     score = tl.zeros([BLOCK_N, BLOCK_R], tl.float32)
     raws = ()
@@ -226,7 +265,10 @@ def _qk_path(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, qs, qsums,
         NG: tl.constexpr = D // G
         srow, zrow = _scale_rows(pages_ptr, page_off, tp, NG, SCALES_OFF, ZEROS_OFF, SCALE_BF16)
         for c in tl.static_range(NCH):
-            raw = _load_raw(pages_ptr, page_off, tp, ld_mask, lv0, c, BYTES, CW, CODES_OFF)
+            if WORDS:
+                raw = load_words(pages_ptr, page_off, tp, ld_mask, lv0, c, BYTES, CW, CODES_OFF)
+            else:
+                raw = _load_raw(pages_ptr, page_off, tp, ld_mask, lv0, c, BYTES, CW, CODES_OFF)
             raws = raws + (raw,)
             for pl in tl.static_range(PLANES):
                 # slice pl * NCH + c (constexpr; the code generator does not let a loop rebind a
@@ -234,11 +276,14 @@ def _qk_path(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, qs, qsums,
                 s, zb = _scale_col(srow, zrow, tok_ok, (pl * NCH + c) * CW // G, SCALE_BF16, BIAS)
                 ss = ss + (s,)
                 zbs = zbs + (zb,)
-                if ZSUB:
-                    k = _zsub(_codes(raw, pl, BITS, BIAS, DOT_BF16), zb, DOT_BF16)
-                    score += s[:, None] * _dot(k, qs[pl * NCH + c], DOT_BF16)
+                if WORDS:
+                    k = _word_plane(raw, pl, BITS, BIAS, DOT_BF16, False, WORDS, BLOCK_N, CW)
                 else:
-                    d = _dot(_codes(raw, pl, BITS, BIAS, DOT_BF16), qs[pl * NCH + c], DOT_BF16)
+                    k = _codes(raw, pl, BITS, BIAS, DOT_BF16)
+                if ZSUB:
+                    score += s[:, None] * _dot(_zsub(k, zb, DOT_BF16), qs[pl * NCH + c], DOT_BF16)
+                else:
+                    d = _dot(k, qs[pl * NCH + c], DOT_BF16)
                     qsum = qsums[pl * NCH + c] + lvf
                     score += s[:, None] * (d - zb[:, None] * qsum[None, :])
     return score, raws, ss, zbs
@@ -344,9 +389,11 @@ def split_kernel_v2(
     ZSUB: tl.constexpr = False,
     PROBE_SKIP_PV: tl.constexpr = False,
     PDL: tl.constexpr = False,
+    WORDS: tl.constexpr = 0,
 ):
     """One (split, request, row block): partial normalised output and log2-sum-exp (same
-    partial format as v1's ``split_kernel``). ``PROBE_SKIP_PV`` (probes only; wrong results); ``PDL`` as v1's."""
+    partial format as v1's ``split_kernel``). ``PROBE_SKIP_PV`` (probes only; wrong results); ``PDL`` as v1's;
+    ``WORDS`` as kernel v3's (0 bytes, 1 words, 2 words taken apart in PTX) for 2- and 4-bit codes."""
     pid_s = tl.program_id(0)
     b = tl.program_id(1)
     rb = tl.program_id(2)
@@ -355,6 +402,8 @@ def split_kernel_v2(
     CNCH: tl.constexpr = CBYTES // CCW
     CPLANES: tl.constexpr = 8 // CBITS
     ONE_PAGE: tl.constexpr = (P % BLOCK_N) == 0  # a tile never spans two pages: one table lookup
+    cwords: tl.constexpr = WORDS if (CBITS < 8 if QUANT else False) else 0
+    rwords: tl.constexpr = WORDS if (RBITS < 8 if QUANT else False) else 0
 
     L = tl.load(lens_ptr + b).to(tl.int32)
     ps, pe, t_lo, t_hi = split_tiles(L, SINK, LOCAL, NSPLIT, pid_s, BLOCK_N)
@@ -364,8 +413,8 @@ def split_kernel_v2(
     limit = L - S_Q + rows // H + 1  # row r (query i = r // H) sees tokens n < limit
     q_base = q_ptr + b.to(tl.int64) * R * DC
     qr_base = qr_ptr + b.to(tl.int64) * R * DR
-    qc, qc_sum = _load_q_slices(q_base, rows, row_ok, DC, CCW, Q_BF16, DOT_BF16)
-    qr, qr_sum = _load_q_slices(qr_base, rows, row_ok, DR, RCW, Q_BF16, DOT_BF16)
+    qc, qc_sum = _load_q_slices(q_base, rows, row_ok, DC, CCW, Q_BF16, DOT_BF16, cwords)
+    qr, qr_sum = _load_q_slices(qr_base, rows, row_ok, DR, RCW, Q_BF16, DOT_BF16, rwords)
     table_row = table_ptr + b.to(tl.int64) * stride_table
 
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
@@ -382,10 +431,10 @@ def split_kernel_v2(
 
         score, raws, cs, czb = _qk_path(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, qc, qc_sum,
                                         DC, CBITS if QUANT else 16, CCW, CG, C_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF,
-                                        C_SCALE_BF16, CBIAS, DOT_BF16, BLOCK_N, BLOCK_R, ZSUB)
+                                        C_SCALE_BF16, CBIAS, DOT_BF16, BLOCK_N, BLOCK_R, ZSUB, cwords)
         score_r, _r0, _r1, _r2 = _qk_path(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, qr, qr_sum,
                                           DR, RBITS if QUANT else 16, RCW, RG, R_CODES_OFF, R_SCALES_OFF, R_ZEROS_OFF,
-                                          R_SCALE_BF16, RBIAS, DOT_BF16, BLOCK_N, BLOCK_R, ZSUB)
+                                          R_SCALE_BF16, RBIAS, DOT_BF16, BLOCK_N, BLOCK_R, ZSUB, rwords)
         score += score_r
         vis = tok_ok[:, None] & (n[:, None] < (limit + lv0)[None, :])  # lv0: not a hoisted [64, N] tile
         score = tl.where(vis, score * sm_scale_log2, float("-inf"))  # [BLOCK_N, BLOCK_R]
@@ -403,7 +452,12 @@ def split_kernel_v2(
                     raw = raws[c]
                 else:
                     # a second loop-variant zero: the same one would let CSE merge the reload
-                    raw = _load_raw(pages_ptr, page_off, tp, ld_mask, tl.minimum(n0, 0), c, CBYTES, CCW, C_CODES_OFF)
+                    if cwords:
+                        raw = load_words(pages_ptr, page_off, tp, ld_mask, tl.minimum(n0, 0), c, CBYTES, CCW,
+                                         C_CODES_OFF)
+                    else:
+                        raw = _load_raw(pages_ptr, page_off, tp, ld_mask, tl.minimum(n0, 0), c, CBYTES, CCW,
+                                        C_CODES_OFF)
                 for pl in tl.static_range(CPLANES):
                     # slice pl * CNCH + c; its scale / zero columns sit at c * CPLANES + pl
                     if DOT_BF16:
@@ -425,7 +479,10 @@ def split_kernel_v2(
                         else:
                             new = acc * alpha[:, None] - corr[:, None]
                     else:
-                        k = _codes(raw, pl, CBITS, CBIAS, DOT_BF16, True)
+                        if cwords:
+                            k = _word_plane(raw, pl, CBITS, CBIAS, DOT_BF16, True, cwords, BLOCK_N, CCW)
+                        else:
+                            k = _codes(raw, pl, CBITS, CBIAS, DOT_BF16, True)
                         if ZSUB:
                             k = _zsub(k, czb[c * CPLANES + pl], DOT_BF16)
                         new = _pv_update(acc, alpha, k, pg, corr, PV_FORM, DOT_BF16)
@@ -445,7 +502,7 @@ def split_kernel_v2(
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     lse2 = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
     part = (b.to(tl.int64) * NSPLIT + pid_s) * R
-    e = tl.arange(0, CCW)
+    e = _slice_order(CCW, cwords)
     for sl in tl.static_range(NSC):
         if PV_FORM == 0:
             o = accs[sl] / l_safe[None, :]

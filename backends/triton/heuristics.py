@@ -238,6 +238,12 @@ V2_HOLD_RAW = False
 #: PV). Offline: C4R4 spills 4 B instead of 76, C2R4 148 B instead of 264. Off until the H200
 #: times both (probe column ``v2z``).
 V2_ZSUB = False
+#: kernel v2 takes 2- and 4-bit codes from 32-bit words in the quad order of its ``wgmma`` register operand
+#: (``attention_v2_kernel._word_plane``; the ``word_codes`` override). Off: stop 50 timed words in v2 slower on an
+#: H100 (11-22 %), in the order that staged the operand through shared memory; stop 51 built the quad order, which
+#: made kernel v3's 2-bit content 13 % faster, and left v2's untimed (no device time was left). Offline sm_90a tile
+#: loop, instructions a thread: C4R4 3,484 -> 2,461, C2R4 3,286 -> 2,474 (attention_v2_kernel's docstring)
+V2_CODE_WORDS = False
 #: float32 queries on a GPU run v1: v2's IEEE float32 dots spill ~37 KB (table above). The
 #: interpreter runs v2 in float32 (that is how its math is checked without a GPU).
 V2_FLOAT32_ON_GPU = False

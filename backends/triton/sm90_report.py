@@ -34,8 +34,8 @@ def _consts(variant: str, fmt, block_n: int, block_r: int, bf16: bool, **switche
     if variant in ("v2", "v3"):
         from .attention import v2_constexprs, v3_constexprs
 
-        if variant == "v3":  # an NVIDIA target: code words taken apart in PTX, as on the GPU
-            switches = {"ptx_split": True, **switches}
+        # an NVIDIA target: code words taken apart in PTX, as on the GPU
+        switches = {"ptx_split": True, **switches}
         c.update((v2_constexprs if variant == "v2" else v3_constexprs)(quant, cb, rb, bf16, **switches))
     return c
 
