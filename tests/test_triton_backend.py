@@ -214,12 +214,13 @@ def test_v3_plan(batch, rows, tokens, splits):
 
 @pytest.mark.parametrize("words", [{"word_codes": False}, {"word_codes": True},
                                    {"word_codes": True, "ptx_split": False}, {"word_codes": True, "word_lanes": 4},
-                                   {"word_codes": True, "ptx_split": False, "word_lanes": 4}], ids=str)
+                                   {"word_codes": True, "ptx_split": False, "word_lanes": 4},
+                                   {"word_codes": True, "word_lanes": 4, "tile_groups": False}], ids=str)
 @pytest.mark.parametrize("fmt_name", ["C4R4", "C2R4", "C4R8", "C8R8"])
 def test_v3_code_words(fmt_name, words):
     """Kernel v3's codes from bytes and from 32-bit words (2- and 4-bit codes; 8-bit ones stay bytes), the words taken
-    apart in PTX (the default on NVIDIA GPUs for 4-bit content) or in portable Triton; 64 rows over partial tiles and
-    two splits."""
+    apart in PTX (the default on NVIDIA GPUs) or in portable Triton, in either column order (``word_lanes``), with the
+    scales loaded per tile or per chunk (``tile_groups``); 64 rows over partial tiles and two splits."""
     case = Case(PackFormat.parse(fmt_name), (300, 129), heads=32, s_q=2, seed=81)
     _attend_direct(case, "bfloat16" if GPU else "float32", variant="v3", num_splits=2, overrides=words)
 

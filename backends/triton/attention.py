@@ -27,7 +27,7 @@ from .heuristics import (INTERPRETER_SM_COUNT, MERGE_BLOCK_C, MERGE_BLOCK_R, MER
                          V3_BLOCK_N,
                          V3_BLOCK_R, V3_MIN_ROWS, V3_NUM_STAGES, V3_NUM_WARPS, V3_PREFETCH, AttentionPlan, DeviceLimits,
                          PROTECT_ROWS_CHOICES, merge_load_width, pdl_default, plan, plan_v2, plan_v3,
-                         planned_shared_max, protect_parts, v3_code_words, v3_word_lanes)
+                         planned_shared_max, protect_parts, v3_code_words, v3_tile_groups, v3_word_lanes)
 
 #: environment variable choosing the split kernel ("auto" default, "v1", "v2", "v3"); read on every call
 VARIANT_ENV = "QUANTMLA_TRITON_ATTENTION"
@@ -102,13 +102,16 @@ def v2_constexprs(quant: bool, cbits: int, rbits: int, dot_bf16: bool, pv_form: 
 
 
 def v3_constexprs(quant: bool, cbits: int, rbits: int, dot_bf16: bool, prefetch: bool = V3_PREFETCH,
-                  word_codes: bool | None = None, ptx_split: bool = False, word_lanes: int | None = None) -> dict:
-    """Kernel-v3 switches: v2's code biases (the same operand algebra), ``PREFETCH`` and ``WORDS``
-    (:func:`words_constexpr`)."""
+                  word_codes: bool | None = None, ptx_split: bool = False, word_lanes: int | None = None,
+                  tile_groups: bool | None = None) -> dict:
+    """Kernel-v3 switches: v2's code biases (the same operand algebra), ``PREFETCH``, ``WORDS``
+    (:func:`words_constexpr`), ``WORD_LANES`` and ``TILE_GROUPS`` (None: the heuristics' choice for the content's
+    bits)."""
     v2 = v2_constexprs(quant, cbits, rbits, dot_bf16)
     return dict(CBIAS=v2["CBIAS"], RBIAS=v2["RBIAS"], PREFETCH=bool(prefetch),
                 WORDS=words_constexpr(cbits, word_codes, ptx_split),
-                WORD_LANES=v3_word_lanes(cbits) if word_lanes is None else int(word_lanes))
+                WORD_LANES=v3_word_lanes(cbits) if word_lanes is None else int(word_lanes),
+                TILE_GROUPS=v3_tile_groups(cbits) if tile_groups is None else bool(tile_groups))
 
 
 def words_constexpr(content_bits: int, word_codes: bool | None, ptx_split: bool) -> int:
@@ -488,10 +491,11 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
             if variant != "v3":
                 raise ValueError(f"overrides: 'prefetch' is a kernel-v3 switch, the call runs {variant}")
             switches["prefetch"] = bool(overrides.pop("prefetch"))
-        if "word_lanes" in overrides:
-            if variant != "v3":
-                raise ValueError(f"overrides: 'word_lanes' is a kernel-v3 switch, the call runs {variant}")
-            switches["word_lanes"] = int(overrides.pop("word_lanes"))
+        for key, kind in (("word_lanes", int), ("tile_groups", bool)):
+            if key in overrides:
+                if variant != "v3":
+                    raise ValueError(f"overrides: {key!r} is a kernel-v3 switch, the call runs {variant}")
+                switches[key] = kind(overrides.pop(key))
         if "maxnreg" in overrides:  # CUDA only (ptx .maxnreg); probes
             extra_launch["maxnreg"] = int(overrides.pop("maxnreg"))
         pl = dataclasses.replace(pl, **overrides)

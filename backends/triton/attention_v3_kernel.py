@@ -211,14 +211,19 @@ def _word_operand(w, srow, zrow, tok_ok, c: tl.constexpr, NCH: tl.constexpr, CW:
     PLANES: tl.constexpr = 8 // BITS
     scales = ()
     zeros = ()
-    for pl in tl.static_range(PLANES):
-        if len(groups) > 0:
-            s = groups[0][(pl * NCH + c) * CW // G]
-            zb = groups[1][(pl * NCH + c) * CW // G]
-        else:
+    if len(groups) > 0:  # the tile's, from _tile_groups
+        for pl in tl.static_range(PLANES):
+            scales = scales + (groups[0][(pl * NCH + c) * CW // G],)
+            zeros = zeros + (groups[1][(pl * NCH + c) * CW // G],)
+    elif LANES > 1:  # the chunk's PLANES groups in one load each, taken apart in registers (_group_values)
+        gi = (tl.arange(0, PLANES) * NCH + c) * CW // G
+        scales, zeros = _group_values(srow[:, None] + gi[None, :], zrow[:, None] + gi[None, :], tok_ok, SCALE_BF16,
+                                      BIAS, BLOCK_N, PLANES)
+    else:
+        for pl in tl.static_range(PLANES):
             s, zb = _scale_col(srow, zrow, tok_ok, (pl * NCH + c) * CW // G, SCALE_BF16, BIAS)
-        scales = scales + (s,)
-        zeros = zeros + (zb,)
+            scales = scales + (s,)
+            zeros = zeros + (zb,)
     ks = ()
     for b in tl.static_range(2):
         for pl in tl.static_range(PLANES):
@@ -253,31 +258,40 @@ def _group_columns(x, N: tl.constexpr, NG: tl.constexpr):
 
 
 @triton.jit
+def _group_values(sptrs, zptrs, tok_ok, SCALE_BF16: tl.constexpr, BIAS: tl.constexpr, N: tl.constexpr,
+                  NG: tl.constexpr):
+    """Scales and ``BIAS + zero`` at the pointers ``[N, NG]`` (a row of groups per token) as two tuples of ``NG``
+    float32 ``[N]`` (scale 0 where a token is not ``tok_ok``). One load each: with code words in quad order the
+    operand's layout would otherwise take every group's vector apart on its own (:func:`_group_columns`)."""
+    tl.static_assert((NG & (NG - 1)) == 0 and NG <= 64, "a power of two of at most 64 groups")
+    sc = _group_columns(tl.load(sptrs, mask=tok_ok[:, None], other=0), N, NG)
+    zc = _group_columns(tl.load(zptrs, mask=tok_ok[:, None], other=0), N, NG)
+    scales = ()
+    zeros = ()
+    for i in tl.static_range(NG):
+        if SCALE_BF16:
+            scales = scales + (bf16_bits_to_f32(sc[i]),)
+        else:
+            scales = scales + (sc[i],)
+        zeros = zeros + (zc[i].to(tl.float32) + BIAS,)
+    return scales, zeros
+
+
+@triton.jit
 def _tile_groups(pages_ptr, page_off, tp, tok_ok, lv0, D: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
                  SCALES_OFF: tl.constexpr, ZEROS_OFF: tl.constexpr, SCALE_BF16: tl.constexpr, BIAS: tl.constexpr,
-                 BLOCK_N: tl.constexpr, WORDS: tl.constexpr, LANES: tl.constexpr):
-    """Every group's scale and ``BIAS + zero`` of the tile's tokens, ``(scales, zeros)``: tuples of ``D // G``
-    float32 ``[BLOCK_N]`` (scale 0 where a token is not ``tok_ok``), from one load of each row; ``()`` unless the
-    codes come from words in quad order (``LANES`` > 1), whose operand layout would take each column apart.
-    ``lv0``: a loop-variant zero that keeps QK's and PV's loads apart."""
-    NG: tl.constexpr = D // G
-    tl.static_assert((NG & (NG - 1)) == 0 and NG <= 64, "a power of two of at most 64 groups")
+                 BLOCK_N: tl.constexpr, WORDS: tl.constexpr, LANES: tl.constexpr, TILE_GROUPS: tl.constexpr):
+    """Every group's scale and ``BIAS + zero`` of the tile's tokens (:func:`_group_values`), from one load of each
+    token's row, where ``TILE_GROUPS`` and the codes come from words in quad order (``LANES`` > 1); else ``()`` and
+    each chunk loads its own. ``lv0``: a loop-variant zero that keeps QK's and PV's loads apart."""
     groups = ()
     if BITS < 8 and WORDS:
-        if LANES > 1:
+        if TILE_GROUPS and LANES > 1:
+            NG: tl.constexpr = D // G
             srow, zrow = _scale_rows(pages_ptr, page_off, tp, NG, SCALES_OFF, ZEROS_OFF, SCALE_BF16)
             g = tl.arange(0, NG) + lv0
-            sc = _group_columns(tl.load(srow[:, None] + g[None, :], mask=tok_ok[:, None], other=0), BLOCK_N, NG)
-            zc = _group_columns(tl.load(zrow[:, None] + g[None, :], mask=tok_ok[:, None], other=0), BLOCK_N, NG)
-            scales = ()
-            zeros = ()
-            for i in tl.static_range(NG):
-                if SCALE_BF16:
-                    scales = scales + (bf16_bits_to_f32(sc[i]),)
-                else:
-                    scales = scales + (sc[i],)
-                zeros = zeros + (zc[i].to(tl.float32) + BIAS,)
-            groups = (scales, zeros)
+            groups = _group_values(srow[:, None] + g[None, :], zrow[:, None] + g[None, :], tok_ok, SCALE_BF16, BIAS,
+                                   BLOCK_N, NG)
     return groups
 
 
@@ -333,13 +347,13 @@ def _scores_t(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, qs, score,
               D: tl.constexpr, BITS: tl.constexpr, CW: tl.constexpr, G: tl.constexpr,
               CODES_OFF: tl.constexpr, SCALES_OFF: tl.constexpr, ZEROS_OFF: tl.constexpr,
               SCALE_BF16: tl.constexpr, BIAS: tl.constexpr, DOT_BF16: tl.constexpr, BLOCK_N: tl.constexpr,
-              WORDS: tl.constexpr, LANES: tl.constexpr, raws):
+              WORDS: tl.constexpr, LANES: tl.constexpr, TILE_GROUPS: tl.constexpr, raws):
     """``score`` ``[BLOCK_N, BLOCK_M]`` (tokens x rows, before the softmax scale) plus one path's
     (content or RoPE) products of the tile; ``qs`` from :func:`_load_q_chunks`; ``raws`` see
     :func:`_chunk_operand`."""
     BYTES: tl.constexpr = D * BITS // 8 if BITS < 16 else D
     groups = _tile_groups(pages_ptr, page_off, tp, tok_ok, lv0, D, BITS, G, SCALES_OFF, ZEROS_OFF, SCALE_BF16, BIAS,
-                          BLOCK_N, WORDS, LANES)
+                          BLOCK_N, WORDS, LANES, TILE_GROUPS)
     for c in tl.static_range(BYTES // CW):
         k = _chunk_operand(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, c, D, BITS, CW, G, CODES_OFF, SCALES_OFF,
                            ZEROS_OFF, SCALE_BF16, BIAS, DOT_BF16, False, BLOCK_N, WORDS, LANES, raws, groups)
@@ -352,7 +366,7 @@ def _pv(accs, alpha, p, pages_ptr, page_off, tp, ld_mask, tok_ok, lv0,
         DC: tl.constexpr, BITS: tl.constexpr, CW: tl.constexpr, G: tl.constexpr,
         CODES_OFF: tl.constexpr, SCALES_OFF: tl.constexpr, ZEROS_OFF: tl.constexpr,
         SCALE_BF16: tl.constexpr, BIAS: tl.constexpr, DOT_BF16: tl.constexpr, BLOCK_N: tl.constexpr,
-        WORDS: tl.constexpr, LANES: tl.constexpr):
+        WORDS: tl.constexpr, LANES: tl.constexpr, TILE_GROUPS: tl.constexpr):
     """The output chunks ``[BLOCK_M, CW * PLANES]`` after one tile: ``O * alpha + P @ k_chunk``."""
     BYTES: tl.constexpr = DC * BITS // 8 if BITS < 16 else DC
     NACC: tl.constexpr = BYTES // CW
@@ -361,7 +375,7 @@ def _pv(accs, alpha, p, pages_ptr, page_off, tp, ld_mask, tok_ok, lv0,
     else:
         pg = p
     groups = _tile_groups(pages_ptr, page_off, tp, tok_ok, lv0, DC, BITS, G, SCALES_OFF, ZEROS_OFF, SCALE_BF16, BIAS,
-                          BLOCK_N, WORDS, LANES)
+                          BLOCK_N, WORDS, LANES, TILE_GROUPS)
     for c in tl.static_range(NACC):
         k = _chunk_operand(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, c, DC, BITS, CW, G, CODES_OFF, SCALES_OFF,
                            ZEROS_OFF, SCALE_BF16, BIAS, DOT_BF16, True, BLOCK_N, WORDS, LANES, (), groups)
@@ -417,6 +431,7 @@ def split_kernel_v3(
     PDL: tl.constexpr = False,
     WORDS: tl.constexpr = 0,
     WORD_LANES: tl.constexpr = 1,
+    TILE_GROUPS: tl.constexpr = False,
 ):
     """One (split, request, block of BLOCK_R query rows): partial normalised output and
     log2-sum-exp over the split's share of the packed tokens (v1's partial format).
@@ -461,10 +476,10 @@ def split_kernel_v3(
             rraws = _tile_raws(pages_ptr, page_off, tp, ld_mask, lv0, DR, RBITS, RCW, R_CODES_OFF, rwords)
         score = _scores_t(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, qc, tl.zeros([BLOCK_N, BLOCK_R], tl.float32),
                           DC, cbits, CCW, CG, C_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF, C_SCALE_BF16, CBIAS, DOT_BF16,
-                          BLOCK_N, cwords, WORD_LANES, craws)
+                          BLOCK_N, cwords, WORD_LANES, TILE_GROUPS, craws)
         score = _scores_t(pages_ptr, page_off, tp, ld_mask, tok_ok, lv0, qr, score, DR, rbits, RCW, RG,
                           R_CODES_OFF, R_SCALES_OFF, R_ZEROS_OFF, R_SCALE_BF16, RBIAS, DOT_BF16, BLOCK_N, rwords,
-                          WORD_LANES, rraws)
+                          WORD_LANES, TILE_GROUPS, rraws)
         vis = tok_ok[:, None] & (n[:, None] < limit[None, :])
         score = tl.where(vis, score * sm_scale_log2, float("-inf"))  # [BLOCK_N, BLOCK_R]
 
@@ -482,7 +497,7 @@ def split_kernel_v3(
             # a second loop-variant zero: the same one would let CSE keep the QK operands alive
             accs = _pv(accs, alpha, p, pages_ptr, page_off, tp, ld_mask, tok_ok, tl.minimum(n0, 0), DC, cbits, CCW,
                        CG, C_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF, C_SCALE_BF16, CBIAS, DOT_BF16, BLOCK_N, cwords,
-                       WORD_LANES)
+                       WORD_LANES, TILE_GROUPS)
 
     pdl_launch_dependents(PDL)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)

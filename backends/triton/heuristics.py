@@ -308,6 +308,18 @@ V3_CODE_WORDS_BITS = (2, 4)
 V3_WORD_LANES = {2: 4, 4: 1}
 
 
+#: content bits whose code words in quad order (V3_WORD_LANES 4) take the tile's scales and zeros in one load of each
+#: token's row per path (``attention_v3_kernel._tile_groups``) rather than each chunk its own groups. Stop 51 timed
+#: C2R4 with the tile's (1,671-1,672 us at H128 B32 L32K, H100). Offline sm_90a, instructions / spilled bytes: C2R4
+#: 2,842 / 596 with the tile's, 2,896 / 764 per chunk; C4R4 (quad order) 2,922 / 712 and 2,879 / 528, untimed
+V3_TILE_GROUPS_BITS = (2,)
+
+
+def v3_tile_groups(content_bits: int) -> bool:
+    """Kernel v3's ``TILE_GROUPS`` for content of ``content_bits`` (V3_TILE_GROUPS_BITS)."""
+    return content_bits in V3_TILE_GROUPS_BITS
+
+
 def v3_word_lanes(content_bits: int) -> int:
     """Kernel v3's ``WORD_LANES`` for content of ``content_bits`` (V3_WORD_LANES; 1 where no words are taken)."""
     return V3_WORD_LANES.get(content_bits, 1)
