@@ -24,9 +24,8 @@ from .attention_v3_kernel import split_kernel_v3
 from .common import launch_dims, page_layout_constexprs, ptr_or_dummy
 from .heuristics import (INTERPRETER_SM_COUNT, MERGE_BLOCK_C, MERGE_BLOCK_R, MERGE_WARPS, PDL_MODES,
                          PROTECT_STAGES, TMEM_COLUMNS, V2_CODE_WORDS, V2_FLOAT32_ON_GPU, V2_HOLD_RAW, V2_ZSUB,
-                         V3_BLOCK_N,
-                         V3_BLOCK_R, V3_MIN_ROWS, V3_NUM_STAGES, V3_NUM_WARPS, V3_PREFETCH, AttentionPlan, DeviceLimits,
-                         PROTECT_ROWS_CHOICES, merge_load_width, pdl_default, plan, plan_v2, plan_v3,
+                         V3_BLOCK_N, V3_BLOCK_R, V3_MIN_ROWS, V3_NUM_STAGES, V3_NUM_WARPS, V3_PREFETCH, AttentionPlan,
+                         DeviceLimits, PROTECT_ROWS_CHOICES, merge_load_width, pdl_default, plan, plan_v2, plan_v3,
                          planned_shared_max, protect_parts, v3_code_words, v3_tile_groups, v3_word_lanes)
 
 #: environment variable choosing the split kernel ("auto" default, "v1", "v2", "v3"); read on every call

@@ -206,8 +206,8 @@ def _word_operand(w, srow, zrow, tok_ok, c: tl.constexpr, NCH: tl.constexpr, CW:
     columns, and the codes of one word would sit in four threads of a quad, so the compiler builds the operand in the
     words' layout and moves the bfloat16 result through shared memory. With ``LANES`` 4 the word index's high bits
     are the quad's lane bits of the ``wgmma`` operand, and its pair, byte and plane bits are register bits: each
-    thread dequantizes words it holds, and only the raw words (a quarter of the bytes) and the scales
-    (``groups``, from :func:`_tile_groups`) change layout."""
+    thread dequantizes words it holds, and only the raw words (a quarter of the bytes) and the scales change layout:
+    the tile's (``groups``, from :func:`_tile_groups`) or the chunk's, each in one load (:func:`_group_values`)."""
     PLANES: tl.constexpr = 8 // BITS
     scales = ()
     zeros = ()

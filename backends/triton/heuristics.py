@@ -296,7 +296,7 @@ V3_MIN_TILES_PER_SPLIT = 4
 #: 2,339 with bytes and packed bfloat16 scaling, 1,767 with portable words, 1,658-1,673 with words split in PTX; C2R4
 #: 2,574 / 1,959 / 2,222 / 2,082 (more spilled registers with words: 860 bytes against 664). 2-bit content joined in
 #: stop 51 with the quad order of V3_WORD_LANES. Kernel v2 (H = 16) took words too and ran 11-22 % slower with them on
-#: an H100 (stop 50; removed)
+#: an H100 (stop 50); stop 51 rebuilt them in the quad order, off until timed (V2_CODE_WORDS)
 V3_CODE_WORDS_BITS = (2, 4)
 #: threads of a quad that split a chunk's code words in kernel v3 (``attention_v3_kernel._word_operand``), by content
 #: bits. 1 puts a row's words in consecutive columns: QK's operand is built in the words' layout and changes layout
@@ -304,7 +304,7 @@ V3_CODE_WORDS_BITS = (2, 4)
 #: straight into QK's register operand: the raw words and one row of the tile's scales and zeros change layout instead.
 #: H100, CUDA graphs, stop 51, 4 against 1 (2-bit: against bytes): C2R4 H128 B32 L32K 1,924-1,933 -> 1,671-1,672 us,
 #: H16 B32 L32K S_q 4 1,035-1,040 -> 917-919, H128 B8 L4K 178-182 -> 177-178; C4R4 slower with 4 (1,640-1,646 ->
-#: 1,826-1,828 us at H128 B32 L32K; 648 bytes spilled against 540 offline)
+#: 1,826-1,828 us at H128 B32 L32K; offline it spilled 712 bytes against 588, 648 against 540 with triton 3.6.0)
 V3_WORD_LANES = {2: 4, 4: 1}
 
 
