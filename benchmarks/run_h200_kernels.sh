@@ -63,8 +63,10 @@
 #       The conformance step gets S50_CONF_S seconds (420; stop 50 gave it 200, which its kernel builds filled)
 #   bash benchmarks/run_h200_kernels.sh stop51   # code words in the wgmma operand's quad order: conformance (v2 words,
 #       v3 code words, v3's C2R4 default) in three processes, CUDA graphs of kernel v2 from bytes against words
-#       (S51_RUNS, S51_SHAPES; probe_tmp/v3_knobs_probe.py carried), kernel v3 C4R4 in quad order with each chunk's
-#       scales against the default (S51_V3_RUNS, S51_V3_SHAPES), memcheck; everything in $OUT/stop51.tgz
+#       and words with ZSUB (S51_RUNS, comma-joined settings; S51_SHAPES; probe_tmp/v3_knobs_probe.py carried),
+#       kernel v3 C4R4 in quad order with each chunk's scales against the default (S51_V3_RUNS, S51_V3_SHAPES),
+#       memcheck; everything in $OUT/stop51.tgz. Several minutes of kernel builds: give it a call of its own, or
+#       shorten the run lists
 #   bash benchmarks/run_h200_kernels.sh v6pair   # v6 as two-CTA clusters sharing each key tile (QUANTMLA_CUPY_V6_PAIR):
 #       conformance of forced pairs, CUDA graphs of 0 against 1 over V6PAIR_SHAPES, memcheck of the pairs
 #   bash benchmarks/run_h200_kernels.sh v6fold   # v6's slack maximum and RoPE fold (QUANTMLA_CUPY_V6_SLACK / _ROPE_FOLD):
@@ -411,9 +413,9 @@ elif [ "$MODE" = stop51 ]; then
   wait $pids  # not a bare wait: h200_setup.sh's nvidia-smi logger runs in the background
   for f in /tmp/s51/conf_*.txt; do echo "--- $f"; tail -3 "$f"; done
   n=0
-  for run in ${S51_RUNS:-V2_WORDS=0 V2_WORDS=1 V2_WORDS=0 V2_WORDS=1}; do
+  for run in ${S51_RUNS:-V2_WORDS=0 V2_WORDS=1 V2_WORDS=1,V2_ZSUB=1 V2_WORDS=0 V2_WORDS=1,V2_ZSUB=1}; do
     n=$((n + 1)); echo "=== [$run] (CUDA graphs; FlashInfer BF16 in the process)"
-    env $run timeout 150 python3 -P probe_tmp/v3_knobs_probe.py --backends triton --formats C4R4,C2R4 \
+    env ${run//,/ } timeout 150 python3 -P probe_tmp/v3_knobs_probe.py --backends triton --formats C4R4,C2R4 \
       --shapes ${S51_SHAPES:-16x8x4096,16x32x32768,16x128x32768} --json "/tmp/s51/graph_${n}.json" 2>&1 | grep -v "^{" | tail -8
   done
   n=0
@@ -422,8 +424,9 @@ elif [ "$MODE" = stop51 ]; then
     env ${run//,/ } timeout 150 python3 -P probe_tmp/v3_knobs_probe.py --backends triton --formats C4R4 \
       --shapes ${S51_V3_SHAPES:-128x8x4096,128x32x32768,16x32x32768x4} --json "/tmp/s51/graph_v3_${n}.json" 2>&1 | grep -v "^{" | tail -6
   done
-  echo "=== memcheck (v2 words)"
-  timeout 120 compute-sanitizer --tool memcheck $T tests/test_triton_backend.py -k "v2_code_words and C4R4" 2>&1 | tail -3
+  echo "=== memcheck (v2 words, v3 C2R4)"
+  timeout 120 compute-sanitizer --tool memcheck $T tests/test_triton_backend.py \
+    -k "(v2_code_words and C4R4) or (test_v3_code_words and C2R4 and word_lanes)" 2>&1 | tail -3
   tar czf "$OUT/stop51.tgz" -C /tmp s51
 elif [ "$MODE" = v6pair ]; then
   echo "=== v6 pairs: one small case first (a hang or a failure stops here)"; timeout 120 $T tests/test_cupy_v6.py \

@@ -49,8 +49,9 @@ Code words (``WORDS``, the ``word_codes`` override, off by default: ``heuristics
 codes from 32-bit words, two per mask and OR (``code_words``), in the quad order of the ``wgmma`` register operand
 (:func:`_word_plane`), so QK converts only the raw words' layout. Offline sm_90a (triton 3.7.1), tile loop,
 instructions a thread / bytes spilled: C4R4 3,484 / 76 from bytes (962 of them ``PRMT``), 2,461 / 176 from words
-split in PTX, 2,637 / 184 in portable Triton; C2R4 3,286 / 264, 2,474 / 168, 2,641 / 172. Untimed: stop 50 timed
-words in v2 11-22 % slower in the order that staged the operand through shared memory.
+split in PTX, 2,637 / 184 in portable Triton; C2R4 3,286 / 264, 2,474 / 168, 2,641 / 172; with ``ZSUB`` as well
+(no query sums, no per-slice reductions in PV) C4R4 1,910 / 0, C2R4 1,899 / 0. Untimed: stop 50 timed words in v2
+11-22 % slower in the order that staged the operand through shared memory.
 
 Predictions for the H200 (benchmarks/triton_probe.py, PROBE_VARIANTS=v1,v2,v2z):
 * H = 16, C4R4, B = 32, L = 32K (v1 1,801 µs = 5.9x FlashInfer BF16): the QK side moves from

@@ -242,7 +242,8 @@ V2_ZSUB = False
 #: (``attention_v2_kernel._word_plane``; the ``word_codes`` override). Off: stop 50 timed words in v2 slower on an
 #: H100 (11-22 %), in the order that staged the operand through shared memory; stop 51 built the quad order, which
 #: made kernel v3's 2-bit content 13 % faster, and left v2's untimed (no device time was left). Offline sm_90a tile
-#: loop, instructions a thread: C4R4 3,484 -> 2,461, C2R4 3,286 -> 2,474 (attention_v2_kernel's docstring)
+#: loop, instructions a thread: C4R4 3,484 -> 2,461, C2R4 3,286 -> 2,474 (attention_v2_kernel's docstring); with
+#: V2_ZSUB as well 1,910 and 1,899, nothing spilled
 V2_CODE_WORDS = False
 #: float32 queries on a GPU run v1: v2's IEEE float32 dots spill ~37 KB (table above). The
 #: interpreter runs v2 in float32 (that is how its math is checked without a GPU).
