@@ -91,7 +91,8 @@ def _v3_cases() -> list[Case]:
     """Kernel v3 (64 query rows per program) in the interpreter: 64 and 80 rows (a partly
     filled second row block), S_q 1-4, every format it serves at both dims, lengths crossing
     page / 128-token tile / split edges, sink and window on and off, pages of 16 and 32 (tiles
-    spanning pages), groups of 128, and a request of 8 rows (forced)."""
+    spanning pages), groups of 128 and (2-bit content, 16 groups of scales a token) of 32, and a request of 8 rows
+    (forced)."""
     f = PackFormat.parse
     return [
         Case(f("C4R4"), (127, 128, 129), heads=64, seed=9101),
@@ -108,6 +109,7 @@ def _v3_cases() -> list[Case]:
         Case(f("C4R4", group_size=128), (170, 9), heads=64, seed=9112),
         Case(f("C4R4"), (140, 5), heads=4, s_q=2, seed=9113),
         Case(f("C2R4", latent_dim=256, rope_dim=32), (7, 2, 66), heads=32, s_q=2, sink=1, local=1, seed=9114),
+        Case(f("C2R4", group_size=32), (150, 70), heads=64, seed=9115),
     ]
 
 
