@@ -77,7 +77,7 @@ import triton
 import triton.language as tl
 
 from .attention_kernel import split_tiles
-from .code_words import load_words, word_pair
+from .code_words import load_words, quad_order, word_channels, word_pair
 from .common_kernels import bf16_bits_to_f32, load_f32, pdl_launch_dependents
 
 
@@ -132,31 +132,23 @@ def _zsub(codes, zb, DOT_BF16: tl.constexpr):
 
 @triton.jit
 def _slice_order(CW: tl.constexpr, WORDS: tl.constexpr):
-    """Channel offset inside its slice of each column ``e`` of a slice operand: ``e`` from bytes; with ``WORDS``
-    :func:`_word_plane`'s quad order, column ``h + 2u + 2L(b + 2v)`` is byte ``4i + 2h + b`` of the slice's run,
-    word ``i = u*(CW/4/L) + v`` (``L`` 4 where the slice's words divide by 4, else 1)."""
-    e = tl.arange(0, CW)
+    """Channel offset inside its slice of each column of a slice operand: the column itself from bytes, with
+    ``WORDS`` :func:`_word_plane`'s quad order (``code_words.word_channels``)."""
     if WORDS:
-        L: tl.constexpr = 4 if (CW // 4) % 4 == 0 else 1
-        word = ((e // 2) % L) * (CW // 4 // L) + e // (4 * L)
-        return 4 * word + 2 * (e % 2) + (e // (2 * L)) % 2
+        return word_channels(0, CW, 1, CW, 4)
     else:
-        return e
+        return tl.arange(0, CW)
 
 
 @triton.jit
 def _word_plane(w, PLANE: tl.constexpr, BITS: tl.constexpr, BIAS: tl.constexpr, DOT_BF16: tl.constexpr,
                 ALT: tl.constexpr, WORDS: tl.constexpr, BLOCK_N: tl.constexpr, CW: tl.constexpr):
     """Plane PLANE of a slice's words ``w`` ``[BLOCK_N, CW // 4]`` as dot operands ``BIAS + code`` ``[BLOCK_N, CW]``
-    in :func:`_slice_order` (``code_words.word_pair``: two codes a mask and OR; ``WORDS`` 2 in NVIDIA PTX). The
-    quad order puts a word's half and byte bits on a thread's registers of the ``wgmma`` operand and its high
-    bits on the quad's lanes, so each thread converts the words it holds (``attention_v3_kernel._word_operand``)."""
-    L: tl.constexpr = 4 if (CW // 4) % 4 == 0 else 1
-    W: tl.constexpr = CW // 4
+    in the quad order of the ``wgmma`` register operand (``code_words.quad_order``: each thread converts the words
+    it holds; ``word_pair``: two codes a mask and OR, ``WORDS`` 2 in NVIDIA PTX)."""
     x = tl.join(word_pair(w, BITS * PLANE, BITS, BIAS, DOT_BF16, ALT, WORDS == 2),
                 word_pair(w, 8 + BITS * PLANE, BITS, BIAS, DOT_BF16, ALT, WORDS == 2))  # [N, W, h, b]
-    x = tl.permute(tl.reshape(x, [BLOCK_N, L, W // L, 2, 2]), (0, 2, 4, 1, 3))  # [N, v, b, u, h]
-    return tl.reshape(x, [BLOCK_N, CW])
+    return quad_order(x, BLOCK_N, CW, 4, 1)
 
 
 @triton.jit

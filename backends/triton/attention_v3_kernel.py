@@ -50,7 +50,7 @@ import triton.language as tl
 from .attention_kernel import split_tiles
 from .attention_v2_kernel import (_codes, _load_bf16_vals, _load_raw, _scale_col, _scale_rows, _tuple_set,
                                   _zeros_tuple, _zsub, tile_pages)
-from .code_words import load_words, word_pair
+from .code_words import load_words, quad_order, word_channels, word_pair
 from .common_kernels import bf16_bits_to_f32, load_f32, pdl_launch_dependents
 
 
@@ -68,17 +68,11 @@ def _chunk_channels(c: tl.constexpr, CW: tl.constexpr, PLANES: tl.constexpr, BYT
                     WORDS: tl.constexpr = False, LANES: tl.constexpr = 1):
     """Channel of each column ``e`` of chunk ``c`` (bytes ``[c*CW, (c+1)*CW)``, all PLANES bit planes
     joined). Bytes: column ``j*PLANES + pl`` is element ``pl*BYTES + c*CW + j`` (split-half packing).
-    ``WORDS`` (:func:`_word_operand`'s order): column ``h + 2*u + 2*L*(m + M*v)``, ``M = 2*PLANES``,
-    ``m = b*PLANES + pl``, is plane ``pl`` of byte ``4*i + 2*h + b`` of the chunk, word ``i = u*(CW/4/L) + v``;
-    ``L`` is ``LANES`` where it divides the chunk's ``CW // 4`` words, else 1."""
-    e = tl.arange(0, CW * PLANES)
+    ``WORDS``: :func:`_word_operand`'s order, ``code_words.word_channels``."""
     if WORDS:
-        L: tl.constexpr = LANES if (CW // 4) % LANES == 0 else 1
-        M: tl.constexpr = 2 * PLANES
-        m = (e // (2 * L)) % M
-        word = ((e // 2) % L) * (CW // 4 // L) + e // (2 * L * M)
-        return (m % PLANES) * BYTES + c * CW + 4 * word + 2 * (e % 2) + m // PLANES
+        return word_channels(c * CW, CW, PLANES, BYTES, LANES)
     else:
+        e = tl.arange(0, CW * PLANES)
         return (e % PLANES) * BYTES + c * CW + e // PLANES
 
 
@@ -202,12 +196,9 @@ def _word_operand(w, srow, zrow, tok_ok, c: tl.constexpr, NCH: tl.constexpr, CW:
     ``[BLOCK_N, CW * PLANES]`` in the ``WORDS`` column order of :func:`_chunk_channels`. Every mask and
     OR works on two codes at once (the byte path of :func:`_raw_operand` takes one code each).
 
-    The column order decides where QK's register operand is built. With ``LANES`` 1 a row's words lie in consecutive
-    columns, and the codes of one word would sit in four threads of a quad, so the compiler builds the operand in the
-    words' layout and moves the bfloat16 result through shared memory. With ``LANES`` 4 the word index's high bits
-    are the quad's lane bits of the ``wgmma`` operand, and its pair, byte and plane bits are register bits: each
-    thread dequantizes words it holds, and only the raw words (a quarter of the bytes) and the scales change layout:
-    the tile's (``groups``, from :func:`_tile_groups`) or the chunk's, each in one load (:func:`_group_values`)."""
+    The column order (``code_words.quad_order``) decides where QK's register operand is built; with ``LANES`` 4 only
+    the raw words (a quarter of the bytes) and the scales change layout: the tile's (``groups``, from
+    :func:`_tile_groups`) or the chunk's, each in one load (:func:`_group_values`)."""
     PLANES: tl.constexpr = 8 // BITS
     scales = ()
     zeros = ()
@@ -229,14 +220,7 @@ def _word_operand(w, srow, zrow, tok_ok, c: tl.constexpr, NCH: tl.constexpr, CW:
         for pl in tl.static_range(PLANES):
             ks = ks + (_scaled_pair(w, scales[pl], zeros[pl], 8 * b + BITS * pl, BITS, SCALE_BF16, BIAS, DOT_BF16,
                                     ALT, WORDS == 2),)
-    L: tl.constexpr = LANES if (CW // 4) % LANES == 0 else 1  # threads of a quad that split the chunk's words
-    W: tl.constexpr = CW // 4
-    x = _join_bits(ks)  # [N, W, h, m bits...]
-    if PLANES == 2:  # [N, u, v, h, b, pl] -> [N, v, b, pl, u, h]
-        x = tl.permute(tl.reshape(x, [BLOCK_N, L, W // L, 2, 2, 2]), (0, 2, 4, 5, 1, 3))
-    else:
-        x = tl.permute(tl.reshape(x, [BLOCK_N, L, W // L, 2, 2, 2, 2]), (0, 2, 4, 5, 6, 1, 3))
-    return tl.reshape(x, [BLOCK_N, CW * PLANES])
+    return quad_order(_join_bits(ks), BLOCK_N, CW, LANES, 2 if PLANES == 2 else 3)  # [N, W, h, m bits...] joined
 
 
 @triton.jit

@@ -74,3 +74,37 @@ def word_pair(w, SHIFT: tl.constexpr, BITS: tl.constexpr, BIAS: tl.constexpr, DO
             return x.to(tl.bfloat16)
         else:
             return x.to(tl.float32)
+
+
+@triton.jit
+def word_channels(c0, CW: tl.constexpr, PLANES: tl.constexpr, BYTES: tl.constexpr, LANES: tl.constexpr):
+    """Channel of each column ``e`` (``[CW * PLANES]``) of the run of ``CW`` code bytes from byte ``c0`` of a vector
+    packed into ``BYTES`` bytes (plane ``pl`` of byte ``j`` is channel ``pl*BYTES + j``), in :func:`quad_order`.
+    Column ``h + 2*u + 2*L*(m + M*v)`` (``M = 2*PLANES``, ``m = b*PLANES + pl``) is plane ``pl`` of byte
+    ``4*i + 2*h + b`` of the run, word ``i = u*(CW/4/L) + v``; ``L`` is ``LANES`` where it divides the run's
+    ``CW // 4`` words, else 1 (then a row's words lie in consecutive columns)."""
+    e = tl.arange(0, CW * PLANES)
+    L: tl.constexpr = LANES if (CW // 4) % LANES == 0 else 1
+    M: tl.constexpr = 2 * PLANES
+    m = (e // (2 * L)) % M
+    word = ((e // 2) % L) * (CW // 4 // L) + e // (2 * L * M)
+    return (m % PLANES) * BYTES + c0 + 4 * word + 2 * (e % 2) + m // PLANES
+
+
+@triton.jit
+def quad_order(x, N: tl.constexpr, CW: tl.constexpr, LANES: tl.constexpr, K: tl.constexpr):
+    """Codes of a run of ``CW`` bytes, ``x`` ``[N, CW // 4, 2, 2, ...]`` (word, half, then ``K`` axes of the code's
+    byte and plane bits, :func:`word_pair`'s pairs joined), as dot operands ``[N, CW // 4 * 2**(K + 1)]`` in
+    :func:`word_channels` order. With ``LANES`` 4 the word index's high bits are the quad's lane bits of a ``wgmma``
+    register operand and the half, byte and plane bits are register bits, so each thread converts words it holds
+    and only the raw words change layout; with 1 the operand is built in the words' layout and the compiler moves
+    it through shared memory."""
+    L: tl.constexpr = LANES if (CW // 4) % LANES == 0 else 1
+    W: tl.constexpr = CW // 4
+    if K == 1:  # [N, u, v, h, b] -> [N, v, b, u, h]
+        x = tl.permute(tl.reshape(x, [N, L, W // L, 2, 2]), (0, 2, 4, 1, 3))
+    elif K == 2:
+        x = tl.permute(tl.reshape(x, [N, L, W // L, 2, 2, 2]), (0, 2, 4, 5, 1, 3))
+    else:
+        x = tl.permute(tl.reshape(x, [N, L, W // L, 2, 2, 2, 2]), (0, 2, 4, 5, 6, 1, 3))
+    return tl.reshape(x, [N, W * (2 << K)])
