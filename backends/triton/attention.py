@@ -82,6 +82,15 @@ def _nvidia_major(index: int) -> int | None:
 LAST_LAUNCH: dict = {}
 
 
+#: switches of the split kernels an ``overrides`` dict may set (probes, tests): name -> (the kernels that take it,
+#: the type it is read as; None keeps the value). :func:`v2_constexprs` / :func:`v3_constexprs` take them as keywords
+KERNEL_SWITCHES = {
+    "pv_form": (("v2",), None), "hold_raw": (("v2",), None), "code_bias": (("v2",), None), "zsub": (("v2",), None),
+    "word_codes": (("v2", "v3"), bool), "ptx_split": (("v2", "v3"), bool),
+    "prefetch": (("v3",), bool), "word_lanes": (("v3",), int), "tile_groups": (("v3",), bool),
+}
+
+
 def v2_constexprs(quant: bool, cbits: int, rbits: int, dot_bf16: bool, pv_form: int = 0,
                   hold_raw: bool = V2_HOLD_RAW, code_bias: int | None = None, zsub: bool = V2_ZSUB,
                   word_codes: bool = V2_CODE_WORDS, ptx_split: bool = False) -> dict:
@@ -476,25 +485,13 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
     if overrides:
         overrides = dict(overrides)
         probe_skip_pv = bool(overrides.pop("skip_pv", False))
-        for key in ("pv_form", "hold_raw", "code_bias", "zsub"):
+        for key, (kernels, kind) in KERNEL_SWITCHES.items():
             if key in overrides:
-                if variant != "v2":
-                    raise ValueError(f"overrides: {key!r} is a kernel-v2 switch, the call runs {variant}")
-                switches[key] = overrides.pop(key)
-        for key in ("word_codes", "ptx_split"):
-            if key in overrides:
-                if variant not in ("v2", "v3"):
-                    raise ValueError(f"overrides: {key!r} is a kernel-v2/v3 switch, the call runs {variant}")
-                switches[key] = bool(overrides.pop(key))
-        if "prefetch" in overrides:
-            if variant != "v3":
-                raise ValueError(f"overrides: 'prefetch' is a kernel-v3 switch, the call runs {variant}")
-            switches["prefetch"] = bool(overrides.pop("prefetch"))
-        for key, kind in (("word_lanes", int), ("tile_groups", bool)):
-            if key in overrides:
-                if variant != "v3":
-                    raise ValueError(f"overrides: {key!r} is a kernel-v3 switch, the call runs {variant}")
-                switches[key] = kind(overrides.pop(key))
+                if variant not in kernels:
+                    takers = "/".join(kernels)
+                    raise ValueError(f"overrides: {key!r} is a kernel-{takers} switch, the call runs {variant}")
+                value = overrides.pop(key)
+                switches[key] = kind(value) if kind else value
         if "maxnreg" in overrides:  # CUDA only (ptx .maxnreg); probes
             extra_launch["maxnreg"] = int(overrides.pop("maxnreg"))
         pl = dataclasses.replace(pl, **overrides)
