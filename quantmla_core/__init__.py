@@ -29,7 +29,7 @@ from .dispatch import (
     select_backend,
 )
 from .formats import PackFormat
-from .paged import OutOfPagesError, PagedMLACache, WritePlan
+from .paged import OutOfPagesError, PagedMLACache, StepMemo, WritePlan
 from .plan import AttentionPlan, plan_attention
 
 __version__ = "0.1.0"
@@ -39,6 +39,7 @@ __all__ = [
     "MLACache",
     "PagedMLACache",
     "WritePlan",
+    "StepMemo",
     "OutOfPagesError",
     "write",
     "attention",

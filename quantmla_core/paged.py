@@ -2,13 +2,15 @@
 
 For users without a serving engine (the Hugging Face integration and the benchmarks use
 it). It is deliberately simple: a free list of pages, one protection-buffer row per live
-request, page tables rebuilt on demand.
+request, page tables rebuilt on demand. Allocators that the same operations built (one a
+layer of a model) can share what a step's bookkeeping produces through a :class:`StepMemo`.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 import torch
@@ -17,7 +19,7 @@ from .api import attention as _attention
 from .api import write as _write
 from .cache import MLACache
 from .formats import PackFormat
-from .plan import AttentionPlan
+from .plan import AttentionPlan, cache_geometry
 from .plan import plan_attention as _plan_attention
 from .host_copy import index_tensor
 
@@ -38,6 +40,51 @@ class WritePlan:
     num_tokens: int
 
 
+class StepMemo:
+    """The write plans, attention index arrays and attention plans of recent steps, shared by allocators that the
+    same operations built: the per-layer :class:`PagedMLACache` objects of one model, which the Hugging Face
+    integration drives in lockstep. The first layer to reach a step builds them and the others take them, so a step
+    builds its index arrays once, not once a layer.
+
+    Keys hold an allocator's :attr:`PagedMLACache.history`, which two allocators share only when the same
+    operations, from the same sizes, built them; a key no allocator reaches again simply ages out. At most
+    ``capacity`` entries are kept, the least recently used dropped first. ``hits`` / ``misses`` count lookups.
+    """
+
+    def __init__(self, capacity: int = 16):
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"capacity: expected an integer >= 1, got {capacity!r}")
+        self.capacity = capacity
+        self._entries: OrderedDict[Hashable, Any] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        """The value kept for ``key``, or ``make()``'s, then kept."""
+        if key in self._entries:
+            self.hits += 1
+            self._entries.move_to_end(key)
+            return self._entries[key]
+        self.misses += 1
+        value = self._entries[key] = make()
+        if len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+        return value
+
+    def clear(self) -> None:
+        """Drop every entry."""
+        self._entries.clear()
+
+    def drop_plans_of(self, caches: Sequence[MLACache]) -> None:
+        """Drop the attention plans made over any of ``caches`` (a plan holds its cache's arrays, so a grown
+        allocator's old arrays are freed at once, not when its plans age out)."""
+        for key in [k for k, v in self._entries.items() if isinstance(v, AttentionPlan) and any(v.cache is c for c in caches)]:
+            del self._entries[key]
+
+
 class PagedMLACache:
     """Allocator-managed MLA cache of one or more layers that share one page table.
 
@@ -45,6 +92,10 @@ class PagedMLACache:
     cache's kind: torch tensors on ``device``, or NumPy with ``device="numpy"``. With
     ``num_layers > 1`` every layer has its own pages and buffers but the same page ids, so one
     :meth:`reserve` (bookkeeping) is followed by one :meth:`write` per layer.
+
+    ``memo``: a :class:`StepMemo` shared with other allocators driven by the same operations (a model's per-layer
+    caches); :meth:`reserve`, :meth:`attention` and :meth:`plan_attention` then take what another allocator already
+    built for the same state. Their arrays and plans are shared, so callers must not write into them.
     """
 
     def __init__(
@@ -58,6 +109,7 @@ class PagedMLACache:
         protect_dtype: Any = None,
         backend: str = "auto",
         num_layers: int = 1,
+        memo: StepMemo | None = None,
     ):
         fmt = PackFormat.parse(fmt) if isinstance(fmt, str) else fmt
         if not isinstance(num_layers, int) or num_layers < 1:
@@ -71,6 +123,28 @@ class PagedMLACache:
         self._free_rows: list[int] = list(range(max_seqs - 1, -1, -1))
         self._pages: dict[int, list[int]] = {}
         self._lens: dict[int, int] = {}
+        if memo is not None and not isinstance(memo, StepMemo):
+            raise TypeError(f"memo: expected a StepMemo or None, got {type(memo).__name__}")
+        self.memo = memo
+        self.history = hash(("allocate", num_pages, max_seqs) + cache_geometry(self.cache))
+
+    def _advance(self, *operation: Hashable) -> None:
+        """Fold a bookkeeping operation into :attr:`history`."""
+        self.history = hash((self.history,) + operation)
+
+    def _memo_key(self, kind: str, *parts: Hashable) -> tuple | None:
+        """The :class:`StepMemo` key of what this state builds, or None (no memo, or unhashable parts)."""
+        if self.memo is None:
+            return None
+        key = (kind, self.history) + parts  # the history holds the sizes, dtypes and device
+        try:
+            hash(key)
+        except TypeError:
+            return None
+        return key
+
+    def _shared(self, key: tuple | None, make: Callable[[], Any]) -> Any:
+        return make() if key is None else self.memo.get(key, make)
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -110,6 +184,7 @@ class PagedMLACache:
             raise OutOfPagesError(f"max_seqs: all {self.cache.max_seqs} request rows are in use")
         seq_id = self._free_rows.pop()
         self._pages[seq_id], self._lens[seq_id] = [], 0
+        self._advance("add_request")
         return seq_id
 
     def free(self, seq_id: int) -> None:
@@ -118,6 +193,7 @@ class PagedMLACache:
         self._free_pages.extend(reversed(self._pages.pop(seq_id)))
         del self._lens[seq_id]
         self._free_rows.append(seq_id)
+        self._advance("free", seq_id)
 
     def truncate(self, seq_id: int, length: int) -> None:
         """Shorten a request to its first ``length`` tokens; pages past them go back to the free list. The pages and
@@ -132,6 +208,7 @@ class PagedMLACache:
         self._free_pages.extend(reversed(pages[keep:]))
         del pages[keep:]
         self._lens[seq_id] = length
+        self._advance("truncate", seq_id, length)
 
     def fork(self, seq_id: int) -> int:
         """New request holding a copy of ``seq_id``'s tokens (pages and protection rows copied)."""
@@ -147,6 +224,7 @@ class PagedMLACache:
             c.sink_buf[new] = c.sink_buf[seq_id]
             c.local_buf[new] = c.local_buf[seq_id]
         self._pages[new], self._lens[new] = dst, self._lens[seq_id]
+        self._advance("fork", seq_id)
         return new
 
     @property
@@ -165,6 +243,7 @@ class PagedMLACache:
         if not need_p and not need_r:
             return
         old = self.cache
+        old_layers = [self.layer(i) for i in range(self.num_layers)]
         add_p = max(need_p, old.num_pages if (double and need_p) else 0)
         grown = []
         for i in range(self.num_layers):
@@ -178,6 +257,9 @@ class PagedMLACache:
         self.cache, self._more_layers = grown[0], grown[1:]
         self._free_pages = list(range(old.num_pages + add_p - 1, old.num_pages - 1, -1)) + self._free_pages
         self._free_rows = list(range(old.max_seqs + need_r - 1, old.max_seqs - 1, -1)) + self._free_rows
+        self._advance("grow", add_p, need_r)
+        if self.memo is not None:
+            self.memo.drop_plans_of(old_layers)
 
     def allocator_state(self) -> dict[str, Any]:
         """The allocator's bookkeeping as plain lists and dicts (JSON-friendly): free pages and request rows in the
@@ -211,6 +293,9 @@ class PagedMLACache:
         self.cache, self._more_layers = first, list(layers[1:])
         self.backend = state.get("backend", "auto")
         self._free_pages, self._free_rows, self._pages, self._lens = free_pages, free_rows, pages, lens
+        self.memo = None
+        self.history = hash(("restored", tuple(free_pages), tuple(free_rows), tuple(sorted((s, tuple(v)) for s, v in pages.items())),
+                             tuple(sorted(lens.items()))) + cache_geometry(first))
         return self
 
     def _check_live(self, seq_id: int) -> int:
@@ -250,10 +335,32 @@ class PagedMLACache:
 
     def reserve(self, items: Sequence[tuple[int, int]]) -> WritePlan:
         """Give ``n`` more tokens to each ``(seq_id, n)``: allocate pages, advance lengths, and
-        return the slots for :meth:`write` (tokens in item order). All-or-nothing."""
-        need = sum(self.pages_needed(self._check_live(s), int(n)) for s, n in items)
-        if need > len(self._free_pages):
-            raise OutOfPagesError(f"append: needs {need} pages, {len(self._free_pages)} free")
+        return the slots for :meth:`write` (tokens in item order; a request may appear more than once).
+        All-or-nothing."""
+        items = tuple((self._check_live(s), int(n)) for s, n in items)
+        p = self.format.page_size
+        lens = dict(self._lens)
+        starts, takes = [], []  # each item's first position and the pages it takes
+        for s, n in items:
+            if n < 0:
+                raise ValueError(f"items: expected token counts >= 0, got {n} for request {s}")
+            start = lens[s]
+            lens[s] = start + n
+            starts.append(start)
+            takes.append(-(-(start + n) // p) - -(-start // p))  # a request holds ceil(length / P) pages
+        if sum(takes) > len(self._free_pages):
+            raise OutOfPagesError(f"append: needs {sum(takes)} pages, {len(self._free_pages)} free")
+        key = self._memo_key("reserve", items)
+        free = self._free_pages
+        for (s, _), k in zip(items, takes):
+            if k:
+                self._pages[s].extend(free.pop() for _ in range(k))
+        self._lens = lens
+        self._advance("reserve", items)
+        return self._shared(key, lambda: self._write_plan(items, starts))
+
+    def _write_plan(self, items: tuple[tuple[int, int], ...], starts: list[int]) -> WritePlan:
+        """The index arrays of :meth:`reserve` once its pages are allocated: ``starts`` are the lengths before it."""
         p = self.format.page_size
         parts: list[tuple[np.ndarray, ...]] = []  # (slots, seq ids, positions) per item or run of items
         run: list[tuple[int, int, int]] = []  # consecutive one-token items (a decode step) as plain integers
@@ -263,18 +370,14 @@ class PagedMLACache:
                 parts.append(tuple(np.array(col, dtype=np.int64) for col in zip(*run)))
                 run.clear()
 
-        for seq_id, n in items:
-            n, start = int(n), self._lens[seq_id]
+        for (seq_id, n), start in zip(items, starts):
             pages = self._pages[seq_id]
-            for _ in range(self.pages_needed(seq_id, n)):
-                pages.append(self._free_pages.pop())
             if n == 1:
                 run.append((pages[start // p] * p + start % p, seq_id, start))
             else:
                 close_run()
                 pos = np.arange(start, start + n)
                 parts.append((np.asarray(pages, dtype=np.int64)[pos // p] * p + pos % p, np.full(n, seq_id), pos))
-            self._lens[seq_id] = start + n
         close_run()
         slots, seqs, positions = (np.concatenate(col) for col in zip(*parts))
         lens = np.zeros(self.cache.max_seqs, dtype=np.int64)
@@ -300,19 +403,21 @@ class PagedMLACache:
             backend=self.backend,
         )
 
+    def _attention_arrays(self, seq_ids: Sequence[int]) -> dict[str, Any]:
+        """``block_table``, ``seq_lens`` and ``seq_ids`` of an attention over ``seq_ids`` (shared through the memo)."""
+        ids = tuple(seq_ids)
+
+        def make() -> dict[str, Any]:
+            return {"block_table": self.block_table(ids), "seq_lens": self.seq_lens(ids),
+                    "seq_ids": self._index_array(list(ids), np.int32)}
+
+        return self._shared(self._memo_key("arrays", ids), make)
+
     def attention(self, q_latent: Any, q_rope: Any, seq_ids: Sequence[int], softmax_scale: float, layer: int = 0, **kwargs):
         """Decode attention for ``seq_ids`` (one per row of q); see ``quantmla_core.attention``."""
         kwargs.setdefault("backend", self.backend)
-        return _attention(
-            q_latent,
-            q_rope,
-            self.layer(layer),
-            block_table=self.block_table(seq_ids),
-            seq_lens=self.seq_lens(seq_ids),
-            seq_ids=self._index_array(list(seq_ids), np.int32),
-            softmax_scale=softmax_scale,
-            **kwargs,
-        )
+        return _attention(q_latent, q_rope, self.layer(layer), softmax_scale=softmax_scale,
+                          **self._attention_arrays(seq_ids), **kwargs)
 
     def plan_attention(self, seq_ids: Sequence[int], *, num_heads: int, q_dtype: Any, softmax_scale: float,
                        q_len: int | None = None, **kwargs) -> AttentionPlan:
@@ -320,17 +425,14 @@ class PagedMLACache:
         (``quantmla_core.plan_attention``): ``plan.run(q_latent, q_rope, cache.layer(i))``. Plan
         again after the lengths change (every step)."""
         kwargs.setdefault("backend", self.backend)
-        return _plan_attention(
-            self.cache,
-            block_table=self.block_table(seq_ids),
-            seq_lens=self.seq_lens(seq_ids),
-            seq_ids=self._index_array(list(seq_ids), np.int32),
-            num_heads=num_heads,
-            q_dtype=q_dtype,
-            softmax_scale=softmax_scale,
-            q_len=q_len,
-            **kwargs,
-        )
+        ids = tuple(seq_ids)
+
+        def make() -> AttentionPlan:
+            return _plan_attention(self.cache, **self._attention_arrays(ids), num_heads=num_heads, q_dtype=q_dtype,
+                                   softmax_scale=softmax_scale, q_len=q_len, **kwargs)
+
+        key = self._memo_key("plan", ids, num_heads, q_dtype, softmax_scale, q_len, tuple(sorted(kwargs.items())))
+        return self._shared(key, make)
 
     def allocated_bytes(self) -> int:
         """Bytes allocated for pages and protection buffers of every layer."""

@@ -35,7 +35,7 @@ from .cache import MLACache
 Runner = Callable[..., tuple[Any, Any]]
 
 
-def _geometry(cache: MLACache) -> tuple:
+def cache_geometry(cache: MLACache) -> tuple:
     """What a plan fixes about a cache: every shape, dtype and scalar the launches depend on."""
     return (cache.format, tuple(cache.pages.shape), cache.pages.dtype, str(cache.device), tuple(cache.sink_buf.shape),
             cache.sink_buf.dtype, tuple(cache.local_buf.shape), cache.local_buf.dtype, cache.max_seqs, cache.sink,
@@ -57,7 +57,7 @@ class AttentionPlan:
         self.q_dtype = q_dtype
         self._runner = runner
         self._validate = validate
-        self._geometry = _geometry(cache)
+        self._geometry = cache_geometry(cache)
         self._device = None if cache.is_numpy else cache.pages.device
         self._lse_dtype = np.dtype(np.float32) if cache.is_numpy else torch.float32
 
@@ -70,9 +70,9 @@ class AttentionPlan:
         (the CuPy and Triton backends write there directly; contiguous, and for CuPy 16-byte aligned)."""
         if cache is None:
             cache = self.cache
-        elif cache is not self.cache and (not isinstance(cache, MLACache) or _geometry(cache) != self._geometry):
+        elif cache is not self.cache and (not isinstance(cache, MLACache) or cache_geometry(cache) != self._geometry):
             raise ValueError(f"cache: expected an MLACache of the planned geometry {self._describe(self._geometry)}, "
-                             f"got {self._describe(_geometry(cache)) if isinstance(cache, MLACache) else type(cache).__name__}")
+                             f"got {self._describe(cache_geometry(cache)) if isinstance(cache, MLACache) else type(cache).__name__}")
         self._check_array("q_latent", q_latent, self.q_shape, self.q_dtype)
         self._check_array("q_rope", q_rope, self.rope_shape, self.q_dtype)
         if out is not None:

@@ -503,3 +503,24 @@ def test_decode_write_of_every_row_matches_the_per_row_write():
     assert fast.paged.block_table(fast.rows).tolist() == per_row.paged.block_table(per_row.rows).tolist()
     assert torch.equal(fast.paged.cache.sink_buf, per_row.paged.cache.sink_buf)
     _same_state(fast, per_row)
+
+
+@pytest.mark.parametrize("beams", [1, 2])
+def test_a_step_builds_its_index_arrays_once_for_every_layer(beams):
+    """The layers' allocators share one StepMemo: the first layer of a step builds its write plan and attention plan
+    and the other layer takes them (beam search forks, frees and reorders requests between steps); the generation
+    is bit for bit that of the same cache with every layer building its own."""
+    model = tiny_model("v3")
+    ids = prompt(40, seed=11).repeat(2, 1)
+    enable_quantmla(model, "C4R4", sink=SINK, local=LOCAL, backend=BACKEND, page_size=16)
+    shared, own = QuantMLACache(model), QuantMLACache(model)
+    for layer in own.layers:
+        layer.memo = None
+    out = generate(model, ids, 12, cache=shared, num_beams=beams)
+    want = generate(model, ids, 12, cache=own, num_beams=beams)
+    assert torch.equal(out.sequences, want.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(out.logits, want.logits))
+    assert shared.layers[1].paged.memo is shared.memo and own.layers[1].paged.memo is None
+    assert shared.layers[1].paged.history == shared.layers[0].paged.history
+    # 11 decode steps: layer 1 takes layer 0's write plan and attention plan in each (and the prefill's write plan)
+    assert shared.memo.hits == 2 * 11 + 1, (shared.memo.hits, shared.memo.misses)

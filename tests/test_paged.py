@@ -209,3 +209,209 @@ def test_decode_step_moves_its_indices_without_a_stream_sync():
                         seq_ids=qm.host_copy.index_tensor(rows, np.int32, dev), softmax_scale=0.04, backend="torch",
                         return_lse=False)
     assert torch.isfinite(out.float()).all() and (out.float() - want.float()).abs().max() < 2e-2
+
+
+def test_step_memo_keeps_the_latest_entries():
+    memo = qm.StepMemo(capacity=2)
+    made = []
+
+    def make(v):
+        return lambda: made.append(v) or v
+
+    assert memo.get("a", make(1)) == 1 and memo.get("b", make(2)) == 2
+    assert memo.get("a", make(-1)) == 1  # kept: not made again, and now the most recent
+    assert memo.get("c", make(3)) == 3  # "b" is the least recently used: dropped
+    assert memo.get("b", make(4)) == 4 and memo.get("c", make(-1)) == 3
+    assert made == [1, 2, 3, 4] and (memo.hits, memo.misses) == (2, 4) and len(memo) == 2
+    memo.clear()
+    assert len(memo) == 0 and memo.get("c", make(5)) == 5
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="capacity: expected an integer >= 1"):
+            qm.StepMemo(capacity=bad)
+    with pytest.raises(TypeError, match="memo: expected a StepMemo or None, got dict"):
+        qm.PagedMLACache(FMT, num_pages=2, max_seqs=1, device="cpu", memo={})
+
+
+def _lockstep_ops(pc, seed):
+    """Bookkeeping and writes of a few steps: prefill, decode steps across a page boundary, a fork, a free, a
+    truncate and a grow; yields after each so that callers compare the allocators in between."""
+    a, b = pc.add_request(), pc.add_request()
+    plans = [pc.reserve([(a, 14), (b, 3)])]
+    yield plans[-1]
+    for step in range(4):
+        plans.append(pc.reserve([(a, 1), (b, 1)]))
+        yield plans[-1]
+    c = pc.fork(a)
+    plans.append(pc.reserve([(a, 1), (b, 1), (c, 2)]))
+    yield plans[-1]
+    pc.free(b)
+    pc.truncate(a, 15)
+    plans.append(pc.reserve([(c, 1), (a, 1)]))
+    yield plans[-1]
+    pc.grow(min_free_pages=pc.num_free_pages + 4)
+    plans.append(pc.reserve([(c, 17), (a, 1)]))
+    yield plans[-1]
+
+
+def _plan_arrays(plan):
+    return [np.asarray(x).tolist() for x in (plan.slot_mapping, plan.seq_ids, plan.positions, plan.seq_lens)]
+
+
+def test_allocators_in_lockstep_share_a_steps_arrays():
+    """Two allocators sharing a memo, driven by the same operations (a model's layers): the second takes the first's
+    write plans, page tables and attention plans (the same objects), each equal to what an allocator without a memo
+    builds, and attention through them is bit for bit that of the allocator without a memo."""
+    memo = qm.StepMemo()
+    kw = dict(num_pages=6, max_seqs=3, sink=2, local=4, device="cpu", backend="torch")
+    first, second, alone = (qm.PagedMLACache(FMT, memo=memo, **kw), qm.PagedMLACache(FMT, memo=memo, **kw),
+                            qm.PagedMLACache(FMT, **kw))
+    q, qr = torch.randn(3, 2, 256), torch.randn(3, 2, 32)
+    for step, (p1, p2, p0) in enumerate(zip(*(_lockstep_ops(pc, 0) for pc in (first, second, alone)))):
+        assert p2 is p1 and _plan_arrays(p1) == _plan_arrays(p0), step
+        assert first.history == second.history == alone.history  # the operations, not the memo
+        c, r = _tokens(p0.num_tokens, 60 + step)
+        for pc, plan in ((first, p1), (second, p2), (alone, p0)):
+            pc.write(plan, c, r)
+        ids = first.active_requests
+        got = [pc.attention(q[: len(ids)], qr[: len(ids)], ids, 0.1, return_lse=False) for pc in (first, second)]
+        want = alone.attention(q[: len(ids)], qr[: len(ids)], ids, 0.1, return_lse=False)
+        assert torch.equal(got[0], want) and torch.equal(got[1], want), step
+        plans = [pc.plan_attention(ids, num_heads=2, q_dtype=torch.float32, softmax_scale=0.1) for pc in (first, second)]
+        assert plans[1] is plans[0]
+        assert torch.equal(plans[1].run(q[: len(ids)], qr[: len(ids)], second.cache, return_lse=False), want)
+    assert first.layer(0).num_pages == second.layer(0).num_pages == alone.layer(0).num_pages > 6
+    assert memo.hits >= 3 * 8 and alone.memo is None
+
+
+def test_allocators_that_differ_share_nothing():
+    """Two allocators on one memo whose requests hold the same lengths in other pages (their histories differ): each
+    gets its own slots and page table, never the other's."""
+    memo = qm.StepMemo()
+    one, two = (qm.PagedMLACache(FMT, num_pages=8, max_seqs=2, device="cpu", backend="torch", memo=memo)
+                for _ in range(2))
+    a1, b1, a2, b2 = one.add_request(), one.add_request(), two.add_request(), two.add_request()
+    one.reserve([(a1, 20), (b1, 20)])
+    two.reserve([(b2, 20), (a2, 20)])  # the same lengths, pages handed out in the other order
+    s1, s2 = one.reserve([(a1, 1), (b1, 1)]), two.reserve([(a2, 1), (b2, 1)])
+    assert s1 is not s2 and np.asarray(s1.slot_mapping).tolist() != np.asarray(s2.slot_mapping).tolist()
+    assert np.asarray(s2.slot_mapping).tolist() == [two._pages[a2][1] * 16 + 4, two._pages[b2][1] * 16 + 4]
+    t1 = one.plan_attention([a1, b1], num_heads=2, q_dtype=torch.float32, softmax_scale=0.1)
+    t2 = two.plan_attention([a2, b2], num_heads=2, q_dtype=torch.float32, softmax_scale=0.1)
+    assert t1 is not t2
+    assert two.block_table([a2, b2]).tolist() == [two._pages[a2], two._pages[b2]] != one.block_table([a1, b1]).tolist()
+    assert memo.hits == 0
+
+
+def test_grow_drops_the_plans_over_the_old_arrays():
+    """A plan holds its cache's arrays: once an allocator grows, the memo lets go of the plans over its old ones (and
+    keeps the rest), so the old pages are freed at once."""
+    memo = qm.StepMemo()
+    kw = dict(num_pages=2, max_seqs=1, device="cpu", backend="torch", memo=memo)
+    pc, other = qm.PagedMLACache(FMT, **kw), qm.PagedMLACache(FMT, **kw)
+
+    def plan(c):
+        return c.plan_attention(c.active_requests, num_heads=2, q_dtype=torch.float32, softmax_scale=0.1)
+
+    for c in (pc, other):
+        c.reserve([(c.add_request(), 3)])
+    first = plan(pc)
+    assert plan(other) is first and first.cache is pc.cache and len(memo) == 3  # write plan, arrays, plan
+    old = pc.cache
+    pc.grow(min_free_pages=4)
+    assert len(memo) == 2 and pc.cache is not old  # the plan over the old arrays is gone, the rest kept
+    again = plan(other)  # other has not grown: its arrays are still shared, its plan made anew over its own cache
+    assert again is not first and again.cache is other.cache and len(memo) == 3
+    other.grow(min_free_pages=4)
+    assert len(memo) == 2
+    assert plan(pc).cache is pc.cache and plan(other).cache is pc.cache  # in lockstep again after both grew
+
+
+def _truncated(c):
+    c.truncate(0, 5)
+
+
+def _refilled(c):
+    c.free(0)
+    assert c.add_request() == 0  # the same request id, now empty
+
+
+def _forked(c):
+    assert c.fork(0) == 1  # request 1 now holds request 0's 20 tokens
+
+
+def _grown(c):
+    c.grow(min_free_pages=6, min_free_rows=3)
+
+
+@pytest.mark.parametrize("operation", [_truncated, _refilled, _forked, _grown])
+def test_an_allocator_that_ran_one_more_operation_shares_nothing(operation):
+    """Two allocators on one memo, the second with one more operation (truncate, free and add, fork, grow) before a
+    step that asks the same of both: the second's write plan, page table and attention plan are its own, equal to
+    those of an allocator without a memo that ran the same operations."""
+    memo = qm.StepMemo()
+    kw = dict(num_pages=6, max_seqs=3, sink=1, local=2, device="cpu", backend="torch")
+    same, other, alone = (qm.PagedMLACache(FMT, memo=memo, **kw), qm.PagedMLACache(FMT, memo=memo, **kw),
+                          qm.PagedMLACache(FMT, **kw))
+    prompt = _tokens(20, 71)
+    for c in (same, other, alone):
+        c.write(c.reserve([(c.add_request(), 20)]), *prompt)
+    for c in (other, alone):
+        operation(c)
+    for c in (same, other, alone):
+        if c.active_requests == [0]:
+            c.add_request()
+    plans = [c.reserve([(0, 1), (1, 1)]) for c in (same, other, alone)]
+    assert plans[1] is not plans[0] and _plan_arrays(plans[1]) == _plan_arrays(plans[2])
+    assert other.block_table([0, 1]).tolist() == alone.block_table([0, 1]).tolist()
+    for c, plan in zip((same, other, alone), plans):
+        c.write(plan, *_tokens(2, 70))
+    q, qr = torch.randn(2, 2, 256), torch.randn(2, 2, 32)
+    steps = [c.plan_attention([0, 1], num_heads=2, q_dtype=torch.float32, softmax_scale=0.1) for c in (same, other)]
+    assert steps[1] is not steps[0]
+    want = alone.attention(q, qr, [0, 1], 0.1, return_lse=False)
+    assert torch.equal(steps[1].run(q, qr, other.cache, return_lse=False), want)
+    assert torch.equal(other.attention(q, qr, [0, 1], 0.1, return_lse=False), want)
+
+
+def test_a_freed_or_added_request_is_part_of_what_is_shared():
+    """Freeing a request puts its pages back where the next request takes them, and a request added to one
+    allocator only is live there only: neither allocator may take the other's arrays afterwards."""
+    memo = qm.StepMemo()
+    kw = dict(num_pages=8, max_seqs=3, device="cpu", backend="torch")
+    kept, freed, alone = (qm.PagedMLACache(FMT, memo=memo, **kw), qm.PagedMLACache(FMT, memo=memo, **kw),
+                          qm.PagedMLACache(FMT, **kw))
+    for c in (kept, freed, alone):
+        c.add_request(), c.add_request()
+        c.reserve([(1, 20)])
+    for c in (freed, alone):
+        c.free(1)
+    plans = [c.reserve([(0, 20)]) for c in (kept, freed, alone)]
+    assert _plan_arrays(plans[1]) == _plan_arrays(plans[2]) != _plan_arrays(plans[0])
+    kept.plan_attention([0, 1], num_heads=2, q_dtype=torch.float32, softmax_scale=0.1)
+    with pytest.raises(ValueError, match=r"seq_id: expected a live request id in \[0\], got 1"):
+        freed.plan_attention([0, 1], num_heads=2, q_dtype=torch.float32, softmax_scale=0.1)
+    one, two = (qm.PagedMLACache(FMT, memo=memo, **kw) for _ in range(2))
+    one.add_request(), one.add_request(), two.add_request()
+    for c in (one, two):
+        c.reserve([(0, 5)])
+    # unchecked lengths (the GPU default): request 1 of `one` is live and empty, in `two` it does not exist
+    one.plan_attention([0, 1], num_heads=2, q_dtype=torch.float32, softmax_scale=0.1, validate=False)
+    with pytest.raises(ValueError, match=r"seq_id: expected a live request id in \[0\], got 1"):
+        two.plan_attention([0, 1], num_heads=2, q_dtype=torch.float32, softmax_scale=0.1, validate=False)
+
+
+def test_reserve_counts_the_pages_of_a_request_named_twice():
+    """Items of one request follow each other: two one-token items at 15 of 16 tokens need one new page (refused,
+    changing nothing, where none is free), and at 0 tokens share one page."""
+    pc = qm.PagedMLACache(FMT, num_pages=1, max_seqs=2, device="cpu", backend="torch")
+    a = pc.add_request()
+    pc.reserve([(a, 15)])
+    with pytest.raises(OutOfPagesError, match="needs 1 pages, 0 free"):
+        pc.reserve([(a, 1), (a, 1)])
+    assert pc.seq_len(a) == 15 and pc.block_table([a]).tolist() == [[0]]
+    with pytest.raises(ValueError, match="items: expected token counts >= 0, got -1 for request 0"):
+        pc.reserve([(a, -1)])
+    pc.free(a)
+    b = pc.add_request()
+    plan = pc.reserve([(b, 1), (b, 1)])  # one page for both
+    assert plan.positions.tolist() == [0, 1] and plan.slot_mapping.tolist() == [0, 1] and pc.seq_len(b) == 2

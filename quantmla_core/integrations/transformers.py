@@ -74,7 +74,7 @@ except ImportError as _exc:  # pragma: no cover - old transformers
 
 from ..formats import PackFormat
 from ..host_copy import index_tensor, to_device
-from ..paged import PagedMLACache
+from ..paged import PagedMLACache, StepMemo
 
 __all__ = ["QuantMLACache", "QuantMLALayer", "QuantMLAHandle", "enable_quantmla", "disable_quantmla"]
 
@@ -190,6 +190,7 @@ class QuantMLALayer(CacheLayerMixin):
         protect_dtype: Any = None,
         max_length: int | None = None,
         rollback: bool = False,
+        memo: StepMemo | None = None,
     ) -> None:
         super().__init__()
         self.rollback = self.is_croppable = bool(rollback)
@@ -197,6 +198,7 @@ class QuantMLALayer(CacheLayerMixin):
         self.sink, self.local, self.backend = int(sink), int(local), backend
         self.protect_dtype = protect_dtype
         self.max_length = max_length
+        self.memo = memo
         self.paged: PagedMLACache | None = None
         self.rows: list[int] = []
         self.hf_len = 0
@@ -319,7 +321,8 @@ class QuantMLALayer(CacheLayerMixin):
         if self.max_length:
             pages = max(pages, batch * -(-int(self.max_length) // self.format.page_size))
         self.paged = PagedMLACache(
-            self.format, max(1, pages), max(1, batch), self.sink, self.local, self.device, self.protect_dtype, self.backend
+            self.format, max(1, pages), max(1, batch), self.sink, self.local, self.device, self.protect_dtype, self.backend,
+            memo=self.memo,
         )
         self.rows = [self.paged.add_request() for _ in range(batch)]
 
@@ -391,9 +394,13 @@ class QuantMLALayer(CacheLayerMixin):
         the packed cache and protection buffers; returns ``[B, S, H, d_c]`` in the query dtype.
 
         S is at most :data:`MAX_QUERY_CHUNK` per call (longer steps are split by the caller, each
-        chunk written before it attends, so the local ring always matches the lengths passed)."""
+        chunk written before it attends, so the local ring always matches the lengths passed). The step's plan is
+        made by the first layer to attend and run by every layer (:class:`~quantmla_core.paged.StepMemo`)."""
         assert self.paged is not None
-        return self.paged.attention(q_latent, q_rope, self.rows, softmax_scale, return_lse=False)
+        _, s_q, heads, _ = q_latent.shape
+        plan = self.paged.plan_attention(self.rows, num_heads=int(heads), q_dtype=q_latent.dtype,
+                                         softmax_scale=softmax_scale, q_len=int(s_q))
+        return plan.run(q_latent, q_rope, self.paged.cache, return_lse=False)
 
     def _reindex(self, indices: list[int]) -> None:
         """New batch row i continues old row ``indices[i]`` (duplicates are forked, unused rows freed)."""
@@ -454,7 +461,9 @@ class QuantMLACache(Cache):
             is off by default.
 
     One layer per decoder layer, each a :class:`QuantMLALayer` over its own
-    :class:`~quantmla_core.PagedMLACache`. Any batch size, left padding and generation length.
+    :class:`~quantmla_core.PagedMLACache`; the layers' allocators share one
+    :class:`~quantmla_core.paged.StepMemo` (``memo``), so a step's index arrays and attention plan are built by the
+    first layer and reused by the rest. Any batch size, left padding and generation length.
     Memory: :meth:`allocated_bytes` (the real tensors), :meth:`used_bytes`, :meth:`bf16_bytes`
     and :meth:`memory_report`.
     """
@@ -506,8 +515,9 @@ class QuantMLACache(Cache):
         self.protect_dtype = pick("protect_dtype", protect_dtype, None)
         if max_length is not None and int(max_length) < 1:
             raise ValueError(f"max_length: expected a positive token count, got {max_length}")
+        self.memo = StepMemo()  # the layers' allocators run the same operations: a step's index arrays are built once
         layers = [
-            QuantMLALayer(fmt, self.sink, self.local, self.backend, self.protect_dtype, max_length, rollback)
+            QuantMLALayer(fmt, self.sink, self.local, self.backend, self.protect_dtype, max_length, rollback, self.memo)
             for _ in range(n_layers)
         ]
         super().__init__(layers=layers)
