@@ -230,6 +230,17 @@ def test_pdl_unsupported_reasons(monkeypatch, device, major, why):
     assert (got is None) if why is None else re.search(why, got), got
 
 
+@pytest.mark.parametrize("device,interp,major,why", [
+    ("cpu", False, 9, r"^PTX runs on NVIDIA GPUs, the call runs on cpu$"),
+    ("cuda:0", True, 9, r"^PTX runs on NVIDIA GPUs, the call runs on cuda \(TRITON_INTERPRET=1\)$"),
+    ("cuda:0", False, None, r"^ROCm GPUs run no NVIDIA PTX$"), ("cuda:0", False, 8, None), ("cuda:0", False, 9, None)])
+def test_nvidia_asm_unsupported_reasons(monkeypatch, device, interp, major, why):
+    monkeypatch.setattr(A, "interpreting", lambda: interp)
+    monkeypatch.setattr(A, "_nvidia_major", lambda index: major)
+    got = A.nvidia_asm_unsupported(torch.device(device))
+    assert (got is None) if why is None else re.search(why, got), got
+
+
 @pytest.mark.parametrize("batch,heads,tokens,mode", [(8, 16, 4096, 1), (32, 16, 32768, 1), (8, 128, 4096, 2),
                                                       (32, 128, 32768, 2)])
 def test_pdl_default_by_kernel(monkeypatch, batch, heads, tokens, mode):

@@ -131,14 +131,18 @@ def words_constexpr(content_bits: int, word_codes: bool | None, ptx_split: bool)
     return (2 if ptx_split else 1) if word_codes else 0
 
 
+def _not_nvidia(device: torch.device, needs: str, on_rocm: str) -> str | None:
+    """Why ``device`` is no NVIDIA GPU for a feature that ``needs`` one (``on_rocm``: the reason on ROCm), or None."""
+    if interpreting() or device.type != "cuda":
+        return f"{needs}, the call runs on {device.type}" + (" (TRITON_INTERPRET=1)" if interpreting() else "")
+    if _nvidia_major(_device_index(device)) is None:
+        return on_rocm
+    return None
+
+
 def nvidia_asm_unsupported(device: torch.device) -> str | None:
     """Why the kernels on ``device`` cannot hold NVIDIA PTX (kernel v3's ``WORDS`` 2), or None."""
-    if interpreting() or device.type != "cuda":
-        return f"PTX runs on NVIDIA GPUs, the call runs on {device.type}" + (" (TRITON_INTERPRET=1)" if interpreting()
-                                                                              else "")
-    if _nvidia_major(_device_index(device)) is None:
-        return "ROCm GPUs run no NVIDIA PTX"
-    return None
+    return _not_nvidia(device, "PTX runs on NVIDIA GPUs", "ROCm GPUs run no NVIDIA PTX")
 
 
 def device_limits(device: torch.device, latent_dim: int, rope_dim: int) -> DeviceLimits:
@@ -414,12 +418,10 @@ def _pdl_from_env(device: torch.device, variant: str) -> int:
 def pdl_unsupported(device: torch.device) -> str | None:
     """Why kernels on ``device`` cannot be launched with programmatic dependent launch, or None: it needs an NVIDIA
     GPU of compute capability 9.0 or later and a triton whose launches take ``launch_pdl``."""
-    if interpreting() or device.type != "cuda":
-        return f"programmatic dependent launch needs a CUDA GPU, the call runs on {device.type}" + (
-            " (TRITON_INTERPRET=1)" if interpreting() else "")
+    reason = _not_nvidia(device, "programmatic dependent launch needs a CUDA GPU", "ROCm has no programmatic dependent launch")
+    if reason is not None:
+        return reason
     major = _nvidia_major(_device_index(device))
-    if major is None:
-        return "ROCm has no programmatic dependent launch"
     if major < 9:
         return f"programmatic dependent launch needs compute capability 9.0 or later, {device} is {major}.x"
     if not _triton_launches_pdl():
