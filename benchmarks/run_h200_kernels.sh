@@ -67,6 +67,9 @@
 #       kernel v3 C4R4 in quad order with each chunk's scales against the default (S51_V3_RUNS, S51_V3_SHAPES),
 #       memcheck; everything in $OUT/stop51.tgz. Several minutes of kernel builds: give it a call of its own, or
 #       shorten the run lists
+#   bash benchmarks/run_h200_kernels.sh stop52   # the transformers integration's StepMemo: tests/test_paged.py and
+#       tests/test_integration_transformers.py on the GPU backends (auto, triton), benchmarks/hf_step_probe.py (a
+#       27-layer decode step with the memo against each layer its own) at S52_BATCHES, S52_PROMPT; $OUT/stop52.tgz
 #   bash benchmarks/run_h200_kernels.sh v6pair   # v6 as two-CTA clusters sharing each key tile (QUANTMLA_CUPY_V6_PAIR):
 #       conformance of forced pairs, CUDA graphs of 0 against 1 over V6PAIR_SHAPES, memcheck of the pairs
 #   bash benchmarks/run_h200_kernels.sh v6fold   # v6's slack maximum and RoPE fold (QUANTMLA_CUPY_V6_SLACK / _ROPE_FOLD):
@@ -428,6 +431,23 @@ elif [ "$MODE" = stop51 ]; then
   timeout 120 compute-sanitizer --tool memcheck $T tests/test_triton_backend.py \
     -k "(v2_code_words and C4R4) or (test_v3_code_words and C2R4 and word_lanes)" 2>&1 | tail -3
   tar czf "$OUT/stop51.tgz" -C /tmp s51
+elif [ "$MODE" = stop52 ]; then
+  # the Hugging Face integration's layers sharing one StepMemo (stop 52, built without a GPU): the allocator and
+  # integration tests on the GPU backends (auto: CuPy, then Triton), the no-sync decode steps, and a decode step's time
+  # with the memo against each layer its own; every file lands in one tar
+  mkdir -p /tmp/s52
+  for backend in auto triton; do
+    echo "=== allocator and transformers integration tests, QUANTMLA_TEST_HF_BACKEND=$backend"
+    QUANTMLA_TEST_HF_BACKEND=$backend timeout ${S52_TEST_S:-240} $T -rfE tests/test_paged.py \
+      tests/test_integration_transformers.py > "/tmp/s52/tests_$backend.txt" 2>&1; echo "rc=$?" >> "/tmp/s52/tests_$backend.txt"
+    tail -4 "/tmp/s52/tests_$backend.txt"
+  done
+  for backend in auto triton; do
+    echo "=== a decode step, StepMemo against each layer its own ($backend)"
+    timeout ${S52_STEP_S:-150} python3 -P benchmarks/hf_step_probe.py --backend $backend --batches ${S52_BATCHES:-8,32} \
+      --prompt ${S52_PROMPT:-4096} 2>&1 | grep -v "^{\|Warning" | tail -4 | tee -a /tmp/s52/step.txt
+  done
+  tar czf "$OUT/stop52.tgz" -C /tmp s52
 elif [ "$MODE" = v6pair ]; then
   echo "=== v6 pairs: one small case first (a hang or a failure stops here)"; timeout 120 $T tests/test_cupy_v6.py \
     -k "v6_pair_matches and L64_128_192" 2>&1 | tail -2 | tee "$OUT/v6_pair_first.txt"

@@ -154,3 +154,17 @@ def test_workload_builds_caches_of_other_dims_on_cpu():
     want = torch.einsum("bhl,blc->bhc", torch.softmax(s, -1), kv[..., :256].float())
     assert out.shape == (2, 1, 4, 256)
     assert torch.allclose(out[:, 0].float(), want, rtol=0.05, atol=0.05 * want.abs().max().item())
+
+
+def test_index_and_step_probes_run_at_cpu_scale(capsys):
+    """``paged_index_probe`` (a step of several allocators, each its own or sharing a StepMemo) and ``hf_step_probe``
+    (generate() on a QuantMLACache with and without the memo) at a CPU scale."""
+    from benchmarks import hf_step_probe, paged_index_probe
+
+    assert paged_index_probe.per_step_us(2, 100, 3, 3, True) > 0 and paged_index_probe.per_step_us(2, 100, 3, 3, False) > 0
+    model = hf_step_probe.tiny_deepseek(2, "cpu", torch.float32)
+    from quantmla_core.integrations.transformers import enable_quantmla
+
+    enable_quantmla(model, "C4R4", backend="torch")
+    ids = torch.randint(3, 1024, (2, 20), generator=torch.Generator().manual_seed(0))
+    assert all(hf_step_probe.step_ms(model, ids, 2, shared) > 0 for shared in (True, False))
