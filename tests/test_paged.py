@@ -1,8 +1,12 @@
 """PagedMLACache: allocation, append across pages, free, fork, attention through the allocator."""
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 import quantmla_core as qm
 from quantmla_core import reference as ref
@@ -415,3 +419,59 @@ def test_reserve_counts_the_pages_of_a_request_named_twice():
     b = pc.add_request()
     plan = pc.reserve([(b, 1), (b, 1)])  # one page for both
     assert plan.positions.tolist() == [0, 1] and plan.slot_mapping.tolist() == [0, 1] and pc.seq_len(b) == 2
+
+
+def _apply(pc, op):
+    """One bookkeeping operation drawn as three integers, read against ``pc``'s state; returns what it built (a write
+    plan's arrays, a page table and lengths) or None. Operations that do not fit (no free row, too few pages) change
+    nothing, as in an allocator."""
+    kind, x, y = op
+    live = pc.active_requests
+    try:
+        if kind == 0 or not live:
+            pc.add_request()
+        elif kind == 1:
+            pc.free(live[x % len(live)])
+        elif kind == 2:
+            s = live[x % len(live)]
+            pc.truncate(s, y % (pc.seq_len(s) + 1))
+        elif kind == 3:
+            pc.fork(live[x % len(live)])
+        elif kind == 4:
+            pc.grow(min_free_pages=x % 5, min_free_rows=y % 2)
+        elif kind in (5, 6):  # drawn twice as often: writes are what later arrays differ by
+            return _plan_arrays(pc.reserve([(s, (x >> i) % 3 + (y % 20 if i == 0 else 0) + (kind == 6))
+                                            for i, s in enumerate(live)]))
+        else:
+            arrays = pc._attention_arrays(live)
+            return [np.asarray(arrays[k]).tolist() for k in ("block_table", "seq_lens", "seq_ids")]
+    except OutOfPagesError:
+        return "out of pages"
+    return None
+
+
+OP = st.tuples(st.integers(0, 7), st.integers(0, 255), st.integers(0, 255))
+
+
+@given(st.lists(OP, min_size=1, max_size=25), st.integers(0, 24), OP, st.booleans())
+@example([(0, 0, 0), (5, 0, 15), (5, 0, 3)], 2, (2, 0, 5), True)  # a truncate inserted before a write
+@example([(0, 0, 0), (5, 0, 15), (3, 0, 0), (5, 0, 3)], 2, (0, 0, 0), False)  # a fork replaced by an empty request
+@example([(0, 0, 0), (5, 0, 15), (2, 0, 5), (5, 0, 3)], 2, (2, 0, 7), False)  # a truncate to another length
+@settings(max_examples=400, deadline=None)
+def test_allocators_on_one_memo_build_what_they_would_alone(ops, where, other, insert):
+    """Property: two allocators on one StepMemo, the second running the first's operations with one more operation
+    inserted (or one replaced), interleaved: after every operation each one's write plan, page table and lengths equal
+    those of its own twin without a memo (a wrong share would hand one allocator the other's arrays). The requests an
+    operation names are read off each allocator's live ones, so a freed or added request changes what the later steps
+    ask for: those cases are the explicit tests above."""
+    at = where % (len(ops) + insert)
+    changed = ops[:at] + [other] + ops[at + (not insert):]
+    memo = qm.StepMemo(capacity=8)
+    kw = dict(num_pages=6, max_seqs=3, device="numpy")
+    shared = [qm.PagedMLACache(FMT, memo=memo, **kw), qm.PagedMLACache(FMT, memo=memo, **kw)]
+    alone = [qm.PagedMLACache(FMT, **kw), qm.PagedMLACache(FMT, **kw)]
+    for a, b in itertools.zip_longest(ops, changed):
+        for pc, twin, op in ((shared[0], alone[0], a), (shared[1], alone[1], b)):
+            if op is not None:
+                assert _apply(pc, op) == _apply(twin, op)
+                assert pc.history == twin.history
