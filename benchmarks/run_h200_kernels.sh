@@ -65,8 +65,8 @@
 #       v3 code words, v3's C2R4 default) in three processes, CUDA graphs of kernel v2 from bytes against words
 #       and words with ZSUB (S51_RUNS, comma-joined settings; S51_SHAPES; probe_tmp/v3_knobs_probe.py carried),
 #       kernel v3 C4R4 in quad order with each chunk's scales against the default (S51_V3_RUNS, S51_V3_SHAPES),
-#       memcheck; everything in $OUT/stop51.tgz. Several minutes of kernel builds: give it a call of its own, or
-#       shorten the run lists
+#       memcheck, ncu's per-instruction (SASS) stall table of v3 C4R4 (S51_NCU=0: not); everything in $OUT/stop51.tgz.
+#       Several minutes of kernel builds: give it a call of its own, or shorten the run lists
 #   bash benchmarks/run_h200_kernels.sh stop52   # the transformers integration's StepMemo: tests/test_paged.py and
 #       tests/test_integration_transformers.py on the GPU backends (auto, triton), benchmarks/hf_step_probe.py (a
 #       27-layer decode step with the memo against each layer its own) at S52_BATCHES, S52_PROMPT; $OUT/stop52.tgz
@@ -430,6 +430,15 @@ elif [ "$MODE" = stop51 ]; then
   echo "=== memcheck (v2 words, v3 C2R4)"
   timeout 120 compute-sanitizer --tool memcheck $T tests/test_triton_backend.py \
     -k "(v2_code_words and C4R4) or (test_v3_code_words and C2R4 and word_lanes)" 2>&1 | tail -3
+  if [ "${S51_NCU:-1}" = 1 ]; then  # the per-instruction stall table that stop 51's call 2 could not bring back
+    echo "=== ncu: kernel v3 C4R4 H128 B32 L8K, source counters (SASS) in the tar"
+    timeout ${S51_NCU_S:-150} ncu -k regex:split_kernel_v3 -s 3 -c 1 --clock-control none --import-source yes \
+      --section WarpStateStats --section SourceCounters --section SpeedOfLight --export /tmp/s51/v3_c4r4 \
+      python3 -P benchmarks/graph_probe.py --backends triton --formats C4R4 --shapes 128x32x8192 > /tmp/s51/ncu_log.txt 2>&1
+    ncu --import /tmp/s51/v3_c4r4.ncu-rep --page source --csv --print-source sass > /tmp/s51/v3_c4r4_sass.csv 2>&1
+    ncu --import /tmp/s51/v3_c4r4.ncu-rep --page details --csv > /tmp/s51/v3_c4r4_details.csv 2>&1
+    tail -2 /tmp/s51/ncu_log.txt; wc -l /tmp/s51/v3_c4r4_sass.csv
+  fi
   tar czf "$OUT/stop51.tgz" -C /tmp s51
 elif [ "$MODE" = stop52 ]; then
   # the Hugging Face integration's layers sharing one StepMemo (stop 52, built without a GPU): the allocator and
