@@ -16,8 +16,13 @@ import time
 import numpy as np
 import torch
 
-from quantmla_core import PackFormat, StepMemo
+from quantmla_core import PackFormat
 from quantmla_core.paged import PagedMLACache
+
+try:
+    from quantmla_core import StepMemo
+except ImportError:  # a tree before stop 52 (the "before" of RESULTS.md): its step without a memo only
+    StepMemo = None
 
 FMT = PackFormat.parse("C4R4")
 
@@ -27,7 +32,7 @@ def _allocators(batch: int, context: int, calls: int, layers: int, memo: StepMem
     pages = batch * (context // FMT.page_size + calls // FMT.page_size + 2)
     out = []
     for _ in range(layers):
-        paged = PagedMLACache(FMT, pages, batch, 4, 128, "cpu", None, "torch", memo=memo)
+        paged = PagedMLACache(FMT, pages, batch, 4, 128, "cpu", None, "torch", **({"memo": memo} if memo is not None else {}))
         ids = [paged.add_request() for _ in range(batch)]
         paged.reserve([(s, context) for s in ids])
         out.append(paged)
@@ -48,8 +53,11 @@ def per_layer_us(batch: int, context: int, calls: int) -> tuple[float, float]:
     return 1e6 * (t1 - t0) / calls, 1e6 * (t2 - t1) / calls
 
 
-def per_step_us(batch: int, context: int, calls: int, layers: int, shared: bool) -> float:
-    """µs a decode step of ``layers`` allocators spends in ``reserve`` and ``plan_attention`` (H 16, bfloat16)."""
+def per_step_us(batch: int, context: int, calls: int, layers: int, shared: bool) -> float | None:
+    """µs a decode step of ``layers`` allocators spends in ``reserve`` and ``plan_attention`` (H 16, bfloat16); None
+    when ``shared`` asks for a memo that this tree does not have."""
+    if shared and StepMemo is None:
+        return None
     memo = StepMemo() if shared else None
     model = _allocators(batch, context, calls, layers, memo)
     ids = model[0].active_requests
@@ -72,8 +80,8 @@ def main() -> None:
         reserve, arrays = per_layer_us(b, args.context, args.calls)
         print(f"B{b}: reserve {reserve:.1f} us, attention arrays {arrays:.1f} us a layer")
         own, shared = (per_step_us(b, args.context, args.calls, args.layers, s) for s in (False, True))
-        print(f"B{b}: a step of {args.layers} layers (reserve + plan_attention): {own:.0f} us each layer its own, "
-              f"{shared:.0f} us sharing a StepMemo")
+        memo = "no StepMemo in this tree" if shared is None else f"{shared:.0f} us sharing a StepMemo"
+        print(f"B{b}: a step of {args.layers} layers (reserve + plan_attention): {own:.0f} us each layer its own, {memo}")
 
 
 if __name__ == "__main__":

@@ -162,6 +162,8 @@ def test_index_and_step_probes_run_at_cpu_scale(capsys):
     from benchmarks import hf_step_probe, paged_index_probe
 
     assert paged_index_probe.per_step_us(2, 100, 3, 3, True) > 0 and paged_index_probe.per_step_us(2, 100, 3, 3, False) > 0
+    memo = paged_index_probe.StepMemo()  # empty, so falsy: the probe must still hand it to every allocator
+    assert all(p.memo is memo for p in paged_index_probe._allocators(2, 100, 3, 3, memo))
     model = hf_step_probe.tiny_deepseek(2, "cpu", torch.float32)
     from quantmla_core.integrations.transformers import enable_quantmla
 
