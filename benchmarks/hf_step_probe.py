@@ -29,9 +29,12 @@ def tiny_deepseek(layers: int, device: str, dtype: torch.dtype):
     return transformers.DeepseekV3ForCausalLM(cfg).to(device=device, dtype=dtype).eval()
 
 
-def step_ms(model, ids: torch.Tensor, new: int, shared: bool) -> float:
-    """ms a decode step: ``generate`` of ``new`` + 1 tokens less ``generate`` of 1 (the prefill), over ``new``."""
+def step_ms(model, ids: torch.Tensor, new: int, shared: bool) -> tuple[float, int]:
+    """(ms a decode step, the StepMemo's hits in the longest run): ``generate`` of ``new`` + 1 tokens less ``generate``
+    of 1 (the prefill), over ``new``. Without ``shared`` every layer builds its own (no memo, no hits)."""
     from quantmla_core.integrations.transformers import QuantMLACache
+
+    hits = [0]
 
     def run(n: int) -> float:
         cache = QuantMLACache(model)
@@ -44,10 +47,11 @@ def step_ms(model, ids: torch.Tensor, new: int, shared: bool) -> float:
         with torch.no_grad():
             model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=2, cache=cache)
         sync()
+        hits[0] = max(hits[0], cache.memo.hits if shared else 0)
         return time.perf_counter() - t0
 
     run(2)  # builds the kernels
-    return 1e3 * (run(new + 1) - run(1)) / new
+    return 1e3 * (run(new + 1) - run(1)) / new, hits[0]
 
 
 def main() -> None:
@@ -71,7 +75,7 @@ def main() -> None:
         times = {True: [], False: []}
         for _ in range(args.repeats):
             for shared in (True, False):
-                times[shared].append(step_ms(model, ids, args.new, shared))
+                times[shared].append(step_ms(model, ids, args.new, shared)[0])
         fmt = lambda xs: " / ".join(f"{x:.2f}" for x in xs)  # noqa: E731
         print(f"B{b} L{args.prompt} {args.layers} layers {args.format} {args.backend} on {args.device}: a decode step "
               f"{fmt(times[True])} ms sharing a StepMemo, {fmt(times[False])} ms each layer its own")

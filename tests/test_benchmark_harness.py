@@ -169,4 +169,5 @@ def test_index_and_step_probes_run_at_cpu_scale(capsys):
 
     enable_quantmla(model, "C4R4", backend="torch")
     ids = torch.randint(3, 1024, (2, 20), generator=torch.Generator().manual_seed(0))
-    assert all(hf_step_probe.step_ms(model, ids, 2, shared) > 0 for shared in (True, False))
+    (_, hits), (_, none) = (hf_step_probe.step_ms(model, ids, 2, shared) for shared in (True, False))
+    assert hits == 2 * 2 + 1 and none == 0  # layer 1 takes layer 0's write and attention plans (a time may be noise)
