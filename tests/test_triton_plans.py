@@ -84,3 +84,35 @@ def test_device_limits_fit_a_build_at_exactly_the_limit():
     assert lim.excess((1000, 257)) == "needs 257 columns of tensor memory, an SM has 256"
     assert hz.DeviceLimits().excess((1 << 30, 1 << 20)) is None  # nothing known: nothing to check
     assert lim.checked and not hz.DeviceLimits().checked
+
+
+def test_v1_plan_at_h128_splits_by_requests_times_row_blocks():
+    """H128 B8 L4K on kernel v1: 8 row blocks of 16 rows, so 64 programs before splitting; four splits fill the
+    SMs (the split count follows B x row blocks, not B alone)."""
+    p = hz.plan(8, 128, 512, 64, 4096, H200_SMS)
+    assert (p.row_blocks, p.num_splits) == (8, 4)
+
+
+@pytest.mark.parametrize("planner,block_n", [(hz.plan, 32), (hz.plan_v2, 64), (hz.plan_v3, 128)])
+def test_one_tile_is_one_split_even_in_the_interpreter(planner, block_n):
+    """The interpreter splits down to one tile a split: a table of one tile still runs one split, one more token
+    two."""
+    assert planner(1, 64, 512, 64, block_n, 4, interpreter=True).block_n == block_n
+    assert planner(1, 64, 512, 64, block_n, 4, interpreter=True).num_splits == 1
+    assert planner(1, 64, 512, 64, block_n + 1, 4, interpreter=True).num_splits == 2
+
+
+def test_planned_shared_bound_covers_the_design_dims_only():
+    """The plans' shared-memory bound holds up to d_c 512 and d_r 64 (DESIGN.md's dims, 256 / 32 included); wider
+    vectors have no bound, so every GPU checks their builds."""
+    assert hz.planned_shared_max(512, 64) == hz.planned_shared_max(256, 32) == hz.PLANNED_SHARED_MAX
+    assert hz.planned_shared_max(513, 64) is None and hz.planned_shared_max(512, 65) is None
+    assert hz.planned_shared_max(1024, 64) is None
+
+
+def test_protect_parts_of_a_lone_program():
+    """One request of at most 64 rows: one program a part. With 4 slots, 9 tiles go as 3 parts of 3 (one wave of 3
+    tile-times), not 9 parts of 1 (three waves: the same time, more partials); no tile, no part."""
+    assert hz.protect_parts(9, 1, 4) == (3, 3)
+    assert hz.protect_parts(9, 0, 4) == (3, 3)  # no programs counts as one
+    assert hz.protect_parts(1, 8, 132) == (1, 1) and hz.protect_parts(0, 8, 132) == (0, 0)
