@@ -25,7 +25,7 @@ def tiny_deepseek(layers: int, device: str, dtype: torch.dtype):
         qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
         first_k_dense_replace=layers, max_position_embeddings=8192, n_group=1, topk_group=1, bos_token_id=0,
         eos_token_id=1, pad_token_id=2)
-    cfg._attn_implementation = "eager"
+    cfg._attn_implementation = "sdpa"  # the prefill's own attention: eager would hold B x H x L^2 scores
     return transformers.DeepseekV3ForCausalLM(cfg).to(device=device, dtype=dtype).eval()
 
 

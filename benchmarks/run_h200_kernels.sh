@@ -65,7 +65,8 @@
 #       v3 code words, v3's C2R4 default) in three processes, CUDA graphs of kernel v2 from bytes against words
 #       and words with ZSUB (S51_RUNS, comma-joined settings; S51_SHAPES; probe_tmp/v3_knobs_probe.py carried),
 #       kernel v3 C4R4 in quad order with each chunk's scales against the default (S51_V3_RUNS, S51_V3_SHAPES),
-#       memcheck, ncu's per-instruction (SASS) stall table of v3 C4R4 (S51_NCU=0: not); everything in $OUT/stop51.tgz.
+#       memcheck (S51_MEMCHECK=0: not), ncu's per-instruction (SASS) stall table of v3 C4R4 (S51_NCU=0: not); S51_CONF=0
+#       skips the conformance; everything in $OUT/stop51.tgz.
 #       Several minutes of kernel builds: give it a call of its own, or shorten the run lists
 #   bash benchmarks/run_h200_kernels.sh stop52   # the transformers integration's StepMemo: tests/test_paged.py and
 #       tests/test_integration_transformers.py on the GPU backends (auto, triton), benchmarks/hf_step_probe.py (a
@@ -406,30 +407,34 @@ elif [ "$MODE" = stop51 ]; then
   # v2's opt-in words (V2_WORDS=1 in probe_tmp/v3_knobs_probe.py, carried); every file lands in one tar ($OUT returns
   # at most 8 files)
   mkdir -p /tmp/s51
-  echo "=== conformance: v2 words, v3 code words, v3 C2R4 (the new default), three processes"
+  echo "=== conformance: v2 words, v3 code words, v3 C2R4 (the new default), three processes (S51_CONF=0: not)"
   pids=""
-  for sel in "v2_code_words or v2_switches" "code_words and not v2" "v3_attention_matches or many_requests or real_shapes and v3"; do
+  [ "${S51_CONF:-1}" = 1 ] && sels=("v2_code_words or v2_switches" "code_words and not v2" \
+    "v3_attention_matches or many_requests or real_shapes and v3") || sels=()
+  for sel in "${sels[@]}"; do
     tag=$(echo "$sel" | tr -c 'A-Za-z0-9\n' _)
     (timeout ${S51_CONF_S:-400} $T -rfE tests/test_triton_backend.py -k "$sel" > "/tmp/s51/conf_$tag.txt" 2>&1; echo "rc=$?" >> "/tmp/s51/conf_$tag.txt") &
     pids="$pids $!"
   done
   wait $pids  # not a bare wait: h200_setup.sh's nvidia-smi logger runs in the background
-  for f in /tmp/s51/conf_*.txt; do echo "--- $f"; tail -3 "$f"; done
+  for f in /tmp/s51/conf_*.txt; do [ -e "$f" ] && { echo "--- $f"; tail -3 "$f"; }; done
   n=0
-  for run in ${S51_RUNS:-V2_WORDS=0 V2_WORDS=1 V2_WORDS=1,V2_ZSUB=1 V2_WORDS=0 V2_WORDS=1,V2_ZSUB=1}; do
+  for run in ${S51_RUNS-V2_WORDS=0 V2_WORDS=1 V2_WORDS=1,V2_ZSUB=1 V2_WORDS=0 V2_WORDS=1,V2_ZSUB=1}; do
     n=$((n + 1)); echo "=== [$run] (CUDA graphs; FlashInfer BF16 in the process)"
     env ${run//,/ } timeout 150 python3 -P probe_tmp/v3_knobs_probe.py --backends triton --formats C4R4,C2R4 \
       --shapes ${S51_SHAPES:-16x8x4096,16x32x32768,16x128x32768} --json "/tmp/s51/graph_${n}.json" 2>&1 | grep -v "^{" | tail -8
   done
   n=0
-  for run in ${S51_V3_RUNS:-V3_LANES=1 V3_LANES=4,V3_TILE_GROUPS=0 V3_LANES=1 V3_LANES=4,V3_TILE_GROUPS=0}; do
+  for run in ${S51_V3_RUNS-V3_LANES=1 V3_LANES=4,V3_TILE_GROUPS=0 V3_LANES=1 V3_LANES=4,V3_TILE_GROUPS=0}; do
     n=$((n + 1)); echo "=== v3 C4R4 [$run] (CUDA graphs; FlashInfer BF16 in the process)"
     env ${run//,/ } timeout 150 python3 -P probe_tmp/v3_knobs_probe.py --backends triton --formats C4R4 \
       --shapes ${S51_V3_SHAPES:-128x8x4096,128x32x32768,16x32x32768x4} --json "/tmp/s51/graph_v3_${n}.json" 2>&1 | grep -v "^{" | tail -6
   done
-  echo "=== memcheck (v2 words, v3 C2R4)"
-  timeout 120 compute-sanitizer --tool memcheck $T tests/test_triton_backend.py \
-    -k "(v2_code_words and C4R4) or (test_v3_code_words and C2R4 and word_lanes)" 2>&1 | tail -3
+  if [ "${S51_MEMCHECK:-1}" = 1 ]; then
+    echo "=== memcheck (v2 words, v3 C2R4)"
+    timeout 120 compute-sanitizer --tool memcheck $T tests/test_triton_backend.py \
+      -k "(v2_code_words and C4R4) or (test_v3_code_words and C2R4 and word_lanes)" 2>&1 | tail -3
+  fi
   if [ "${S51_NCU:-1}" = 1 ]; then  # the per-instruction stall table that stop 51's call 2 could not bring back
     echo "=== ncu: kernel v3 C4R4 H128 B32 L8K, source counters (SASS) in the tar"
     timeout ${S51_NCU_S:-150} ncu -k regex:split_kernel_v3 -s 3 -c 1 --clock-control none --import-source yes \
@@ -454,7 +459,7 @@ elif [ "$MODE" = stop52 ]; then
   for backend in auto triton; do
     echo "=== a decode step, StepMemo against each layer its own ($backend)"
     timeout ${S52_STEP_S:-150} python3 -P benchmarks/hf_step_probe.py --backend $backend --batches ${S52_BATCHES:-8,32} \
-      --prompt ${S52_PROMPT:-4096} 2>&1 | grep -v "^{\|Warning" | tail -4 | tee -a /tmp/s52/step.txt
+      --prompt ${S52_PROMPT:-2048} 2>&1 | grep -v "^{\|Warning" | tail -4 | tee -a /tmp/s52/step.txt
   done
   tar czf "$OUT/stop52.tgz" -C /tmp s52
 elif [ "$MODE" = v6pair ]; then
