@@ -250,3 +250,25 @@ def test_pdl_default_by_kernel(monkeypatch, batch, heads, tokens, mode):
     monkeypatch.setattr(A, "pdl_unsupported", lambda dev: None)
     call = _prepare(monkeypatch, batch, heads, tokens)
     assert (call.variant, call.pdl) == ("v3" if heads == 128 else "v2", mode)
+
+
+@pytest.mark.parametrize("quant,cbits,rbits,dot_bf16,bias,want", [
+    (True, 4, 4, True, None, (128, 128)),   # the bfloat16 bit trick: 128 + code is exact below 8 bits
+    (True, 2, 8, True, None, (128, 0)),     # 8-bit codes: 128 + 255 is no bfloat16 integer, no bias
+    (True, 8, 8, True, None, (0, 0)),
+    (True, 4, 4, False, None, (0, 0)),      # float32 dots take the codes as they are
+    (True, 4, 4, False, 128, (128, 128)),   # forced (the interpreter's check of the bias algebra)
+    (True, 8, 8, False, 128, (0, 0)),       # never for 8-bit codes
+    (False, 16, 16, True, 128, (0, 0)),     # bf16 pages hold no codes
+])
+def test_v2_code_bias_by_bits_and_dot_dtype(quant, cbits, rbits, dot_bf16, bias, want):
+    consts = A.v2_constexprs(quant, cbits, rbits, dot_bf16, code_bias=bias)
+    assert (consts["CBIAS"], consts["RBIAS"]) == want
+
+
+def test_pdl_needs_a_triton_with_an_nvidia_backend(monkeypatch):
+    """A triton without the NVIDIA compiler module (a ROCm-only build) launches nothing with PDL."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "triton.backends.nvidia.compiler", None)
+    assert A._triton_launches_pdl.__wrapped__() is False
