@@ -272,3 +272,35 @@ def test_pdl_needs_a_triton_with_an_nvidia_backend(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "triton.backends.nvidia.compiler", None)
     assert A._triton_launches_pdl.__wrapped__() is False
+
+
+@pytest.fixture
+def stubbed_gpu(monkeypatch):
+    stub_triton_launcher(monkeypatch, sm_count=132)
+    monkeypatch.delenv(A.VARIANT_ENV, raising=False)
+    return monkeypatch
+
+
+def _prepare_dtype(q_dtype, heads=16, **kw):
+    """H ``heads`` B2 L4K C4R4 prepared (on the stubbed GPU) with ``q_dtype`` queries."""
+    f = qm.PackFormat.parse("C4R4")
+    cache = qm.MLACache.allocate(f, 2 * 64, 2, 4, 128, device="cpu")
+    table = torch.arange(128, dtype=torch.int32).view(2, 64)
+    lens = torch.full((2,), 4096, dtype=torch.int32)
+    return A.prepare(cache, table, lens, torch.arange(2, dtype=torch.int32), 2, 1, heads, q_dtype, 0.05, **kw)
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+def test_float32_queries_on_a_gpu_run_kernel_v1(stubbed_gpu, heads):
+    """On a GPU, kernels v2 and v3 take bfloat16 queries only (heuristics.V2_FLOAT32_ON_GPU): float32 queries run v1,
+    bfloat16 ones v2 (H16) or v3 (H128); a forced v2 with float32 queries runs v1 too."""
+    assert _prepare_dtype(torch.float32, heads).variant == "v1"
+    assert _prepare_dtype(torch.bfloat16, heads).variant == ("v2" if heads == 16 else "v3")
+    assert _prepare_dtype(torch.float32, heads, variant="v2").variant == "v1"
+
+
+def test_protect_rows_override_wins_over_the_environment(stubbed_gpu):
+    stubbed_gpu.setenv(A.PROTECT_ROWS_ENV, "64")
+    assert _prepare_dtype(torch.bfloat16, 128).plan.protect_block_r == 64
+    call = _prepare_dtype(torch.bfloat16, 128, overrides={"protect_block_r": 32})
+    assert call.plan.protect_block_r == 32
