@@ -475,3 +475,19 @@ def test_allocators_on_one_memo_build_what_they_would_alone(ops, where, other, i
             if op is not None:
                 assert _apply(pc, op) == _apply(twin, op)
                 assert pc.history == twin.history
+
+
+def test_allocator_argument_edges():
+    """One memo entry is a valid capacity; zero layers are refused; a new request of exactly one page needs one page;
+    a write plan (shared through a memo) cannot be changed."""
+    import dataclasses
+
+    memo = qm.StepMemo(capacity=1)
+    assert memo.get("a", lambda: 1) == 1 and memo.get("b", lambda: 2) == 2 and len(memo) == 1
+    with pytest.raises(ValueError, match="num_layers: expected an integer >= 1, got 0"):
+        qm.PagedMLACache(FMT, num_pages=2, max_seqs=1, device="cpu", num_layers=0)
+    pc = qm.PagedMLACache(FMT, num_pages=4, max_seqs=1, device="cpu")
+    assert [pc.pages_needed(None, n) for n in (0, 1, 16, 17)] == [0, 1, 1, 2]
+    plan = pc.reserve([(pc.add_request(), 3)])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.num_tokens = 4
