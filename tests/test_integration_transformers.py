@@ -541,3 +541,22 @@ def test_disable_forgets_the_handle_and_a_decode_step_writes_every_row_at_once(m
     assert not handle.enabled and getattr(model, "_quantmla_handle", None) is None
     handle.disable()  # again: nothing to do
     assert not handle.enabled
+
+
+def test_token_validity_reads_every_mask_form():
+    """Which new tokens are real, from the mask forms ``transformers`` passes: 2-D flash style (1 = real), 4-D bool and
+    4-D additive (also inside a per-layer-type dict); None when every token is real, when the mask is too short to
+    say, or when there is no mask."""
+    from quantmla_core.integrations.transformers import _token_validity
+
+    flat = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1]])  # left padding, past 0
+    want = flat[:, :4].bool()
+    assert torch.equal(_token_validity(flat, 0, 4), want)
+    assert _token_validity(flat, 2, 4) is None  # every token after the padding is real
+    assert _token_validity(flat[:, :5], 2, 4) is None  # too short to say
+    square = flat[:, None, None, :].bool().expand(3, 1, 4, 6)  # [B, 1, q, kv]: each query sees the real keys
+    assert torch.equal(_token_validity(square, 0, 4), want)
+    additive = torch.zeros(3, 1, 4, 6).masked_fill(~square, torch.finfo(torch.float32).min)
+    assert torch.equal(_token_validity({"full_attention": additive}, 0, 4), want)
+    assert _token_validity(additive[..., :3], 0, 4) is None
+    assert _token_validity(None, 0, 4) is None and _token_validity(flat[0], 0, 4) is None
