@@ -529,14 +529,19 @@ def test_a_step_builds_its_index_arrays_once_for_every_layer(beams):
 def test_disable_forgets_the_handle_and_a_decode_step_writes_every_row_at_once(monkeypatch):
     """``disable`` marks the handle off and takes it off the model (a later ``QuantMLACache(model)`` cannot pick up its
     options); while enabled, a decode step without rollback writes every row in one reservation
-    (``_write_every_row``), not row by row."""
+    (``_write_every_row``), not row by row, and keeps no undo records."""
     model = tiny_model("v3")
     handle = enable_quantmla(model, "C4R4", sink=SINK, local=LOCAL, backend=BACKEND)
     calls = []
     original = QuantMLALayer._write_every_row
     monkeypatch.setattr(QuantMLALayer, "_write_every_row", lambda self, *a: calls.append(1) or original(self, *a))
-    generate(model, prompt(20, seed=3), 3, cache=QuantMLACache(model))
+    cache = QuantMLACache(model)
+    generate(model, prompt(20, seed=3), 3, cache=cache)
     assert len(calls) == 2 * 2  # two decode steps, two layers
+    prefilled = QuantMLACache(model)
+    generate(model, prompt(20, seed=3), 1, cache=prefilled)
+    assert all(layer._undo == [] for layer in prefilled.layers)  # without rollback nothing is kept to take back
+    assert not QuantMLALayer.is_compileable  # README: no torch.compile of generate() on this cache
     handle.disable()
     assert not handle.enabled and getattr(model, "_quantmla_handle", None) is None
     handle.disable()  # again: nothing to do
