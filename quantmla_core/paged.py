@@ -339,12 +339,12 @@ class PagedMLACache:
         All-or-nothing."""
         items = tuple((self._check_live(s), int(n)) for s, n in items)
         p = self.format.page_size
-        lens = dict(self._lens)
+        lens: dict[int, int] = {}  # the new lengths of the requests named, kept apart until the pages are there
         starts, takes = [], []  # each item's first position and the pages it takes
         for s, n in items:
             if n < 0:
                 raise ValueError(f"items: expected token counts >= 0, got {n} for request {s}")
-            start = lens[s]
+            start = lens.get(s, self._lens[s])
             lens[s] = start + n
             starts.append(start)
             takes.append(-(-(start + n) // p) - -(-start // p))  # a request holds ceil(length / P) pages
@@ -355,7 +355,7 @@ class PagedMLACache:
         for (s, _), k in zip(items, takes):
             if k:
                 self._pages[s].extend(free.pop() for _ in range(k))
-        self._lens = lens
+        self._lens.update(lens)
         self._advance("reserve", items)
         return self._shared(key, lambda: self._write_plan(items, starts))
 

@@ -24,12 +24,17 @@ def _prepare(monkeypatch, batch, heads, tokens, sink=4, local=128, fmt="C4R4", l
     if launches is not None:
         launches.append(recorded)
     monkeypatch.delenv(A.VARIANT_ENV, raising=False)
+    return _prepare_stubbed(batch, heads, tokens, sink, local, fmt)
+
+
+def _prepare_stubbed(batch, heads, tokens, sink=4, local=128, fmt="C4R4", q_dtype=torch.bfloat16, **kw):
+    """``A.prepare`` of ``batch`` requests of ``tokens`` tokens with ``q_dtype`` queries, the kernels already stubbed."""
     f = qm.PackFormat.parse(fmt)
     pages = tokens // f.page_size
     cache = qm.MLACache.allocate(f, batch * pages, batch, sink, local, device="cpu")
     table = torch.arange(batch * pages, dtype=torch.int32).view(batch, pages)
     lens = torch.full((batch,), tokens, dtype=torch.int32)
-    return A.prepare(cache, table, lens, torch.arange(batch, dtype=torch.int32), batch, 1, heads, torch.bfloat16, 0.05)
+    return A.prepare(cache, table, lens, torch.arange(batch, dtype=torch.int32), batch, 1, heads, q_dtype, 0.05, **kw)
 
 
 @pytest.mark.parametrize("batch,heads,tokens,variant,split_grid,protect_grid,tiles,merge_grid", [
@@ -283,11 +288,7 @@ def stubbed_gpu(monkeypatch):
 
 def _prepare_dtype(q_dtype, heads=16, **kw):
     """H ``heads`` B2 L4K C4R4 prepared (on the stubbed GPU) with ``q_dtype`` queries."""
-    f = qm.PackFormat.parse("C4R4")
-    cache = qm.MLACache.allocate(f, 2 * 64, 2, 4, 128, device="cpu")
-    table = torch.arange(128, dtype=torch.int32).view(2, 64)
-    lens = torch.full((2,), 4096, dtype=torch.int32)
-    return A.prepare(cache, table, lens, torch.arange(2, dtype=torch.int32), 2, 1, heads, q_dtype, 0.05, **kw)
+    return _prepare_stubbed(2, heads, 4096, q_dtype=q_dtype, **kw)
 
 
 @pytest.mark.parametrize("heads", [16, 128])
