@@ -125,6 +125,8 @@ def test_bf16_format_matches_unmodified_model(name):
     assert errs[0] < 1e-6  # prefill: the model's own full-precision attention
     assert max(errs) < 1e-2, errs
     assert cache.seq_lengths() == [45 + 23] * 1 and cache.get_seq_length() == 45 + 23
+    # pages grow on demand: no maximum length, the -1 that transformers' dynamic layers report
+    assert cache.get_max_length() == -1 and [layer.get_max_length() for layer in cache.layers] == [-1, -1]
     # the pages really hold the history: 68 tokens, 48 outside the protection buffers
     assert cache.layers[0].paged.pages_in_use == 2  # 64-token pages
     handle.disable()
