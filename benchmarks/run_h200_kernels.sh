@@ -71,6 +71,11 @@
 #   bash benchmarks/run_h200_kernels.sh stop52   # the transformers integration's StepMemo: tests/test_paged.py and
 #       tests/test_integration_transformers.py on CUDA (auto), benchmarks/hf_step_probe.py on auto and triton (a
 #       27-layer decode step with the memo against each layer its own) at S52_BATCHES, S52_PROMPT; $OUT/stop52.tgz
+#   bash benchmarks/run_h200_kernels.sh stop54   # the GPU checks stops 51-53 could not run and kernel v4's first run,
+#       in five processes at once: stop 51's conformance (v2 words; v3 code words; v3's C2R4 default at many requests
+#       and real shapes), stop 52's allocator and integration tests on CUDA (auto), kernel v4 (one small case, then
+#       its test files); then, each only while S54_LIMIT seconds (default 540) are not spent: v3 against v4 as CUDA
+#       graphs (S54_V4_SHAPES, S54_V4_FORMATS), memcheck of v2 words, v3 C2R4 and v4; $OUT/stop54.tgz
 #   bash benchmarks/run_h200_kernels.sh v6pair   # v6 as two-CTA clusters sharing each key tile (QUANTMLA_CUPY_V6_PAIR):
 #       conformance of forced pairs, CUDA graphs of 0 against 1 over V6PAIR_SHAPES, memcheck of the pairs
 #   bash benchmarks/run_h200_kernels.sh v6fold   # v6's slack maximum and RoPE fold (QUANTMLA_CUPY_V6_SLACK / _ROPE_FOLD):
@@ -462,6 +467,44 @@ elif [ "$MODE" = stop52 ]; then
       --prompt ${S52_PROMPT:-2048} 2>&1 | grep -v "^{\|Warning" | tail -4 | tee -a /tmp/s52/step.txt
   done
   tar czf "$OUT/stop52.tgz" -C /tmp s52
+elif [ "$MODE" = stop54 ]; then
+  mkdir -p /tmp/s54; t0=$(date +%s); left() { echo $(( ${S54_LIMIT:-540} - $(date +%s) + t0 )); }
+  echo "=== at once: conformance (three processes), the allocator/integration tests (auto), kernel v4's tests"
+  pids=""
+  for sel in "v2_code_words or v2_switches" "code_words and not v2" "v3_attention_matches or many_requests or real_shapes and v3"; do
+    tag=$(echo "$sel" | tr -c 'A-Za-z0-9\n' _)
+    (timeout -k 10 ${S54_CONF_S:-330} $T -rfE tests/test_triton_backend.py -k "$sel" > "/tmp/s54/conf_$tag.txt" 2>&1
+     echo "rc=$?" >> "/tmp/s54/conf_$tag.txt") &
+    pids="$pids $!"
+  done
+  (QUANTMLA_TEST_HF_BACKEND=auto timeout -k 10 ${S54_CONF_S:-330} $T -rfE tests/test_paged.py tests/test_integration_transformers.py \
+     > /tmp/s54/tests_auto.txt 2>&1; echo "rc=$?" >> /tmp/s54/tests_auto.txt) &
+  pids="$pids $!"
+  (timeout -k 10 150 $T -x -rfE tests/test_triton_v4.py -k "matches_reference_and_v3 and C4R4 and L63_64_65 and H128" \
+     > /tmp/s54/v4_first.txt 2>&1; echo "rc=$?" >> /tmp/s54/v4_first.txt
+   grep -q "^rc=0" /tmp/s54/v4_first.txt && timeout -k 10 200 $T -rfE tests/test_triton_v4.py tests/test_triton_v4_offline.py \
+     > /tmp/s54/v4_conf.txt 2>&1; echo "rc=$?" >> /tmp/s54/v4_conf.txt) &
+  pids="$pids $!"
+  wait $pids  # not a bare wait: h200_setup.sh's nvidia-smi logger runs in the background
+  for f in /tmp/s54/conf_*.txt /tmp/s54/tests_auto.txt /tmp/s54/v4_first.txt /tmp/s54/v4_conf.txt; do
+    [ -e "$f" ] && { echo "--- $f"; grep -E "^FAILED|^ERROR" "$f" | head -8; tail -3 "$f"; }
+  done
+  if grep -q "^rc=0" /tmp/s54/v4_first.txt && [ "$(left)" -gt 100 ]; then
+    echo "=== v3 against v4, CUDA graphs (FlashInfer BF16 in the process)"
+    timeout -k 10 $(( $(left) < 200 ? $(left) - 60 : 140 )) python3 -P benchmarks/graph_probe.py --backends triton \
+      --formats ${S54_V4_FORMATS:-C4R4,C2R4,BF16} --shapes ${S54_V4_SHAPES:-128x32x32768,128x8x4096} \
+      --settings "QUANTMLA_TRITON_ATTENTION=v3;QUANTMLA_TRITON_ATTENTION=v4;QUANTMLA_TRITON_ATTENTION=v4" \
+      --json /tmp/s54/graph_v4.json 2>&1 | grep -v "^{" | tail -20
+  fi
+  if [ "$(left)" -gt 50 ]; then
+    echo "=== memcheck (v2 words, v3 C2R4$(grep -q '^rc=0' /tmp/s54/v4_first.txt && echo ', v4'))"
+    timeout -k 5 $(( $(left) < 100 ? $(left) - 10 : 90 )) compute-sanitizer --tool memcheck $T tests/test_triton_backend.py \
+      -k "(v2_code_words and C4R4) or (test_v3_code_words and C2R4)" > /tmp/s54/memcheck.txt 2>&1; tail -3 /tmp/s54/memcheck.txt
+    grep -q "^rc=0" /tmp/s54/v4_first.txt && [ "$(left)" -gt 40 ] && timeout -k 5 $(( $(left) - 10 )) compute-sanitizer \
+      --tool memcheck $T tests/test_triton_v4.py -k "C2R4 and L63_64_65 or poisoned" > /tmp/s54/memcheck_v4.txt 2>&1
+    [ -e /tmp/s54/memcheck_v4.txt ] && tail -3 /tmp/s54/memcheck_v4.txt
+  fi
+  tar czf "$OUT/stop54.tgz" -C /tmp s54
 elif [ "$MODE" = v6pair ]; then
   echo "=== v6 pairs: one small case first (a hang or a failure stops here)"; timeout 120 $T tests/test_cupy_v6.py \
     -k "v6_pair_matches and L64_128_192" 2>&1 | tail -2 | tee "$OUT/v6_pair_first.txt"

@@ -298,7 +298,7 @@ def stub_triton_launcher(monkeypatch: Any, sm_count: int = 132) -> list:
             return lambda *args, **kwargs: launches.append((self.name, grid, args, kwargs))
 
     for variant, kernel in list(A._KERNELS.items()):
-        monkeypatch.setitem(A._KERNELS, variant, Kernel(kernel.fn.__name__))
+        monkeypatch.setitem(A._KERNELS, variant, Kernel(getattr(kernel, "fn", kernel).__name__))
     monkeypatch.setattr(A, "protect_kernel", Kernel("protect_kernel"))
     monkeypatch.setattr(A, "merge_kernel", Kernel("merge_kernel"))
     monkeypatch.setattr(A, "interpreting", lambda: False)

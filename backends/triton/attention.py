@@ -21,16 +21,19 @@ from . import interpreting, slice_width
 from .attention_kernel import merge_kernel, protect_kernel, split_kernel
 from .attention_v2_kernel import split_kernel_v2
 from .attention_v3_kernel import split_kernel_v3
+from .attention_v4_kernel import GLUON_IMPORT_ERROR, split_kernel_v4
 from .common import launch_dims, page_layout_constexprs, ptr_or_dummy
 from .heuristics import (INTERPRETER_SM_COUNT, MERGE_BLOCK_C, MERGE_BLOCK_R, MERGE_WARPS, PDL_MODES,
                          PROTECT_STAGES, TMEM_COLUMNS, V2_CODE_WORDS, V2_FLOAT32_ON_GPU, V2_HOLD_RAW, V2_ZSUB,
                          V3_BLOCK_N, V3_BLOCK_R, V3_MIN_ROWS, V3_NUM_STAGES, V3_NUM_WARPS, V3_PREFETCH, AttentionPlan,
                          DeviceLimits, PROTECT_ROWS_CHOICES, merge_load_width, pdl_default, plan, plan_v2, plan_v3,
-                         planned_shared_max, protect_parts, v3_code_words, v3_tile_groups, v3_word_lanes)
+                         planned_shared_max, plan_v4, protect_parts, v3_code_words, v3_tile_groups, v3_word_lanes,
+                         V4_CAPABILITY_MAJOR, V4_DIMS, V4_FORMATS, V4_PAGE_SIZE)
 
-#: environment variable choosing the split kernel ("auto" default, "v1", "v2", "v3"); read on every call
+#: environment variable choosing the split kernel ("auto" default, "v1", "v2", "v3", "v4"); read on every call. v4
+#: (Gluon, Hopper) runs only when asked for: ``auto`` never picks it before it is measured
 VARIANT_ENV = "QUANTMLA_TRITON_ATTENTION"
-VARIANTS = ("auto", "v1", "v2", "v3")
+VARIANTS = ("auto", "v1", "v2", "v3", "v4")
 #: query rows a program of the protected-tile kernel attends (a measurement knob, read on every call; unset: the
 #: plan's 16, see heuristics.PROTECT_ROWS_CHOICES)
 PROTECT_ROWS_ENV = "QUANTMLA_TRITON_PROTECT_ROWS"
@@ -46,8 +49,9 @@ PROTECTED_STREAM_ENV = "QUANTMLA_TRITON_PROTECTED_STREAM"
 #: have not is refused. With ``QUANTMLA_TRITON_PROTECTED_STREAM=1`` the launches are plain (the merge waits on the side
 #: stream's event)
 PDL_ENV = "QUANTMLA_TRITON_PDL"
-_KERNELS = {"v1": split_kernel, "v2": split_kernel_v2, "v3": split_kernel_v3}
-_PLANNERS = {"v1": plan, "v2": plan_v2, "v3": plan_v3}
+_KERNELS = {"v1": split_kernel, "v2": split_kernel_v2, "v3": split_kernel_v3,
+            **({} if split_kernel_v4 is None else {"v4": split_kernel_v4})}
+_PLANNERS = {"v1": plan, "v2": plan_v2, "v3": plan_v3, "v4": plan_v4}
 
 
 def auto_variant(quantized: bool, q_bf16: bool, rows: int = 1, v3_fits: bool = True) -> str:
@@ -70,6 +74,29 @@ def v3_suits(device: torch.device) -> bool:
     if interpreting() or device.type != "cuda":
         return True
     return _nvidia_major(_device_index(device)) == 9
+
+
+def v4_unsupported(fmt, q_dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why kernel v4 (Gluon: warp-specialized, Hopper ``wgmma``) cannot serve a call of ``fmt`` pages and ``q_dtype``
+    queries on ``device``, or None. Gluon has no interpreter, so it runs on NVIDIA sm_90 GPUs alone."""
+    if GLUON_IMPORT_ERROR is not None:
+        return f"kernel v4 needs triton's Gluon: {GLUON_IMPORT_ERROR}"
+    reason = _not_nvidia(device, "kernel v4 (Gluon) runs on NVIDIA GPUs", "kernel v4 (Gluon) is built for NVIDIA Hopper, "
+                         "not ROCm")
+    if reason is not None:
+        return reason
+    major = _nvidia_major(_device_index(device))
+    if major != V4_CAPABILITY_MAJOR:
+        return f"kernel v4 needs compute capability {V4_CAPABILITY_MAJOR}.x (Hopper), {device} is {major}.x"
+    if q_dtype != torch.bfloat16:
+        return f"kernel v4 takes bfloat16 queries, got {q_dtype}"
+    if fmt.name not in V4_FORMATS:
+        return f"kernel v4 reads pages of {'/'.join(V4_FORMATS)}, got {fmt.name}"
+    if (fmt.latent_dim, fmt.rope_dim) != V4_DIMS:
+        return f"kernel v4 is built for (d_c, d_r) = {V4_DIMS}, got ({fmt.latent_dim}, {fmt.rope_dim})"
+    if fmt.page_size != V4_PAGE_SIZE:
+        return f"kernel v4 reads {V4_PAGE_SIZE}-token pages, got page_size={fmt.page_size}"
+    return None
 
 
 @functools.lru_cache(maxsize=16)
@@ -268,7 +295,7 @@ def _split_constexprs(fmt, variant: str, q_bf16: bool, dot_bf16: bool, block_n: 
     )
     if variant == "v2":
         consts.update(v2_constexprs(quant, cbits, rbits, dot_bf16, ptx_split=nvidia_asm))
-    elif variant == "v3":
+    elif variant in ("v3", "v4"):  # v4 takes v3's arguments and constexprs (it reads no switch)
         consts.update(v3_constexprs(quant, cbits, rbits, dot_bf16, ptx_split=nvidia_asm))
     return MappingProxyType(consts)
 
@@ -285,7 +312,7 @@ def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: 
     kernel switches ``pv_form``, ``hold_raw``, ``code_bias``, ``zsub``, v3 ``prefetch``, ``word_codes``,
     ``ptx_split``; all take
     ``maxnreg``).
-    ``variant`` ("auto"/"v1"/"v2"/"v3") overrides ``$QUANTMLA_TRITON_ATTENTION`` (read per call;
+    ``variant`` ("auto"/"v1"/"v2"/"v3"/"v4") overrides ``$QUANTMLA_TRITON_ATTENTION`` (read per call;
     default "auto", see :func:`auto_variant`). v2 on a GPU with float32 queries runs v1 (``heuristics.V2_FLOAT32_ON_GPU``);
     ``LAST_LAUNCH["variant"]`` names the kernel that ran."""
     b, s_q, h, _ = q_latent.shape
@@ -466,6 +493,8 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
     interp = interpreting()
     dot_bf16 = q_bf16 and not interp  # the interpreter's bfloat16 math is wrong: float32 there
     limits = device_limits(dev, dc, dr)
+    if variant == "v4" and (why := v4_unsupported(fmt, q_dtype, dev)):
+        raise ValueError(f"{VARIANT_ENV}=v4: {why}")
     v3_fits = False
     if q_bf16 and (variant == "v3" or (variant == "auto" and rows >= V3_MIN_ROWS and v3_suits(dev))):
         v3_excess = _split_excess("v3", fmt, q_dtype, cache, block_table, seq_lens, dot_bf16, (V3_BLOCK_N, V3_BLOCK_R),
@@ -487,6 +516,8 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
     if overrides:
         overrides = dict(overrides)
         probe_skip_pv = bool(overrides.pop("skip_pv", False))
+        if probe_skip_pv and variant == "v4":
+            raise ValueError("overrides: 'skip_pv' is a switch of kernels v1-v3, the call runs v4")
         for key, (kernels, kind) in KERNEL_SWITCHES.items():
             if key in overrides:
                 if variant not in kernels:
@@ -501,7 +532,7 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
             pl = dataclasses.replace(pl, row_blocks=-(-rows // pl.block_r))
     pl = _protect_rows_from_env(pl, overrides)
     LAST_LAUNCH["plan"] = pl
-    if limits.checked and variant != "v3":  # v3's plan is the one checked above
+    if limits.checked and variant not in ("v3", "v4"):  # v3's plan is the one checked above; v4 runs on sm_90 alone
         excess = _split_excess(variant, fmt, q_dtype, cache, block_table, seq_lens, dot_bf16, (pl.block_n, pl.block_r),
                                (pl.num_warps, pl.num_stages), dev, limits)
         if excess:

@@ -20,7 +20,7 @@ run in the interpreter (CPU) with ``sm_count`` = :data:`INTERPRETER_SM_COUNT`.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..splits import plan_kv_splits
 
@@ -90,7 +90,7 @@ def pdl_default(variant: str) -> int:
     200.4-200.7 / 193.5-193.8, B32 L4K - / 470.2-473.3 / 460.9-461.5, B128 L4K - / 1,681-1,682 / 1,660-1,661, B32
     L32K - / 2,546 / 2,530-2,532. Mode 1 never lost (I had predicted 3-5 us at H16 B8 L4K; it took 0.6-1.0); mode 2
     gained at every v3 shape and lost 1.5 us at H16 B8 L4K, the shape nearest its 1.5x target."""
-    return 2 if variant == "v3" else 1
+    return 2 if variant == "v3" else 1  # v4 signals no dependents early: mode 2 would only serialise its protect
 
 
 def merge_load_width(partials: int) -> int:
@@ -353,3 +353,23 @@ def plan_v3(batch: int, rows: int, latent_dim: int, page_size: int, max_tokens: 
         num_splits = plan_kv_splits(batch * row_blocks, tiles, V3_CTAS_PER_SM * sm_count, min_tiles, MAX_SPLITS)[0]
     return AttentionPlan(V3_BLOCK_N, block_r, row_blocks, int(num_splits), V3_NUM_WARPS, V3_NUM_STAGES,
                          v3_protect_rows(batch, rows, sm_count), PROTECT_WARPS)
+
+
+# ------------------------------------------------------------------ attention kernel v4
+# (attention_v4_kernel.py: kernel v3's grid and partials in Gluon, a dequantizing and an attending warpgroup)
+#: warps of the attending (default) partition; the loader partition adds its own 4 warps
+V4_NUM_WARPS = 4
+#: what kernel v4 is built for: pages of these formats at these (d_c, d_r) with 64-token pages, on sm_90
+V4_FORMATS = ("BF16", "C4R4", "C2R4")
+V4_DIMS = (512, 64)
+V4_PAGE_SIZE = 64
+#: compute capability (major) of the Hopper warpgroup MMAs and register reallocation it is written for
+V4_CAPABILITY_MAJOR = 9
+
+
+def plan_v4(batch: int, rows: int, latent_dim: int, page_size: int, max_tokens: int, sm_count: int,
+            interpreter: bool = False, num_splits: int | None = None, fp32_dot: bool = False) -> AttentionPlan:
+    """Launch plan of attention kernel v4: kernel v3's tiles, row blocks and splits (the same grid and partials),
+    with :data:`V4_NUM_WARPS` warps in the launch's default partition."""
+    return replace(plan_v3(batch, rows, latent_dim, page_size, max_tokens, sm_count, interpreter, num_splits, fp32_dot),
+                   num_warps=V4_NUM_WARPS)

@@ -1,0 +1,227 @@
+"""Kernel v4's loader partition (4 warps) and its per-format page dequantizers (Gluon, Hopper).
+
+Per 64-token page ``i`` of the split, the loader writes the page's keys as bfloat16 into slot ``i % 2`` of the
+shared tiles ``kc`` ``[2, 64, DC]`` (content) and ``kr`` ``[2, 64, DR]`` (RoPE), then runs the output product over
+the high half of the content channels for the page before it (``acc_hi = acc_hi * alpha + P @ K[:, DC/2:]``, P and
+alpha from the attender through shared memory). ``attention_v4_kernel`` describes the barrier protocol.
+
+Content value = ``bf16(s * (code - zero))``: ``code - zero`` is exact in bfloat16 (``128 + code`` minus
+``128 + zero``), and the bfloat16 scale times it is rounded once (the float32 product, exact, rounded to bfloat16:
+kernel v3's and a BF16 cache's value). RoPE (float32 scales): the float32 product rounded to bfloat16, as v3.
+
+Channel order (split-half packing, ``quantmla_core.formats``): byte ``j`` of a token's code row holds channel
+``j + pl * BYTES`` in bits ``[pl * BITS, (pl + 1) * BITS)`` (``BYTES`` = bytes a row). A 32-bit word (bytes
+``4w .. 4w + 3``, little-endian) shifted by ``8 * b + BITS * pl`` and masked in both 16-bit halves holds plane
+``pl`` of bytes ``4w + b`` (low half) and ``4w + 2 + b`` (high half). ``tests/test_triton_v4_offline.py`` mirrors
+these loads in NumPy against the reference decoder.
+"""
+
+from __future__ import annotations
+
+GLUON_IMPORT_ERROR: str | None = None
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_init  # noqa: F401
+    _needs = (gluon.constexpr_function, gl.warp_specialize, gl.NVMMADistributedLayout, gl.NVMMASharedLayout,
+              async_copy.async_copy_global_to_shared)  # older Gluon releases lack some: no kernel v4 there
+except Exception as exc:  # a triton without Gluon (or without its Hopper module)
+    GLUON_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+
+if GLUON_IMPORT_ERROR is None:
+    #: pages of this many tokens (one table entry, one pair of shared tiles)
+    PAGE_TOKENS = gl.constexpr(64)
+    #: triton 3.7 names the CTA barrier ``barrier``, 3.6 ``thread_barrier``
+    _HAS_BARRIER = gl.constexpr(hasattr(gl, "barrier"))
+    #: ``lop3`` LUT 0xEA: ``(x & mask) | 0x43004300``, then the halves as two bfloat16 ``128 + code``
+    ASM_PAIR4 = gl.constexpr("{ .reg .b32 t; lop3.b32 t, $2, 983055, 1124090624, 0xEA; mov.b32 {$0, $1}, t; }")
+    ASM_PAIR2 = gl.constexpr("{ .reg .b32 t; lop3.b32 t, $2, 196611, 1124090624, 0xEA; mov.b32 {$0, $1}, t; }")
+
+    @gluon.jit
+    def _partition_barrier():
+        """A barrier of the calling partition's warps (``bar.sync`` on its named barrier inside a partition)."""
+        if _HAS_BARRIER:
+            gl.barrier()
+        else:  # triton 3.6
+            gl.thread_barrier()
+
+    @gluon.constexpr_function
+    def _acc_layout(N):
+        """The wgmma accumulator layout of a [64, N] float32 tile on one warpgroup."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, int(N), 16])
+
+    @gluon.jit
+    def page_of(table_row, j, num_pages, PAGE_BYTES: gl.constexpr):
+        """Page ``j`` of the request (its tokens ``[64 j, 64 j + 64)``): its byte offset (0 for an id outside
+        ``[0, num_pages)``, as kernel v2's ``tile_pages``) and whether the id is valid."""
+        page = gl.load(table_row + j)
+        page_ok = (page >= 0) & (page < num_pages)
+        return gl.where(page_ok, page, 0).to(gl.int64) * PAGE_BYTES, page_ok
+
+    @gluon.jit
+    def tokens_ok(tok, j, ps, pe, page_ok):
+        """Which tokens ``tok`` (``[64]``, offsets in page ``j``) are in ``[ps, pe)`` on a valid page."""
+        n = j * PAGE_TOKENS + tok
+        return (n >= ps) & (n < pe) & page_ok
+
+    @gluon.jit
+    def _pair(w, SHIFT: gl.constexpr, BITS: gl.constexpr):
+        """Plane codes at bit ``SHIFT`` of both 16-bit halves of the words ``w`` as two bfloat16 ``128 + code``."""
+        if BITS == 4:
+            ASM: gl.constexpr = ASM_PAIR4
+        else:
+            ASM: gl.constexpr = ASM_PAIR2
+        return gl.inline_asm_elementwise(ASM, "=h,=h,r", [w >> SHIFT], dtype=(gl.bfloat16, gl.bfloat16),
+                                         is_pure=True, pack=1)
+
+    @gluon.jit
+    def _plane(w, pl: gl.constexpr, BITS: gl.constexpr, zb, s, N: gl.constexpr, W: gl.constexpr,
+               F32_SCALE: gl.constexpr):
+        """Plane ``pl`` of the words ``w`` ``[N, W]`` dequantized: bfloat16 ``[N, 4 * W]``, column ``4w + b`` =
+        byte ``4w + b``. ``zb``: ``128 + zero`` (bfloat16 ``[N]``); ``s``: scales ``[N]`` (bfloat16, or float32
+        with ``F32_SCALE``: the float32 product rounded to bfloat16)."""
+        lo0, hi0 = _pair(w, BITS * pl, BITS)  # bytes 0 and 2 of each word
+        lo1, hi1 = _pair(w, 8 + BITS * pl, BITS)  # bytes 1 and 3
+        lo0 = _scaled(lo0, zb, s, F32_SCALE)
+        hi0 = _scaled(hi0, zb, s, F32_SCALE)
+        lo1 = _scaled(lo1, zb, s, F32_SCALE)
+        hi1 = _scaled(hi1, zb, s, F32_SCALE)
+        k = gl.join(gl.join(lo0, hi0), gl.join(lo1, hi1))  # [N, W, i, o] = byte 2i + o
+        return gl.reshape(k, [N, 4 * W])
+
+    @gluon.jit
+    def _scaled(x, zb, s, F32_SCALE: gl.constexpr):
+        """``s * ((128 + code) - (128 + zero))`` for bfloat16 ``x`` ``[N, W]`` and ``[N]`` zb, s."""
+        k = x - zb[:, None]
+        if F32_SCALE:
+            return (k.to(gl.float32) * s[:, None]).to(gl.bfloat16)
+        else:
+            return k * s[:, None]
+
+    @gluon.jit
+    def _load_bf16_page(pages_ptr, page_off, j, ps, pe, page_ok, kc_s, kr_s, DC: gl.constexpr, DR: gl.constexpr,
+                        C_OFF: gl.constexpr, R_OFF: gl.constexpr):
+        """BF16 pages: the page's content and RoPE values copied into ``kc_s`` / ``kr_s`` (``cp.async``; 0 for
+        tokens not ``tok_ok``, whose slots may hold any bits), waited for."""
+        lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        tok = gl.arange(0, 64, gl.SliceLayout(1, lay))
+        col = gl.arange(0, 64, gl.SliceLayout(0, lay))
+        ok = tokens_ok(tok, j, ps, pe, page_ok)[:, None] & (col < 64)[None, :]
+        vals = pages_ptr.to(gl.pointer_type(gl.bfloat16))
+        for c in gl.static_range(DC // 64):
+            ptrs = vals + (page_off + C_OFF) // 2 + tok[:, None] * DC + (c * 64 + col)[None, :]
+            async_copy.async_copy_global_to_shared(kc_s.slice(c * 64, 64, dim=1), ptrs, mask=ok)
+        ptrs = vals + (page_off + R_OFF) // 2 + tok[:, None] * DR + col[None, :]
+        async_copy.async_copy_global_to_shared(kr_s, ptrs, mask=ok)
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+
+    @gluon.jit
+    def _load_code_page(pages_ptr, page_off, j, ps, pe, page_ok, kc_s, kr_s, DC: gl.constexpr, DR: gl.constexpr,
+                        CBITS: gl.constexpr, RBITS: gl.constexpr, C_CODES_OFF: gl.constexpr,
+                        R_CODES_OFF: gl.constexpr, C_SCALES_OFF: gl.constexpr, C_ZEROS_OFF: gl.constexpr,
+                        R_SCALES_OFF: gl.constexpr, R_ZEROS_OFF: gl.constexpr):
+        """Packed pages (content CBITS 2 or 4, groups of 64 channels, bfloat16 scales; RoPE 4 bits, one group,
+        float32 scale): the page dequantized into ``kc_s`` / ``kr_s`` (0 for tokens not ``tok_ok``: scale 0).
+
+        Content: a chunk is 64 bytes (16 words) of every token's row; plane ``pl`` of it is the 64 channels
+        ``pl * CBYTES + 64 c + [0, 64)``, one quantization group, one [64, 64] slice of ``kc_s``."""
+        CBYTES: gl.constexpr = DC * CBITS // 8
+        CPLANES: gl.constexpr = 8 // CBITS
+        NCH: gl.constexpr = CBYTES // 64
+        NG: gl.constexpr = DC // 64
+        wl: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])  # [64, 16] words, 16 B a thread
+        tl_: gl.constexpr = gl.SliceLayout(1, wl)
+        tok = gl.arange(0, 64, tl_)
+        ok = tokens_ok(tok, j, ps, pe, page_ok)
+        wcol = gl.arange(0, 16, gl.SliceLayout(0, wl))
+        words = pages_ptr.to(gl.pointer_type(gl.uint32))
+        crow = (page_off + C_CODES_OFF) // 4 + tok * (CBYTES // 4)
+        raws = ()
+        for c in gl.static_range(NCH):  # every chunk's words in flight at once
+            raws = raws + (gl.load(words + crow[:, None] + (c * 16 + wcol)[None, :], mask=ok[:, None], other=0),)
+        srow = pages_ptr.to(gl.pointer_type(gl.bfloat16)) + (page_off + C_SCALES_OFF) // 2 + tok * NG
+        zrow = pages_ptr + (page_off + C_ZEROS_OFF) + tok * NG
+        for c in gl.static_range(NCH):
+            for pl in gl.static_range(CPLANES):
+                # the chunk's plane is group (pl * CBYTES + 64 c) / 64
+                s = gl.load(srow + (pl * CBYTES // 64 + c), mask=ok, other=0.0)
+                zb = (gl.load(zrow + (pl * CBYTES // 64 + c), mask=ok, other=0).to(gl.float32) + 128.0).to(gl.bfloat16)
+                k = _plane(raws[c], pl, CBITS, zb, s, 64, 16, False)
+                kc_s.slice(pl * CBYTES + 64 * c, 64, dim=1).store(k)
+
+        # RoPE: RBYTES = DR / 2 bytes a row (8 words at DR 64); plane 0 = channels [0, DR/2), plane 1 the rest
+        RW: gl.constexpr = DR * RBITS // 8 // 4
+        rl: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (RW // 4), RW // 4], [4, 1], [1, 0])
+        rtl: gl.constexpr = gl.SliceLayout(1, rl)
+        rtok = gl.arange(0, 64, rtl)
+        rok = tokens_ok(rtok, j, ps, pe, page_ok)
+        rw = gl.load(words + ((page_off + R_CODES_OFF) // 4 + rtok * RW)[:, None]
+                     + gl.arange(0, RW, gl.SliceLayout(0, rl))[None, :], mask=rok[:, None], other=0)
+        rs = gl.load(pages_ptr.to(gl.pointer_type(gl.float32)) + (page_off + R_SCALES_OFF) // 4 + rtok,
+                     mask=rok, other=0.0)
+        rzb = (gl.load(pages_ptr + (page_off + R_ZEROS_OFF) + rtok, mask=rok, other=0).to(gl.float32)
+               + 128.0).to(gl.bfloat16)
+        k0 = _plane(rw, 0, RBITS, rzb, rs, 64, RW, True)
+        k1 = _plane(rw, 1, RBITS, rzb, rs, 64, RW, True)
+        kr = gl.reshape(gl.permute(gl.join(k0, k1), (0, 2, 1)), [64, DR])  # [n, plane, j] -> channel plane*DR/2 + j
+        kr_s.store(kr)
+
+    @gluon.jit
+    def _pv_hi(acc, p_s, alpha_s, kc_s, pready, pfree, kempty_s, i, DC: gl.constexpr):
+        """The loader's output product for page ``i`` (its keys in ``kc_s``): waits for P and alpha, returns
+        ``acc * alpha + P @ K[:, DC/2:]`` retired, then frees P and its half of the key slot."""
+        o_layout: gl.constexpr = _acc_layout(DC // 2)
+        mbarrier.wait(pready, i & 1)
+        alpha = alpha_s.load(gl.SliceLayout(1, o_layout))
+        acc = warpgroup_mma(p_s, kc_s.slice(DC // 2, DC // 2, dim=1), acc * alpha[:, None], is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(pfree)
+        mbarrier.arrive(kempty_s)
+        return acc
+
+    @gluon.jit
+    def loader_partition(pages_ptr, table_row, num_pages, o_part_ptr, part, rb, R, ps, pe, j_lo, n_tiles,
+                         bufs, bars, QUANT: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr,
+                         CBITS: gl.constexpr, RBITS: gl.constexpr, P: gl.constexpr, PAGE_BYTES: gl.constexpr,
+                         C_CODES_OFF: gl.constexpr, R_CODES_OFF: gl.constexpr, C_SCALES_OFF: gl.constexpr,
+                         C_ZEROS_OFF: gl.constexpr, R_SCALES_OFF: gl.constexpr, R_ZEROS_OFF: gl.constexpr,
+                         BLOCK_R: gl.constexpr):
+        """Worker partition: fill key slot ``i % 2`` with page ``j_lo + i`` (after both output products of page
+        ``i - 2`` freed it), then run the output product of page ``i - 1`` over channels ``[DC/2, DC)``; at the
+        end write those channels of the partial output (after the attender published the final ``l``)."""
+        kc, kr, q_s, qr_s, p_s, alpha_s, l_s = bufs
+        kfull, kempty, pready, pfree, lfin = bars
+        o_layout: gl.constexpr = _acc_layout(DC // 2)
+        acc = gl.zeros([BLOCK_R, DC // 2], gl.float32, o_layout)
+        for i in range(n_tiles):
+            slot = i % 2
+            mbarrier.wait(kempty.index(slot), ((i // 2) & 1) ^ 1)  # fresh barriers pass parity 1
+            page_off, page_ok = page_of(table_row, j_lo + i, num_pages, PAGE_BYTES)
+            if QUANT:
+                _load_code_page(pages_ptr, page_off, j_lo + i, ps, pe, page_ok, kc.index(slot), kr.index(slot), DC,
+                                DR, CBITS, RBITS, C_CODES_OFF, R_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF, R_SCALES_OFF,
+                                R_ZEROS_OFF)
+            else:
+                _load_bf16_page(pages_ptr, page_off, j_lo + i, ps, pe, page_ok, kc.index(slot), kr.index(slot), DC,
+                                DR, C_CODES_OFF, R_CODES_OFF)
+            fence_async_shared()  # generic-proxy stores, read next by wgmma (async proxy)
+            _partition_barrier()  # every thread's fence before the one arrival
+            mbarrier.arrive(kfull.index(slot))
+            if i > 0:
+                acc = _pv_hi(acc, p_s, alpha_s, kc.index(1 - slot), pready, pfree, kempty.index(1 - slot), i - 1,
+                             DC)
+        if n_tiles > 0:
+            last = n_tiles - 1
+            acc = _pv_hi(acc, p_s, alpha_s, kc.index(last % 2), pready, pfree, kempty.index(last % 2), last, DC)
+
+        mbarrier.wait(lfin, 0)
+        l_i = l_s.load(gl.SliceLayout(1, o_layout))
+        l_safe = gl.where(l_i > 0.0, l_i, 1.0)
+        rows = rb * BLOCK_R + gl.arange(0, BLOCK_R, gl.SliceLayout(1, o_layout))
+        cols = DC // 2 + gl.arange(0, DC // 2, gl.SliceLayout(0, o_layout))
+        offs = (part + rows[:, None]) * DC + cols[None, :]
+        gl.store(o_part_ptr + offs, acc / l_safe[:, None], mask=(rows < R)[:, None])

@@ -1,0 +1,115 @@
+"""Offline sm_90a build of kernel v4 (``attention_v4_kernel.split_kernel_v4``): no GPU needed.
+
+The launch the Triton launcher records for kernel v3 at H = 128 (``offline_build.launches_of`` with
+``QUANTMLA_TRITON_ATTENTION=v3``: its positional arguments and constexprs) is compiled with ``split_kernel_v4``
+in its place, ``num_warps=V4_NUM_WARPS``, through Gluon's AST source for ``GPUTarget("cuda", 90, 32)``.
+
+    python -m quantmla_core.backends.triton.offline_v4 [BF16|C4R4|C2R4] [loader_regs=N]
+
+prints :func:`compile_report`'s dict: registers and spilled bytes (``ptxas -v``), shared memory, ``wgmma`` count in
+the PTX, ``setmaxnreg`` values, SASS instruction counts (``cuobjdump``, where Triton bundles it).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import sys
+from typing import Any
+
+FORMATS = ("BF16", "C4R4", "C2R4")
+
+
+def v3_launch(fmt_name: str, heads: int = 128) -> Any:
+    """The split-kernel launch (``offline_build.Launch``) the launcher records for kernel v3 on a ``fmt_name`` cache
+    with ``heads`` query rows a request (S_q = 1)."""
+    from .offline_build import launches_of
+
+    saved = os.environ.get("QUANTMLA_TRITON_ATTENTION")
+    os.environ["QUANTMLA_TRITON_ATTENTION"] = "v3"
+    try:
+        launches = launches_of(fmt_name, heads)
+    finally:
+        if saved is None:
+            os.environ.pop("QUANTMLA_TRITON_ATTENTION", None)
+        else:
+            os.environ["QUANTMLA_TRITON_ATTENTION"] = saved
+    return next(x for x in launches if x.name == "split_v3")
+
+
+def compile_v4(fmt_name: str = "C4R4", loader_regs: int = 0, heads: int = 128) -> Any:
+    """``triton.compile`` of ``split_kernel_v4`` for sm_90a with v3's recorded launch (see the module docstring)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from .attention_v4_kernel import GLUON_IMPORT_ERROR, V4_NUM_WARPS
+    from .common import FP_FUSION
+    from .offline_build import _arg_type, defaults_of
+
+    if GLUON_IMPORT_ERROR is not None:
+        raise RuntimeError(f"no Gluon in this triton: {GLUON_IMPORT_ERROR}")
+    from .attention_v4_kernel import split_kernel_v4
+
+    launch = v3_launch(fmt_name, heads)
+    signature = inspect.signature(split_kernel_v4.fn).parameters
+    params = list(signature)
+    consts = {p: v for p, v in launch.constexprs.items() if p in params}
+    if loader_regs:
+        consts["LOADER_REGS"] = int(loader_regs)
+    runtime = [p for p in params if p not in consts and signature[p].default is inspect.Parameter.empty]
+    sig: dict[str, str] = {}
+    attrs: dict[tuple[int], list] = {}
+    for p, value in zip(runtime, launch.args):
+        sig[p] = _arg_type(value)
+        if sig[p].startswith("*") or (type(value) is int and value % 16 == 0):
+            attrs[(params.index(p),)] = [["tt.divisibility", 16]]
+    consts.update(defaults_of(signature, {*sig, *consts}, "split_kernel_v4"))
+    sig.update({p: "constexpr" for p in consts})
+    src = GluonASTSource(split_kernel_v4, sig, constexprs={(params.index(p),): v for p, v in consts.items()},
+                         attrs=attrs)
+    options = {"num_warps": V4_NUM_WARPS, "enable_fp_fusion": FP_FUSION}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def compile_report(fmt_name: str = "C4R4", loader_regs: int = 0) -> dict:
+    """Resources of kernel v4 compiled offline for sm_90a: registers, spilled bytes, shared memory, ``wgmma`` in the
+    PTX, the ``setmaxnreg`` values and SASS instruction counts (``sass``: all; -1 where no ``cuobjdump``)."""
+    import triton
+
+    from .offline_build import _nvidia_tool, _run_ptxas, _temp_file, sass_loop_counts
+
+    k = compile_v4(fmt_name, loader_regs)
+    ptx = k.asm["ptx"]
+    with _temp_file(ptx, ".ptx") as path:
+        r = _run_ptxas("sm_90a", path)
+    if r.returncode != 0:
+        raise RuntimeError(f"ptxas failed: {r.stderr[-800:]}")
+    txt = r.stderr + r.stdout
+    regs, spill = re.search(r"Used (\d+) registers", txt), re.search(r"(\d+) bytes spill stores", txt)
+    out = {"triton": triton.__version__, "fmt": fmt_name, "regs": int(regs.group(1)) if regs else -1,
+           "spill_bytes": int(spill.group(1)) if spill else 0, "smem": int(k.metadata.shared),
+           "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
+           "setmaxnreg": sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})}
+    if os.path.exists(_nvidia_tool("cuobjdump")):
+        out.update(sass_loop_counts(k))
+    else:
+        out["sass"] = -1
+    return out
+
+
+def main(argv: list[str]) -> None:
+    regs = [int(a.split("=", 1)[1]) for a in argv if a.startswith("loader_regs=")]
+    fmts = [a.upper() for a in argv if not a.startswith("loader_regs=")] or list(FORMATS)
+    for f in fmts:
+        try:
+            print(compile_report(f, regs[-1] if regs else 0), flush=True)
+        except Exception as exc:  # report, keep going
+            from .offline_build import innermost_error
+
+            print({"fmt": f, "err": innermost_error(exc)[-1500:]}, flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

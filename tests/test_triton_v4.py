@@ -1,0 +1,178 @@
+"""Triton kernel v4 (Gluon, ``attention_v4_kernel.py``): the launcher's rules on the CPU, conformance on an sm_90 GPU.
+
+Gluon has no interpreter, so without a Hopper GPU only the host side runs here: where v4 is refused and why, and that
+a v4 call is planned as kernel v3's (the same grid, partials, protected tiles and merge). The kernel itself compiles
+offline in ``test_triton_v4_offline.py``; on an H100/H200 the conformance below runs it against the float64
+reference and against kernel v3 on the same cache.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import quantmla_core as qm
+from quantmla_core import PackFormat
+from quantmla_core import reference as ref
+from quantmla_core.testing import Case, check_attention, edge_lengths, stub_triton_launcher, write_case
+
+from conformance import cache_to_cpu
+
+pytest.importorskip("triton")
+from quantmla_core.backends.triton import attention as A  # noqa: E402
+
+ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+NEEDS_HOPPER = pytest.mark.skipif(not ON_HOPPER or A.GLUON_IMPORT_ERROR is not None,
+                                  reason="kernel v4 runs on an sm_90 GPU with triton's Gluon (no interpreter)")
+
+
+def _prepare(fmt: str = "C4R4", q_dtype=torch.bfloat16, batch: int = 2, heads: int = 128, tokens: int = 4096,
+             variant: str = "v4", latent_dim: int = 512, rope_dim: int = 64, page_size: int = 64):
+    f = PackFormat.parse(fmt, latent_dim=latent_dim, rope_dim=rope_dim, page_size=page_size)
+    pages = tokens // f.page_size
+    cache = qm.MLACache.allocate(f, batch * pages, batch, 4, 128, device="cpu")
+    table = torch.arange(batch * pages, dtype=torch.int32).view(batch, pages)
+    lens = torch.full((batch,), tokens, dtype=torch.int32)
+    return A.prepare(cache, table, lens, torch.arange(batch, dtype=torch.int32), batch, 1, heads, q_dtype, 0.05,
+                     variant=variant)
+
+
+def _as_hopper(monkeypatch, major: int | None = 9) -> None:
+    """The launcher's device checks answer as on a GPU of compute capability ``major`` (None: ROCm), kernels stubbed."""
+    stub_triton_launcher(monkeypatch, sm_count=132)
+    monkeypatch.setattr(A, "_not_nvidia", lambda device, needs, on_rocm: on_rocm if major is None else None)
+    monkeypatch.setattr(A, "_nvidia_major", lambda index: major)
+    monkeypatch.setattr(A, "GLUON_IMPORT_ERROR", None)
+
+
+def test_v4_is_refused_off_a_gpu_with_the_reason():
+    with pytest.raises(ValueError, match=r"QUANTMLA_TRITON_ATTENTION=v4: kernel v4 .*(NVIDIA GPUs|Gluon)"):
+        _prepare()
+
+
+def test_auto_never_picks_v4(monkeypatch):
+    _as_hopper(monkeypatch)
+    monkeypatch.delenv(A.VARIANT_ENV, raising=False)
+    assert _prepare(variant="auto").variant == "v3"
+
+
+@pytest.mark.parametrize("kwargs,why", [
+    ({"q_dtype": torch.float32}, "bfloat16 queries, got torch.float32"),
+    ({"fmt": "C4R8"}, "BF16/C4R4/C2R4, got C4R8"),
+    ({"fmt": "C8R8"}, "BF16/C4R4/C2R4, got C8R8"),
+    ({"latent_dim": 256, "rope_dim": 32}, r"\(512, 64\), got \(256, 32\)"),
+    ({"page_size": 32}, "64-token pages, got page_size=32"),
+], ids=str)
+def test_v4_names_what_it_cannot_serve(monkeypatch, kwargs, why):
+    _as_hopper(monkeypatch)
+    with pytest.raises(ValueError, match=why):
+        _prepare(**kwargs)
+
+
+@pytest.mark.parametrize("major,why", [(8, r"compute capability 9.x \(Hopper\), cpu is 8.x"),
+                                       (10, "cpu is 10.x"), (None, "not ROCm")])
+def test_v4_needs_hopper(monkeypatch, major, why):
+    _as_hopper(monkeypatch, major)
+    with pytest.raises(ValueError, match=why):
+        _prepare()
+
+
+def test_v4_needs_gluon(monkeypatch):
+    _as_hopper(monkeypatch)
+    monkeypatch.setattr(A, "GLUON_IMPORT_ERROR", "no module named 'triton.experimental.gluon'")
+    with pytest.raises(ValueError, match="needs triton's Gluon: no module named"):
+        _prepare()
+
+
+@pytest.mark.parametrize("fmt", ["BF16", "C4R4", "C2R4"])
+@pytest.mark.parametrize("batch,heads,tokens", [(32, 128, 32768), (8, 128, 4096), (3, 64, 700)])
+def test_v4_is_planned_as_v3(monkeypatch, fmt, batch, heads, tokens):
+    """v4 writes v3's partials: the same grid, splits, protected parts and merge, v3's constexprs, 4 warps."""
+    _as_hopper(monkeypatch)
+    v4 = _prepare(fmt, batch=batch, heads=heads, tokens=tokens)
+    v3 = _prepare(fmt, batch=batch, heads=heads, tokens=tokens, variant="v3")
+    assert v4.variant == "v4" and v3.variant == "v3"
+    for field in ("split_grid", "partial_specs", "protect_grid", "protect_tiles", "merge_grid", "merge_consts",
+                  "split_consts"):
+        assert getattr(v4, field) == getattr(v3, field), field
+    # PDL (stubbed as available): v3 launches its protected tiles after itself (mode 2), v4 signals no dependents
+    assert (v4.pdl, v3.pdl) == (1, 2)
+    assert {**v4.protect_consts, "PDL": True} == dict(v3.protect_consts)
+    assert v4.split_dims["num_warps"] == 4 and v3.split_dims["num_warps"] == 8
+    assert v4.plan.block_n == 128 and v4.plan.block_r == 64
+
+
+def test_v4_takes_no_probe_switch(monkeypatch):
+    _as_hopper(monkeypatch)
+    f = PackFormat.parse("C4R4")
+    cache = qm.MLACache.allocate(f, 8, 1, 4, 128, device="cpu")
+    with pytest.raises(ValueError, match="'skip_pv' is a switch of kernels v1-v3, the call runs v4"):
+        A.prepare(cache, torch.arange(8, dtype=torch.int32).view(1, 8), torch.tensor([512], dtype=torch.int32),
+                  torch.zeros(1, dtype=torch.int32), 1, 1, 128, torch.bfloat16, 0.05, variant="v4",
+                  overrides={"skip_pv": True})
+    with pytest.raises(ValueError, match="'word_lanes' is a kernel-v3 switch, the call runs v4"):
+        A.prepare(cache, torch.arange(8, dtype=torch.int32).view(1, 8), torch.tensor([512], dtype=torch.int32),
+                  torch.zeros(1, dtype=torch.int32), 1, 1, 128, torch.bfloat16, 0.05, variant="v4",
+                  overrides={"word_lanes": 4})
+
+
+# ---------------------------------------------------------------- on an sm_90 GPU
+
+
+def _gpu_cases() -> list[tuple[Case, int | None]]:
+    """(case, forced splits): every format v4 reads at H 128 and 64, S_q 1 and 2, the edge lengths (one token,
+    P-1/P/P+1, inside the sink and the window, beyond both), no sink or window, several splits over few tiles."""
+    out, seed = [], 4000
+    for name in ("BF16", "C4R4", "C2R4"):
+        fmt = PackFormat.parse(name)
+        for lens in edge_lengths(fmt, 4, 128):
+            for heads, s_q in ((128, 1), (64, 2)):
+                seed += 1
+                out.append((Case(fmt, lens, heads=heads, s_q=s_q, sink=4, local=128, seed=seed), None))
+        out.append((Case(fmt, (1000, 130, 4099), heads=128, sink=0, local=0, seed=seed + 1), 5))
+        out.append((Case(fmt, (777, 2000), heads=64, s_q=2, sink=4, local=128, seed=seed + 2), 3))
+        out.append((Case(fmt, (20000, 5, 9000), heads=128, sink=4, local=128, seed=seed + 3), None))
+        seed += 10
+    return out
+
+
+def _attend(case: Case, cache, args, batch, variant: str, num_splits: int | None):
+    return A.attention(args["q_latent"], args["q_rope"], cache, args["block_table"], args["attn_seq_lens"],
+                       args["attn_seq_ids"], batch.softmax_scale, num_splits=num_splits, variant=variant)
+
+
+@NEEDS_HOPPER
+@pytest.mark.parametrize("case,splits", _gpu_cases(), ids=lambda x: str(x))
+def test_v4_matches_reference_and_v3(case, splits):
+    """Against the float64 reference (bfloat16 tolerance) and against kernel v3 on the same cache and queries: both
+    round the dequantized keys to bfloat16 once, so they differ only in summation order."""
+    batch, args, cache = write_case(case, "cuda", "bfloat16")
+    out_v3, lse_v3 = _attend(case, cache, args, batch, "v3", splits)
+    out, lse = _attend(case, cache, args, batch, "v4", splits)
+    assert A.LAST_LAUNCH["variant"] == "v4"
+    host = cache_to_cpu(cache)
+    want_out, want_lse = ref.decode_attention(args["q_latent"].cpu(), args["q_rope"].cpu(), host, batch.block_table,
+                                              batch.attn_seq_lens, batch.attn_seq_ids, batch.softmax_scale)
+    check_attention(out, lse, want_out, want_lse, "bfloat16")
+    torch.testing.assert_close(out.float(), out_v3.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(lse, lse_v3, rtol=1e-3, atol=1e-3)
+
+
+@NEEDS_HOPPER
+def test_v4_overwrites_poisoned_partials(monkeypatch):
+    """Every partial a v4 split owns is written, empty splits included: with the partials' memory and the outputs
+    NaN-filled, the outputs come back finite (and still match the reference)."""
+    carve = A.carve
+    monkeypatch.setattr(A, "carve", lambda specs, device: [t.fill_(float("nan")) for t in carve(specs, device)])
+    case = Case(PackFormat.parse("C4R4"), (3000, 64, 129), heads=128, seed=4999)
+    batch, args, cache = write_case(case, "cuda", "bfloat16")
+    out = torch.full_like(args["q_latent"], float("nan"))
+    lse = torch.full(args["q_latent"].shape[:-1], float("nan"), device="cuda")
+    call = A.prepare(cache, args["block_table"], args["attn_seq_lens"], args["attn_seq_ids"], *args["q_latent"].shape[:3],
+                     torch.bfloat16, batch.softmax_scale, num_splits=4, variant="v4")
+    call.run(args["q_latent"], args["q_rope"], cache, out=out, lse=lse)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    want_out, want_lse = ref.decode_attention(args["q_latent"].cpu(), args["q_rope"].cpu(), cache_to_cpu(cache),
+                                              batch.block_table, batch.attn_seq_lens, batch.attn_seq_ids,
+                                              batch.softmax_scale)
+    check_attention(out, lse, want_out, want_lse, "bfloat16")

@@ -1,0 +1,328 @@
+"""Triton kernel v4 (Gluon, ``backends/triton/attention_v4_kernel.py``) checked without a GPU.
+
+* Offline sm_90a builds (``offline_v4``) of every format it serves: no spills, shared memory within the 232,448 B a
+  Hopper block may take, the expected ``wgmma`` count; skipped where this triton has no Gluon or no ``ptxas``.
+* Its signature takes kernel v3's arguments (the launcher calls either with the same arguments and constexprs).
+* A NumPy mirror of the loaders' word loads, shifts, joins and reshapes (Gluon has no interpreter) applied to pages
+  the library's writer filled, bit-exact against ``reference.decode_page`` (float32, then bfloat16); controls with
+  a wrong map must mismatch.
+* A model of the two partitions' mbarrier protocol under random interleavings: no deadlock, no overwrite of a key
+  slot or of P while a reader of it is pending, every read sees its own page; controls that drop a wait must fail.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import random
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import quantmla_core as qm
+from quantmla_core import PackFormat
+from quantmla_core import reference as ref
+from quantmla_core.reference.quantize import bf16_round, bits_to_bf16
+
+pytest.importorskip("triton")
+
+from quantmla_core.backends.triton import attention_v4_kernel as v4  # noqa: E402
+
+FORMATS = ("BF16", "C4R4", "C2R4")
+SMEM_LIMIT = 232_448  # bytes of shared memory one Hopper block may take
+
+
+def _needs_gluon():
+    if v4.GLUON_IMPORT_ERROR is not None:
+        pytest.skip(f"this triton has no usable Gluon: {v4.GLUON_IMPORT_ERROR}")
+
+
+def _needs_ptxas():
+    from quantmla_core.backends.triton.offline_build import _nvidia_tool
+
+    if not os.path.exists(_nvidia_tool("ptxas")):
+        pytest.skip("this triton bundles no ptxas")
+
+
+def test_module_imports_without_gluon_errors():
+    """The module imports on any triton; the kernel exists exactly where Gluon does."""
+    assert isinstance(v4.GLUON_IMPORT_ERROR, (str, type(None)))
+    assert (v4.split_kernel_v4 is not None) == (v4.GLUON_IMPORT_ERROR is None)
+
+
+def test_signature_takes_v3_arguments():
+    """Every parameter of ``split_kernel_v3`` in the same order (positional ones first), and whatever v4 adds has a
+    default."""
+    _needs_gluon()
+    from quantmla_core.backends.triton.attention_v3_kernel import split_kernel_v3
+
+    p3 = inspect.signature(split_kernel_v3.fn).parameters
+    p4 = inspect.signature(v4.split_kernel_v4.fn).parameters
+    assert list(p4)[: len(p3)] == list(p3)
+    for name in list(p4)[len(p3):]:
+        assert p4[name].default is not inspect.Parameter.empty, name
+    for name, param in p3.items():  # constexprs stay constexprs, defaults stay defaults
+        assert (param.annotation is inspect.Parameter.empty) == (p4[name].annotation is inspect.Parameter.empty), name
+        assert (param.default is inspect.Parameter.empty) == (p4[name].default is inspect.Parameter.empty), name
+
+
+@pytest.fixture(scope="module")
+def reports() -> dict:
+    _needs_gluon()
+    _needs_ptxas()
+    from quantmla_core.backends.triton.offline_v4 import compile_report
+
+    return {f: compile_report(f) for f in FORMATS}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_offline_sm90a_build(reports, fmt):
+    """No spills; shared memory kc 128 KB + kr 16 KB + Q 72 KB + P 8 KB + alpha, l, barriers and the partitions'
+    captured scalars (230,172 B with triton 3.6 and 3.7); 48 ``wgmma``: QK 9 x 4 (m64n64k16, K = 64 each), the
+    attender's PV 4 (m64n256k16 over 64 tokens), the loader's PV 4, emitted twice (in its loop and after it)."""
+    r = reports[fmt]
+    assert r["spill_bytes"] == 0, r
+    assert r["smem"] <= SMEM_LIMIT, r
+    assert r["wgmma"] == 48, r
+    assert r["regs"] <= 255, r
+    assert max(r["setmaxnreg"]) == 256 and min(r["setmaxnreg"]) == (248 if fmt != "BF16" else 232), r
+    # one CTA of 4 + 4 warps after setmaxnreg fits the 64K-register file
+    assert 128 * (256 + min(r["setmaxnreg"])) <= 65536
+
+
+# ---------------------------------------------------------------- the loaders' channel order, mirrored in NumPy
+
+
+def _written_page(name: str, seed: int = 0) -> tuple[PackFormat, np.ndarray]:
+    """One 64-token page filled by the torch backend's writer with random tokens (per-channel scales)."""
+    fmt = PackFormat.parse(name)
+    rng = np.random.default_rng(seed)
+    n = fmt.page_size
+    latent = (rng.standard_normal((n, fmt.latent_dim)) * rng.uniform(0.1, 4.0, fmt.latent_dim)).astype(np.float32)
+    rope = rng.standard_normal((n, fmt.rope_dim)).astype(np.float32)
+    cache = qm.MLACache.allocate(fmt, 2, 1, sink=0, local=0, device="cpu")
+    cache.pages.zero_()
+    idx = torch.arange(n, dtype=torch.int64)
+    qm.write(cache, torch.from_numpy(latent), torch.from_numpy(rope), slot_mapping=idx + n, seq_ids=idx * 0,
+             positions=idx, seq_lens=torch.tensor([n]), backend="torch")
+    return fmt, cache.pages[1].numpy().copy()
+
+
+def _rows(page: np.ndarray, off: int, per_token: int, dtype) -> np.ndarray:
+    """The page's section at ``off`` as ``[64, per_token]`` elements of ``dtype`` (little endian)."""
+    width = np.dtype(dtype).itemsize
+    return page[off: off + 64 * per_token * width].view(dtype).reshape(64, per_token)
+
+
+def _pair(w: np.ndarray, shift: int, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """``ASM_PAIR``: ``(w >> shift) & mask`` in both 16-bit halves, OR 0x4300: two bfloat16 ``128 + code``."""
+    x = w >> np.uint32(shift)
+    mask = (1 << bits) - 1
+    return (bits_to_bf16((x & mask) | 0x4300), bits_to_bf16(((x >> np.uint32(16)) & mask) | 0x4300))
+
+
+def _scaled(x: np.ndarray, zb: np.ndarray, s: np.ndarray, f32_scale: bool) -> np.ndarray:
+    k = bf16_round(x - zb[:, None])  # exact
+    if f32_scale:
+        return bf16_round((k * s[:, None]).astype(np.float32))
+    return bf16_round(k * s[:, None])  # exact in float32, one rounding
+
+
+def _plane(w: np.ndarray, pl: int, bits: int, zb, s, f32_scale: bool, order: str = "kernel") -> np.ndarray:
+    """``attention_v4_loaders._plane``: gl.join = a new trailing axis, then a row-major reshape to [N, 4 W]."""
+    lo0, hi0 = (_scaled(x, zb, s, f32_scale) for x in _pair(w, bits * pl, bits))
+    lo1, hi1 = (_scaled(x, zb, s, f32_scale) for x in _pair(w, 8 + bits * pl, bits))
+    if order == "kernel":
+        k = np.stack([np.stack([lo0, hi0], -1), np.stack([lo1, hi1], -1)], -1)
+    else:  # control: the two halves of a word taken as adjacent bytes
+        k = np.stack([np.stack([lo0, lo1], -1), np.stack([hi0, hi1], -1)], -1)
+    return k.reshape(w.shape[0], 4 * w.shape[1])
+
+
+def _mirror(fmt: PackFormat, page: np.ndarray, bits: int | None = None, order: str = "kernel"):
+    """The loader's kc [64, d_c] and kr [64, d_r] tiles (float32 values of the bfloat16 it stores) for one page.
+    ``bits`` (controls): the content's codes taken apart as codes of that many bits."""
+    secs = {k: v[0] for k, v in fmt.sections.items()}
+    dc, dr = fmt.latent_dim, fmt.rope_dim
+    if not fmt.quantized:  # _load_bf16_page: a copy
+        return (bits_to_bf16(_rows(page, secs["content_codes"], dc, "<u2")),
+                bits_to_bf16(_rows(page, secs["rope_codes"], dr, "<u2")))
+    cbits = fmt.content_bits if bits is None else bits
+    cbytes, planes = dc * fmt.content_bits // 8, 8 // cbits
+    words = _rows(page, secs["content_codes"], cbytes // 4, "<u4")
+    scales = bits_to_bf16(_rows(page, secs["content_scales"], dc // 64, "<u2"))
+    zeros = _rows(page, secs["content_zeros"], dc // 64, np.uint8)
+    kc = np.full((64, dc), np.nan, np.float32)
+    for c in range(cbytes // 64):
+        for pl in range(planes):
+            g = pl * cbytes // 64 + c
+            zb = bf16_round(zeros[:, g].astype(np.float32) + 128)
+            col = pl * cbytes + 64 * c
+            if col + 64 <= dc:
+                kc[:, col: col + 64] = _plane(words[:, 16 * c: 16 * c + 16], pl, cbits, zb, scales[:, g], False, order)
+    rw = _rows(page, secs["rope_codes"], dr * fmt.rope_bits // 8 // 4, "<u4")
+    rs = _rows(page, secs["rope_scales"], 1, "<f4")[:, 0]
+    rzb = bf16_round(_rows(page, secs["rope_zeros"], 1, np.uint8)[:, 0].astype(np.float32) + 128)
+    k0 = _plane(rw, 0, fmt.rope_bits, rzb, rs, True, order)
+    k1 = _plane(rw, 1, fmt.rope_bits, rzb, rs, True, order)
+    kr = np.stack([k0, k1], -1).transpose(0, 2, 1).reshape(64, dr)  # join, permute (0, 2, 1), reshape
+    return kc, kr
+
+
+def _oracle(fmt: PackFormat, page: np.ndarray):
+    c, kr = ref.decode_page(fmt, page)
+    return bf16_round(c.astype(np.float32)), bf16_round(kr.astype(np.float32))
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and bool(np.array_equal(a.view(np.uint32), b.view(np.uint32)) or np.array_equal(a, b))
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_loader_channel_order_matches_reference(name):
+    fmt, page = _written_page(name, seed=len(name))
+    kc, kr = _mirror(fmt, page)
+    c_ref, r_ref = _oracle(fmt, page)
+    assert _same_bits(kc, c_ref), np.argwhere(kc != c_ref)[:5]
+    assert _same_bits(kr, r_ref), np.argwhere(kr != r_ref)[:5]
+
+
+def test_loader_channel_order_controls_mismatch():
+    """The mirror catches a wrong map: a word's halves taken as adjacent bytes (C4R4), 2-bit codes taken apart as
+    nibbles (C2R4)."""
+    fmt, page = _written_page("C4R4", seed=7)
+    kc, kr = _mirror(fmt, page, order="swapped")
+    c_ref, r_ref = _oracle(fmt, page)
+    assert not _same_bits(kc, c_ref) and not _same_bits(kr, r_ref)
+    fmt, page = _written_page("C2R4", seed=8)
+    kc, _ = _mirror(fmt, page, bits=4)
+    c_ref, _ = _oracle(fmt, page)
+    assert not np.array_equal(kc, c_ref)
+
+
+# ---------------------------------------------------------------- the mbarrier protocol, modelled
+
+class _Bar:
+    """An mbarrier: ``count`` arrivals complete a phase; ``wait(parity)`` passes once the phase of that parity has
+    completed (the current phase's parity differs), so a fresh barrier passes parity 1."""
+
+    def __init__(self, count: int):
+        self.count, self.pending, self.completed = count, count, 0
+
+    def arrive(self):
+        self.pending -= 1
+        if self.pending == 0:
+            self.completed, self.pending = self.completed + 1, self.count
+
+    def passes(self, parity: int) -> bool:
+        return (self.completed & 1) != parity
+
+
+def _attender(n: int, drop: str | None):
+    """``attention_v4_kernel.attender_partition``'s synchronizing statements, in order."""
+    for i in range(n):
+        s = i % 2
+        yield ("wait", ("kfull", s), (i // 2) & 1)
+        yield ("read", ("k", s), i)  # QK(i), issued and retired by the wait below
+        yield ("retire", "pv_lo")  # warpgroup_mma_wait(0): QK(i) and PV_lo(i - 1)
+        if i > 0:
+            yield ("arrive", ("kempty", 1 - s))
+        if drop != "pfree":
+            yield ("wait", ("pfree",), (i & 1) ^ 1)
+        yield ("write", ("p",), i)
+        yield ("arrive", ("pready",))
+        yield ("issue", "pv_lo", [("k", s), ("p",)], i)  # reads until the next retire
+    yield ("arrive", ("lfin",))
+    yield ("retire", "pv_lo")
+
+
+def _loader(n: int, drop: str | None):
+    """``attention_v4_loaders.loader_partition``'s synchronizing statements, in order."""
+    def pv_hi(t):
+        if drop != "pready":
+            yield ("wait", ("pready",), t & 1)
+        yield ("read", ("p",), t)
+        yield ("read", ("k", t % 2), t)
+        yield ("arrive", ("pfree",))
+        yield ("arrive", ("kempty", t % 2))
+
+    for i in range(n):
+        s = i % 2
+        if drop != "kempty":
+            yield ("wait", ("kempty", s), ((i // 2) & 1) ^ 1)
+        yield ("write", ("k", s), i)
+        yield ("arrive", ("kfull", s))
+        if i > 0:
+            yield from pv_hi(i - 1)
+    if n > 0:
+        yield from pv_hi(n - 1)
+    yield ("wait", ("lfin",), 0)
+
+
+def _run_protocol(n: int, seed: int, drop: str | None = None) -> None:
+    """Both partitions under one random interleaving; AssertionError on a hazard or a deadlock."""
+    rnd = random.Random(seed)
+    bars = {("kfull", 0): _Bar(1), ("kfull", 1): _Bar(1), ("kempty", 0): _Bar(2), ("kempty", 1): _Bar(2),
+            ("pready",): _Bar(1), ("pfree",): _Bar(1), ("lfin",): _Bar(1)}
+    held = {("k", 0): None, ("k", 1): None, ("p",): None}  # page whose data each buffer holds
+    readers: dict = {}  # buffer -> pending async readers (the attender's PV_lo)
+    procs = {"attender": _attender(n, drop), "loader": _loader(n, drop)}
+    nxt = {name: next(g, None) for name, g in procs.items()}
+    while any(ev is not None for ev in nxt.values()):
+        ready = [p for p, ev in nxt.items() if ev is not None and (ev[0] != "wait" or bars[ev[1]].passes(ev[2]))]
+        assert ready, f"deadlock at {nxt}"
+        p = rnd.choice(ready)
+        ev = nxt[p]
+        if ev[0] == "arrive":
+            bars[ev[1]].arrive()
+        elif ev[0] == "write":
+            assert not readers.get(ev[1]), f"{p} overwrites {ev[1]} under a pending reader {readers[ev[1]]}"
+            held[ev[1]] = ev[2]
+        elif ev[0] == "read":
+            assert held[ev[1]] == ev[2], f"{p} reads page {held[ev[1]]} from {ev[1]}, expected {ev[2]}"
+        elif ev[0] == "issue":
+            for buf in ev[2]:
+                assert held[buf] == ev[3], f"{p} reads page {held[buf]} from {buf}, expected {ev[3]}"
+                readers.setdefault(buf, set()).add(ev[1])
+        elif ev[0] == "retire":
+            for rs in readers.values():
+                rs.discard(ev[1])
+        nxt[p] = next(procs[p], None)
+    for key, bar in bars.items():  # every barrier between phases: no stray arrival
+        assert bar.pending == bar.count or key[0] == "kempty", (key, bar.pending)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 4, 7])
+def test_protocol_holds_under_random_interleavings(n):
+    for seed in range(300):
+        _run_protocol(n, seed)
+
+
+@pytest.mark.parametrize("drop", ["pfree", "kempty", "pready"])
+def test_protocol_controls_fail_without_a_wait(drop):
+    failures = 0
+    for seed in range(300):
+        try:
+            _run_protocol(5, seed, drop)
+        except AssertionError:
+            failures += 1
+    assert failures > 0
+
+
+def _sync_calls(fn) -> list[str]:
+    """The mbarrier calls of a partition's source, in order (``wait kfull``, ``arrive pready``, ...)."""
+    src = inspect.getsource(fn.fn)
+    return [f"{op} {bar}" for op, bar in re.findall(r"mbarrier\.(wait|arrive)\((\w+)", src)]
+
+
+def test_protocol_model_follows_the_kernel():
+    """The model's order of waits and arrivals is the partitions' (pv_hi's body once, as written)."""
+    _needs_gluon()
+    from quantmla_core.backends.triton import attention_v4_loaders as ld
+
+    assert _sync_calls(v4.attender_partition) == ["wait kfull", "arrive kempty", "wait pfree", "arrive pready",
+                                                 "arrive lfin"]
+    assert _sync_calls(ld.loader_partition) == ["wait kempty", "arrive kfull", "wait lfin"]
+    assert _sync_calls(ld._pv_hi) == ["wait pready", "arrive pfree", "arrive kempty_s"]
