@@ -24,7 +24,6 @@ Not collected by pytest. Usage::
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import platform
@@ -109,10 +108,12 @@ def sync(device: torch.device) -> None:
 @torch.no_grad()
 def run_generate(model, ids: torch.Tensor, new_tokens: int, cache: Any, logits: bool = False):
     """Greedy generate of exactly ``new_tokens`` tokens; returns (output, seconds)."""
+    from quantmla_core.integrations.transformers import cache_kwarg
+
     device = ids.device
+    key = cache_kwarg(model)
     sync(device)
     t0 = time.perf_counter()
-    key = _cache_kwarg(model)
     out = model.generate(
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
         do_sample=False, return_dict_in_generate=True, output_logits=logits, pad_token_id=0, **{key: cache},
@@ -185,16 +186,13 @@ def time_config(name: str, model, ids, new_tokens: int, make_cache, repeats: int
     }
 
 
-def _cache_kwarg(model) -> str:
-    """transformers >= 5.2x names the cache keyword ``cache``; earlier releases ``past_key_values``."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 @torch.no_grad()
 def teacher_forced_logits(model, seq: torch.Tensor, n_prompt: int, cache: Any) -> list[torch.Tensor]:
     """Logits after the prompt and after each following token of ``seq [1, n]`` (the tokens are
     given, not sampled, so one near-tie in bf16 cannot send the two runs down different paths)."""
-    key = _cache_kwarg(model)
+    from quantmla_core.integrations.transformers import cache_kwarg
+
+    key = cache_kwarg(model)
     out = [model(seq[:, :n_prompt], **{key: cache}).logits[:, -1]]
     for i in range(n_prompt, seq.shape[1] - 1):
         out.append(model(seq[:, i : i + 1], **{key: cache}).logits[:, -1])

@@ -32,7 +32,7 @@ def tiny_deepseek(layers: int, device: str, dtype: torch.dtype):
 def step_ms(model, ids: torch.Tensor, new: int, shared: bool) -> tuple[float, int]:
     """(ms a decode step, the StepMemo's hits in the longest run): ``generate`` of ``new`` + 1 tokens less ``generate``
     of 1 (the prefill), over ``new``. Without ``shared`` every layer builds its own (no memo, no hits)."""
-    from quantmla_core.integrations.transformers import QuantMLACache
+    from quantmla_core.integrations.transformers import QuantMLACache, cache_kwarg
 
     hits = [0]
 
@@ -45,7 +45,8 @@ def step_ms(model, ids: torch.Tensor, new: int, shared: bool) -> tuple[float, in
         sync()
         t0 = time.perf_counter()
         with torch.no_grad():
-            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=2, cache=cache)
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=2,
+                           **{cache_kwarg(model): cache})
         sync()
         hits[0] = max(hits[0], cache.memo.hits if shared else 0)
         return time.perf_counter() - t0

@@ -76,6 +76,10 @@
 #       and real shapes), stop 52's allocator and integration tests on CUDA (auto), kernel v4 (one small case, then
 #       its test files); then, each only while S54_LIMIT seconds (default 540) are not spent: v3 against v4 as CUDA
 #       graphs (S54_V4_SHAPES, S54_V4_FORMATS), memcheck of v2 words, v3 C2R4 and v4; $OUT/stop54.tgz
+#   bash benchmarks/run_h200_kernels.sh v4       # Triton kernel v4 (Gluon): one small case first (a failure stops there),
+#       tests/test_triton_v4.py, CUDA graphs of v3 against v4 over V4_SHAPES (V4_FORMATS; FlashInfer BF16 in the
+#       process) and CuPy's, memcheck, ncu of v4 C4R4 (while V4_LIMIT seconds, default 560, are not spent); V4_HF=1:
+#       also tests/test_paged.py and tests/test_integration_transformers.py on CUDA (auto) beside the tests; $OUT/v4.tgz
 #   bash benchmarks/run_h200_kernels.sh v6pair   # v6 as two-CTA clusters sharing each key tile (QUANTMLA_CUPY_V6_PAIR):
 #       conformance of forced pairs, CUDA graphs of 0 against 1 over V6PAIR_SHAPES, memcheck of the pairs
 #   bash benchmarks/run_h200_kernels.sh v6fold   # v6's slack maximum and RoPE fold (QUANTMLA_CUPY_V6_SLACK / _ROPE_FOLD):
@@ -505,6 +509,43 @@ elif [ "$MODE" = stop54 ]; then
     [ -e /tmp/s54/memcheck_v4.txt ] && tail -3 /tmp/s54/memcheck_v4.txt
   fi
   tar czf "$OUT/stop54.tgz" -C /tmp s54
+elif [ "$MODE" = v4 ]; then
+  mkdir -p /tmp/v4; t0=$(date +%s); left() { echo $(( ${V4_LIMIT:-560} - $(date +%s) + t0 )); }
+  hf_pid=""
+  if [ "${V4_HF:-0}" = 1 ]; then  # the transformers integration on CUDA (auto) beside v4's tests, done before the timings
+    (QUANTMLA_TEST_HF_BACKEND=auto timeout -k 10 200 $T -rfE tests/test_paged.py tests/test_integration_transformers.py \
+       > /tmp/v4/hf_tests.txt 2>&1; echo "rc=$?" >> /tmp/v4/hf_tests.txt) &
+    hf_pid=$!
+  fi
+  echo "=== v4: one small case, then its tests"
+  timeout -k 10 150 $T -x -rfE tests/test_triton_v4.py -k "matches_reference_and_v3 and C4R4 and L63_64_65 and H128" \
+    > /tmp/v4/first.txt 2>&1; echo "rc=$?" >> /tmp/v4/first.txt; tail -2 /tmp/v4/first.txt
+  grep -q "^rc=0" /tmp/v4/first.txt || { tar czf "$OUT/v4.tgz" -C /tmp v4; exit 1; }
+  timeout -k 10 ${V4_CONF_S:-200} $T -rfE tests/test_triton_v4.py > /tmp/v4/conf.txt 2>&1; echo "rc=$?" >> /tmp/v4/conf.txt
+  grep -E "^FAILED|^ERROR" /tmp/v4/conf.txt | head -10; tail -3 /tmp/v4/conf.txt
+  if [ -n "$hf_pid" ]; then
+    wait $hf_pid; echo "--- transformers integration (auto)"; grep -E "^FAILED|^ERROR" /tmp/v4/hf_tests.txt | head -5
+    tail -2 /tmp/v4/hf_tests.txt
+  fi
+  echo "=== v3 against v4, CUDA graphs (FlashInfer BF16 in the process)"
+  timeout -k 10 $(( $(left) - 200 )) python3 -P benchmarks/graph_probe.py --backends triton --formats ${V4_FORMATS:-C4R4,C2R4,BF16} \
+    --shapes ${V4_SHAPES:-128x32x32768,128x8x4096,128x128x32768,64x32x32768} \
+    --settings "QUANTMLA_TRITON_ATTENTION=v3;QUANTMLA_TRITON_ATTENTION=v4;QUANTMLA_TRITON_ATTENTION=v4" \
+    --json /tmp/v4/graph.json 2>&1 | grep -v "^{" | tail -40
+  echo "=== CuPy, CUDA graphs"; timeout -k 10 $(( $(left) - 150 )) python3 -P benchmarks/graph_probe.py --backends cupy \
+    --formats C4R4,C2R4 --shapes ${V4_SHAPES:-128x32x32768,128x8x4096,128x128x32768,64x32x32768} \
+    --json /tmp/v4/graph_cupy.json 2>&1 | grep -v "^{" | tail -10
+  echo "=== v4 memcheck"; timeout -k 5 $(( $(left) < 200 ? $(left) / 2 : 90 )) compute-sanitizer --tool memcheck $T \
+    tests/test_triton_v4.py -k "C2R4 and L63_64_65 or poisoned or C4R4 and L777" > /tmp/v4/memcheck.txt 2>&1
+  tail -3 /tmp/v4/memcheck.txt
+  if [ "$(left)" -gt 40 ]; then
+    echo "=== ncu: v4 C4R4 H128 B32 L8K"
+    QUANTMLA_TRITON_ATTENTION=v4 timeout -k 5 $(( $(left) - 10 )) ncu -k regex:split_kernel_v4 -s 3 -c 1 \
+      --section WarpStateStats --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+      python3 -P benchmarks/graph_probe.py --backends triton --formats C4R4 --shapes 128x32x8192 > /tmp/v4/ncu.txt 2>&1
+    grep -v "^==PROF==" /tmp/v4/ncu.txt | grep -A80 "split_kernel_v4" | grep -E "Throughput|Duration|Stall|Warp Cycles|Issued|Eligible|Active|L2 Hit|Mem" | head -40
+  fi
+  tar czf "$OUT/v4.tgz" -C /tmp v4
 elif [ "$MODE" = v6pair ]; then
   echo "=== v6 pairs: one small case first (a hang or a failure stops here)"; timeout 120 $T tests/test_cupy_v6.py \
     -k "v6_pair_matches and L64_128_192" 2>&1 | tail -2 | tee "$OUT/v6_pair_first.txt"

@@ -23,6 +23,7 @@ from quantmla_core.integrations.transformers import (  # noqa: E402
     QuantMLACache,
     QuantMLAHandle,
     QuantMLALayer,
+    cache_kwarg,
     enable_quantmla,
 )
 
@@ -79,8 +80,15 @@ def step_errors(out, ref) -> list[float]:
     return [rel(a, b) for a, b in zip(out.logits, ref.logits)]
 
 
+def with_cache(model, cache) -> dict:
+    """``{"cache": cache}`` on transformers >= 5.2x, ``{"past_key_values": cache}`` on earlier releases."""
+    return {cache_kwarg(model): cache}
+
+
 @torch.no_grad()
 def generate(model, ids, n, **kw):
+    if "cache" in kw:  # the tests spell it cache=; older transformers take past_key_values=
+        kw.update(with_cache(model, kw.pop("cache")))
     return model.generate(ids, max_new_tokens=n, **GEN, **kw)
 
 
@@ -153,7 +161,7 @@ def test_low_bit_generation_runs_and_reports_real_bytes(fmt):
     ids = prompt(70, seed=3)
     enable_quantmla(model, fmt, sink=SINK, local=LOCAL, backend=BACKEND)
     cache = QuantMLACache(model)
-    with warnings.catch_warnings():  # the documented transformers-5 spelling is cache=; the old one still works
+    with warnings.catch_warnings():  # transformers >= 5.2x spells it cache=; past_key_values= still works (until 5.40)
         warnings.simplefilter("ignore", FutureWarning)
         out = generate(model, ids, 12, past_key_values=cache)
     assert out.sequences.shape == (1, 82)
@@ -208,7 +216,7 @@ def test_left_padded_batch_matches_one_at_a_time(arch, attn, monkeypatch):
     monkeypatch.setattr(paged_mod, "_write", lambda *a, **k: (writes.append(int(a[1].shape[0])), real_write(*a, **k)))
     cache = QuantMLACache(model)
     with torch.no_grad():
-        model(ids, attention_mask=mask, cache=cache)  # prefill alone: one writer call per layer, no padding
+        model(ids, attention_mask=mask, **with_cache(model, cache))  # prefill alone: one writer call a layer, no padding
     assert writes == [sum(lens)] * 2
     assert cache.seq_lengths() == lens and cache.get_seq_length() == width
     monkeypatch.setattr(paged_mod, "_write", real_write)
@@ -233,10 +241,11 @@ def test_beam_search_and_multiple_samples_match_unmodified():
         torch.manual_seed(7)
         ref_sample = model.generate(ids, max_new_tokens=8, do_sample=True, num_return_sequences=3, pad_token_id=2)
         with enable_quantmla(model, "BF16", sink=SINK, local=LOCAL, backend=BACKEND):
-            beam = model.generate(ids, cache=QuantMLACache(model), **kw)
+            beam = model.generate(ids, **with_cache(model, QuantMLACache(model)), **kw)
             torch.manual_seed(7)
             cache = QuantMLACache(model)
-            sample = model.generate(ids, max_new_tokens=8, do_sample=True, num_return_sequences=3, pad_token_id=2, cache=cache)
+            sample = model.generate(ids, max_new_tokens=8, do_sample=True, num_return_sequences=3, pad_token_id=2,
+                                    **with_cache(model, cache))
     assert torch.equal(beam, ref_beam)
     assert torch.equal(sample, ref_sample)
     assert cache.seq_lengths() == [37, 37, 37]
@@ -344,6 +353,20 @@ def test_fused_transforms_keep_the_model_function():
 
 
 # ------------------------------------------------------------------------------------- plumbing
+def test_cache_kwarg_follows_the_forward_signature():
+    class New(nn.Module):  # transformers >= 5.2x
+        def forward(self, input_ids=None, cache=None, **kwargs):
+            return input_ids
+
+    class Old(nn.Module):  # earlier releases
+        def forward(self, input_ids=None, past_key_values=None, **kwargs):
+            return input_ids
+
+    assert cache_kwarg(New()) == "cache"
+    assert cache_kwarg(Old()) == "past_key_values"
+    assert with_cache(Old(), 5) == {"past_key_values": 5}
+
+
 def test_other_caches_pass_through_and_errors():
     model = tiny_model("v3")
     ids = prompt(20)
@@ -448,10 +471,11 @@ def test_assisted_generation_with_rollback_matches_plain_generation(monkeypatch)
     real_crop = QuantMLALayer.crop
     monkeypatch.setattr(QuantMLALayer, "crop", lambda self, n: removed.append(-n) or real_crop(self, n))
     with enable_quantmla(model, "C4R4", sink=SINK, local=8, backend=BACKEND):
-        plain = model.generate(rep, max_new_tokens=20, do_sample=False, cache=QuantMLACache(model), pad_token_id=2)
+        plain = model.generate(rep, max_new_tokens=20, do_sample=False, **with_cache(model, QuantMLACache(model)),
+                               pad_token_id=2)
         cache = QuantMLACache(model, rollback=True)
         assert cache.is_croppable and not QuantMLACache(model).is_croppable
-        assisted = model.generate(rep, max_new_tokens=20, do_sample=False, cache=cache, pad_token_id=2,
+        assisted = model.generate(rep, max_new_tokens=20, do_sample=False, **with_cache(model, cache), pad_token_id=2,
                                   prompt_lookup_num_tokens=5)
     assert max(removed) > 0  # candidates were rejected and taken back
     assert torch.equal(assisted, plain)

@@ -79,15 +79,17 @@ def reports() -> dict:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_offline_sm90a_build(reports, fmt):
-    """No spills; shared memory kc 128 KB + kr 16 KB + Q 72 KB + P 8 KB + alpha, l, barriers and the partitions'
+    """(Almost) no spills; shared memory kc 128 KB + kr 16 KB + Q 72 KB + P 8 KB + alpha, l, barriers and the partitions'
     captured scalars (230,172 B with triton 3.6 and 3.7); 48 ``wgmma``: QK 9 x 4 (m64n64k16, K = 64 each), the
     attender's PV 4 (m64n256k16 over 64 tokens), the loader's PV 4, emitted twice (in its loop and after it)."""
     r = reports[fmt]
-    assert r["spill_bytes"] == 0, r
+    # the packed loaders hold the next page's bytes (prefetched) beside the dequantization: triton 3.6 spills nothing,
+    # 3.7.1 up to 8 bytes (C2R4: two reloads a page)
+    assert r["spill_bytes"] <= (0 if fmt == "BF16" else 8), r
     assert r["smem"] <= SMEM_LIMIT, r
     assert r["wgmma"] == 48, r
     assert r["regs"] <= 255, r
-    assert max(r["setmaxnreg"]) == 256 and min(r["setmaxnreg"]) == (248 if fmt != "BF16" else 232), r
+    assert max(r["setmaxnreg"]) == 256 and min(r["setmaxnreg"]) == (256 if fmt != "BF16" else 232), r
     # one CTA of 4 + 4 warps after setmaxnreg fits the 64K-register file
     assert 128 * (256 + min(r["setmaxnreg"])) <= 65536
 

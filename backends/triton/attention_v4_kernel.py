@@ -206,14 +206,15 @@ if GLUON_IMPORT_ERROR is None:
         (float32 ``[64, DC]``) and log2-sum-exp ``lse_part[b, split, rows]`` over the split's packed tokens, as
         ``split_kernel_v3``. v3's code-path switches (``DOT_BF16``, ``CCW``, ``WORDS``, ...) are accepted and
         ignored; ``PROBE_SKIP_PV`` and ``PDL`` are not implemented. ``LOADER_REGS``: the loader's registers after
-        ``setmaxnreg`` (0: 232 for BF16 pages, 248 for packed ones; the attender keeps 256, so 4 + 4 warps fit the
-        64K-register file)."""
+        ``setmaxnreg`` (0: 232 for BF16 pages; packed ones keep 256, as the attender does: 4 + 4 warps of 256 fill the
+        64K-register file, and the packed loader holds the next page's bytes beside the dequantization)."""
         gl.static_assert(BLOCK_R == 64, "kernel v4: 64 query rows a program")
         gl.static_assert(P == 64 and BLOCK_N % 64 == 0, "kernel v4: 64-token pages")
         gl.static_assert(DC == 512 and DR == 64, "kernel v4: d_c 512, d_r 64")
         gl.static_assert(not QUANT or ((CBITS == 4 or CBITS == 2) and RBITS == 4), "kernel v4: C4R4, C2R4, BF16")
-        gl.static_assert(not QUANT or (CG == 64 and RG == DR and C_SCALE_BF16 and not R_SCALE_BF16),
-                         "kernel v4: groups of 64, bfloat16 content and float32 RoPE scales")
+        gl.static_assert(not QUANT or (CG == 64 and RG == DR), "kernel v4: groups of 64 channels, one RoPE group")
+        gl.static_assert(not QUANT or (C_SCALE_BF16 and not R_SCALE_BF16),
+                         "kernel v4: bfloat16 content and float32 RoPE scales")
         pid_s = gl.program_id(0)
         b = gl.program_id(1)
         rb = gl.program_id(2)
@@ -248,7 +249,7 @@ if GLUON_IMPORT_ERROR is None:
         bufs = (kc, kr, q_s, qr_s, p_s, alpha_s, l_s)
         bars = (kfull, kempty, pready, pfree, lfin)
         if LOADER_REGS == 0:
-            REGS: gl.constexpr = 248 if QUANT else 232
+            REGS: gl.constexpr = 256 if QUANT else 232
         else:
             REGS: gl.constexpr = LOADER_REGS
         q_base = q_ptr + b.to(gl.int64) * R * DC

@@ -54,10 +54,11 @@ if GLUON_IMPORT_ERROR is None:
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, int(N), 16])
 
     @gluon.jit
-    def page_of(table_row, j, num_pages, PAGE_BYTES: gl.constexpr):
+    def page_of(table_row, j, num_pages, PAGE_BYTES: gl.constexpr, live=True):
         """Page ``j`` of the request (its tokens ``[64 j, 64 j + 64)``): its byte offset (0 for an id outside
-        ``[0, num_pages)``, as kernel v2's ``tile_pages``) and whether the id is valid."""
-        page = gl.load(table_row + j)
+        ``[0, num_pages)``, as kernel v2's ``tile_pages``) and whether the id is valid. ``live`` False: the table
+        is not read (a page past the split's last) and the page is invalid."""
+        page = gl.load(table_row + j, mask=live, other=-1)
         page_ok = (page >= 0) & (page < num_pages)
         return gl.where(page_ok, page, 0).to(gl.int64) * PAGE_BYTES, page_ok
 
@@ -120,51 +121,66 @@ if GLUON_IMPORT_ERROR is None:
         async_copy.wait_group(0)
 
     @gluon.jit
-    def _load_code_page(pages_ptr, page_off, j, ps, pe, page_ok, kc_s, kr_s, DC: gl.constexpr, DR: gl.constexpr,
-                        CBITS: gl.constexpr, RBITS: gl.constexpr, C_CODES_OFF: gl.constexpr,
-                        R_CODES_OFF: gl.constexpr, C_SCALES_OFF: gl.constexpr, C_ZEROS_OFF: gl.constexpr,
-                        R_SCALES_OFF: gl.constexpr, R_ZEROS_OFF: gl.constexpr):
-        """Packed pages (content CBITS 2 or 4, groups of 64 channels, bfloat16 scales; RoPE 4 bits, one group,
-        float32 scale): the page dequantized into ``kc_s`` / ``kr_s`` (0 for tokens not ``tok_ok``: scale 0).
+    def _code_raws(pages_ptr, page_off, j, ps, pe, page_ok, DC: gl.constexpr, DR: gl.constexpr, CBITS: gl.constexpr,
+                   RBITS: gl.constexpr, C_CODES_OFF: gl.constexpr, R_CODES_OFF: gl.constexpr,
+                   C_SCALES_OFF: gl.constexpr, C_ZEROS_OFF: gl.constexpr, R_SCALES_OFF: gl.constexpr,
+                   R_ZEROS_OFF: gl.constexpr):
+        """Packed page ``j``'s bytes, loaded (not yet used, so that the loads are in flight while the loader does
+        other work): content words ``[64, 16]`` uint32 per 64-byte chunk, content scales (bfloat16) and zeros
+        (uint8) ``[64]`` per group, RoPE words ``[64, RW]``, RoPE scale (float32) and zero ``[64]``. Tokens not in
+        ``[ps, pe)`` or on an invalid page read 0 (scale 0: their keys dequantize to 0)."""
+        CBYTES: gl.constexpr = DC * CBITS // 8
+        NCH: gl.constexpr = CBYTES // 64
+        NG: gl.constexpr = DC // 64
+        wl: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])  # [64, 16] words, 16 B a thread
+        tok = gl.arange(0, 64, gl.SliceLayout(1, wl))
+        ok = tokens_ok(tok, j, ps, pe, page_ok)
+        wcol = gl.arange(0, 16, gl.SliceLayout(0, wl))
+        words = pages_ptr.to(gl.pointer_type(gl.uint32))
+        crow = (page_off + C_CODES_OFF) // 4 + tok * (CBYTES // 4)
+        raws = ()
+        for c in gl.static_range(NCH):
+            raws = raws + (gl.load(words + crow[:, None] + (c * 16 + wcol)[None, :], mask=ok[:, None], other=0),)
+        srow = pages_ptr.to(gl.pointer_type(gl.bfloat16)) + (page_off + C_SCALES_OFF) // 2 + tok * NG
+        zrow = pages_ptr + (page_off + C_ZEROS_OFF) + tok * NG
+        scales = ()
+        zeros = ()
+        for g in gl.static_range(NG):
+            scales = scales + (gl.load(srow + g, mask=ok, other=0.0),)
+            zeros = zeros + (gl.load(zrow + g, mask=ok, other=0),)
+
+        RW: gl.constexpr = DR * RBITS // 8 // 4
+        rl: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (RW // 4), RW // 4], [4, 1], [1, 0])
+        rtok = gl.arange(0, 64, gl.SliceLayout(1, rl))
+        rok = tokens_ok(rtok, j, ps, pe, page_ok)
+        rw = gl.load(words + ((page_off + R_CODES_OFF) // 4 + rtok * RW)[:, None]
+                     + gl.arange(0, RW, gl.SliceLayout(0, rl))[None, :], mask=rok[:, None], other=0)
+        rs = gl.load(pages_ptr.to(gl.pointer_type(gl.float32)) + (page_off + R_SCALES_OFF) // 4 + rtok,
+                     mask=rok, other=0.0)
+        rz = gl.load(pages_ptr + (page_off + R_ZEROS_OFF) + rtok, mask=rok, other=0)
+        return raws, scales, zeros, rw, rs, rz
+
+    @gluon.jit
+    def _store_code_page(raws, scales, zeros, rw, rs, rz, kc_s, kr_s, DC: gl.constexpr, DR: gl.constexpr,
+                         CBITS: gl.constexpr, RBITS: gl.constexpr):
+        """A packed page's bytes (:func:`_code_raws`) dequantized to bfloat16 into ``kc_s`` ``[64, DC]`` /
+        ``kr_s`` ``[64, DR]``.
 
         Content: a chunk is 64 bytes (16 words) of every token's row; plane ``pl`` of it is the 64 channels
         ``pl * CBYTES + 64 c + [0, 64)``, one quantization group, one [64, 64] slice of ``kc_s``."""
         CBYTES: gl.constexpr = DC * CBITS // 8
         CPLANES: gl.constexpr = 8 // CBITS
         NCH: gl.constexpr = CBYTES // 64
-        NG: gl.constexpr = DC // 64
-        wl: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])  # [64, 16] words, 16 B a thread
-        tl_: gl.constexpr = gl.SliceLayout(1, wl)
-        tok = gl.arange(0, 64, tl_)
-        ok = tokens_ok(tok, j, ps, pe, page_ok)
-        wcol = gl.arange(0, 16, gl.SliceLayout(0, wl))
-        words = pages_ptr.to(gl.pointer_type(gl.uint32))
-        crow = (page_off + C_CODES_OFF) // 4 + tok * (CBYTES // 4)
-        raws = ()
-        for c in gl.static_range(NCH):  # every chunk's words in flight at once
-            raws = raws + (gl.load(words + crow[:, None] + (c * 16 + wcol)[None, :], mask=ok[:, None], other=0),)
-        srow = pages_ptr.to(gl.pointer_type(gl.bfloat16)) + (page_off + C_SCALES_OFF) // 2 + tok * NG
-        zrow = pages_ptr + (page_off + C_ZEROS_OFF) + tok * NG
         for c in gl.static_range(NCH):
             for pl in gl.static_range(CPLANES):
-                # the chunk's plane is group (pl * CBYTES + 64 c) / 64
-                s = gl.load(srow + (pl * CBYTES // 64 + c), mask=ok, other=0.0)
-                zb = (gl.load(zrow + (pl * CBYTES // 64 + c), mask=ok, other=0).to(gl.float32) + 128.0).to(gl.bfloat16)
-                k = _plane(raws[c], pl, CBITS, zb, s, 64, 16, False)
+                # the chunk's plane is group pl * CBYTES / 64 + c
+                zb = (zeros[pl * CBYTES // 64 + c].to(gl.float32) + 128.0).to(gl.bfloat16)
+                k = _plane(raws[c], pl, CBITS, zb, scales[pl * CBYTES // 64 + c], 64, 16, False)
                 kc_s.slice(pl * CBYTES + 64 * c, 64, dim=1).store(k)
 
         # RoPE: RBYTES = DR / 2 bytes a row (8 words at DR 64); plane 0 = channels [0, DR/2), plane 1 the rest
         RW: gl.constexpr = DR * RBITS // 8 // 4
-        rl: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (RW // 4), RW // 4], [4, 1], [1, 0])
-        rtl: gl.constexpr = gl.SliceLayout(1, rl)
-        rtok = gl.arange(0, 64, rtl)
-        rok = tokens_ok(rtok, j, ps, pe, page_ok)
-        rw = gl.load(words + ((page_off + R_CODES_OFF) // 4 + rtok * RW)[:, None]
-                     + gl.arange(0, RW, gl.SliceLayout(0, rl))[None, :], mask=rok[:, None], other=0)
-        rs = gl.load(pages_ptr.to(gl.pointer_type(gl.float32)) + (page_off + R_SCALES_OFF) // 4 + rtok,
-                     mask=rok, other=0.0)
-        rzb = (gl.load(pages_ptr + (page_off + R_ZEROS_OFF) + rtok, mask=rok, other=0).to(gl.float32)
-               + 128.0).to(gl.bfloat16)
+        rzb = (rz.to(gl.float32) + 128.0).to(gl.bfloat16)
         k0 = _plane(rw, 0, RBITS, rzb, rs, 64, RW, True)
         k1 = _plane(rw, 1, RBITS, rzb, rs, 64, RW, True)
         kr = gl.reshape(gl.permute(gl.join(k0, k1), (0, 2, 1)), [64, DR])  # [n, plane, j] -> channel plane*DR/2 + j
@@ -197,20 +213,30 @@ if GLUON_IMPORT_ERROR is None:
         kfull, kempty, pready, pfree, lfin = bars
         o_layout: gl.constexpr = _acc_layout(DC // 2)
         acc = gl.zeros([BLOCK_R, DC // 2], gl.float32, o_layout)
+        if QUANT:  # page i's bytes are loaded during page i - 1's output product (one program an SM: nothing else
+            # hides their latency)
+            page_off, page_ok = page_of(table_row, j_lo, num_pages, PAGE_BYTES, n_tiles > 0)
+            raws, scales, zeros, rw, rs, rz = _code_raws(pages_ptr, page_off, j_lo, ps, pe, page_ok, DC, DR, CBITS,
+                                                         RBITS, C_CODES_OFF, R_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF,
+                                                         R_SCALES_OFF, R_ZEROS_OFF)
         for i in range(n_tiles):
             slot = i % 2
             mbarrier.wait(kempty.index(slot), ((i // 2) & 1) ^ 1)  # fresh barriers pass parity 1
-            page_off, page_ok = page_of(table_row, j_lo + i, num_pages, PAGE_BYTES)
             if QUANT:
-                _load_code_page(pages_ptr, page_off, j_lo + i, ps, pe, page_ok, kc.index(slot), kr.index(slot), DC,
-                                DR, CBITS, RBITS, C_CODES_OFF, R_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF, R_SCALES_OFF,
-                                R_ZEROS_OFF)
+                _store_code_page(raws, scales, zeros, rw, rs, rz, kc.index(slot), kr.index(slot), DC, DR, CBITS,
+                                 RBITS)
             else:
+                page_off, page_ok = page_of(table_row, j_lo + i, num_pages, PAGE_BYTES)
                 _load_bf16_page(pages_ptr, page_off, j_lo + i, ps, pe, page_ok, kc.index(slot), kr.index(slot), DC,
                                 DR, C_CODES_OFF, R_CODES_OFF)
             fence_async_shared()  # generic-proxy stores, read next by wgmma (async proxy)
             _partition_barrier()  # every thread's fence before the one arrival
             mbarrier.arrive(kfull.index(slot))
+            if QUANT:
+                page_off, page_ok = page_of(table_row, j_lo + i + 1, num_pages, PAGE_BYTES, i + 1 < n_tiles)
+                raws, scales, zeros, rw, rs, rz = _code_raws(pages_ptr, page_off, j_lo + i + 1, ps, pe, page_ok, DC,
+                                                             DR, CBITS, RBITS, C_CODES_OFF, R_CODES_OFF,
+                                                             C_SCALES_OFF, C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF)
             if i > 0:
                 acc = _pv_hi(acc, p_s, alpha_s, kc.index(1 - slot), pready, pfree, kempty.index(1 - slot), i - 1,
                              DC)

@@ -2,11 +2,11 @@
 
 Two pieces::
 
-    from quantmla_core.integrations.transformers import QuantMLACache, enable_quantmla
+    from quantmla_core.integrations.transformers import QuantMLACache, cache_kwarg, enable_quantmla
 
     handle = enable_quantmla(model, format="C4R4", sink=4, local=128)   # patch the MLA attention modules
     cache = QuantMLACache(model)                                          # format etc. from the handle
-    out = model.generate(**inputs, max_new_tokens=64, cache=cache)       # or past_key_values=cache
+    out = model.generate(**inputs, max_new_tokens=64, **{cache_kwarg(model): cache})  # cache= (>= 5.2x) or past_key_values=
     print(cache.memory_report())                                          # real bytes vs BF16
     handle.disable()                                                      # back to the unmodified model
 
@@ -76,13 +76,20 @@ from ..formats import PackFormat
 from ..host_copy import index_tensor, to_device
 from ..paged import PagedMLACache, StepMemo
 
-__all__ = ["QuantMLACache", "QuantMLALayer", "QuantMLAHandle", "enable_quantmla", "disable_quantmla"]
+__all__ = [
+    "QuantMLACache", "QuantMLALayer", "QuantMLAHandle", "enable_quantmla", "disable_quantmla", "cache_kwarg",
+]
 
 #: Query tokens per write + attention call in multi-token decode steps (DESIGN.md section 2 serves
 #: S_q <= 16; a longer continuation of a cached sequence is processed in chunks of this size).
 MAX_QUERY_CHUNK = 16
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")
 _HANDLE_ATTR = "_quantmla_handle"
+
+
+def cache_kwarg(model: nn.Module) -> str:
+    """``model.generate``/``forward``'s cache keyword: ``"cache"`` (transformers >= 5.2x), else ``"past_key_values"``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _adapters():
