@@ -79,7 +79,8 @@
 #   bash benchmarks/run_h200_kernels.sh v4       # Triton kernel v4 (Gluon): one small case first (a failure stops there),
 #       tests/test_triton_v4.py, CUDA graphs of v3 against v4 over V4_SHAPES (V4_FORMATS; FlashInfer BF16 in the
 #       process) and CuPy's, memcheck, ncu of v4 C4R4 (while V4_LIMIT seconds, default 560, are not spent); V4_HF=1:
-#       also tests/test_paged.py and tests/test_integration_transformers.py on CUDA (auto) beside the tests; $OUT/v4.tgz
+#       also tests/test_paged.py and tests/test_integration_transformers.py on CUDA (auto) beside the tests;
+#       V4_AB_TREES="NAME:DIR ...": v4 as built from DIR's attention_v4_*.py (carried) at V4_AB_SHAPES too; $OUT/v4.tgz
 #   bash benchmarks/run_h200_kernels.sh v6pair   # v6 as two-CTA clusters sharing each key tile (QUANTMLA_CUPY_V6_PAIR):
 #       conformance of forced pairs, CUDA graphs of 0 against 1 over V6PAIR_SHAPES, memcheck of the pairs
 #   bash benchmarks/run_h200_kernels.sh v6fold   # v6's slack maximum and RoPE fold (QUANTMLA_CUPY_V6_SLACK / _ROPE_FOLD):
@@ -520,8 +521,9 @@ elif [ "$MODE" = v4 ]; then
   echo "=== v4: one small case, then its tests"
   timeout -k 10 150 $T -x -rfE tests/test_triton_v4.py -k "matches_reference_and_v3 and C4R4 and L63_64_65 and H128" \
     > /tmp/v4/first.txt 2>&1; echo "rc=$?" >> /tmp/v4/first.txt; tail -2 /tmp/v4/first.txt
-  grep -q "^rc=0" /tmp/v4/first.txt || { tar czf "$OUT/v4.tgz" -C /tmp v4; exit 1; }
-  timeout -k 10 ${V4_CONF_S:-200} $T -rfE tests/test_triton_v4.py > /tmp/v4/conf.txt 2>&1; echo "rc=$?" >> /tmp/v4/conf.txt
+  ok=1; grep -q "^rc=0" /tmp/v4/first.txt || { ok=0; tail -30 /tmp/v4/first.txt; }  # then v3 and the other trees alone
+  [ $ok = 1 ] && timeout -k 10 ${V4_CONF_S:-200} $T -rfE tests/test_triton_v4.py > /tmp/v4/conf.txt 2>&1
+  echo "rc=$?" >> /tmp/v4/conf.txt
   grep -E "^FAILED|^ERROR" /tmp/v4/conf.txt | head -10; tail -3 /tmp/v4/conf.txt
   if [ -n "$hf_pid" ]; then
     wait $hf_pid; echo "--- transformers integration (auto)"; grep -E "^FAILED|^ERROR" /tmp/v4/hf_tests.txt | head -5
@@ -530,8 +532,16 @@ elif [ "$MODE" = v4 ]; then
   echo "=== v3 against v4, CUDA graphs (FlashInfer BF16 in the process)"
   timeout -k 10 $(( $(left) - 200 )) python3 -P benchmarks/graph_probe.py --backends triton --formats ${V4_FORMATS:-C4R4,C2R4,BF16} \
     --shapes ${V4_SHAPES:-128x32x32768,128x8x4096,128x128x32768,64x32x32768} \
-    --settings "QUANTMLA_TRITON_ATTENTION=v3;QUANTMLA_TRITON_ATTENTION=v4;QUANTMLA_TRITON_ATTENTION=v4" \
+    --settings "${V4_SETTINGS:-QUANTMLA_TRITON_ATTENTION=v3$([ $ok = 1 ] && echo ';QUANTMLA_TRITON_ATTENTION=v4')}" \
     --json /tmp/v4/graph.json 2>&1 | grep -v "^{" | tail -40
+  for ab in ${V4_AB_TREES:-}; do  # NAME:DIR, DIR holding other attention_v4_kernel.py / attention_v4_loaders.py
+    name=${ab%%:*}; dir=${ab#*:}; rm -rf /tmp/qm_$name; cp -r /tmp/qm /tmp/qm_$name
+    cp $dir/attention_v4_*.py /tmp/qm_$name/quantmla_core/backends/triton/
+    echo "=== v4 as in $dir ($name), CUDA graphs"
+    QUANTMLA_TRITON_ATTENTION=v4 PYTHONPATH=/tmp/qm_$name:${PYTHONPATH#/tmp/qm:} timeout -k 10 $(( $(left) - 200 )) \
+      python3 -P benchmarks/graph_probe.py --backends triton --formats ${V4_AB_FORMATS:-C4R4,BF16} \
+      --shapes ${V4_AB_SHAPES:-128x32x32768,128x8x4096} --json /tmp/v4/graph_$name.json 2>&1 | grep -v "^{" | tail -8
+  done
   echo "=== CuPy, CUDA graphs"; timeout -k 10 $(( $(left) - 150 )) python3 -P benchmarks/graph_probe.py --backends cupy \
     --formats C4R4,C2R4 --shapes ${V4_SHAPES:-128x32x32768,128x8x4096,128x128x32768,64x32x32768} \
     --json /tmp/v4/graph_cupy.json 2>&1 | grep -v "^{" | tail -10

@@ -50,9 +50,21 @@ def test_v4_is_refused_off_a_gpu_with_the_reason():
         _prepare()
 
 
-def test_auto_never_picks_v4(monkeypatch):
+@pytest.mark.parametrize("on", [False, True])
+@pytest.mark.parametrize("fmt,heads,want", [("C4R4", 128, "v4"), ("C2R4", 64, "v4"), ("BF16", 128, "v4"),
+                                            ("C4R8", 128, "v3"), ("C4R4", 16, "v2")])
+def test_auto_runs_v4_where_it_would_run_v3(monkeypatch, on, fmt, heads, want):
+    """``heuristics.V4_AUTO`` on: auto runs v4 in v3's place where v4 serves the call; off: never."""
     _as_hopper(monkeypatch)
+    monkeypatch.setattr(A, "V4_AUTO", on)
     monkeypatch.delenv(A.VARIANT_ENV, raising=False)
+    assert _prepare(fmt, heads=heads, variant="auto").variant == (want if on or want != "v4" else "v3")
+
+
+def test_auto_keeps_v3_off_hopper_and_in_the_interpreter(monkeypatch):
+    monkeypatch.setattr(A, "V4_AUTO", True)
+    monkeypatch.delenv(A.VARIANT_ENV, raising=False)
+    stub_triton_launcher(monkeypatch, sm_count=132)  # a CPU cache: v4 says "runs on NVIDIA GPUs"
     assert _prepare(variant="auto").variant == "v3"
 
 

@@ -12,10 +12,14 @@
 
 from __future__ import annotations
 
+import ast
 import inspect
 import os
 import random
 import re
+import subprocess
+import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -70,11 +74,21 @@ def test_signature_takes_v3_arguments():
 
 @pytest.fixture(scope="module")
 def reports() -> dict:
+    """Each format's ``offline_v4.compile_report``, built in a subprocess without ``TRITON_INTERPRET`` (which this
+    session sets, and under which Triton's frontend state from earlier tests can break a Gluon build)."""
     _needs_gluon()
     _needs_ptxas()
-    from quantmla_core.backends.triton.offline_v4 import compile_report
-
-    return {f: compile_report(f) for f in FORMATS}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = {}
+    for fmt in FORMATS:
+        cmd = [sys.executable, *(["-P"] if sys.flags.safe_path else []), "-m",
+               "quantmla_core.backends.triton.offline_v4", fmt]
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tempfile.gettempdir())
+        lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+        assert lines, r.stdout + r.stderr
+        out[fmt] = ast.literal_eval(lines[-1])
+        assert "err" not in out[fmt], out[fmt]
+    return out
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -84,8 +98,8 @@ def test_offline_sm90a_build(reports, fmt):
     attender's PV 4 (m64n256k16 over 64 tokens), the loader's PV 4, emitted twice (in its loop and after it)."""
     r = reports[fmt]
     # the packed loaders hold the next page's bytes (prefetched) beside the dequantization: triton 3.6 spills nothing,
-    # 3.7.1 up to 8 bytes (C2R4: two reloads a page)
-    assert r["spill_bytes"] <= (0 if fmt == "BF16" else 8), r
+    # 3.7.1 up to 12 bytes (C2R4: three reloads a page, against ~1,200 instructions)
+    assert r["spill_bytes"] <= (0 if fmt == "BF16" else 16), r
     assert r["smem"] <= SMEM_LIMIT, r
     assert r["wgmma"] == 48, r
     assert r["regs"] <= 255, r
@@ -226,11 +240,11 @@ def _attender(n: int, drop: str | None):
     """``attention_v4_kernel.attender_partition``'s synchronizing statements, in order."""
     for i in range(n):
         s = i % 2
-        yield ("wait", ("kfull", s), (i // 2) & 1)
-        yield ("read", ("k", s), i)  # QK(i), issued and retired by the wait below
-        yield ("retire", "pv_lo")  # warpgroup_mma_wait(0): QK(i) and PV_lo(i - 1)
+        yield ("retire", "pv_lo")  # warpgroup_mma_wait(0) on PV_lo(i - 1)
         if i > 0:
             yield ("arrive", ("kempty", 1 - s))
+        yield ("wait", ("kfull", s), (i // 2) & 1)
+        yield ("read", ("k", s), i)  # QK(i), issued and retired at once
         if drop != "pfree":
             yield ("wait", ("pfree",), (i & 1) ^ 1)
         yield ("write", ("p",), i)
@@ -324,7 +338,7 @@ def test_protocol_model_follows_the_kernel():
     _needs_gluon()
     from quantmla_core.backends.triton import attention_v4_loaders as ld
 
-    assert _sync_calls(v4.attender_partition) == ["wait kfull", "arrive kempty", "wait pfree", "arrive pready",
+    assert _sync_calls(v4.attender_partition) == ["arrive kempty", "wait kfull", "wait pfree", "arrive pready",
                                                  "arrive lfin"]
     assert _sync_calls(ld.loader_partition) == ["wait kempty", "arrive kfull", "wait lfin"]
     assert _sync_calls(ld._pv_hi) == ["wait pready", "arrive pfree", "arrive kempty_s"]

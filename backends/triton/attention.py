@@ -28,7 +28,7 @@ from .heuristics import (INTERPRETER_SM_COUNT, MERGE_BLOCK_C, MERGE_BLOCK_R, MER
                          V3_BLOCK_N, V3_BLOCK_R, V3_MIN_ROWS, V3_NUM_STAGES, V3_NUM_WARPS, V3_PREFETCH, AttentionPlan,
                          DeviceLimits, PROTECT_ROWS_CHOICES, merge_load_width, pdl_default, plan, plan_v2, plan_v3,
                          planned_shared_max, plan_v4, protect_parts, v3_code_words, v3_tile_groups, v3_word_lanes,
-                         V4_CAPABILITY_MAJOR, V4_DIMS, V4_FORMATS, V4_PAGE_SIZE)
+                         V4_AUTO, V4_CAPABILITY_MAJOR, V4_DIMS, V4_FORMATS, V4_PAGE_SIZE)
 
 #: environment variable choosing the split kernel ("auto" default, "v1", "v2", "v3", "v4"); read on every call. v4
 #: (Gluon, Hopper) runs only when asked for: ``auto`` never picks it before it is measured
@@ -504,6 +504,8 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
         v3_fits = not v3_excess
     if variant == "auto":
         variant = auto_variant(fmt.quantized, q_bf16, rows, v3_fits)
+        if variant == "v3" and V4_AUTO and v4_unsupported(fmt, q_dtype, dev) is None:
+            variant = "v4"
     if variant in ("v2", "v3") and not q_bf16 and not interp and not V2_FLOAT32_ON_GPU:
         variant = "v1"  # float32 queries on a GPU: see heuristics.V2_FLOAT32_ON_GPU
     LAST_LAUNCH["variant"] = variant

@@ -110,6 +110,10 @@ if GLUON_IMPORT_ERROR is None:
             slot = i % 2
             j = j_lo + i
             _, page_ok = page_of(table_row, j, num_pages, PAGE_BYTES)
+            # retire the product of page i - 1 before this page's QK: its key slot goes back to the loader now, not
+            # after QK (the loader's next page waits for it), and no wgmma is issued beside an unretired one
+            o = warpgroup_mma_wait(0, deps=[acc])
+            mbarrier.arrive(kempty.index(1 - slot), pred=i > 0)
             mbarrier.wait(kfull.index(slot), (i // 2) & 1)
             kc_s = kc.index(slot)
             s = warpgroup_mma(q_s.slice(0, 64, dim=1), kc_s.slice(0, 64, dim=1).permute((1, 0)), s0,
@@ -118,8 +122,7 @@ if GLUON_IMPORT_ERROR is None:
                 s = warpgroup_mma(q_s.slice(c * 64, 64, dim=1), kc_s.slice(c * 64, 64, dim=1).permute((1, 0)), s,
                                   is_async=True)
             s = warpgroup_mma(qr_s, kr.index(slot).permute((1, 0)), s, is_async=True)
-            s, o = warpgroup_mma_wait(0, deps=[s, acc])  # also retires the product of page i - 1
-            mbarrier.arrive(kempty.index(1 - slot), pred=i > 0)
+            s = warpgroup_mma_wait(0, deps=[s])
 
             n = j * 64 + toks
             vis = ((n >= ps) & (n < pe) & page_ok)[None, :] & (n[None, :] < limit[:, None])
@@ -215,9 +218,13 @@ if GLUON_IMPORT_ERROR is None:
         gl.static_assert(not QUANT or (CG == 64 and RG == DR), "kernel v4: groups of 64 channels, one RoPE group")
         gl.static_assert(not QUANT or (C_SCALE_BF16 and not R_SCALE_BF16),
                          "kernel v4: bfloat16 content and float32 RoPE scales")
-        pid_s = gl.program_id(0)
-        b = gl.program_id(1)
-        rb = gl.program_id(2)
+        # v3's grid (NSPLIT, B, row blocks), taken in launch order with the row blocks fastest: the programs reading
+        # the same pages (one per row block) start together, so the second read of each page hits L2
+        n_rb = gl.num_programs(2)
+        lin = gl.program_id(0) + NSPLIT * (gl.program_id(1) + gl.num_programs(1) * gl.program_id(2))
+        rb = lin % n_rb
+        pid_s = (lin // n_rb) % NSPLIT
+        b = lin // (n_rb * NSPLIT)
         L = gl.load(lens_ptr + b).to(gl.int32)
         ps, pe, j_lo, n_tiles = _split_range(L, SINK, LOCAL, NSPLIT, pid_s, BLOCK_N)
         table_row = table_ptr + b.to(gl.int64) * stride_table

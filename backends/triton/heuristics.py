@@ -365,6 +365,8 @@ V4_DIMS = (512, 64)
 V4_PAGE_SIZE = 64
 #: compute capability (major) of the Hopper warpgroup MMAs and register reallocation it is written for
 V4_CAPABILITY_MAJOR = 9
+#: whether ``auto`` runs kernel v4 where it would run v3 and v4 serves the call (:func:`attention.v4_unsupported`)
+V4_AUTO = False
 
 
 def plan_v4(batch: int, rows: int, latent_dim: int, page_size: int, max_tokens: int, sm_count: int,
