@@ -104,14 +104,32 @@ def test_v4_is_planned_as_v3(monkeypatch, fmt, batch, heads, tokens):
     v4 = _prepare(fmt, batch=batch, heads=heads, tokens=tokens)
     v3 = _prepare(fmt, batch=batch, heads=heads, tokens=tokens, variant="v3")
     assert v4.variant == "v4" and v3.variant == "v3"
-    for field in ("split_grid", "partial_specs", "protect_grid", "protect_tiles", "merge_grid", "merge_consts",
-                  "split_consts"):
+    for field in ("split_grid", "partial_specs", "protect_grid", "protect_tiles", "merge_grid", "merge_consts"):
         assert getattr(v4, field) == getattr(v3, field), field
+    assert {k: v for k, v in v4.split_consts.items() if k != "PIPELINE"} == dict(v3.split_consts)
     # PDL (stubbed as available): v3 launches its protected tiles after itself (mode 2), v4 signals no dependents
     assert (v4.pdl, v3.pdl) == (1, 2)
     assert {**v4.protect_consts, "PDL": True} == dict(v3.protect_consts)
     assert v4.split_dims["num_warps"] == 4 and v3.split_dims["num_warps"] == 8
     assert v4.plan.block_n == 128 and v4.plan.block_r == 64
+
+
+@pytest.mark.parametrize("value,want", [(None, False), ("0", False), ("1", True)])
+def test_pipelined_build_is_a_knob(monkeypatch, value, want):
+    _as_hopper(monkeypatch)
+    if value is None:
+        monkeypatch.delenv(A.V4_PIPELINE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(A.V4_PIPELINE_ENV, value)
+    assert _prepare().split_consts["PIPELINE"] is want
+    assert "PIPELINE" not in _prepare(variant="v3").split_consts
+
+
+def test_a_malformed_pipeline_knob_is_refused(monkeypatch):
+    _as_hopper(monkeypatch)
+    monkeypatch.setenv(A.V4_PIPELINE_ENV, "yes")
+    with pytest.raises(ValueError, match="QUANTMLA_TRITON_V4_PIPELINE: expected one of 0, 1, got 'yes'"):
+        _prepare()
 
 
 def test_v4_takes_no_probe_switch(monkeypatch):
@@ -155,10 +173,13 @@ def _attend(case: Case, cache, args, batch, variant: str, num_splits: int | None
 
 
 @NEEDS_HOPPER
+@pytest.mark.parametrize("pipeline", ["0", "1"])
 @pytest.mark.parametrize("case,splits", _gpu_cases(), ids=lambda x: str(x))
-def test_v4_matches_reference_and_v3(case, splits):
+def test_v4_matches_reference_and_v3(case, splits, pipeline, monkeypatch):
     """Against the float64 reference (bfloat16 tolerance) and against kernel v3 on the same cache and queries: both
-    round the dequantized keys to bfloat16 once, so they differ only in summation order."""
+    round the dequantized keys to bfloat16 once, so they differ only in summation order. Both builds of v4
+    (``QUANTMLA_TRITON_V4_PIPELINE``)."""
+    monkeypatch.setenv(A.V4_PIPELINE_ENV, pipeline)
     batch, args, cache = write_case(case, "cuda", "bfloat16")
     out_v3, lse_v3 = _attend(case, cache, args, batch, "v3", splits)
     out, lse = _attend(case, cache, args, batch, "v4", splits)
@@ -172,9 +193,11 @@ def test_v4_matches_reference_and_v3(case, splits):
 
 
 @NEEDS_HOPPER
-def test_v4_overwrites_poisoned_partials(monkeypatch):
+@pytest.mark.parametrize("pipeline", ["0", "1"])
+def test_v4_overwrites_poisoned_partials(monkeypatch, pipeline):
     """Every partial a v4 split owns is written, empty splits included: with the partials' memory and the outputs
     NaN-filled, the outputs come back finite (and still match the reference)."""
+    monkeypatch.setenv(A.V4_PIPELINE_ENV, pipeline)
     carve = A.carve
     monkeypatch.setattr(A, "carve", lambda specs, device: [t.fill_(float("nan")) for t in carve(specs, device)])
     case = Case(PackFormat.parse("C4R4"), (3000, 64, 129), heads=128, seed=4999)

@@ -49,6 +49,11 @@ PROTECTED_STREAM_ENV = "QUANTMLA_TRITON_PROTECTED_STREAM"
 #: have not is refused. With ``QUANTMLA_TRITON_PROTECTED_STREAM=1`` the launches are plain (the merge waits on the side
 #: stream's event)
 PDL_ENV = "QUANTMLA_TRITON_PDL"
+#: "1": kernel v4's pipelined build (the packed loader loads page i + 1's bytes during page i's output product, the
+#: attender hands a key slot back before its next QK, the row blocks of a request launch side by side); "0" or unset:
+#: the build that ran on a GPU (stop 54). A measurement knob, read when a call is prepared; built and checked offline
+#: only (tests/test_triton_v4_offline.py), never run on a GPU yet
+V4_PIPELINE_ENV = "QUANTMLA_TRITON_V4_PIPELINE"
 _KERNELS = {"v1": split_kernel, "v2": split_kernel_v2, "v3": split_kernel_v3,
             **({} if split_kernel_v4 is None else {"v4": split_kernel_v4})}
 _PLANNERS = {"v1": plan, "v2": plan_v2, "v3": plan_v3, "v4": plan_v4}
@@ -554,6 +559,8 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
     pdl = _pdl_from_env(dev, variant)
     LAST_LAUNCH["pdl"] = pdl
     consts = {**consts, "PDL": pdl > 0}
+    if variant == "v4":
+        consts["PIPELINE"] = env_int_choice(V4_PIPELINE_ENV, (0, 1)) == 1
     scale_log2 = float(softmax_scale) * math.log2(math.e)
     pconsts = dict(Q_BF16=q_bf16, DOT_BF16=dot_bf16, PROT_BF16=cache.sink_buf.dtype == torch.bfloat16, DC=dc, DR=dr,
                    BLOCK_T=pl.protect_block_t, BLOCK_R=pl.protect_block_r, PDL=pdl == 2)

@@ -82,7 +82,7 @@ if GLUON_IMPORT_ERROR is None:
     @gluon.jit
     def attender_partition(q_base, qr_base, table_row, num_pages, o_part_ptr, lse_part_ptr, part, rb, R, H, S_Q, L,
                            sm_scale_log2, ps, pe, j_lo, n_tiles, bufs, bars, DC: gl.constexpr, DR: gl.constexpr,
-                           PAGE_BYTES: gl.constexpr, BLOCK_R: gl.constexpr):
+                           PAGE_BYTES: gl.constexpr, BLOCK_R: gl.constexpr, PIPELINE: gl.constexpr = False):
         """Default partition: scores, softmax and the output product over channels ``[0, DC/2)``; writes those
         channels of the partial output and the log2-sum-exp."""
         kc, kr, q_s, qr_s, p_s, alpha_s, l_s = bufs
@@ -110,10 +110,11 @@ if GLUON_IMPORT_ERROR is None:
             slot = i % 2
             j = j_lo + i
             _, page_ok = page_of(table_row, j, num_pages, PAGE_BYTES)
-            # retire the product of page i - 1 before this page's QK: its key slot goes back to the loader now, not
-            # after QK (the loader's next page waits for it), and no wgmma is issued beside an unretired one
-            o = warpgroup_mma_wait(0, deps=[acc])
-            mbarrier.arrive(kempty.index(1 - slot), pred=i > 0)
+            if PIPELINE:  # retire the product of page i - 1 before this page's QK: its key slot goes back to the
+                # loader now, not after QK (the loader's next page waits for it), and no wgmma is issued beside an
+                # unretired one
+                o = warpgroup_mma_wait(0, deps=[acc])
+                mbarrier.arrive(kempty.index(1 - slot), pred=i > 0)
             mbarrier.wait(kfull.index(slot), (i // 2) & 1)
             kc_s = kc.index(slot)
             s = warpgroup_mma(q_s.slice(0, 64, dim=1), kc_s.slice(0, 64, dim=1).permute((1, 0)), s0,
@@ -122,7 +123,11 @@ if GLUON_IMPORT_ERROR is None:
                 s = warpgroup_mma(q_s.slice(c * 64, 64, dim=1), kc_s.slice(c * 64, 64, dim=1).permute((1, 0)), s,
                                   is_async=True)
             s = warpgroup_mma(qr_s, kr.index(slot).permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma_wait(0, deps=[s])
+            if PIPELINE:
+                s = warpgroup_mma_wait(0, deps=[s])
+            else:
+                s, o = warpgroup_mma_wait(0, deps=[s, acc])  # also retires the product of page i - 1
+                mbarrier.arrive(kempty.index(1 - slot), pred=i > 0)
 
             n = j * 64 + toks
             vis = ((n >= ps) & (n < pe) & page_ok)[None, :] & (n[None, :] < limit[:, None])
@@ -204,6 +209,7 @@ if GLUON_IMPORT_ERROR is None:
         WORD_LANES: gl.constexpr = 1,
         TILE_GROUPS: gl.constexpr = False,
         LOADER_REGS: gl.constexpr = 0,
+        PIPELINE: gl.constexpr = False,
     ):
         """One (split, request, block of 64 query rows): the partial normalised output ``o_part[b, split, rows]``
         (float32 ``[64, DC]``) and log2-sum-exp ``lse_part[b, split, rows]`` over the split's packed tokens, as
@@ -218,13 +224,17 @@ if GLUON_IMPORT_ERROR is None:
         gl.static_assert(not QUANT or (CG == 64 and RG == DR), "kernel v4: groups of 64 channels, one RoPE group")
         gl.static_assert(not QUANT or (C_SCALE_BF16 and not R_SCALE_BF16),
                          "kernel v4: bfloat16 content and float32 RoPE scales")
-        # v3's grid (NSPLIT, B, row blocks), taken in launch order with the row blocks fastest: the programs reading
-        # the same pages (one per row block) start together, so the second read of each page hits L2
-        n_rb = gl.num_programs(2)
-        lin = gl.program_id(0) + NSPLIT * (gl.program_id(1) + gl.num_programs(1) * gl.program_id(2))
-        rb = lin % n_rb
-        pid_s = (lin // n_rb) % NSPLIT
-        b = lin // (n_rb * NSPLIT)
+        if PIPELINE:  # v3's grid (NSPLIT, B, row blocks) taken in launch order with the row blocks fastest: the
+            # programs reading the same pages (one per row block) start together, so the second read hits L2
+            n_rb = gl.num_programs(2)
+            lin = gl.program_id(0) + NSPLIT * (gl.program_id(1) + gl.num_programs(1) * gl.program_id(2))
+            rb = lin % n_rb
+            pid_s = (lin // n_rb) % NSPLIT
+            b = lin // (n_rb * NSPLIT)
+        else:
+            pid_s = gl.program_id(0)
+            b = gl.program_id(1)
+            rb = gl.program_id(2)
         L = gl.load(lens_ptr + b).to(gl.int32)
         ps, pe, j_lo, n_tiles = _split_range(L, SINK, LOCAL, NSPLIT, pid_s, BLOCK_N)
         table_row = table_ptr + b.to(gl.int64) * stride_table
@@ -256,15 +266,19 @@ if GLUON_IMPORT_ERROR is None:
         bufs = (kc, kr, q_s, qr_s, p_s, alpha_s, l_s)
         bars = (kfull, kempty, pready, pfree, lfin)
         if LOADER_REGS == 0:
-            REGS: gl.constexpr = 256 if QUANT else 232
+            if QUANT:
+                REGS: gl.constexpr = 256 if PIPELINE else 248
+            else:
+                REGS: gl.constexpr = 232
         else:
             REGS: gl.constexpr = LOADER_REGS
         q_base = q_ptr + b.to(gl.int64) * R * DC
         qr_base = qr_ptr + b.to(gl.int64) * R * DR
         gl.warp_specialize([
             (attender_partition, (q_base, qr_base, table_row, num_pages, o_part_ptr, lse_part_ptr, part, rb, R, H, S_Q,
-                                  L, sm_scale_log2, ps, pe, j_lo, n_tiles, bufs, bars, DC, DR, PAGE_BYTES, BLOCK_R)),
+                                  L, sm_scale_log2, ps, pe, j_lo, n_tiles, bufs, bars, DC, DR, PAGE_BYTES, BLOCK_R,
+                                  PIPELINE)),
             (loader_partition, (pages_ptr, table_row, num_pages, o_part_ptr, part, rb, R, ps, pe, j_lo, n_tiles, bufs,
                                 bars, QUANT, DC, DR, CBITS, RBITS, P, PAGE_BYTES, C_CODES_OFF, R_CODES_OFF,
-                                C_SCALES_OFF, C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF, BLOCK_R)),
+                                C_SCALES_OFF, C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF, BLOCK_R, PIPELINE)),
         ], [4], [REGS])

@@ -205,7 +205,7 @@ if GLUON_IMPORT_ERROR is None:
                          CBITS: gl.constexpr, RBITS: gl.constexpr, P: gl.constexpr, PAGE_BYTES: gl.constexpr,
                          C_CODES_OFF: gl.constexpr, R_CODES_OFF: gl.constexpr, C_SCALES_OFF: gl.constexpr,
                          C_ZEROS_OFF: gl.constexpr, R_SCALES_OFF: gl.constexpr, R_ZEROS_OFF: gl.constexpr,
-                         BLOCK_R: gl.constexpr):
+                         BLOCK_R: gl.constexpr, PIPELINE: gl.constexpr = False):
         """Worker partition: fill key slot ``i % 2`` with page ``j_lo + i`` (after both output products of page
         ``i - 2`` freed it), then run the output product of page ``i - 1`` over channels ``[DC/2, DC)``; at the
         end write those channels of the partial output (after the attender published the final ``l``)."""
@@ -213,16 +213,22 @@ if GLUON_IMPORT_ERROR is None:
         kfull, kempty, pready, pfree, lfin = bars
         o_layout: gl.constexpr = _acc_layout(DC // 2)
         acc = gl.zeros([BLOCK_R, DC // 2], gl.float32, o_layout)
-        if QUANT:  # page i's bytes are loaded during page i - 1's output product (one program an SM: nothing else
-            # hides their latency)
-            page_off, page_ok = page_of(table_row, j_lo, num_pages, PAGE_BYTES, n_tiles > 0)
-            raws, scales, zeros, rw, rs, rz = _code_raws(pages_ptr, page_off, j_lo, ps, pe, page_ok, DC, DR, CBITS,
-                                                         RBITS, C_CODES_OFF, R_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF,
-                                                         R_SCALES_OFF, R_ZEROS_OFF)
+        if QUANT:
+            if PIPELINE:  # page i's bytes are loaded during page i - 1's output product (one program an SM: nothing
+                # else hides their latency)
+                page_off, page_ok = page_of(table_row, j_lo, num_pages, PAGE_BYTES, n_tiles > 0)
+                raws, scales, zeros, rw, rs, rz = _code_raws(pages_ptr, page_off, j_lo, ps, pe, page_ok, DC, DR,
+                                                             CBITS, RBITS, C_CODES_OFF, R_CODES_OFF, C_SCALES_OFF,
+                                                             C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF)
         for i in range(n_tiles):
             slot = i % 2
             mbarrier.wait(kempty.index(slot), ((i // 2) & 1) ^ 1)  # fresh barriers pass parity 1
             if QUANT:
+                if not PIPELINE:
+                    page_off, page_ok = page_of(table_row, j_lo + i, num_pages, PAGE_BYTES)
+                    raws, scales, zeros, rw, rs, rz = _code_raws(pages_ptr, page_off, j_lo + i, ps, pe, page_ok, DC,
+                                                                 DR, CBITS, RBITS, C_CODES_OFF, R_CODES_OFF,
+                                                                 C_SCALES_OFF, C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF)
                 _store_code_page(raws, scales, zeros, rw, rs, rz, kc.index(slot), kr.index(slot), DC, DR, CBITS,
                                  RBITS)
             else:
@@ -233,10 +239,11 @@ if GLUON_IMPORT_ERROR is None:
             _partition_barrier()  # every thread's fence before the one arrival
             mbarrier.arrive(kfull.index(slot))
             if QUANT:
-                page_off, page_ok = page_of(table_row, j_lo + i + 1, num_pages, PAGE_BYTES, i + 1 < n_tiles)
-                raws, scales, zeros, rw, rs, rz = _code_raws(pages_ptr, page_off, j_lo + i + 1, ps, pe, page_ok, DC,
-                                                             DR, CBITS, RBITS, C_CODES_OFF, R_CODES_OFF,
-                                                             C_SCALES_OFF, C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF)
+                if PIPELINE:
+                    page_off, page_ok = page_of(table_row, j_lo + i + 1, num_pages, PAGE_BYTES, i + 1 < n_tiles)
+                    raws, scales, zeros, rw, rs, rz = _code_raws(pages_ptr, page_off, j_lo + i + 1, ps, pe, page_ok,
+                                                                 DC, DR, CBITS, RBITS, C_CODES_OFF, R_CODES_OFF,
+                                                                 C_SCALES_OFF, C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF)
             if i > 0:
                 acc = _pv_hi(acc, p_s, alpha_s, kc.index(1 - slot), pready, pfree, kempty.index(1 - slot), i - 1,
                              DC)
