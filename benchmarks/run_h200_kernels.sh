@@ -77,7 +77,8 @@
 #       its test files); then, each only while S54_LIMIT seconds (default 540) are not spent: v3 against v4 as CUDA
 #       graphs (S54_V4_SHAPES, S54_V4_FORMATS), memcheck of v2 words, v3 C2R4 and v4; $OUT/stop54.tgz
 #   bash benchmarks/run_h200_kernels.sh v4       # Triton kernel v4 (Gluon): one small case first (a failure stops there),
-#       tests/test_triton_v4.py, CUDA graphs of v3 against v4 over V4_SHAPES (V4_FORMATS; FlashInfer BF16 in the
+#       tests/test_triton_v4.py, CUDA graphs of v3, v4 and v4 with QUANTMLA_TRITON_V4_PIPELINE=1 over V4_SHAPES
+#       (V4_SETTINGS replaces the three; V4_FORMATS; FlashInfer BF16 in the
 #       process) and CuPy's, memcheck, ncu of v4 C4R4 (while V4_LIMIT seconds, default 560, are not spent); V4_HF=1:
 #       also tests/test_paged.py and tests/test_integration_transformers.py on CUDA (auto) beside the tests;
 #       V4_AB_TREES="NAME:DIR ...": v4 as built from DIR's attention_v4_*.py (carried) at V4_AB_SHAPES too; $OUT/v4.tgz
@@ -532,7 +533,7 @@ elif [ "$MODE" = v4 ]; then
   echo "=== v3 against v4, CUDA graphs (FlashInfer BF16 in the process)"
   timeout -k 10 $(( $(left) - 200 )) python3 -P benchmarks/graph_probe.py --backends triton --formats ${V4_FORMATS:-C4R4,C2R4,BF16} \
     --shapes ${V4_SHAPES:-128x32x32768,128x8x4096,128x128x32768,64x32x32768} \
-    --settings "${V4_SETTINGS:-QUANTMLA_TRITON_ATTENTION=v3$([ $ok = 1 ] && echo ';QUANTMLA_TRITON_ATTENTION=v4')}" \
+    --settings "${V4_SETTINGS:-QUANTMLA_TRITON_ATTENTION=v3$([ $ok = 1 ] && echo ';QUANTMLA_TRITON_ATTENTION=v4;QUANTMLA_TRITON_ATTENTION=v4 QUANTMLA_TRITON_V4_PIPELINE=1')}" \
     --json /tmp/v4/graph.json 2>&1 | grep -v "^{" | tail -40
   for ab in ${V4_AB_TREES:-}; do  # NAME:DIR, DIR holding other attention_v4_kernel.py / attention_v4_loaders.py
     name=${ab%%:*}; dir=${ab#*:}; rm -rf /tmp/qm_$name; cp -r /tmp/qm /tmp/qm_$name
