@@ -27,14 +27,14 @@ NEEDS_HOPPER = pytest.mark.skipif(not ON_HOPPER or A.GLUON_IMPORT_ERROR is not N
 
 
 def _prepare(fmt: str = "C4R4", q_dtype=torch.bfloat16, batch: int = 2, heads: int = 128, tokens: int = 4096,
-             variant: str = "v4", latent_dim: int = 512, rope_dim: int = 64, page_size: int = 64):
+             variant: str = "v4", latent_dim: int = 512, rope_dim: int = 64, page_size: int = 64, **kw):
     f = PackFormat.parse(fmt, latent_dim=latent_dim, rope_dim=rope_dim, page_size=page_size)
     pages = tokens // f.page_size
     cache = qm.MLACache.allocate(f, batch * pages, batch, 4, 128, device="cpu")
     table = torch.arange(batch * pages, dtype=torch.int32).view(batch, pages)
     lens = torch.full((batch,), tokens, dtype=torch.int32)
     return A.prepare(cache, table, lens, torch.arange(batch, dtype=torch.int32), batch, 1, heads, q_dtype, 0.05,
-                     variant=variant)
+                     variant=variant, **kw)
 
 
 def _as_hopper(monkeypatch, major: int | None = 9) -> None:
@@ -134,16 +134,10 @@ def test_a_malformed_pipeline_knob_is_refused(monkeypatch):
 
 def test_v4_takes_no_probe_switch(monkeypatch):
     _as_hopper(monkeypatch)
-    f = PackFormat.parse("C4R4")
-    cache = qm.MLACache.allocate(f, 8, 1, 4, 128, device="cpu")
     with pytest.raises(ValueError, match="'skip_pv' is a switch of kernels v1-v3, the call runs v4"):
-        A.prepare(cache, torch.arange(8, dtype=torch.int32).view(1, 8), torch.tensor([512], dtype=torch.int32),
-                  torch.zeros(1, dtype=torch.int32), 1, 1, 128, torch.bfloat16, 0.05, variant="v4",
-                  overrides={"skip_pv": True})
+        _prepare(overrides={"skip_pv": True})
     with pytest.raises(ValueError, match="'word_lanes' is a kernel-v3 switch, the call runs v4"):
-        A.prepare(cache, torch.arange(8, dtype=torch.int32).view(1, 8), torch.tensor([512], dtype=torch.int32),
-                  torch.zeros(1, dtype=torch.int32), 1, 1, 128, torch.bfloat16, 0.05, variant="v4",
-                  overrides={"word_lanes": 4})
+        _prepare(overrides={"word_lanes": 4})
 
 
 # ---------------------------------------------------------------- on an sm_90 GPU
