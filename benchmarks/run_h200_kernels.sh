@@ -76,7 +76,7 @@
 #       and real shapes), stop 52's allocator and integration tests on CUDA (auto), kernel v4 (one small case, then
 #       its test files); then, each only while S54_LIMIT seconds (default 540) are not spent: v3 against v4 as CUDA
 #       graphs (S54_V4_SHAPES, S54_V4_FORMATS), memcheck of v2 words, v3 C2R4 and v4; $OUT/stop54.tgz
-#   bash benchmarks/run_h200_kernels.sh v4       # Triton kernel v4 (Gluon): one small case first (a failure stops there),
+#   bash benchmarks/run_h200_kernels.sh triton_v4  # Triton kernel v4 (Gluon): one small case first (a failure stops there),
 #       tests/test_triton_v4.py, CUDA graphs of v3, v4 and v4 with QUANTMLA_TRITON_V4_PIPELINE=1 over V4_SHAPES
 #       (V4_SETTINGS replaces the three; V4_FORMATS; FlashInfer BF16 in the
 #       process) and CuPy's, memcheck, ncu of v4 C4R4 (while V4_LIMIT seconds, default 560, are not spent); V4_HF=1:
@@ -511,7 +511,7 @@ elif [ "$MODE" = stop54 ]; then
     [ -e /tmp/s54/memcheck_v4.txt ] && tail -3 /tmp/s54/memcheck_v4.txt
   fi
   tar czf "$OUT/stop54.tgz" -C /tmp s54
-elif [ "$MODE" = v4 ]; then
+elif [ "$MODE" = triton_v4 ]; then
   mkdir -p /tmp/v4; t0=$(date +%s); left() { echo $(( ${V4_LIMIT:-560} - $(date +%s) + t0 )); }
   hf_pid=""
   if [ "${V4_HF:-0}" = 1 ]; then  # the transformers integration on CUDA (auto) beside v4's tests, done before the timings
