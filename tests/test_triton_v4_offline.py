@@ -99,9 +99,11 @@ def test_offline_sm90a_build(reports, fmt, pipeline):
     captured scalars (230,172 B with triton 3.6 and 3.7); 48 ``wgmma``: QK 9 x 4 (m64n64k16, K = 64 each), the
     attender's PV 4 (m64n256k16 over 64 tokens), the loader's PV 4, emitted twice (in its loop and after it)."""
     r = reports[fmt, pipeline]
-    # the pipelined packed loaders hold the next page's bytes beside the dequantization: triton 3.6 spills nothing,
-    # 3.7.1 up to 12 bytes (C2R4: three reloads a page, against ~1,200 instructions)
-    assert r["spill_bytes"] <= (16 if pipeline and fmt != "BF16" else 0), r
+    # the pipelined packed loaders hold the next page's bytes beside the dequantization: C4R4 spills 68 bytes (3.7.1)
+    # or 76 (3.6.0), C2R4 8 or 0, against ~1,200 instructions a page
+    assert r["spill_bytes"] <= (80 if pipeline and fmt != "BF16" else 0), r
+    # stop 54's builds had an empty-split path that left the wgmmas serialized, each waiting for the one before
+    assert not r["wgmma_serialized"], r
     assert r["smem"] <= SMEM_LIMIT, r
     assert r["wgmma"] == 48, r
     assert r["regs"] <= 255, r

@@ -106,10 +106,10 @@ if GLUON_IMPORT_ERROR is None:
         l_i = gl.zeros([BLOCK_R], gl.float32, row_l)
         acc = warpgroup_mma_init(gl.zeros([BLOCK_R, DC // 2], gl.float32, o_layout))
         s0 = gl.zeros([BLOCK_R, 64], gl.float32, s_layout)
-        for i in range(n_tiles):
+        for i in range(gl.maximum(n_tiles, 1)):  # see split_kernel_v4: an empty split attends to one dead page
             slot = i % 2
             j = j_lo + i
-            _, page_ok = page_of(table_row, j, num_pages, PAGE_BYTES)
+            _, page_ok = page_of(table_row, j, num_pages, PAGE_BYTES, i < n_tiles)
             if PIPELINE:  # retire the product of page i - 1 before this page's QK: its key slot goes back to the
                 # loader now, not after QK (the loader's next page waits for it), and no wgmma is issued beside an
                 # unretired one
@@ -236,6 +236,9 @@ if GLUON_IMPORT_ERROR is None:
             b = gl.program_id(1)
             rb = gl.program_id(2)
         L = gl.load(lens_ptr + b).to(gl.int32)
+        # Both partitions walk at least one page: a split without pages takes one dead page (no table read, every
+        # token invisible, keys 0). With a zero-trip path the attender's output accumulator would reach its last
+        # wgmma wait from plain register moves, and ptxas then serializes every wgmma of the kernel (C7515).
         ps, pe, j_lo, n_tiles = _split_range(L, SINK, LOCAL, NSPLIT, pid_s, BLOCK_N)
         table_row = table_ptr + b.to(gl.int64) * stride_table
         part = (b.to(gl.int64) * NSPLIT + pid_s) * R

@@ -220,19 +220,20 @@ if GLUON_IMPORT_ERROR is None:
                 raws, scales, zeros, rw, rs, rz = _code_raws(pages_ptr, page_off, j_lo, ps, pe, page_ok, DC, DR,
                                                              CBITS, RBITS, C_CODES_OFF, R_CODES_OFF, C_SCALES_OFF,
                                                              C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF)
-        for i in range(n_tiles):
+        n_iter = gl.maximum(n_tiles, 1)  # the attender's count: an empty split walks one dead page
+        for i in range(n_iter):
             slot = i % 2
             mbarrier.wait(kempty.index(slot), ((i // 2) & 1) ^ 1)  # fresh barriers pass parity 1
             if QUANT:
                 if not PIPELINE:
-                    page_off, page_ok = page_of(table_row, j_lo + i, num_pages, PAGE_BYTES)
+                    page_off, page_ok = page_of(table_row, j_lo + i, num_pages, PAGE_BYTES, i < n_tiles)
                     raws, scales, zeros, rw, rs, rz = _code_raws(pages_ptr, page_off, j_lo + i, ps, pe, page_ok, DC,
                                                                  DR, CBITS, RBITS, C_CODES_OFF, R_CODES_OFF,
                                                                  C_SCALES_OFF, C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF)
                 _store_code_page(raws, scales, zeros, rw, rs, rz, kc.index(slot), kr.index(slot), DC, DR, CBITS,
                                  RBITS)
             else:
-                page_off, page_ok = page_of(table_row, j_lo + i, num_pages, PAGE_BYTES)
+                page_off, page_ok = page_of(table_row, j_lo + i, num_pages, PAGE_BYTES, i < n_tiles)
                 _load_bf16_page(pages_ptr, page_off, j_lo + i, ps, pe, page_ok, kc.index(slot), kr.index(slot), DC,
                                 DR, C_CODES_OFF, R_CODES_OFF)
             fence_async_shared()  # generic-proxy stores, read next by wgmma (async proxy)
@@ -247,9 +248,8 @@ if GLUON_IMPORT_ERROR is None:
             if i > 0:
                 acc = _pv_hi(acc, p_s, alpha_s, kc.index(1 - slot), pready, pfree, kempty.index(1 - slot), i - 1,
                              DC)
-        if n_tiles > 0:
-            last = n_tiles - 1
-            acc = _pv_hi(acc, p_s, alpha_s, kc.index(last % 2), pready, pfree, kempty.index(last % 2), last, DC)
+        last = n_iter - 1
+        acc = _pv_hi(acc, p_s, alpha_s, kc.index(last % 2), pready, pfree, kempty.index(last % 2), last, DC)
 
         mbarrier.wait(lfin, 0)
         l_i = l_s.load(gl.SliceLayout(1, o_layout))

@@ -76,7 +76,8 @@ def compile_v4(fmt_name: str = "C4R4", loader_regs: int = 0, heads: int = 128, p
 
 def compile_report(fmt_name: str = "C4R4", loader_regs: int = 0, pipeline: bool = False) -> dict:
     """Resources of kernel v4 compiled offline for sm_90a: registers, spilled bytes, shared memory, ``wgmma`` in the
-    PTX, the ``setmaxnreg`` values and SASS instruction counts (``sass``: all; -1 where no ``cuobjdump``)."""
+    PTX, whether ptxas serialized them, the ``setmaxnreg`` values and SASS instruction counts (``sass``: all; -1 where
+    no ``cuobjdump``)."""
     import triton
 
     from .offline_build import _nvidia_tool, _run_ptxas, _temp_file, sass_loop_counts
@@ -92,6 +93,9 @@ def compile_report(fmt_name: str = "C4R4", loader_regs: int = 0, pipeline: bool 
     out = {"triton": triton.__version__, "fmt": fmt_name, "pipeline": bool(pipeline), "regs": int(regs.group(1)) if regs else -1,
            "spill_bytes": int(spill.group(1)) if spill else 0, "smem": int(k.metadata.shared),
            "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
+           # ptxas C7514 / C7515: it found the accumulators touched inside an async pipeline stage and made every
+           # wgmma of the kernel wait for the one before it
+           "wgmma_serialized": bool(re.search(r"C751[0-9]\)? Potential Performance Loss", txt)),
            "setmaxnreg": sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})}
     if os.path.exists(_nvidia_tool("cuobjdump")):
         out.update(sass_loop_counts(k))
