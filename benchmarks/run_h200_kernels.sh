@@ -76,6 +76,10 @@
 #       and real shapes), stop 52's allocator and integration tests on CUDA (auto), kernel v4 (one small case, then
 #       its test files); then, each only while S54_LIMIT seconds (default 540) are not spent: v3 against v4 as CUDA
 #       graphs (S54_V4_SHAPES, S54_V4_FORMATS), memcheck of v2 words, v3 C2R4 and v4; $OUT/stop54.tgz
+#   bash benchmarks/run_h200_kernels.sh stop55   # kernel v4 without the empty-split path that serialized its wgmmas:
+#       one small case of each build (a failure stops there), CUDA graphs of v3, v4, v4 pipelined over S55_SHAPES
+#       (FlashInfer BF16 in the process), then v4's tests beside (S55_HF=1) the transformers integration tests on CUDA
+#       (auto), memcheck, ncu of the pipelined build, while S55_LIMIT seconds (default 560) are not spent; $OUT/s55.tgz
 #   bash benchmarks/run_h200_kernels.sh triton_v4  # Triton kernel v4 (Gluon): one small case first (a failure stops there),
 #       tests/test_triton_v4.py, CUDA graphs of v3, v4 and v4 with QUANTMLA_TRITON_V4_PIPELINE=1 over V4_SHAPES
 #       (V4_SETTINGS replaces the three; V4_FORMATS; FlashInfer BF16 in the
@@ -511,6 +515,44 @@ elif [ "$MODE" = stop54 ]; then
     [ -e /tmp/s54/memcheck_v4.txt ] && tail -3 /tmp/s54/memcheck_v4.txt
   fi
   tar czf "$OUT/stop54.tgz" -C /tmp s54
+elif [ "$MODE" = stop55 ]; then
+  mkdir -p /tmp/s55; t0=$(date +%s); left() { echo $(( ${S55_LIMIT:-560} - $(date +%s) + t0 )); }
+  echo "=== v4: one small case of each build"
+  timeout -k 10 150 $T -x -rfE tests/test_triton_v4.py -k "matches_reference_and_v3 and C4R4 and L63_64_65 and H128" \
+    > /tmp/s55/first.txt 2>&1; echo "rc=$?" >> /tmp/s55/first.txt; tail -2 /tmp/s55/first.txt
+  if grep -q "^rc=0" /tmp/s55/first.txt; then
+    echo "=== v3, v4, v4 pipelined: CUDA graphs (FlashInfer BF16 in the process)"
+    timeout -k 10 ${S55_GRAPH_S:-220} python3 -P benchmarks/graph_probe.py --backends triton --formats ${S55_FORMATS:-C4R4,C2R4,BF16} \
+      --shapes ${S55_SHAPES:-128x32x32768,128x8x4096,128x128x32768} \
+      --settings "${S55_SETTINGS:-QUANTMLA_TRITON_ATTENTION=v3;QUANTMLA_TRITON_ATTENTION=v4;QUANTMLA_TRITON_ATTENTION=v4 QUANTMLA_TRITON_V4_PIPELINE=1}" \
+      --json /tmp/s55/graph.json 2>&1 | grep -v "^{" | tail -40
+    hf_pid=""
+    if [ "${S55_HF:-0}" = 1 ]; then
+      (QUANTMLA_TEST_HF_BACKEND=auto timeout -k 10 200 $T -rfE tests/test_paged.py tests/test_integration_transformers.py \
+         > /tmp/s55/hf_tests.txt 2>&1; echo "rc=$?" >> /tmp/s55/hf_tests.txt) &
+      hf_pid=$!
+    fi
+    echo "=== v4 tests"
+    timeout -k 10 $(( $(left) - 90 )) $T -rfE tests/test_triton_v4.py > /tmp/s55/conf.txt 2>&1; echo "rc=$?" >> /tmp/s55/conf.txt
+    grep -E "^FAILED|^ERROR" /tmp/s55/conf.txt | head -10; tail -3 /tmp/s55/conf.txt
+    if [ -n "$hf_pid" ]; then
+      wait $hf_pid; echo "--- transformers integration (auto)"; grep -E "^FAILED|^ERROR" /tmp/s55/hf_tests.txt | head -5
+      tail -2 /tmp/s55/hf_tests.txt
+    fi
+    echo "=== v4 memcheck"; timeout -k 5 $(( $(left) < 120 ? $(left) / 2 : 60 )) compute-sanitizer --tool memcheck $T \
+      tests/test_triton_v4.py -k "C2R4 and L63_64_65 or poisoned" > /tmp/s55/memcheck.txt 2>&1
+    tail -3 /tmp/s55/memcheck.txt
+    if [ "$(left)" -gt 40 ]; then
+      echo "=== ncu: v4 pipelined C4R4 H128 B32 L8K"
+      QUANTMLA_TRITON_ATTENTION=v4 QUANTMLA_TRITON_V4_PIPELINE=1 timeout -k 5 $(( $(left) - 10 )) ncu -k regex:split_kernel_v4 \
+        -s 3 -c 1 --section WarpStateStats --section SpeedOfLight --section ComputeWorkloadAnalysis --section Occupancy \
+        python3 -P benchmarks/graph_probe.py --backends triton --formats C4R4 --shapes 128x32x8192 > /tmp/s55/ncu.txt 2>&1
+      grep -v "^==PROF==" /tmp/s55/ncu.txt | grep -A80 "split_kernel_v4" | grep -E "Throughput|Duration|Stall|Warp Cycles|Issued|Eligible|Active|Pipe" | head -30
+    fi
+  else
+    tail -30 /tmp/s55/first.txt
+  fi
+  tar czf "$OUT/s55.tgz" -C /tmp s55
 elif [ "$MODE" = triton_v4 ]; then
   mkdir -p /tmp/v4; t0=$(date +%s); left() { echo $(( ${V4_LIMIT:-560} - $(date +%s) + t0 )); }
   hf_pid=""
