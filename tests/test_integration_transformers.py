@@ -448,6 +448,24 @@ def test_crop_of_prefill_tokens_and_across_the_chunks_of_one_forward():
     _same_state(a, b)
 
 
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_crop_by_a_tensor_count_shortens_the_length_transformers_sees(as_tensor):
+    """transformers 5.17's assisted decoding calls ``crop(-(candidate_length - n_matches))`` with ``n_matches`` a 0-d
+    tensor. The length ``get_seq_length`` reports (the masks' query offset and key length) must drop with the pages:
+    before the fix an in-place ``remove -= n`` on that tensor zeroed ``n`` too, so the pages lost the tokens but
+    ``hf_len`` kept them, and the next step's mask (built for 5 phantom keys past the 2-D mask) hid the new token
+    from its own query."""
+    p, c = _tokens(40, 12), _tokens(6, 13)
+    ref = _layer([[p], [(c[0][:, :1], c[1][:, :1])]])
+    for count in (-5, 41):  # remove 5 tokens; the legacy positive form: the length to keep
+        layer = _layer([[p], [c]])
+        layer.crop(torch.tensor(count) if as_tensor else count)
+        assert type(layer.hf_len) is int and type(layer.get_seq_length()) is int
+        assert layer.get_seq_length() == 41 and layer.get_mask_sizes(1) == (42, 0)
+        assert all(type(u.tokens) is int for u in layer._undo)
+        _same_state(layer, ref)
+
+
 def test_crop_refuses_what_it_cannot_take_back():
     p, c = _tokens(40, 8), _tokens(12, 9)
     with pytest.raises(NotImplementedError, match="rollback=True"):

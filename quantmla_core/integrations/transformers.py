@@ -278,7 +278,12 @@ class QuantMLALayer(CacheLayerMixin):
         """Remove the last ``-tokens_to_remove`` tokens (transformers 5; a positive value is the length to keep, as
         transformers 4 passed it), with ``rollback=True`` only (:class:`QuantMLACache`). Tokens of the last forward
         can go, as assisted (speculative) generation removes the candidates it rejected: their pages go back to the
-        free list, and the local-window ring rows they overwrote get back the older tokens they held."""
+        free list, and the local-window ring rows they overwrote get back the older tokens they held.
+
+        ``tokens_to_remove`` may be a 0-d integer tensor (transformers 5.17 assisted decoding passes
+        ``-(candidate_length - n_matches)`` with ``n_matches`` a tensor): it is read as a Python int first: ``remove -= n``
+        on a tensor would change ``n`` in place before ``hf_len`` takes it."""
+        tokens_to_remove = int(tokens_to_remove)
         remove = self.hf_len - tokens_to_remove if tokens_to_remove > 0 else -tokens_to_remove
         if remove <= 0:
             return
