@@ -20,6 +20,7 @@ from conformance import cache_to_cpu
 
 pytest.importorskip("triton")
 from quantmla_core.backends.triton import attention as A  # noqa: E402
+from quantmla_core.backends.triton import heuristics as H  # noqa: E402
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 NEEDS_HOPPER = pytest.mark.skipif(not ON_HOPPER or A.GLUON_IMPORT_ERROR is not None,
@@ -114,21 +115,21 @@ def test_v4_is_planned_as_v3(monkeypatch, fmt, batch, heads, tokens):
     assert v4.plan.block_n == 128 and v4.plan.block_r == 64
 
 
-@pytest.mark.parametrize("value,want", [(None, False), ("0", False), ("1", True)])
+@pytest.mark.parametrize("value,want", [(None, H.V4_PIPELINE), ("0", 0), ("1", 1), ("2", 2)])
 def test_pipelined_build_is_a_knob(monkeypatch, value, want):
     _as_hopper(monkeypatch)
     if value is None:
         monkeypatch.delenv(A.V4_PIPELINE_ENV, raising=False)
     else:
         monkeypatch.setenv(A.V4_PIPELINE_ENV, value)
-    assert _prepare().split_consts["PIPELINE"] is want
+    assert _prepare().split_consts["PIPELINE"] == want
     assert "PIPELINE" not in _prepare(variant="v3").split_consts
 
 
 def test_a_malformed_pipeline_knob_is_refused(monkeypatch):
     _as_hopper(monkeypatch)
     monkeypatch.setenv(A.V4_PIPELINE_ENV, "yes")
-    with pytest.raises(ValueError, match="QUANTMLA_TRITON_V4_PIPELINE: expected one of 0, 1, got 'yes'"):
+    with pytest.raises(ValueError, match="QUANTMLA_TRITON_V4_PIPELINE: expected one of 0, 1, 2, got 'yes'"):
         _prepare()
 
 
@@ -167,11 +168,11 @@ def _attend(case: Case, cache, args, batch, variant: str, num_splits: int | None
 
 
 @NEEDS_HOPPER
-@pytest.mark.parametrize("pipeline", ["0", "1"])
+@pytest.mark.parametrize("pipeline", ["0", "1", "2"])
 @pytest.mark.parametrize("case,splits", _gpu_cases(), ids=lambda x: str(x))
 def test_v4_matches_reference_and_v3(case, splits, pipeline, monkeypatch):
     """Against the float64 reference (bfloat16 tolerance) and against kernel v3 on the same cache and queries: both
-    round the dequantized keys to bfloat16 once, so they differ only in summation order. Both builds of v4
+    round the dequantized keys to bfloat16 once, so they differ only in summation order. Every build of v4
     (``QUANTMLA_TRITON_V4_PIPELINE``)."""
     monkeypatch.setenv(A.V4_PIPELINE_ENV, pipeline)
     batch, args, cache = write_case(case, "cuda", "bfloat16")
@@ -187,7 +188,7 @@ def test_v4_matches_reference_and_v3(case, splits, pipeline, monkeypatch):
 
 
 @NEEDS_HOPPER
-@pytest.mark.parametrize("pipeline", ["0", "1"])
+@pytest.mark.parametrize("pipeline", ["0", "1", "2"])
 def test_v4_overwrites_poisoned_partials(monkeypatch, pipeline):
     """Every partial a v4 split owns is written, empty splits included: with the partials' memory and the outputs
     NaN-filled, the outputs come back finite (and still match the reference)."""

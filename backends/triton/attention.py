@@ -28,10 +28,10 @@ from .heuristics import (INTERPRETER_SM_COUNT, MERGE_BLOCK_C, MERGE_BLOCK_R, MER
                          V3_BLOCK_N, V3_BLOCK_R, V3_MIN_ROWS, V3_NUM_STAGES, V3_NUM_WARPS, V3_PREFETCH, AttentionPlan,
                          DeviceLimits, PROTECT_ROWS_CHOICES, merge_load_width, pdl_default, plan, plan_v2, plan_v3,
                          planned_shared_max, plan_v4, protect_parts, v3_code_words, v3_tile_groups, v3_word_lanes,
-                         V4_AUTO, V4_CAPABILITY_MAJOR, V4_DIMS, V4_FORMATS, V4_PAGE_SIZE)
+                         V4_AUTO, V4_CAPABILITY_MAJOR, V4_DIMS, V4_FORMATS, V4_PAGE_SIZE, V4_PIPELINE)
 
-#: environment variable choosing the split kernel ("auto" default, "v1", "v2", "v3", "v4"); read on every call. v4
-#: (Gluon, Hopper) runs only when asked for: ``auto`` never picks it before it is measured
+#: environment variable choosing the split kernel ("auto" default, "v1", "v2", "v3", "v4"); read on every call. ``auto``
+#: runs v4 (Gluon, Hopper) where it would run v3 and v4 serves the call (``heuristics.V4_AUTO``)
 VARIANT_ENV = "QUANTMLA_TRITON_ATTENTION"
 VARIANTS = ("auto", "v1", "v2", "v3", "v4")
 #: query rows a program of the protected-tile kernel attends (a measurement knob, read on every call; unset: the
@@ -49,10 +49,8 @@ PROTECTED_STREAM_ENV = "QUANTMLA_TRITON_PROTECTED_STREAM"
 #: have not is refused. With ``QUANTMLA_TRITON_PROTECTED_STREAM=1`` the launches are plain (the merge waits on the side
 #: stream's event)
 PDL_ENV = "QUANTMLA_TRITON_PDL"
-#: "1": kernel v4's pipelined build (the packed loader loads page i + 1's bytes during page i's output product, the
-#: attender hands a key slot back before its next QK, the row blocks of a request launch side by side); "0" or unset:
-#: the build that ran on a GPU (stop 54). A measurement knob, read when a call is prepared; built and checked offline
-#: only (tests/test_triton_v4_offline.py), never run on a GPU yet
+#: kernel v4's build, 0, 1 or 2 (:data:`heuristics.V4_PIPELINE` says what each is; unset: that default). A
+#: measurement knob, read when a call is prepared
 V4_PIPELINE_ENV = "QUANTMLA_TRITON_V4_PIPELINE"
 _KERNELS = {"v1": split_kernel, "v2": split_kernel_v2, "v3": split_kernel_v3,
             **({} if split_kernel_v4 is None else {"v4": split_kernel_v4})}
@@ -560,7 +558,8 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
     LAST_LAUNCH["pdl"] = pdl
     consts = {**consts, "PDL": pdl > 0}
     if variant == "v4":
-        consts["PIPELINE"] = env_int_choice(V4_PIPELINE_ENV, (0, 1)) == 1
+        build = env_int_choice(V4_PIPELINE_ENV, (0, 1, 2))
+        consts["PIPELINE"] = V4_PIPELINE if build is None else build
     scale_log2 = float(softmax_scale) * math.log2(math.e)
     pconsts = dict(Q_BF16=q_bf16, DOT_BF16=dot_bf16, PROT_BF16=cache.sink_buf.dtype == torch.bfloat16, DC=dc, DR=dr,
                    BLOCK_T=pl.protect_block_t, BLOCK_R=pl.protect_block_r, PDL=pdl == 2)

@@ -82,7 +82,7 @@ if GLUON_IMPORT_ERROR is None:
     @gluon.jit
     def attender_partition(q_base, qr_base, table_row, num_pages, o_part_ptr, lse_part_ptr, part, rb, R, H, S_Q, L,
                            sm_scale_log2, ps, pe, j_lo, n_tiles, bufs, bars, DC: gl.constexpr, DR: gl.constexpr,
-                           PAGE_BYTES: gl.constexpr, BLOCK_R: gl.constexpr, PIPELINE: gl.constexpr = False):
+                           PAGE_BYTES: gl.constexpr, BLOCK_R: gl.constexpr, PIPELINE: gl.constexpr = 0):
         """Default partition: scores, softmax and the output product over channels ``[0, DC/2)``; writes those
         channels of the partial output and the log2-sum-exp."""
         kc, kr, q_s, qr_s, p_s, alpha_s, l_s = bufs
@@ -209,7 +209,7 @@ if GLUON_IMPORT_ERROR is None:
         WORD_LANES: gl.constexpr = 1,
         TILE_GROUPS: gl.constexpr = False,
         LOADER_REGS: gl.constexpr = 0,
-        PIPELINE: gl.constexpr = False,
+        PIPELINE: gl.constexpr = 0,
     ):
         """One (split, request, block of 64 query rows): the partial normalised output ``o_part[b, split, rows]``
         (float32 ``[64, DC]``) and log2-sum-exp ``lse_part[b, split, rows]`` over the split's packed tokens, as

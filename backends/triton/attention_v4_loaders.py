@@ -126,12 +126,19 @@ if GLUON_IMPORT_ERROR is None:
                    C_SCALES_OFF: gl.constexpr, C_ZEROS_OFF: gl.constexpr, R_SCALES_OFF: gl.constexpr,
                    R_ZEROS_OFF: gl.constexpr):
         """Packed page ``j``'s bytes, loaded (not yet used, so that the loads are in flight while the loader does
-        other work): content words ``[64, 16]`` uint32 per 64-byte chunk, content scales (bfloat16) and zeros
-        (uint8) ``[64]`` per group, RoPE words ``[64, RW]``, RoPE scale (float32) and zero ``[64]``. Tokens not in
-        ``[ps, pe)`` or on an invalid page read 0 (scale 0: their keys dequantize to 0)."""
+        other work): :func:`_code_words` and :func:`_code_params`."""
+        raws = _code_words(pages_ptr, page_off, j, ps, pe, page_ok, DC, CBITS, C_CODES_OFF)
+        scales, zeros, rw, rs, rz = _code_params(pages_ptr, page_off, j, ps, pe, page_ok, DC, DR, RBITS, C_SCALES_OFF,
+                                                 C_ZEROS_OFF, R_CODES_OFF, R_SCALES_OFF, R_ZEROS_OFF)
+        return raws, scales, zeros, rw, rs, rz
+
+    @gluon.jit
+    def _code_words(pages_ptr, page_off, j, ps, pe, page_ok, DC: gl.constexpr, CBITS: gl.constexpr,
+                    C_CODES_OFF: gl.constexpr):
+        """Packed page ``j``'s content words: ``[64, 16]`` uint32 per 64-byte chunk of the token rows. Tokens not in
+        ``[ps, pe)`` or on an invalid page read 0."""
         CBYTES: gl.constexpr = DC * CBITS // 8
         NCH: gl.constexpr = CBYTES // 64
-        NG: gl.constexpr = DC // 64
         wl: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])  # [64, 16] words, 16 B a thread
         tok = gl.arange(0, 64, gl.SliceLayout(1, wl))
         ok = tokens_ok(tok, j, ps, pe, page_ok)
@@ -141,6 +148,20 @@ if GLUON_IMPORT_ERROR is None:
         raws = ()
         for c in gl.static_range(NCH):
             raws = raws + (gl.load(words + crow[:, None] + (c * 16 + wcol)[None, :], mask=ok[:, None], other=0),)
+        return raws
+
+    @gluon.jit
+    def _code_params(pages_ptr, page_off, j, ps, pe, page_ok, DC: gl.constexpr, DR: gl.constexpr, RBITS: gl.constexpr,
+                     C_SCALES_OFF: gl.constexpr, C_ZEROS_OFF: gl.constexpr, R_CODES_OFF: gl.constexpr,
+                     R_SCALES_OFF: gl.constexpr, R_ZEROS_OFF: gl.constexpr):
+        """Packed page ``j``'s content scales (bfloat16) and zeros (uint8) ``[64]`` per group, RoPE words
+        ``[64, RW]``, RoPE scale (float32) and zero ``[64]``. Tokens not in ``[ps, pe)`` or on an invalid page read 0
+        (scale 0: their keys dequantize to 0)."""
+        NG: gl.constexpr = DC // 64
+        wl: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
+        tok = gl.arange(0, 64, gl.SliceLayout(1, wl))
+        ok = tokens_ok(tok, j, ps, pe, page_ok)
+        words = pages_ptr.to(gl.pointer_type(gl.uint32))
         srow = pages_ptr.to(gl.pointer_type(gl.bfloat16)) + (page_off + C_SCALES_OFF) // 2 + tok * NG
         zrow = pages_ptr + (page_off + C_ZEROS_OFF) + tok * NG
         scales = ()
@@ -158,7 +179,7 @@ if GLUON_IMPORT_ERROR is None:
         rs = gl.load(pages_ptr.to(gl.pointer_type(gl.float32)) + (page_off + R_SCALES_OFF) // 4 + rtok,
                      mask=rok, other=0.0)
         rz = gl.load(pages_ptr + (page_off + R_ZEROS_OFF) + rtok, mask=rok, other=0)
-        return raws, scales, zeros, rw, rs, rz
+        return scales, zeros, rw, rs, rz
 
     @gluon.jit
     def _store_code_page(raws, scales, zeros, rw, rs, rz, kc_s, kr_s, DC: gl.constexpr, DR: gl.constexpr,
@@ -205,7 +226,7 @@ if GLUON_IMPORT_ERROR is None:
                          CBITS: gl.constexpr, RBITS: gl.constexpr, P: gl.constexpr, PAGE_BYTES: gl.constexpr,
                          C_CODES_OFF: gl.constexpr, R_CODES_OFF: gl.constexpr, C_SCALES_OFF: gl.constexpr,
                          C_ZEROS_OFF: gl.constexpr, R_SCALES_OFF: gl.constexpr, R_ZEROS_OFF: gl.constexpr,
-                         BLOCK_R: gl.constexpr, PIPELINE: gl.constexpr = False):
+                         BLOCK_R: gl.constexpr, PIPELINE: gl.constexpr = 0):
         """Worker partition: fill key slot ``i % 2`` with page ``j_lo + i`` (after both output products of page
         ``i - 2`` freed it), then run the output product of page ``i - 1`` over channels ``[DC/2, DC)``; at the
         end write those channels of the partial output (after the attender published the final ``l``)."""
@@ -217,9 +238,12 @@ if GLUON_IMPORT_ERROR is None:
             if PIPELINE:  # page i's bytes are loaded during page i - 1's output product (one program an SM: nothing
                 # else hides their latency)
                 page_off, page_ok = page_of(table_row, j_lo, num_pages, PAGE_BYTES, n_tiles > 0)
-                raws, scales, zeros, rw, rs, rz = _code_raws(pages_ptr, page_off, j_lo, ps, pe, page_ok, DC, DR,
-                                                             CBITS, RBITS, C_CODES_OFF, R_CODES_OFF, C_SCALES_OFF,
-                                                             C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF)
+                if PIPELINE == 2:  # the content words alone (fewer registers held across the output product)
+                    raws = _code_words(pages_ptr, page_off, j_lo, ps, pe, page_ok, DC, CBITS, C_CODES_OFF)
+                else:
+                    raws, scales, zeros, rw, rs, rz = _code_raws(pages_ptr, page_off, j_lo, ps, pe, page_ok, DC, DR,
+                                                                 CBITS, RBITS, C_CODES_OFF, R_CODES_OFF, C_SCALES_OFF,
+                                                                 C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF)
         n_iter = gl.maximum(n_tiles, 1)  # the attender's count: an empty split walks one dead page
         for i in range(n_iter):
             slot = i % 2
@@ -230,6 +254,10 @@ if GLUON_IMPORT_ERROR is None:
                     raws, scales, zeros, rw, rs, rz = _code_raws(pages_ptr, page_off, j_lo + i, ps, pe, page_ok, DC,
                                                                  DR, CBITS, RBITS, C_CODES_OFF, R_CODES_OFF,
                                                                  C_SCALES_OFF, C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF)
+                if PIPELINE == 2:
+                    scales, zeros, rw, rs, rz = _code_params(pages_ptr, page_off, j_lo + i, ps, pe, page_ok, DC, DR,
+                                                             RBITS, C_SCALES_OFF, C_ZEROS_OFF, R_CODES_OFF,
+                                                             R_SCALES_OFF, R_ZEROS_OFF)
                 _store_code_page(raws, scales, zeros, rw, rs, rz, kc.index(slot), kr.index(slot), DC, DR, CBITS,
                                  RBITS)
             else:
@@ -242,9 +270,13 @@ if GLUON_IMPORT_ERROR is None:
             if QUANT:
                 if PIPELINE:
                     page_off, page_ok = page_of(table_row, j_lo + i + 1, num_pages, PAGE_BYTES, i + 1 < n_tiles)
-                    raws, scales, zeros, rw, rs, rz = _code_raws(pages_ptr, page_off, j_lo + i + 1, ps, pe, page_ok,
-                                                                 DC, DR, CBITS, RBITS, C_CODES_OFF, R_CODES_OFF,
-                                                                 C_SCALES_OFF, C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF)
+                    if PIPELINE == 2:
+                        raws = _code_words(pages_ptr, page_off, j_lo + i + 1, ps, pe, page_ok, DC, CBITS, C_CODES_OFF)
+                    else:
+                        raws, scales, zeros, rw, rs, rz = _code_raws(pages_ptr, page_off, j_lo + i + 1, ps, pe,
+                                                                     page_ok, DC, DR, CBITS, RBITS, C_CODES_OFF,
+                                                                     R_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF,
+                                                                     R_SCALES_OFF, R_ZEROS_OFF)
             if i > 0:
                 acc = _pv_hi(acc, p_s, alpha_s, kc.index(1 - slot), pready, pfree, kempty.index(1 - slot), i - 1,
                              DC)

@@ -365,11 +365,18 @@ V4_DIMS = (512, 64)
 V4_PAGE_SIZE = 64
 #: compute capability (major) of the Hopper warpgroup MMAs and register reallocation it is written for
 V4_CAPABILITY_MAJOR = 9
-#: whether ``auto`` runs kernel v4 where it would run v3 and v4 serves the call (:func:`attention.v4_unsupported`). Off:
-#: on an H100 (stop 54, CUDA graphs, H128) v4 took 0.81-0.84x of v3's time at B32 L32K (C2R4, C4R4) and 0.49-0.56x at
-#: B8 L4K, and passed its conformance; but the default build has not run again since its loads were reordered (the
-#: pipelined build's refactor), and the pipelined build is still to be timed against it
-V4_AUTO = False
+#: whether ``auto`` runs kernel v4 where it would run v3 and v4 serves the call (:func:`attention.v4_unsupported`). On:
+#: on an H100 (stop 55, CUDA graphs, H128, FlashInfer BF16 in the process) the pipelined v4 took 0.44-0.55x of v3's
+#: time at B32 and B128 L32K (C4R4 886 against 1,621 us, C2R4 717 against 1,646) and 0.40-0.47x at B8 L4K, and
+#: passed its 103 GPU tests and memcheck
+V4_AUTO = True
+#: kernel v4's build (``QUANTMLA_TRITON_V4_PIPELINE`` overrides it): 0, pages in turn (the loader loads a page's bytes
+#: once its key slot is free; the attender's output product runs beside its next QK); 1, pipelined (the packed loader
+#: loads page i + 1's bytes during page i's output product, the attender hands a key slot back before its next QK, the
+#: row blocks of a request launch side by side); 2, as 1 with only the content words loaded a page ahead (the scales,
+#: zeros and RoPE bytes after the key slot is free: no spills). H100, stop 55, B32 L32K: 0 / 1 took C4R4 915 / 886 us,
+#: C2R4 889 / 717, BF16 pages 793 / 682
+V4_PIPELINE = 1
 
 
 def plan_v4(batch: int, rows: int, latent_dim: int, page_size: int, max_tokens: int, sm_count: int,
