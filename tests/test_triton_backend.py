@@ -326,9 +326,12 @@ def test_variant_env_is_read_per_call(monkeypatch):
     assert LAST_LAUNCH["variant"] == "v2"
     check_attention_case(Case(PackFormat.parse("BF16"), (70,), heads=2, seed=5), "torch", "triton", DEVICE, "bfloat16")
     assert LAST_LAUNCH["variant"] == "v1"
-    many = Case(PackFormat.parse("C4R4"), (70,), heads=64, seed=6)  # auto: v3 from 64 query rows
+    many = Case(PackFormat.parse("C4R4"), (70,), heads=64, seed=6)  # auto: v3 from 64 query rows, v4 where it serves
     check_attention_case(many, "torch", "triton", DEVICE, "bfloat16")
-    assert LAST_LAUNCH["variant"] == "v3"
+    from quantmla_core.backends.triton.attention import v4_unsupported
+
+    v4_serves = v4_unsupported(many.fmt, torch.bfloat16, torch.device(DEVICE)) is None
+    assert LAST_LAUNCH["variant"] == ("v4" if v4_serves else "v3")
     monkeypatch.setenv("QUANTMLA_TRITON_ATTENTION", "v9")
     with pytest.raises(ValueError, match="QUANTMLA_TRITON_ATTENTION"):
         check_attention_case(case, "torch", "triton", DEVICE, "bfloat16")
@@ -672,6 +675,7 @@ def test_v3_defaults_at_many_requests(monkeypatch):
 
     monkeypatch.delenv(A.PDL_ENV, raising=False)
     monkeypatch.delenv(A.PROTECT_ROWS_ENV, raising=False)
+    monkeypatch.setenv(A.VARIANT_ENV, "v3")  # auto runs v4 on Hopper (PDL mode 1)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     batch = -(-sms // 8)  # B x 128 / 16 >= the SM count
     lens = tuple(150 + 37 * i for i in range(batch))

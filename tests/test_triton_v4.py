@@ -20,7 +20,6 @@ from conformance import cache_to_cpu
 
 pytest.importorskip("triton")
 from quantmla_core.backends.triton import attention as A  # noqa: E402
-from quantmla_core.backends.triton import heuristics as H  # noqa: E402
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 NEEDS_HOPPER = pytest.mark.skipif(not ON_HOPPER or A.GLUON_IMPORT_ERROR is not None,
@@ -115,14 +114,16 @@ def test_v4_is_planned_as_v3(monkeypatch, fmt, batch, heads, tokens):
     assert v4.plan.block_n == 128 and v4.plan.block_r == 64
 
 
-@pytest.mark.parametrize("value,want", [(None, H.V4_PIPELINE), ("0", 0), ("1", 1), ("2", 2)])
-def test_pipelined_build_is_a_knob(monkeypatch, value, want):
+@pytest.mark.parametrize("fmt", ["BF16", "C4R4", "C2R4"])
+@pytest.mark.parametrize("value,want", [(None, None), ("0", 0), ("1", 1), ("2", 2)])
+def test_pipelined_build_is_a_knob(monkeypatch, fmt, value, want):
+    """Unset: the format's measured default (C4R4 build 2, the others build 1); set: that build."""
     _as_hopper(monkeypatch)
     if value is None:
         monkeypatch.delenv(A.V4_PIPELINE_ENV, raising=False)
     else:
         monkeypatch.setenv(A.V4_PIPELINE_ENV, value)
-    assert _prepare().split_consts["PIPELINE"] == want
+    assert _prepare(fmt).split_consts["PIPELINE"] == (want if value else {"BF16": 1, "C4R4": 2, "C2R4": 1}[fmt])
     assert "PIPELINE" not in _prepare(variant="v3").split_consts
 
 

@@ -559,7 +559,7 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
     consts = {**consts, "PDL": pdl > 0}
     if variant == "v4":
         build = env_int_choice(V4_PIPELINE_ENV, (0, 1, 2))
-        consts["PIPELINE"] = V4_PIPELINE if build is None else build
+        consts["PIPELINE"] = V4_PIPELINE[fmt.name] if build is None else build
     scale_log2 = float(softmax_scale) * math.log2(math.e)
     pconsts = dict(Q_BF16=q_bf16, DOT_BF16=dot_bf16, PROT_BF16=cache.sink_buf.dtype == torch.bfloat16, DC=dc, DR=dr,
                    BLOCK_T=pl.protect_block_t, BLOCK_R=pl.protect_block_r, PDL=pdl == 2)
