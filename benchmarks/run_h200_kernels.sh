@@ -76,6 +76,10 @@
 #       and real shapes), stop 52's allocator and integration tests on CUDA (auto), kernel v4 (one small case, then
 #       its test files); then, each only while S54_LIMIT seconds (default 540) are not spent: v3 against v4 as CUDA
 #       graphs (S54_V4_SHAPES, S54_V4_FORMATS), memcheck of v2 words, v3 C2R4 and v4; $OUT/stop54.tgz
+#   bash benchmarks/run_h200_kernels.sh v4probe  # where kernel v4's time goes: CUDA graphs of its default build beside
+#       its measurement builds (QUANTMLA_TRITON_V4_PROBE 1: the loader writes no keys, 2: no loader output product, 3:
+#       neither) over PROBE_SHAPES, each kernel's duration in one call (ncu), the SASS lines of the split kernel with
+#       the most stall samples (ncu source page, CSV), then v4's tests (S56_CONF_S seconds); $OUT/v4probe.tgz
 #   bash benchmarks/run_h200_kernels.sh stop55   # kernel v4 without the empty-split path that serialized its wgmmas:
 #       one small case of each build (a failure stops there), CUDA graphs of v3, v4, v4 pipelined over S55_SHAPES
 #       (FlashInfer BF16 in the process), then v4's tests beside (S55_HF=1) the transformers integration tests on CUDA
@@ -515,6 +519,37 @@ elif [ "$MODE" = stop54 ]; then
     [ -e /tmp/s54/memcheck_v4.txt ] && tail -3 /tmp/s54/memcheck_v4.txt
   fi
   tar czf "$OUT/stop54.tgz" -C /tmp s54
+elif [ "$MODE" = v4probe ]; then
+  mkdir -p /tmp/v4p; t0=$(date +%s); left() { echo $(( ${V4P_LIMIT:-560} - $(date +%s) + t0 )); }
+  echo "=== v4: one small case of each build"
+  timeout -k 10 150 $T -x -rfE tests/test_triton_v4.py -k "matches_reference_and_v3 and C4R4 and L63_64_65 and H128" \
+    > /tmp/v4p/first.txt 2>&1; echo "rc=$?" >> /tmp/v4p/first.txt; tail -2 /tmp/v4p/first.txt
+  grep -q "^rc=0" /tmp/v4p/first.txt || { tail -30 /tmp/v4p/first.txt; tar czf "$OUT/v4probe.tgz" -C /tmp v4p; exit 1; }
+  P=QUANTMLA_TRITON_V4_PROBE
+  echo "=== default build against the probe builds (CUDA graphs, FlashInfer BF16 in the process)"
+  PYTHONWARNINGS=ignore timeout -k 10 ${V4P_GRAPH_S:-200} python3 -P benchmarks/graph_probe.py --backends triton \
+    --formats ${V4P_FORMATS:-C4R4,C2R4,BF16} --shapes ${PROBE_SHAPES:-128x32x32768,128x128x32768} \
+    --settings "$P=0;$P=1;$P=2;$P=3" --json /tmp/v4p/graph.json 2>&1 | grep -v "^{" | tail -30
+  echo "=== every kernel of one call (ncu durations), C2R4 and C4R4 H128 B32 L32K"
+  for f in C2R4 C4R4; do
+    timeout -k 5 90 ncu -k regex:"split_kernel_v4|protect_kernel|merge_kernel" -s 6 -c 3 --section SpeedOfLight \
+      python3 -P benchmarks/graph_probe.py --backends triton \
+      --formats $f --shapes 128x32x32768 > /tmp/v4p/ncu_kernels_$f.txt 2>&1
+    grep -E "^  [a-z_0-9]+ \(|Duration" /tmp/v4p/ncu_kernels_$f.txt | head -16
+  done
+  echo "=== split kernel SASS hot spots (ncu source page), C2R4 and C4R4 H128 B32 L8K"
+  for f in C2R4 C4R4; do
+    timeout -k 5 120 ncu -k regex:split_kernel_v4 -s 3 -c 1 --section WarpStateStats --section SourceCounters \
+      --import-source no -o /tmp/v4p/src_$f python3 -P benchmarks/graph_probe.py --backends triton --formats $f \
+      --shapes 128x32x8192 > /tmp/v4p/ncu_src_$f.log 2>&1
+    ncu -i /tmp/v4p/src_$f.ncu-rep --page source --csv --print-source sass > /tmp/v4p/sass_$f.csv 2> /tmp/v4p/sass_$f.err
+    ncu -i /tmp/v4p/src_$f.ncu-rep --page details --section WarpStateStats 2>&1 | grep -E "Stall|Cycles" | head -12
+    rm -f /tmp/v4p/src_$f.ncu-rep
+  done
+  echo "=== v4 tests"
+  timeout -k 10 $(( $(left) - 30 > 20 ? $(left) - 30 : 20 )) $T -rfE tests/test_triton_v4.py > /tmp/v4p/conf.txt 2>&1
+  echo "rc=$?" >> /tmp/v4p/conf.txt; grep -E "^FAILED|^ERROR" /tmp/v4p/conf.txt | head -10; tail -3 /tmp/v4p/conf.txt
+  tar czf "$OUT/v4probe.tgz" -C /tmp v4p
 elif [ "$MODE" = stop55 ]; then
   mkdir -p /tmp/s55; t0=$(date +%s); left() { echo $(( ${S55_LIMIT:-560} - $(date +%s) + t0 )); }
   echo "=== v4: one small case of each build"

@@ -127,6 +127,24 @@ def test_pipelined_build_is_a_knob(monkeypatch, fmt, value, want):
     assert "PIPELINE" not in _prepare(variant="v3").split_consts
 
 
+@pytest.mark.parametrize("value", ["1", "2", "3"])
+def test_probe_builds_warn_that_their_outputs_are_wrong(monkeypatch, value):
+    _as_hopper(monkeypatch)
+    monkeypatch.setenv(A.V4_PROBE_ENV, value)
+    with pytest.warns(RuntimeWarning, match=f"QUANTMLA_TRITON_V4_PROBE={value}: .* outputs are wrong"):
+        assert _prepare().split_consts["PROBE"] == int(value)
+
+
+@pytest.mark.parametrize("value", [None, "0"])
+def test_no_probe_build_by_default(monkeypatch, value):
+    _as_hopper(monkeypatch)
+    if value is None:
+        monkeypatch.delenv(A.V4_PROBE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(A.V4_PROBE_ENV, value)
+    assert "PROBE" not in _prepare().split_consts
+
+
 def test_a_malformed_pipeline_knob_is_refused(monkeypatch):
     _as_hopper(monkeypatch)
     monkeypatch.setenv(A.V4_PIPELINE_ENV, "yes")
@@ -208,3 +226,27 @@ def test_v4_overwrites_poisoned_partials(monkeypatch, pipeline):
                                               batch.block_table, batch.attn_seq_lens, batch.attn_seq_ids,
                                               batch.softmax_scale)
     check_attention(out, lse, want_out, want_lse, "bfloat16")
+
+
+@NEEDS_HOPPER
+@pytest.mark.parametrize("pipeline", ["0", "1", "2"])
+@pytest.mark.parametrize("probe", ["1", "2", "3"])
+def test_probe_builds_keep_the_handoffs(monkeypatch, pipeline, probe):
+    """The measurement builds run to the end (their barriers still pair up). Without the loader's output product
+    (bit 1) the attender's channels ``[0, d_c/2)`` and the log-sum-exp still match the reference and the other half
+    does not: the probe skips what it says."""
+    monkeypatch.setenv(A.V4_PIPELINE_ENV, pipeline)
+    monkeypatch.setenv(A.V4_PROBE_ENV, probe)
+    case = Case(PackFormat.parse("C2R4"), (3000, 700), heads=128, seed=5003)
+    batch, args, cache = write_case(case, "cuda", "bfloat16")
+    with pytest.warns(RuntimeWarning, match="outputs are wrong"):
+        out, lse = _attend(case, cache, args, batch, "v4", 4)
+    torch.cuda.synchronize()
+    if probe != "2":
+        return
+    want_out, want_lse = ref.decode_attention(args["q_latent"].cpu(), args["q_rope"].cpu(), cache_to_cpu(cache),
+                                              batch.block_table, batch.attn_seq_lens, batch.attn_seq_ids,
+                                              batch.softmax_scale)
+    half = case.fmt.latent_dim // 2
+    check_attention(out[..., :half].contiguous(), lse, want_out[..., :half].contiguous(), want_lse, "bfloat16")
+    assert not torch.allclose(out[..., half:].float().cpu(), want_out[..., half:].float(), rtol=0.1, atol=0.1)

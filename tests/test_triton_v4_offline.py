@@ -80,16 +80,25 @@ def reports() -> dict:
     _needs_ptxas()
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = {}
-    for pipeline in (0, 1, 2):
+    for pipeline, probe in ((0, 0), (1, 0), (2, 0), (2, 3)):
         cmd = [sys.executable, *(["-P"] if sys.flags.safe_path else []), "-m",
-               "quantmla_core.backends.triton.offline_v4", *FORMATS, f"pipeline={pipeline}"]
+               "quantmla_core.backends.triton.offline_v4", *FORMATS, f"pipeline={pipeline}", f"probe={probe}"]
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=tempfile.gettempdir())
         lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
         assert len(lines) == len(FORMATS), r.stdout + r.stderr
         for fmt, line in zip(FORMATS, lines):
-            out[fmt, pipeline] = ast.literal_eval(line)
-            assert "err" not in out[fmt, pipeline], out[fmt, pipeline]
+            key = (fmt, pipeline) if probe == 0 else (fmt, pipeline, "probe", probe)
+            out[key] = ast.literal_eval(line)
+            assert "err" not in out[key], out[key]
     return out
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_offline_probe_build(reports, fmt):
+    """The measurement build without keys and without the loader's output product builds, its remaining wgmma (the
+    attender's 40) still pipelined."""
+    r = reports[fmt, 2, "probe", 3]
+    assert r["probe"] == 3 and r["wgmma"] == 40 and not r["wgmma_serialized"] and r["spill_bytes"] == 0, r
 
 
 @pytest.mark.parametrize("pipeline", [0, 1, 2])

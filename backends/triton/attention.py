@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from types import MappingProxyType
 from typing import Mapping
 
@@ -52,6 +53,9 @@ PDL_ENV = "QUANTMLA_TRITON_PDL"
 #: kernel v4's build, 0, 1 or 2 (:data:`heuristics.V4_PIPELINE` says what each is; unset: that default). A
 #: measurement knob, read when a call is prepared
 V4_PIPELINE_ENV = "QUANTMLA_TRITON_V4_PIPELINE"
+#: kernel v4's measurement builds, WRONG OUTPUTS (benchmarks only; a warning on every call that takes one): 1, the
+#: loader loads and writes no keys; 2, it skips its output product; 3, both. Unset or 0: the real kernel
+V4_PROBE_ENV = "QUANTMLA_TRITON_V4_PROBE"
 _KERNELS = {"v1": split_kernel, "v2": split_kernel_v2, "v3": split_kernel_v3,
             **({} if split_kernel_v4 is None else {"v4": split_kernel_v4})}
 _PLANNERS = {"v1": plan, "v2": plan_v2, "v3": plan_v3, "v4": plan_v4}
@@ -560,6 +564,11 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
     if variant == "v4":
         build = env_int_choice(V4_PIPELINE_ENV, (0, 1, 2))
         consts["PIPELINE"] = V4_PIPELINE[fmt.name] if build is None else build
+        probe = env_int_choice(V4_PROBE_ENV, (0, 1, 2, 3)) or 0
+        if probe:
+            warnings.warn(f"{V4_PROBE_ENV}={probe}: a measurement build of kernel v4, its outputs are wrong",
+                          RuntimeWarning, stacklevel=2)
+            consts["PROBE"] = probe
     scale_log2 = float(softmax_scale) * math.log2(math.e)
     pconsts = dict(Q_BF16=q_bf16, DOT_BF16=dot_bf16, PROT_BF16=cache.sink_buf.dtype == torch.bfloat16, DC=dc, DR=dr,
                    BLOCK_T=pl.protect_block_t, BLOCK_R=pl.protect_block_r, PDL=pdl == 2)

@@ -210,13 +210,16 @@ if GLUON_IMPORT_ERROR is None:
         TILE_GROUPS: gl.constexpr = False,
         LOADER_REGS: gl.constexpr = 0,
         PIPELINE: gl.constexpr = 0,
+        PROBE: gl.constexpr = 0,
     ):
         """One (split, request, block of 64 query rows): the partial normalised output ``o_part[b, split, rows]``
         (float32 ``[64, DC]``) and log2-sum-exp ``lse_part[b, split, rows]`` over the split's packed tokens, as
         ``split_kernel_v3``. v3's code-path switches (``DOT_BF16``, ``CCW``, ``WORDS``, ...) are accepted and
         ignored; ``PROBE_SKIP_PV`` and ``PDL`` are not implemented. ``LOADER_REGS``: the loader's registers after
         ``setmaxnreg`` (0: 232 for BF16 pages; packed ones keep 256, as the attender does: 4 + 4 warps of 256 fill the
-        64K-register file, and the packed loader holds the next page's bytes beside the dequantization)."""
+        64K-register file, and the packed loader holds the next page's bytes beside the dequantization). ``PIPELINE``:
+        the build (``heuristics.V4_PIPELINE``). ``PROBE`` (measurement builds, wrong outputs; ``loader_partition``):
+        the loader skips the keys (bit 0) and / or its output product (bit 1)."""
         gl.static_assert(BLOCK_R == 64, "kernel v4: 64 query rows a program")
         gl.static_assert(P == 64 and BLOCK_N % 64 == 0, "kernel v4: 64-token pages")
         gl.static_assert(DC == 512 and DR == 64, "kernel v4: d_c 512, d_r 64")
@@ -283,5 +286,5 @@ if GLUON_IMPORT_ERROR is None:
                                   PIPELINE)),
             (loader_partition, (pages_ptr, table_row, num_pages, o_part_ptr, part, rb, R, ps, pe, j_lo, n_tiles, bufs,
                                 bars, QUANT, DC, DR, CBITS, RBITS, P, PAGE_BYTES, C_CODES_OFF, R_CODES_OFF,
-                                C_SCALES_OFF, C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF, BLOCK_R, PIPELINE)),
+                                C_SCALES_OFF, C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF, BLOCK_R, PIPELINE, PROBE)),
         ], [4], [REGS])

@@ -208,14 +208,16 @@ if GLUON_IMPORT_ERROR is None:
         kr_s.store(kr)
 
     @gluon.jit
-    def _pv_hi(acc, p_s, alpha_s, kc_s, pready, pfree, kempty_s, i, DC: gl.constexpr):
+    def _pv_hi(acc, p_s, alpha_s, kc_s, pready, pfree, kempty_s, i, DC: gl.constexpr, RUN: gl.constexpr = True):
         """The loader's output product for page ``i`` (its keys in ``kc_s``): waits for P and alpha, returns
-        ``acc * alpha + P @ K[:, DC/2:]`` retired, then frees P and its half of the key slot."""
+        ``acc * alpha + P @ K[:, DC/2:]`` retired, then frees P and its half of the key slot. ``RUN`` False (a probe):
+        the handoffs alone, ``acc`` unchanged."""
         o_layout: gl.constexpr = _acc_layout(DC // 2)
         mbarrier.wait(pready, i & 1)
-        alpha = alpha_s.load(gl.SliceLayout(1, o_layout))
-        acc = warpgroup_mma(p_s, kc_s.slice(DC // 2, DC // 2, dim=1), acc * alpha[:, None], is_async=True)
-        acc = warpgroup_mma_wait(0, deps=[acc])
+        if RUN:
+            alpha = alpha_s.load(gl.SliceLayout(1, o_layout))
+            acc = warpgroup_mma(p_s, kc_s.slice(DC // 2, DC // 2, dim=1), acc * alpha[:, None], is_async=True)
+            acc = warpgroup_mma_wait(0, deps=[acc])
         mbarrier.arrive(pfree)
         mbarrier.arrive(kempty_s)
         return acc
@@ -226,15 +228,21 @@ if GLUON_IMPORT_ERROR is None:
                          CBITS: gl.constexpr, RBITS: gl.constexpr, P: gl.constexpr, PAGE_BYTES: gl.constexpr,
                          C_CODES_OFF: gl.constexpr, R_CODES_OFF: gl.constexpr, C_SCALES_OFF: gl.constexpr,
                          C_ZEROS_OFF: gl.constexpr, R_SCALES_OFF: gl.constexpr, R_ZEROS_OFF: gl.constexpr,
-                         BLOCK_R: gl.constexpr, PIPELINE: gl.constexpr = 0):
+                         BLOCK_R: gl.constexpr, PIPELINE: gl.constexpr = 0, PROBE: gl.constexpr = 0):
         """Worker partition: fill key slot ``i % 2`` with page ``j_lo + i`` (after both output products of page
         ``i - 2`` freed it), then run the output product of page ``i - 1`` over channels ``[DC/2, DC)``; at the
-        end write those channels of the partial output (after the attender published the final ``l``)."""
+        end write those channels of the partial output (after the attender published the final ``l``).
+
+        ``PROBE`` (measurement builds, wrong outputs): bit 0 skips the keys (no page bytes loaded, nothing written to
+        the key slot), bit 1 the output product (the handoffs stay)."""
         kc, kr, q_s, qr_s, p_s, alpha_s, l_s = bufs
         kfull, kempty, pready, pfree, lfin = bars
         o_layout: gl.constexpr = _acc_layout(DC // 2)
         acc = gl.zeros([BLOCK_R, DC // 2], gl.float32, o_layout)
-        if QUANT:
+        KEYS: gl.constexpr = PROBE % 2 == 0
+        PV: gl.constexpr = PROBE // 2 == 0
+        CODES: gl.constexpr = QUANT and KEYS
+        if CODES:
             if PIPELINE:  # page i's bytes are loaded during page i - 1's output product (one program an SM: nothing
                 # else hides their latency)
                 page_off, page_ok = page_of(table_row, j_lo, num_pages, PAGE_BYTES, n_tiles > 0)
@@ -248,7 +256,9 @@ if GLUON_IMPORT_ERROR is None:
         for i in range(n_iter):
             slot = i % 2
             mbarrier.wait(kempty.index(slot), ((i // 2) & 1) ^ 1)  # fresh barriers pass parity 1
-            if QUANT:
+            if not KEYS:
+                pass
+            elif QUANT:
                 if not PIPELINE:
                     page_off, page_ok = page_of(table_row, j_lo + i, num_pages, PAGE_BYTES, i < n_tiles)
                     raws, scales, zeros, rw, rs, rz = _code_raws(pages_ptr, page_off, j_lo + i, ps, pe, page_ok, DC,
@@ -267,7 +277,7 @@ if GLUON_IMPORT_ERROR is None:
             fence_async_shared()  # generic-proxy stores, read next by wgmma (async proxy)
             _partition_barrier()  # every thread's fence before the one arrival
             mbarrier.arrive(kfull.index(slot))
-            if QUANT:
+            if CODES:
                 if PIPELINE:
                     page_off, page_ok = page_of(table_row, j_lo + i + 1, num_pages, PAGE_BYTES, i + 1 < n_tiles)
                     if PIPELINE == 2:
@@ -279,9 +289,9 @@ if GLUON_IMPORT_ERROR is None:
                                                                      R_SCALES_OFF, R_ZEROS_OFF)
             if i > 0:
                 acc = _pv_hi(acc, p_s, alpha_s, kc.index(1 - slot), pready, pfree, kempty.index(1 - slot), i - 1,
-                             DC)
+                             DC, PV)
         last = n_iter - 1
-        acc = _pv_hi(acc, p_s, alpha_s, kc.index(last % 2), pready, pfree, kempty.index(last % 2), last, DC)
+        acc = _pv_hi(acc, p_s, alpha_s, kc.index(last % 2), pready, pfree, kempty.index(last % 2), last, DC, PV)
 
         mbarrier.wait(lfin, 0)
         l_i = l_s.load(gl.SliceLayout(1, o_layout))
