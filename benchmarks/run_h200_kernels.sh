@@ -104,6 +104,11 @@ MODE=${1:-check}
 OUT=${OUT:-/tmp/qm_out}
 source benchmarks/h200_setup.sh
 T="python3 -P -m pytest -q -p no:cacheprovider"
+# kernel v4's first check: one small case of each of its builds into $1/first.txt; fails (status 1) where it failed
+v4_first() {
+  timeout -k 10 150 $T -x -rfE tests/test_triton_v4.py -k "matches_reference_and_v3 and C4R4 and L63_64_65 and H128" \
+    > "$1/first.txt" 2>&1; echo "rc=$?" >> "$1/first.txt"; tail -2 "$1/first.txt"; grep -q "^rc=0" "$1/first.txt"
+}
 # another commit's Triton sources (carried in probe_tmp/triton_$1) over a copy of the installed package: /tmp/qm_$1
 triton_tree() { rm -rf /tmp/qm_$1 && cp -r /tmp/qm /tmp/qm_$1 && cp probe_tmp/triton_$1/*.py /tmp/qm_$1/quantmla_core/backends/triton/; }
 # PYTHONPATH with tree $1's package in place of this one ("after": this tree)
@@ -522,9 +527,7 @@ elif [ "$MODE" = stop54 ]; then
 elif [ "$MODE" = v4probe ]; then
   mkdir -p /tmp/v4p; t0=$(date +%s); left() { echo $(( ${V4P_LIMIT:-560} - $(date +%s) + t0 )); }
   echo "=== v4: one small case of each build"
-  timeout -k 10 150 $T -x -rfE tests/test_triton_v4.py -k "matches_reference_and_v3 and C4R4 and L63_64_65 and H128" \
-    > /tmp/v4p/first.txt 2>&1; echo "rc=$?" >> /tmp/v4p/first.txt; tail -2 /tmp/v4p/first.txt
-  grep -q "^rc=0" /tmp/v4p/first.txt || { tail -30 /tmp/v4p/first.txt; tar czf "$OUT/v4probe.tgz" -C /tmp v4p; exit 1; }
+  v4_first /tmp/v4p || { tail -30 /tmp/v4p/first.txt; tar czf "$OUT/v4probe.tgz" -C /tmp v4p; exit 1; }
   P=QUANTMLA_TRITON_V4_PROBE
   echo "=== default build against the probe builds (CUDA graphs, FlashInfer BF16 in the process)"
   PYTHONWARNINGS=ignore timeout -k 10 ${V4P_GRAPH_S:-200} python3 -P benchmarks/graph_probe.py --backends triton \
@@ -553,9 +556,7 @@ elif [ "$MODE" = v4probe ]; then
 elif [ "$MODE" = stop55 ]; then
   mkdir -p /tmp/s55; t0=$(date +%s); left() { echo $(( ${S55_LIMIT:-560} - $(date +%s) + t0 )); }
   echo "=== v4: one small case of each build"
-  timeout -k 10 150 $T -x -rfE tests/test_triton_v4.py -k "matches_reference_and_v3 and C4R4 and L63_64_65 and H128" \
-    > /tmp/s55/first.txt 2>&1; echo "rc=$?" >> /tmp/s55/first.txt; tail -2 /tmp/s55/first.txt
-  if grep -q "^rc=0" /tmp/s55/first.txt; then
+  if v4_first /tmp/s55; then
     echo "=== v3, v4, v4 pipelined: CUDA graphs (FlashInfer BF16 in the process)"
     timeout -k 10 ${S55_GRAPH_S:-220} python3 -P benchmarks/graph_probe.py --backends triton --formats ${S55_FORMATS:-C4R4,C2R4,BF16} \
       --shapes ${S55_SHAPES:-128x32x32768,128x8x4096,128x128x32768} \
@@ -597,9 +598,7 @@ elif [ "$MODE" = triton_v4 ]; then
     hf_pid=$!
   fi
   echo "=== v4: one small case, then its tests"
-  timeout -k 10 150 $T -x -rfE tests/test_triton_v4.py -k "matches_reference_and_v3 and C4R4 and L63_64_65 and H128" \
-    > /tmp/v4/first.txt 2>&1; echo "rc=$?" >> /tmp/v4/first.txt; tail -2 /tmp/v4/first.txt
-  ok=1; grep -q "^rc=0" /tmp/v4/first.txt || { ok=0; tail -30 /tmp/v4/first.txt; }  # then v3 and the other trees alone
+  ok=1; v4_first /tmp/v4 || { ok=0; tail -30 /tmp/v4/first.txt; }  # then v3 and the other trees alone
   [ $ok = 1 ] && timeout -k 10 ${V4_CONF_S:-200} $T -rfE tests/test_triton_v4.py > /tmp/v4/conf.txt 2>&1
   echo "rc=$?" >> /tmp/v4/conf.txt
   grep -E "^FAILED|^ERROR" /tmp/v4/conf.txt | head -10; tail -3 /tmp/v4/conf.txt
