@@ -104,9 +104,10 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _load_bf16_page(pages_ptr, page_off, j, ps, pe, page_ok, kc_s, kr_s, DC: gl.constexpr, DR: gl.constexpr,
-                        C_OFF: gl.constexpr, R_OFF: gl.constexpr):
+                        C_OFF: gl.constexpr, R_OFF: gl.constexpr, WAIT: gl.constexpr = True):
         """BF16 pages: the page's content and RoPE values copied into ``kc_s`` / ``kr_s`` (``cp.async``; 0 for
-        tokens not ``tok_ok``, whose slots may hold any bits), waited for."""
+        tokens not ``tok_ok``, whose slots may hold any bits), waited for (``WAIT`` False: in flight, one commit
+        group)."""
         lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         tok = gl.arange(0, 64, gl.SliceLayout(1, lay))
         col = gl.arange(0, 64, gl.SliceLayout(0, lay))
@@ -118,7 +119,8 @@ if GLUON_IMPORT_ERROR is None:
         ptrs = vals + (page_off + R_OFF) // 2 + tok[:, None] * DR + col[None, :]
         async_copy.async_copy_global_to_shared(kr_s, ptrs, mask=ok)
         async_copy.commit_group()
-        async_copy.wait_group(0)
+        if WAIT:
+            async_copy.wait_group(0)
 
     @gluon.jit
     def _code_raws(pages_ptr, page_off, j, ps, pe, page_ok, DC: gl.constexpr, DR: gl.constexpr, CBITS: gl.constexpr,
@@ -234,7 +236,8 @@ if GLUON_IMPORT_ERROR is None:
         end write those channels of the partial output (after the attender published the final ``l``).
 
         ``PROBE`` (measurement builds, wrong outputs): bit 0 skips the keys (no page bytes loaded, nothing written to
-        the key slot), bit 1 the output product (the handoffs stay)."""
+        the key slot), bit 1 the output product (the handoffs stay). Build 2 over BF16 pages (``PV_EARLY``) copies page
+        i while it runs the output product of page i - 1 and arrives ``kfull`` after both."""
         kc, kr, q_s, qr_s, p_s, alpha_s, l_s = bufs
         kfull, kempty, pready, pfree, lfin = bars
         o_layout: gl.constexpr = _acc_layout(DC // 2)
@@ -242,6 +245,9 @@ if GLUON_IMPORT_ERROR is None:
         KEYS: gl.constexpr = PROBE % 2 == 0
         PV: gl.constexpr = PROBE // 2 == 0
         CODES: gl.constexpr = QUANT and KEYS
+        # BF16 pages, build 2: page i's copy is issued before the output product of page i - 1 and waited for after it
+        BF16_PAGES: gl.constexpr = KEYS and not QUANT
+        PV_EARLY: gl.constexpr = BF16_PAGES and PIPELINE == 2
         if CODES:
             if PIPELINE:  # page i's bytes are loaded during page i - 1's output product (one program an SM: nothing
                 # else hides their latency)
@@ -273,7 +279,12 @@ if GLUON_IMPORT_ERROR is None:
             else:
                 page_off, page_ok = page_of(table_row, j_lo + i, num_pages, PAGE_BYTES, i < n_tiles)
                 _load_bf16_page(pages_ptr, page_off, j_lo + i, ps, pe, page_ok, kc.index(slot), kr.index(slot), DC,
-                                DR, C_CODES_OFF, R_CODES_OFF)
+                                DR, C_CODES_OFF, R_CODES_OFF, not PV_EARLY)
+                if PV_EARLY:  # the page's copy is in flight during the output product of the page before it
+                    if i > 0:
+                        acc = _pv_hi(acc, p_s, alpha_s, kc.index(1 - slot), pready, pfree, kempty.index(1 - slot),
+                                     i - 1, DC, PV)
+                    async_copy.wait_group(0)
             fence_async_shared()  # generic-proxy stores, read next by wgmma (async proxy)
             _partition_barrier()  # every thread's fence before the one arrival
             mbarrier.arrive(kfull.index(slot))
@@ -287,9 +298,10 @@ if GLUON_IMPORT_ERROR is None:
                                                                      page_ok, DC, DR, CBITS, RBITS, C_CODES_OFF,
                                                                      R_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF,
                                                                      R_SCALES_OFF, R_ZEROS_OFF)
-            if i > 0:
-                acc = _pv_hi(acc, p_s, alpha_s, kc.index(1 - slot), pready, pfree, kempty.index(1 - slot), i - 1,
-                             DC, PV)
+            if not PV_EARLY:
+                if i > 0:
+                    acc = _pv_hi(acc, p_s, alpha_s, kc.index(1 - slot), pready, pfree, kempty.index(1 - slot), i - 1,
+                                 DC, PV)
         last = n_iter - 1
         acc = _pv_hi(acc, p_s, alpha_s, kc.index(last % 2), pready, pfree, kempty.index(last % 2), last, DC, PV)
 
