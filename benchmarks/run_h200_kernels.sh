@@ -79,8 +79,8 @@
 #   bash benchmarks/run_h200_kernels.sh v4probe  # where kernel v4's time goes: CUDA graphs of its default build beside
 #       its measurement builds (QUANTMLA_TRITON_V4_PROBE 1: the loader writes no keys, 2: no loader output product, 3:
 #       neither) over PROBE_SHAPES, each kernel's duration in one call (ncu), the SASS lines of the split kernel with
-#       the most stall samples (ncu source page, CSV), BF16 pages' build 1 against 2 and CuPy (dispatch.py puts CuPy's v4
-#       first over BF16 pages on sm_90 from stop 18's numbers), then v4's tests; $OUT/v4probe.tgz
+#       the most stall samples (ncu source page, CSV), builds 1 against 3, BF16 pages' builds 1-3 beside CuPy (dispatch.py
+#       puts CuPy's v4 first over BF16 pages on sm_90 from stop 18's numbers), then v4's tests; $OUT/v4probe.tgz
 #   bash benchmarks/run_h200_kernels.sh stop55   # kernel v4 without the empty-split path that serialized its wgmmas:
 #       one small case of each build (a failure stops there), CUDA graphs of v3, v4, v4 pipelined over S55_SHAPES
 #       (FlashInfer BF16 in the process), then v4's tests beside (S55_HF=1) the transformers integration tests on CUDA
@@ -534,12 +534,16 @@ elif [ "$MODE" = v4probe ]; then
   PYTHONWARNINGS=ignore timeout -k 10 ${V4P_GRAPH_S:-120} python3 -P benchmarks/graph_probe.py --backends triton \
     --formats ${V4P_FORMATS:-C4R4,C2R4} --shapes ${PROBE_SHAPES:-128x32x32768} \
     --settings "$P=0;$P=1;$P=2;$P=3" --json /tmp/v4p/graph.json 2>&1 | grep -v "^{" | tail -30
-  echo "=== BF16 pages: build 1 against build 2 (the copy beside the loader's output product), CuPy's v4 beside them"
-  timeout -k 10 ${V4P_BF16_S:-110} python3 -P benchmarks/graph_probe.py --backends triton,cupy --formats BF16 \
-    --shapes 128x32x32768,128x8x4096 --settings "QUANTMLA_TRITON_V4_PIPELINE=1;QUANTMLA_TRITON_V4_PIPELINE=2" \
+  echo "=== packed pages: build 1 against 3 (the attender's product retired beside QK, as build 0)"
+  timeout -k 10 ${V4P_BUILD_S:-60} python3 -P benchmarks/graph_probe.py --backends triton --formats C4R4,C2R4 \
+    --shapes 128x32x32768 --settings "QUANTMLA_TRITON_V4_PIPELINE=1;QUANTMLA_TRITON_V4_PIPELINE=3" \
+    --json /tmp/v4p/graph_builds.json 2>&1 | grep -v "^{" | tail -6
+  echo "=== BF16 pages: builds 1, 2 (the copy beside the loader's output product) and 3, CuPy's v4 beside them"
+  timeout -k 10 ${V4P_BF16_S:-80} python3 -P benchmarks/graph_probe.py --backends triton,cupy --formats BF16 \
+    --shapes 128x32x32768 --settings "QUANTMLA_TRITON_V4_PIPELINE=1;QUANTMLA_TRITON_V4_PIPELINE=2;QUANTMLA_TRITON_V4_PIPELINE=3" \
     --json /tmp/v4p/graph_bf16.json 2>&1 | grep -v "^{" | tail -8
-  echo "=== every kernel of one call (ncu durations), C2R4 and C4R4 H128 B32 L32K"
-  for f in C2R4 C4R4; do
+  echo "=== every kernel of one call (ncu durations), C2R4 H128 B32 L32K"
+  for f in C2R4; do
     timeout -k 5 75 ncu -k regex:"split_kernel_v4|protect_kernel|merge_kernel" -s 6 -c 3 --section SpeedOfLight \
       python3 -P benchmarks/graph_probe.py --backends triton \
       --formats $f --shapes 128x32x32768 > /tmp/v4p/ncu_kernels_$f.txt 2>&1

@@ -115,7 +115,7 @@ def test_v4_is_planned_as_v3(monkeypatch, fmt, batch, heads, tokens):
 
 
 @pytest.mark.parametrize("fmt", ["BF16", "C4R4", "C2R4"])
-@pytest.mark.parametrize("value,want", [(None, None), ("0", 0), ("1", 1), ("2", 2)])
+@pytest.mark.parametrize("value,want", [(None, None), ("0", 0), ("1", 1), ("2", 2), ("3", 3)])
 def test_pipelined_build_is_a_knob(monkeypatch, fmt, value, want):
     """Unset: the format's measured default (C4R4 build 2, the others build 1); set: that build."""
     _as_hopper(monkeypatch)
@@ -148,7 +148,7 @@ def test_no_probe_build_by_default(monkeypatch, value):
 def test_a_malformed_pipeline_knob_is_refused(monkeypatch):
     _as_hopper(monkeypatch)
     monkeypatch.setenv(A.V4_PIPELINE_ENV, "yes")
-    with pytest.raises(ValueError, match="QUANTMLA_TRITON_V4_PIPELINE: expected one of 0, 1, 2, got 'yes'"):
+    with pytest.raises(ValueError, match="QUANTMLA_TRITON_V4_PIPELINE: expected one of 0, 1, 2, 3, got 'yes'"):
         _prepare()
 
 
@@ -187,7 +187,7 @@ def _attend(case: Case, cache, args, batch, variant: str, num_splits: int | None
 
 
 @NEEDS_HOPPER
-@pytest.mark.parametrize("pipeline", ["0", "1", "2"])
+@pytest.mark.parametrize("pipeline", ["0", "1", "2", "3"])
 @pytest.mark.parametrize("case,splits", _gpu_cases(), ids=lambda x: str(x))
 def test_v4_matches_reference_and_v3(case, splits, pipeline, monkeypatch):
     """Against the float64 reference (bfloat16 tolerance) and against kernel v3 on the same cache and queries: both
@@ -207,7 +207,7 @@ def test_v4_matches_reference_and_v3(case, splits, pipeline, monkeypatch):
 
 
 @NEEDS_HOPPER
-@pytest.mark.parametrize("pipeline", ["0", "1", "2"])
+@pytest.mark.parametrize("pipeline", ["0", "1", "2", "3"])
 def test_v4_overwrites_poisoned_partials(monkeypatch, pipeline):
     """Every partial a v4 split owns is written, empty splits included: with the partials' memory and the outputs
     NaN-filled, the outputs come back finite (and still match the reference)."""

@@ -80,7 +80,7 @@ def reports() -> dict:
     _needs_ptxas()
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = {}
-    for pipeline, probe in ((0, 0), (1, 0), (2, 0), (2, 3)):
+    for pipeline, probe in ((0, 0), (1, 0), (2, 0), (3, 0), (2, 3)):
         cmd = [sys.executable, *(["-P"] if sys.flags.safe_path else []), "-m",
                "quantmla_core.backends.triton.offline_v4", *FORMATS, f"pipeline={pipeline}", f"probe={probe}"]
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=tempfile.gettempdir())
@@ -101,7 +101,7 @@ def test_offline_probe_build(reports, fmt):
     assert r["probe"] == 3 and r["wgmma"] == 40 and not r["wgmma_serialized"] and r["spill_bytes"] == 0, r
 
 
-@pytest.mark.parametrize("pipeline", [0, 1, 2])
+@pytest.mark.parametrize("pipeline", [0, 1, 2, 3])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_offline_sm90a_build(reports, fmt, pipeline):
     """(Almost) no spills; shared memory kc 128 KB + kr 16 KB + Q 72 KB + P 8 KB + alpha, l, barriers and the partitions'
@@ -110,7 +110,7 @@ def test_offline_sm90a_build(reports, fmt, pipeline):
     r = reports[fmt, pipeline]
     # build 1's packed loaders hold the next page's bytes beside the dequantization: C4R4 spills 68 bytes (3.7.1) or
     # 76 (3.6.0), C2R4 8 or 0, against ~1,200 instructions a page; build 2 holds only the content words
-    assert r["spill_bytes"] <= (80 if pipeline == 1 and fmt != "BF16" else 0), r
+    assert r["spill_bytes"] <= (80 if pipeline in (1, 3) and fmt != "BF16" else 0), r
     # stop 54's builds had an empty-split path that left the wgmmas serialized, each waiting for the one before
     assert not r["wgmma_serialized"], r
     assert r["smem"] <= SMEM_LIMIT, r
@@ -300,7 +300,7 @@ def _loader(n: int, drop: str | None, pv_early: bool = False):
     yield ("wait", ("lfin",), 0)
 
 
-#: the builds as (attender ``PIPELINE``, loader ``pv_early``): 0; 1 and packed 2; BF16 pages' 2
+#: the builds as (attender's early retire, loader ``pv_early``): 0 and 3; 1 and packed 2; BF16 pages' 2
 BUILDS = {"0": (False, False), "1": (True, False), "2-BF16": (True, True)}
 
 

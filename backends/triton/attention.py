@@ -50,7 +50,7 @@ PROTECTED_STREAM_ENV = "QUANTMLA_TRITON_PROTECTED_STREAM"
 #: have not is refused. With ``QUANTMLA_TRITON_PROTECTED_STREAM=1`` the launches are plain (the merge waits on the side
 #: stream's event)
 PDL_ENV = "QUANTMLA_TRITON_PDL"
-#: kernel v4's build, 0, 1 or 2 (:data:`heuristics.V4_PIPELINE` says what each is; unset: that default). A
+#: kernel v4's build, 0 to 3 (:data:`heuristics.V4_PIPELINE` says what each is; unset: that default). A
 #: measurement knob, read when a call is prepared
 V4_PIPELINE_ENV = "QUANTMLA_TRITON_V4_PIPELINE"
 #: kernel v4's measurement builds, WRONG OUTPUTS (benchmarks only; a warning on every call that takes one): 1, the
@@ -562,7 +562,7 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
     LAST_LAUNCH["pdl"] = pdl
     consts = {**consts, "PDL": pdl > 0}
     if variant == "v4":
-        build = env_int_choice(V4_PIPELINE_ENV, (0, 1, 2))
+        build = env_int_choice(V4_PIPELINE_ENV, (0, 1, 2, 3))
         consts["PIPELINE"] = V4_PIPELINE[fmt.name] if build is None else build
         probe = env_int_choice(V4_PROBE_ENV, (0, 1, 2, 3)) or 0
         if probe:

@@ -106,11 +106,13 @@ if GLUON_IMPORT_ERROR is None:
         l_i = gl.zeros([BLOCK_R], gl.float32, row_l)
         acc = warpgroup_mma_init(gl.zeros([BLOCK_R, DC // 2], gl.float32, o_layout))
         s0 = gl.zeros([BLOCK_R, 64], gl.float32, s_layout)
+        # builds 1 and 2 retire the product of page i - 1 before QK(i); builds 0 and 3 beside it
+        EARLY: gl.constexpr = PIPELINE == 1 or PIPELINE == 2
         for i in range(gl.maximum(n_tiles, 1)):  # see split_kernel_v4: an empty split attends to one dead page
             slot = i % 2
             j = j_lo + i
             _, page_ok = page_of(table_row, j, num_pages, PAGE_BYTES, i < n_tiles)
-            if PIPELINE:  # retire the product of page i - 1 before this page's QK: its key slot goes back to the
+            if EARLY:  # retire the product of page i - 1 before this page's QK: its key slot goes back to the
                 # loader now, not after QK (the loader's next page waits for it), and no wgmma is issued beside an
                 # unretired one
                 o = warpgroup_mma_wait(0, deps=[acc])
@@ -123,7 +125,7 @@ if GLUON_IMPORT_ERROR is None:
                 s = warpgroup_mma(q_s.slice(c * 64, 64, dim=1), kc_s.slice(c * 64, 64, dim=1).permute((1, 0)), s,
                                   is_async=True)
             s = warpgroup_mma(qr_s, kr.index(slot).permute((1, 0)), s, is_async=True)
-            if PIPELINE:
+            if EARLY:
                 s = warpgroup_mma_wait(0, deps=[s])
             else:
                 s, o = warpgroup_mma_wait(0, deps=[s, acc])  # also retires the product of page i - 1

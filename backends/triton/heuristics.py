@@ -375,7 +375,8 @@ V4_AUTO = True
 #: packed loader loads page i + 1's bytes during page i's output product, the attender hands a key slot back before
 #: its next QK, the row blocks of a request launch side by side); 2, as 1 with only the content words loaded a page
 #: ahead (the scales, zeros and RoPE bytes once the key slot is free: C4R4's loader no longer spills); over BF16 pages
-#: it copies page i while it runs the output product of page i - 1 (not yet run on a GPU). H100, stop 55,
+#: it copies page i while it runs the output product of page i - 1 (not yet run on a GPU); 3, as 1 with the attender's
+#: product of page i - 1 retired beside QK(i), as in 0 (build 1's three changes apart; not yet run on a GPU). H100, stop 55,
 #: CUDA graphs, builds 0 / 1 / 2, us: H128 B32 L32K C4R4 915 / 885-886 / 819, C2R4 889 / 717-718 / 793; B128 L32K
 #: C4R4 3,653 / 3,446-3,448 / 3,244, C2R4 3,512 / 2,824-2,825 / 3,005; H64 B32 L32K C4R4 483 / 443 (1 / 2), C2R4
 #: 400 / 427; BF16 pages B32 L32K 793 / 682 (0 / 1)
