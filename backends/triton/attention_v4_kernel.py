@@ -18,6 +18,11 @@ split (``split_tiles``' 128-token tiles walked as two pages), key slot ``s = i %
   (bfloat16 ``[64, 64]``) and alpha, arrives ``pready``; ``acc_lo = acc_lo * alpha + P @ K[:, :256]`` (async,
   retired at the next page's QK). At the end it publishes ``l`` (``lfin``) for the loader's half of the output.
 
+That order is builds 0 and 3 (``PIPELINE``, chosen per format by ``heuristics.V4_PIPELINE``, which says what each
+build changes); builds 1 and 2 retire the attender's product of page ``i - 1`` and arrive its ``kempty`` before QK(i).
+A split without pages walks one dead page (no table read, every token invisible): without a zero-trip path ptxas keeps
+the wgmmas pipelined.
+
 Barriers (``mbarrier``, parity waits; fresh barriers pass a wait for parity 1): ``kfull[2]`` (1 arrival),
 ``kempty[2]`` (2: one per output half), ``pready``, ``pfree``, ``lfin`` (1 each). Every barrier completes one
 phase a page, and no side can run two phases ahead of the other: the attender's P of page ``i`` needs

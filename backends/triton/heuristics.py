@@ -366,9 +366,9 @@ V4_PAGE_SIZE = 64
 #: compute capability (major) of the Hopper warpgroup MMAs and register reallocation it is written for
 V4_CAPABILITY_MAJOR = 9
 #: whether ``auto`` runs kernel v4 where it would run v3 and v4 serves the call (:func:`attention.v4_unsupported`). On:
-#: on an H100 (stop 55, CUDA graphs, H128, FlashInfer BF16 in the process) the pipelined v4 took 0.44-0.55x of v3's
-#: time at B32 and B128 L32K (C4R4 886 against 1,621 us, C2R4 717 against 1,646) and 0.40-0.47x at B8 L4K, and
-#: passed its 103 GPU tests and memcheck
+#: on an H100 (stop 55, CUDA graphs, H128, FlashInfer BF16 in the process) v4's default builds (:data:`V4_PIPELINE`)
+#: took 0.44-0.52x of v3's time at B32 and B128 L32K (C4R4 819 against 1,621 us, C2R4 717 against 1,646) and
+#: 0.40-0.46x at B8 L4K, and passed its GPU tests and memcheck
 V4_AUTO = True
 #: kernel v4's build per page format (``QUANTMLA_TRITON_V4_PIPELINE`` overrides it): 0, pages in turn (the loader loads
 #: a page's bytes once its key slot is free; the attender's output product runs beside its next QK); 1, pipelined (the
