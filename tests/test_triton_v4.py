@@ -20,6 +20,7 @@ from conformance import cache_to_cpu
 
 pytest.importorskip("triton")
 from quantmla_core.backends.triton import attention as A  # noqa: E402
+from quantmla_core.backends.triton.heuristics import V4_LOADER_WARPS  # noqa: E402
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 NEEDS_HOPPER = pytest.mark.skipif(not ON_HOPPER or A.GLUON_IMPORT_ERROR is not None,
@@ -106,7 +107,7 @@ def test_v4_is_planned_as_v3(monkeypatch, fmt, batch, heads, tokens):
     assert v4.variant == "v4" and v3.variant == "v3"
     for field in ("split_grid", "partial_specs", "protect_grid", "protect_tiles", "merge_grid", "merge_consts"):
         assert getattr(v4, field) == getattr(v3, field), field
-    assert {k: v for k, v in v4.split_consts.items() if k != "PIPELINE"} == dict(v3.split_consts)
+    assert {k: v for k, v in v4.split_consts.items() if k not in ("PIPELINE", "LOADER_WARPS")} == dict(v3.split_consts)
     # PDL (stubbed as available): v3 launches its protected tiles after itself (mode 2), v4 signals no dependents
     assert (v4.pdl, v3.pdl) == (1, 2)
     assert {**v4.protect_consts, "PDL": True} == dict(v3.protect_consts)
@@ -143,6 +144,26 @@ def test_no_probe_build_by_default(monkeypatch, value):
     else:
         monkeypatch.setenv(A.V4_PROBE_ENV, value)
     assert "PROBE" not in _prepare().split_consts
+
+
+@pytest.mark.parametrize("fmt", ["BF16", "C4R4", "C2R4"])
+@pytest.mark.parametrize("value,want", [(None, None), ("4", 4), ("8", 8)])
+def test_loader_warps_are_a_knob(monkeypatch, fmt, value, want):
+    """Unset: the format's default (``heuristics.V4_LOADER_WARPS``); set: 4 or 8; v3 takes no such constexpr."""
+    _as_hopper(monkeypatch)
+    if value is None:
+        monkeypatch.delenv(A.V4_LOADER_WARPS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(A.V4_LOADER_WARPS_ENV, value)
+    assert _prepare(fmt).split_consts["LOADER_WARPS"] == (want or V4_LOADER_WARPS[fmt])
+    assert "LOADER_WARPS" not in _prepare(variant="v3").split_consts
+
+
+def test_a_malformed_loader_warps_knob_is_refused(monkeypatch):
+    _as_hopper(monkeypatch)
+    monkeypatch.setenv(A.V4_LOADER_WARPS_ENV, "6")
+    with pytest.raises(ValueError, match="QUANTMLA_TRITON_V4_LOADER_WARPS: expected one of 4, 8, got '6'"):
+        _prepare()
 
 
 def test_a_malformed_pipeline_knob_is_refused(monkeypatch):
@@ -186,14 +207,24 @@ def _attend(case: Case, cache, args, batch, variant: str, num_splits: int | None
                        args["attn_seq_ids"], batch.softmax_scale, num_splits=num_splits, variant=variant)
 
 
+#: kernel v4's builds on the GPU: ``QUANTMLA_TRITON_V4_PIPELINE``, then "w8" for 8 loader warps
+GPU_BUILDS = ["0", "1", "2", "3", "1w8", "2w8", "3w8"]
+
+
+def _set_build(monkeypatch, build: str) -> None:
+    pipeline, _, warps = build.partition("w")
+    monkeypatch.setenv(A.V4_PIPELINE_ENV, pipeline)
+    monkeypatch.setenv(A.V4_LOADER_WARPS_ENV, warps or "4")
+
+
 @NEEDS_HOPPER
-@pytest.mark.parametrize("pipeline", ["0", "1", "2", "3"])
+@pytest.mark.parametrize("build", GPU_BUILDS)
 @pytest.mark.parametrize("case,splits", _gpu_cases(), ids=lambda x: str(x))
-def test_v4_matches_reference_and_v3(case, splits, pipeline, monkeypatch):
+def test_v4_matches_reference_and_v3(case, splits, build, monkeypatch):
     """Against the float64 reference (bfloat16 tolerance) and against kernel v3 on the same cache and queries: both
     round the dequantized keys to bfloat16 once, so they differ only in summation order. Every build of v4
-    (``QUANTMLA_TRITON_V4_PIPELINE``)."""
-    monkeypatch.setenv(A.V4_PIPELINE_ENV, pipeline)
+    (``QUANTMLA_TRITON_V4_PIPELINE``), with a loader of 4 and of 8 warps."""
+    _set_build(monkeypatch, build)
     batch, args, cache = write_case(case, "cuda", "bfloat16")
     out_v3, lse_v3 = _attend(case, cache, args, batch, "v3", splits)
     out, lse = _attend(case, cache, args, batch, "v4", splits)
@@ -207,11 +238,11 @@ def test_v4_matches_reference_and_v3(case, splits, pipeline, monkeypatch):
 
 
 @NEEDS_HOPPER
-@pytest.mark.parametrize("pipeline", ["0", "1", "2", "3"])
-def test_v4_overwrites_poisoned_partials(monkeypatch, pipeline):
+@pytest.mark.parametrize("build", GPU_BUILDS)
+def test_v4_overwrites_poisoned_partials(monkeypatch, build):
     """Every partial a v4 split owns is written, empty splits included: with the partials' memory and the outputs
     NaN-filled, the outputs come back finite (and still match the reference)."""
-    monkeypatch.setenv(A.V4_PIPELINE_ENV, pipeline)
+    _set_build(monkeypatch, build)
     carve = A.carve
     monkeypatch.setattr(A, "carve", lambda specs, device: [t.fill_(float("nan")) for t in carve(specs, device)])
     case = Case(PackFormat.parse("C4R4"), (3000, 64, 129), heads=128, seed=4999)
@@ -229,13 +260,13 @@ def test_v4_overwrites_poisoned_partials(monkeypatch, pipeline):
 
 
 @NEEDS_HOPPER
-@pytest.mark.parametrize("pipeline", ["0", "1", "2"])
+@pytest.mark.parametrize("build", ["0", "1", "2", "1w8"])
 @pytest.mark.parametrize("probe", ["1", "2", "3"])
-def test_probe_builds_keep_the_handoffs(monkeypatch, pipeline, probe):
+def test_probe_builds_keep_the_handoffs(monkeypatch, build, probe):
     """The measurement builds run to the end (their barriers still pair up). Without the loader's output product
     (bit 1) the attender's channels ``[0, d_c/2)`` and the log-sum-exp still match the reference and the other half
     does not: the probe skips what it says."""
-    monkeypatch.setenv(A.V4_PIPELINE_ENV, pipeline)
+    _set_build(monkeypatch, build)
     monkeypatch.setenv(A.V4_PROBE_ENV, probe)
     case = Case(PackFormat.parse("C2R4"), (3000, 700), heads=128, seed=5003)
     batch, args, cache = write_case(case, "cuda", "bfloat16")

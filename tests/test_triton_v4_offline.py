@@ -80,14 +80,17 @@ def reports() -> dict:
     _needs_ptxas()
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = {}
-    for pipeline, probe in ((0, 0), (1, 0), (2, 0), (3, 0), (2, 3)):
+    for pipeline, probe, warps in ((0, 0, 4), (1, 0, 4), (2, 0, 4), (3, 0, 4), (2, 3, 4), (1, 0, 8), (2, 0, 8),
+                                   (3, 0, 8)):
         cmd = [sys.executable, *(["-P"] if sys.flags.safe_path else []), "-m",
-               "quantmla_core.backends.triton.offline_v4", *FORMATS, f"pipeline={pipeline}", f"probe={probe}"]
+               "quantmla_core.backends.triton.offline_v4", *FORMATS, f"pipeline={pipeline}", f"probe={probe}",
+               f"loader_warps={warps}"]
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=tempfile.gettempdir())
         lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
         assert len(lines) == len(FORMATS), r.stdout + r.stderr
         for fmt, line in zip(FORMATS, lines):
             key = (fmt, pipeline) if probe == 0 else (fmt, pipeline, "probe", probe)
+            key = key if warps == 4 else (*key, "w8")
             out[key] = ast.literal_eval(line)
             assert "err" not in out[key], out[key]
     return out
@@ -119,6 +122,20 @@ def test_offline_sm90a_build(reports, fmt, pipeline):
     assert max(r["setmaxnreg"]) == 256 and min(r["setmaxnreg"]) == (232 if fmt == "BF16" else 256 if pipeline else 248), r
     # one CTA of 4 + 4 warps after setmaxnreg fits the 64K-register file
     assert 128 * (256 + min(r["setmaxnreg"])) <= 65536
+
+
+@pytest.mark.parametrize("pipeline", [1, 2, 3])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_offline_sm90a_build_with_8_loader_warps(reports, fmt, pipeline):
+    """With 8 loader warps (two warpgroups: half the tokens each to dequantize, half the loader's output channels
+    each, m64n128 products): the same wgmma count, pipelined, and the register file shared as 128 x 232 (attender) +
+    256 x 136 (loader). Build 2 is allowed a few spilled bytes (4 with triton 3.7.1's ptxas, 0 with 3.6's)."""
+    r = reports[fmt, pipeline, "w8"]
+    assert r["loader_warps"] == 8 and r["wgmma"] == 48 and not r["wgmma_serialized"], r
+    assert r["spill_bytes"] <= (8 if pipeline == 2 else 0), r
+    assert r["smem"] <= SMEM_LIMIT, r
+    assert 136 in r["setmaxnreg"] and 232 in r["setmaxnreg"], r
+    assert 128 * 232 + 256 * 136 <= 65536
 
 
 # ---------------------------------------------------------------- the loaders' channel order, mirrored in NumPy

@@ -29,7 +29,8 @@ from .heuristics import (INTERPRETER_SM_COUNT, MERGE_BLOCK_C, MERGE_BLOCK_R, MER
                          V3_BLOCK_N, V3_BLOCK_R, V3_MIN_ROWS, V3_NUM_STAGES, V3_NUM_WARPS, V3_PREFETCH, AttentionPlan,
                          DeviceLimits, PROTECT_ROWS_CHOICES, merge_load_width, pdl_default, plan, plan_v2, plan_v3,
                          planned_shared_max, plan_v4, protect_parts, v3_code_words, v3_tile_groups, v3_word_lanes,
-                         V4_AUTO, V4_CAPABILITY_MAJOR, V4_DIMS, V4_FORMATS, V4_PAGE_SIZE, V4_PIPELINE)
+                         V4_AUTO, V4_CAPABILITY_MAJOR, V4_DIMS, V4_FORMATS, V4_LOADER_WARPS, V4_PAGE_SIZE,
+                         V4_PIPELINE)
 
 #: environment variable choosing the split kernel ("auto" default, "v1", "v2", "v3", "v4"); read on every call. ``auto``
 #: runs v4 (Gluon, Hopper) where it would run v3 and v4 serves the call (``heuristics.V4_AUTO``)
@@ -53,6 +54,9 @@ PDL_ENV = "QUANTMLA_TRITON_PDL"
 #: kernel v4's build, 0 to 3 (:data:`heuristics.V4_PIPELINE` says what each is; unset: that default). A
 #: measurement knob, read when a call is prepared
 V4_PIPELINE_ENV = "QUANTMLA_TRITON_V4_PIPELINE"
+#: kernel v4's loader warps, 4 or 8 (:data:`heuristics.V4_LOADER_WARPS`; unset: that default). A measurement knob,
+#: read when a call is prepared
+V4_LOADER_WARPS_ENV = "QUANTMLA_TRITON_V4_LOADER_WARPS"
 #: kernel v4's measurement builds, WRONG OUTPUTS (benchmarks only; a warning on every call that takes one): 1, the
 #: loader loads and writes no keys; 2, it skips its output product; 3, both. Unset or 0: the real kernel
 V4_PROBE_ENV = "QUANTMLA_TRITON_V4_PROBE"
@@ -564,6 +568,8 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
     if variant == "v4":
         build = env_int_choice(V4_PIPELINE_ENV, (0, 1, 2, 3))
         consts["PIPELINE"] = V4_PIPELINE[fmt.name] if build is None else build
+        warps = env_int_choice(V4_LOADER_WARPS_ENV, (4, 8))
+        consts["LOADER_WARPS"] = V4_LOADER_WARPS[fmt.name] if warps is None else warps
         probe = env_int_choice(V4_PROBE_ENV, (0, 1, 2, 3)) or 0
         if probe:
             warnings.warn(f"{V4_PROBE_ENV}={probe}: a measurement build of kernel v4, its outputs are wrong",

@@ -50,6 +50,10 @@ if GLUON_IMPORT_ERROR is None:
 
     from .attention_v4_loaders import _acc_layout, loader_partition, page_of
 
+    #: registers of each loader thread (``setmaxnreg``) with 8 loader warps: the attender keeps (65,536 - 256 x this)
+    #: / 128
+    LOADER8_REGS = gl.constexpr(136)
+
     # row reductions through gl.reduce: triton 3.6's gl.max / gl.sum wrap triton.language functions, which cannot
     # be built while TRITON_INTERPRET=1 (the test session's setting)
     @gluon.jit
@@ -218,6 +222,7 @@ if GLUON_IMPORT_ERROR is None:
         LOADER_REGS: gl.constexpr = 0,
         PIPELINE: gl.constexpr = 0,
         PROBE: gl.constexpr = 0,
+        LOADER_WARPS: gl.constexpr = 4,
     ):
         """One (split, request, block of 64 query rows): the partial normalised output ``o_part[b, split, rows]``
         (float32 ``[64, DC]``) and log2-sum-exp ``lse_part[b, split, rows]`` over the split's packed tokens, as
@@ -278,7 +283,10 @@ if GLUON_IMPORT_ERROR is None:
 
         bufs = (kc, kr, q_s, qr_s, p_s, alpha_s, l_s)
         bars = (kfull, kempty, pready, pfree, lfin)
-        if LOADER_REGS == 0:
+        gl.static_assert(LOADER_WARPS == 4 or LOADER_WARPS == 8, "kernel v4: a loader of 4 or 8 warps")
+        if LOADER_REGS == 0 and LOADER_WARPS == 8:
+            REGS: gl.constexpr = LOADER8_REGS
+        elif LOADER_REGS == 0:
             if QUANT:
                 REGS: gl.constexpr = 256 if PIPELINE else 248
             else:
@@ -293,5 +301,6 @@ if GLUON_IMPORT_ERROR is None:
                                   PIPELINE)),
             (loader_partition, (pages_ptr, table_row, num_pages, o_part_ptr, part, rb, R, ps, pe, j_lo, n_tiles, bufs,
                                 bars, QUANT, DC, DR, CBITS, RBITS, P, PAGE_BYTES, C_CODES_OFF, R_CODES_OFF,
-                                C_SCALES_OFF, C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF, BLOCK_R, PIPELINE, PROBE)),
-        ], [4], [REGS])
+                                C_SCALES_OFF, C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF, BLOCK_R, PIPELINE, PROBE,
+                                LOADER_WARPS)),
+        ], [LOADER_WARPS], [REGS])

@@ -49,9 +49,19 @@ if GLUON_IMPORT_ERROR is None:
             gl.thread_barrier()
 
     @gluon.constexpr_function
-    def _acc_layout(N):
-        """The wgmma accumulator layout of a [64, N] float32 tile on one warpgroup."""
-        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, int(N), 16])
+    def _acc_layout(N, WARPS=4):
+        """The wgmma accumulator layout of a [64, N] float32 tile on ``WARPS`` warps: one warpgroup, or two that
+        take halves of the N columns each."""
+        groups = int(WARPS) // 4
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, groups],
+                                         instr_shape=[16, int(N) // groups, 16])
+
+    @gluon.constexpr_function
+    def _rows_layout(PER_THREAD, COLS, WARPS):
+        """A blocked layout of [64, COLS] (or more rows) with ``PER_THREAD`` consecutive columns a thread, the rows
+        over ``WARPS`` warps."""
+        lanes_c = int(COLS) // int(PER_THREAD)
+        return gl.BlockedLayout([1, int(PER_THREAD)], [32 // lanes_c, lanes_c], [int(WARPS), 1], [1, 0])
 
     @gluon.jit
     def page_of(table_row, j, num_pages, PAGE_BYTES: gl.constexpr, live=True):
@@ -104,11 +114,11 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _load_bf16_page(pages_ptr, page_off, j, ps, pe, page_ok, kc_s, kr_s, DC: gl.constexpr, DR: gl.constexpr,
-                        C_OFF: gl.constexpr, R_OFF: gl.constexpr, WAIT: gl.constexpr = True):
+                        C_OFF: gl.constexpr, R_OFF: gl.constexpr, WAIT: gl.constexpr = True, WARPS: gl.constexpr = 4):
         """BF16 pages: the page's content and RoPE values copied into ``kc_s`` / ``kr_s`` (``cp.async``; 0 for
         tokens not ``tok_ok``, whose slots may hold any bits), waited for (``WAIT`` False: in flight, one commit
         group)."""
-        lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        lay: gl.constexpr = _rows_layout(8, 64, WARPS)
         tok = gl.arange(0, 64, gl.SliceLayout(1, lay))
         col = gl.arange(0, 64, gl.SliceLayout(0, lay))
         ok = tokens_ok(tok, j, ps, pe, page_ok)[:, None] & (col < 64)[None, :]
@@ -126,22 +136,22 @@ if GLUON_IMPORT_ERROR is None:
     def _code_raws(pages_ptr, page_off, j, ps, pe, page_ok, DC: gl.constexpr, DR: gl.constexpr, CBITS: gl.constexpr,
                    RBITS: gl.constexpr, C_CODES_OFF: gl.constexpr, R_CODES_OFF: gl.constexpr,
                    C_SCALES_OFF: gl.constexpr, C_ZEROS_OFF: gl.constexpr, R_SCALES_OFF: gl.constexpr,
-                   R_ZEROS_OFF: gl.constexpr):
+                   R_ZEROS_OFF: gl.constexpr, WARPS: gl.constexpr = 4):
         """Packed page ``j``'s bytes, loaded (not yet used, so that the loads are in flight while the loader does
         other work): :func:`_code_words` and :func:`_code_params`."""
-        raws = _code_words(pages_ptr, page_off, j, ps, pe, page_ok, DC, CBITS, C_CODES_OFF)
+        raws = _code_words(pages_ptr, page_off, j, ps, pe, page_ok, DC, CBITS, C_CODES_OFF, WARPS)
         scales, zeros, rw, rs, rz = _code_params(pages_ptr, page_off, j, ps, pe, page_ok, DC, DR, RBITS, C_SCALES_OFF,
-                                                 C_ZEROS_OFF, R_CODES_OFF, R_SCALES_OFF, R_ZEROS_OFF)
+                                                 C_ZEROS_OFF, R_CODES_OFF, R_SCALES_OFF, R_ZEROS_OFF, WARPS)
         return raws, scales, zeros, rw, rs, rz
 
     @gluon.jit
     def _code_words(pages_ptr, page_off, j, ps, pe, page_ok, DC: gl.constexpr, CBITS: gl.constexpr,
-                    C_CODES_OFF: gl.constexpr):
+                    C_CODES_OFF: gl.constexpr, WARPS: gl.constexpr = 4):
         """Packed page ``j``'s content words: ``[64, 16]`` uint32 per 64-byte chunk of the token rows. Tokens not in
         ``[ps, pe)`` or on an invalid page read 0."""
         CBYTES: gl.constexpr = DC * CBITS // 8
         NCH: gl.constexpr = CBYTES // 64
-        wl: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])  # [64, 16] words, 16 B a thread
+        wl: gl.constexpr = _rows_layout(4, 16, WARPS)  # [64, 16] words, 16 B a thread
         tok = gl.arange(0, 64, gl.SliceLayout(1, wl))
         ok = tokens_ok(tok, j, ps, pe, page_ok)
         wcol = gl.arange(0, 16, gl.SliceLayout(0, wl))
@@ -155,12 +165,12 @@ if GLUON_IMPORT_ERROR is None:
     @gluon.jit
     def _code_params(pages_ptr, page_off, j, ps, pe, page_ok, DC: gl.constexpr, DR: gl.constexpr, RBITS: gl.constexpr,
                      C_SCALES_OFF: gl.constexpr, C_ZEROS_OFF: gl.constexpr, R_CODES_OFF: gl.constexpr,
-                     R_SCALES_OFF: gl.constexpr, R_ZEROS_OFF: gl.constexpr):
+                     R_SCALES_OFF: gl.constexpr, R_ZEROS_OFF: gl.constexpr, WARPS: gl.constexpr = 4):
         """Packed page ``j``'s content scales (bfloat16) and zeros (uint8) ``[64]`` per group, RoPE words
         ``[64, RW]``, RoPE scale (float32) and zero ``[64]``. Tokens not in ``[ps, pe)`` or on an invalid page read 0
         (scale 0: their keys dequantize to 0)."""
         NG: gl.constexpr = DC // 64
-        wl: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
+        wl: gl.constexpr = _rows_layout(4, 16, WARPS)
         tok = gl.arange(0, 64, gl.SliceLayout(1, wl))
         ok = tokens_ok(tok, j, ps, pe, page_ok)
         words = pages_ptr.to(gl.pointer_type(gl.uint32))
@@ -173,7 +183,7 @@ if GLUON_IMPORT_ERROR is None:
             zeros = zeros + (gl.load(zrow + g, mask=ok, other=0),)
 
         RW: gl.constexpr = DR * RBITS // 8 // 4
-        rl: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (RW // 4), RW // 4], [4, 1], [1, 0])
+        rl: gl.constexpr = _rows_layout(64 * RW // (32 * WARPS), RW, WARPS)  # 64 tokens of RW words, no repeats
         rtok = gl.arange(0, 64, gl.SliceLayout(1, rl))
         rok = tokens_ok(rtok, j, ps, pe, page_ok)
         rw = gl.load(words + ((page_off + R_CODES_OFF) // 4 + rtok * RW)[:, None]
@@ -210,16 +220,20 @@ if GLUON_IMPORT_ERROR is None:
         kr_s.store(kr)
 
     @gluon.jit
-    def _pv_hi(acc, p_s, alpha_s, kc_s, pready, pfree, kempty_s, i, DC: gl.constexpr, RUN: gl.constexpr = True):
+    def _pv_hi(acc, p_s, alpha_s, kc_s, pready, pfree, kempty_s, i, DC: gl.constexpr, RUN: gl.constexpr = True,
+               WARPS: gl.constexpr = 4):
         """The loader's output product for page ``i`` (its keys in ``kc_s``): waits for P and alpha, returns
         ``acc * alpha + P @ K[:, DC/2:]`` retired, then frees P and its half of the key slot. ``RUN`` False (a probe):
-        the handoffs alone, ``acc`` unchanged."""
-        o_layout: gl.constexpr = _acc_layout(DC // 2)
+        the handoffs alone, ``acc`` unchanged. With 8 ``WARPS`` each warpgroup takes half the columns, and both
+        retire theirs before the one arrival."""
+        o_layout: gl.constexpr = _acc_layout(DC // 2, WARPS)
         mbarrier.wait(pready, i & 1)
         if RUN:
             alpha = alpha_s.load(gl.SliceLayout(1, o_layout))
             acc = warpgroup_mma(p_s, kc_s.slice(DC // 2, DC // 2, dim=1), acc * alpha[:, None], is_async=True)
             acc = warpgroup_mma_wait(0, deps=[acc])
+        if WARPS > 4:
+            _partition_barrier()
         mbarrier.arrive(pfree)
         mbarrier.arrive(kempty_s)
         return acc
@@ -230,17 +244,19 @@ if GLUON_IMPORT_ERROR is None:
                          CBITS: gl.constexpr, RBITS: gl.constexpr, P: gl.constexpr, PAGE_BYTES: gl.constexpr,
                          C_CODES_OFF: gl.constexpr, R_CODES_OFF: gl.constexpr, C_SCALES_OFF: gl.constexpr,
                          C_ZEROS_OFF: gl.constexpr, R_SCALES_OFF: gl.constexpr, R_ZEROS_OFF: gl.constexpr,
-                         BLOCK_R: gl.constexpr, PIPELINE: gl.constexpr = 0, PROBE: gl.constexpr = 0):
+                         BLOCK_R: gl.constexpr, PIPELINE: gl.constexpr = 0, PROBE: gl.constexpr = 0,
+                         WARPS: gl.constexpr = 4):
         """Worker partition: fill key slot ``i % 2`` with page ``j_lo + i`` (after both output products of page
         ``i - 2`` freed it), then run the output product of page ``i - 1`` over channels ``[DC/2, DC)``; at the
         end write those channels of the partial output (after the attender published the final ``l``).
 
         ``PROBE`` (measurement builds, wrong outputs): bit 0 skips the keys (no page bytes loaded, nothing written to
         the key slot), bit 1 the output product (the handoffs stay). Build 2 over BF16 pages (``PV_EARLY``) copies page
-        i while it runs the output product of page i - 1 and arrives ``kfull`` after both."""
+        i while it runs the output product of page i - 1 and arrives ``kfull`` after both. ``WARPS``: 4 (one
+        warpgroup) or 8 (two, each converting half of the tokens and taking half of the output columns)."""
         kc, kr, q_s, qr_s, p_s, alpha_s, l_s = bufs
         kfull, kempty, pready, pfree, lfin = bars
-        o_layout: gl.constexpr = _acc_layout(DC // 2)
+        o_layout: gl.constexpr = _acc_layout(DC // 2, WARPS)
         acc = gl.zeros([BLOCK_R, DC // 2], gl.float32, o_layout)
         KEYS: gl.constexpr = PROBE % 2 == 0
         PV: gl.constexpr = PROBE // 2 == 0
@@ -253,11 +269,11 @@ if GLUON_IMPORT_ERROR is None:
                 # else hides their latency)
                 page_off, page_ok = page_of(table_row, j_lo, num_pages, PAGE_BYTES, n_tiles > 0)
                 if PIPELINE == 2:  # the content words alone (fewer registers held across the output product)
-                    raws = _code_words(pages_ptr, page_off, j_lo, ps, pe, page_ok, DC, CBITS, C_CODES_OFF)
+                    raws = _code_words(pages_ptr, page_off, j_lo, ps, pe, page_ok, DC, CBITS, C_CODES_OFF, WARPS)
                 else:
                     raws, scales, zeros, rw, rs, rz = _code_raws(pages_ptr, page_off, j_lo, ps, pe, page_ok, DC, DR,
                                                                  CBITS, RBITS, C_CODES_OFF, R_CODES_OFF, C_SCALES_OFF,
-                                                                 C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF)
+                                                                 C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF, WARPS)
         n_iter = gl.maximum(n_tiles, 1)  # the attender's count: an empty split walks one dead page
         for i in range(n_iter):
             slot = i % 2
@@ -269,21 +285,21 @@ if GLUON_IMPORT_ERROR is None:
                     page_off, page_ok = page_of(table_row, j_lo + i, num_pages, PAGE_BYTES, i < n_tiles)
                     raws, scales, zeros, rw, rs, rz = _code_raws(pages_ptr, page_off, j_lo + i, ps, pe, page_ok, DC,
                                                                  DR, CBITS, RBITS, C_CODES_OFF, R_CODES_OFF,
-                                                                 C_SCALES_OFF, C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF)
+                                                                 C_SCALES_OFF, C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF, WARPS)
                 if PIPELINE == 2:
                     scales, zeros, rw, rs, rz = _code_params(pages_ptr, page_off, j_lo + i, ps, pe, page_ok, DC, DR,
                                                              RBITS, C_SCALES_OFF, C_ZEROS_OFF, R_CODES_OFF,
-                                                             R_SCALES_OFF, R_ZEROS_OFF)
+                                                             R_SCALES_OFF, R_ZEROS_OFF, WARPS)
                 _store_code_page(raws, scales, zeros, rw, rs, rz, kc.index(slot), kr.index(slot), DC, DR, CBITS,
                                  RBITS)
             else:
                 page_off, page_ok = page_of(table_row, j_lo + i, num_pages, PAGE_BYTES, i < n_tiles)
                 _load_bf16_page(pages_ptr, page_off, j_lo + i, ps, pe, page_ok, kc.index(slot), kr.index(slot), DC,
-                                DR, C_CODES_OFF, R_CODES_OFF, not PV_EARLY)
+                                DR, C_CODES_OFF, R_CODES_OFF, not PV_EARLY, WARPS)
                 if PV_EARLY:  # the page's copy is in flight during the output product of the page before it
                     if i > 0:
                         acc = _pv_hi(acc, p_s, alpha_s, kc.index(1 - slot), pready, pfree, kempty.index(1 - slot),
-                                     i - 1, DC, PV)
+                                     i - 1, DC, PV, WARPS)
                     async_copy.wait_group(0)
             fence_async_shared()  # generic-proxy stores, read next by wgmma (async proxy)
             _partition_barrier()  # every thread's fence before the one arrival
@@ -292,18 +308,18 @@ if GLUON_IMPORT_ERROR is None:
                 if PIPELINE:
                     page_off, page_ok = page_of(table_row, j_lo + i + 1, num_pages, PAGE_BYTES, i + 1 < n_tiles)
                     if PIPELINE == 2:
-                        raws = _code_words(pages_ptr, page_off, j_lo + i + 1, ps, pe, page_ok, DC, CBITS, C_CODES_OFF)
+                        raws = _code_words(pages_ptr, page_off, j_lo + i + 1, ps, pe, page_ok, DC, CBITS, C_CODES_OFF, WARPS)
                     else:
                         raws, scales, zeros, rw, rs, rz = _code_raws(pages_ptr, page_off, j_lo + i + 1, ps, pe,
                                                                      page_ok, DC, DR, CBITS, RBITS, C_CODES_OFF,
                                                                      R_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF,
-                                                                     R_SCALES_OFF, R_ZEROS_OFF)
+                                                                     R_SCALES_OFF, R_ZEROS_OFF, WARPS)
             if not PV_EARLY:
                 if i > 0:
                     acc = _pv_hi(acc, p_s, alpha_s, kc.index(1 - slot), pready, pfree, kempty.index(1 - slot), i - 1,
-                                 DC, PV)
+                                 DC, PV, WARPS)
         last = n_iter - 1
-        acc = _pv_hi(acc, p_s, alpha_s, kc.index(last % 2), pready, pfree, kempty.index(last % 2), last, DC, PV)
+        acc = _pv_hi(acc, p_s, alpha_s, kc.index(last % 2), pready, pfree, kempty.index(last % 2), last, DC, PV, WARPS)
 
         mbarrier.wait(lfin, 0)
         l_i = l_s.load(gl.SliceLayout(1, o_layout))

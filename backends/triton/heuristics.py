@@ -381,6 +381,12 @@ V4_AUTO = True
 #: C4R4 3,653 / 3,446-3,448 / 3,244, C2R4 3,512 / 2,824-2,825 / 3,005; H64 B32 L32K C4R4 483 / 443 (1 / 2), C2R4
 #: 400 / 427; BF16 pages B32 L32K 793 / 682 (0 / 1)
 V4_PIPELINE = {"BF16": 1, "C4R4": 2, "C2R4": 1}
+#: kernel v4's loader warps per page format (``QUANTMLA_TRITON_V4_LOADER_WARPS`` overrides it): 4, one warpgroup
+#: dequantizes (or copies) each page and runs the output product over the high half of the channels; 8, two do, each
+#: taking half of the page's tokens and half of those channels (the attender then keeps 232 registers, the loader
+#: 136). Stop 55's probes (H100, H128 B32 L32K, CUDA graphs) put the time in the 4-warp loader's dequantization:
+#: without it C4R4 took 552 against 816 us, C2R4 555 against 717; without its output product, no less
+V4_LOADER_WARPS = {"BF16": 4, "C4R4": 4, "C2R4": 4}
 
 
 def plan_v4(batch: int, rows: int, latent_dim: int, page_size: int, max_tokens: int, sm_count: int,

@@ -4,7 +4,8 @@ The launch the Triton launcher records for kernel v3 at H = 128 (``offline_build
 ``QUANTMLA_TRITON_ATTENTION=v3``: its positional arguments and constexprs) is compiled with ``split_kernel_v4``
 in its place, ``num_warps=V4_NUM_WARPS``, through Gluon's AST source for ``GPUTarget("cuda", 90, 32)``.
 
-    python -m quantmla_core.backends.triton.offline_v4 [BF16|C4R4|C2R4] [loader_regs=N] [pipeline=0|1|2] [probe=0-3]
+    python -m quantmla_core.backends.triton.offline_v4 [BF16|C4R4|C2R4] [loader_regs=N] [pipeline=0-3] [probe=0-3]
+        [loader_warps=4|8]
 
 prints :func:`compile_report`'s dict: registers and spilled bytes (``ptxas -v``), shared memory, ``wgmma`` count in
 the PTX, ``setmaxnreg`` values, SASS instruction counts (``cuobjdump``, where Triton bundles it).
@@ -38,7 +39,8 @@ def v3_launch(fmt_name: str, heads: int = 128) -> Any:
     return next(x for x in launches if x.name == "split_v3")
 
 
-def compile_v4(fmt_name: str = "C4R4", loader_regs: int = 0, heads: int = 128, pipeline: int = 0, probe: int = 0) -> Any:
+def compile_v4(fmt_name: str = "C4R4", loader_regs: int = 0, heads: int = 128, pipeline: int = 0, probe: int = 0,
+               loader_warps: int = 4) -> Any:
     """``triton.compile`` of ``split_kernel_v4`` for sm_90a with v3's recorded launch (see the module docstring)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -60,6 +62,7 @@ def compile_v4(fmt_name: str = "C4R4", loader_regs: int = 0, heads: int = 128, p
         consts["LOADER_REGS"] = int(loader_regs)
     consts["PIPELINE"] = int(pipeline)
     consts["PROBE"] = int(probe)
+    consts["LOADER_WARPS"] = int(loader_warps)
     runtime = [p for p in params if p not in consts and signature[p].default is inspect.Parameter.empty]
     sig: dict[str, str] = {}
     attrs: dict[tuple[int], list] = {}
@@ -75,7 +78,8 @@ def compile_v4(fmt_name: str = "C4R4", loader_regs: int = 0, heads: int = 128, p
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def compile_report(fmt_name: str = "C4R4", loader_regs: int = 0, pipeline: int = 0, probe: int = 0) -> dict:
+def compile_report(fmt_name: str = "C4R4", loader_regs: int = 0, pipeline: int = 0, probe: int = 0,
+                   loader_warps: int = 4) -> dict:
     """Resources of kernel v4 compiled offline for sm_90a: registers, spilled bytes, shared memory, ``wgmma`` in the
     PTX, whether ptxas serialized them, the ``setmaxnreg`` values and SASS instruction counts (``sass``: all; -1 where
     no ``cuobjdump``)."""
@@ -83,7 +87,7 @@ def compile_report(fmt_name: str = "C4R4", loader_regs: int = 0, pipeline: int =
 
     from .offline_build import _nvidia_tool, _run_ptxas, _temp_file, sass_loop_counts
 
-    k = compile_v4(fmt_name, loader_regs, pipeline=pipeline, probe=probe)
+    k = compile_v4(fmt_name, loader_regs, pipeline=pipeline, probe=probe, loader_warps=loader_warps)
     ptx = k.asm["ptx"]
     with _temp_file(ptx, ".ptx") as path:
         r = _run_ptxas("sm_90a", path)
@@ -91,7 +95,8 @@ def compile_report(fmt_name: str = "C4R4", loader_regs: int = 0, pipeline: int =
         raise RuntimeError(f"ptxas failed: {r.stderr[-800:]}")
     txt = r.stderr + r.stdout
     regs, spill = re.search(r"Used (\d+) registers", txt), re.search(r"(\d+) bytes spill stores", txt)
-    out = {"triton": triton.__version__, "fmt": fmt_name, "pipeline": int(pipeline), "probe": int(probe), "regs": int(regs.group(1)) if regs else -1,
+    out = {"triton": triton.__version__, "fmt": fmt_name, "pipeline": int(pipeline), "probe": int(probe),
+           "loader_warps": int(loader_warps), "regs": int(regs.group(1)) if regs else -1,
            "spill_bytes": int(spill.group(1)) if spill else 0, "smem": int(k.metadata.shared),
            "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
            # ptxas C7514 / C7515: it found the accumulators touched inside an async pipeline stage and made every
@@ -109,10 +114,11 @@ def main(argv: list[str]) -> None:
     regs = [int(a.split("=", 1)[1]) for a in argv if a.startswith("loader_regs=")]
     pipeline = next((int(a.split("=", 1)[1]) for a in argv if a.startswith("pipeline=")), 0)
     probe = next((int(a.split("=", 1)[1]) for a in argv if a.startswith("probe=")), 0)
+    warps = next((int(a.split("=", 1)[1]) for a in argv if a.startswith("loader_warps=")), 4)
     fmts = [a.upper() for a in argv if "=" not in a] or list(FORMATS)
     for f in fmts:
         try:
-            print(compile_report(f, regs[-1] if regs else 0, pipeline, probe), flush=True)
+            print(compile_report(f, regs[-1] if regs else 0, pipeline, probe, warps), flush=True)
         except Exception as exc:  # report, keep going
             from .offline_build import innermost_error
 
