@@ -2,12 +2,13 @@
 
 A drop-in for ``attention_v3_kernel.split_kernel_v3`` (same positional arguments and constexpr names, grid
 ``(NSPLIT, B, cdiv(R, 64))``, the same partial outputs) for bfloat16 queries, d_c 512, d_r 64, 64-token pages,
-formats BF16, C4R4 and C2R4. Launch with ``num_warps=V4_NUM_WARPS`` (4: the attender); the loader's 4 warps come
-on top. Gluon has no interpreter: the module imports on any triton, and ``split_kernel_v4`` exists only where
-``GLUON_IMPORT_ERROR`` is None (else it is None).
+formats BF16, C4R4 and C2R4. Launch with ``num_warps=V4_NUM_WARPS`` (4: the attender); the loader's 4 or 8 warps
+(``LOADER_WARPS``) come on top. Gluon has no interpreter: the module imports on any triton, and ``split_kernel_v4``
+exists only where ``GLUON_IMPORT_ERROR`` is None (else it is None).
 
-One program = 64 query rows of one request, two partitions of one warpgroup each, per 64-token page ``i`` of the
-split (``split_tiles``' 128-token tiles walked as two pages), key slot ``s = i % 2``:
+One program = 64 query rows of one request, two partitions (the attender, one warpgroup; the loader, one warpgroup
+or two that share its work), per 64-token page ``i`` of the split (``split_tiles``' 128-token tiles walked as two
+pages), key slot ``s = i % 2``:
 
 * loader (worker, ``attention_v4_loaders``): waits ``kempty[s]``, writes the page's keys as bfloat16 into
   ``kc[s]`` ``[64, 512]`` / ``kr[s]`` ``[64, 64]``, arrives ``kfull[s]``; then, for page ``i - 1``: waits
@@ -231,7 +232,8 @@ if GLUON_IMPORT_ERROR is None:
         ``setmaxnreg`` (0: 232 for BF16 pages; packed ones keep 256, as the attender does: 4 + 4 warps of 256 fill the
         64K-register file, and the packed loader holds the next page's bytes beside the dequantization). ``PIPELINE``:
         the build (``heuristics.V4_PIPELINE``). ``PROBE`` (measurement builds, wrong outputs; ``loader_partition``):
-        the loader skips the keys (bit 0) and / or its output product (bit 1)."""
+        the loader skips the keys (bit 0) and / or its output product (bit 1). ``LOADER_WARPS`` (4 or 8,
+        ``heuristics.V4_LOADER_WARPS``): the loader's warps; with 8 its threads keep ``LOADER8_REGS`` registers."""
         gl.static_assert(BLOCK_R == 64, "kernel v4: 64 query rows a program")
         gl.static_assert(P == 64 and BLOCK_N % 64 == 0, "kernel v4: 64-token pages")
         gl.static_assert(DC == 512 and DR == 64, "kernel v4: d_c 512, d_r 64")

@@ -1,4 +1,4 @@
-"""Kernel v4's loader partition (4 warps) and its per-format page dequantizers (Gluon, Hopper).
+"""Kernel v4's loader partition (4 or 8 warps) and its per-format page dequantizers (Gluon, Hopper).
 
 Per 64-token page ``i`` of the split, the loader writes the page's keys as bfloat16 into slot ``i % 2`` of the
 shared tiles ``kc`` ``[2, 64, DC]`` (content) and ``kr`` ``[2, 64, DR]`` (RoPE), then runs the output product over

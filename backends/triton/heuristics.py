@@ -357,7 +357,7 @@ def plan_v3(batch: int, rows: int, latent_dim: int, page_size: int, max_tokens: 
 
 # ------------------------------------------------------------------ attention kernel v4
 # (attention_v4_kernel.py: kernel v3's grid and partials in Gluon, a dequantizing and an attending warpgroup)
-#: warps of the attending (default) partition; the loader partition adds its own 4 warps
+#: warps of the attending (default) partition; the loader partition adds its own 4 or 8 (:data:`V4_LOADER_WARPS`)
 V4_NUM_WARPS = 4
 #: what kernel v4 is built for: pages of these formats at these (d_c, d_r) with 64-token pages, on sm_90
 V4_FORMATS = ("BF16", "C4R4", "C2R4")
