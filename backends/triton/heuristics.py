@@ -387,10 +387,6 @@ V4_PIPELINE = {"BF16": 1, "C4R4": 2, "C2R4": 1}
 #: 136). Stop 55's probes (H100, H128 B32 L32K, CUDA graphs) put the time in the 4-warp loader's dequantization:
 #: without it C4R4 took 552 against 816 us, C2R4 555 against 717; without its output product, no less
 V4_LOADER_WARPS = {"BF16": 4, "C4R4": 4, "C2R4": 4}
-#: whether kernel v4's last split attends to the protected tokens (bfloat16 protection) instead of the protected-tile
-#: kernel (``QUANTMLA_TRITON_V4_INLINE_PROTECT`` overrides it). Under Nsight Compute (stop 56, H100, C2R4 H128 B32
-#: L32K) that kernel took 49.9 us and the merge 18.7 beside the split kernel's 871.6
-V4_INLINE_PROTECT = False
 
 
 def plan_v4(batch: int, rows: int, latent_dim: int, page_size: int, max_tokens: int, sm_count: int,
