@@ -81,9 +81,10 @@
 #       neither) over PROBE_SHAPES, each kernel's duration in one call (ncu), the SASS lines of the split kernel with
 #       the most stall samples (ncu source page, CSV), builds 1 against 3, BF16 pages' builds 1-3 beside CuPy (dispatch.py
 #       puts CuPy's v4 first over BF16 pages on sm_90 from stop 18's numbers), then v4's tests; $OUT/v4probe.tgz
-#   bash benchmarks/run_h200_kernels.sh stop56   # kernel v4 with 8 loader warps: one small case (a failure stops there),
-#       CUDA graphs of builds 1-3 with 4 and 8 loader warps (H128 B32 L32K, FlashInfer BF16 in the process), 8 warps
-#       over S56_SHAPES, the probes 1 and 3 with 8 warps, then the 8-warp tests and memcheck; $OUT/s56.tgz
+#   bash benchmarks/run_h200_kernels.sh stop56   # kernel v4's 8 loader warps: one small case (a failure stops there),
+#       CUDA graphs of 4 loader warps (builds 2 and 1) against 8 (build 1) over S56_SHAPES, then the 8-warp tests not
+#       yet run (BF16 pages' build 2, probes, poisoned partials); $OUT/s56.tgz. Stop 56's call 2 ran this mode as of
+#       commit feaad3a (builds x loader warps x protected tokens inline at H128 B32 L32K)
 #   bash benchmarks/run_h200_kernels.sh stop55   # kernel v4 without the empty-split path that serialized its wgmmas:
 #       one small case of each build (a failure stops there), CUDA graphs of v3, v4, v4 pipelined over S55_SHAPES
 #       (FlashInfer BF16 in the process), then v4's tests beside (S55_HF=1) the transformers integration tests on CUDA
@@ -568,28 +569,18 @@ elif [ "$MODE" = v4probe ]; then
 elif [ "$MODE" = stop56 ]; then
   mkdir -p /tmp/s56; t0=$(date +%s); left() { echo $(( ${S56_LIMIT:-550} - $(date +%s) + t0 )); }
   V=QUANTMLA_TRITON_V4_PIPELINE; W=QUANTMLA_TRITON_V4_LOADER_WARPS
-  echo "=== v4 with 8 loader warps: one small case"
+  echo "=== v4's defaults (8 loader warps): one small case"
   timeout -k 10 150 $T -x -rfE tests/test_triton_v4.py -k "matches_reference_and_v3 and C4R4 and L63_64_65 and H128 and 1w8" \
     > /tmp/s56/first.txt 2>&1; echo "rc=$?" >> /tmp/s56/first.txt; tail -2 /tmp/s56/first.txt
   if grep -q "^rc=0" /tmp/s56/first.txt; then
-    echo "=== builds x loader warps, H128 B32 L32K (CUDA graphs, FlashInfer BF16 in the process)"
-    timeout -k 10 ${S56_GRAPH_S:-170} python3 -P benchmarks/graph_probe.py --backends triton --formats C4R4,C2R4,BF16 \
-      --shapes 128x32x32768 --settings "$V=1 $W=4;$V=2 $W=4;$V=1 $W=8;$V=2 $W=8;$V=3 $W=8" \
-      --json /tmp/s56/graph_builds.json 2>&1 | grep -v "^{" | tail -16
-    echo "=== 8 loader warps at other shapes"
-    timeout -k 10 ${S56_SHAPES_S:-120} python3 -P benchmarks/graph_probe.py --backends triton --formats C4R4,C2R4 \
-      --shapes ${S56_SHAPES:-128x128x32768,128x8x4096,64x32x32768} --settings "$V=1 $W=8;$V=2 $W=8" \
-      --json /tmp/s56/graph_shapes.json 2>&1 | grep -v "^{" | tail -14
-    echo "=== probes with 8 loader warps (1: no keys, 3: no keys, no loader product), build 1"
-    PYTHONWARNINGS=ignore timeout -k 10 ${S56_PROBE_S:-60} python3 -P benchmarks/graph_probe.py --backends triton \
-      --formats C4R4,C2R4 --shapes 128x32x32768 --settings "$V=1 $W=8 QUANTMLA_TRITON_V4_PROBE=1;$V=1 $W=8 QUANTMLA_TRITON_V4_PROBE=3" \
-      --json /tmp/s56/graph_probe.json 2>&1 | grep -v "^{" | tail -6
-    echo "=== v4 tests, 8 loader warps"
-    timeout -k 10 $(( $(left) - 75 > 20 ? $(left) - 75 : 20 )) $T -rfE tests/test_triton_v4.py -k "w8" > /tmp/s56/conf.txt 2>&1
+    echo "=== 4 loader warps (builds 2, 1) against 8 (build 1) beyond H128 B32 L32K (CUDA graphs, FlashInfer BF16 in the process)"
+    timeout -k 10 ${S56_SHAPES_S:-130} python3 -P benchmarks/graph_probe.py --backends triton --formats C4R4,C2R4 \
+      --shapes ${S56_SHAPES:-128x128x32768,128x8x4096,64x32x32768} --settings "$V=2 $W=4;$V=1 $W=4;$V=1 $W=8" \
+      --json /tmp/s56/graph_shapes.json 2>&1 | grep -v "^{" | tail -20
+    echo "=== v4 tests: BF16 pages' 8-warp build 2, the 8-warp probes and poisoned partials"
+    timeout -k 10 $(( $(left) - 10 > 20 ? $(left) - 10 : 20 )) $T -rfE tests/test_triton_v4.py \
+      -k "(BF16 and 2w8) or (poisoned and w8) or (probe and 1w8)" > /tmp/s56/conf.txt 2>&1
     echo "rc=$?" >> /tmp/s56/conf.txt; grep -E "^FAILED|^ERROR" /tmp/s56/conf.txt | head -10; tail -3 /tmp/s56/conf.txt
-    echo "=== v4 memcheck, 8 loader warps"; timeout -k 5 $(( $(left) > 70 ? 60 : $(left) - 10 )) compute-sanitizer --tool memcheck $T \
-      tests/test_triton_v4.py -k "C2R4 and L63_64_65 and 1w8 or poisoned and w8" > /tmp/s56/memcheck.txt 2>&1
-    tail -3 /tmp/s56/memcheck.txt
   else
     tail -30 /tmp/s56/first.txt
   fi

@@ -118,13 +118,13 @@ def test_v4_is_planned_as_v3(monkeypatch, fmt, batch, heads, tokens):
 @pytest.mark.parametrize("fmt", ["BF16", "C4R4", "C2R4"])
 @pytest.mark.parametrize("value,want", [(None, None), ("0", 0), ("1", 1), ("2", 2), ("3", 3)])
 def test_pipelined_build_is_a_knob(monkeypatch, fmt, value, want):
-    """Unset: the format's measured default (C4R4 build 2, the others build 1); set: that build."""
+    """Unset: the format's measured default (BF16 pages build 2, the others build 1); set: that build."""
     _as_hopper(monkeypatch)
     if value is None:
         monkeypatch.delenv(A.V4_PIPELINE_ENV, raising=False)
     else:
         monkeypatch.setenv(A.V4_PIPELINE_ENV, value)
-    assert _prepare(fmt).split_consts["PIPELINE"] == (want if value else {"BF16": 1, "C4R4": 2, "C2R4": 1}[fmt])
+    assert _prepare(fmt).split_consts["PIPELINE"] == (want if value else {"BF16": 2, "C4R4": 1, "C2R4": 1}[fmt])
     assert "PIPELINE" not in _prepare(variant="v3").split_consts
 
 

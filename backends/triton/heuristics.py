@@ -375,18 +375,22 @@ V4_AUTO = True
 #: packed loader loads page i + 1's bytes during page i's output product, the attender hands a key slot back before
 #: its next QK, the row blocks of a request launch side by side); 2, as 1 with only the content words loaded a page
 #: ahead (the scales, zeros and RoPE bytes once the key slot is free: C4R4's loader no longer spills); over BF16 pages
-#: it copies page i while it runs the output product of page i - 1 (not yet run on a GPU); 3, as 1 with the attender's
-#: product of page i - 1 retired beside QK(i), as in 0 (build 1's three changes apart; not yet run on a GPU). H100, stop 55,
+#: it copies page i while it runs the output product of page i - 1; 3, as 1 with the attender's product of page i - 1
+#: retired beside QK(i), as in 0 (build 1's three changes apart: stop 56, C4R4 879 against 891 us, C2R4 782 against
+#: 717, BF16 pages 785 against 680, H128 B32 L32K, 4 loader warps). H100, stop 55,
 #: CUDA graphs, builds 0 / 1 / 2, us: H128 B32 L32K C4R4 915 / 885-886 / 819, C2R4 889 / 717-718 / 793; B128 L32K
 #: C4R4 3,653 / 3,446-3,448 / 3,244, C2R4 3,512 / 2,824-2,825 / 3,005; H64 B32 L32K C4R4 483 / 443 (1 / 2), C2R4
-#: 400 / 427; BF16 pages B32 L32K 793 / 682 (0 / 1)
-V4_PIPELINE = {"BF16": 1, "C4R4": 2, "C2R4": 1}
+#: 400 / 427; BF16 pages B32 L32K 793 / 682 (0 / 1). Stop 56 (H100, H128 B32 L32K, :data:`V4_LOADER_WARPS`): builds
+#: 1 / 2 with 4 loader warps C4R4 882 / 819, C2R4 722 / 798, BF16 684 / 671; with 8, 697 / 759, 674 / 722, 728 / 655
+V4_PIPELINE = {"BF16": 2, "C4R4": 1, "C2R4": 1}
 #: kernel v4's loader warps per page format (``QUANTMLA_TRITON_V4_LOADER_WARPS`` overrides it): 4, one warpgroup
 #: dequantizes (or copies) each page and runs the output product over the high half of the channels; 8, two do, each
 #: taking half of the page's tokens and half of those channels (the attender then keeps 232 registers, the loader
-#: 136). Stop 55's probes (H100, H128 B32 L32K, CUDA graphs) put the time in the 4-warp loader's dequantization:
-#: without it C4R4 took 552 against 816 us, C2R4 555 against 717; without its output product, no less
-V4_LOADER_WARPS = {"BF16": 4, "C4R4": 4, "C2R4": 4}
+#: 136). Stop 56's probes (H100, H128 B32 L32K, CUDA graphs) put the time in the 4-warp loader's dequantization:
+#: without it C4R4 took 552 against 816 us, C2R4 555 against 717; without its output product, no less. With 8 (stop
+#: 56, same shape, FlashInfer BF16 564.6 us in the process) the best builds took C4R4 697 us (4 warps: 819), C2R4 674
+#: (722), BF16 pages 655 (671)
+V4_LOADER_WARPS = {"BF16": 8, "C4R4": 8, "C2R4": 8}
 
 
 def plan_v4(batch: int, rows: int, latent_dim: int, page_size: int, max_tokens: int, sm_count: int,
