@@ -35,10 +35,12 @@ PRIORITY: dict[str, tuple[str, ...]] = {
 }
 
 #: query rows (S_q x H) from which BF16-page attention on CUDA tries Triton before CuPy, except where
-#: CuPy's kernel v4 serves it (bfloat16 queries on compute capability 9.0, wgmma): on the H200 CuPy v4
-#: measured 1.54-1.88x FlashInfer BF16 over bf16 pages at H=64/128 (CUDA graphs) against Triton v3's
-#: 3.4-3.6x (benchmarks/RESULTS.md stop 18); elsewhere CuPy runs kernel v1 over bf16 pages, which
-#: measured 4.8-7.0x against Triton v3's 3.2-4.4x (stop 17). Packed formats keep CuPy first.
+#: CuPy's kernel v4 serves it (bfloat16 queries on compute capability 9.0, wgmma) and Triton's kernel v4
+#: cannot (a triton without Gluon): on the H200 CuPy v4 measured 1.54-1.88x FlashInfer BF16 over bf16
+#: pages at H=64/128 (CUDA graphs) against Triton v3's 3.4-3.6x (benchmarks/RESULTS.md stop 18), and on
+#: an H100 Triton v4 took 655-680 us against CuPy v4's 923 at H=128 B=32 L=32K (stop 56, one process);
+#: elsewhere CuPy runs kernel v1 over bf16 pages, which measured 4.8-7.0x against Triton v3's 3.2-4.4x
+#: (stop 17). Packed formats keep CuPy first.
 BF16_TRITON_FIRST_ROWS = 64
 #: the GPU on which CuPy's kernel v4 serves bf16 pages of the 512-wide latent (227 KB of shared memory, wgmma)
 CUPY_V4_CAPABILITY = (9, 0)
@@ -47,13 +49,24 @@ CUPY_V4_CAPABILITY = (9, 0)
 def auto_order(problem: Problem) -> tuple[str, ...]:
     """The backends ``auto`` tries for ``problem``, in order (:data:`PRIORITY`, with Triton first for
     BF16-page attention on CUDA from :data:`BF16_TRITON_FIRST_ROWS` query rows, unless the queries
-    are bfloat16 on a :data:`CUPY_V4_CAPABILITY` GPU)."""
+    are bfloat16 on a :data:`CUPY_V4_CAPABILITY` GPU and the installed triton cannot build Triton's
+    kernel v4)."""
     order = PRIORITY.get(problem.device.kind, ("torch",))
     cupy_v4 = problem.dtype == "bfloat16" and problem.device.capability == CUPY_V4_CAPABILITY
-    if (problem.device.kind == "cuda" and problem.op == "attention" and not problem.format.quantized
-            and problem.num_heads * problem.q_len >= BF16_TRITON_FIRST_ROWS and not cupy_v4):
+    bf16_rows = (problem.device.kind == "cuda" and problem.op == "attention" and not problem.format.quantized
+                 and problem.num_heads * problem.q_len >= BF16_TRITON_FIRST_ROWS)
+    if bf16_rows and not (cupy_v4 and triton_v4_missing()):
         order = ("triton", *(name for name in order if name != "triton"))
     return order
+
+
+def triton_v4_missing() -> str | None:
+    """Why the installed triton cannot build the Triton backend's kernel v4 (Gluon), or None."""
+    try:
+        from .backends.triton.attention_v4_loaders import GLUON_IMPORT_ERROR
+    except Exception as exc:  # no triton at all
+        return f"{type(exc).__name__}: {exc}"
+    return GLUON_IMPORT_ERROR
 
 
 class NoBackendError(RuntimeError):

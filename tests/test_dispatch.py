@@ -35,22 +35,44 @@ A100 = DeviceInfo("cuda", "NVIDIA A100", (8, 0), 108)
 
 
 @pytest.mark.parametrize("fmt_name,heads,q_len,dtype,device,first", [
-    ("BF16", 128, 1, "bfloat16", CUDA, "cupy"), ("BF16", 32, 2, "bfloat16", CUDA, "cupy"),
+    ("BF16", 128, 1, "bfloat16", CUDA, "triton"), ("BF16", 32, 2, "bfloat16", CUDA, "triton"),
+    ("BF16", 32, 1, "bfloat16", CUDA, "cupy"),
     ("BF16", 128, 1, "float32", CUDA, "triton"), ("BF16", 128, 1, "bfloat16", A100, "triton"),
     ("BF16", 32, 2, "float32", A100, "triton"), ("BF16", 16, 1, "float32", CUDA, "cupy"),
     ("BF16", 63, 1, "float32", A100, "cupy"), ("C4R4", 128, 1, "float32", CUDA, "cupy"),
     ("C2R4", 16, 4, "bfloat16", A100, "cupy")])
-def test_cuda_order_follows_the_measurements(fmt_name, heads, q_len, dtype, device, first):
-    """Triton before CuPy for BF16 pages from 64 query rows, except with bfloat16 queries on an sm_90
-    GPU, where CuPy's kernel v4 serves them (measured faster there); CuPy first otherwise. Writes keep
-    the plain order."""
+def test_cuda_order_follows_the_measurements(monkeypatch, fmt_name, heads, q_len, dtype, device, first):
+    """Triton before CuPy for BF16 pages from 64 query rows (on sm_90 with bfloat16 queries: Triton's kernel v4
+    against CuPy's, measured faster); CuPy first otherwise. Writes keep the plain order."""
+    from quantmla_core import dispatch
     from quantmla_core.dispatch import auto_order
+
+    monkeypatch.setattr(dispatch, "triton_v4_missing", lambda: None)
 
     fmt = qm.PackFormat.parse(fmt_name)
     order = auto_order(Problem("attention", fmt, device, dtype, num_heads=heads, q_len=q_len))
     assert order[0] == first and sorted(order) == ["cupy", "torch", "triton"] and order[-1] == "torch"
     assert auto_order(Problem("write", fmt, device, dtype, num_heads=heads, q_len=q_len))[0] == "cupy"
     assert auto_order(_problem(ROCM, fmt, num_heads=heads, q_len=q_len)) == ("triton", "torch")
+
+
+@pytest.mark.parametrize("missing,first", [(None, "triton"), ("no Gluon in this triton", "cupy")])
+def test_bf16_pages_on_sm90_go_to_cupy_where_triton_has_no_kernel_v4(monkeypatch, missing, first):
+    """With bfloat16 queries on sm_90, BF16 pages go to Triton where its kernel v4 builds, else to CuPy's v4 (Triton's
+    v3 measured 3.4-3.6x FlashInfer there, CuPy's v4 1.54-1.88x)."""
+    from quantmla_core import dispatch
+
+    monkeypatch.setattr(dispatch, "triton_v4_missing", lambda: missing)
+    problem = Problem("attention", qm.PackFormat.parse("BF16"), CUDA, "bfloat16", num_heads=128, q_len=1)
+    assert dispatch.auto_order(problem)[0] == first
+
+
+def test_triton_v4_missing_says_why_or_none():
+    pytest.importorskip("triton")
+    from quantmla_core import dispatch
+    from quantmla_core.backends.triton.attention_v4_loaders import GLUON_IMPORT_ERROR
+
+    assert dispatch.triton_v4_missing() == GLUON_IMPORT_ERROR
 
 
 def test_cuda_falls_back_to_torch_without_gpu_packages():
