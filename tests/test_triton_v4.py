@@ -115,15 +115,20 @@ def test_v4_is_planned_as_v3(monkeypatch, fmt, batch, heads, tokens):
     assert v4.plan.block_n == 128 and v4.plan.block_r == 64
 
 
+def _set_env(monkeypatch, name: str, value: str | None) -> None:
+    """``name`` set to ``value``, or unset for None."""
+    if value is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, value)
+
+
 @pytest.mark.parametrize("fmt", ["BF16", "C4R4", "C2R4"])
 @pytest.mark.parametrize("value,want", [(None, None), ("0", 0), ("1", 1), ("2", 2), ("3", 3)])
 def test_pipelined_build_is_a_knob(monkeypatch, fmt, value, want):
     """Unset: the format's measured default (BF16 pages build 2, the others build 1); set: that build."""
     _as_hopper(monkeypatch)
-    if value is None:
-        monkeypatch.delenv(A.V4_PIPELINE_ENV, raising=False)
-    else:
-        monkeypatch.setenv(A.V4_PIPELINE_ENV, value)
+    _set_env(monkeypatch, A.V4_PIPELINE_ENV, value)
     assert _prepare(fmt).split_consts["PIPELINE"] == (want if value else {"BF16": 2, "C4R4": 1, "C2R4": 1}[fmt])
     assert "PIPELINE" not in _prepare(variant="v3").split_consts
 
@@ -139,10 +144,7 @@ def test_probe_builds_warn_that_their_outputs_are_wrong(monkeypatch, value):
 @pytest.mark.parametrize("value", [None, "0"])
 def test_no_probe_build_by_default(monkeypatch, value):
     _as_hopper(monkeypatch)
-    if value is None:
-        monkeypatch.delenv(A.V4_PROBE_ENV, raising=False)
-    else:
-        monkeypatch.setenv(A.V4_PROBE_ENV, value)
+    _set_env(monkeypatch, A.V4_PROBE_ENV, value)
     assert "PROBE" not in _prepare().split_consts
 
 
@@ -151,10 +153,7 @@ def test_no_probe_build_by_default(monkeypatch, value):
 def test_loader_warps_are_a_knob(monkeypatch, fmt, value, want):
     """Unset: the format's default (``heuristics.V4_LOADER_WARPS``); set: 4 or 8; v3 takes no such constexpr."""
     _as_hopper(monkeypatch)
-    if value is None:
-        monkeypatch.delenv(A.V4_LOADER_WARPS_ENV, raising=False)
-    else:
-        monkeypatch.setenv(A.V4_LOADER_WARPS_ENV, value)
+    _set_env(monkeypatch, A.V4_LOADER_WARPS_ENV, value)
     assert _prepare(fmt).split_consts["LOADER_WARPS"] == (want or V4_LOADER_WARPS[fmt])
     assert "LOADER_WARPS" not in _prepare(variant="v3").split_consts
 
