@@ -49,19 +49,26 @@ CUPY_V4_CAPABILITY = (9, 0)
 def auto_order(problem: Problem) -> tuple[str, ...]:
     """The backends ``auto`` tries for ``problem``, in order (:data:`PRIORITY`, with Triton first for
     BF16-page attention on CUDA from :data:`BF16_TRITON_FIRST_ROWS` query rows, unless the queries
-    are bfloat16 on a :data:`CUPY_V4_CAPABILITY` GPU and the installed triton cannot build Triton's
-    kernel v4)."""
+    are bfloat16 on a :data:`CUPY_V4_CAPABILITY` GPU and Triton's kernel v4 cannot serve the format
+    there)."""
     order = PRIORITY.get(problem.device.kind, ("torch",))
     cupy_v4 = problem.dtype == "bfloat16" and problem.device.capability == CUPY_V4_CAPABILITY
     bf16_rows = (problem.device.kind == "cuda" and problem.op == "attention" and not problem.format.quantized
                  and problem.num_heads * problem.q_len >= BF16_TRITON_FIRST_ROWS)
-    if bf16_rows and not (cupy_v4 and triton_v4_missing()):
+    if bf16_rows and not (cupy_v4 and triton_v4_missing(problem.format)):
         order = ("triton", *(name for name in order if name != "triton"))
     return order
 
 
-def triton_v4_missing() -> str | None:
-    """Why the installed triton cannot build the Triton backend's kernel v4 (Gluon), or None."""
+def triton_v4_missing(fmt: PackFormat) -> str | None:
+    """Why the Triton backend's kernel v4 (Gluon) cannot serve ``fmt``'s pages on an sm_90 GPU with bfloat16
+    queries (the installed triton, the format's dims or page size), or None."""
+    from .backends.triton.heuristics import V4_DIMS, V4_PAGE_SIZE
+
+    if (fmt.latent_dim, fmt.rope_dim) != V4_DIMS:
+        return f"kernel v4 is built for (d_c, d_r) = {V4_DIMS}, got ({fmt.latent_dim}, {fmt.rope_dim})"
+    if fmt.page_size != V4_PAGE_SIZE:
+        return f"kernel v4 reads {V4_PAGE_SIZE}-token pages, got page_size={fmt.page_size}"
     try:
         from .backends.triton.attention_v4_loaders import GLUON_IMPORT_ERROR
     except Exception as exc:  # no triton at all

@@ -47,7 +47,7 @@ def test_cuda_order_follows_the_measurements(monkeypatch, fmt_name, heads, q_len
     from quantmla_core import dispatch
     from quantmla_core.dispatch import auto_order
 
-    monkeypatch.setattr(dispatch, "triton_v4_missing", lambda: None)
+    monkeypatch.setattr(dispatch, "triton_v4_missing", lambda fmt: None)
 
     fmt = qm.PackFormat.parse(fmt_name)
     order = auto_order(Problem("attention", fmt, device, dtype, num_heads=heads, q_len=q_len))
@@ -62,17 +62,31 @@ def test_bf16_pages_on_sm90_go_to_cupy_where_triton_has_no_kernel_v4(monkeypatch
     v3 measured 3.4-3.6x FlashInfer there, CuPy's v4 1.54-1.88x)."""
     from quantmla_core import dispatch
 
-    monkeypatch.setattr(dispatch, "triton_v4_missing", lambda: missing)
+    monkeypatch.setattr(dispatch, "triton_v4_missing", lambda fmt: missing)
     problem = Problem("attention", qm.PackFormat.parse("BF16"), CUDA, "bfloat16", num_heads=128, q_len=1)
     assert dispatch.auto_order(problem)[0] == first
 
 
 def test_triton_v4_missing_says_why_or_none():
+    """None for what v4 serves where Gluon builds; else the reason (Gluon, dims, page size)."""
     pytest.importorskip("triton")
     from quantmla_core import dispatch
     from quantmla_core.backends.triton.attention_v4_loaders import GLUON_IMPORT_ERROR
 
-    assert dispatch.triton_v4_missing() == GLUON_IMPORT_ERROR
+    assert dispatch.triton_v4_missing(qm.PackFormat.parse("BF16")) == GLUON_IMPORT_ERROR
+    assert dispatch.triton_v4_missing(qm.PackFormat.parse("BF16", latent_dim=256, rope_dim=32)) == (
+        "kernel v4 is built for (d_c, d_r) = (512, 64), got (256, 32)")
+    assert dispatch.triton_v4_missing(qm.PackFormat.parse("BF16", page_size=32)) == (
+        "kernel v4 reads 64-token pages, got page_size=32")
+
+
+def test_bf16_pages_of_other_dims_on_sm90_stay_with_cupy():
+    """d_c 256 BF16 pages on sm_90 with bfloat16 queries: Triton's v4 does not serve them (v3 would run), so CuPy's
+    v4 stays first."""
+    from quantmla_core.dispatch import auto_order
+
+    fmt = qm.PackFormat.parse("BF16", latent_dim=256, rope_dim=32)
+    assert auto_order(Problem("attention", fmt, CUDA, "bfloat16", num_heads=128, q_len=1))[0] == "cupy"
 
 
 def test_cuda_falls_back_to_torch_without_gpu_packages():
