@@ -62,13 +62,11 @@ def auto_order(problem: Problem) -> tuple[str, ...]:
 
 def triton_v4_missing(fmt: PackFormat) -> str | None:
     """Why the Triton backend's kernel v4 (Gluon) cannot serve ``fmt``'s pages on an sm_90 GPU with bfloat16
-    queries (the installed triton, the format's dims or page size), or None."""
-    from .backends.triton.heuristics import V4_DIMS, V4_PAGE_SIZE
+    queries (the format, its dims or page size, the installed triton), or None."""
+    from .backends.triton.heuristics import v4_format_unsupported
 
-    if (fmt.latent_dim, fmt.rope_dim) != V4_DIMS:
-        return f"kernel v4 is built for (d_c, d_r) = {V4_DIMS}, got ({fmt.latent_dim}, {fmt.rope_dim})"
-    if fmt.page_size != V4_PAGE_SIZE:
-        return f"kernel v4 reads {V4_PAGE_SIZE}-token pages, got page_size={fmt.page_size}"
+    if why := v4_format_unsupported(fmt):
+        return why
     try:
         from .backends.triton.attention_v4_loaders import GLUON_IMPORT_ERROR
     except Exception as exc:  # no triton at all

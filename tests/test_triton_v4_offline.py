@@ -135,7 +135,9 @@ def test_offline_sm90a_build_with_8_loader_warps(reports, fmt, pipeline):
     assert r["spill_bytes"] <= (8 if pipeline == 2 else 0), r
     assert r["smem"] <= SMEM_LIMIT, r
     assert 136 in r["setmaxnreg"] and 232 in r["setmaxnreg"], r
-    assert 128 * 232 + 256 * 136 <= 65536
+    # the loader's and the attender's registers (120 and 256 are the launch's own) fill at most the 64K-register file
+    loader, attender = sorted(v for v in r["setmaxnreg"] if 120 < v < 256)
+    assert 256 * loader + 128 * attender <= 65536, r
 
 
 # ---------------------------------------------------------------- the loaders' channel order, mirrored in NumPy

@@ -29,8 +29,7 @@ from .heuristics import (INTERPRETER_SM_COUNT, MERGE_BLOCK_C, MERGE_BLOCK_R, MER
                          V3_BLOCK_N, V3_BLOCK_R, V3_MIN_ROWS, V3_NUM_STAGES, V3_NUM_WARPS, V3_PREFETCH, AttentionPlan,
                          DeviceLimits, PROTECT_ROWS_CHOICES, merge_load_width, pdl_default, plan, plan_v2, plan_v3,
                          planned_shared_max, plan_v4, protect_parts, v3_code_words, v3_tile_groups, v3_word_lanes,
-                         V4_AUTO, V4_CAPABILITY_MAJOR, V4_DIMS, V4_FORMATS, V4_LOADER_WARPS, V4_PAGE_SIZE,
-                         V4_PIPELINE)
+                         V4_AUTO, V4_CAPABILITY_MAJOR, V4_LOADER_WARPS, V4_PIPELINE, v4_format_unsupported)
 
 #: environment variable choosing the split kernel ("auto" default, "v1", "v2", "v3", "v4"); read on every call. ``auto``
 #: runs v4 (Gluon, Hopper) where it would run v3 and v4 serves the call (``heuristics.V4_AUTO``)
@@ -101,13 +100,7 @@ def v4_unsupported(fmt, q_dtype: torch.dtype, device: torch.device) -> str | Non
         return f"kernel v4 needs compute capability {V4_CAPABILITY_MAJOR}.x (Hopper), {device} is {major}.x"
     if q_dtype != torch.bfloat16:
         return f"kernel v4 takes bfloat16 queries, got {q_dtype}"
-    if fmt.name not in V4_FORMATS:
-        return f"kernel v4 reads pages of {'/'.join(V4_FORMATS)}, got {fmt.name}"
-    if (fmt.latent_dim, fmt.rope_dim) != V4_DIMS:
-        return f"kernel v4 is built for (d_c, d_r) = {V4_DIMS}, got ({fmt.latent_dim}, {fmt.rope_dim})"
-    if fmt.page_size != V4_PAGE_SIZE:
-        return f"kernel v4 reads {V4_PAGE_SIZE}-token pages, got page_size={fmt.page_size}"
-    return None
+    return v4_format_unsupported(fmt)
 
 
 @functools.lru_cache(maxsize=16)

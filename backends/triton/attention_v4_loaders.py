@@ -285,7 +285,8 @@ if GLUON_IMPORT_ERROR is None:
                     page_off, page_ok = page_of(table_row, j_lo + i, num_pages, PAGE_BYTES, i < n_tiles)
                     raws, scales, zeros, rw, rs, rz = _code_raws(pages_ptr, page_off, j_lo + i, ps, pe, page_ok, DC,
                                                                  DR, CBITS, RBITS, C_CODES_OFF, R_CODES_OFF,
-                                                                 C_SCALES_OFF, C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF, WARPS)
+                                                                 C_SCALES_OFF, C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF,
+                                                                 WARPS)
                 if PIPELINE == 2:
                     scales, zeros, rw, rs, rz = _code_params(pages_ptr, page_off, j_lo + i, ps, pe, page_ok, DC, DR,
                                                              RBITS, C_SCALES_OFF, C_ZEROS_OFF, R_CODES_OFF,
@@ -308,7 +309,8 @@ if GLUON_IMPORT_ERROR is None:
                 if PIPELINE:
                     page_off, page_ok = page_of(table_row, j_lo + i + 1, num_pages, PAGE_BYTES, i + 1 < n_tiles)
                     if PIPELINE == 2:
-                        raws = _code_words(pages_ptr, page_off, j_lo + i + 1, ps, pe, page_ok, DC, CBITS, C_CODES_OFF, WARPS)
+                        raws = _code_words(pages_ptr, page_off, j_lo + i + 1, ps, pe, page_ok, DC, CBITS,
+                                           C_CODES_OFF, WARPS)
                     else:
                         raws, scales, zeros, rw, rs, rz = _code_raws(pages_ptr, page_off, j_lo + i + 1, ps, pe,
                                                                      page_ok, DC, DR, CBITS, RBITS, C_CODES_OFF,
@@ -319,7 +321,8 @@ if GLUON_IMPORT_ERROR is None:
                     acc = _pv_hi(acc, p_s, alpha_s, kc.index(1 - slot), pready, pfree, kempty.index(1 - slot), i - 1,
                                  DC, PV, WARPS)
         last = n_iter - 1
-        acc = _pv_hi(acc, p_s, alpha_s, kc.index(last % 2), pready, pfree, kempty.index(last % 2), last, DC, PV, WARPS)
+        acc = _pv_hi(acc, p_s, alpha_s, kc.index(last % 2), pready, pfree, kempty.index(last % 2), last, DC, PV,
+                     WARPS)
 
         mbarrier.wait(lfin, 0)
         l_i = l_s.load(gl.SliceLayout(1, o_layout))

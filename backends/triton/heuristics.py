@@ -365,6 +365,18 @@ V4_DIMS = (512, 64)
 V4_PAGE_SIZE = 64
 #: compute capability (major) of the Hopper warpgroup MMAs and register reallocation it is written for
 V4_CAPABILITY_MAJOR = 9
+
+
+def v4_format_unsupported(fmt) -> str | None:
+    """Why kernel v4 cannot read pages of ``fmt`` (a ``PackFormat``: its name, dims and page size), or None."""
+    if fmt.name not in V4_FORMATS:
+        return f"kernel v4 reads pages of {'/'.join(V4_FORMATS)}, got {fmt.name}"
+    if (fmt.latent_dim, fmt.rope_dim) != V4_DIMS:
+        return f"kernel v4 is built for (d_c, d_r) = {V4_DIMS}, got ({fmt.latent_dim}, {fmt.rope_dim})"
+    if fmt.page_size != V4_PAGE_SIZE:
+        return f"kernel v4 reads {V4_PAGE_SIZE}-token pages, got page_size={fmt.page_size}"
+    return None
+
 #: whether ``auto`` runs kernel v4 where it would run v3 and v4 serves the call (:func:`attention.v4_unsupported`). On:
 #: on an H100 (stop 55, CUDA graphs, H128, FlashInfer BF16 in the process) v4's default builds (:data:`V4_PIPELINE`)
 #: took 0.44-0.52x of v3's time at B32 and B128 L32K (C4R4 819 against 1,621 us, C2R4 717 against 1,646) and
