@@ -21,7 +21,7 @@ from conformance import cache_to_cpu
 
 pytest.importorskip("triton")
 from quantmla_core.backends.triton import attention as A  # noqa: E402
-from quantmla_core.backends.triton.heuristics import V4_LOADER_WARPS  # noqa: E402
+from quantmla_core.backends.triton.heuristics import V4_INLINE_PROTECT, V4_LOADER_WARPS  # noqa: E402
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 NEEDS_HOPPER = pytest.mark.skipif(not ON_HOPPER or A.GLUON_IMPORT_ERROR is not None,
@@ -29,10 +29,11 @@ NEEDS_HOPPER = pytest.mark.skipif(not ON_HOPPER or A.GLUON_IMPORT_ERROR is not N
 
 
 def _prepare(fmt: str = "C4R4", q_dtype=torch.bfloat16, batch: int = 2, heads: int = 128, tokens: int = 4096,
-             variant: str = "v4", latent_dim: int = 512, rope_dim: int = 64, page_size: int = 64, **kw):
+             variant: str = "v4", latent_dim: int = 512, rope_dim: int = 64, page_size: int = 64,
+             protect_dtype=torch.bfloat16, **kw):
     f = PackFormat.parse(fmt, latent_dim=latent_dim, rope_dim=rope_dim, page_size=page_size)
     pages = tokens // f.page_size
-    cache = qm.MLACache.allocate(f, batch * pages, batch, 4, 128, device="cpu")
+    cache = qm.MLACache.allocate(f, batch * pages, batch, 4, 128, device="cpu", protect_dtype=protect_dtype)
     table = torch.arange(batch * pages, dtype=torch.int32).view(batch, pages)
     lens = torch.full((batch,), tokens, dtype=torch.int32)
     return A.prepare(cache, table, lens, torch.arange(batch, dtype=torch.int32), batch, 1, heads, q_dtype, 0.05,
@@ -159,6 +160,30 @@ def test_loader_warps_are_a_knob(monkeypatch, fmt, value, want):
     assert "LOADER_WARPS" not in _prepare(variant="v3").split_consts
 
 
+@pytest.mark.parametrize("value,want", [(None, None), ("0", False), ("1", True)])
+def test_inline_protection_is_a_knob(monkeypatch, value, want):
+    """Inline: the split kernel takes ``INLINE_PROT`` and no protected-tile kernel or partial is planned; else v3's
+    protected parts."""
+    _as_hopper(monkeypatch)
+    if value is None:
+        monkeypatch.delenv(A.V4_INLINE_PROTECT_ENV, raising=False)
+        want = V4_INLINE_PROTECT
+    else:
+        monkeypatch.setenv(A.V4_INLINE_PROTECT_ENV, value)
+    call = _prepare("C4R4")
+    assert call.split_consts.get("INLINE_PROT", False) == want
+    assert (call.protect_grid is None) == want
+    assert (call.partial_specs[2][0][1] == 0) == want
+
+
+def test_inline_protection_needs_bfloat16_protection(monkeypatch):
+    _as_hopper(monkeypatch)
+    monkeypatch.setenv(A.V4_INLINE_PROTECT_ENV, "1")
+    with pytest.raises(ValueError, match="QUANTMLA_TRITON_V4_INLINE_PROTECT=1: kernel v4 reads bfloat16 protected "
+                                         "tokens, the cache keeps torch.float32"):
+        _prepare("C4R4", protect_dtype=torch.float32)
+
+
 def test_a_malformed_loader_warps_knob_is_refused(monkeypatch):
     _as_hopper(monkeypatch)
     monkeypatch.setenv(A.V4_LOADER_WARPS_ENV, "6")
@@ -209,14 +234,17 @@ def _attend(case: Case, cache, args, batch, variant: str, num_splits: int | None
                        args["attn_seq_ids"], batch.softmax_scale, num_splits=num_splits, variant=variant)
 
 
-#: kernel v4's builds on the GPU: ``QUANTMLA_TRITON_V4_PIPELINE``, then "w8" for 8 loader warps
-GPU_BUILDS = ["0", "1", "2", "3", "1w8", "2w8", "3w8"]
+#: kernel v4's builds on the GPU: ``QUANTMLA_TRITON_V4_PIPELINE``, then "w8" for 8 loader warps, "p" for the
+#: protected tokens in the split kernel (``QUANTMLA_TRITON_V4_INLINE_PROTECT``)
+GPU_BUILDS = ["0", "1", "2", "3", "1w8", "2w8", "3w8", "1p", "1w8p", "2w8p"]
 
 
 def _set_build(monkeypatch, build: str) -> None:
-    pipeline, _, warps = build.partition("w")
+    inline = build.endswith("p")
+    pipeline, _, warps = build.rstrip("p").partition("w")
     monkeypatch.setenv(A.V4_PIPELINE_ENV, pipeline)
     monkeypatch.setenv(A.V4_LOADER_WARPS_ENV, warps or "4")
+    monkeypatch.setenv(A.V4_INLINE_PROTECT_ENV, "1" if inline else "0")
 
 
 @NEEDS_HOPPER

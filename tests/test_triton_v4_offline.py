@@ -80,17 +80,19 @@ def reports() -> dict:
     _needs_ptxas()
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = {}
-    for pipeline, probe, warps in ((0, 0, 4), (1, 0, 4), (2, 0, 4), (3, 0, 4), (2, 3, 4), (1, 0, 8), (2, 0, 8),
-                                   (3, 0, 8)):
+    for pipeline, probe, warps, inline in ((0, 0, 4, 0), (1, 0, 4, 0), (2, 0, 4, 0), (3, 0, 4, 0), (2, 3, 4, 0),
+                                           (1, 0, 8, 0), (2, 0, 8, 0), (3, 0, 8, 0), (1, 0, 4, 1), (1, 0, 8, 1),
+                                           (2, 0, 8, 1)):
         cmd = [sys.executable, *(["-P"] if sys.flags.safe_path else []), "-m",
                "quantmla_core.backends.triton.offline_v4", *FORMATS, f"pipeline={pipeline}", f"probe={probe}",
-               f"loader_warps={warps}"]
+               f"loader_warps={warps}", f"inline_prot={inline}"]
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=tempfile.gettempdir())
         lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
         assert len(lines) == len(FORMATS), r.stdout + r.stderr
         for fmt, line in zip(FORMATS, lines):
             key = (fmt, pipeline) if probe == 0 else (fmt, pipeline, "probe", probe)
             key = key if warps == 4 else (*key, "w8")
+            key = (*key, "inline") if inline else key
             out[key] = ast.literal_eval(line)
             assert "err" not in out[key], out[key]
     return out

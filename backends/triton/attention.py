@@ -29,7 +29,8 @@ from .heuristics import (INTERPRETER_SM_COUNT, MERGE_BLOCK_C, MERGE_BLOCK_R, MER
                          V3_BLOCK_N, V3_BLOCK_R, V3_MIN_ROWS, V3_NUM_STAGES, V3_NUM_WARPS, V3_PREFETCH, AttentionPlan,
                          DeviceLimits, PROTECT_ROWS_CHOICES, merge_load_width, pdl_default, plan, plan_v2, plan_v3,
                          planned_shared_max, plan_v4, protect_parts, v3_code_words, v3_tile_groups, v3_word_lanes,
-                         V4_AUTO, V4_CAPABILITY_MAJOR, V4_LOADER_WARPS, V4_PIPELINE, v4_format_unsupported)
+                         V4_AUTO, V4_CAPABILITY_MAJOR, V4_INLINE_PROTECT, V4_LOADER_WARPS, V4_PIPELINE,
+                         v4_format_unsupported)
 
 #: environment variable choosing the split kernel ("auto" default, "v1", "v2", "v3", "v4"); read on every call. ``auto``
 #: runs v4 (Gluon, Hopper) where it would run v3 and v4 serves the call (``heuristics.V4_AUTO``)
@@ -56,6 +57,10 @@ V4_PIPELINE_ENV = "QUANTMLA_TRITON_V4_PIPELINE"
 #: kernel v4's loader warps, 4 or 8 (:data:`heuristics.V4_LOADER_WARPS`; unset: that default). A measurement knob,
 #: read when a call is prepared
 V4_LOADER_WARPS_ENV = "QUANTMLA_TRITON_V4_LOADER_WARPS"
+#: "1": kernel v4's last split also attends to the protected tokens (bfloat16 protection only), so that no
+#: protected-tile kernel runs; "0": that kernel runs; unset: :data:`heuristics.V4_INLINE_PROTECT`. Read when a call is
+#: prepared
+V4_INLINE_PROTECT_ENV = "QUANTMLA_TRITON_V4_INLINE_PROTECT"
 #: kernel v4's measurement builds, WRONG OUTPUTS (benchmarks only; a warning on every call that takes one): 1, the
 #: loader loads and writes no keys; 2, it skips its output product; 3, both. Unset or 0: the real kernel
 V4_PROBE_ENV = "QUANTMLA_TRITON_V4_PROBE"
@@ -392,7 +397,11 @@ class PreparedCall:
                 self._launch_protect(pargs)
         args = _split_args(q, qr, cache, self.block_table, self.seq_lens, o_part, lse_part, self.scale_log2, rows,
                            self.heads, self.q_len, pl.num_splits)
-        LAST_LAUNCH["split"] = _KERNELS[self.variant][self.split_grid](*args, **self.split_consts, **self.split_dims)
+        prot = {}
+        if self.split_consts.get("INLINE_PROT"):  # kernel v4's own protected tokens
+            prot = dict(sink_ptr=cache.sink_buf, local_ptr=cache.local_buf, ids_ptr=self.seq_ids, max_seqs=cache.max_seqs)
+        LAST_LAUNCH["split"] = _KERNELS[self.variant][self.split_grid](*args, **self.split_consts, **self.split_dims,
+                                                                       **prot)
         if protect_after:
             self._launch_protect(pargs, **pdl)
         if side is not None:
@@ -406,6 +415,21 @@ class PreparedCall:
         """The protected-tile kernel over ``pargs`` (:func:`_protect_args`), with extra ``launch`` options."""
         LAST_LAUNCH["protect"] = protect_kernel[self.protect_grid](*pargs, **self.protect_consts, **self.protect_dims,
                                                                    **launch)
+
+
+def _v4_inline_protect(cache) -> bool:
+    """Whether kernel v4 attends to ``cache``'s protected tokens itself (:data:`V4_INLINE_PROTECT_ENV`): where it is
+    asked to and the cache has protected tokens. Asked for with float32 protection: refused (it copies bfloat16 rows)."""
+    asked = env_int_choice(V4_INLINE_PROTECT_ENV, (0, 1))
+    inline = V4_INLINE_PROTECT if asked is None else asked == 1
+    if not inline or cache.sink + cache.local == 0:
+        return False
+    if cache.sink_buf.dtype != torch.bfloat16:
+        if asked == 1:
+            raise ValueError(f"{V4_INLINE_PROTECT_ENV}=1: kernel v4 reads bfloat16 protected tokens, the cache keeps "
+                             f"{cache.sink_buf.dtype}")
+        return False
+    return True
 
 
 def _given(name: str, x: torch.Tensor) -> torch.Tensor:
@@ -568,11 +592,16 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
             warnings.warn(f"{V4_PROBE_ENV}={probe}: a measurement build of kernel v4, its outputs are wrong",
                           RuntimeWarning, stacklevel=2)
             consts["PROBE"] = probe
+        if _v4_inline_protect(cache):
+            consts["INLINE_PROT"] = True
     scale_log2 = float(softmax_scale) * math.log2(math.e)
     pconsts = dict(Q_BF16=q_bf16, DOT_BF16=dot_bf16, PROT_BF16=cache.sink_buf.dtype == torch.bfloat16, DC=dc, DR=dr,
                    BLOCK_T=pl.protect_block_t, BLOCK_R=pl.protect_block_r, PDL=pdl == 2)
     protect_blocks = -(-rows // pl.protect_block_r)
-    parts, tiles = protect_parts(-(-(cache.sink + cache.local) // pl.protect_block_t), b * protect_blocks, sms)
+    if consts.get("INLINE_PROT"):  # the split kernel attends to them
+        parts, tiles = 0, 0
+    else:
+        parts, tiles = protect_parts(-(-(cache.sink + cache.local) // pl.protect_block_t), b * protect_blocks, sms)
     if parts:
         pargs = _protect_args(q_dtype, q_dtype, cache, seq_lens, seq_ids, torch.float32, torch.float32, scale_log2,
                               rows, heads, q_len, 2, 2)

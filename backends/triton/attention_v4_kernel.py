@@ -49,7 +49,7 @@ if GLUON_IMPORT_ERROR is None:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                   warpgroup_mma_init, warpgroup_mma_wait)
 
-    from .attention_v4_loaders import _acc_layout, loader_partition, page_of
+    from .attention_v4_loaders import _acc_layout, loader_partition, page_of, protected_pages, protected_tokens
 
     #: registers of each loader thread (``setmaxnreg``) with 8 loader warps: the attender keeps (65,536 - 256 x this)
     #: / 128
@@ -91,8 +91,9 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def attender_partition(q_base, qr_base, table_row, num_pages, o_part_ptr, lse_part_ptr, part, rb, R, H, S_Q, L,
-                           sm_scale_log2, ps, pe, j_lo, n_tiles, bufs, bars, DC: gl.constexpr, DR: gl.constexpr,
-                           PAGE_BYTES: gl.constexpr, BLOCK_R: gl.constexpr, PIPELINE: gl.constexpr = 0):
+                           sm_scale_log2, ps, pe, j_lo, n_tiles, bufs, bars, prot, DC: gl.constexpr, DR: gl.constexpr,
+                           PAGE_BYTES: gl.constexpr, BLOCK_R: gl.constexpr, PIPELINE: gl.constexpr = 0,
+                           INLINE_PROT: gl.constexpr = False):
         """Default partition: scores, softmax and the output product over channels ``[0, DC/2)``; writes those
         channels of the partial output and the log2-sum-exp."""
         kc, kr, q_s, qr_s, p_s, alpha_s, l_s = bufs
@@ -118,7 +119,8 @@ if GLUON_IMPORT_ERROR is None:
         s0 = gl.zeros([BLOCK_R, 64], gl.float32, s_layout)
         # builds 1 and 2 retire the product of page i - 1 before QK(i); builds 0 and 3 beside it
         EARLY: gl.constexpr = PIPELINE == 1 or PIPELINE == 2
-        for i in range(gl.maximum(n_tiles, 1)):  # see split_kernel_v4: an empty split attends to one dead page
+        seq_ok, SINK, LOCAL, n_prot = prot[3], prot[5], prot[6], prot[7]
+        for i in range(gl.maximum(n_tiles + n_prot, 1)):  # see split_kernel_v4: an empty split attends to one dead page
             slot = i % 2
             j = j_lo + i
             _, page_ok = page_of(table_row, j, num_pages, PAGE_BYTES, i < n_tiles)
@@ -142,7 +144,12 @@ if GLUON_IMPORT_ERROR is None:
                 mbarrier.arrive(kempty.index(1 - slot), pred=i > 0)
 
             n = j * 64 + toks
-            vis = ((n >= ps) & (n < pe) & page_ok)[None, :] & (n[None, :] < limit[:, None])
+            tok_ok = (n >= ps) & (n < pe) & page_ok
+            if INLINE_PROT:  # past the split's pages: its protected pages
+                n_p, ok_p, in_sink = protected_tokens(i - n_tiles, toks, L, SINK, LOCAL, seq_ok)
+                n = gl.where(i >= n_tiles, n_p, n)
+                tok_ok = gl.where(i >= n_tiles, ok_p, tok_ok)
+            vis = tok_ok[None, :] & (n[None, :] < limit[:, None])
             sc = gl.where(vis, s * sm_scale_log2, float("-inf"))
             m_new = gl.maximum(m_i, gl.reduce(sc, 1, _max))
             m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -224,6 +231,11 @@ if GLUON_IMPORT_ERROR is None:
         PIPELINE: gl.constexpr = 0,
         PROBE: gl.constexpr = 0,
         LOADER_WARPS: gl.constexpr = 4,
+        INLINE_PROT: gl.constexpr = False,
+        sink_ptr=None,  # [max_seqs, SINK, DC + DR] bfloat16 (INLINE_PROT)
+        local_ptr=None,  # [max_seqs, LOCAL, DC + DR] bfloat16, a ring by position
+        ids_ptr=None,  # [B] int: each request's slot in them
+        max_seqs=1,
     ):
         """One (split, request, block of 64 query rows): the partial normalised output ``o_part[b, split, rows]``
         (float32 ``[64, DC]``) and log2-sum-exp ``lse_part[b, split, rows]`` over the split's packed tokens, as
@@ -283,6 +295,14 @@ if GLUON_IMPORT_ERROR is None:
         mbarrier.init(pfree, count=1)
         mbarrier.init(lfin, count=1)
 
+        if INLINE_PROT:  # the last split also attends to the request's protected tokens (no protected-tile kernel)
+            seq = gl.load(ids_ptr + b).to(gl.int64)
+            seq_ok = (seq >= 0) & (seq < max_seqs)
+            seq = gl.where(seq_ok, seq, 0)
+            n_prot = gl.where(pid_s == NSPLIT - 1, protected_pages(SINK, LOCAL), 0)
+            prot = (sink_ptr, local_ptr, seq, seq_ok, L, SINK, LOCAL, n_prot)
+        else:
+            prot = (pages_ptr, pages_ptr, 0, False, L, SINK, LOCAL, 0)
         bufs = (kc, kr, q_s, qr_s, p_s, alpha_s, l_s)
         bars = (kfull, kempty, pready, pfree, lfin)
         gl.static_assert(LOADER_WARPS == 4 or LOADER_WARPS == 8, "kernel v4: a loader of 4 or 8 warps")
@@ -299,10 +319,10 @@ if GLUON_IMPORT_ERROR is None:
         qr_base = qr_ptr + b.to(gl.int64) * R * DR
         gl.warp_specialize([
             (attender_partition, (q_base, qr_base, table_row, num_pages, o_part_ptr, lse_part_ptr, part, rb, R, H, S_Q,
-                                  L, sm_scale_log2, ps, pe, j_lo, n_tiles, bufs, bars, DC, DR, PAGE_BYTES, BLOCK_R,
-                                  PIPELINE)),
+                                  L, sm_scale_log2, ps, pe, j_lo, n_tiles, bufs, bars, prot, DC, DR, PAGE_BYTES,
+                                  BLOCK_R, PIPELINE, INLINE_PROT)),
             (loader_partition, (pages_ptr, table_row, num_pages, o_part_ptr, part, rb, R, ps, pe, j_lo, n_tiles, bufs,
-                                bars, QUANT, DC, DR, CBITS, RBITS, P, PAGE_BYTES, C_CODES_OFF, R_CODES_OFF,
+                                bars, prot, QUANT, DC, DR, CBITS, RBITS, P, PAGE_BYTES, C_CODES_OFF, R_CODES_OFF,
                                 C_SCALES_OFF, C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF, BLOCK_R, PIPELINE, PROBE,
-                                LOADER_WARPS)),
+                                LOADER_WARPS, INLINE_PROT)),
         ], [LOADER_WARPS], [REGS])

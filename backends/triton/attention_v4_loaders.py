@@ -79,6 +79,47 @@ if GLUON_IMPORT_ERROR is None:
         return (n >= ps) & (n < pe) & page_ok
 
     @gluon.jit
+    def protected_pages(SINK, LOCAL):
+        """Pages of 64 protected tokens a request: the sink's, then the local window's."""
+        return (SINK + PAGE_TOKENS - 1) // PAGE_TOKENS + (LOCAL + PAGE_TOKENS - 1) // PAGE_TOKENS
+
+    @gluon.jit
+    def protected_tokens(e, tok, L, SINK, LOCAL, seq_ok):
+        """Protected page ``e`` (:func:`protected_pages`; offsets ``tok`` ``[64]`` in it): each token's position, whether
+        it holds one of the request's protected tokens (``protect_kernel``'s rule: the first ``min(SINK, L)``
+        positions, then the last ``LOCAL`` of ``L`` after them), and whether it is the sink's."""
+        sink_pages = (SINK + PAGE_TOKENS - 1) // PAGE_TOKENS
+        is_sink = e < sink_pages
+        t = e * PAGE_TOKENS + tok  # sink slot
+        u = (e - sink_pages) * PAGE_TOKENS + tok  # window slot
+        n_sink = gl.minimum(SINK, L)
+        first_local = gl.maximum(L - LOCAL, n_sink)
+        n = gl.where(is_sink, t, first_local + u)
+        ok = seq_ok & gl.where(is_sink, t < n_sink, (u < LOCAL) & (n < L))
+        return n, ok, is_sink
+
+    @gluon.jit
+    def _load_protected_page(sink_ptr, local_ptr, seq, seq_ok, e, L, SINK, LOCAL, kc_s, kr_s, DC: gl.constexpr,
+                             DR: gl.constexpr, WARPS: gl.constexpr):
+        """Protected page ``e`` of request slot ``seq`` copied from the bfloat16 sink / window rows ``[DC + DR]``
+        (``cache.sink_buf`` / ``cache.local_buf``, the window a ring by position) into ``kc_s`` / ``kr_s``
+        (``cp.async``, waited for; 0 for slots without a protected token)."""
+        lay: gl.constexpr = _rows_layout(8, 64, WARPS)
+        tok = gl.arange(0, 64, gl.SliceLayout(1, lay))
+        col = gl.arange(0, 64, gl.SliceLayout(0, lay))
+        n, ok, is_sink = protected_tokens(e, tok, L, SINK, LOCAL, seq_ok)
+        ring = n % gl.maximum(LOCAL, 1)
+        row = gl.where(is_sink, seq * SINK + gl.where(ok, n, 0), seq * LOCAL + gl.where(ok, ring, 0))
+        base = gl.where(is_sink, sink_ptr, local_ptr) + row * (DC + DR)
+        mask = ok[:, None] & (col < 64)[None, :]
+        for c in gl.static_range(DC // 64):
+            async_copy.async_copy_global_to_shared(kc_s.slice(c * 64, 64, dim=1), base[:, None] + (c * 64 + col)[None, :],
+                                                   mask=mask)
+        async_copy.async_copy_global_to_shared(kr_s, base[:, None] + (DC + col)[None, :], mask=mask)
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+
+    @gluon.jit
     def _pair(w, SHIFT: gl.constexpr, BITS: gl.constexpr):
         """Plane codes at bit ``SHIFT`` of both 16-bit halves of the words ``w`` as two bfloat16 ``128 + code``."""
         if BITS == 4:
@@ -240,12 +281,12 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def loader_partition(pages_ptr, table_row, num_pages, o_part_ptr, part, rb, R, ps, pe, j_lo, n_tiles,
-                         bufs, bars, QUANT: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr,
+                         bufs, bars, prot, QUANT: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr,
                          CBITS: gl.constexpr, RBITS: gl.constexpr, P: gl.constexpr, PAGE_BYTES: gl.constexpr,
                          C_CODES_OFF: gl.constexpr, R_CODES_OFF: gl.constexpr, C_SCALES_OFF: gl.constexpr,
                          C_ZEROS_OFF: gl.constexpr, R_SCALES_OFF: gl.constexpr, R_ZEROS_OFF: gl.constexpr,
                          BLOCK_R: gl.constexpr, PIPELINE: gl.constexpr = 0, PROBE: gl.constexpr = 0,
-                         WARPS: gl.constexpr = 4):
+                         WARPS: gl.constexpr = 4, INLINE_PROT: gl.constexpr = False):
         """Worker partition: fill key slot ``i % 2`` with page ``j_lo + i`` (after both output products of page
         ``i - 2`` freed it), then run the output product of page ``i - 1`` over channels ``[DC/2, DC)``; at the
         end write those channels of the partial output (after the attender published the final ``l``).
@@ -253,7 +294,9 @@ if GLUON_IMPORT_ERROR is None:
         ``PROBE`` (measurement builds, wrong outputs): bit 0 skips the keys (no page bytes loaded, nothing written to
         the key slot), bit 1 the output product (the handoffs stay). Build 2 over BF16 pages (``PV_EARLY``) copies page
         i while it runs the output product of page i - 1 and arrives ``kfull`` after both. ``WARPS``: 4 (one
-        warpgroup) or 8 (two, each converting half of the tokens and taking half of the output columns)."""
+        warpgroup) or 8 (two, each converting half of the tokens and taking half of the output columns).
+        ``INLINE_PROT``: after its ``n_tiles`` pages the split walks ``prot``'s ``n_prot`` protected pages (bfloat16
+        rows of the sink and the window, :func:`_load_protected_page`; 0 but on the last split)."""
         kc, kr, q_s, qr_s, p_s, alpha_s, l_s = bufs
         kfull, kempty, pready, pfree, lfin = bars
         o_layout: gl.constexpr = _acc_layout(DC // 2, WARPS)
@@ -274,7 +317,8 @@ if GLUON_IMPORT_ERROR is None:
                     raws, scales, zeros, rw, rs, rz = _code_raws(pages_ptr, page_off, j_lo, ps, pe, page_ok, DC, DR,
                                                                  CBITS, RBITS, C_CODES_OFF, R_CODES_OFF, C_SCALES_OFF,
                                                                  C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF, WARPS)
-        n_iter = gl.maximum(n_tiles, 1)  # the attender's count: an empty split walks one dead page
+        sink_ptr, local_ptr, seq, seq_ok, L, SINK, LOCAL, n_prot = prot
+        n_iter = gl.maximum(n_tiles + n_prot, 1)  # the attender's count: an empty split walks one dead page
         for i in range(n_iter):
             slot = i % 2
             mbarrier.wait(kempty.index(slot), ((i // 2) & 1) ^ 1)  # fresh barriers pass parity 1
@@ -302,6 +346,11 @@ if GLUON_IMPORT_ERROR is None:
                         acc = _pv_hi(acc, p_s, alpha_s, kc.index(1 - slot), pready, pfree, kempty.index(1 - slot),
                                      i - 1, DC, PV, WARPS)
                     async_copy.wait_group(0)
+            if INLINE_PROT:
+                if i >= n_tiles:  # a protected page: the slot (zeros from the dead page above) takes its rows
+                    _partition_barrier()
+                    _load_protected_page(sink_ptr, local_ptr, seq, seq_ok, i - n_tiles, L, SINK, LOCAL,
+                                         kc.index(slot), kr.index(slot), DC, DR, WARPS)
             fence_async_shared()  # generic-proxy stores, read next by wgmma (async proxy)
             _partition_barrier()  # every thread's fence before the one arrival
             mbarrier.arrive(kfull.index(slot))

@@ -403,6 +403,10 @@ V4_PIPELINE = {"BF16": 2, "C4R4": 1, "C2R4": 1}
 #: 56, same shape, FlashInfer BF16 564.6 us in the process) the best builds took C4R4 697 us (4 warps: 819), C2R4 674
 #: (722), BF16 pages 655 (671)
 V4_LOADER_WARPS = {"BF16": 8, "C4R4": 8, "C2R4": 8}
+#: whether kernel v4's last split attends to the protected tokens (bfloat16 protection) instead of the protected-tile
+#: kernel (``QUANTMLA_TRITON_V4_INLINE_PROTECT`` overrides it). Under Nsight Compute (stop 56, H100, C2R4 H128 B32
+#: L32K) that kernel took 49.9 us and the merge 18.7 beside the split kernel's 871.6
+V4_INLINE_PROTECT = False
 
 
 def plan_v4(batch: int, rows: int, latent_dim: int, page_size: int, max_tokens: int, sm_count: int,

@@ -5,7 +5,7 @@ The launch the Triton launcher records for kernel v3 at H = 128 (``offline_build
 in its place, ``num_warps=V4_NUM_WARPS``, through Gluon's AST source for ``GPUTarget("cuda", 90, 32)``.
 
     python -m quantmla_core.backends.triton.offline_v4 [BF16|C4R4|C2R4] [loader_regs=N] [pipeline=0-3] [probe=0-3]
-        [loader_warps=4|8]
+        [loader_warps=4|8] [inline_prot=0|1]
 
 prints :func:`compile_report`'s dict: registers and spilled bytes (``ptxas -v``), shared memory, ``wgmma`` count in
 the PTX, ``setmaxnreg`` values, SASS instruction counts (``cuobjdump``, where Triton bundles it).
@@ -40,7 +40,7 @@ def v3_launch(fmt_name: str, heads: int = 128) -> Any:
 
 
 def compile_v4(fmt_name: str = "C4R4", loader_regs: int = 0, heads: int = 128, pipeline: int = 0, probe: int = 0,
-               loader_warps: int = 4) -> Any:
+               loader_warps: int = 4, inline_prot: bool = False) -> Any:
     """``triton.compile`` of ``split_kernel_v4`` for sm_90a with v3's recorded launch (see the module docstring)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -63,6 +63,7 @@ def compile_v4(fmt_name: str = "C4R4", loader_regs: int = 0, heads: int = 128, p
     consts["PIPELINE"] = int(pipeline)
     consts["PROBE"] = int(probe)
     consts["LOADER_WARPS"] = int(loader_warps)
+    consts["INLINE_PROT"] = bool(inline_prot)
     runtime = [p for p in params if p not in consts and signature[p].default is inspect.Parameter.empty]
     sig: dict[str, str] = {}
     attrs: dict[tuple[int], list] = {}
@@ -70,6 +71,9 @@ def compile_v4(fmt_name: str = "C4R4", loader_regs: int = 0, heads: int = 128, p
         sig[p] = _arg_type(value)
         if sig[p].startswith("*") or (type(value) is int and value % 16 == 0):
             attrs[(params.index(p),)] = [["tt.divisibility", 16]]
+    if inline_prot:  # the protected rows' buffers (bfloat16), the requests' slots, the slot count
+        sig.update(sink_ptr="*bf16", local_ptr="*bf16", ids_ptr="*i32", max_seqs="i32")
+        attrs.update({(params.index(p),): [["tt.divisibility", 16]] for p in ("sink_ptr", "local_ptr", "ids_ptr")})
     consts.update(defaults_of(signature, {*sig, *consts}, "split_kernel_v4"))
     sig.update({p: "constexpr" for p in consts})
     src = GluonASTSource(split_kernel_v4, sig, constexprs={(params.index(p),): v for p, v in consts.items()},
@@ -79,7 +83,7 @@ def compile_v4(fmt_name: str = "C4R4", loader_regs: int = 0, heads: int = 128, p
 
 
 def compile_report(fmt_name: str = "C4R4", loader_regs: int = 0, pipeline: int = 0, probe: int = 0,
-                   loader_warps: int = 4) -> dict:
+                   loader_warps: int = 4, inline_prot: bool = False) -> dict:
     """Resources of kernel v4 compiled offline for sm_90a: registers, spilled bytes, shared memory, ``wgmma`` in the
     PTX, whether ptxas serialized them, the ``setmaxnreg`` values and SASS instruction counts (``sass``: all; -1 where
     no ``cuobjdump``)."""
@@ -87,7 +91,8 @@ def compile_report(fmt_name: str = "C4R4", loader_regs: int = 0, pipeline: int =
 
     from .offline_build import _nvidia_tool, _run_ptxas, _temp_file, sass_loop_counts
 
-    k = compile_v4(fmt_name, loader_regs, pipeline=pipeline, probe=probe, loader_warps=loader_warps)
+    k = compile_v4(fmt_name, loader_regs, pipeline=pipeline, probe=probe, loader_warps=loader_warps,
+                   inline_prot=inline_prot)
     ptx = k.asm["ptx"]
     with _temp_file(ptx, ".ptx") as path:
         r = _run_ptxas("sm_90a", path)
@@ -96,7 +101,7 @@ def compile_report(fmt_name: str = "C4R4", loader_regs: int = 0, pipeline: int =
     txt = r.stderr + r.stdout
     regs, spill = re.search(r"Used (\d+) registers", txt), re.search(r"(\d+) bytes spill stores", txt)
     out = {"triton": triton.__version__, "fmt": fmt_name, "pipeline": int(pipeline), "probe": int(probe),
-           "loader_warps": int(loader_warps), "regs": int(regs.group(1)) if regs else -1,
+           "loader_warps": int(loader_warps), "inline_prot": bool(inline_prot), "regs": int(regs.group(1)) if regs else -1,
            "spill_bytes": int(spill.group(1)) if spill else 0, "smem": int(k.metadata.shared),
            "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
            # ptxas C7514 / C7515: it found the accumulators touched inside an async pipeline stage and made every
@@ -115,10 +120,11 @@ def main(argv: list[str]) -> None:
     pipeline = next((int(a.split("=", 1)[1]) for a in argv if a.startswith("pipeline=")), 0)
     probe = next((int(a.split("=", 1)[1]) for a in argv if a.startswith("probe=")), 0)
     warps = next((int(a.split("=", 1)[1]) for a in argv if a.startswith("loader_warps=")), 4)
+    inline = next((a.split("=", 1)[1] == "1" for a in argv if a.startswith("inline_prot=")), False)
     fmts = [a.upper() for a in argv if "=" not in a] or list(FORMATS)
     for f in fmts:
         try:
-            print(compile_report(f, regs[-1] if regs else 0, pipeline, probe, warps), flush=True)
+            print(compile_report(f, regs[-1] if regs else 0, pipeline, probe, warps, inline), flush=True)
         except Exception as exc:  # report, keep going
             from .offline_build import innermost_error
 
