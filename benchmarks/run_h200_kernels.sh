@@ -81,6 +81,9 @@
 #       neither) over PROBE_SHAPES, each kernel's duration in one call (ncu), the SASS lines of the split kernel with
 #       the most stall samples (ncu source page, CSV), builds 1 against 3, BF16 pages' builds 1-3 beside CuPy (dispatch.py
 #       puts CuPy's v4 first over BF16 pages on sm_90 from stop 18's numbers), then v4's tests; $OUT/v4probe.tgz
+#   bash benchmarks/run_h200_kernels.sh v4inline # (branch proto/v4-inline-protect) kernel v4 with the protected tokens
+#       inline: stop 56's failing case and an empty last split with tracebacks, CUDA graphs with and without inline
+#       protection over V4I_SHAPES, the inline tests; $OUT/v4inline.tgz
 #   bash benchmarks/run_h200_kernels.sh stop56   # kernel v4's 8 loader warps: one small case (a failure stops there),
 #       CUDA graphs of 4 loader warps (builds 2 and 1) against 8 (build 1) over S56_SHAPES, then the 8-warp tests not
 #       yet run (BF16 pages' build 2, probes, poisoned partials); $OUT/s56.tgz. Stop 56's call 2 ran this mode as of
@@ -566,6 +569,20 @@ elif [ "$MODE" = v4probe ]; then
   timeout -k 10 $(( $(left) - 30 > 20 ? $(left) - 30 : 20 )) $T -rfE tests/test_triton_v4.py > /tmp/v4p/conf.txt 2>&1
   echo "rc=$?" >> /tmp/v4p/conf.txt; grep -E "^FAILED|^ERROR" /tmp/v4p/conf.txt | head -10; tail -3 /tmp/v4p/conf.txt
   tar czf "$OUT/v4probe.tgz" -C /tmp v4p
+elif [ "$MODE" = v4inline ]; then
+  mkdir -p /tmp/v4i; V=QUANTMLA_TRITON_V4_PIPELINE; W=QUANTMLA_TRITON_V4_LOADER_WARPS; I=QUANTMLA_TRITON_V4_INLINE_PROTECT
+  echo "=== stop 56's failing case and the empty-last-split case, protected tokens inline (full tracebacks)"
+  timeout -k 10 150 $T -rfE --tb=long tests/test_triton_v4.py -k "matches_reference_and_v3 and H128 and (L20000_5_9000 or L300_5) and (1w8 or 1w8p)" \
+    > /tmp/v4i/first.txt 2>&1; echo "rc=$?" >> /tmp/v4i/first.txt
+  grep -E "^(FAILED|PASSED)|Mismatched|Greatest|^E  " /tmp/v4i/first.txt | head -40; tail -2 /tmp/v4i/first.txt
+  echo "=== inline against the protected-tile kernel (CUDA graphs, FlashInfer BF16 in the process)"
+  timeout -k 10 ${V4I_GRAPH_S:-150} python3 -P benchmarks/graph_probe.py --backends triton --formats C4R4,C2R4,BF16 \
+    --shapes ${V4I_SHAPES:-128x32x32768,128x8x4096,64x32x32768} --settings "$I=0;$I=1" \
+    --json /tmp/v4i/graph.json 2>&1 | grep -v "^{" | tail -20
+  echo "=== v4 tests, protected tokens inline"
+  timeout -k 10 ${V4I_TEST_S:-200} $T -rfE tests/test_triton_v4.py -k "p]" > /tmp/v4i/conf.txt 2>&1
+  echo "rc=$?" >> /tmp/v4i/conf.txt; grep -E "^FAILED|^ERROR" /tmp/v4i/conf.txt | head -10; tail -3 /tmp/v4i/conf.txt
+  tar czf "$OUT/v4inline.tgz" -C /tmp v4i
 elif [ "$MODE" = stop56 ]; then
   mkdir -p /tmp/s56; t0=$(date +%s); left() { echo $(( ${S56_LIMIT:-550} - $(date +%s) + t0 )); }
   V=QUANTMLA_TRITON_V4_PIPELINE; W=QUANTMLA_TRITON_V4_LOADER_WARPS

@@ -223,7 +223,8 @@ def _gpu_cases() -> list[tuple[Case, int | None]]:
         out.append((Case(fmt, (1000, 130, 4099), heads=128, sink=0, local=0, seed=seed + 1), 5))
         out.append((Case(fmt, (777, 2000), heads=64, s_q=2, sink=4, local=128, seed=seed + 2), 3))
         out.append((Case(fmt, (20000, 5, 9000), heads=128, sink=4, local=128, seed=seed + 3), None))
-        # 8 splits over 2 tiles: the last splits hold no packed page and walk one dead page each
+        # 8 splits over 2 tiles: the last splits hold no packed page (with the protected tokens inline, the last one
+        # attends to them alone)
         out.append((Case(fmt, (300, 5), heads=128, sink=4, local=128, seed=seed + 4), 8))
         seed += 10
     return out

@@ -404,3 +404,55 @@ def test_protocol_model_follows_the_kernel():
                                                  "arrive pready", "arrive lfin"]
     assert _sync_calls(ld.loader_partition) == ["wait kempty", "arrive kfull", "wait lfin"]
     assert _sync_calls(ld._pv_hi) == ["wait pready", "arrive pfree", "arrive kempty_s"]
+
+
+# ---------------------------------------------------------------- the protected pages' positions, mirrored in NumPy
+
+
+def _protected_span(e: int, L: int, sink: int, local: int) -> tuple[int, int, int]:
+    """``attention_v4_loaders.protected_span`` in Python: (base, lo, hi) of protected page ``e``."""
+    sink_pages = -(-sink // 64)
+    n_sink = min(sink, L)
+    first_local = max(L - local, n_sink)
+    if e < sink_pages:
+        return e * 64, 0, n_sink
+    return first_local + (e - sink_pages) * 64, first_local, min(L, first_local + local)
+
+
+def _split_pages(L: int, sink: int, local: int, nsplit: int, s: int) -> tuple[int, int, int, int]:
+    """``attention_v4_kernel._split_range`` in Python."""
+    ps, pe = min(sink, L), max(L - local, min(sink, L))
+    tb0, tb1 = ps // 128, -(-pe // 128)
+    per = -(-(tb1 - tb0) // nsplit)
+    t_lo = tb0 + s * per
+    t_hi = min(t_lo + per, tb1)
+    j_lo, j_hi = max(t_lo * 2, ps // 64), min(t_hi * 2, -(-pe // 64))
+    return ps, pe, j_lo, max(j_hi - j_lo, 0)
+
+
+@pytest.mark.parametrize("sink,local", [(4, 128), (0, 128), (4, 0), (64, 64), (70, 200)])
+@pytest.mark.parametrize("nsplit", [1, 3, 8, 20])
+def test_split_pages_and_protected_pages_cover_every_position_once(sink, local, nsplit):
+    """The splits' packed pages plus the last split's protected pages (``protected_pages``, ``protected_span``) hold
+    every position of a request exactly once, empty last splits included; a control with every span one token
+    short must miss one."""
+    def counts(span):
+        out = {}
+        for L in (1, 3, 4, 5, 63, 64, 65, 131, 132, 133, 300, 700, 9000, 20000):
+            cnt = np.zeros(L, int)
+            for s in range(nsplit):
+                ps, pe, j_lo, n = _split_pages(L, sink, local, nsplit, s)
+                for j in range(j_lo, j_lo + n):
+                    pos = np.arange(j * 64, j * 64 + 64)
+                    np.add.at(cnt, pos[(pos >= ps) & (pos < pe)], 1)
+            for e in range(-(-sink // 64) + -(-local // 64)):
+                base, lo, hi = span(e, L, sink, local)
+                pos = base + np.arange(64)
+                np.add.at(cnt, pos[(pos >= lo) & (pos < hi)], 1)
+            out[L] = cnt
+        return out
+
+    assert all((c == 1).all() for c in counts(_protected_span).values())
+    if local:
+        short = counts(lambda e, L, s, w: _protected_span(e, L, s, w)[:2] + (_protected_span(e, L, s, w)[2] - 1,))
+        assert not all((c == 1).all() for c in short.values())

@@ -49,7 +49,7 @@ if GLUON_IMPORT_ERROR is None:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                   warpgroup_mma_init, warpgroup_mma_wait)
 
-    from .attention_v4_loaders import _acc_layout, loader_partition, page_of, protected_pages, protected_tokens
+    from .attention_v4_loaders import _acc_layout, loader_partition, page_of, protected_pages, protected_span
 
     #: registers of each loader thread (``setmaxnreg``) with 8 loader warps: the attender keeps (65,536 - 256 x this)
     #: / 128
@@ -143,13 +143,17 @@ if GLUON_IMPORT_ERROR is None:
                 s, o = warpgroup_mma_wait(0, deps=[s, acc])  # also retires the product of page i - 1
                 mbarrier.arrive(kempty.index(1 - slot), pred=i > 0)
 
-            n = j * 64 + toks
-            tok_ok = (n >= ps) & (n < pe) & page_ok
+            # slot t holds position base + t, visible where lo <= base + t < hi (scalars: no per-token work)
+            base = j * 64
+            lo = ps
+            hi = gl.where(page_ok, pe, ps)
             if INLINE_PROT:  # past the split's pages: its protected pages
-                n_p, ok_p, in_sink = protected_tokens(i - n_tiles, toks, L, SINK, LOCAL, seq_ok)
-                n = gl.where(i >= n_tiles, n_p, n)
-                tok_ok = gl.where(i >= n_tiles, ok_p, tok_ok)
-            vis = tok_ok[None, :] & (n[None, :] < limit[:, None])
+                base_p, lo_p, hi_p, _ = protected_span(i - n_tiles, L, SINK, LOCAL, seq_ok)
+                base = gl.where(i >= n_tiles, base_p, base)
+                lo = gl.where(i >= n_tiles, lo_p, lo)
+                hi = gl.where(i >= n_tiles, hi_p, hi)
+            n = base + toks
+            vis = ((n >= lo) & (n < hi))[None, :] & (n[None, :] < limit[:, None])
             sc = gl.where(vis, s * sm_scale_log2, float("-inf"))
             m_new = gl.maximum(m_i, gl.reduce(sc, 1, _max))
             m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)

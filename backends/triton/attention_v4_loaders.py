@@ -84,19 +84,18 @@ if GLUON_IMPORT_ERROR is None:
         return (SINK + PAGE_TOKENS - 1) // PAGE_TOKENS + (LOCAL + PAGE_TOKENS - 1) // PAGE_TOKENS
 
     @gluon.jit
-    def protected_tokens(e, tok, L, SINK, LOCAL, seq_ok):
-        """Protected page ``e`` (:func:`protected_pages`; offsets ``tok`` ``[64]`` in it): each token's position, whether
-        it holds one of the request's protected tokens (``protect_kernel``'s rule: the first ``min(SINK, L)``
+    def protected_span(e, L, SINK, LOCAL, seq_ok):
+        """Protected page ``e`` (:func:`protected_pages`) as scalars: its slot ``t`` holds position ``base + t``, a
+        protected token where ``lo <= base + t < hi`` (``protect_kernel``'s rule: the first ``min(SINK, L)``
         positions, then the last ``LOCAL`` of ``L`` after them), and whether it is the sink's."""
         sink_pages = (SINK + PAGE_TOKENS - 1) // PAGE_TOKENS
         is_sink = e < sink_pages
-        t = e * PAGE_TOKENS + tok  # sink slot
-        u = (e - sink_pages) * PAGE_TOKENS + tok  # window slot
         n_sink = gl.minimum(SINK, L)
         first_local = gl.maximum(L - LOCAL, n_sink)
-        n = gl.where(is_sink, t, first_local + u)
-        ok = seq_ok & gl.where(is_sink, t < n_sink, (u < LOCAL) & (n < L))
-        return n, ok, is_sink
+        base = gl.where(is_sink, e * PAGE_TOKENS, first_local + (e - sink_pages) * PAGE_TOKENS)
+        lo = gl.where(is_sink, 0, first_local)
+        hi = gl.where(is_sink, n_sink, gl.minimum(L, first_local + LOCAL))
+        return base, lo, gl.where(seq_ok, hi, lo), is_sink
 
     @gluon.jit
     def _load_protected_page(sink_ptr, local_ptr, seq, seq_ok, e, L, SINK, LOCAL, kc_s, kr_s, DC: gl.constexpr,
@@ -107,7 +106,9 @@ if GLUON_IMPORT_ERROR is None:
         lay: gl.constexpr = _rows_layout(8, 64, WARPS)
         tok = gl.arange(0, 64, gl.SliceLayout(1, lay))
         col = gl.arange(0, 64, gl.SliceLayout(0, lay))
-        n, ok, is_sink = protected_tokens(e, tok, L, SINK, LOCAL, seq_ok)
+        base, lo, hi, is_sink = protected_span(e, L, SINK, LOCAL, seq_ok)
+        n = base + tok
+        ok = (n >= lo) & (n < hi)
         ring = n % gl.maximum(LOCAL, 1)
         row = gl.where(is_sink, seq * SINK + gl.where(ok, n, 0), seq * LOCAL + gl.where(ok, ring, 0))
         base = gl.where(is_sink, sink_ptr, local_ptr) + row * (DC + DR)
