@@ -82,7 +82,7 @@
 #       the most stall samples (ncu source page, CSV), builds 1 against 3, BF16 pages' builds 1-3 beside CuPy (dispatch.py
 #       puts CuPy's v4 first over BF16 pages on sm_90 from stop 18's numbers), then v4's tests; $OUT/v4probe.tgz
 #   bash benchmarks/run_h200_kernels.sh v4inline # (branch proto/v4-inline-protect) kernel v4 with the protected tokens
-#       inline: stop 56's failing case and an empty last split with tracebacks, CUDA graphs with and without inline
+#       inline: benchmarks/v4inline_diag.py (inline against not, per request and split count), stop 56's failing case and an empty last split with tracebacks, CUDA graphs with and without inline
 #       protection over V4I_SHAPES, the inline tests; $OUT/v4inline.tgz
 #   bash benchmarks/run_h200_kernels.sh stop56   # kernel v4's 8 loader warps: one small case (a failure stops there),
 #       CUDA graphs of 4 loader warps (builds 2 and 1) against 8 (build 1) over S56_SHAPES, then the 8-warp tests not
@@ -571,6 +571,9 @@ elif [ "$MODE" = v4probe ]; then
   tar czf "$OUT/v4probe.tgz" -C /tmp v4p
 elif [ "$MODE" = v4inline ]; then
   mkdir -p /tmp/v4i; V=QUANTMLA_TRITON_V4_PIPELINE; W=QUANTMLA_TRITON_V4_LOADER_WARPS; I=QUANTMLA_TRITON_V4_INLINE_PROTECT
+  echo "=== inline against the protected-tile kernel, per request, over split counts (benchmarks/v4inline_diag.py)"
+  timeout -k 10 ${V4I_DIAG_S:-170} python3 -P benchmarks/v4inline_diag.py ${V4I_DIAG_ARGS:-} > /tmp/v4i/diag.txt 2>&1
+  echo "rc=$?" >> /tmp/v4i/diag.txt; grep -cE "BAD|DIFFERS|ERROR" /tmp/v4i/diag.txt; grep -E "BAD|DIFFERS|ERROR" /tmp/v4i/diag.txt | cut -c1-400 | head -30
   echo "=== stop 56's failing case and the empty-last-split case, protected tokens inline (full tracebacks)"
   timeout -k 10 150 $T -rfE --tb=long tests/test_triton_v4.py -k "matches_reference_and_v3 and H128 and (L20000_5_9000 or L300_5) and (1w8 or 1w8p)" \
     > /tmp/v4i/first.txt 2>&1; echo "rc=$?" >> /tmp/v4i/first.txt
