@@ -84,6 +84,9 @@
 #   bash benchmarks/run_h200_kernels.sh v4inline # (branch proto/v4-inline-protect) kernel v4 with the protected tokens
 #       inline: benchmarks/v4inline_diag.py (inline against not, per request and split count), stop 56's failing case and an empty last split with tracebacks, CUDA graphs with and without inline
 #       protection over V4I_SHAPES, the inline tests; $OUT/v4inline.tgz
+#   bash benchmarks/run_h200_kernels.sh stop57   # kernel v4 with the protected tokens inline (the default): the per-request
+#       diagnosis of the fix, the inline builds' tests, CUDA graphs inline against not over S57_SHAPES, memcheck of
+#       an inline case with empty last splits; $OUT/s57.tgz
 #   bash benchmarks/run_h200_kernels.sh stop56   # kernel v4's 8 loader warps: one small case (a failure stops there),
 #       CUDA graphs of 4 loader warps (builds 2 and 1) against 8 (build 1) over S56_SHAPES, then the 8-warp tests not
 #       yet run (BF16 pages' build 2, probes, poisoned partials); $OUT/s56.tgz. Stop 56's call 2 ran this mode as of
@@ -586,6 +589,26 @@ elif [ "$MODE" = v4inline ]; then
   timeout -k 10 ${V4I_TEST_S:-200} $T -rfE tests/test_triton_v4.py -k "p]" > /tmp/v4i/conf.txt 2>&1
   echo "rc=$?" >> /tmp/v4i/conf.txt; grep -E "^FAILED|^ERROR" /tmp/v4i/conf.txt | head -10; tail -3 /tmp/v4i/conf.txt
   tar czf "$OUT/v4inline.tgz" -C /tmp v4i
+elif [ "$MODE" = stop57 ]; then
+  mkdir -p /tmp/s57; t0=$(date +%s); left() { echo $(( ${S57_LIMIT:-540} - $(date +%s) + t0 )); }
+  I=QUANTMLA_TRITON_V4_INLINE_PROTECT
+  echo "=== protected tokens inline against the protected-tile kernel, per request and split count"
+  timeout -k 10 ${S57_DIAG_S:-90} python3 -P benchmarks/v4inline_diag.py --formats BF16,C4R4 --builds 1w8 \
+    --lens 20000_5_9000,300_5,9000 > /tmp/s57/diag.txt 2>&1; echo "rc=$?" >> /tmp/s57/diag.txt
+  grep -cE "BAD|DIFFERS|ERROR" /tmp/s57/diag.txt; grep -E "BAD|DIFFERS|ERROR" /tmp/s57/diag.txt | cut -c1-300 | head -8
+  echo "=== v4 tests: the inline builds of the defaults (1w8p, 2w8p), the probes"
+  timeout -k 10 ${S57_TEST_S:-250} $T -rfE tests/test_triton_v4.py -k "1w8p or 2w8p or (probe and 1w8)" \
+    > /tmp/s57/conf.txt 2>&1; echo "rc=$?" >> /tmp/s57/conf.txt
+  grep -E "^FAILED|^ERROR" /tmp/s57/conf.txt | head -10; tail -3 /tmp/s57/conf.txt
+  echo "=== the defaults (inline) against the protected-tile kernel (CUDA graphs, FlashInfer BF16 in the process)"
+  timeout -k 10 $(( $(left) - 60 > 30 ? $(left) - 60 : 30 )) python3 -P benchmarks/graph_probe.py --backends triton \
+    --formats C4R4,C2R4,BF16 --shapes ${S57_SHAPES:-128x128x32768,128x32x32768,128x8x4096} --settings "$I=1;$I=0" \
+    --json /tmp/s57/graph.json 2>&1 | grep -v "^{" | tail -20
+  echo "=== memcheck: inline, the last splits empty"
+  timeout -k 10 $(( $(left) > 20 ? $(left) : 20 )) compute-sanitizer --tool memcheck $T tests/test_triton_v4.py \
+    -k "matches_reference_and_v3 and C2R4 and L300_5 and 1w8p" > /tmp/s57/memcheck.txt 2>&1
+  echo "rc=$?" >> /tmp/s57/memcheck.txt; tail -4 /tmp/s57/memcheck.txt
+  tar czf "$OUT/s57.tgz" -C /tmp s57
 elif [ "$MODE" = stop56 ]; then
   mkdir -p /tmp/s56; t0=$(date +%s); left() { echo $(( ${S56_LIMIT:-550} - $(date +%s) + t0 )); }
   V=QUANTMLA_TRITON_V4_PIPELINE; W=QUANTMLA_TRITON_V4_LOADER_WARPS

@@ -102,8 +102,10 @@ def test_v4_needs_gluon(monkeypatch):
 @pytest.mark.parametrize("fmt", ["BF16", "C4R4", "C2R4"])
 @pytest.mark.parametrize("batch,heads,tokens", [(32, 128, 32768), (8, 128, 4096), (3, 64, 700)])
 def test_v4_is_planned_as_v3(monkeypatch, fmt, batch, heads, tokens):
-    """v4 writes v3's partials: the same grid, splits, protected parts and merge, v3's constexprs, 4 warps."""
+    """With the protected-tile kernel (inline protection off) v4 writes v3's partials: the same grid, splits,
+    protected parts and merge, v3's constexprs, 4 warps."""
     _as_hopper(monkeypatch)
+    monkeypatch.setenv(A.V4_INLINE_PROTECT_ENV, "0")
     v4 = _prepare(fmt, batch=batch, heads=heads, tokens=tokens)
     v3 = _prepare(fmt, batch=batch, heads=heads, tokens=tokens, variant="v3")
     assert v4.variant == "v4" and v3.variant == "v3"

@@ -430,29 +430,45 @@ def _split_pages(L: int, sink: int, local: int, nsplit: int, s: int) -> tuple[in
     return ps, pe, j_lo, max(j_hi - j_lo, 0)
 
 
+def _kernel_rule(i: int, n_tiles: int, n_prot: int) -> bool:
+    """``attention_v4_loaders.is_protected_page`` in Python."""
+    return n_tiles <= i < n_tiles + n_prot
+
+
+def _position_counts(sink: int, local: int, nsplit: int, span=_protected_span, rule=_kernel_rule) -> dict:
+    """How often each position of a request is attended to, walking every split as the kernel does:
+    ``max(n_tiles + n_prot, 1)`` steps (``n_prot`` protected pages on the last split only), step ``i`` a protected
+    page where ``rule`` says so, else packed page ``j_lo + i`` (a dead page past ``n_tiles``)."""
+    n_pages = -(-sink // 64) + -(-local // 64)
+    out = {}
+    for L in (1, 3, 4, 5, 63, 64, 65, 131, 132, 133, 300, 700, 9000, 20000):
+        cnt = np.zeros(L, int)
+        for s in range(nsplit):
+            ps, pe, j_lo, n = _split_pages(L, sink, local, nsplit, s)
+            n_prot = n_pages if s == nsplit - 1 else 0
+            for i in range(max(n + n_prot, 1)):
+                if rule(i, n, n_prot):
+                    base, lo, hi = span(i - n, L, sink, local)
+                else:
+                    base, lo, hi = (j_lo + i) * 64, ps, pe if i < n else ps
+                pos = base + np.arange(64)
+                np.add.at(cnt, pos[(pos >= lo) & (pos < hi)], 1)
+        out[L] = cnt
+    return out
+
+
 @pytest.mark.parametrize("sink,local", [(4, 128), (0, 128), (4, 0), (64, 64), (70, 200)])
 @pytest.mark.parametrize("nsplit", [1, 3, 8, 20])
 def test_split_pages_and_protected_pages_cover_every_position_once(sink, local, nsplit):
-    """The splits' packed pages plus the last split's protected pages (``protected_pages``, ``protected_span``) hold
-    every position of a request exactly once, empty last splits included; a control with every span one token
-    short must miss one."""
-    def counts(span):
-        out = {}
-        for L in (1, 3, 4, 5, 63, 64, 65, 131, 132, 133, 300, 700, 9000, 20000):
-            cnt = np.zeros(L, int)
-            for s in range(nsplit):
-                ps, pe, j_lo, n = _split_pages(L, sink, local, nsplit, s)
-                for j in range(j_lo, j_lo + n):
-                    pos = np.arange(j * 64, j * 64 + 64)
-                    np.add.at(cnt, pos[(pos >= ps) & (pos < pe)], 1)
-            for e in range(-(-sink // 64) + -(-local // 64)):
-                base, lo, hi = span(e, L, sink, local)
-                pos = base + np.arange(64)
-                np.add.at(cnt, pos[(pos >= lo) & (pos < hi)], 1)
-            out[L] = cnt
-        return out
-
-    assert all((c == 1).all() for c in counts(_protected_span).values())
+    """The splits' packed pages plus the last split's protected pages, walked as the kernel walks them, hold every
+    position of a request exactly once, empty splits included. Controls: every span one token short must miss one;
+    stop 56's rule (every step past the packed pages protected) counts the sink again in each empty split before the
+    last, as it did on the GPU."""
+    assert all((c == 1).all() for c in _position_counts(sink, local, nsplit).values())
     if local:
-        short = counts(lambda e, L, s, w: _protected_span(e, L, s, w)[:2] + (_protected_span(e, L, s, w)[2] - 1,))
-        assert not all((c == 1).all() for c in short.values())
+        def short(e, L, s, w):
+            return _protected_span(e, L, s, w)[:2] + (_protected_span(e, L, s, w)[2] - 1,)
+        assert not all((c == 1).all() for c in _position_counts(sink, local, nsplit, span=short).values())
+    if sink and nsplit > 1:
+        old = _position_counts(sink, local, nsplit, rule=lambda i, n, n_prot: i >= n)
+        assert old[5][:min(sink, 5)].max() > 1

@@ -49,7 +49,8 @@ if GLUON_IMPORT_ERROR is None:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                   warpgroup_mma_init, warpgroup_mma_wait)
 
-    from .attention_v4_loaders import _acc_layout, loader_partition, page_of, protected_pages, protected_span
+    from .attention_v4_loaders import (_acc_layout, is_protected_page, loader_partition, page_of, protected_pages,
+                                       protected_span)
 
     #: registers of each loader thread (``setmaxnreg``) with 8 loader warps: the attender keeps (65,536 - 256 x this)
     #: / 128
@@ -149,9 +150,10 @@ if GLUON_IMPORT_ERROR is None:
             hi = gl.where(page_ok, pe, ps)
             if INLINE_PROT:  # past the split's pages: its protected pages
                 base_p, lo_p, hi_p, _ = protected_span(i - n_tiles, L, SINK, LOCAL, seq_ok)
-                base = gl.where(i >= n_tiles, base_p, base)
-                lo = gl.where(i >= n_tiles, lo_p, lo)
-                hi = gl.where(i >= n_tiles, hi_p, hi)
+                is_prot = is_protected_page(i, n_tiles, n_prot)
+                base = gl.where(is_prot, base_p, base)
+                lo = gl.where(is_prot, lo_p, lo)
+                hi = gl.where(is_prot, hi_p, hi)
             n = base + toks
             vis = ((n >= lo) & (n < hi))[None, :] & (n[None, :] < limit[:, None])
             sc = gl.where(vis, s * sm_scale_log2, float("-inf"))

@@ -84,6 +84,13 @@ if GLUON_IMPORT_ERROR is None:
         return (SINK + PAGE_TOKENS - 1) // PAGE_TOKENS + (LOCAL + PAGE_TOKENS - 1) // PAGE_TOKENS
 
     @gluon.jit
+    def is_protected_page(i, n_tiles, n_prot):
+        """Whether step ``i`` of a split's walk is a protected page: one of the ``n_prot`` after its ``n_tiles``
+        packed pages. Not the dead page an empty split walks (``n_tiles + n_prot == 0``): every split but the last
+        would then attend to the sink again."""
+        return (i >= n_tiles) & (i < n_tiles + n_prot)
+
+    @gluon.jit
     def protected_span(e, L, SINK, LOCAL, seq_ok):
         """Protected page ``e`` (:func:`protected_pages`) as scalars: its slot ``t`` holds position ``base + t``, a
         protected token where ``lo <= base + t < hi`` (``protect_kernel``'s rule: the first ``min(SINK, L)``
@@ -348,7 +355,7 @@ if GLUON_IMPORT_ERROR is None:
                                      i - 1, DC, PV, WARPS)
                     async_copy.wait_group(0)
             if INLINE_PROT:
-                if i >= n_tiles:  # a protected page: the slot (zeros from the dead page above) takes its rows
+                if is_protected_page(i, n_tiles, n_prot):  # the slot (zeros from the dead page above) takes its rows
                     _partition_barrier()
                     _load_protected_page(sink_ptr, local_ptr, seq, seq_ok, i - n_tiles, L, SINK, LOCAL,
                                          kc.index(slot), kr.index(slot), DC, DR, WARPS)

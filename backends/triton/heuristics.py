@@ -404,9 +404,10 @@ V4_PIPELINE = {"BF16": 2, "C4R4": 1, "C2R4": 1}
 #: (722), BF16 pages 655 (671)
 V4_LOADER_WARPS = {"BF16": 8, "C4R4": 8, "C2R4": 8}
 #: whether kernel v4's last split attends to the protected tokens (bfloat16 protection) instead of the protected-tile
-#: kernel (``QUANTMLA_TRITON_V4_INLINE_PROTECT`` overrides it). Under Nsight Compute (stop 56, H100, C2R4 H128 B32
-#: L32K) that kernel took 49.9 us and the merge 18.7 beside the split kernel's 871.6
-V4_INLINE_PROTECT = False
+#: kernel (``QUANTMLA_TRITON_V4_INLINE_PROTECT`` overrides it). Stop 57 (H100, 8 loader warps, CUDA graphs, inline
+#: against not): H128 B8 L4K 48.9 / 47.9 / 51.1 us against 69.7 / 67.6 / 69.7 (C4R4 / C2R4 / BF16 pages), H64 B32
+#: L32K 347 / 341 / 440 against 377 / 365 / 470, H128 B32 L32K 711 / 675 / 626 against 707 / 671 / 661
+V4_INLINE_PROTECT = True
 
 
 def plan_v4(batch: int, rows: int, latent_dim: int, page_size: int, max_tokens: int, sm_count: int,
