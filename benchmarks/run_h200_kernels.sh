@@ -87,6 +87,8 @@
 #   bash benchmarks/run_h200_kernels.sh stop57   # kernel v4 with the protected tokens inline (the default): the per-request
 #       diagnosis of the fix, the inline builds' tests, CUDA graphs inline against not over S57_SHAPES, memcheck of
 #       an inline case with empty last splits; $OUT/s57.tgz
+#   bash benchmarks/run_h200_kernels.sh stop57auto  # Triton v4's defaults against CuPy's over S57A_SHAPES (CUDA graphs,
+#       FlashInfer BF16 in the process), then the paged and transformers integration tests on CUDA (auto); $OUT/s57a.tgz
 #   bash benchmarks/run_h200_kernels.sh stop56   # kernel v4's 8 loader warps: one small case (a failure stops there),
 #       CUDA graphs of 4 loader warps (builds 2 and 1) against 8 (build 1) over S56_SHAPES, then the 8-warp tests not
 #       yet run (BF16 pages' build 2, probes, poisoned partials); $OUT/s56.tgz. Stop 56's call 2 ran this mode as of
@@ -609,6 +611,17 @@ elif [ "$MODE" = stop57 ]; then
     -k "matches_reference_and_v3 and C2R4 and L300_5 and 1w8p" > /tmp/s57/memcheck.txt 2>&1
   echo "rc=$?" >> /tmp/s57/memcheck.txt; tail -4 /tmp/s57/memcheck.txt
   tar czf "$OUT/s57.tgz" -C /tmp s57
+elif [ "$MODE" = stop57auto ]; then
+  mkdir -p /tmp/s57a
+  echo "=== Triton v4 (defaults, protected tokens inline) against CuPy (its defaults): CUDA graphs, FlashInfer BF16"
+  timeout -k 10 ${S57A_GRAPH_S:-300} python3 -P benchmarks/graph_probe.py --backends triton,cupy --formats C4R4,C2R4,BF16 \
+    --shapes ${S57A_SHAPES:-128x8x4096,128x32x32768,64x32x32768,128x128x32768} --json /tmp/s57a/graph.json 2>&1 \
+    | grep -v "^{" | tail -30
+  echo "=== the paged and transformers integration tests on CUDA (auto)"
+  QUANTMLA_TEST_HF_BACKEND=auto timeout -k 10 ${S57A_HF_S:-150} $T -rfE tests/test_paged.py \
+    tests/test_integration_transformers.py > /tmp/s57a/hf_tests.txt 2>&1; echo "rc=$?" >> /tmp/s57a/hf_tests.txt
+  grep -E "^FAILED|^ERROR" /tmp/s57a/hf_tests.txt | head -5; tail -2 /tmp/s57a/hf_tests.txt
+  tar czf "$OUT/s57a.tgz" -C /tmp s57a
 elif [ "$MODE" = stop56 ]; then
   mkdir -p /tmp/s56; t0=$(date +%s); left() { echo $(( ${S56_LIMIT:-550} - $(date +%s) + t0 )); }
   V=QUANTMLA_TRITON_V4_PIPELINE; W=QUANTMLA_TRITON_V4_LOADER_WARPS
