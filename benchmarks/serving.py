@@ -229,7 +229,14 @@ def run_repeats(w: Workload, formats: Sequence[str], device: str, backend: str, 
     host drift hits them alike); every run has its own ratios to BF16."""
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     model = build_model(w, device, dtype)
-    return [run(w, formats, device, backend, model) for _ in range(repeats)]
+    out = []
+    for k in range(repeats):
+        out.append(run(w, formats, device, backend, model))
+        # a line per finished run, so that a run cut short by a time limit still shows the ones before it
+        print(f"run {k + 1}: " + ", ".join(f"{r['format']} {r['tokens_per_s']:.1f} tok/s"
+                                          + (f" ({r['throughput_vs_bf16']:.2f}x)" if r["throughput_vs_bf16"] else "")
+                                          for r in out[-1]), flush=True)
+    return out
 
 
 def median_repeat(repeats: list[list[dict]], fmt: str) -> int:
