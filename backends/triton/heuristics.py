@@ -404,9 +404,10 @@ V4_PIPELINE = {"BF16": 2, "C4R4": 1, "C2R4": 1}
 #: (722), BF16 pages 655 (671)
 V4_LOADER_WARPS = {"BF16": 8, "C4R4": 8, "C2R4": 8}
 #: whether kernel v4's last split attends to the protected tokens (bfloat16 protection) instead of the protected-tile
-#: kernel (``QUANTMLA_TRITON_V4_INLINE_PROTECT`` overrides it). Stop 57 (H100, 8 loader warps, CUDA graphs, inline
-#: against not): H128 B8 L4K 48.9 / 47.9 / 51.1 us against 69.7 / 67.6 / 69.7 (C4R4 / C2R4 / BF16 pages), H64 B32
-#: L32K 347 / 341 / 440 against 377 / 365 / 470, H128 B32 L32K 711 / 675 / 626 against 707 / 671 / 661
+#: kernel (``QUANTMLA_TRITON_V4_INLINE_PROTECT`` overrides it). Stop 57 (H100, 8 loader warps, CUDA graphs, FlashInfer
+#: BF16 in the process), inline against not, C4R4 / C2R4 / BF16 pages: H128 B8 L4K 49.0 / 48.1 / 51.3 us against
+#: 69.3 / 67.5 / 69.5, B32 L32K 715 / 660 / 620 against 693 / 662 / 651, B128 L32K 2,632 / 2,468 / 2,498 against
+#: 2,675 / 2,528 / 2,585
 V4_INLINE_PROTECT = True
 
 
