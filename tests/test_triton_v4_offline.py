@@ -33,6 +33,7 @@ from quantmla_core.reference.quantize import bf16_round, bits_to_bf16
 pytest.importorskip("triton")
 
 from quantmla_core.backends.triton import attention_v4_kernel as v4  # noqa: E402
+from quantmla_core.backends.triton.heuristics import V4_PIPELINE  # noqa: E402
 
 FORMATS = ("BF16", "C4R4", "C2R4")
 SMEM_LIMIT = 232_448  # bytes of shared memory one Hopper block may take
@@ -140,6 +141,17 @@ def test_offline_sm90a_build_with_8_loader_warps(reports, fmt, pipeline):
     # the loader's and the attender's registers (120 and 256 are the launch's own) fill at most the 64K-register file
     loader, attender = sorted(v for v in r["setmaxnreg"] if 120 < v < 256)
     assert 256 * loader + 128 * attender <= 65536, r
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_offline_default_builds_attend_to_protected_tokens_inline(reports, fmt):
+    """The defaults (8 loader warps, ``V4_PIPELINE``'s build, the protected tokens in the last split): their copies
+    of the sink's and the window's rows add no ``wgmma`` and leave them pipelined, in the same shared memory, with no
+    spills and the 8-warp register split."""
+    r = reports[fmt, V4_PIPELINE[fmt], "w8", "inline"]
+    assert r["inline_prot"] and r["wgmma"] == 48 and not r["wgmma_serialized"], r
+    assert r["smem"] <= SMEM_LIMIT and r["spill_bytes"] == 0, r
+    assert 136 in r["setmaxnreg"] and 232 in r["setmaxnreg"], r
 
 
 # ---------------------------------------------------------------- the loaders' channel order, mirrored in NumPy
