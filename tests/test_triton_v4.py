@@ -167,11 +167,8 @@ def test_inline_protection_is_a_knob(monkeypatch, value, want):
     """Inline: the split kernel takes ``INLINE_PROT`` and no protected-tile kernel or partial is planned; else v3's
     protected parts."""
     _as_hopper(monkeypatch)
-    if value is None:
-        monkeypatch.delenv(A.V4_INLINE_PROTECT_ENV, raising=False)
-        want = V4_INLINE_PROTECT
-    else:
-        monkeypatch.setenv(A.V4_INLINE_PROTECT_ENV, value)
+    _set_env(monkeypatch, A.V4_INLINE_PROTECT_ENV, value)
+    want = V4_INLINE_PROTECT if value is None else want
     call = _prepare("C4R4")
     assert call.split_consts.get("INLINE_PROT", False) == want
     assert (call.protect_grid is None) == want

@@ -79,9 +79,14 @@ if GLUON_IMPORT_ERROR is None:
         return (n >= ps) & (n < pe) & page_ok
 
     @gluon.jit
+    def _pages_for(n):
+        """Pages of ``PAGE_TOKENS`` that ``n`` tokens fill."""
+        return (n + PAGE_TOKENS - 1) // PAGE_TOKENS
+
+    @gluon.jit
     def protected_pages(SINK, LOCAL):
         """Pages of 64 protected tokens a request: the sink's, then the local window's."""
-        return (SINK + PAGE_TOKENS - 1) // PAGE_TOKENS + (LOCAL + PAGE_TOKENS - 1) // PAGE_TOKENS
+        return _pages_for(SINK) + _pages_for(LOCAL)
 
     @gluon.jit
     def is_protected_page(i, n_tiles, n_prot):
@@ -95,7 +100,7 @@ if GLUON_IMPORT_ERROR is None:
         """Protected page ``e`` (:func:`protected_pages`) as scalars: its slot ``t`` holds position ``base + t``, a
         protected token where ``lo <= base + t < hi`` (``protect_kernel``'s rule: the first ``min(SINK, L)``
         positions, then the last ``LOCAL`` of ``L`` after them), and whether it is the sink's."""
-        sink_pages = (SINK + PAGE_TOKENS - 1) // PAGE_TOKENS
+        sink_pages = _pages_for(SINK)
         is_sink = e < sink_pages
         n_sink = gl.minimum(SINK, L)
         first_local = gl.maximum(L - LOCAL, n_sink)

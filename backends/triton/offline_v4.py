@@ -116,15 +116,14 @@ def compile_report(fmt_name: str = "C4R4", loader_regs: int = 0, pipeline: int =
 
 
 def main(argv: list[str]) -> None:
-    regs = [int(a.split("=", 1)[1]) for a in argv if a.startswith("loader_regs=")]
-    pipeline = next((int(a.split("=", 1)[1]) for a in argv if a.startswith("pipeline=")), 0)
-    probe = next((int(a.split("=", 1)[1]) for a in argv if a.startswith("probe=")), 0)
-    warps = next((int(a.split("=", 1)[1]) for a in argv if a.startswith("loader_warps=")), 4)
-    inline = next((a.split("=", 1)[1] == "1" for a in argv if a.startswith("inline_prot=")), False)
+    def option(name: str, default: int) -> int:  # the last ``name=N`` of argv
+        return next((int(a.split("=", 1)[1]) for a in reversed(argv) if a.startswith(f"{name}=")), default)
+
     fmts = [a.upper() for a in argv if "=" not in a] or list(FORMATS)
     for f in fmts:
         try:
-            print(compile_report(f, regs[-1] if regs else 0, pipeline, probe, warps, inline), flush=True)
+            print(compile_report(f, option("loader_regs", 0), option("pipeline", 0), option("probe", 0),
+                                 option("loader_warps", 4), option("inline_prot", 0) == 1), flush=True)
         except Exception as exc:  # report, keep going
             from .offline_build import innermost_error
 
