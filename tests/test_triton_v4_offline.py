@@ -192,15 +192,30 @@ def _scaled(x: np.ndarray, zb: np.ndarray, s: np.ndarray, f32_scale: bool) -> np
     return bf16_round(k * s[:, None])  # exact in float32, one rounding
 
 
+def channel_of(j: np.ndarray) -> np.ndarray:
+    """``attention_v4_loaders.channel_of``: ``j`` with bits 0 and 1 swapped."""
+    return (j & -4) | ((j & 1) << 1) | ((j >> 1) & 1)
+
+
 def _plane(w: np.ndarray, pl: int, bits: int, zb, s, f32_scale: bool, order: str = "kernel") -> np.ndarray:
     """``attention_v4_loaders._plane``: gl.join = a new trailing axis, then a row-major reshape to [N, 4 W]."""
     lo0, hi0 = (_scaled(x, zb, s, f32_scale) for x in _pair(w, bits * pl, bits))
     lo1, hi1 = (_scaled(x, zb, s, f32_scale) for x in _pair(w, 8 + bits * pl, bits))
     if order == "kernel":
-        k = np.stack([np.stack([lo0, hi0], -1), np.stack([lo1, hi1], -1)], -1)
-    else:  # control: the two halves of a word taken as adjacent bytes
         k = np.stack([np.stack([lo0, lo1], -1), np.stack([hi0, hi1], -1)], -1)
+    else:  # control: channel order (stop 56's join), which the kernel's queries and outputs no longer expect
+        k = np.stack([np.stack([lo0, hi0], -1), np.stack([lo1, hi1], -1)], -1)
     return k.reshape(w.shape[0], 4 * w.shape[1])
+
+
+def _to_channel_order(x: np.ndarray) -> np.ndarray:
+    """``attention_v4_loaders.to_channel_order``: two gl.split (the last axis) and two gl.join, as written."""
+    n, c = x.shape
+    y = x.reshape(n, c // 4, 2, 2)
+    y0, y1 = y[..., 0], y[..., 1]
+    c0, c2 = y0[..., 0], y0[..., 1]
+    c1, c3 = y1[..., 0], y1[..., 1]
+    return np.stack([np.stack([c0, c1], -1), np.stack([c2, c3], -1)], -1).reshape(n, c)
 
 
 def _mirror(fmt: PackFormat, page: np.ndarray, bits: int | None = None, order: str = "kernel"):
@@ -220,22 +235,27 @@ def _mirror(fmt: PackFormat, page: np.ndarray, bits: int | None = None, order: s
     for c in range(cbytes // 64):
         for pl in range(planes):
             g = pl * cbytes // 64 + c
-            zb = bf16_round(zeros[:, g].astype(np.float32) + 128)
+            zb = bits_to_bf16(zeros[:, g].astype(np.uint16) | 0x4300)  # _biased_zero
             col = pl * cbytes + 64 * c
             if col + 64 <= dc:
                 kc[:, col: col + 64] = _plane(words[:, 16 * c: 16 * c + 16], pl, cbits, zb, scales[:, g], False, order)
     rw = _rows(page, secs["rope_codes"], dr * fmt.rope_bits // 8 // 4, "<u4")
     rs = _rows(page, secs["rope_scales"], 1, "<f4")[:, 0]
-    rzb = bf16_round(_rows(page, secs["rope_zeros"], 1, np.uint8)[:, 0].astype(np.float32) + 128)
+    rzb = bits_to_bf16(_rows(page, secs["rope_zeros"], 1, np.uint8)[:, 0].astype(np.uint16) | 0x4300)
     k0 = _plane(rw, 0, fmt.rope_bits, rzb, rs, True, order)
     k1 = _plane(rw, 1, fmt.rope_bits, rzb, rs, True, order)
     kr = np.stack([k0, k1], -1).transpose(0, 2, 1).reshape(64, dr)  # join, permute (0, 2, 1), reshape
     return kc, kr
 
 
-def _oracle(fmt: PackFormat, page: np.ndarray):
+def _oracle(fmt: PackFormat, page: np.ndarray, order: bool = True):
+    """The reference's decoded page as the loader's tiles: bfloat16 values, and for packed formats (``order``) the
+    columns in ``channel_of`` order."""
     c, kr = ref.decode_page(fmt, page)
-    return bf16_round(c.astype(np.float32)), bf16_round(kr.astype(np.float32))
+    c, kr = bf16_round(c.astype(np.float32)), bf16_round(kr.astype(np.float32))
+    if fmt.quantized and order:
+        c, kr = c[:, channel_of(np.arange(c.shape[1]))], kr[:, channel_of(np.arange(kr.shape[1]))]
+    return c, kr
 
 
 def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
@@ -252,16 +272,29 @@ def test_loader_channel_order_matches_reference(name):
 
 
 def test_loader_channel_order_controls_mismatch():
-    """The mirror catches a wrong map: a word's halves taken as adjacent bytes (C4R4), 2-bit codes taken apart as
-    nibbles (C2R4)."""
+    """The mirror catches a wrong map: tiles in plain channel order where the queries expect ``channel_of``'s
+    (C4R4), the kernel's tiles against the reference in plain order, 2-bit codes taken apart as nibbles (C2R4)."""
     fmt, page = _written_page("C4R4", seed=7)
-    kc, kr = _mirror(fmt, page, order="swapped")
+    kc, kr = _mirror(fmt, page, order="channels")
     c_ref, r_ref = _oracle(fmt, page)
     assert not _same_bits(kc, c_ref) and not _same_bits(kr, r_ref)
+    kc, kr = _mirror(fmt, page)
+    c_plain, r_plain = _oracle(fmt, page, order=False)
+    assert not _same_bits(kc, c_plain) and not _same_bits(kr, r_plain)
     fmt, page = _written_page("C2R4", seed=8)
     kc, _ = _mirror(fmt, page, bits=4)
     c_ref, _ = _oracle(fmt, page)
     assert not np.array_equal(kc, c_ref)
+
+
+def test_channel_order_of_queries_and_protected_rows():
+    """``to_channel_order`` (queries, protected rows) puts channel ``channel_of(j)`` in column ``j``, as the packed
+    loader's tiles hold them, and ``channel_of`` is its own inverse (outputs are stored through it)."""
+    x = np.arange(3 * 64, dtype=np.float32).reshape(3, 64)
+    j = np.arange(64)
+    assert np.array_equal(_to_channel_order(x), x[:, channel_of(j)])
+    assert np.array_equal(channel_of(channel_of(j)), j) and not np.array_equal(channel_of(j), j)
+    assert sorted(channel_of(j[:4])) == [0, 1, 2, 3] and list(channel_of(j[:4])) == [0, 2, 1, 3]
 
 
 # ---------------------------------------------------------------- the mbarrier protocol, modelled

@@ -49,8 +49,8 @@ if GLUON_IMPORT_ERROR is None:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                   warpgroup_mma_init, warpgroup_mma_wait)
 
-    from .attention_v4_loaders import (_acc_layout, is_protected_page, loader_partition, page_of, protected_pages,
-                                       protected_span)
+    from .attention_v4_loaders import (_acc_layout, channel_of, is_protected_page, loader_partition, page_of,
+                                       protected_pages, protected_span, to_channel_order)
 
     #: registers of each loader thread (``setmaxnreg``) with 8 loader warps: the attender keeps (65,536 - 256 x this)
     #: / 128
@@ -84,19 +84,23 @@ if GLUON_IMPORT_ERROR is None:
         return ps, pe, j_lo, gl.maximum(j_hi - j_lo, 0)
 
     @gluon.jit
-    def _load_q(q_base, rows, row_ok, cols, q_s, D: gl.constexpr):
-        """Query rows ``[64, D]`` (0 past R) as bfloat16 into ``q_s``, 64 channels at a time."""
+    def _load_q(q_base, rows, row_ok, cols, q_s, D: gl.constexpr, PERM: gl.constexpr = False):
+        """Query rows ``[64, D]`` (0 past R) as bfloat16 into ``q_s``, 64 channels at a time (``PERM``: in the packed
+        key tiles' channel order, ``channel_of``)."""
         for c in gl.static_range(D // 64):
             x = gl.load(q_base + rows[:, None] * D + (c * 64 + cols)[None, :], mask=row_ok[:, None], other=0.0)
+            if PERM:
+                x = to_channel_order(x, 64, 64)
             q_s.slice(c * 64, 64, dim=1).store(x.to(gl.bfloat16))
 
     @gluon.jit
     def attender_partition(q_base, qr_base, table_row, num_pages, o_part_ptr, lse_part_ptr, part, rb, R, H, S_Q, L,
                            sm_scale_log2, ps, pe, j_lo, n_tiles, bufs, bars, prot, DC: gl.constexpr, DR: gl.constexpr,
                            PAGE_BYTES: gl.constexpr, BLOCK_R: gl.constexpr, PIPELINE: gl.constexpr = 0,
-                           INLINE_PROT: gl.constexpr = False):
+                           INLINE_PROT: gl.constexpr = False, PERM: gl.constexpr = False):
         """Default partition: scores, softmax and the output product over channels ``[0, DC/2)``; writes those
-        channels of the partial output and the log2-sum-exp."""
+        channels of the partial output and the log2-sum-exp. ``PERM`` (packed pages): the key tiles hold channels in
+        ``channel_of`` order, so the queries are loaded and the output stored through it."""
         kc, kr, q_s, qr_s, p_s, alpha_s, l_s = bufs
         kfull, kempty, pready, pfree, lfin = bars
         s_layout: gl.constexpr = _acc_layout(64)
@@ -107,8 +111,8 @@ if GLUON_IMPORT_ERROR is None:
         ql: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         qrows = rb * BLOCK_R + gl.arange(0, BLOCK_R, gl.SliceLayout(1, ql))
         qcols = gl.arange(0, 64, gl.SliceLayout(0, ql))
-        _load_q(q_base, qrows, qrows < R, qcols, q_s, DC)
-        _load_q(qr_base, qrows, qrows < R, qcols, qr_s, DR)
+        _load_q(q_base, qrows, qrows < R, qcols, q_s, DC, PERM)
+        _load_q(qr_base, qrows, qrows < R, qcols, qr_s, DR, PERM)
         fence_async_shared()
 
         rows = rb * BLOCK_R + gl.arange(0, BLOCK_R, row_l)
@@ -179,6 +183,8 @@ if GLUON_IMPORT_ERROR is None:
         l_safe = gl.where(l_o > 0.0, l_o, 1.0)
         orows = rb * BLOCK_R + gl.arange(0, BLOCK_R, o_row_l)
         cols = gl.arange(0, DC // 2, gl.SliceLayout(0, o_layout))
+        if PERM:
+            cols = channel_of(cols)
         gl.store(o_part_ptr + (part + orows[:, None]) * DC + cols[None, :], o / l_safe[:, None],
                  mask=(orows < R)[:, None])
         lse2 = gl.where(l_i > 0.0, m_i + gl.log2(gl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
@@ -326,7 +332,7 @@ if GLUON_IMPORT_ERROR is None:
         gl.warp_specialize([
             (attender_partition, (q_base, qr_base, table_row, num_pages, o_part_ptr, lse_part_ptr, part, rb, R, H, S_Q,
                                   L, sm_scale_log2, ps, pe, j_lo, n_tiles, bufs, bars, prot, DC, DR, PAGE_BYTES,
-                                  BLOCK_R, PIPELINE, INLINE_PROT)),
+                                  BLOCK_R, PIPELINE, INLINE_PROT, QUANT)),
             (loader_partition, (pages_ptr, table_row, num_pages, o_part_ptr, part, rb, R, ps, pe, j_lo, n_tiles, bufs,
                                 bars, prot, QUANT, DC, DR, CBITS, RBITS, P, PAGE_BYTES, C_CODES_OFF, R_CODES_OFF,
                                 C_SCALES_OFF, C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF, BLOCK_R, PIPELINE, PROBE,

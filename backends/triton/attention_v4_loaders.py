@@ -64,6 +64,22 @@ if GLUON_IMPORT_ERROR is None:
         return gl.BlockedLayout([1, int(PER_THREAD)], [32 // lanes_c, lanes_c], [int(WARPS), 1], [1, 0])
 
     @gluon.jit
+    def channel_of(j):
+        """The channel a packed page's key tile holds in column ``j`` (:func:`_plane`): ``j`` with bits 0 and 1
+        swapped, so columns ``4q .. 4q + 3`` hold channels ``4q, 4q + 2, 4q + 1, 4q + 3``. Its own inverse: the
+        queries are loaded and the outputs stored through it."""
+        return (j & -4) | ((j & 1) << 1) | ((j >> 1) & 1)
+
+    @gluon.jit
+    def to_channel_order(x, N: gl.constexpr, C: gl.constexpr):
+        """``x`` ``[N, C]`` in channel order rearranged so that column ``j`` holds channel ``channel_of(j)``
+        (register moves within each thread's groups of 4 columns; C a multiple of 4)."""
+        y0, y1 = gl.split(gl.reshape(x, [N, C // 4, 2, 2]))  # columns 4q + 2a and 4q + 2a + 1
+        c0, c2 = gl.split(y0)
+        c1, c3 = gl.split(y1)
+        return gl.reshape(gl.join(gl.join(c0, c1), gl.join(c2, c3)), [N, C])  # [.., i, o] = column i + 2 o
+
+    @gluon.jit
     def page_of(table_row, j, num_pages, PAGE_BYTES: gl.constexpr, live=True):
         """Page ``j`` of the request (its tokens ``[64 j, 64 j + 64)``): its byte offset (0 for an id outside
         ``[0, num_pages)``, as kernel v2's ``tile_pages``) and whether the id is valid. ``live`` False: the table
@@ -111,10 +127,12 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _load_protected_page(sink_ptr, local_ptr, seq, seq_ok, e, L, SINK, LOCAL, kc_s, kr_s, DC: gl.constexpr,
-                             DR: gl.constexpr, WARPS: gl.constexpr):
+                             DR: gl.constexpr, WARPS: gl.constexpr, PERM: gl.constexpr = False):
         """Protected page ``e`` of request slot ``seq`` copied from the bfloat16 sink / window rows ``[DC + DR]``
         (``cache.sink_buf`` / ``cache.local_buf``, the window a ring by position) into ``kc_s`` / ``kr_s``
-        (``cp.async``, waited for; 0 for slots without a protected token)."""
+        (``cp.async``, waited for; 0 for slots without a protected token). ``PERM`` (beside packed pages): in the
+        packed tiles' channel order (:func:`channel_of`), through registers, since the order moves 2-byte values
+        inside 8-byte groups, which no copy of whole chunks can do."""
         lay: gl.constexpr = _rows_layout(8, 64, WARPS)
         tok = gl.arange(0, 64, gl.SliceLayout(1, lay))
         col = gl.arange(0, 64, gl.SliceLayout(0, lay))
@@ -125,12 +143,19 @@ if GLUON_IMPORT_ERROR is None:
         row = gl.where(is_sink, seq * SINK + gl.where(ok, n, 0), seq * LOCAL + gl.where(ok, ring, 0))
         base = gl.where(is_sink, sink_ptr, local_ptr) + row * (DC + DR)
         mask = ok[:, None] & (col < 64)[None, :]
-        for c in gl.static_range(DC // 64):
-            async_copy.async_copy_global_to_shared(kc_s.slice(c * 64, 64, dim=1), base[:, None] + (c * 64 + col)[None, :],
-                                                   mask=mask)
-        async_copy.async_copy_global_to_shared(kr_s, base[:, None] + (DC + col)[None, :], mask=mask)
-        async_copy.commit_group()
-        async_copy.wait_group(0)
+        if PERM:
+            for c in gl.static_range(DC // 64):
+                x = gl.load(base[:, None] + (c * 64 + col)[None, :], mask=mask, other=0.0)
+                kc_s.slice(c * 64, 64, dim=1).store(to_channel_order(x, 64, 64))
+            x = gl.load(base[:, None] + (DC + col)[None, :], mask=mask, other=0.0)
+            kr_s.store(to_channel_order(x, 64, DR))
+        else:
+            for c in gl.static_range(DC // 64):
+                async_copy.async_copy_global_to_shared(kc_s.slice(c * 64, 64, dim=1),
+                                                       base[:, None] + (c * 64 + col)[None, :], mask=mask)
+            async_copy.async_copy_global_to_shared(kr_s, base[:, None] + (DC + col)[None, :], mask=mask)
+            async_copy.commit_group()
+            async_copy.wait_group(0)
 
     @gluon.jit
     def _pair(w, SHIFT: gl.constexpr, BITS: gl.constexpr):
@@ -145,8 +170,8 @@ if GLUON_IMPORT_ERROR is None:
     @gluon.jit
     def _plane(w, pl: gl.constexpr, BITS: gl.constexpr, zb, s, N: gl.constexpr, W: gl.constexpr,
                F32_SCALE: gl.constexpr):
-        """Plane ``pl`` of the words ``w`` ``[N, W]`` dequantized: bfloat16 ``[N, 4 * W]``, column ``4w + b`` =
-        byte ``4w + b``. ``zb``: ``128 + zero`` (bfloat16 ``[N]``); ``s``: scales ``[N]`` (bfloat16, or float32
+        """Plane ``pl`` of the words ``w`` ``[N, W]`` dequantized: bfloat16 ``[N, 4 * W]``, column ``j`` = byte
+        ``channel_of(j)`` (bytes 1 and 2 of each word trade places). ``zb``: ``128 + zero`` (bfloat16 ``[N]``); ``s``: scales ``[N]`` (bfloat16, or float32
         with ``F32_SCALE``: the float32 product rounded to bfloat16)."""
         lo0, hi0 = _pair(w, BITS * pl, BITS)  # bytes 0 and 2 of each word
         lo1, hi1 = _pair(w, 8 + BITS * pl, BITS)  # bytes 1 and 3
@@ -154,8 +179,16 @@ if GLUON_IMPORT_ERROR is None:
         hi0 = _scaled(hi0, zb, s, F32_SCALE)
         lo1 = _scaled(lo1, zb, s, F32_SCALE)
         hi1 = _scaled(hi1, zb, s, F32_SCALE)
-        k = gl.join(gl.join(lo0, hi0), gl.join(lo1, hi1))  # [N, W, i, o] = byte 2i + o
+        # [N, W, i, o] = byte i + 2 o: each register pair (lo, hi) of one word lands side by side, which spares the
+        # byte permutes that the channel order would cost (:func:`channel_of`)
+        k = gl.join(gl.join(lo0, lo1), gl.join(hi0, hi1))
         return gl.reshape(k, [N, 4 * W])
+
+    @gluon.jit
+    def _biased_zero(z):
+        """uint8 zero points ``z`` (< 128: a format's zeros are at most 2^bits - 1) as bfloat16 ``128 + z``, by their
+        bits: ``0x4300`` is 128, whose last mantissa bit is worth 1 (one integer OR, no float conversion)."""
+        return (z.to(gl.int16) | 0x4300).to(gl.bfloat16, bitcast=True)
 
     @gluon.jit
     def _scaled(x, zb, s, F32_SCALE: gl.constexpr):
@@ -261,13 +294,13 @@ if GLUON_IMPORT_ERROR is None:
         for c in gl.static_range(NCH):
             for pl in gl.static_range(CPLANES):
                 # the chunk's plane is group pl * CBYTES / 64 + c
-                zb = (zeros[pl * CBYTES // 64 + c].to(gl.float32) + 128.0).to(gl.bfloat16)
+                zb = _biased_zero(zeros[pl * CBYTES // 64 + c])
                 k = _plane(raws[c], pl, CBITS, zb, scales[pl * CBYTES // 64 + c], 64, 16, False)
                 kc_s.slice(pl * CBYTES + 64 * c, 64, dim=1).store(k)
 
         # RoPE: RBYTES = DR / 2 bytes a row (8 words at DR 64); plane 0 = channels [0, DR/2), plane 1 the rest
         RW: gl.constexpr = DR * RBITS // 8 // 4
-        rzb = (rz.to(gl.float32) + 128.0).to(gl.bfloat16)
+        rzb = _biased_zero(rz)
         k0 = _plane(rw, 0, RBITS, rzb, rs, 64, RW, True)
         k1 = _plane(rw, 1, RBITS, rzb, rs, 64, RW, True)
         kr = gl.reshape(gl.permute(gl.join(k0, k1), (0, 2, 1)), [64, DR])  # [n, plane, j] -> channel plane*DR/2 + j
@@ -363,7 +396,7 @@ if GLUON_IMPORT_ERROR is None:
                 if is_protected_page(i, n_tiles, n_prot):  # the slot (zeros from the dead page above) takes its rows
                     _partition_barrier()
                     _load_protected_page(sink_ptr, local_ptr, seq, seq_ok, i - n_tiles, L, SINK, LOCAL,
-                                         kc.index(slot), kr.index(slot), DC, DR, WARPS)
+                                         kc.index(slot), kr.index(slot), DC, DR, WARPS, QUANT)
             fence_async_shared()  # generic-proxy stores, read next by wgmma (async proxy)
             _partition_barrier()  # every thread's fence before the one arrival
             mbarrier.arrive(kfull.index(slot))
@@ -391,5 +424,7 @@ if GLUON_IMPORT_ERROR is None:
         l_safe = gl.where(l_i > 0.0, l_i, 1.0)
         rows = rb * BLOCK_R + gl.arange(0, BLOCK_R, gl.SliceLayout(1, o_layout))
         cols = DC // 2 + gl.arange(0, DC // 2, gl.SliceLayout(0, o_layout))
+        if QUANT:  # the key tiles' channel order (channel_of)
+            cols = channel_of(cols)
         offs = (part + rows[:, None]) * DC + cols[None, :]
         gl.store(o_part_ptr + offs, acc / l_safe[:, None], mask=(rows < R)[:, None])
