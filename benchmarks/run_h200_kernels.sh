@@ -87,6 +87,9 @@
 #   bash benchmarks/run_h200_kernels.sh stop57   # kernel v4 with the protected tokens inline (the default): the per-request
 #       diagnosis of the fix, the inline builds' tests, CUDA graphs inline against not over S57_SHAPES, memcheck of
 #       an inline case with empty last splits; $OUT/s57.tgz
+#   bash benchmarks/run_h200_kernels.sh v4order  # (branch proto/v4-loader-order) the packed key tiles in channel_of
+#       order: one small case, CUDA graphs of this tree's v4 and main's (probe_tmp/triton_main, see the mode), the
+#       defaults' tests, memcheck; $OUT/v4order.tgz
 #   bash benchmarks/run_h200_kernels.sh stop57auto  # Triton v4's defaults against CuPy's over S57A_SHAPES (CUDA graphs,
 #       FlashInfer BF16 in the process), then the paged and transformers integration tests on CUDA (auto); $OUT/s57a.tgz
 #   bash benchmarks/run_h200_kernels.sh stop56   # kernel v4's 8 loader warps: one small case (a failure stops there),
@@ -611,6 +614,30 @@ elif [ "$MODE" = stop57 ]; then
     -k "matches_reference_and_v3 and C2R4 and L300_5 and 1w8p" > /tmp/s57/memcheck.txt 2>&1
   echo "rc=$?" >> /tmp/s57/memcheck.txt; tail -4 /tmp/s57/memcheck.txt
   tar czf "$OUT/s57.tgz" -C /tmp s57
+elif [ "$MODE" = v4order ]; then
+  # before the call: mkdir -p probe_tmp/triton_main && for f in kernel loaders; do
+  #   git show main:backends/triton/attention_v4_$f.py > probe_tmp/triton_main/attention_v4_$f.py; done
+  mkdir -p /tmp/v4o; t0=$(date +%s); left() { echo $(( ${V4O_LIMIT:-540} - $(date +%s) + t0 )); }
+  echo "=== the channel order: one small case of each packed format (the defaults, protected tokens inline or not)"
+  timeout -k 10 150 $T -x -rfE --tb=long tests/test_triton_v4.py \
+    -k "matches_reference_and_v3 and L63_64_65 and H128 and (C4R4 or C2R4) and (1w8p or 1w8])" > /tmp/v4o/first.txt 2>&1
+  echo "rc=$?" >> /tmp/v4o/first.txt; grep -E "^E  |^FAILED" /tmp/v4o/first.txt | head -12; tail -2 /tmp/v4o/first.txt
+  if grep -q "^rc=0" /tmp/v4o/first.txt; then
+    for tree in after main; do
+      [ $tree = main ] && { [ -d probe_tmp/triton_main ] || continue; triton_tree main; }
+      echo "=== v4 defaults, $tree's sources (CUDA graphs, FlashInfer BF16 in the process)"
+      PYTHONPATH=$(tree_path $tree) timeout -k 10 ${V4O_GRAPH_S:-100} python3 -P benchmarks/graph_probe.py --backends triton \
+        --formats C4R4,C2R4 --shapes ${V4O_SHAPES:-128x32x32768,128x8x4096,128x128x32768} \
+        --json /tmp/v4o/graph_$tree.json 2>&1 | grep -v "^{" | tail -8
+    done
+    echo "=== v4 tests: the defaults' builds (1w8p, 2w8p), 1w8, the probes"
+    timeout -k 10 $(( $(left) - 50 > 30 ? $(left) - 50 : 30 )) $T -rfE tests/test_triton_v4.py \
+      -k "1w8p or 2w8p or 1w8] or (probe and 1w8)" > /tmp/v4o/conf.txt 2>&1; echo "rc=$?" >> /tmp/v4o/conf.txt
+    grep -E "^FAILED|^ERROR" /tmp/v4o/conf.txt | head -10; tail -3 /tmp/v4o/conf.txt
+    timeout -k 5 40 compute-sanitizer --tool memcheck $T tests/test_triton_v4.py \
+      -k "matches_reference_and_v3 and C4R4 and L300_5 and 1w8p" 2>&1 | tail -2
+  fi
+  tar czf "$OUT/v4order.tgz" -C /tmp v4o
 elif [ "$MODE" = stop57auto ]; then
   mkdir -p /tmp/s57a
   echo "=== Triton v4 (defaults, protected tokens inline) against CuPy (its defaults): CUDA graphs, FlashInfer BF16"
