@@ -160,11 +160,12 @@ if GLUON_IMPORT_ERROR is None:
                 hi = gl.where(is_prot, hi_p, hi)
             n = base + toks
             vis = ((n >= lo) & (n < hi))[None, :] & (n[None, :] < limit[:, None])
-            sc = gl.where(vis, s * sm_scale_log2, float("-inf"))
-            m_new = gl.maximum(m_i, gl.reduce(sc, 1, _max))
+            # the scale (> 0, checked at the API) after the maximum, so that scale and subtraction fuse into one FFMA
+            sc = gl.where(vis, s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.reduce(sc, 1, _max) * sm_scale_log2)
             m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(sc - m_safe[:, None])
+            p = gl.exp2(sc * sm_scale_log2 - m_safe[:, None])
             l_i = l_i * alpha + gl.reduce(p, 1, _add)
             m_i = m_new
 
