@@ -261,13 +261,9 @@ if GLUON_IMPORT_ERROR is None:
         tok = gl.arange(0, 64, gl.SliceLayout(1, wl))
         ok = tokens_ok(tok, j, ps, pe, page_ok)
         words = pages_ptr.to(gl.pointer_type(gl.uint32))
-        srow = pages_ptr.to(gl.pointer_type(gl.bfloat16)) + (page_off + C_SCALES_OFF) // 2 + tok * NG
-        zrow = pages_ptr + (page_off + C_ZEROS_OFF) + tok * NG
-        scales = ()
-        zeros = ()
-        for g in gl.static_range(NG):
-            scales = scales + (gl.load(srow + g, mask=ok, other=0.0),)
-            zeros = zeros + (gl.load(zrow + g, mask=ok, other=0),)
+        scales = _per_group(pages_ptr.to(gl.pointer_type(gl.bfloat16)) + (page_off + C_SCALES_OFF) // 2, ok, 0.0,
+                            NG, WARPS)
+        zeros = _per_group(pages_ptr + (page_off + C_ZEROS_OFF), ok, 0, NG, WARPS)
 
         RW: gl.constexpr = DR * RBITS // 8 // 4
         rl: gl.constexpr = _rows_layout(64 * RW // (32 * WARPS), RW, WARPS)  # 64 tokens of RW words, no repeats
@@ -279,6 +275,30 @@ if GLUON_IMPORT_ERROR is None:
                      mask=rok, other=0.0)
         rz = gl.load(pages_ptr + (page_off + R_ZEROS_OFF) + rtok, mask=rok, other=0)
         return scales, zeros, rw, rs, rz
+
+    @gluon.jit
+    def _per_group(base, ok, other, NG: gl.constexpr, WARPS: gl.constexpr = 4):
+        """A per-token, per-group section ``[64, NG]`` (``NG`` = 8 groups, token-major from ``base``) as ``NG``
+        tensors ``[64]`` in ``_rows_layout(4, 16, WARPS)``'s rows: one vector load of a token's row, then register
+        splits (``other`` where ``ok`` is False)."""
+        gl.static_assert(NG == 8, "kernel v4: 8 groups a token")
+        lay: gl.constexpr = gl.BlockedLayout([1, NG], [8, 4], [WARPS, 1], [1, 0])  # wl's rows, a token's groups
+        tok = gl.arange(0, 64, gl.SliceLayout(1, lay))
+        g = gl.arange(0, NG, gl.SliceLayout(0, lay))
+        x = gl.load(base + (tok * NG)[:, None] + g[None, :], mask=gl.convert_layout(ok, gl.SliceLayout(1, lay))[:, None],
+                    other=other)
+        c0, c1 = gl.split(gl.reshape(x, [64, 2, 2, 2]))  # group 4a + 2b + c: c
+        b00, b01 = gl.split(c0)
+        b10, b11 = gl.split(c1)
+        g0, g4 = gl.split(b00)
+        g2, g6 = gl.split(b01)
+        g1, g5 = gl.split(b10)
+        g3, g7 = gl.split(b11)
+        rows: gl.constexpr = gl.SliceLayout(1, _rows_layout(4, 16, WARPS))
+        out = ()
+        for t in gl.static_range(8):
+            out = out + (gl.convert_layout((g0, g1, g2, g3, g4, g5, g6, g7)[t], rows),)
+        return out
 
     @gluon.jit
     def _store_code_page(raws, scales, zeros, rw, rs, rz, kc_s, kr_s, DC: gl.constexpr, DR: gl.constexpr,
