@@ -171,8 +171,8 @@ if GLUON_IMPORT_ERROR is None:
     def _plane(w, pl: gl.constexpr, BITS: gl.constexpr, zb, s, N: gl.constexpr, W: gl.constexpr,
                F32_SCALE: gl.constexpr):
         """Plane ``pl`` of the words ``w`` ``[N, W]`` dequantized: bfloat16 ``[N, 4 * W]``, column ``j`` = byte
-        ``channel_of(j)`` (bytes 1 and 2 of each word trade places). ``zb``: ``128 + zero`` (bfloat16 ``[N]``); ``s``: scales ``[N]`` (bfloat16, or float32
-        with ``F32_SCALE``: the float32 product rounded to bfloat16)."""
+        ``channel_of(j)`` (bytes 1 and 2 of each word trade places). ``zb``: ``128 + zero`` (bfloat16 ``[N]``);
+        ``s``: scales ``[N]`` (bfloat16, or float32 with ``F32_SCALE``: the float32 product rounded to bfloat16)."""
         lo0, hi0 = _pair(w, BITS * pl, BITS)  # bytes 0 and 2 of each word
         lo1, hi1 = _pair(w, 8 + BITS * pl, BITS)  # bytes 1 and 3
         lo0 = _scaled(lo0, zb, s, F32_SCALE)
@@ -285,8 +285,8 @@ if GLUON_IMPORT_ERROR is None:
         lay: gl.constexpr = gl.BlockedLayout([1, NG], [8, 4], [WARPS, 1], [1, 0])  # wl's rows, a token's groups
         tok = gl.arange(0, 64, gl.SliceLayout(1, lay))
         g = gl.arange(0, NG, gl.SliceLayout(0, lay))
-        x = gl.load(base + (tok * NG)[:, None] + g[None, :], mask=gl.convert_layout(ok, gl.SliceLayout(1, lay))[:, None],
-                    other=other)
+        row_ok = gl.convert_layout(ok, gl.SliceLayout(1, lay))
+        x = gl.load(base + (tok * NG)[:, None] + g[None, :], mask=row_ok[:, None], other=other)
         c0, c1 = gl.split(gl.reshape(x, [64, 2, 2, 2]))  # group 4a + 2b + c: c
         b00, b01 = gl.split(c0)
         b10, b11 = gl.split(c1)
