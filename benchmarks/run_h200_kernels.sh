@@ -627,7 +627,7 @@ elif [ "$MODE" = v4order ]; then
       [ $tree = main ] && { [ -d probe_tmp/triton_main ] || continue; triton_tree main; }
       echo "=== v4 defaults, $tree's sources (CUDA graphs, FlashInfer BF16 in the process)"
       PYTHONPATH=$(tree_path $tree) timeout -k 10 ${V4O_GRAPH_S:-100} python3 -P benchmarks/graph_probe.py --backends triton \
-        --formats C4R4,C2R4 --shapes ${V4O_SHAPES:-128x32x32768,128x8x4096,128x128x32768} \
+        --formats ${V4O_FORMATS:-C4R4,C2R4} --shapes ${V4O_SHAPES:-128x32x32768,128x8x4096,128x128x32768} \
         --json /tmp/v4o/graph_$tree.json 2>&1 | grep -v "^{" | tail -8
     done
     echo "=== v4 tests: the defaults' builds (1w8p, 2w8p), 1w8, the probes"
