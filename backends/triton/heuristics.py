@@ -411,13 +411,13 @@ V4_LOADER_WARPS = {"BF16": 8, "C4R4": 8, "C2R4": 8}
 V4_INLINE_PROTECT = True
 #: kernel v4 over packed pages keeps its key tiles in ``channel_of`` order where a split reads at least this many table
 #: pages (:func:`v4_channel_order`; ``QUANTMLA_TRITON_V4_CHANNEL_ORDER`` overrides it). The order spares the loader's
-#: byte permutes on every page (SASS per page 645 -> 554 for C4R4) but costs about 10 us a call: the queries and the
-#: protected rows rearranged in registers, and the merge kernel's output stored a value at a time. Stop 58 (H100, 8
-#: loader warps, protected tokens inline, CUDA graphs), C4R4 / C2R4, the order against the plain one: H128 B8 L4K
-#: (8 pages a split) 58.0 / 57.5 us against 47.6 / 47.8; B32 L4K (32) 120.4 / 119.8 against 108.5 / 105.9; B32 L32K
-#: (256) 655.5 / 624.3 against 706.5 / 664.2; B128 L32K (512) 2,554 / 2,431 against 2,649 / 2,472. Linear between
-#: 32 and 256 pages the two meet near 75 pages; 96 keeps the plain order wherever that fit is uncertain.
-V4_CHANNEL_ORDER_MIN_PAGES = 96
+#: byte permutes on every page but costs about 10 us a call: the queries and the protected rows rearranged in
+#: registers, and the merge kernel's output stored a value at a time. Stop 58 (H100, 8 loader warps, protected tokens
+#: inline, CUDA graphs), H128 B32, C4R4 / C2R4, the order against the plain one in the same tree: L8K (64 pages a
+#: split) 195.5 / 191.6 us against 185.6 / 183.1; L16K (128) 344.6 / 339.5 against 345.5 / 336.3; and against main's
+#: plain order, L32K (256) 650.0 / 629.7 against 698.3 / 666.4, B128 L32K (512) 2,537 / 2,422 against 2,614 / 2,464.
+#: The two meet near 128 pages; 160 leaves that tie to the plain order.
+V4_CHANNEL_ORDER_MIN_PAGES = 160
 
 
 def v4_channel_order(table_pages: int, num_splits: int) -> bool:
