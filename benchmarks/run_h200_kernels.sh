@@ -87,6 +87,9 @@
 #   bash benchmarks/run_h200_kernels.sh stop57   # kernel v4 with the protected tokens inline (the default): the per-request
 #       diagnosis of the fix, the inline builds' tests, CUDA graphs inline against not over S57_SHAPES, memcheck of
 #       an inline case with empty last splits; $OUT/s57.tgz
+#   bash benchmarks/run_h200_kernels.sh stop58   # kernel v4's channel order by pages a split: one small case of each
+#       order (a failure stops there), CUDA graphs of Triton's defaults, this tree's and main's (probe_tmp/triton_main,
+#       see the mode), both orders at S58_ORDER_SHAPES, the order's GPU tests, memcheck; $OUT/s58.tgz
 #   bash benchmarks/run_h200_kernels.sh stop57auto  # Triton v4's defaults against CuPy's over S57A_SHAPES (CUDA graphs,
 #       FlashInfer BF16 in the process), then the paged and transformers integration tests on CUDA (auto); $OUT/s57a.tgz
 #   bash benchmarks/run_h200_kernels.sh stop56   # kernel v4's 8 loader warps: one small case (a failure stops there),
@@ -611,6 +614,35 @@ elif [ "$MODE" = stop57 ]; then
     -k "matches_reference_and_v3 and C2R4 and L300_5 and 1w8p" > /tmp/s57/memcheck.txt 2>&1
   echo "rc=$?" >> /tmp/s57/memcheck.txt; tail -4 /tmp/s57/memcheck.txt
   tar czf "$OUT/s57.tgz" -C /tmp s57
+elif [ "$MODE" = stop58 ]; then
+  # before the call: mkdir -p probe_tmp/triton_main && for f in attention_v4_kernel attention_v4_loaders attention \
+  #   attention_kernel common_kernels; do git show main:backends/triton/$f.py > probe_tmp/triton_main/$f.py; done
+  mkdir -p /tmp/s58; t0=$(date +%s); left() { echo $(( ${S58_LIMIT:-540} - $(date +%s) + t0 )); }
+  CO=QUANTMLA_TRITON_V4_CHANNEL_ORDER
+  echo "=== first: the merge kernel's channel order, one small case of each packed format in each order"
+  timeout -k 10 150 $T -x -rfE --tb=long tests/test_triton_backend.py tests/test_triton_v4.py -k "merge_channel_order or \
+(matches_reference_and_v3 and L63_64_65 and H128 and (C4R4 or C2R4) and (1w8p] or 1w8pc))" > /tmp/s58/first.txt 2>&1
+  echo "rc=$?" >> /tmp/s58/first.txt; grep -E "^E  |^FAILED" /tmp/s58/first.txt | head -12; tail -2 /tmp/s58/first.txt
+  if grep -q "^rc=0" /tmp/s58/first.txt; then
+    for tree in after main; do
+      [ $tree = main ] && { [ -d probe_tmp/triton_main ] || continue; triton_tree main; }
+      echo "=== Triton's defaults, $tree's sources (CUDA graphs, FlashInfer BF16 in the process)"
+      PYTHONPATH=$(tree_path $tree) timeout -k 10 ${S58_GRAPH_S:-110} python3 -P benchmarks/graph_probe.py \
+        --backends triton --formats C4R4,C2R4,BF16 --shapes ${S58_SHAPES:-128x8x4096,128x32x4096,128x32x32768,128x128x32768,64x32x32768} \
+        --json /tmp/s58/graph_$tree.json 2>&1 | grep -v "^{" | tail -16
+    done
+    echo "=== the two orders where the rule changes (64 and 128 pages a split)"
+    timeout -k 10 ${S58_ORDER_S:-70} python3 -P benchmarks/graph_probe.py --backends triton --formats C4R4,C2R4 \
+      --shapes ${S58_ORDER_SHAPES:-128x32x8192,128x32x16384} --settings "$CO=0;$CO=1" \
+      --json /tmp/s58/graph_orders.json 2>&1 | grep -v "^{" | tail -8
+    echo "=== v4 tests: the channel order's builds (1w8c, 1w8pc, 2w8pc), the plain default's references ($(left) s left)"
+    timeout -k 10 $(( $(left) - 45 > 30 ? $(left) - 45 : 30 )) $T -rfE tests/test_triton_v4.py \
+      -k "1w8c or 1w8pc or 2w8pc or (matches_reference_and_v3 and 1w8p] and (C4R4 or C2R4))" > /tmp/s58/conf.txt 2>&1
+    echo "rc=$?" >> /tmp/s58/conf.txt; grep -E "^FAILED|^ERROR" /tmp/s58/conf.txt | head -10; tail -3 /tmp/s58/conf.txt
+    timeout -k 5 40 compute-sanitizer --tool memcheck $T tests/test_triton_v4.py \
+      -k "matches_reference_and_v3 and C4R4 and L300_5 and 1w8pc" 2>&1 | tail -2
+  fi
+  tar czf "$OUT/s58.tgz" -C /tmp s58
 elif [ "$MODE" = stop57auto ]; then
   mkdir -p /tmp/s57a
   echo "=== Triton v4 (defaults, protected tokens inline) against CuPy (its defaults): CUDA graphs, FlashInfer BF16"

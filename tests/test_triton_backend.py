@@ -419,6 +419,41 @@ def test_merge_reads_poisoned_scratch_safely(monkeypatch):
     _attend_direct(Case(fmt, (300, 5, 70), heads=3, s_q=3, sink=4, local=20, seed=44), num_splits=9)
 
 
+def _merge_direct(o_part, lse_part, o_prot, lse_prot, channel_order: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``merge_kernel`` over float32 partials ``[B, NS, R, DC]`` / ``[B, NS, R]`` and protected ones (bfloat16 out)."""
+    from quantmla_core.backends.triton.attention_kernel import merge_kernel
+    from quantmla_core.backends.triton.heuristics import MERGE_BLOCK_C, MERGE_BLOCK_R, merge_load_width
+
+    b, ns, r, dc = o_part.shape
+    npt = o_prot.shape[1]
+    out = torch.full((b, r, dc), float("nan"), dtype=torch.bfloat16, device=o_part.device)
+    lse = torch.full((b, r), float("nan"), device=o_part.device)
+    merge_kernel[(b, -(-r // MERGE_BLOCK_R), dc // MERGE_BLOCK_C)](
+        o_part, lse_part, o_prot, lse_prot, out, lse, r, ns, npt, Q_BF16=True, DC=dc, BLOCK_R=MERGE_BLOCK_R,
+        BLOCK_C=MERGE_BLOCK_C, SC=merge_load_width(ns), SCP=merge_load_width(npt), CHANNEL_ORDER=channel_order)
+    return out, lse
+
+
+def test_merge_channel_order():
+    """``CHANNEL_ORDER`` (kernel v4 over packed pages): split partials whose column j holds channel channel_of(j)
+    (bits 0 and 1 of j swapped), protected partials in plain order, merged into the plain-order output bit for bit
+    as the same partials in plain order without it. The control (the permuted partials read as plain) must differ."""
+    g = torch.Generator().manual_seed(57)
+    b, ns, npt, r, dc = 2, 3, 2, 19, 64
+    o_part, o_prot = (torch.randn(b, n, r, dc, generator=g).to(DEVICE) for n in (ns, npt))
+    lse_part, lse_prot = (4 * torch.randn(b, n, r, generator=g).to(DEVICE) for n in (ns, npt))
+    j = np.arange(dc)
+    channel_of = torch.from_numpy((j & -4) | ((j & 1) << 1) | ((j >> 1) & 1)).to(DEVICE)
+    assert sorted(channel_of[:4].tolist()) == [0, 1, 2, 3] and channel_of[:4].tolist() == [0, 2, 1, 3]
+    permuted = o_part[..., channel_of].contiguous()
+    want_out, want_lse = _merge_direct(o_part, lse_part, o_prot, lse_prot, False)
+    got_out, got_lse = _merge_direct(permuted, lse_part, o_prot, lse_prot, True)
+    assert not torch.isnan(want_out.float()).any()
+    assert torch.equal(got_out, want_out) and torch.equal(got_lse, want_lse)
+    control, _ = _merge_direct(permuted, lse_part, o_prot, lse_prot, False)
+    assert not torch.equal(control, want_out)
+
+
 def test_merge_load_width():
     from quantmla_core.backends.triton.heuristics import MERGE_SPLITS_A_LOAD, merge_load_width
 

@@ -21,7 +21,8 @@ from conformance import cache_to_cpu
 
 pytest.importorskip("triton")
 from quantmla_core.backends.triton import attention as A  # noqa: E402
-from quantmla_core.backends.triton.heuristics import V4_INLINE_PROTECT, V4_LOADER_WARPS  # noqa: E402
+from quantmla_core.backends.triton.heuristics import (V4_CHANNEL_ORDER_MIN_PAGES, V4_INLINE_PROTECT,  # noqa: E402
+                                                      V4_LOADER_WARPS, v4_channel_order)
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 NEEDS_HOPPER = pytest.mark.skipif(not ON_HOPPER or A.GLUON_IMPORT_ERROR is not None,
@@ -102,10 +103,11 @@ def test_v4_needs_gluon(monkeypatch):
 @pytest.mark.parametrize("fmt", ["BF16", "C4R4", "C2R4"])
 @pytest.mark.parametrize("batch,heads,tokens", [(32, 128, 32768), (8, 128, 4096), (3, 64, 700)])
 def test_v4_is_planned_as_v3(monkeypatch, fmt, batch, heads, tokens):
-    """With the protected-tile kernel (inline protection off) v4 writes v3's partials: the same grid, splits,
-    protected parts and merge, v3's constexprs, 4 warps."""
+    """With the protected-tile kernel (inline protection off) and the plain channel order v4 writes v3's partials:
+    the same grid, splits, protected parts and merge, v3's constexprs, 4 warps."""
     _as_hopper(monkeypatch)
     monkeypatch.setenv(A.V4_INLINE_PROTECT_ENV, "0")
+    monkeypatch.setenv(A.V4_CHANNEL_ORDER_ENV, "0")
     v4 = _prepare(fmt, batch=batch, heads=heads, tokens=tokens)
     v3 = _prepare(fmt, batch=batch, heads=heads, tokens=tokens, variant="v3")
     assert v4.variant == "v4" and v3.variant == "v3"
@@ -183,6 +185,37 @@ def test_inline_protection_needs_bfloat16_protection(monkeypatch):
         _prepare("C4R4", protect_dtype=torch.float32)
 
 
+@pytest.mark.parametrize("fmt", ["BF16", "C4R4", "C2R4"])
+@pytest.mark.parametrize("value", [None, "0", "1"])
+@pytest.mark.parametrize("batch,tokens", [(32, 32768), (8, 4096)])
+def test_channel_order_is_a_knob(monkeypatch, fmt, value, batch, tokens):
+    """Packed pages: unset, the order follows the pages a split reads (B32 L32K: 256 a split, on; B8 L4K: 8, off);
+    set, the knob. The split kernel and the merge kernel get the same order. BF16 pages: always plain."""
+    _as_hopper(monkeypatch)
+    _set_env(monkeypatch, A.V4_CHANNEL_ORDER_ENV, value)
+    call = _prepare(fmt, batch=batch, tokens=tokens)
+    want = (batch == 32) if value is None else value == "1"
+    want = want and fmt != "BF16"
+    assert call.split_consts.get("CHANNEL_ORDER", False) == want
+    assert call.merge_consts["CHANNEL_ORDER"] == want
+    assert _prepare(fmt, batch=batch, tokens=tokens, variant="v3").merge_consts["CHANNEL_ORDER"] is False
+
+
+def test_channel_order_rule():
+    """On from :data:`V4_CHANNEL_ORDER_MIN_PAGES` table pages a split (rounded up) on."""
+    for splits in (1, 2, 7):
+        assert v4_channel_order(V4_CHANNEL_ORDER_MIN_PAGES * splits, splits)
+        assert v4_channel_order(V4_CHANNEL_ORDER_MIN_PAGES * splits - splits + 1, splits)
+        assert not v4_channel_order((V4_CHANNEL_ORDER_MIN_PAGES - 1) * splits, splits)
+
+
+def test_a_malformed_channel_order_knob_is_refused(monkeypatch):
+    _as_hopper(monkeypatch)
+    monkeypatch.setenv(A.V4_CHANNEL_ORDER_ENV, "on")
+    with pytest.raises(ValueError, match="QUANTMLA_TRITON_V4_CHANNEL_ORDER: expected one of 0, 1, got 'on'"):
+        _prepare()
+
+
 def test_a_malformed_loader_warps_knob_is_refused(monkeypatch):
     _as_hopper(monkeypatch)
     monkeypatch.setenv(A.V4_LOADER_WARPS_ENV, "6")
@@ -235,11 +268,14 @@ def _attend(case: Case, cache, args, batch, variant: str, num_splits: int | None
 
 
 #: kernel v4's builds on the GPU: ``QUANTMLA_TRITON_V4_PIPELINE``, then "w8" for 8 loader warps, "p" for the
-#: protected tokens in the split kernel (``QUANTMLA_TRITON_V4_INLINE_PROTECT``)
-GPU_BUILDS = ["0", "1", "2", "3", "1w8", "2w8", "3w8", "1p", "1w8p", "2w8p"]
+#: protected tokens in the split kernel (``QUANTMLA_TRITON_V4_INLINE_PROTECT``), "c" for packed pages in channel_of
+#: order (``QUANTMLA_TRITON_V4_CHANNEL_ORDER``; the others plain)
+GPU_BUILDS = ["0", "1", "2", "3", "1w8", "2w8", "3w8", "1p", "1w8p", "2w8p", "1w8c", "1w8pc", "2w8pc"]
 
 
 def _set_build(monkeypatch, build: str) -> None:
+    monkeypatch.setenv(A.V4_CHANNEL_ORDER_ENV, "1" if build.endswith("c") else "0")
+    build = build.rstrip("c")
     inline = build.endswith("p")
     pipeline, _, warps = build.rstrip("p").partition("w")
     monkeypatch.setenv(A.V4_PIPELINE_ENV, pipeline)

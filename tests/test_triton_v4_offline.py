@@ -81,12 +81,12 @@ def reports() -> dict:
     _needs_ptxas()
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = {}
-    for pipeline, probe, warps, inline in ((0, 0, 4, 0), (1, 0, 4, 0), (2, 0, 4, 0), (3, 0, 4, 0), (2, 3, 4, 0),
-                                           (1, 0, 8, 0), (2, 0, 8, 0), (3, 0, 8, 0), (1, 0, 4, 1), (1, 0, 8, 1),
-                                           (2, 0, 8, 1)):
+    for pipeline, probe, warps, inline, order in ((0, 0, 4, 0, 0), (1, 0, 4, 0, 0), (2, 0, 4, 0, 0), (3, 0, 4, 0, 0),
+                                                  (2, 3, 4, 0, 0), (1, 0, 8, 0, 0), (2, 0, 8, 0, 0), (3, 0, 8, 0, 0),
+                                                  (1, 0, 4, 1, 0), (1, 0, 8, 1, 0), (2, 0, 8, 1, 0), (1, 0, 8, 1, 1)):
         cmd = [sys.executable, *(["-P"] if sys.flags.safe_path else []), "-m",
                "quantmla_core.backends.triton.offline_v4", *FORMATS, f"pipeline={pipeline}", f"probe={probe}",
-               f"loader_warps={warps}", f"inline_prot={inline}"]
+               f"loader_warps={warps}", f"inline_prot={inline}", f"channel_order={order}"]
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=tempfile.gettempdir())
         lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
         assert len(lines) == len(FORMATS), r.stdout + r.stderr
@@ -94,6 +94,7 @@ def reports() -> dict:
             key = (fmt, pipeline) if probe == 0 else (fmt, pipeline, "probe", probe)
             key = key if warps == 4 else (*key, "w8")
             key = (*key, "inline") if inline else key
+            key = (*key, "channel_of") if order else key
             out[key] = ast.literal_eval(line)
             assert "err" not in out[key], out[key]
     return out
@@ -154,6 +155,17 @@ def test_offline_default_builds_attend_to_protected_tokens_inline(reports, fmt):
     assert 136 in r["setmaxnreg"] and 232 in r["setmaxnreg"], r
 
 
+@pytest.mark.parametrize("fmt", ["C4R4", "C2R4"])
+def test_offline_channel_order_builds(reports, fmt):
+    """The defaults with packed key tiles in ``channel_of`` order (``CHANNEL_ORDER``): rearranging the queries and the
+    protected rows in registers adds no ``wgmma`` and leaves them pipelined, in the same shared memory and register
+    split. C4R4 may spill two words under triton 3.6.0 (none under 3.7.1)."""
+    r = reports[fmt, V4_PIPELINE[fmt], "w8", "inline", "channel_of"]
+    assert r["channel_order"] and r["inline_prot"] and r["wgmma"] == 48 and not r["wgmma_serialized"], r
+    assert r["smem"] <= SMEM_LIMIT and r["spill_bytes"] <= (8 if fmt == "C4R4" else 0), r
+    assert 136 in r["setmaxnreg"] and 232 in r["setmaxnreg"], r
+
+
 # ---------------------------------------------------------------- the loaders' channel order, mirrored in NumPy
 
 
@@ -192,18 +204,33 @@ def _scaled(x: np.ndarray, zb: np.ndarray, s: np.ndarray, f32_scale: bool) -> np
     return bf16_round(k * s[:, None])  # exact in float32, one rounding
 
 
-def _plane(w: np.ndarray, pl: int, bits: int, zb, s, f32_scale: bool, order: str = "kernel") -> np.ndarray:
+def channel_of(j: np.ndarray) -> np.ndarray:
+    """``common_kernels.channel_of``: ``j`` with bits 0 and 1 swapped."""
+    return (j & -4) | ((j & 1) << 1) | ((j >> 1) & 1)
+
+
+def _plane(w: np.ndarray, pl: int, bits: int, zb, s, f32_scale: bool, channel_order: bool) -> np.ndarray:
     """``attention_v4_loaders._plane``: gl.join = a new trailing axis, then a row-major reshape to [N, 4 W]."""
     lo0, hi0 = (_scaled(x, zb, s, f32_scale) for x in _pair(w, bits * pl, bits))
     lo1, hi1 = (_scaled(x, zb, s, f32_scale) for x in _pair(w, 8 + bits * pl, bits))
-    if order == "kernel":
-        k = np.stack([np.stack([lo0, hi0], -1), np.stack([lo1, hi1], -1)], -1)
-    else:  # control: the two halves of a word taken as adjacent bytes
+    if channel_order:
         k = np.stack([np.stack([lo0, lo1], -1), np.stack([hi0, hi1], -1)], -1)
+    else:
+        k = np.stack([np.stack([lo0, hi0], -1), np.stack([lo1, hi1], -1)], -1)
     return k.reshape(w.shape[0], 4 * w.shape[1])
 
 
-def _mirror(fmt: PackFormat, page: np.ndarray, bits: int | None = None, order: str = "kernel"):
+def _to_channel_order(x: np.ndarray) -> np.ndarray:
+    """``attention_v4_loaders.to_channel_order``: two gl.split (the last axis) and two gl.join, as written."""
+    n, c = x.shape
+    y = x.reshape(n, c // 4, 2, 2)
+    y0, y1 = y[..., 0], y[..., 1]
+    c0, c2 = y0[..., 0], y0[..., 1]
+    c1, c3 = y1[..., 0], y1[..., 1]
+    return np.stack([np.stack([c0, c1], -1), np.stack([c2, c3], -1)], -1).reshape(n, c)
+
+
+def _mirror(fmt: PackFormat, page: np.ndarray, channel_order: bool, bits: int | None = None):
     """The loader's kc [64, d_c] and kr [64, d_r] tiles (float32 values of the bfloat16 it stores) for one page.
     ``bits`` (controls): the content's codes taken apart as codes of that many bits."""
     secs = {k: v[0] for k, v in fmt.sections.items()}
@@ -220,48 +247,87 @@ def _mirror(fmt: PackFormat, page: np.ndarray, bits: int | None = None, order: s
     for c in range(cbytes // 64):
         for pl in range(planes):
             g = pl * cbytes // 64 + c
-            zb = bf16_round(zeros[:, g].astype(np.float32) + 128)
+            zb = bits_to_bf16(zeros[:, g].astype(np.uint16) | 0x4300)  # _biased_zero
             col = pl * cbytes + 64 * c
             if col + 64 <= dc:
-                kc[:, col: col + 64] = _plane(words[:, 16 * c: 16 * c + 16], pl, cbits, zb, scales[:, g], False, order)
+                kc[:, col: col + 64] = _plane(words[:, 16 * c: 16 * c + 16], pl, cbits, zb, scales[:, g], False,
+                                                              channel_order)
     rw = _rows(page, secs["rope_codes"], dr * fmt.rope_bits // 8 // 4, "<u4")
     rs = _rows(page, secs["rope_scales"], 1, "<f4")[:, 0]
-    rzb = bf16_round(_rows(page, secs["rope_zeros"], 1, np.uint8)[:, 0].astype(np.float32) + 128)
-    k0 = _plane(rw, 0, fmt.rope_bits, rzb, rs, True, order)
-    k1 = _plane(rw, 1, fmt.rope_bits, rzb, rs, True, order)
+    rzb = bits_to_bf16(_rows(page, secs["rope_zeros"], 1, np.uint8)[:, 0].astype(np.uint16) | 0x4300)
+    k0 = _plane(rw, 0, fmt.rope_bits, rzb, rs, True, channel_order)
+    k1 = _plane(rw, 1, fmt.rope_bits, rzb, rs, True, channel_order)
     kr = np.stack([k0, k1], -1).transpose(0, 2, 1).reshape(64, dr)  # join, permute (0, 2, 1), reshape
     return kc, kr
 
 
-def _oracle(fmt: PackFormat, page: np.ndarray):
+def _oracle(fmt: PackFormat, page: np.ndarray, channel_order: bool):
+    """The reference's decoded page as the loader's tiles: bfloat16 values, and with ``channel_order`` (packed
+    formats) the columns in ``channel_of`` order."""
     c, kr = ref.decode_page(fmt, page)
-    return bf16_round(c.astype(np.float32)), bf16_round(kr.astype(np.float32))
+    c, kr = bf16_round(c.astype(np.float32)), bf16_round(kr.astype(np.float32))
+    if fmt.quantized and channel_order:
+        c, kr = c[:, channel_of(np.arange(c.shape[1]))], kr[:, channel_of(np.arange(kr.shape[1]))]
+    return c, kr
 
 
 def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     return a.shape == b.shape and bool(np.array_equal(a.view(np.uint32), b.view(np.uint32)) or np.array_equal(a, b))
 
 
+@pytest.mark.parametrize("channel_order", [False, True])
 @pytest.mark.parametrize("name", FORMATS)
-def test_loader_channel_order_matches_reference(name):
+def test_loader_channel_order_matches_reference(name, channel_order):
+    """The loader's tiles, in plain order and (``CHANNEL_ORDER``) in ``channel_of`` order, are the reference's
+    decoded page in that order, bit for bit."""
     fmt, page = _written_page(name, seed=len(name))
-    kc, kr = _mirror(fmt, page)
-    c_ref, r_ref = _oracle(fmt, page)
+    kc, kr = _mirror(fmt, page, channel_order)
+    c_ref, r_ref = _oracle(fmt, page, channel_order)
     assert _same_bits(kc, c_ref), np.argwhere(kc != c_ref)[:5]
     assert _same_bits(kr, r_ref), np.argwhere(kr != r_ref)[:5]
 
 
 def test_loader_channel_order_controls_mismatch():
-    """The mirror catches a wrong map: a word's halves taken as adjacent bytes (C4R4), 2-bit codes taken apart as
-    nibbles (C2R4)."""
+    """The mirror catches a wrong map: each order's tiles against the reference in the other order (C4R4), 2-bit codes
+    taken apart as nibbles (C2R4)."""
     fmt, page = _written_page("C4R4", seed=7)
-    kc, kr = _mirror(fmt, page, order="swapped")
-    c_ref, r_ref = _oracle(fmt, page)
-    assert not _same_bits(kc, c_ref) and not _same_bits(kr, r_ref)
+    for channel_order in (False, True):
+        kc, kr = _mirror(fmt, page, channel_order)
+        c_other, r_other = _oracle(fmt, page, not channel_order)
+        assert not _same_bits(kc, c_other) and not _same_bits(kr, r_other)
     fmt, page = _written_page("C2R4", seed=8)
-    kc, _ = _mirror(fmt, page, bits=4)
-    c_ref, _ = _oracle(fmt, page)
+    kc, _ = _mirror(fmt, page, False, bits=4)
+    c_ref, _ = _oracle(fmt, page, False)
     assert not np.array_equal(kc, c_ref)
+
+
+def test_channel_order_of_queries_and_protected_rows():
+    """``to_channel_order`` (queries, protected rows) puts channel ``channel_of(j)`` in column ``j``, as the packed
+    loader's tiles hold them with ``CHANNEL_ORDER``, and ``channel_of`` is its own inverse (the merge kernel writes
+    the output through it)."""
+    x = np.arange(3 * 64, dtype=np.float32).reshape(3, 64)
+    j = np.arange(64)
+    assert np.array_equal(_to_channel_order(x), x[:, channel_of(j)])
+    assert np.array_equal(channel_of(channel_of(j)), j) and not np.array_equal(channel_of(j), j)
+    assert sorted(channel_of(j[:4])) == [0, 1, 2, 3] and list(channel_of(j[:4])) == [0, 2, 1, 3]
+
+
+def _per_group(x: np.ndarray) -> list[np.ndarray]:
+    """``attention_v4_loaders._per_group``'s splits, as written: [64, 8] -> reshape [64, 2, 2, 2] -> three levels of
+    gl.split (the last axis), named g0 .. g7 there."""
+    y = x.reshape(x.shape[0], 2, 2, 2)
+    c0, c1 = y[..., 0], y[..., 1]
+    (b00, b01), (b10, b11) = (c0[..., 0], c0[..., 1]), (c1[..., 0], c1[..., 1])
+    g0, g4, g2, g6 = b00[..., 0], b00[..., 1], b01[..., 0], b01[..., 1]
+    g1, g5, g3, g7 = b10[..., 0], b10[..., 1], b11[..., 0], b11[..., 1]
+    return [g0, g1, g2, g3, g4, g5, g6, g7]
+
+
+def test_per_group_splits_give_groups_in_order():
+    """The loader's vector load of a token's 8 scales (or zeros) hands group ``g`` to tuple entry ``g``."""
+    x = np.arange(64 * 8).reshape(64, 8)
+    assert all(np.array_equal(t, x[:, g]) for g, t in enumerate(_per_group(x)))
+    assert not all(np.array_equal(t, x[:, g]) for g, t in enumerate(_per_group(x)[::-1]))
 
 
 # ---------------------------------------------------------------- the mbarrier protocol, modelled

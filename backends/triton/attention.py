@@ -30,7 +30,7 @@ from .heuristics import (INTERPRETER_SM_COUNT, MERGE_BLOCK_C, MERGE_BLOCK_R, MER
                          DeviceLimits, PROTECT_ROWS_CHOICES, merge_load_width, pdl_default, plan, plan_v2, plan_v3,
                          planned_shared_max, plan_v4, protect_parts, v3_code_words, v3_tile_groups, v3_word_lanes,
                          V4_AUTO, V4_CAPABILITY_MAJOR, V4_INLINE_PROTECT, V4_LOADER_WARPS, V4_PIPELINE,
-                         v4_format_unsupported)
+                         v4_channel_order, v4_format_unsupported)
 
 #: environment variable choosing the split kernel ("auto" default, "v1", "v2", "v3", "v4"); read on every call. ``auto``
 #: runs v4 (Gluon, Hopper) where it would run v3 and v4 serves the call (``heuristics.V4_AUTO``)
@@ -61,6 +61,10 @@ V4_LOADER_WARPS_ENV = "QUANTMLA_TRITON_V4_LOADER_WARPS"
 #: protected-tile kernel runs; "0": that kernel runs; unset: :data:`heuristics.V4_INLINE_PROTECT`. Read when a call is
 #: prepared
 V4_INLINE_PROTECT_ENV = "QUANTMLA_TRITON_V4_INLINE_PROTECT"
+#: "1": kernel v4 keeps a packed cache's key tiles in ``channel_of`` order; "0": in plain order; unset:
+#: :func:`heuristics.v4_channel_order` (by pages a split). BF16 pages are always read in plain order. Read when a call
+#: is prepared
+V4_CHANNEL_ORDER_ENV = "QUANTMLA_TRITON_V4_CHANNEL_ORDER"
 #: kernel v4's measurement builds, WRONG OUTPUTS (benchmarks only; a warning on every call that takes one): 1, the
 #: loader loads and writes no keys; 2, it skips its output product; 3, both. Unset or 0: the real kernel
 V4_PROBE_ENV = "QUANTMLA_TRITON_V4_PROBE"
@@ -432,6 +436,13 @@ def _v4_inline_protect(cache) -> bool:
     return True
 
 
+def _v4_channel_order(table_pages: int, num_splits: int) -> bool:
+    """Whether kernel v4 keeps a packed cache's key tiles in ``channel_of`` order (:data:`V4_CHANNEL_ORDER_ENV`;
+    unset: :func:`heuristics.v4_channel_order` of the block table's pages and the split count)."""
+    asked = env_int_choice(V4_CHANNEL_ORDER_ENV, (0, 1))
+    return v4_channel_order(table_pages, num_splits) if asked is None else asked == 1
+
+
 def _given(name: str, x: torch.Tensor) -> torch.Tensor:
     """A caller-given output the merge kernel can write: contiguous."""
     if not x.is_contiguous():
@@ -594,6 +605,8 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
             consts["PROBE"] = probe
         if _v4_inline_protect(cache):
             consts["INLINE_PROT"] = True
+        if fmt.quantized and _v4_channel_order(int(block_table.shape[1]), pl.num_splits):
+            consts["CHANNEL_ORDER"] = True
     scale_log2 = float(softmax_scale) * math.log2(math.e)
     pconsts = dict(Q_BF16=q_bf16, DOT_BF16=dot_bf16, PROT_BF16=cache.sink_buf.dtype == torch.bfloat16, DC=dc, DR=dr,
                    BLOCK_T=pl.protect_block_t, BLOCK_R=pl.protect_block_r, PDL=pdl == 2)
@@ -608,7 +621,7 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
         _check_protect_fits(pargs, pconsts, pl.protect_warps, fmt, dev, limits)
     block_c = min(MERGE_BLOCK_C, dc)
     mconsts = dict(Q_BF16=q_bf16, DC=dc, BLOCK_R=MERGE_BLOCK_R, BLOCK_C=block_c, SC=merge_load_width(pl.num_splits),
-                   SCP=merge_load_width(parts), PDL=pdl > 0)
+                   SCP=merge_load_width(parts), PDL=pdl > 0, CHANNEL_ORDER=bool(consts.get("CHANNEL_ORDER")))
     partial_specs = tuple((shape, torch.float32) for shape in (
         (b, pl.num_splits, rows, dc), (b, pl.num_splits, rows), (b, parts, rows, dc), (b, parts, rows)))
     return PreparedCall(variant, pl, b, q_len, heads, dev, block_table, seq_lens, seq_ids, scale_log2, partial_specs,

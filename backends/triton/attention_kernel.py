@@ -36,7 +36,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common_kernels import bf16_bits_to_f32, load_f32, pdl_launch_dependents, pdl_wait, store_f32
+from .common_kernels import bf16_bits_to_f32, channel_of, load_f32, pdl_launch_dependents, pdl_wait, store_f32
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -387,12 +387,15 @@ def merge_kernel(
     SC: tl.constexpr,
     SCP: tl.constexpr,
     PDL: tl.constexpr = False,
+    CHANNEL_ORDER: tl.constexpr = False,
 ):
     """Program (b, rb, cb): channels ``cb * BLOCK_C ..`` of query rows block rb of request b, merged over the
     splits' partials (SC a load) and the protected parts' (SCP a load) by log-sum-exp in one pass; ``lse`` (natural
     log) from the programs with cb = 0. ``PDL``: launched with ``launch_pdl``, it waits for the kernel before it before
     its first load: the split kernel (the protected-tile kernel, launched before it without PDL, has ended before it
-    starts), or with PDL mode 2 the protected-tile kernel, which ends only after the split kernel."""
+    starts), or with PDL mode 2 the protected-tile kernel, which ends only after the split kernel. ``CHANNEL_ORDER``
+    (kernel v4 over packed pages): the split partials' column ``j`` holds channel ``channel_of(j)``, as v4's key tiles
+    do, so that v4 stores them in whole pairs; the protected parts are read, and the output written, through it."""
     b = tl.program_id(0)
     rb = tl.program_id(1)
     cb = tl.program_id(2)
@@ -404,6 +407,9 @@ def merge_kernel(
     acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
     pdl_wait(PDL)
     m, l, acc = _merge_partials(o_part_ptr, lse_part_ptr, b, NSPLIT, R, rows, row_ok, cols, m, l, acc, DC, SC)
+    if CHANNEL_ORDER:  # acc's column j holds channel channel_of(j) from here on
+        tl.static_assert(BLOCK_C % 4 == 0, "the channel order moves channels within groups of 4")
+        cols = channel_of(cols)
     m, l, acc = _merge_partials(o_prot_ptr, lse_prot_ptr, b, NPT, R, rows, row_ok, cols, m, l, acc, DC, SCP)
     l_safe = tl.where(l > 0.0, l, 1.0)
     out_offs = (b.to(tl.int64) * R + rows[:, None]) * DC + cols[None, :]

@@ -1,7 +1,8 @@
 """Split-KV decode attention, kernel v4: kernel v3's partials from a warp-specialized Gluon kernel (Hopper, sm_90a).
 
 A drop-in for ``attention_v3_kernel.split_kernel_v3`` (same positional arguments and constexpr names, grid
-``(NSPLIT, B, cdiv(R, 64))``, the same partial outputs) for bfloat16 queries, d_c 512, d_r 64, 64-token pages,
+``(NSPLIT, B, cdiv(R, 64))``, the same partial outputs, in ``channel_of`` order with ``CHANNEL_ORDER``, as the merge
+kernel's ``CHANNEL_ORDER`` reads them) for bfloat16 queries, d_c 512, d_r 64, 64-token pages,
 formats BF16, C4R4 and C2R4. Launch with ``num_warps=V4_NUM_WARPS`` (4: the attender); the loader's 4 or 8 warps
 (``LOADER_WARPS``) come on top. Gluon has no interpreter: the module imports on any triton, and ``split_kernel_v4``
 exists only where ``GLUON_IMPORT_ERROR`` is None (else it is None).
@@ -50,7 +51,7 @@ if GLUON_IMPORT_ERROR is None:
                                                                   warpgroup_mma_init, warpgroup_mma_wait)
 
     from .attention_v4_loaders import (_acc_layout, is_protected_page, loader_partition, page_of, protected_pages,
-                                       protected_span)
+                                       protected_span, to_channel_order)
 
     #: registers of each loader thread (``setmaxnreg``) with 8 loader warps: the attender keeps (65,536 - 256 x this)
     #: / 128
@@ -84,19 +85,23 @@ if GLUON_IMPORT_ERROR is None:
         return ps, pe, j_lo, gl.maximum(j_hi - j_lo, 0)
 
     @gluon.jit
-    def _load_q(q_base, rows, row_ok, cols, q_s, D: gl.constexpr):
-        """Query rows ``[64, D]`` (0 past R) as bfloat16 into ``q_s``, 64 channels at a time."""
+    def _load_q(q_base, rows, row_ok, cols, q_s, D: gl.constexpr, CHANNEL_ORDER: gl.constexpr = False):
+        """Query rows ``[64, D]`` (0 past R) as bfloat16 into ``q_s``, 64 channels at a time (``CHANNEL_ORDER``: in
+        the packed key tiles' channel order, ``channel_of``)."""
         for c in gl.static_range(D // 64):
             x = gl.load(q_base + rows[:, None] * D + (c * 64 + cols)[None, :], mask=row_ok[:, None], other=0.0)
+            if CHANNEL_ORDER:
+                x = to_channel_order(x, 64, 64)
             q_s.slice(c * 64, 64, dim=1).store(x.to(gl.bfloat16))
 
     @gluon.jit
     def attender_partition(q_base, qr_base, table_row, num_pages, o_part_ptr, lse_part_ptr, part, rb, R, H, S_Q, L,
                            sm_scale_log2, ps, pe, j_lo, n_tiles, bufs, bars, prot, DC: gl.constexpr, DR: gl.constexpr,
                            PAGE_BYTES: gl.constexpr, BLOCK_R: gl.constexpr, PIPELINE: gl.constexpr = 0,
-                           INLINE_PROT: gl.constexpr = False):
+                           INLINE_PROT: gl.constexpr = False, CHANNEL_ORDER: gl.constexpr = False):
         """Default partition: scores, softmax and the output product over channels ``[0, DC/2)``; writes those
-        channels of the partial output and the log2-sum-exp."""
+        channels of the partial output and the log2-sum-exp. ``CHANNEL_ORDER``: the key tiles hold channels in
+        ``channel_of`` order, so the queries are loaded through it and the output columns stay in it."""
         kc, kr, q_s, qr_s, p_s, alpha_s, l_s = bufs
         kfull, kempty, pready, pfree, lfin = bars
         s_layout: gl.constexpr = _acc_layout(64)
@@ -107,8 +112,8 @@ if GLUON_IMPORT_ERROR is None:
         ql: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         qrows = rb * BLOCK_R + gl.arange(0, BLOCK_R, gl.SliceLayout(1, ql))
         qcols = gl.arange(0, 64, gl.SliceLayout(0, ql))
-        _load_q(q_base, qrows, qrows < R, qcols, q_s, DC)
-        _load_q(qr_base, qrows, qrows < R, qcols, qr_s, DR)
+        _load_q(q_base, qrows, qrows < R, qcols, q_s, DC, CHANNEL_ORDER)
+        _load_q(qr_base, qrows, qrows < R, qcols, qr_s, DR, CHANNEL_ORDER)
         fence_async_shared()
 
         rows = rb * BLOCK_R + gl.arange(0, BLOCK_R, row_l)
@@ -156,11 +161,12 @@ if GLUON_IMPORT_ERROR is None:
                 hi = gl.where(is_prot, hi_p, hi)
             n = base + toks
             vis = ((n >= lo) & (n < hi))[None, :] & (n[None, :] < limit[:, None])
-            sc = gl.where(vis, s * sm_scale_log2, float("-inf"))
-            m_new = gl.maximum(m_i, gl.reduce(sc, 1, _max))
+            # the scale (> 0, checked at the API) after the maximum, so that scale and subtraction fuse into one FFMA
+            sc = gl.where(vis, s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.reduce(sc, 1, _max) * sm_scale_log2)
             m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(sc - m_safe[:, None])
+            p = gl.exp2(sc * sm_scale_log2 - m_safe[:, None])
             l_i = l_i * alpha + gl.reduce(p, 1, _add)
             m_i = m_new
 
@@ -191,7 +197,7 @@ if GLUON_IMPORT_ERROR is None:
         pages_ptr,  # uint8 [num_pages, PAGE_BYTES]
         table_ptr,  # int32 [B, max_pages]
         lens_ptr,  # [B] int
-        o_part_ptr,  # float32 [B, NSPLIT, R, DC]
+        o_part_ptr,  # float32 [B, NSPLIT, R, DC] (columns in channel_of order with CHANNEL_ORDER)
         lse_part_ptr,  # float32 [B, NSPLIT, R] (log2 units)
         stride_table,
         num_pages,
@@ -238,6 +244,7 @@ if GLUON_IMPORT_ERROR is None:
         PROBE: gl.constexpr = 0,
         LOADER_WARPS: gl.constexpr = 4,
         INLINE_PROT: gl.constexpr = False,
+        CHANNEL_ORDER: gl.constexpr = False,
         sink_ptr=None,  # [max_seqs, SINK, DC + DR] bfloat16 (INLINE_PROT)
         local_ptr=None,  # [max_seqs, LOCAL, DC + DR] bfloat16, a ring by position
         ids_ptr=None,  # [B] int: each request's slot in them
@@ -251,7 +258,10 @@ if GLUON_IMPORT_ERROR is None:
         64K-register file, and the packed loader holds the next page's bytes beside the dequantization). ``PIPELINE``:
         the build (``heuristics.V4_PIPELINE``). ``PROBE`` (measurement builds, wrong outputs; ``loader_partition``):
         the loader skips the keys (bit 0) and / or its output product (bit 1). ``LOADER_WARPS`` (4 or 8,
-        ``heuristics.V4_LOADER_WARPS``): the loader's warps; with 8 its threads keep ``LOADER8_REGS`` registers."""
+        ``heuristics.V4_LOADER_WARPS``): the loader's warps; with 8 its threads keep ``LOADER8_REGS`` registers.
+        ``CHANNEL_ORDER`` (packed pages, ``heuristics.v4_channel_order``): key tiles in ``channel_of`` order, which
+        spares the loader's byte permutes a page; queries and protected rows are rearranged to match, and the partial
+        output keeps the order for the merge kernel's ``CHANNEL_ORDER``."""
         gl.static_assert(BLOCK_R == 64, "kernel v4: 64 query rows a program")
         gl.static_assert(P == 64 and BLOCK_N % 64 == 0, "kernel v4: 64-token pages")
         gl.static_assert(DC == 512 and DR == 64, "kernel v4: d_c 512, d_r 64")
@@ -259,6 +269,7 @@ if GLUON_IMPORT_ERROR is None:
         gl.static_assert(not QUANT or (CG == 64 and RG == DR), "kernel v4: groups of 64 channels, one RoPE group")
         gl.static_assert(not QUANT or (C_SCALE_BF16 and not R_SCALE_BF16),
                          "kernel v4: bfloat16 content and float32 RoPE scales")
+        gl.static_assert(QUANT or not CHANNEL_ORDER, "kernel v4: the channel order is packed pages' alone")
         if PIPELINE:  # v3's grid (NSPLIT, B, row blocks) taken in launch order with the row blocks fastest: the
             # programs reading the same pages (one per row block) start together, so the second read hits L2
             n_rb = gl.num_programs(2)
@@ -326,9 +337,9 @@ if GLUON_IMPORT_ERROR is None:
         gl.warp_specialize([
             (attender_partition, (q_base, qr_base, table_row, num_pages, o_part_ptr, lse_part_ptr, part, rb, R, H, S_Q,
                                   L, sm_scale_log2, ps, pe, j_lo, n_tiles, bufs, bars, prot, DC, DR, PAGE_BYTES,
-                                  BLOCK_R, PIPELINE, INLINE_PROT)),
+                                  BLOCK_R, PIPELINE, INLINE_PROT, CHANNEL_ORDER)),
             (loader_partition, (pages_ptr, table_row, num_pages, o_part_ptr, part, rb, R, ps, pe, j_lo, n_tiles, bufs,
                                 bars, prot, QUANT, DC, DR, CBITS, RBITS, P, PAGE_BYTES, C_CODES_OFF, R_CODES_OFF,
                                 C_SCALES_OFF, C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF, BLOCK_R, PIPELINE, PROBE,
-                                LOADER_WARPS, INLINE_PROT)),
+                                LOADER_WARPS, INLINE_PROT, CHANNEL_ORDER)),
         ], [LOADER_WARPS], [REGS])

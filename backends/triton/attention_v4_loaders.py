@@ -64,6 +64,15 @@ if GLUON_IMPORT_ERROR is None:
         return gl.BlockedLayout([1, int(PER_THREAD)], [32 // lanes_c, lanes_c], [int(WARPS), 1], [1, 0])
 
     @gluon.jit
+    def to_channel_order(x, N: gl.constexpr, C: gl.constexpr):
+        """``x`` ``[N, C]`` in channel order rearranged so that column ``j`` holds channel ``channel_of(j)``
+        (register moves within each thread's groups of 4 columns; C a multiple of 4)."""
+        y0, y1 = gl.split(gl.reshape(x, [N, C // 4, 2, 2]))  # columns 4q + 2a and 4q + 2a + 1
+        c0, c2 = gl.split(y0)
+        c1, c3 = gl.split(y1)
+        return gl.reshape(gl.join(gl.join(c0, c1), gl.join(c2, c3)), [N, C])  # [.., i, o] = column i + 2 o
+
+    @gluon.jit
     def page_of(table_row, j, num_pages, PAGE_BYTES: gl.constexpr, live=True):
         """Page ``j`` of the request (its tokens ``[64 j, 64 j + 64)``): its byte offset (0 for an id outside
         ``[0, num_pages)``, as kernel v2's ``tile_pages``) and whether the id is valid. ``live`` False: the table
@@ -111,10 +120,12 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _load_protected_page(sink_ptr, local_ptr, seq, seq_ok, e, L, SINK, LOCAL, kc_s, kr_s, DC: gl.constexpr,
-                             DR: gl.constexpr, WARPS: gl.constexpr):
+                             DR: gl.constexpr, WARPS: gl.constexpr, CHANNEL_ORDER: gl.constexpr = False):
         """Protected page ``e`` of request slot ``seq`` copied from the bfloat16 sink / window rows ``[DC + DR]``
         (``cache.sink_buf`` / ``cache.local_buf``, the window a ring by position) into ``kc_s`` / ``kr_s``
-        (``cp.async``, waited for; 0 for slots without a protected token)."""
+        (``cp.async``, waited for; 0 for slots without a protected token). ``CHANNEL_ORDER`` (beside packed pages):
+        in the packed tiles' channel order (``common_kernels.channel_of``), through registers, since the order moves 2-byte
+        values inside 8-byte groups, which no copy of whole chunks can do."""
         lay: gl.constexpr = _rows_layout(8, 64, WARPS)
         tok = gl.arange(0, 64, gl.SliceLayout(1, lay))
         col = gl.arange(0, 64, gl.SliceLayout(0, lay))
@@ -125,12 +136,19 @@ if GLUON_IMPORT_ERROR is None:
         row = gl.where(is_sink, seq * SINK + gl.where(ok, n, 0), seq * LOCAL + gl.where(ok, ring, 0))
         base = gl.where(is_sink, sink_ptr, local_ptr) + row * (DC + DR)
         mask = ok[:, None] & (col < 64)[None, :]
-        for c in gl.static_range(DC // 64):
-            async_copy.async_copy_global_to_shared(kc_s.slice(c * 64, 64, dim=1), base[:, None] + (c * 64 + col)[None, :],
-                                                   mask=mask)
-        async_copy.async_copy_global_to_shared(kr_s, base[:, None] + (DC + col)[None, :], mask=mask)
-        async_copy.commit_group()
-        async_copy.wait_group(0)
+        if CHANNEL_ORDER:
+            for c in gl.static_range(DC // 64):
+                x = gl.load(base[:, None] + (c * 64 + col)[None, :], mask=mask, other=0.0)
+                kc_s.slice(c * 64, 64, dim=1).store(to_channel_order(x, 64, 64))
+            x = gl.load(base[:, None] + (DC + col)[None, :], mask=mask, other=0.0)
+            kr_s.store(to_channel_order(x, 64, DR))
+        else:
+            for c in gl.static_range(DC // 64):
+                async_copy.async_copy_global_to_shared(kc_s.slice(c * 64, 64, dim=1),
+                                                       base[:, None] + (c * 64 + col)[None, :], mask=mask)
+            async_copy.async_copy_global_to_shared(kr_s, base[:, None] + (DC + col)[None, :], mask=mask)
+            async_copy.commit_group()
+            async_copy.wait_group(0)
 
     @gluon.jit
     def _pair(w, SHIFT: gl.constexpr, BITS: gl.constexpr):
@@ -144,18 +162,29 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _plane(w, pl: gl.constexpr, BITS: gl.constexpr, zb, s, N: gl.constexpr, W: gl.constexpr,
-               F32_SCALE: gl.constexpr):
-        """Plane ``pl`` of the words ``w`` ``[N, W]`` dequantized: bfloat16 ``[N, 4 * W]``, column ``4w + b`` =
-        byte ``4w + b``. ``zb``: ``128 + zero`` (bfloat16 ``[N]``); ``s``: scales ``[N]`` (bfloat16, or float32
-        with ``F32_SCALE``: the float32 product rounded to bfloat16)."""
+               F32_SCALE: gl.constexpr, CHANNEL_ORDER: gl.constexpr = False):
+        """Plane ``pl`` of the words ``w`` ``[N, W]`` dequantized: bfloat16 ``[N, 4 * W]``, column ``j`` = byte ``j``,
+        or with ``CHANNEL_ORDER`` byte ``channel_of(j)`` (bytes 1 and 2 of each word trade places). ``zb``:
+        ``128 + zero`` (bfloat16 ``[N]``); ``s``: scales ``[N]`` (bfloat16, or float32 with ``F32_SCALE``: the float32
+        product rounded to bfloat16)."""
         lo0, hi0 = _pair(w, BITS * pl, BITS)  # bytes 0 and 2 of each word
         lo1, hi1 = _pair(w, 8 + BITS * pl, BITS)  # bytes 1 and 3
         lo0 = _scaled(lo0, zb, s, F32_SCALE)
         hi0 = _scaled(hi0, zb, s, F32_SCALE)
         lo1 = _scaled(lo1, zb, s, F32_SCALE)
         hi1 = _scaled(hi1, zb, s, F32_SCALE)
-        k = gl.join(gl.join(lo0, hi0), gl.join(lo1, hi1))  # [N, W, i, o] = byte 2i + o
+        if CHANNEL_ORDER:  # [N, W, i, o] = byte i + 2 o: each register pair (lo, hi) of one word lands side by side,
+            # which spares the byte permutes that the plain order costs (``common_kernels.channel_of``)
+            k = gl.join(gl.join(lo0, lo1), gl.join(hi0, hi1))
+        else:
+            k = gl.join(gl.join(lo0, hi0), gl.join(lo1, hi1))  # [N, W, i, o] = byte 2i + o
         return gl.reshape(k, [N, 4 * W])
+
+    @gluon.jit
+    def _biased_zero(z):
+        """uint8 zero points ``z`` (< 128: a format's zeros are at most 2^bits - 1) as bfloat16 ``128 + z``, by their
+        bits: ``0x4300`` is 128, whose last mantissa bit is worth 1 (one integer OR, no float conversion)."""
+        return (z.to(gl.int16) | 0x4300).to(gl.bfloat16, bitcast=True)
 
     @gluon.jit
     def _scaled(x, zb, s, F32_SCALE: gl.constexpr):
@@ -228,13 +257,9 @@ if GLUON_IMPORT_ERROR is None:
         tok = gl.arange(0, 64, gl.SliceLayout(1, wl))
         ok = tokens_ok(tok, j, ps, pe, page_ok)
         words = pages_ptr.to(gl.pointer_type(gl.uint32))
-        srow = pages_ptr.to(gl.pointer_type(gl.bfloat16)) + (page_off + C_SCALES_OFF) // 2 + tok * NG
-        zrow = pages_ptr + (page_off + C_ZEROS_OFF) + tok * NG
-        scales = ()
-        zeros = ()
-        for g in gl.static_range(NG):
-            scales = scales + (gl.load(srow + g, mask=ok, other=0.0),)
-            zeros = zeros + (gl.load(zrow + g, mask=ok, other=0),)
+        scales = _per_group(pages_ptr.to(gl.pointer_type(gl.bfloat16)) + (page_off + C_SCALES_OFF) // 2, ok, 0.0,
+                            NG, WARPS)
+        zeros = _per_group(pages_ptr + (page_off + C_ZEROS_OFF), ok, 0, NG, WARPS)
 
         RW: gl.constexpr = DR * RBITS // 8 // 4
         rl: gl.constexpr = _rows_layout(64 * RW // (32 * WARPS), RW, WARPS)  # 64 tokens of RW words, no repeats
@@ -248,10 +273,34 @@ if GLUON_IMPORT_ERROR is None:
         return scales, zeros, rw, rs, rz
 
     @gluon.jit
+    def _per_group(base, ok, other, NG: gl.constexpr, WARPS: gl.constexpr = 4):
+        """A per-token, per-group section ``[64, NG]`` (``NG`` = 8 groups, token-major from ``base``) as ``NG``
+        tensors ``[64]`` in ``_rows_layout(4, 16, WARPS)``'s rows: one vector load of a token's row, then register
+        splits (``other`` where ``ok`` is False)."""
+        gl.static_assert(NG == 8, "kernel v4: 8 groups a token")
+        lay: gl.constexpr = gl.BlockedLayout([1, NG], [8, 4], [WARPS, 1], [1, 0])  # wl's rows, a token's groups
+        tok = gl.arange(0, 64, gl.SliceLayout(1, lay))
+        g = gl.arange(0, NG, gl.SliceLayout(0, lay))
+        row_ok = gl.convert_layout(ok, gl.SliceLayout(1, lay))
+        x = gl.load(base + (tok * NG)[:, None] + g[None, :], mask=row_ok[:, None], other=other)
+        c0, c1 = gl.split(gl.reshape(x, [64, 2, 2, 2]))  # group 4a + 2b + c: c
+        b00, b01 = gl.split(c0)
+        b10, b11 = gl.split(c1)
+        g0, g4 = gl.split(b00)
+        g2, g6 = gl.split(b01)
+        g1, g5 = gl.split(b10)
+        g3, g7 = gl.split(b11)
+        rows: gl.constexpr = gl.SliceLayout(1, _rows_layout(4, 16, WARPS))
+        out = ()
+        for t in gl.static_range(8):
+            out = out + (gl.convert_layout((g0, g1, g2, g3, g4, g5, g6, g7)[t], rows),)
+        return out
+
+    @gluon.jit
     def _store_code_page(raws, scales, zeros, rw, rs, rz, kc_s, kr_s, DC: gl.constexpr, DR: gl.constexpr,
-                         CBITS: gl.constexpr, RBITS: gl.constexpr):
+                         CBITS: gl.constexpr, RBITS: gl.constexpr, CHANNEL_ORDER: gl.constexpr = False):
         """A packed page's bytes (:func:`_code_raws`) dequantized to bfloat16 into ``kc_s`` ``[64, DC]`` /
-        ``kr_s`` ``[64, DR]``.
+        ``kr_s`` ``[64, DR]`` (columns in ``channel_of`` order with ``CHANNEL_ORDER``).
 
         Content: a chunk is 64 bytes (16 words) of every token's row; plane ``pl`` of it is the 64 channels
         ``pl * CBYTES + 64 c + [0, 64)``, one quantization group, one [64, 64] slice of ``kc_s``."""
@@ -261,15 +310,15 @@ if GLUON_IMPORT_ERROR is None:
         for c in gl.static_range(NCH):
             for pl in gl.static_range(CPLANES):
                 # the chunk's plane is group pl * CBYTES / 64 + c
-                zb = (zeros[pl * CBYTES // 64 + c].to(gl.float32) + 128.0).to(gl.bfloat16)
-                k = _plane(raws[c], pl, CBITS, zb, scales[pl * CBYTES // 64 + c], 64, 16, False)
+                zb = _biased_zero(zeros[pl * CBYTES // 64 + c])
+                k = _plane(raws[c], pl, CBITS, zb, scales[pl * CBYTES // 64 + c], 64, 16, False, CHANNEL_ORDER)
                 kc_s.slice(pl * CBYTES + 64 * c, 64, dim=1).store(k)
 
         # RoPE: RBYTES = DR / 2 bytes a row (8 words at DR 64); plane 0 = channels [0, DR/2), plane 1 the rest
         RW: gl.constexpr = DR * RBITS // 8 // 4
-        rzb = (rz.to(gl.float32) + 128.0).to(gl.bfloat16)
-        k0 = _plane(rw, 0, RBITS, rzb, rs, 64, RW, True)
-        k1 = _plane(rw, 1, RBITS, rzb, rs, 64, RW, True)
+        rzb = _biased_zero(rz)
+        k0 = _plane(rw, 0, RBITS, rzb, rs, 64, RW, True, CHANNEL_ORDER)
+        k1 = _plane(rw, 1, RBITS, rzb, rs, 64, RW, True, CHANNEL_ORDER)
         kr = gl.reshape(gl.permute(gl.join(k0, k1), (0, 2, 1)), [64, DR])  # [n, plane, j] -> channel plane*DR/2 + j
         kr_s.store(kr)
 
@@ -299,7 +348,8 @@ if GLUON_IMPORT_ERROR is None:
                          C_CODES_OFF: gl.constexpr, R_CODES_OFF: gl.constexpr, C_SCALES_OFF: gl.constexpr,
                          C_ZEROS_OFF: gl.constexpr, R_SCALES_OFF: gl.constexpr, R_ZEROS_OFF: gl.constexpr,
                          BLOCK_R: gl.constexpr, PIPELINE: gl.constexpr = 0, PROBE: gl.constexpr = 0,
-                         WARPS: gl.constexpr = 4, INLINE_PROT: gl.constexpr = False):
+                         WARPS: gl.constexpr = 4, INLINE_PROT: gl.constexpr = False,
+                         CHANNEL_ORDER: gl.constexpr = False):
         """Worker partition: fill key slot ``i % 2`` with page ``j_lo + i`` (after both output products of page
         ``i - 2`` freed it), then run the output product of page ``i - 1`` over channels ``[DC/2, DC)``; at the
         end write those channels of the partial output (after the attender published the final ``l``).
@@ -309,7 +359,8 @@ if GLUON_IMPORT_ERROR is None:
         i while it runs the output product of page i - 1 and arrives ``kfull`` after both. ``WARPS``: 4 (one
         warpgroup) or 8 (two, each converting half of the tokens and taking half of the output columns).
         ``INLINE_PROT``: after its ``n_tiles`` pages the split walks ``prot``'s ``n_prot`` protected pages (bfloat16
-        rows of the sink and the window, :func:`_load_protected_page`; 0 but on the last split)."""
+        rows of the sink and the window, :func:`_load_protected_page`; 0 but on the last split). ``CHANNEL_ORDER``
+        (packed pages): key tiles, protected rows and the partial output in ``channel_of`` order."""
         kc, kr, q_s, qr_s, p_s, alpha_s, l_s = bufs
         kfull, kempty, pready, pfree, lfin = bars
         o_layout: gl.constexpr = _acc_layout(DC // 2, WARPS)
@@ -349,7 +400,7 @@ if GLUON_IMPORT_ERROR is None:
                                                              RBITS, C_SCALES_OFF, C_ZEROS_OFF, R_CODES_OFF,
                                                              R_SCALES_OFF, R_ZEROS_OFF, WARPS)
                 _store_code_page(raws, scales, zeros, rw, rs, rz, kc.index(slot), kr.index(slot), DC, DR, CBITS,
-                                 RBITS)
+                                 RBITS, CHANNEL_ORDER)
             else:
                 page_off, page_ok = page_of(table_row, j_lo + i, num_pages, PAGE_BYTES, i < n_tiles)
                 _load_bf16_page(pages_ptr, page_off, j_lo + i, ps, pe, page_ok, kc.index(slot), kr.index(slot), DC,
@@ -363,7 +414,7 @@ if GLUON_IMPORT_ERROR is None:
                 if is_protected_page(i, n_tiles, n_prot):  # the slot (zeros from the dead page above) takes its rows
                     _partition_barrier()
                     _load_protected_page(sink_ptr, local_ptr, seq, seq_ok, i - n_tiles, L, SINK, LOCAL,
-                                         kc.index(slot), kr.index(slot), DC, DR, WARPS)
+                                         kc.index(slot), kr.index(slot), DC, DR, WARPS, CHANNEL_ORDER)
             fence_async_shared()  # generic-proxy stores, read next by wgmma (async proxy)
             _partition_barrier()  # every thread's fence before the one arrival
             mbarrier.arrive(kfull.index(slot))

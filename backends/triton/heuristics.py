@@ -409,6 +409,21 @@ V4_LOADER_WARPS = {"BF16": 8, "C4R4": 8, "C2R4": 8}
 #: 69.3 / 67.5 / 69.5, B32 L32K 715 / 660 / 620 against 693 / 662 / 651, B128 L32K 2,632 / 2,468 / 2,498 against
 #: 2,675 / 2,528 / 2,585
 V4_INLINE_PROTECT = True
+#: kernel v4 over packed pages keeps its key tiles in ``channel_of`` order where a split reads at least this many table
+#: pages (:func:`v4_channel_order`; ``QUANTMLA_TRITON_V4_CHANNEL_ORDER`` overrides it). The order spares the loader's
+#: byte permutes on every page but costs about 10 us a call: the queries and the protected rows rearranged in
+#: registers, and the merge kernel's output stored a value at a time. Stop 58 (H100, 8 loader warps, protected tokens
+#: inline, CUDA graphs), H128 B32, C4R4 / C2R4, the order against the plain one in the same tree: L8K (64 pages a
+#: split) 195.5 / 191.6 us against 185.6 / 183.1; L16K (128) 344.6 / 339.5 against 345.5 / 336.3; and against main's
+#: plain order, L32K (256) 650.0 / 629.7 against 698.3 / 666.4, B128 L32K (512) 2,537 / 2,422 against 2,614 / 2,464.
+#: The two meet near 128 pages; 160 leaves that tie to the plain order.
+V4_CHANNEL_ORDER_MIN_PAGES = 160
+
+
+def v4_channel_order(table_pages: int, num_splits: int) -> bool:
+    """Whether kernel v4 runs over packed pages in ``channel_of`` order: a split reads at least
+    :data:`V4_CHANNEL_ORDER_MIN_PAGES` of the ``table_pages`` pages a request's block table holds."""
+    return -(-table_pages // max(num_splits, 1)) >= V4_CHANNEL_ORDER_MIN_PAGES
 
 
 def plan_v4(batch: int, rows: int, latent_dim: int, page_size: int, max_tokens: int, sm_count: int,
