@@ -90,6 +90,8 @@
 #   bash benchmarks/run_h200_kernels.sh stop58   # kernel v4's channel order by pages a split: one small case of each
 #       order (a failure stops there), CUDA graphs of Triton's defaults, this tree's and main's (probe_tmp/triton_main,
 #       see the mode), both orders at S58_ORDER_SHAPES, the order's GPU tests, memcheck; $OUT/s58.tgz
+#   bash benchmarks/run_h200_kernels.sh stop58probe  # kernel v4's defaults against its probe builds (S58P_SHAPES), then
+#       Triton's defaults against CuPy's (S58P_AUTO_SHAPES), CUDA graphs with FlashInfer BF16; $OUT/s58p.tgz
 #   bash benchmarks/run_h200_kernels.sh stop57auto  # Triton v4's defaults against CuPy's over S57A_SHAPES (CUDA graphs,
 #       FlashInfer BF16 in the process), then the paged and transformers integration tests on CUDA (auto); $OUT/s57a.tgz
 #   bash benchmarks/run_h200_kernels.sh stop56   # kernel v4's 8 loader warps: one small case (a failure stops there),
@@ -643,6 +645,16 @@ elif [ "$MODE" = stop58 ]; then
       -k "matches_reference_and_v3 and C4R4 and L300_5 and 1w8pc" 2>&1 | tail -2
   fi
   tar czf "$OUT/s58.tgz" -C /tmp s58
+elif [ "$MODE" = stop58probe ]; then
+  mkdir -p /tmp/s58p; P=QUANTMLA_TRITON_V4_PROBE
+  echo "=== what v4's defaults wait for: the probe builds (1: no keys, 2: no loader output product, 3: neither)"
+  timeout -k 10 ${S58P_PROBE_S:-200} python3 -P benchmarks/graph_probe.py --backends triton --formats C4R4,C2R4,BF16 \
+    --shapes ${S58P_SHAPES:-128x32x32768} --settings "$P=0;$P=1;$P=2;$P=3" --json /tmp/s58p/graph_probes.json 2>&1 \
+    | grep -v "^{\|RuntimeWarning\|warnings.warn" | tail -14
+  echo "=== Triton's defaults against CuPy's (CUDA graphs, FlashInfer BF16 in the process)"
+  timeout -k 10 ${S58P_AUTO_S:-200} python3 -P benchmarks/graph_probe.py --backends triton,cupy --formats C4R4,C2R4,BF16 \
+    --shapes ${S58P_AUTO_SHAPES:-128x32x32768,128x128x32768} --json /tmp/s58p/graph_auto.json 2>&1 | grep -v "^{" | tail -14
+  tar czf "$OUT/s58p.tgz" -C /tmp s58p
 elif [ "$MODE" = stop57auto ]; then
   mkdir -p /tmp/s57a
   echo "=== Triton v4 (defaults, protected tokens inline) against CuPy (its defaults): CUDA graphs, FlashInfer BF16"
