@@ -45,11 +45,12 @@ def report(fmt: str, build: str, lens: tuple[int, ...], splits: int | None, case
     same = torch.equal(o1, o2) and torch.equal(l1, l2)
     cells = []
     for b in range(len(lens)):
-        do = (o1[b] - o0[b]).abs().nan_to_num(1e9).max().item()
-        dl = (l1[b] - l0[b]).abs().nan_to_num(1e9).max().item()
+        err_o = (o1[b] - o0[b]).abs().nan_to_num(1e9)
+        err_l = (l1[b] - l0[b]).abs().nan_to_num(1e9)
+        do, dl = err_o.max().item(), err_l.max().item()
         bad = ""
         if do > 0.05 or dl > 0.01:
-            rows = ((o1[b] - o0[b]).abs().nan_to_num(1e9).amax(-1) > 0.05) | ((l1[b] - l0[b]).abs().nan_to_num(1e9) > 0.01)
+            rows = (err_o.amax(-1) > 0.05) | (err_l > 0.01)
             idx = rows.nonzero()[:4].tolist()
             bad = f" BAD rows(s,h)={idx} n={int(rows.sum())} nan={int(o1[b].isnan().sum())}"
         cells.append(f"L{lens[b]}: dout {do:.3g} dlse {dl:.3g}{bad}")

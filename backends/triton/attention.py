@@ -403,7 +403,8 @@ class PreparedCall:
                            self.heads, self.q_len, pl.num_splits)
         prot = {}
         if self.split_consts.get("INLINE_PROT"):  # kernel v4's own protected tokens
-            prot = dict(sink_ptr=cache.sink_buf, local_ptr=cache.local_buf, ids_ptr=self.seq_ids, max_seqs=cache.max_seqs)
+            prot = dict(sink_ptr=cache.sink_buf, local_ptr=cache.local_buf, ids_ptr=self.seq_ids,
+                        max_seqs=cache.max_seqs)
         LAST_LAUNCH["split"] = _KERNELS[self.variant][self.split_grid](*args, **self.split_consts, **self.split_dims,
                                                                        **prot)
         if protect_after:
@@ -423,7 +424,8 @@ class PreparedCall:
 
 def _v4_inline_protect(cache) -> bool:
     """Whether kernel v4 attends to ``cache``'s protected tokens itself (:data:`V4_INLINE_PROTECT_ENV`): where it is
-    asked to and the cache has protected tokens. Asked for with float32 protection: refused (it copies bfloat16 rows)."""
+    asked to and the cache has protected tokens. Asked for with float32 protection: refused (it copies bfloat16
+    rows)."""
     asked = env_int_choice(V4_INLINE_PROTECT_ENV, (0, 1))
     inline = V4_INLINE_PROTECT if asked is None else asked == 1
     if not inline or cache.sink + cache.local == 0:

@@ -124,8 +124,8 @@ if GLUON_IMPORT_ERROR is None:
         """Protected page ``e`` of request slot ``seq`` copied from the bfloat16 sink / window rows ``[DC + DR]``
         (``cache.sink_buf`` / ``cache.local_buf``, the window a ring by position) into ``kc_s`` / ``kr_s``
         (``cp.async``, waited for; 0 for slots without a protected token). ``CHANNEL_ORDER`` (beside packed pages):
-        in the packed tiles' channel order (``common_kernels.channel_of``), through registers, since the order moves 2-byte
-        values inside 8-byte groups, which no copy of whole chunks can do."""
+        in the packed tiles' channel order (``common_kernels.channel_of``), through registers, since the order moves
+        2-byte values inside 8-byte groups, which no copy of whole chunks can do."""
         lay: gl.constexpr = _rows_layout(8, 64, WARPS)
         tok = gl.arange(0, 64, gl.SliceLayout(1, lay))
         col = gl.arange(0, 64, gl.SliceLayout(0, lay))
