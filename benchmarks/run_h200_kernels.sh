@@ -90,6 +90,9 @@
 #   bash benchmarks/run_h200_kernels.sh stop58   # kernel v4's channel order by pages a split: one small case of each
 #       order (a failure stops there), CUDA graphs of Triton's defaults, this tree's and main's (probe_tmp/triton_main,
 #       see the mode), both orders at S58_ORDER_SHAPES, the order's GPU tests, memcheck; $OUT/s58.tgz
+#   bash benchmarks/run_h200_kernels.sh stop59   # the merge kernel's order in registers and v4's L2 prefetch: their
+#       small cases first, then CUDA graphs of L2_AHEAD 0/2/4 and probe 4 (S59_SHAPES), the merge's time against main
+#       (probe_tmp/triton_main, see the mode), both channel orders at S59_ORDER_SHAPES; $OUT/s59.tgz
 #   bash benchmarks/run_h200_kernels.sh stop58probe  # kernel v4's defaults against its probe builds (S58P_SHAPES), then
 #       Triton's defaults against CuPy's (S58P_AUTO_SHAPES), CUDA graphs with FlashInfer BF16; $OUT/s58p.tgz
 #   bash benchmarks/run_h200_kernels.sh stop57auto  # Triton v4's defaults against CuPy's over S57A_SHAPES (CUDA graphs,
@@ -645,6 +648,32 @@ elif [ "$MODE" = stop58 ]; then
       -k "matches_reference_and_v3 and C4R4 and L300_5 and 1w8pc" 2>&1 | tail -2
   fi
   tar czf "$OUT/s58.tgz" -C /tmp s58
+elif [ "$MODE" = stop59 ]; then
+  # before the call: mkdir -p probe_tmp/triton_main && for f in attention_v4_kernel attention_v4_loaders attention \
+  #   attention_kernel common_kernels; do git show main:backends/triton/$f.py > probe_tmp/triton_main/$f.py; done
+  mkdir -p /tmp/s59; t0=$(date +%s); left() { echo $(( ${S59_LIMIT:-540} - $(date +%s) + t0 )); }
+  AH=QUANTMLA_TRITON_V4_L2_AHEAD; P=QUANTMLA_TRITON_V4_PROBE; CO=QUANTMLA_TRITON_V4_CHANNEL_ORDER
+  echo "=== first: the merge kernel's order in registers, the L2-prefetch builds on small cases"
+  timeout -k 10 150 $T -x -rfE --tb=long tests/test_triton_backend.py tests/test_triton_v4.py -k "merge_channel_order or \
+(matches_reference_and_v3 and L63_64_65 and H128 and (1w8pcf or 2w8pf))" > /tmp/s59/first.txt 2>&1
+  echo "rc=$?" >> /tmp/s59/first.txt; grep -E "^E  |^FAILED" /tmp/s59/first.txt | head -12; tail -2 /tmp/s59/first.txt
+  if grep -q "^rc=0" /tmp/s59/first.txt; then
+    echo "=== L2 prefetch distance 0 / 2 / 4, and probe 4 (no page loads) at ${S59_SHAPES:-128x32x32768} ($(left) s left)"
+    timeout -k 10 ${S59_AHEAD_S:-200} python3 -P benchmarks/graph_probe.py --backends triton --formats C4R4,C2R4,BF16 \
+      --shapes ${S59_SHAPES:-128x32x32768} --settings "$AH=0;$AH=2;$AH=4;$P=4" --json /tmp/s59/graph_ahead.json 2>&1 \
+      | grep -v "^{\|RuntimeWarning\|warnings.warn" | tail -14
+    for tree in after main; do
+      [ $tree = main ] && { [ -d probe_tmp/triton_main ] || continue; triton_tree main; }
+      echo "=== $tree: the merge kernel's time with the order forced on (kernel_times, C4R4; $(left) s left)"
+      env $CO=1 PYTHONPATH=$(tree_path $tree) timeout -k 10 80 python3 -P benchmarks/kernel_times.py --backends triton \
+        --formats C4R4 --shapes 128x8x4096 --json /tmp/s59/kt_$tree.json 2>&1 | grep -v "^{\|profiler\|warn" | tail -6
+    done
+    echo "=== both orders where the rule changes, with the merge's order in registers ($(left) s left)"
+    timeout -k 10 $(( $(left) - 20 > 30 ? $(left) - 20 : 30 )) python3 -P benchmarks/graph_probe.py --backends triton \
+      --formats C4R4,C2R4 --shapes ${S59_ORDER_SHAPES:-128x32x8192,128x32x16384} --settings "$CO=0;$CO=1" \
+      --json /tmp/s59/graph_orders.json 2>&1 | grep -v "^{" | tail -8
+  fi
+  tar czf "$OUT/s59.tgz" -C /tmp s59
 elif [ "$MODE" = stop58probe ]; then
   mkdir -p /tmp/s58p; P=QUANTMLA_TRITON_V4_PROBE
   echo "=== what v4's defaults wait for: the probe builds (1: no keys, 2: no loader output product, 3: neither)"

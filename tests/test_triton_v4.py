@@ -22,7 +22,7 @@ from conformance import cache_to_cpu
 pytest.importorskip("triton")
 from quantmla_core.backends.triton import attention as A  # noqa: E402
 from quantmla_core.backends.triton.heuristics import (V4_CHANNEL_ORDER_MIN_PAGES, V4_INLINE_PROTECT,  # noqa: E402
-                                                      V4_LOADER_WARPS, v4_channel_order)
+                                                      V4_L2_AHEAD, V4_LOADER_WARPS, v4_channel_order)
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 NEEDS_HOPPER = pytest.mark.skipif(not ON_HOPPER or A.GLUON_IMPORT_ERROR is not None,
@@ -113,7 +113,8 @@ def test_v4_is_planned_as_v3(monkeypatch, fmt, batch, heads, tokens):
     assert v4.variant == "v4" and v3.variant == "v3"
     for field in ("split_grid", "partial_specs", "protect_grid", "protect_tiles", "merge_grid", "merge_consts"):
         assert getattr(v4, field) == getattr(v3, field), field
-    assert {k: v for k, v in v4.split_consts.items() if k not in ("PIPELINE", "LOADER_WARPS")} == dict(v3.split_consts)
+    assert {k: v for k, v in v4.split_consts.items() if k not in ("PIPELINE", "LOADER_WARPS", "L2_AHEAD")} == dict(
+        v3.split_consts)
     # PDL (stubbed as available): v3 launches its protected tiles after itself (mode 2), v4 signals no dependents
     assert (v4.pdl, v3.pdl) == (1, 2)
     assert {**v4.protect_consts, "PDL": True} == dict(v3.protect_consts)
@@ -139,7 +140,7 @@ def test_pipelined_build_is_a_knob(monkeypatch, fmt, value, want):
     assert "PIPELINE" not in _prepare(variant="v3").split_consts
 
 
-@pytest.mark.parametrize("value", ["1", "2", "3"])
+@pytest.mark.parametrize("value", ["1", "2", "3", "4"])
 def test_probe_builds_warn_that_their_outputs_are_wrong(monkeypatch, value):
     _as_hopper(monkeypatch)
     monkeypatch.setenv(A.V4_PROBE_ENV, value)
@@ -216,6 +217,25 @@ def test_a_malformed_channel_order_knob_is_refused(monkeypatch):
         _prepare()
 
 
+@pytest.mark.parametrize("fmt", ["BF16", "C4R4", "C2R4"])
+@pytest.mark.parametrize("value,want", [(None, None), ("0", 0), ("2", 2), ("8", 8)])
+def test_l2_prefetch_distance_is_a_knob(monkeypatch, fmt, value, want):
+    """Unset: the format's default (``heuristics.V4_L2_AHEAD``); set: that many pages ahead; v3 takes no such
+    constexpr."""
+    _as_hopper(monkeypatch)
+    _set_env(monkeypatch, A.V4_L2_AHEAD_ENV, value)
+    assert _prepare(fmt).split_consts["L2_AHEAD"] == (V4_L2_AHEAD[fmt] if value is None else want)
+    assert "L2_AHEAD" not in _prepare(variant="v3").split_consts
+
+
+@pytest.mark.parametrize("value", ["9", "-1", "two"])
+def test_a_malformed_l2_prefetch_knob_is_refused(monkeypatch, value):
+    _as_hopper(monkeypatch)
+    monkeypatch.setenv(A.V4_L2_AHEAD_ENV, value)
+    with pytest.raises(ValueError, match=f"QUANTMLA_TRITON_V4_L2_AHEAD: expected one of 0, 1, .*, 8, got '{value}'"):
+        _prepare()
+
+
 def test_a_malformed_loader_warps_knob_is_refused(monkeypatch):
     _as_hopper(monkeypatch)
     monkeypatch.setenv(A.V4_LOADER_WARPS_ENV, "6")
@@ -269,11 +289,15 @@ def _attend(case: Case, cache, args, batch, variant: str, num_splits: int | None
 
 #: kernel v4's builds on the GPU: ``QUANTMLA_TRITON_V4_PIPELINE``, then "w8" for 8 loader warps, "p" for the
 #: protected tokens in the split kernel (``QUANTMLA_TRITON_V4_INLINE_PROTECT``), "c" for packed pages in channel_of
-#: order (``QUANTMLA_TRITON_V4_CHANNEL_ORDER``; the others plain)
-GPU_BUILDS = ["0", "1", "2", "3", "1w8", "2w8", "3w8", "1p", "1w8p", "2w8p", "1w8c", "1w8pc", "2w8pc"]
+#: order (``QUANTMLA_TRITON_V4_CHANNEL_ORDER``; the others plain), "f" for L2 prefetches 2 pages ahead
+#: (``QUANTMLA_TRITON_V4_L2_AHEAD``; the others none)
+GPU_BUILDS = ["0", "1", "2", "3", "1w8", "2w8", "3w8", "1p", "1w8p", "2w8p", "1w8c", "1w8pc", "2w8pc", "1w8pcf",
+              "2w8pf"]
 
 
 def _set_build(monkeypatch, build: str) -> None:
+    monkeypatch.setenv(A.V4_L2_AHEAD_ENV, "2" if build.endswith("f") else "0")
+    build = build.rstrip("f")
     monkeypatch.setenv(A.V4_CHANNEL_ORDER_ENV, "1" if build.endswith("c") else "0")
     build = build.rstrip("c")
     inline = build.endswith("p")

@@ -81,12 +81,14 @@ def reports() -> dict:
     _needs_ptxas()
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = {}
-    for pipeline, probe, warps, inline, order in ((0, 0, 4, 0, 0), (1, 0, 4, 0, 0), (2, 0, 4, 0, 0), (3, 0, 4, 0, 0),
-                                                  (2, 3, 4, 0, 0), (1, 0, 8, 0, 0), (2, 0, 8, 0, 0), (3, 0, 8, 0, 0),
-                                                  (1, 0, 4, 1, 0), (1, 0, 8, 1, 0), (2, 0, 8, 1, 0), (1, 0, 8, 1, 1)):
+    configs = ((0, 0, 4, 0, 0), (1, 0, 4, 0, 0), (2, 0, 4, 0, 0), (3, 0, 4, 0, 0), (2, 3, 4, 0, 0), (1, 0, 8, 0, 0),
+               (2, 0, 8, 0, 0), (3, 0, 8, 0, 0), (1, 0, 4, 1, 0), (1, 0, 8, 1, 0), (2, 0, 8, 1, 0), (1, 0, 8, 1, 1),
+               (1, 4, 8, 1, 0), (1, 0, 8, 1, 1, 2))
+    for pipeline, probe, warps, inline, order, *ahead in configs:
+        ahead = ahead[0] if ahead else 0
         cmd = [sys.executable, *(["-P"] if sys.flags.safe_path else []), "-m",
                "quantmla_core.backends.triton.offline_v4", *FORMATS, f"pipeline={pipeline}", f"probe={probe}",
-               f"loader_warps={warps}", f"inline_prot={inline}", f"channel_order={order}"]
+               f"loader_warps={warps}", f"inline_prot={inline}", f"channel_order={order}", f"prefetch={ahead}"]
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=tempfile.gettempdir())
         lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
         assert len(lines) == len(FORMATS), r.stdout + r.stderr
@@ -95,6 +97,7 @@ def reports() -> dict:
             key = key if warps == 4 else (*key, "w8")
             key = (*key, "inline") if inline else key
             key = (*key, "channel_of") if order else key
+            key = (*key, "l2_ahead", ahead) if ahead else key
             out[key] = ast.literal_eval(line)
             assert "err" not in out[key], out[key]
     return out
@@ -164,6 +167,29 @@ def test_offline_channel_order_builds(reports, fmt):
     assert r["channel_order"] and r["inline_prot"] and r["wgmma"] == 48 and not r["wgmma_serialized"], r
     assert r["smem"] <= SMEM_LIMIT and r["spill_bytes"] <= (8 if fmt == "C4R4" else 0), r
     assert 136 in r["setmaxnreg"] and 232 in r["setmaxnreg"], r
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_offline_l2_prefetch_builds(reports, fmt):
+    """``L2_AHEAD`` 2: one bulk L2 prefetch before the loop (page 1) and one in it (page i + 2), and the build keeps
+    its pipelined ``wgmma``, shared memory and register split."""
+    r = reports[fmt, 1, "w8", "inline", "channel_of", "l2_ahead", 2]
+    assert r["prefetch"] == 2 and r["prefetch_l2"] == 2, r
+    assert r["wgmma"] == 48 and not r["wgmma_serialized"] and r["smem"] <= SMEM_LIMIT, r
+    assert r["spill_bytes"] <= (8 if fmt == "C4R4" else 0), r
+    assert 136 in r["setmaxnreg"] and 232 in r["setmaxnreg"], r
+    assert reports[fmt, 1, "w8", "inline", "channel_of"]["prefetch_l2"] == 0
+
+
+@pytest.mark.parametrize("fmt", ["C4R4", "C2R4"])
+def test_offline_made_up_words_keep_the_dequantization(reports, fmt):
+    """Probe 4 (no packed page bytes loaded, words made from their addresses) must time the same dequantization: had
+    the compiler found the words equal and folded it, the kernel would shrink by hundreds of instructions."""
+    r, real = reports[fmt, 1, "probe", 4, "w8", "inline"], reports[fmt, 1, "w8", "inline"]
+    if r["sass"] < 0:
+        pytest.skip("no cuobjdump beside this triton")
+    assert r["probe"] == 4 and r["wgmma"] == 48 and not r["wgmma_serialized"], r
+    assert abs(r["sass"] - real["sass"]) <= 0.03 * real["sass"], (r["sass"], real["sass"])
 
 
 # ---------------------------------------------------------------- the loaders' channel order, mirrored in NumPy

@@ -29,7 +29,7 @@ from .heuristics import (INTERPRETER_SM_COUNT, MERGE_BLOCK_C, MERGE_BLOCK_R, MER
                          V3_BLOCK_N, V3_BLOCK_R, V3_MIN_ROWS, V3_NUM_STAGES, V3_NUM_WARPS, V3_PREFETCH, AttentionPlan,
                          DeviceLimits, PROTECT_ROWS_CHOICES, merge_load_width, pdl_default, plan, plan_v2, plan_v3,
                          planned_shared_max, plan_v4, protect_parts, v3_code_words, v3_tile_groups, v3_word_lanes,
-                         V4_AUTO, V4_CAPABILITY_MAJOR, V4_INLINE_PROTECT, V4_LOADER_WARPS, V4_PIPELINE,
+                         V4_AUTO, V4_CAPABILITY_MAJOR, V4_INLINE_PROTECT, V4_LOADER_WARPS, V4_PIPELINE, V4_L2_AHEAD,
                          v4_channel_order, v4_format_unsupported)
 
 #: environment variable choosing the split kernel ("auto" default, "v1", "v2", "v3", "v4"); read on every call. ``auto``
@@ -65,8 +65,12 @@ V4_INLINE_PROTECT_ENV = "QUANTMLA_TRITON_V4_INLINE_PROTECT"
 #: :func:`heuristics.v4_channel_order` (by pages a split). BF16 pages are always read in plain order. Read when a call
 #: is prepared
 V4_CHANNEL_ORDER_ENV = "QUANTMLA_TRITON_V4_CHANNEL_ORDER"
+#: pages ahead that kernel v4's loader asks L2 for its split's pages, 0 to 8 (:data:`heuristics.V4_L2_AHEAD`; unset:
+#: that default; 0: none). A measurement knob, read when a call is prepared
+V4_L2_AHEAD_ENV = "QUANTMLA_TRITON_V4_L2_AHEAD"
 #: kernel v4's measurement builds, WRONG OUTPUTS (benchmarks only; a warning on every call that takes one): 1, the
-#: loader loads and writes no keys; 2, it skips its output product; 3, both. Unset or 0: the real kernel
+#: loader loads and writes no keys; 2, it skips its output product; 3, both; 4, it loads no packed page bytes (it
+#: dequantizes made-up words). Unset or 0: the real kernel
 V4_PROBE_ENV = "QUANTMLA_TRITON_V4_PROBE"
 _KERNELS = {"v1": split_kernel, "v2": split_kernel_v2, "v3": split_kernel_v3,
             **({} if split_kernel_v4 is None else {"v4": split_kernel_v4})}
@@ -600,7 +604,9 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
         consts["PIPELINE"] = V4_PIPELINE[fmt.name] if build is None else build
         warps = env_int_choice(V4_LOADER_WARPS_ENV, (4, 8))
         consts["LOADER_WARPS"] = V4_LOADER_WARPS[fmt.name] if warps is None else warps
-        probe = env_int_choice(V4_PROBE_ENV, (0, 1, 2, 3)) or 0
+        ahead = env_int_choice(V4_L2_AHEAD_ENV, tuple(range(9)))
+        consts["L2_AHEAD"] = V4_L2_AHEAD[fmt.name] if ahead is None else ahead
+        probe = env_int_choice(V4_PROBE_ENV, (0, 1, 2, 3, 4)) or 0
         if probe:
             warnings.warn(f"{V4_PROBE_ENV}={probe}: a measurement build of kernel v4, its outputs are wrong",
                           RuntimeWarning, stacklevel=2)

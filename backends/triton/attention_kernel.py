@@ -36,7 +36,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common_kernels import bf16_bits_to_f32, channel_of, load_f32, pdl_launch_dependents, pdl_wait, store_f32
+from .common_kernels import (bf16_bits_to_f32, channel_of, load_f32, pdl_launch_dependents, pdl_wait, store_f32,
+                             to_channel_order)
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -395,7 +396,8 @@ def merge_kernel(
     its first load: the split kernel (the protected-tile kernel, launched before it without PDL, has ended before it
     starts), or with PDL mode 2 the protected-tile kernel, which ends only after the split kernel. ``CHANNEL_ORDER``
     (kernel v4 over packed pages): the split partials' column ``j`` holds channel ``channel_of(j)``, as v4's key tiles
-    do, so that v4 stores them in whole pairs; the protected parts are read, and the output written, through it."""
+    do, so that v4 stores them in whole pairs; the protected parts are read through it, and the merged channels are
+    put back in plain order in registers before the store."""
     b = tl.program_id(0)
     rb = tl.program_id(1)
     cb = tl.program_id(2)
@@ -407,10 +409,13 @@ def merge_kernel(
     acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
     pdl_wait(PDL)
     m, l, acc = _merge_partials(o_part_ptr, lse_part_ptr, b, NSPLIT, R, rows, row_ok, cols, m, l, acc, DC, SC)
-    if CHANNEL_ORDER:  # acc's column j holds channel channel_of(j) from here on
+    if CHANNEL_ORDER:  # acc's column j holds channel channel_of(j): the protected parts are read through the map
         tl.static_assert(BLOCK_C % 4 == 0, "the channel order moves channels within groups of 4")
-        cols = channel_of(cols)
-    m, l, acc = _merge_partials(o_prot_ptr, lse_prot_ptr, b, NPT, R, rows, row_ok, cols, m, l, acc, DC, SCP)
+        m, l, acc = _merge_partials(o_prot_ptr, lse_prot_ptr, b, NPT, R, rows, row_ok, channel_of(cols), m, l, acc,
+                                    DC, SCP)
+        acc = to_channel_order(acc, BLOCK_R, BLOCK_C)  # back to plain order in registers: whole-vector stores
+    else:
+        m, l, acc = _merge_partials(o_prot_ptr, lse_prot_ptr, b, NPT, R, rows, row_ok, cols, m, l, acc, DC, SCP)
     l_safe = tl.where(l > 0.0, l, 1.0)
     out_offs = (b.to(tl.int64) * R + rows[:, None]) * DC + cols[None, :]
     store_f32(out_ptr, out_offs, acc / l_safe[:, None], row_ok[:, None], Q_BF16)

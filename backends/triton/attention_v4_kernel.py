@@ -245,6 +245,7 @@ if GLUON_IMPORT_ERROR is None:
         LOADER_WARPS: gl.constexpr = 4,
         INLINE_PROT: gl.constexpr = False,
         CHANNEL_ORDER: gl.constexpr = False,
+        L2_AHEAD: gl.constexpr = 0,
         sink_ptr=None,  # [max_seqs, SINK, DC + DR] bfloat16 (INLINE_PROT)
         local_ptr=None,  # [max_seqs, LOCAL, DC + DR] bfloat16, a ring by position
         ids_ptr=None,  # [B] int: each request's slot in them
@@ -261,7 +262,8 @@ if GLUON_IMPORT_ERROR is None:
         ``heuristics.V4_LOADER_WARPS``): the loader's warps; with 8 its threads keep ``LOADER8_REGS`` registers.
         ``CHANNEL_ORDER`` (packed pages, ``heuristics.v4_channel_order``): key tiles in ``channel_of`` order, which
         spares the loader's byte permutes a page; queries and protected rows are rearranged to match, and the partial
-        output keeps the order for the merge kernel's ``CHANNEL_ORDER``."""
+        output keeps the order for the merge kernel's ``CHANNEL_ORDER``. ``L2_AHEAD`` (``heuristics.V4_L2_AHEAD``):
+        the loader asks L2 for the split's pages this many pages ahead (0: never)."""
         gl.static_assert(BLOCK_R == 64, "kernel v4: 64 query rows a program")
         gl.static_assert(P == 64 and BLOCK_N % 64 == 0, "kernel v4: 64-token pages")
         gl.static_assert(DC == 512 and DR == 64, "kernel v4: d_c 512, d_r 64")
@@ -341,5 +343,5 @@ if GLUON_IMPORT_ERROR is None:
             (loader_partition, (pages_ptr, table_row, num_pages, o_part_ptr, part, rb, R, ps, pe, j_lo, n_tiles, bufs,
                                 bars, prot, QUANT, DC, DR, CBITS, RBITS, P, PAGE_BYTES, C_CODES_OFF, R_CODES_OFF,
                                 C_SCALES_OFF, C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF, BLOCK_R, PIPELINE, PROBE,
-                                LOADER_WARPS, INLINE_PROT, CHANNEL_ORDER)),
+                                LOADER_WARPS, INLINE_PROT, CHANNEL_ORDER, L2_AHEAD)),
         ], [LOADER_WARPS], [REGS])

@@ -39,6 +39,10 @@ if GLUON_IMPORT_ERROR is None:
     #: ``lop3`` LUT 0xEA: ``(x & mask) | 0x43004300``, then the halves as two bfloat16 ``128 + code``
     ASM_PAIR4 = gl.constexpr("{ .reg .b32 t; lop3.b32 t, $2, 983055, 1124090624, 0xEA; mov.b32 {$0, $1}, t; }")
     ASM_PAIR2 = gl.constexpr("{ .reg .b32 t; lop3.b32 t, $2, 196611, 1124090624, 0xEA; mov.b32 {$0, $1}, t; }")
+    #: an L2 prefetch of the $3 bytes from address $1 where $2 is not 0 (the bulk copy engine's; $0, a dummy, keeps the
+    #: asm an expression)
+    ASM_PREFETCH_L2 = gl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; "
+                                   "@p cp.async.bulk.prefetch.L2.global [$1], $3; mov.b32 $0, 0; }")
 
     @gluon.jit
     def _partition_barrier():
@@ -71,6 +75,19 @@ if GLUON_IMPORT_ERROR is None:
         c0, c2 = gl.split(y0)
         c1, c3 = gl.split(y1)
         return gl.reshape(gl.join(gl.join(c0, c1), gl.join(c2, c3)), [N, C])  # [.., i, o] = column i + 2 o
+
+    @gluon.jit
+    def prefetch_page_l2(pages_ptr, page_off, page_ok, PAGE_BYTES: gl.constexpr, WARPS: gl.constexpr):
+        """Ask L2 for a page's ``PAGE_BYTES`` bytes from byte ``page_off`` (one bulk prefetch by the partition's first
+        thread, none where not ``page_ok``): fire and forget, so that the loader's loads of the page, issued later,
+        hit L2."""
+        gl.static_assert(PAGE_BYTES % 16 == 0, "a bulk prefetch moves multiples of 16 bytes")
+        lay: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+        k = gl.arange(0, 32 * WARPS, lay)
+        addr = (pages_ptr + page_off).to(gl.int64, bitcast=True) + gl.zeros([32 * WARPS], gl.int64, lay)
+        size = gl.full([32 * WARPS], PAGE_BYTES, gl.int32, lay)
+        gl.inline_asm_elementwise(ASM_PREFETCH_L2, "=r,l,r,r", [addr, ((k == 0) & page_ok).to(gl.int32), size],
+                                  dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def page_of(table_row, j, num_pages, PAGE_BYTES: gl.constexpr, live=True):
@@ -216,20 +233,29 @@ if GLUON_IMPORT_ERROR is None:
             async_copy.wait_group(0)
 
     @gluon.jit
+    def _load(ptrs, mask, other, MADE_UP: gl.constexpr = False):
+        """``gl.load(ptrs, mask=mask, other=other)``; with ``MADE_UP`` (a probe build, wrong outputs) nothing is
+        loaded: each element is made from its own address, so that no two are known to be equal."""
+        if MADE_UP:
+            return ((ptrs.to(gl.int64, bitcast=True) >> 1) & 127).to(ptrs.dtype.element_ty)
+        else:
+            return gl.load(ptrs, mask=mask, other=other)
+
+    @gluon.jit
     def _code_raws(pages_ptr, page_off, j, ps, pe, page_ok, DC: gl.constexpr, DR: gl.constexpr, CBITS: gl.constexpr,
                    RBITS: gl.constexpr, C_CODES_OFF: gl.constexpr, R_CODES_OFF: gl.constexpr,
                    C_SCALES_OFF: gl.constexpr, C_ZEROS_OFF: gl.constexpr, R_SCALES_OFF: gl.constexpr,
-                   R_ZEROS_OFF: gl.constexpr, WARPS: gl.constexpr = 4):
+                   R_ZEROS_OFF: gl.constexpr, WARPS: gl.constexpr = 4, MADE_UP: gl.constexpr = False):
         """Packed page ``j``'s bytes, loaded (not yet used, so that the loads are in flight while the loader does
-        other work): :func:`_code_words` and :func:`_code_params`."""
-        raws = _code_words(pages_ptr, page_off, j, ps, pe, page_ok, DC, CBITS, C_CODES_OFF, WARPS)
+        other work): :func:`_code_words` and :func:`_code_params` (``MADE_UP``: see :func:`_load`)."""
+        raws = _code_words(pages_ptr, page_off, j, ps, pe, page_ok, DC, CBITS, C_CODES_OFF, WARPS, MADE_UP)
         scales, zeros, rw, rs, rz = _code_params(pages_ptr, page_off, j, ps, pe, page_ok, DC, DR, RBITS, C_SCALES_OFF,
-                                                 C_ZEROS_OFF, R_CODES_OFF, R_SCALES_OFF, R_ZEROS_OFF, WARPS)
+                                                 C_ZEROS_OFF, R_CODES_OFF, R_SCALES_OFF, R_ZEROS_OFF, WARPS, MADE_UP)
         return raws, scales, zeros, rw, rs, rz
 
     @gluon.jit
     def _code_words(pages_ptr, page_off, j, ps, pe, page_ok, DC: gl.constexpr, CBITS: gl.constexpr,
-                    C_CODES_OFF: gl.constexpr, WARPS: gl.constexpr = 4):
+                    C_CODES_OFF: gl.constexpr, WARPS: gl.constexpr = 4, MADE_UP: gl.constexpr = False):
         """Packed page ``j``'s content words: ``[64, 16]`` uint32 per 64-byte chunk of the token rows. Tokens not in
         ``[ps, pe)`` or on an invalid page read 0."""
         CBYTES: gl.constexpr = DC * CBITS // 8
@@ -242,13 +268,14 @@ if GLUON_IMPORT_ERROR is None:
         crow = (page_off + C_CODES_OFF) // 4 + tok * (CBYTES // 4)
         raws = ()
         for c in gl.static_range(NCH):
-            raws = raws + (gl.load(words + crow[:, None] + (c * 16 + wcol)[None, :], mask=ok[:, None], other=0),)
+            raws = raws + (_load(words + crow[:, None] + (c * 16 + wcol)[None, :], ok[:, None], 0, MADE_UP),)
         return raws
 
     @gluon.jit
     def _code_params(pages_ptr, page_off, j, ps, pe, page_ok, DC: gl.constexpr, DR: gl.constexpr, RBITS: gl.constexpr,
                      C_SCALES_OFF: gl.constexpr, C_ZEROS_OFF: gl.constexpr, R_CODES_OFF: gl.constexpr,
-                     R_SCALES_OFF: gl.constexpr, R_ZEROS_OFF: gl.constexpr, WARPS: gl.constexpr = 4):
+                     R_SCALES_OFF: gl.constexpr, R_ZEROS_OFF: gl.constexpr, WARPS: gl.constexpr = 4,
+                     MADE_UP: gl.constexpr = False):
         """Packed page ``j``'s content scales (bfloat16) and zeros (uint8) ``[64]`` per group, RoPE words
         ``[64, RW]``, RoPE scale (float32) and zero ``[64]``. Tokens not in ``[ps, pe)`` or on an invalid page read 0
         (scale 0: their keys dequantize to 0)."""
@@ -258,22 +285,22 @@ if GLUON_IMPORT_ERROR is None:
         ok = tokens_ok(tok, j, ps, pe, page_ok)
         words = pages_ptr.to(gl.pointer_type(gl.uint32))
         scales = _per_group(pages_ptr.to(gl.pointer_type(gl.bfloat16)) + (page_off + C_SCALES_OFF) // 2, ok, 0.0,
-                            NG, WARPS)
-        zeros = _per_group(pages_ptr + (page_off + C_ZEROS_OFF), ok, 0, NG, WARPS)
+                            NG, WARPS, MADE_UP)
+        zeros = _per_group(pages_ptr + (page_off + C_ZEROS_OFF), ok, 0, NG, WARPS, MADE_UP)
 
         RW: gl.constexpr = DR * RBITS // 8 // 4
         rl: gl.constexpr = _rows_layout(64 * RW // (32 * WARPS), RW, WARPS)  # 64 tokens of RW words, no repeats
         rtok = gl.arange(0, 64, gl.SliceLayout(1, rl))
         rok = tokens_ok(rtok, j, ps, pe, page_ok)
-        rw = gl.load(words + ((page_off + R_CODES_OFF) // 4 + rtok * RW)[:, None]
-                     + gl.arange(0, RW, gl.SliceLayout(0, rl))[None, :], mask=rok[:, None], other=0)
-        rs = gl.load(pages_ptr.to(gl.pointer_type(gl.float32)) + (page_off + R_SCALES_OFF) // 4 + rtok,
-                     mask=rok, other=0.0)
-        rz = gl.load(pages_ptr + (page_off + R_ZEROS_OFF) + rtok, mask=rok, other=0)
+        rw = _load(words + ((page_off + R_CODES_OFF) // 4 + rtok * RW)[:, None]
+                   + gl.arange(0, RW, gl.SliceLayout(0, rl))[None, :], rok[:, None], 0, MADE_UP)
+        rs = _load(pages_ptr.to(gl.pointer_type(gl.float32)) + (page_off + R_SCALES_OFF) // 4 + rtok, rok, 0.0,
+                   MADE_UP)
+        rz = _load(pages_ptr + (page_off + R_ZEROS_OFF) + rtok, rok, 0, MADE_UP)
         return scales, zeros, rw, rs, rz
 
     @gluon.jit
-    def _per_group(base, ok, other, NG: gl.constexpr, WARPS: gl.constexpr = 4):
+    def _per_group(base, ok, other, NG: gl.constexpr, WARPS: gl.constexpr = 4, MADE_UP: gl.constexpr = False):
         """A per-token, per-group section ``[64, NG]`` (``NG`` = 8 groups, token-major from ``base``) as ``NG``
         tensors ``[64]`` in ``_rows_layout(4, 16, WARPS)``'s rows: one vector load of a token's row, then register
         splits (``other`` where ``ok`` is False)."""
@@ -282,7 +309,7 @@ if GLUON_IMPORT_ERROR is None:
         tok = gl.arange(0, 64, gl.SliceLayout(1, lay))
         g = gl.arange(0, NG, gl.SliceLayout(0, lay))
         row_ok = gl.convert_layout(ok, gl.SliceLayout(1, lay))
-        x = gl.load(base + (tok * NG)[:, None] + g[None, :], mask=row_ok[:, None], other=other)
+        x = _load(base + (tok * NG)[:, None] + g[None, :], row_ok[:, None], other, MADE_UP)
         c0, c1 = gl.split(gl.reshape(x, [64, 2, 2, 2]))  # group 4a + 2b + c: c
         b00, b01 = gl.split(c0)
         b10, b11 = gl.split(c1)
@@ -323,6 +350,14 @@ if GLUON_IMPORT_ERROR is None:
         kr_s.store(kr)
 
     @gluon.jit
+    def _prefetch_table_page(pages_ptr, table_row, j_lo, i, n_tiles, num_pages, PAGE_BYTES: gl.constexpr,
+                             WARPS: gl.constexpr):
+        """:func:`prefetch_page_l2` of the split's page ``i`` (page ``j_lo + i`` of the request; none past
+        ``n_tiles``)."""
+        page_off, page_ok = page_of(table_row, j_lo + i, num_pages, PAGE_BYTES, i < n_tiles)
+        prefetch_page_l2(pages_ptr, page_off, page_ok, PAGE_BYTES, WARPS)
+
+    @gluon.jit
     def _pv_hi(acc, p_s, alpha_s, kc_s, pready, pfree, kempty_s, i, DC: gl.constexpr, RUN: gl.constexpr = True,
                WARPS: gl.constexpr = 4):
         """The loader's output product for page ``i`` (its keys in ``kc_s``): waits for P and alpha, returns
@@ -349,24 +384,27 @@ if GLUON_IMPORT_ERROR is None:
                          C_ZEROS_OFF: gl.constexpr, R_SCALES_OFF: gl.constexpr, R_ZEROS_OFF: gl.constexpr,
                          BLOCK_R: gl.constexpr, PIPELINE: gl.constexpr = 0, PROBE: gl.constexpr = 0,
                          WARPS: gl.constexpr = 4, INLINE_PROT: gl.constexpr = False,
-                         CHANNEL_ORDER: gl.constexpr = False):
+                         CHANNEL_ORDER: gl.constexpr = False, L2_AHEAD: gl.constexpr = 0):
         """Worker partition: fill key slot ``i % 2`` with page ``j_lo + i`` (after both output products of page
         ``i - 2`` freed it), then run the output product of page ``i - 1`` over channels ``[DC/2, DC)``; at the
         end write those channels of the partial output (after the attender published the final ``l``).
 
         ``PROBE`` (measurement builds, wrong outputs): bit 0 skips the keys (no page bytes loaded, nothing written to
-        the key slot), bit 1 the output product (the handoffs stay). Build 2 over BF16 pages (``PV_EARLY``) copies page
-        i while it runs the output product of page i - 1 and arrives ``kfull`` after both. ``WARPS``: 4 (one
+        the key slot), bit 1 the output product (the handoffs stay), bit 2 the packed pages' loads (their words are
+        made up, :func:`_load`). Build 2 over BF16 pages (``PV_EARLY``) copies page i while it runs the output product
+        of page i - 1 and arrives ``kfull`` after both. ``WARPS``: 4 (one
         warpgroup) or 8 (two, each converting half of the tokens and taking half of the output columns).
         ``INLINE_PROT``: after its ``n_tiles`` pages the split walks ``prot``'s ``n_prot`` protected pages (bfloat16
         rows of the sink and the window, :func:`_load_protected_page`; 0 but on the last split). ``CHANNEL_ORDER``
-        (packed pages): key tiles, protected rows and the partial output in ``channel_of`` order."""
+        (packed pages): key tiles, protected rows and the partial output in ``channel_of`` order. ``L2_AHEAD`` > 0:
+        after handing over page ``i`` the loader asks L2 for page ``i + L2_AHEAD`` (:func:`prefetch_page_l2`)."""
         kc, kr, q_s, qr_s, p_s, alpha_s, l_s = bufs
         kfull, kempty, pready, pfree, lfin = bars
         o_layout: gl.constexpr = _acc_layout(DC // 2, WARPS)
         acc = gl.zeros([BLOCK_R, DC // 2], gl.float32, o_layout)
         KEYS: gl.constexpr = PROBE % 2 == 0
-        PV: gl.constexpr = PROBE // 2 == 0
+        PV: gl.constexpr = PROBE // 2 % 2 == 0
+        MADE_UP: gl.constexpr = PROBE // 4 == 1
         CODES: gl.constexpr = QUANT and KEYS
         # BF16 pages, build 2: page i's copy is issued before the output product of page i - 1 and waited for after it
         BF16_PAGES: gl.constexpr = KEYS and not QUANT
@@ -376,12 +414,16 @@ if GLUON_IMPORT_ERROR is None:
                 # else hides their latency)
                 page_off, page_ok = page_of(table_row, j_lo, num_pages, PAGE_BYTES, n_tiles > 0)
                 if PIPELINE == 2:  # the content words alone (fewer registers held across the output product)
-                    raws = _code_words(pages_ptr, page_off, j_lo, ps, pe, page_ok, DC, CBITS, C_CODES_OFF, WARPS)
+                    raws = _code_words(pages_ptr, page_off, j_lo, ps, pe, page_ok, DC, CBITS, C_CODES_OFF, WARPS,
+                                       MADE_UP)
                 else:
                     raws, scales, zeros, rw, rs, rz = _code_raws(pages_ptr, page_off, j_lo, ps, pe, page_ok, DC, DR,
                                                                  CBITS, RBITS, C_CODES_OFF, R_CODES_OFF, C_SCALES_OFF,
-                                                                 C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF, WARPS)
+                                                                 C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF, WARPS, MADE_UP)
         sink_ptr, local_ptr, seq, seq_ok, L, SINK, LOCAL, n_prot = prot
+        if KEYS:
+            for d in gl.static_range(1, L2_AHEAD):  # the pages before the loop's first prefetch
+                _prefetch_table_page(pages_ptr, table_row, j_lo, d, n_tiles, num_pages, PAGE_BYTES, WARPS)
         n_iter = gl.maximum(n_tiles + n_prot, 1)  # the attender's count: an empty split walks one dead page
         for i in range(n_iter):
             slot = i % 2
@@ -394,11 +436,11 @@ if GLUON_IMPORT_ERROR is None:
                     raws, scales, zeros, rw, rs, rz = _code_raws(pages_ptr, page_off, j_lo + i, ps, pe, page_ok, DC,
                                                                  DR, CBITS, RBITS, C_CODES_OFF, R_CODES_OFF,
                                                                  C_SCALES_OFF, C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF,
-                                                                 WARPS)
+                                                                 WARPS, MADE_UP)
                 if PIPELINE == 2:
                     scales, zeros, rw, rs, rz = _code_params(pages_ptr, page_off, j_lo + i, ps, pe, page_ok, DC, DR,
                                                              RBITS, C_SCALES_OFF, C_ZEROS_OFF, R_CODES_OFF,
-                                                             R_SCALES_OFF, R_ZEROS_OFF, WARPS)
+                                                             R_SCALES_OFF, R_ZEROS_OFF, WARPS, MADE_UP)
                 _store_code_page(raws, scales, zeros, rw, rs, rz, kc.index(slot), kr.index(slot), DC, DR, CBITS,
                                  RBITS, CHANNEL_ORDER)
             else:
@@ -418,17 +460,21 @@ if GLUON_IMPORT_ERROR is None:
             fence_async_shared()  # generic-proxy stores, read next by wgmma (async proxy)
             _partition_barrier()  # every thread's fence before the one arrival
             mbarrier.arrive(kfull.index(slot))
+            if KEYS:
+                if L2_AHEAD:
+                    _prefetch_table_page(pages_ptr, table_row, j_lo, i + L2_AHEAD, n_tiles, num_pages, PAGE_BYTES,
+                                         WARPS)
             if CODES:
                 if PIPELINE:
                     page_off, page_ok = page_of(table_row, j_lo + i + 1, num_pages, PAGE_BYTES, i + 1 < n_tiles)
                     if PIPELINE == 2:
                         raws = _code_words(pages_ptr, page_off, j_lo + i + 1, ps, pe, page_ok, DC, CBITS,
-                                           C_CODES_OFF, WARPS)
+                                           C_CODES_OFF, WARPS, MADE_UP)
                     else:
                         raws, scales, zeros, rw, rs, rz = _code_raws(pages_ptr, page_off, j_lo + i + 1, ps, pe,
                                                                      page_ok, DC, DR, CBITS, RBITS, C_CODES_OFF,
                                                                      R_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF,
-                                                                     R_SCALES_OFF, R_ZEROS_OFF, WARPS)
+                                                                     R_SCALES_OFF, R_ZEROS_OFF, WARPS, MADE_UP)
             if not PV_EARLY:
                 if i > 0:
                     acc = _pv_hi(acc, p_s, alpha_s, kc.index(1 - slot), pready, pfree, kempty.index(1 - slot), i - 1,

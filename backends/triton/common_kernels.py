@@ -64,6 +64,17 @@ def channel_of(j):
 
 
 @triton.jit
+def to_channel_order(x, N: tl.constexpr, C: tl.constexpr):
+    """``x`` ``[N, C]`` rearranged so that column ``j`` holds column ``channel_of(j)`` (C a multiple of 4): plain
+    order into the channel order and, the map being its own inverse, back (``attention_v4_loaders.to_channel_order``
+    in Gluon)."""
+    y0, y1 = tl.split(tl.reshape(x, [N, C // 4, 2, 2]))  # columns 4q + 2a and 4q + 2a + 1
+    c0, c2 = tl.split(y0)
+    c1, c3 = tl.split(y1)
+    return tl.reshape(tl.join(tl.join(c0, c1), tl.join(c2, c3)), [N, C])
+
+
+@triton.jit
 def rint(x):
     """Round half to even for |x| < 2**22 (codes and zero points are far below that): adding and
     removing 1.5 * 2**23 leaves no fraction bits, and the float32 add itself rounds half to even."""

@@ -418,6 +418,9 @@ V4_INLINE_PROTECT = True
 #: plain order, L32K (256) 650.0 / 629.7 against 698.3 / 666.4, B128 L32K (512) 2,537 / 2,422 against 2,614 / 2,464.
 #: The two meet near 128 pages; 160 leaves that tie to the plain order.
 V4_CHANNEL_ORDER_MIN_PAGES = 160
+#: how many pages ahead kernel v4's loader asks L2 for a split's pages (``QUANTMLA_TRITON_V4_L2_AHEAD`` overrides it;
+#: 0: it does not). Not measured yet on a GPU, so off
+V4_L2_AHEAD = {"BF16": 0, "C4R4": 0, "C2R4": 0}
 
 
 def v4_channel_order(table_pages: int, num_splits: int) -> bool:
