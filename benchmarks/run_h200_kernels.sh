@@ -90,9 +90,13 @@
 #   bash benchmarks/run_h200_kernels.sh stop58   # kernel v4's channel order by pages a split: one small case of each
 #       order (a failure stops there), CUDA graphs of Triton's defaults, this tree's and main's (probe_tmp/triton_main,
 #       see the mode), both orders at S58_ORDER_SHAPES, the order's GPU tests, memcheck; $OUT/s58.tgz
-#   bash benchmarks/run_h200_kernels.sh stop59   # the merge kernel's order in registers and v4's L2 prefetch: their
-#       small cases first, then CUDA graphs of L2_AHEAD 0/2/4 and probe 4 (S59_SHAPES), the merge's time against main
-#       (probe_tmp/triton_main, see the mode), both channel orders at S59_ORDER_SHAPES; $OUT/s59.tgz
+#   bash benchmarks/run_h200_kernels.sh stop59   # the merge kernel's order in registers: its test, then CUDA graphs of
+#       probe 4 (no page loads) beside the defaults (S59_SHAPES), the merge's time against main (probe_tmp/triton_main,
+#       see the mode), both channel orders at S59_ORDER_SHAPES; $OUT/s59.tgz. Stop 59's call 1 ran it as of 4545fb4,
+#       with an L2-prefetch knob (QUANTMLA_TRITON_V4_L2_AHEAD 0/2/4) since removed
+#   bash benchmarks/run_h200_kernels.sh stop59b  # build 4 (the loader's output product in flight): small cases first,
+#       then CUDA graphs of builds 1 and 4 (S59B_SHAPES), both channel orders from 8 to 64 pages a split
+#       (S59B_ORDER_SHAPES), ncu of v4 (defaults against probe 3) at H128 B32 L32K C4R4 while time is left; $OUT/s59b.tgz
 #   bash benchmarks/run_h200_kernels.sh stop58probe  # kernel v4's defaults against its probe builds (S58P_SHAPES), then
 #       Triton's defaults against CuPy's (S58P_AUTO_SHAPES), CUDA graphs with FlashInfer BF16; $OUT/s58p.tgz
 #   bash benchmarks/run_h200_kernels.sh stop57auto  # Triton v4's defaults against CuPy's over S57A_SHAPES (CUDA graphs,
@@ -652,15 +656,15 @@ elif [ "$MODE" = stop59 ]; then
   # before the call: mkdir -p probe_tmp/triton_main && for f in attention_v4_kernel attention_v4_loaders attention \
   #   attention_kernel common_kernels; do git show main:backends/triton/$f.py > probe_tmp/triton_main/$f.py; done
   mkdir -p /tmp/s59; t0=$(date +%s); left() { echo $(( ${S59_LIMIT:-540} - $(date +%s) + t0 )); }
-  AH=QUANTMLA_TRITON_V4_L2_AHEAD; P=QUANTMLA_TRITON_V4_PROBE; CO=QUANTMLA_TRITON_V4_CHANNEL_ORDER
-  echo "=== first: the merge kernel's order in registers, the L2-prefetch builds on small cases"
+  P=QUANTMLA_TRITON_V4_PROBE; CO=QUANTMLA_TRITON_V4_CHANNEL_ORDER
+  echo "=== first: the merge kernel's order in registers, a small case of the order"
   timeout -k 10 150 $T -x -rfE --tb=long tests/test_triton_backend.py tests/test_triton_v4.py -k "merge_channel_order or \
-(matches_reference_and_v3 and L63_64_65 and H128 and (1w8pcf or 2w8pf))" > /tmp/s59/first.txt 2>&1
+(matches_reference_and_v3 and L63_64_65 and H128 and 1w8pc)" > /tmp/s59/first.txt 2>&1
   echo "rc=$?" >> /tmp/s59/first.txt; grep -E "^E  |^FAILED" /tmp/s59/first.txt | head -12; tail -2 /tmp/s59/first.txt
   if grep -q "^rc=0" /tmp/s59/first.txt; then
-    echo "=== L2 prefetch distance 0 / 2 / 4, and probe 4 (no page loads) at ${S59_SHAPES:-128x32x32768} ($(left) s left)"
+    echo "=== the defaults and probe 4 (no page loads) at ${S59_SHAPES:-128x32x32768} ($(left) s left)"
     timeout -k 10 ${S59_AHEAD_S:-200} python3 -P benchmarks/graph_probe.py --backends triton --formats C4R4,C2R4,BF16 \
-      --shapes ${S59_SHAPES:-128x32x32768} --settings "$AH=0;$AH=2;$AH=4;$P=4" --json /tmp/s59/graph_ahead.json 2>&1 \
+      --shapes ${S59_SHAPES:-128x32x32768} --settings "$P=0;$P=4" --json /tmp/s59/graph_ahead.json 2>&1 \
       | grep -v "^{\|RuntimeWarning\|warnings.warn" | tail -14
     for tree in after main; do
       [ $tree = main ] && { [ -d probe_tmp/triton_main ] || continue; triton_tree main; }
@@ -674,6 +678,36 @@ elif [ "$MODE" = stop59 ]; then
       --json /tmp/s59/graph_orders.json 2>&1 | grep -v "^{" | tail -8
   fi
   tar czf "$OUT/s59.tgz" -C /tmp s59
+elif [ "$MODE" = stop59b ]; then
+  mkdir -p /tmp/s59b; t0=$(date +%s); left() { echo $(( ${S59_LIMIT:-540} - $(date +%s) + t0 )); }
+  P=QUANTMLA_TRITON_V4_PROBE; CO=QUANTMLA_TRITON_V4_CHANNEL_ORDER; PL=QUANTMLA_TRITON_V4_PIPELINE
+  echo "=== first: build 4 (the loader's product in flight) on small cases, its probe builds"
+  timeout -k 10 150 $T -x -rfE --tb=long tests/test_triton_v4.py -k "(matches_reference_and_v3 and L63_64_65 and H128 \
+and (4w8p] or 4w8pc)) or (probe_builds_keep and 4w8) or (poisoned and 4w8p)" > /tmp/s59b/first.txt 2>&1
+  echo "rc=$?" >> /tmp/s59b/first.txt; grep -E "^E  |^FAILED" /tmp/s59b/first.txt | head -12; tail -2 /tmp/s59b/first.txt
+  if grep -q "^rc=0" /tmp/s59b/first.txt; then
+    echo "=== builds 1 and 4, twice (CUDA graphs, FlashInfer BF16 in the process; $(left) s left)"
+    timeout -k 10 ${S59B_BUILD_S:-150} python3 -P benchmarks/graph_probe.py --backends triton --formats C4R4,C2R4 \
+      --shapes ${S59B_SHAPES:-128x32x32768,128x128x32768,128x8x4096} --settings "$PL=1;$PL=4;$PL=1;$PL=4" \
+      --json /tmp/s59b/graph_builds.json 2>&1 | grep -v "^{" | tail -26
+  fi
+  echo "=== both channel orders at 8 to 64 pages a split ($(left) s left)"
+  timeout -k 10 ${S59B_ORDER_S:-150} python3 -P benchmarks/graph_probe.py --backends triton --formats C4R4,C2R4 \
+    --shapes ${S59B_ORDER_SHAPES:-128x8x4096,128x8x8192,128x32x4096,128x8x16384,128x128x4096,128x8x32768} \
+    --settings "$CO=0;$CO=1" --json /tmp/s59b/graph_orders.json 2>&1 | grep -v "^{" | tail -26
+  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+  SECS="--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
+--section SchedulerStats"
+  for setting in $P=0 $P=3; do
+    [ $(left) -lt 60 ] && break
+    echo "=== ncu of kernel v4, H128 B32 L32K C4R4, $setting ($(left) s left)"
+    env $setting timeout -k 5 $(( $(left) - 10 < 100 ? $(left) - 10 : 100 )) $NCU -k regex:split_kernel_v4 -s 3 -c 1 \
+      --clock-control none $SECS python3 -P benchmarks/graph_probe.py --backends triton --formats C4R4 \
+      --shapes 128x32x32768 > /tmp/s59b/ncu_$setting.txt 2>&1
+    grep -v "^==PROF==" /tmp/s59b/ncu_$setting.txt | grep -E "Duration|Issue Slots Busy|Warp Cycles Per Issued|Shared|Bank|\
+Tensor|Pipe|Throughput|Stall" | head -40
+  done
+  tar czf "$OUT/s59b.tgz" -C /tmp s59b
 elif [ "$MODE" = stop58probe ]; then
   mkdir -p /tmp/s58p; P=QUANTMLA_TRITON_V4_PROBE
   echo "=== what v4's defaults wait for: the probe builds (1: no keys, 2: no loader output product, 3: neither)"

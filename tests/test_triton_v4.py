@@ -22,7 +22,7 @@ from conformance import cache_to_cpu
 pytest.importorskip("triton")
 from quantmla_core.backends.triton import attention as A  # noqa: E402
 from quantmla_core.backends.triton.heuristics import (V4_CHANNEL_ORDER_MIN_PAGES, V4_INLINE_PROTECT,  # noqa: E402
-                                                      V4_L2_AHEAD, V4_LOADER_WARPS, v4_channel_order)
+                                                      V4_LOADER_WARPS, v4_channel_order)
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 NEEDS_HOPPER = pytest.mark.skipif(not ON_HOPPER or A.GLUON_IMPORT_ERROR is not None,
@@ -113,8 +113,7 @@ def test_v4_is_planned_as_v3(monkeypatch, fmt, batch, heads, tokens):
     assert v4.variant == "v4" and v3.variant == "v3"
     for field in ("split_grid", "partial_specs", "protect_grid", "protect_tiles", "merge_grid", "merge_consts"):
         assert getattr(v4, field) == getattr(v3, field), field
-    assert {k: v for k, v in v4.split_consts.items() if k not in ("PIPELINE", "LOADER_WARPS", "L2_AHEAD")} == dict(
-        v3.split_consts)
+    assert {k: v for k, v in v4.split_consts.items() if k not in ("PIPELINE", "LOADER_WARPS")} == dict(v3.split_consts)
     # PDL (stubbed as available): v3 launches its protected tiles after itself (mode 2), v4 signals no dependents
     assert (v4.pdl, v3.pdl) == (1, 2)
     assert {**v4.protect_consts, "PDL": True} == dict(v3.protect_consts)
@@ -131,11 +130,16 @@ def _set_env(monkeypatch, name: str, value: str | None) -> None:
 
 
 @pytest.mark.parametrize("fmt", ["BF16", "C4R4", "C2R4"])
-@pytest.mark.parametrize("value,want", [(None, None), ("0", 0), ("1", 1), ("2", 2), ("3", 3)])
+@pytest.mark.parametrize("value,want", [(None, None), ("0", 0), ("1", 1), ("2", 2), ("3", 3), ("4", 4)])
 def test_pipelined_build_is_a_knob(monkeypatch, fmt, value, want):
     """Unset: the format's measured default (BF16 pages build 2, the others build 1); set: that build."""
     _as_hopper(monkeypatch)
     _set_env(monkeypatch, A.V4_PIPELINE_ENV, value)
+    if fmt == "BF16" and value == "4":
+        with pytest.raises(ValueError, match="QUANTMLA_TRITON_V4_PIPELINE=4: kernel v4's build 4 reads packed pages, "
+                                             "the cache holds BF16"):
+            _prepare(fmt)
+        return
     assert _prepare(fmt).split_consts["PIPELINE"] == (want if value else {"BF16": 2, "C4R4": 1, "C2R4": 1}[fmt])
     assert "PIPELINE" not in _prepare(variant="v3").split_consts
 
@@ -217,25 +221,6 @@ def test_a_malformed_channel_order_knob_is_refused(monkeypatch):
         _prepare()
 
 
-@pytest.mark.parametrize("fmt", ["BF16", "C4R4", "C2R4"])
-@pytest.mark.parametrize("value,want", [(None, None), ("0", 0), ("2", 2), ("8", 8)])
-def test_l2_prefetch_distance_is_a_knob(monkeypatch, fmt, value, want):
-    """Unset: the format's default (``heuristics.V4_L2_AHEAD``); set: that many pages ahead; v3 takes no such
-    constexpr."""
-    _as_hopper(monkeypatch)
-    _set_env(monkeypatch, A.V4_L2_AHEAD_ENV, value)
-    assert _prepare(fmt).split_consts["L2_AHEAD"] == (V4_L2_AHEAD[fmt] if value is None else want)
-    assert "L2_AHEAD" not in _prepare(variant="v3").split_consts
-
-
-@pytest.mark.parametrize("value", ["9", "-1", "two"])
-def test_a_malformed_l2_prefetch_knob_is_refused(monkeypatch, value):
-    _as_hopper(monkeypatch)
-    monkeypatch.setenv(A.V4_L2_AHEAD_ENV, value)
-    with pytest.raises(ValueError, match=f"QUANTMLA_TRITON_V4_L2_AHEAD: expected one of 0, 1, .*, 8, got '{value}'"):
-        _prepare()
-
-
 def test_a_malformed_loader_warps_knob_is_refused(monkeypatch):
     _as_hopper(monkeypatch)
     monkeypatch.setenv(A.V4_LOADER_WARPS_ENV, "6")
@@ -246,7 +231,7 @@ def test_a_malformed_loader_warps_knob_is_refused(monkeypatch):
 def test_a_malformed_pipeline_knob_is_refused(monkeypatch):
     _as_hopper(monkeypatch)
     monkeypatch.setenv(A.V4_PIPELINE_ENV, "yes")
-    with pytest.raises(ValueError, match="QUANTMLA_TRITON_V4_PIPELINE: expected one of 0, 1, 2, 3, got 'yes'"):
+    with pytest.raises(ValueError, match="QUANTMLA_TRITON_V4_PIPELINE: expected one of 0, 1, 2, 3, 4, got 'yes'"):
         _prepare()
 
 
@@ -289,15 +274,11 @@ def _attend(case: Case, cache, args, batch, variant: str, num_splits: int | None
 
 #: kernel v4's builds on the GPU: ``QUANTMLA_TRITON_V4_PIPELINE``, then "w8" for 8 loader warps, "p" for the
 #: protected tokens in the split kernel (``QUANTMLA_TRITON_V4_INLINE_PROTECT``), "c" for packed pages in channel_of
-#: order (``QUANTMLA_TRITON_V4_CHANNEL_ORDER``; the others plain), "f" for L2 prefetches 2 pages ahead
-#: (``QUANTMLA_TRITON_V4_L2_AHEAD``; the others none)
-GPU_BUILDS = ["0", "1", "2", "3", "1w8", "2w8", "3w8", "1p", "1w8p", "2w8p", "1w8c", "1w8pc", "2w8pc", "1w8pcf",
-              "2w8pf"]
+#: order (``QUANTMLA_TRITON_V4_CHANNEL_ORDER``; the others plain). Build 4 reads packed pages only
+GPU_BUILDS = ["0", "1", "2", "3", "1w8", "2w8", "3w8", "1p", "1w8p", "2w8p", "1w8c", "1w8pc", "2w8pc", "4w8p", "4w8pc"]
 
 
 def _set_build(monkeypatch, build: str) -> None:
-    monkeypatch.setenv(A.V4_L2_AHEAD_ENV, "2" if build.endswith("f") else "0")
-    build = build.rstrip("f")
     monkeypatch.setenv(A.V4_CHANNEL_ORDER_ENV, "1" if build.endswith("c") else "0")
     build = build.rstrip("c")
     inline = build.endswith("p")
@@ -314,6 +295,8 @@ def test_v4_matches_reference_and_v3(case, splits, build, monkeypatch):
     """Against the float64 reference (bfloat16 tolerance) and against kernel v3 on the same cache and queries: both
     round the dequantized keys to bfloat16 once, so they differ only in summation order. Every build of v4
     (``QUANTMLA_TRITON_V4_PIPELINE``), with a loader of 4 and of 8 warps."""
+    if build.startswith("4") and not case.fmt.quantized:
+        pytest.skip("build 4 reads packed pages (refused over BF16 pages: test_pipelined_build_is_a_knob)")
     _set_build(monkeypatch, build)
     batch, args, cache = write_case(case, "cuda", "bfloat16")
     out_v3, lse_v3 = _attend(case, cache, args, batch, "v3", splits)
@@ -350,12 +333,12 @@ def test_v4_overwrites_poisoned_partials(monkeypatch, build):
 
 
 @NEEDS_HOPPER
-@pytest.mark.parametrize("build", ["0", "1", "2", "1w8"])
-@pytest.mark.parametrize("probe", ["1", "2", "3"])
+@pytest.mark.parametrize("build", ["0", "1", "2", "1w8", "4w8"])
+@pytest.mark.parametrize("probe", ["1", "2", "3", "4"])
 def test_probe_builds_keep_the_handoffs(monkeypatch, build, probe):
     """The measurement builds run to the end (their barriers still pair up). Without the loader's output product
     (bit 1) the attender's channels ``[0, d_c/2)`` and the log-sum-exp still match the reference and the other half
-    does not: the probe skips what it says."""
+    does not: the probe skips what it says. With made-up words (bit 2) the keys, so the outputs, are wrong."""
     _set_build(monkeypatch, build)
     monkeypatch.setenv(A.V4_PROBE_ENV, probe)
     case = Case(PackFormat.parse("C2R4"), (3000, 700), heads=128, seed=5003)
@@ -363,11 +346,14 @@ def test_probe_builds_keep_the_handoffs(monkeypatch, build, probe):
     with pytest.warns(RuntimeWarning, match="outputs are wrong"):
         out, lse = _attend(case, cache, args, batch, "v4", 4)
     torch.cuda.synchronize()
-    if probe != "2":
+    if probe not in ("2", "4"):
         return
     want_out, want_lse = ref.decode_attention(args["q_latent"].cpu(), args["q_rope"].cpu(), cache_to_cpu(cache),
                                               batch.block_table, batch.attn_seq_lens, batch.attn_seq_ids,
                                               batch.softmax_scale)
+    if probe == "4":
+        assert not np.allclose(out.float().cpu().numpy(), want_out, rtol=0.1, atol=0.1)
+        return
     half = case.fmt.latent_dim // 2
     check_attention(out[..., :half], lse, want_out[..., :half], want_lse, "bfloat16")  # the reference is NumPy
     assert not np.allclose(out[..., half:].float().cpu().numpy(), want_out[..., half:], rtol=0.1, atol=0.1)

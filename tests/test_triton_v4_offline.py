@@ -83,21 +83,20 @@ def reports() -> dict:
     out = {}
     configs = ((0, 0, 4, 0, 0), (1, 0, 4, 0, 0), (2, 0, 4, 0, 0), (3, 0, 4, 0, 0), (2, 3, 4, 0, 0), (1, 0, 8, 0, 0),
                (2, 0, 8, 0, 0), (3, 0, 8, 0, 0), (1, 0, 4, 1, 0), (1, 0, 8, 1, 0), (2, 0, 8, 1, 0), (1, 0, 8, 1, 1),
-               (1, 4, 8, 1, 0), (1, 0, 8, 1, 1, 2))
-    for pipeline, probe, warps, inline, order, *ahead in configs:
-        ahead = ahead[0] if ahead else 0
+               (1, 4, 8, 1, 0), (4, 0, 8, 1, 1))
+    for pipeline, probe, warps, inline, order in configs:
+        fmts = [f for f in FORMATS if pipeline != 4 or f != "BF16"]  # build 4 reads packed pages only
         cmd = [sys.executable, *(["-P"] if sys.flags.safe_path else []), "-m",
-               "quantmla_core.backends.triton.offline_v4", *FORMATS, f"pipeline={pipeline}", f"probe={probe}",
-               f"loader_warps={warps}", f"inline_prot={inline}", f"channel_order={order}", f"prefetch={ahead}"]
+               "quantmla_core.backends.triton.offline_v4", *fmts, f"pipeline={pipeline}", f"probe={probe}",
+               f"loader_warps={warps}", f"inline_prot={inline}", f"channel_order={order}"]
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=tempfile.gettempdir())
         lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
-        assert len(lines) == len(FORMATS), r.stdout + r.stderr
-        for fmt, line in zip(FORMATS, lines):
+        assert len(lines) == len(fmts), r.stdout + r.stderr
+        for fmt, line in zip(fmts, lines):
             key = (fmt, pipeline) if probe == 0 else (fmt, pipeline, "probe", probe)
             key = key if warps == 4 else (*key, "w8")
             key = (*key, "inline") if inline else key
             key = (*key, "channel_of") if order else key
-            key = (*key, "l2_ahead", ahead) if ahead else key
             out[key] = ast.literal_eval(line)
             assert "err" not in out[key], out[key]
     return out
@@ -169,16 +168,15 @@ def test_offline_channel_order_builds(reports, fmt):
     assert 136 in r["setmaxnreg"] and 232 in r["setmaxnreg"], r
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_offline_l2_prefetch_builds(reports, fmt):
-    """``L2_AHEAD`` 2: one bulk L2 prefetch before the loop (page 1) and one in it (page i + 2), and the build keeps
-    its pipelined ``wgmma``, shared memory and register split."""
-    r = reports[fmt, 1, "w8", "inline", "channel_of", "l2_ahead", 2]
-    assert r["prefetch"] == 2 and r["prefetch_l2"] == 2, r
-    assert r["wgmma"] == 48 and not r["wgmma_serialized"] and r["smem"] <= SMEM_LIMIT, r
-    assert r["spill_bytes"] <= (8 if fmt == "C4R4" else 0), r
+@pytest.mark.parametrize("fmt", ["C4R4", "C2R4"])
+def test_offline_async_output_product_build(reports, fmt):
+    """Build 4 (the loader's output product left in flight while it converts the next page's low channels): its 48
+    ``wgmma`` stay pipelined (none serialized across the loop's back edge), in the same shared memory and register
+    split. Triton 3.6.0's build may spill two words (3.7.1's none)."""
+    r = reports[fmt, 4, "w8", "inline", "channel_of"]
+    assert r["pipeline"] == 4 and r["wgmma"] == 48 and not r["wgmma_serialized"], r
+    assert r["smem"] <= SMEM_LIMIT and r["spill_bytes"] <= 8, r
     assert 136 in r["setmaxnreg"] and 232 in r["setmaxnreg"], r
-    assert reports[fmt, 1, "w8", "inline", "channel_of"]["prefetch_l2"] == 0
 
 
 @pytest.mark.parametrize("fmt", ["C4R4", "C2R4"])

@@ -29,7 +29,7 @@ from .heuristics import (INTERPRETER_SM_COUNT, MERGE_BLOCK_C, MERGE_BLOCK_R, MER
                          V3_BLOCK_N, V3_BLOCK_R, V3_MIN_ROWS, V3_NUM_STAGES, V3_NUM_WARPS, V3_PREFETCH, AttentionPlan,
                          DeviceLimits, PROTECT_ROWS_CHOICES, merge_load_width, pdl_default, plan, plan_v2, plan_v3,
                          planned_shared_max, plan_v4, protect_parts, v3_code_words, v3_tile_groups, v3_word_lanes,
-                         V4_AUTO, V4_CAPABILITY_MAJOR, V4_INLINE_PROTECT, V4_LOADER_WARPS, V4_PIPELINE, V4_L2_AHEAD,
+                         V4_AUTO, V4_CAPABILITY_MAJOR, V4_INLINE_PROTECT, V4_LOADER_WARPS, V4_PIPELINE,
                          v4_channel_order, v4_format_unsupported)
 
 #: environment variable choosing the split kernel ("auto" default, "v1", "v2", "v3", "v4"); read on every call. ``auto``
@@ -51,8 +51,8 @@ PROTECTED_STREAM_ENV = "QUANTMLA_TRITON_PROTECTED_STREAM"
 #: have not is refused. With ``QUANTMLA_TRITON_PROTECTED_STREAM=1`` the launches are plain (the merge waits on the side
 #: stream's event)
 PDL_ENV = "QUANTMLA_TRITON_PDL"
-#: kernel v4's build, 0 to 3 (:data:`heuristics.V4_PIPELINE` says what each is; unset: that default). A
-#: measurement knob, read when a call is prepared
+#: kernel v4's build, 0 to 4 (:data:`heuristics.V4_PIPELINE` says what each is; unset: that default; 4 over BF16
+#: pages is refused). A measurement knob, read when a call is prepared
 V4_PIPELINE_ENV = "QUANTMLA_TRITON_V4_PIPELINE"
 #: kernel v4's loader warps, 4 or 8 (:data:`heuristics.V4_LOADER_WARPS`; unset: that default). A measurement knob,
 #: read when a call is prepared
@@ -65,9 +65,6 @@ V4_INLINE_PROTECT_ENV = "QUANTMLA_TRITON_V4_INLINE_PROTECT"
 #: :func:`heuristics.v4_channel_order` (by pages a split). BF16 pages are always read in plain order. Read when a call
 #: is prepared
 V4_CHANNEL_ORDER_ENV = "QUANTMLA_TRITON_V4_CHANNEL_ORDER"
-#: pages ahead that kernel v4's loader asks L2 for its split's pages, 0 to 8 (:data:`heuristics.V4_L2_AHEAD`; unset:
-#: that default; 0: none). A measurement knob, read when a call is prepared
-V4_L2_AHEAD_ENV = "QUANTMLA_TRITON_V4_L2_AHEAD"
 #: kernel v4's measurement builds, WRONG OUTPUTS (benchmarks only; a warning on every call that takes one): 1, the
 #: loader loads and writes no keys; 2, it skips its output product; 3, both; 4, it loads no packed page bytes (it
 #: dequantizes made-up words). Unset or 0: the real kernel
@@ -600,12 +597,12 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
     LAST_LAUNCH["pdl"] = pdl
     consts = {**consts, "PDL": pdl > 0}
     if variant == "v4":
-        build = env_int_choice(V4_PIPELINE_ENV, (0, 1, 2, 3))
+        build = env_int_choice(V4_PIPELINE_ENV, (0, 1, 2, 3, 4))
+        if build == 4 and not fmt.quantized:
+            raise ValueError(f"{V4_PIPELINE_ENV}=4: kernel v4's build 4 reads packed pages, the cache holds {fmt.name}")
         consts["PIPELINE"] = V4_PIPELINE[fmt.name] if build is None else build
         warps = env_int_choice(V4_LOADER_WARPS_ENV, (4, 8))
         consts["LOADER_WARPS"] = V4_LOADER_WARPS[fmt.name] if warps is None else warps
-        ahead = env_int_choice(V4_L2_AHEAD_ENV, tuple(range(9)))
-        consts["L2_AHEAD"] = V4_L2_AHEAD[fmt.name] if ahead is None else ahead
         probe = env_int_choice(V4_PROBE_ENV, (0, 1, 2, 3, 4)) or 0
         if probe:
             warnings.warn(f"{V4_PROBE_ENV}={probe}: a measurement build of kernel v4, its outputs are wrong",

@@ -123,8 +123,8 @@ if GLUON_IMPORT_ERROR is None:
         l_i = gl.zeros([BLOCK_R], gl.float32, row_l)
         acc = warpgroup_mma_init(gl.zeros([BLOCK_R, DC // 2], gl.float32, o_layout))
         s0 = gl.zeros([BLOCK_R, 64], gl.float32, s_layout)
-        # builds 1 and 2 retire the product of page i - 1 before QK(i); builds 0 and 3 beside it
-        EARLY: gl.constexpr = PIPELINE == 1 or PIPELINE == 2
+        # builds 1, 2 and 4 retire the product of page i - 1 before QK(i); builds 0 and 3 beside it
+        EARLY: gl.constexpr = PIPELINE != 0 and PIPELINE != 3
         seq_ok, SINK, LOCAL, n_prot = prot[3], prot[5], prot[6], prot[7]
         for i in range(gl.maximum(n_tiles + n_prot, 1)):  # see split_kernel_v4: an empty split attends to one dead page
             slot = i % 2
@@ -245,7 +245,6 @@ if GLUON_IMPORT_ERROR is None:
         LOADER_WARPS: gl.constexpr = 4,
         INLINE_PROT: gl.constexpr = False,
         CHANNEL_ORDER: gl.constexpr = False,
-        L2_AHEAD: gl.constexpr = 0,
         sink_ptr=None,  # [max_seqs, SINK, DC + DR] bfloat16 (INLINE_PROT)
         local_ptr=None,  # [max_seqs, LOCAL, DC + DR] bfloat16, a ring by position
         ids_ptr=None,  # [B] int: each request's slot in them
@@ -262,8 +261,7 @@ if GLUON_IMPORT_ERROR is None:
         ``heuristics.V4_LOADER_WARPS``): the loader's warps; with 8 its threads keep ``LOADER8_REGS`` registers.
         ``CHANNEL_ORDER`` (packed pages, ``heuristics.v4_channel_order``): key tiles in ``channel_of`` order, which
         spares the loader's byte permutes a page; queries and protected rows are rearranged to match, and the partial
-        output keeps the order for the merge kernel's ``CHANNEL_ORDER``. ``L2_AHEAD`` (``heuristics.V4_L2_AHEAD``):
-        the loader asks L2 for the split's pages this many pages ahead (0: never)."""
+        output keeps the order for the merge kernel's ``CHANNEL_ORDER``. """
         gl.static_assert(BLOCK_R == 64, "kernel v4: 64 query rows a program")
         gl.static_assert(P == 64 and BLOCK_N % 64 == 0, "kernel v4: 64-token pages")
         gl.static_assert(DC == 512 and DR == 64, "kernel v4: d_c 512, d_r 64")
@@ -309,7 +307,7 @@ if GLUON_IMPORT_ERROR is None:
         lfin = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         for s in gl.static_range(2):
             mbarrier.init(kfull.index(s), count=1)
-            mbarrier.init(kempty.index(s), count=2)
+            mbarrier.init(kempty.index(s), count=1 if PIPELINE == 4 else 2)  # build 4: the attender's arrival alone
         mbarrier.init(pready, count=1)
         mbarrier.init(pfree, count=1)
         mbarrier.init(lfin, count=1)
@@ -343,5 +341,5 @@ if GLUON_IMPORT_ERROR is None:
             (loader_partition, (pages_ptr, table_row, num_pages, o_part_ptr, part, rb, R, ps, pe, j_lo, n_tiles, bufs,
                                 bars, prot, QUANT, DC, DR, CBITS, RBITS, P, PAGE_BYTES, C_CODES_OFF, R_CODES_OFF,
                                 C_SCALES_OFF, C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF, BLOCK_R, PIPELINE, PROBE,
-                                LOADER_WARPS, INLINE_PROT, CHANNEL_ORDER, L2_AHEAD)),
+                                LOADER_WARPS, INLINE_PROT, CHANNEL_ORDER)),
         ], [LOADER_WARPS], [REGS])

@@ -25,7 +25,7 @@ try:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_init  # noqa: F401
+    from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_init
     _needs = (gluon.constexpr_function, gl.warp_specialize, gl.NVMMADistributedLayout, gl.NVMMASharedLayout,
               async_copy.async_copy_global_to_shared)  # older Gluon releases lack some: no kernel v4 there
 except Exception as exc:  # a triton without Gluon (or without its Hopper module)
@@ -39,11 +39,6 @@ if GLUON_IMPORT_ERROR is None:
     #: ``lop3`` LUT 0xEA: ``(x & mask) | 0x43004300``, then the halves as two bfloat16 ``128 + code``
     ASM_PAIR4 = gl.constexpr("{ .reg .b32 t; lop3.b32 t, $2, 983055, 1124090624, 0xEA; mov.b32 {$0, $1}, t; }")
     ASM_PAIR2 = gl.constexpr("{ .reg .b32 t; lop3.b32 t, $2, 196611, 1124090624, 0xEA; mov.b32 {$0, $1}, t; }")
-    #: an L2 prefetch of the $3 bytes from address $1 where $2 is not 0 (the bulk copy engine's; $0, a dummy, keeps the
-    #: asm an expression)
-    ASM_PREFETCH_L2 = gl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; "
-                                   "@p cp.async.bulk.prefetch.L2.global [$1], $3; mov.b32 $0, 0; }")
-
     @gluon.jit
     def _partition_barrier():
         """A barrier of the calling partition's warps (``bar.sync`` on its named barrier inside a partition)."""
@@ -75,19 +70,6 @@ if GLUON_IMPORT_ERROR is None:
         c0, c2 = gl.split(y0)
         c1, c3 = gl.split(y1)
         return gl.reshape(gl.join(gl.join(c0, c1), gl.join(c2, c3)), [N, C])  # [.., i, o] = column i + 2 o
-
-    @gluon.jit
-    def prefetch_page_l2(pages_ptr, page_off, page_ok, PAGE_BYTES: gl.constexpr, WARPS: gl.constexpr):
-        """Ask L2 for a page's ``PAGE_BYTES`` bytes from byte ``page_off`` (one bulk prefetch by the partition's first
-        thread, none where not ``page_ok``): fire and forget, so that the loader's loads of the page, issued later,
-        hit L2."""
-        gl.static_assert(PAGE_BYTES % 16 == 0, "a bulk prefetch moves multiples of 16 bytes")
-        lay: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-        k = gl.arange(0, 32 * WARPS, lay)
-        addr = (pages_ptr + page_off).to(gl.int64, bitcast=True) + gl.zeros([32 * WARPS], gl.int64, lay)
-        size = gl.full([32 * WARPS], PAGE_BYTES, gl.int32, lay)
-        gl.inline_asm_elementwise(ASM_PREFETCH_L2, "=r,l,r,r", [addr, ((k == 0) & page_ok).to(gl.int32), size],
-                                  dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def page_of(table_row, j, num_pages, PAGE_BYTES: gl.constexpr, live=True):
@@ -325,22 +307,33 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _store_code_page(raws, scales, zeros, rw, rs, rz, kc_s, kr_s, DC: gl.constexpr, DR: gl.constexpr,
-                         CBITS: gl.constexpr, RBITS: gl.constexpr, CHANNEL_ORDER: gl.constexpr = False):
+                         CBITS: gl.constexpr, RBITS: gl.constexpr, CHANNEL_ORDER: gl.constexpr = False,
+                         HALF: gl.constexpr = 2):
         """A packed page's bytes (:func:`_code_raws`) dequantized to bfloat16 into ``kc_s`` ``[64, DC]`` /
         ``kr_s`` ``[64, DR]`` (columns in ``channel_of`` order with ``CHANNEL_ORDER``).
 
         Content: a chunk is 64 bytes (16 words) of every token's row; plane ``pl`` of it is the 64 channels
-        ``pl * CBYTES + 64 c + [0, 64)``, one quantization group, one [64, 64] slice of ``kc_s``."""
+        ``pl * CBYTES + 64 c + [0, 64)``, one quantization group, one [64, 64] slice of ``kc_s``.
+
+        ``HALF`` 0: only the content channels ``[0, DC/2)`` (the planes below ``CPLANES / 2``) and the RoPE keys; 1:
+        only the channels ``[DC/2, DC)``; 2: all."""
         CBYTES: gl.constexpr = DC * CBITS // 8
         CPLANES: gl.constexpr = 8 // CBITS
         NCH: gl.constexpr = CBYTES // 64
         for c in gl.static_range(NCH):
             for pl in gl.static_range(CPLANES):
-                # the chunk's plane is group pl * CBYTES / 64 + c
-                zb = _biased_zero(zeros[pl * CBYTES // 64 + c])
-                k = _plane(raws[c], pl, CBITS, zb, scales[pl * CBYTES // 64 + c], 64, 16, False, CHANNEL_ORDER)
-                kc_s.slice(pl * CBYTES + 64 * c, 64, dim=1).store(k)
+                if HALF == 2 or (pl < CPLANES // 2) == (HALF == 0):  # all, or the half's planes
+                    # the chunk's plane is group pl * CBYTES / 64 + c
+                    zb = _biased_zero(zeros[pl * CBYTES // 64 + c])
+                    k = _plane(raws[c], pl, CBITS, zb, scales[pl * CBYTES // 64 + c], 64, 16, False, CHANNEL_ORDER)
+                    kc_s.slice(pl * CBYTES + 64 * c, 64, dim=1).store(k)
+        if HALF != 1:
+            _store_rope(rw, rs, rz, kr_s, DR, RBITS, CHANNEL_ORDER)
 
+    @gluon.jit
+    def _store_rope(rw, rs, rz, kr_s, DR: gl.constexpr, RBITS: gl.constexpr, CHANNEL_ORDER: gl.constexpr):
+        """A packed page's RoPE words ``rw`` ``[64, RW]`` (float32 scales ``rs``, zeros ``rz``) dequantized into
+        ``kr_s`` ``[64, DR]``."""
         # RoPE: RBYTES = DR / 2 bytes a row (8 words at DR 64); plane 0 = channels [0, DR/2), plane 1 the rest
         RW: gl.constexpr = DR * RBITS // 8 // 4
         rzb = _biased_zero(rz)
@@ -350,12 +343,27 @@ if GLUON_IMPORT_ERROR is None:
         kr_s.store(kr)
 
     @gluon.jit
-    def _prefetch_table_page(pages_ptr, table_row, j_lo, i, n_tiles, num_pages, PAGE_BYTES: gl.constexpr,
-                             WARPS: gl.constexpr):
-        """:func:`prefetch_page_l2` of the split's page ``i`` (page ``j_lo + i`` of the request; none past
-        ``n_tiles``)."""
-        page_off, page_ok = page_of(table_row, j_lo + i, num_pages, PAGE_BYTES, i < n_tiles)
-        prefetch_page_l2(pages_ptr, page_off, page_ok, PAGE_BYTES, WARPS)
+    def _pv_hi_issue(o, p_s, alpha_s, kc_s, pready, i, DC: gl.constexpr, RUN: gl.constexpr = True,
+                     WARPS: gl.constexpr = 4):
+        """Build 4: the loader's output product for page ``i`` (``o * alpha + P @ K[:, DC/2:]``, once P and alpha
+        are ready) issued and left in flight: the accumulator, for :func:`_pv_hi_retire`. ``RUN`` False (a probe):
+        ``o`` unchanged."""
+        mbarrier.wait(pready, i & 1)
+        if RUN:
+            alpha = alpha_s.load(gl.SliceLayout(1, _acc_layout(DC // 2, WARPS)))
+            return warpgroup_mma(p_s, kc_s.slice(DC // 2, DC // 2, dim=1), o * alpha[:, None], is_async=True)
+        else:
+            return warpgroup_mma_init(o)
+
+    @gluon.jit
+    def _pv_hi_retire(acc, pfree, live, WARPS: gl.constexpr = 4):
+        """Build 4: waits for the output product :func:`_pv_hi_issue` left in flight and returns it, after freeing P
+        (where ``live``: a product was issued). The key slot's high half is the loader's own to overwrite from here."""
+        o = warpgroup_mma_wait(0, deps=[acc])
+        if WARPS > 4:
+            _partition_barrier()
+        mbarrier.arrive(pfree, pred=live)
+        return o
 
     @gluon.jit
     def _pv_hi(acc, p_s, alpha_s, kc_s, pready, pfree, kempty_s, i, DC: gl.constexpr, RUN: gl.constexpr = True,
@@ -384,10 +392,13 @@ if GLUON_IMPORT_ERROR is None:
                          C_ZEROS_OFF: gl.constexpr, R_SCALES_OFF: gl.constexpr, R_ZEROS_OFF: gl.constexpr,
                          BLOCK_R: gl.constexpr, PIPELINE: gl.constexpr = 0, PROBE: gl.constexpr = 0,
                          WARPS: gl.constexpr = 4, INLINE_PROT: gl.constexpr = False,
-                         CHANNEL_ORDER: gl.constexpr = False, L2_AHEAD: gl.constexpr = 0):
+                         CHANNEL_ORDER: gl.constexpr = False):
         """Worker partition: fill key slot ``i % 2`` with page ``j_lo + i`` (after both output products of page
         ``i - 2`` freed it), then run the output product of page ``i - 1`` over channels ``[DC/2, DC)``; at the
-        end write those channels of the partial output (after the attender published the final ``l``).
+        end write those channels of the partial output (after the attender published the final ``l``). Build 4
+        (``PIPELINE``, packed pages): ``kempty`` counts the attender's arrival alone; the loader converts page ``i``'s
+        low channels and RoPE keys, retires its product of page ``i - 2`` (the slot's high half), converts the high
+        channels, hands the page over and issues the product of page ``i - 1`` without waiting for it.
 
         ``PROBE`` (measurement builds, wrong outputs): bit 0 skips the keys (no page bytes loaded, nothing written to
         the key slot), bit 1 the output product (the handoffs stay), bit 2 the packed pages' loads (their words are
@@ -396,8 +407,7 @@ if GLUON_IMPORT_ERROR is None:
         warpgroup) or 8 (two, each converting half of the tokens and taking half of the output columns).
         ``INLINE_PROT``: after its ``n_tiles`` pages the split walks ``prot``'s ``n_prot`` protected pages (bfloat16
         rows of the sink and the window, :func:`_load_protected_page`; 0 but on the last split). ``CHANNEL_ORDER``
-        (packed pages): key tiles, protected rows and the partial output in ``channel_of`` order. ``L2_AHEAD`` > 0:
-        after handing over page ``i`` the loader asks L2 for page ``i + L2_AHEAD`` (:func:`prefetch_page_l2`)."""
+        (packed pages): key tiles, protected rows and the partial output in ``channel_of`` order."""
         kc, kr, q_s, qr_s, p_s, alpha_s, l_s = bufs
         kfull, kempty, pready, pfree, lfin = bars
         o_layout: gl.constexpr = _acc_layout(DC // 2, WARPS)
@@ -409,6 +419,12 @@ if GLUON_IMPORT_ERROR is None:
         # BF16 pages, build 2: page i's copy is issued before the output product of page i - 1 and waited for after it
         BF16_PAGES: gl.constexpr = KEYS and not QUANT
         PV_EARLY: gl.constexpr = BF16_PAGES and PIPELINE == 2
+        # build 4: the output product of page i - 1 stays in flight while the loader converts page i + 1's low half
+        ASYNC_PV: gl.constexpr = PIPELINE == 4
+        gl.static_assert(QUANT or not ASYNC_PV, "kernel v4: build 4 reads packed pages")
+        STORE_HALF: gl.constexpr = 0 if ASYNC_PV else 2
+        if ASYNC_PV:  # an accumulator in flight across iterations (``o``: its retired value)
+            acc = warpgroup_mma_init(acc)
         if CODES:
             if PIPELINE:  # page i's bytes are loaded during page i - 1's output product (one program an SM: nothing
                 # else hides their latency)
@@ -421,9 +437,6 @@ if GLUON_IMPORT_ERROR is None:
                                                                  CBITS, RBITS, C_CODES_OFF, R_CODES_OFF, C_SCALES_OFF,
                                                                  C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF, WARPS, MADE_UP)
         sink_ptr, local_ptr, seq, seq_ok, L, SINK, LOCAL, n_prot = prot
-        if KEYS:
-            for d in gl.static_range(1, L2_AHEAD):  # the pages before the loop's first prefetch
-                _prefetch_table_page(pages_ptr, table_row, j_lo, d, n_tiles, num_pages, PAGE_BYTES, WARPS)
         n_iter = gl.maximum(n_tiles + n_prot, 1)  # the attender's count: an empty split walks one dead page
         for i in range(n_iter):
             slot = i % 2
@@ -442,7 +455,7 @@ if GLUON_IMPORT_ERROR is None:
                                                              RBITS, C_SCALES_OFF, C_ZEROS_OFF, R_CODES_OFF,
                                                              R_SCALES_OFF, R_ZEROS_OFF, WARPS, MADE_UP)
                 _store_code_page(raws, scales, zeros, rw, rs, rz, kc.index(slot), kr.index(slot), DC, DR, CBITS,
-                                 RBITS, CHANNEL_ORDER)
+                                 RBITS, CHANNEL_ORDER, STORE_HALF)
             else:
                 page_off, page_ok = page_of(table_row, j_lo + i, num_pages, PAGE_BYTES, i < n_tiles)
                 _load_bf16_page(pages_ptr, page_off, j_lo + i, ps, pe, page_ok, kc.index(slot), kr.index(slot), DC,
@@ -452,6 +465,11 @@ if GLUON_IMPORT_ERROR is None:
                         acc = _pv_hi(acc, p_s, alpha_s, kc.index(1 - slot), pready, pfree, kempty.index(1 - slot),
                                      i - 1, DC, PV, WARPS)
                     async_copy.wait_group(0)
+            if ASYNC_PV:  # the product of page i - 2 reads this slot's high half: retired before it is overwritten
+                o = _pv_hi_retire(acc, pfree, i >= 2, WARPS)
+                if KEYS:
+                    _store_code_page(raws, scales, zeros, rw, rs, rz, kc.index(slot), kr.index(slot), DC, DR, CBITS,
+                                     RBITS, CHANNEL_ORDER, 1)
             if INLINE_PROT:
                 if is_protected_page(i, n_tiles, n_prot):  # the slot (zeros from the dead page above) takes its rows
                     _partition_barrier()
@@ -460,10 +478,6 @@ if GLUON_IMPORT_ERROR is None:
             fence_async_shared()  # generic-proxy stores, read next by wgmma (async proxy)
             _partition_barrier()  # every thread's fence before the one arrival
             mbarrier.arrive(kfull.index(slot))
-            if KEYS:
-                if L2_AHEAD:
-                    _prefetch_table_page(pages_ptr, table_row, j_lo, i + L2_AHEAD, n_tiles, num_pages, PAGE_BYTES,
-                                         WARPS)
             if CODES:
                 if PIPELINE:
                     page_off, page_ok = page_of(table_row, j_lo + i + 1, num_pages, PAGE_BYTES, i + 1 < n_tiles)
@@ -475,13 +489,22 @@ if GLUON_IMPORT_ERROR is None:
                                                                      page_ok, DC, DR, CBITS, RBITS, C_CODES_OFF,
                                                                      R_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF,
                                                                      R_SCALES_OFF, R_ZEROS_OFF, WARPS, MADE_UP)
-            if not PV_EARLY:
+            if ASYNC_PV:
+                if i > 0:
+                    acc = _pv_hi_issue(o, p_s, alpha_s, kc.index(1 - slot), pready, i - 1, DC, PV, WARPS)
+            elif not PV_EARLY:
                 if i > 0:
                     acc = _pv_hi(acc, p_s, alpha_s, kc.index(1 - slot), pready, pfree, kempty.index(1 - slot), i - 1,
                                  DC, PV, WARPS)
         last = n_iter - 1
-        acc = _pv_hi(acc, p_s, alpha_s, kc.index(last % 2), pready, pfree, kempty.index(last % 2), last, DC, PV,
-                     WARPS)
+        if ASYNC_PV:  # the products of the last two pages
+            o = _pv_hi_retire(acc, pfree, last >= 1, WARPS)
+            o = _pv_hi_retire(_pv_hi_issue(o, p_s, alpha_s, kc.index(last % 2), pready, last, DC, PV, WARPS), pfree,
+                              True, WARPS)
+            acc = o
+        else:
+            acc = _pv_hi(acc, p_s, alpha_s, kc.index(last % 2), pready, pfree, kempty.index(last % 2), last, DC, PV,
+                         WARPS)
 
         mbarrier.wait(lfin, 0)
         l_i = l_s.load(gl.SliceLayout(1, o_layout))

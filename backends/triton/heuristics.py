@@ -393,7 +393,9 @@ V4_AUTO = True
 #: CUDA graphs, builds 0 / 1 / 2, us: H128 B32 L32K C4R4 915 / 885-886 / 819, C2R4 889 / 717-718 / 793; B128 L32K
 #: C4R4 3,653 / 3,446-3,448 / 3,244, C2R4 3,512 / 2,824-2,825 / 3,005; H64 B32 L32K C4R4 483 / 443 (1 / 2), C2R4
 #: 400 / 427; BF16 pages B32 L32K 793 / 682 (0 / 1). Stop 56 (H100, H128 B32 L32K, :data:`V4_LOADER_WARPS`): builds
-#: 1 / 2 with 4 loader warps C4R4 882 / 819, C2R4 722 / 798, BF16 684 / 671; with 8, 697 / 759, 674 / 722, 728 / 655
+#: 1 / 2 with 4 loader warps C4R4 882 / 819, C2R4 722 / 798, BF16 684 / 671; with 8, 697 / 759, 674 / 722, 728 / 655.
+#: 4 (packed pages only): as 1, but the loader's output product of page i - 1 is left in flight while it converts page
+#: i + 1's low channels and RoPE keys, and retired before it overwrites the high ones (its share of ``kempty`` goes)
 V4_PIPELINE = {"BF16": 2, "C4R4": 1, "C2R4": 1}
 #: kernel v4's loader warps per page format (``QUANTMLA_TRITON_V4_LOADER_WARPS`` overrides it): 4, one warpgroup
 #: dequantizes (or copies) each page and runs the output product over the high half of the channels; 8, two do, each
@@ -418,9 +420,6 @@ V4_INLINE_PROTECT = True
 #: plain order, L32K (256) 650.0 / 629.7 against 698.3 / 666.4, B128 L32K (512) 2,537 / 2,422 against 2,614 / 2,464.
 #: The two meet near 128 pages; 160 leaves that tie to the plain order.
 V4_CHANNEL_ORDER_MIN_PAGES = 160
-#: how many pages ahead kernel v4's loader asks L2 for a split's pages (``QUANTMLA_TRITON_V4_L2_AHEAD`` overrides it;
-#: 0: it does not). Not measured yet on a GPU, so off
-V4_L2_AHEAD = {"BF16": 0, "C4R4": 0, "C2R4": 0}
 
 
 def v4_channel_order(table_pages: int, num_splits: int) -> bool:

@@ -5,7 +5,7 @@ The launch the Triton launcher records for kernel v3 at H = 128 (``offline_build
 in its place, ``num_warps=V4_NUM_WARPS``, through Gluon's AST source for ``GPUTarget("cuda", 90, 32)``.
 
     python -m quantmla_core.backends.triton.offline_v4 [BF16|C4R4|C2R4] [loader_regs=N] [pipeline=0-3] [probe=0-3]
-        [loader_warps=4|8] [inline_prot=0|1] [channel_order=0|1] [prefetch=0-8]
+        [loader_warps=4|8] [inline_prot=0|1] [channel_order=0|1]
 
 prints :func:`compile_report`'s dict: registers and spilled bytes (``ptxas -v``), shared memory, ``wgmma`` count in
 the PTX, ``setmaxnreg`` values, SASS instruction counts (``cuobjdump``, where Triton bundles it).
@@ -40,7 +40,7 @@ def v3_launch(fmt_name: str, heads: int = 128) -> Any:
 
 
 def compile_v4(fmt_name: str = "C4R4", loader_regs: int = 0, heads: int = 128, pipeline: int = 0, probe: int = 0,
-               loader_warps: int = 4, inline_prot: bool = False, channel_order: bool = False, prefetch: int = 0) -> Any:
+               loader_warps: int = 4, inline_prot: bool = False, channel_order: bool = False) -> Any:
     """``triton.compile`` of ``split_kernel_v4`` for sm_90a with v3's recorded launch (see the module docstring);
     ``channel_order`` applies to packed formats (BF16 pages are read in plain order)."""
     import triton
@@ -66,7 +66,6 @@ def compile_v4(fmt_name: str = "C4R4", loader_regs: int = 0, heads: int = 128, p
     consts["LOADER_WARPS"] = int(loader_warps)
     consts["INLINE_PROT"] = bool(inline_prot)
     consts["CHANNEL_ORDER"] = bool(channel_order) and bool(consts["QUANT"])
-    consts["L2_AHEAD"] = int(prefetch)
     runtime = [p for p in params if p not in consts and signature[p].default is inspect.Parameter.empty]
     sig: dict[str, str] = {}
     attrs: dict[tuple[int], list] = {}
@@ -86,8 +85,7 @@ def compile_v4(fmt_name: str = "C4R4", loader_regs: int = 0, heads: int = 128, p
 
 
 def compile_report(fmt_name: str = "C4R4", loader_regs: int = 0, pipeline: int = 0, probe: int = 0,
-                   loader_warps: int = 4, inline_prot: bool = False, channel_order: bool = False,
-                   prefetch: int = 0) -> dict:
+                   loader_warps: int = 4, inline_prot: bool = False, channel_order: bool = False) -> dict:
     """Resources of kernel v4 compiled offline for sm_90a: registers, spilled bytes, shared memory, ``wgmma`` in the
     PTX, whether ptxas serialized them, the ``setmaxnreg`` values and SASS instruction counts (``sass``: all; -1 where
     no ``cuobjdump``)."""
@@ -96,7 +94,7 @@ def compile_report(fmt_name: str = "C4R4", loader_regs: int = 0, pipeline: int =
     from .offline_build import _nvidia_tool, _run_ptxas, _temp_file, sass_loop_counts
 
     k = compile_v4(fmt_name, loader_regs, pipeline=pipeline, probe=probe, loader_warps=loader_warps,
-                   inline_prot=inline_prot, channel_order=channel_order, prefetch=prefetch)
+                   inline_prot=inline_prot, channel_order=channel_order)
     ptx = k.asm["ptx"]
     with _temp_file(ptx, ".ptx") as path:
         r = _run_ptxas("sm_90a", path)
@@ -106,8 +104,7 @@ def compile_report(fmt_name: str = "C4R4", loader_regs: int = 0, pipeline: int =
     regs, spill = re.search(r"Used (\d+) registers", txt), re.search(r"(\d+) bytes spill stores", txt)
     out = {"triton": triton.__version__, "fmt": fmt_name, "pipeline": int(pipeline), "probe": int(probe),
            "loader_warps": int(loader_warps), "inline_prot": bool(inline_prot),
-           "channel_order": bool(channel_order) and fmt_name != "BF16", "prefetch": int(prefetch),
-           "prefetch_l2": len(re.findall(r"prefetch\.L2\.global", ptx)), "regs": int(regs.group(1)) if regs else -1,
+           "channel_order": bool(channel_order) and fmt_name != "BF16", "regs": int(regs.group(1)) if regs else -1,
            "spill_bytes": int(spill.group(1)) if spill else 0, "smem": int(k.metadata.shared),
            "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
            # ptxas C7514 / C7515: it found the accumulators touched inside an async pipeline stage and made every
@@ -130,7 +127,7 @@ def main(argv: list[str]) -> None:
         try:
             print(compile_report(f, option("loader_regs", 0), option("pipeline", 0), option("probe", 0),
                                  option("loader_warps", 4), option("inline_prot", 0) == 1,
-                                 option("channel_order", 0) == 1, option("prefetch", 0)), flush=True)
+                                 option("channel_order", 0) == 1), flush=True)
         except Exception as exc:  # report, keep going
             from .offline_build import innermost_error
 
