@@ -413,13 +413,14 @@ V4_LOADER_WARPS = {"BF16": 8, "C4R4": 8, "C2R4": 8}
 V4_INLINE_PROTECT = True
 #: kernel v4 over packed pages keeps its key tiles in ``channel_of`` order where a split reads at least this many table
 #: pages (:func:`v4_channel_order`; ``QUANTMLA_TRITON_V4_CHANNEL_ORDER`` overrides it). The order spares the loader's
-#: byte permutes on every page but costs about 10 us a call: the queries and the protected rows rearranged in
-#: registers, and the merge kernel's output stored a value at a time. Stop 58 (H100, 8 loader warps, protected tokens
-#: inline, CUDA graphs), H128 B32, C4R4 / C2R4, the order against the plain one in the same tree: L8K (64 pages a
-#: split) 195.5 / 191.6 us against 185.6 / 183.1; L16K (128) 344.6 / 339.5 against 345.5 / 336.3; and against main's
-#: plain order, L32K (256) 650.0 / 629.7 against 698.3 / 666.4, B128 L32K (512) 2,537 / 2,422 against 2,614 / 2,464.
-#: The two meet near 128 pages; 160 leaves that tie to the plain order.
-V4_CHANNEL_ORDER_MIN_PAGES = 160
+#: byte permutes on every page but costs a few us a call: the queries and the protected rows rearranged in registers,
+#: and the merge kernel's sums put back in plain order (in registers since stop 59: at H128 B8 L4K, order forced on,
+#: the merge kernel took 10.3 us against 12.8 with stores through ``channel_of``). H100, 8 loader warps, protected
+#: tokens inline, CUDA graphs, H128 B32, C4R4 / C2R4, the order against the plain one in the same tree: stop 59, L8K (64
+#: pages a split) 182.5 / 179.6 us against 186.5 / 183.0, L16K (128) 334.9 / 325.2 against 346.2 / 334.5 (stop 58,
+#: merge storing through the map: L8K 195.5 / 191.6 against 185.6 / 183.1, L16K 344.6 / 339.5 against 345.5 / 336.3);
+#: stop 58, L32K (256) 650.0 / 629.7 against main's plain 698.3 / 666.4. Below 64 pages a split: not measured
+V4_CHANNEL_ORDER_MIN_PAGES = 64
 
 
 def v4_channel_order(table_pages: int, num_splits: int) -> bool:
