@@ -132,7 +132,8 @@ def _set_env(monkeypatch, name: str, value: str | None) -> None:
 @pytest.mark.parametrize("fmt", ["BF16", "C4R4", "C2R4"])
 @pytest.mark.parametrize("value,want", [(None, None), ("0", 0), ("1", 1), ("2", 2), ("3", 3), ("4", 4)])
 def test_pipelined_build_is_a_knob(monkeypatch, fmt, value, want):
-    """Unset: the format's measured default (BF16 pages build 2, the others build 1); set: that build."""
+    """Unset: the format's measured default (BF16 pages build 2, C4R4 build 1, C2R4 build 4); set: that build (4 is
+    refused over BF16 pages)."""
     _as_hopper(monkeypatch)
     _set_env(monkeypatch, A.V4_PIPELINE_ENV, value)
     if fmt == "BF16" and value == "4":
@@ -140,7 +141,7 @@ def test_pipelined_build_is_a_knob(monkeypatch, fmt, value, want):
                                              "the cache holds BF16"):
             _prepare(fmt)
         return
-    assert _prepare(fmt).split_consts["PIPELINE"] == (want if value else {"BF16": 2, "C4R4": 1, "C2R4": 1}[fmt])
+    assert _prepare(fmt).split_consts["PIPELINE"] == (want if value else {"BF16": 2, "C4R4": 1, "C2R4": 4}[fmt])
     assert "PIPELINE" not in _prepare(variant="v3").split_consts
 
 

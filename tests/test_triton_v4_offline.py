@@ -83,7 +83,7 @@ def reports() -> dict:
     out = {}
     configs = ((0, 0, 4, 0, 0), (1, 0, 4, 0, 0), (2, 0, 4, 0, 0), (3, 0, 4, 0, 0), (2, 3, 4, 0, 0), (1, 0, 8, 0, 0),
                (2, 0, 8, 0, 0), (3, 0, 8, 0, 0), (1, 0, 4, 1, 0), (1, 0, 8, 1, 0), (2, 0, 8, 1, 0), (1, 0, 8, 1, 1),
-               (1, 4, 8, 1, 0), (4, 0, 8, 1, 1))
+               (1, 4, 8, 1, 0), (4, 0, 8, 1, 0), (4, 0, 8, 1, 1))
     for pipeline, probe, warps, inline, order in configs:
         fmts = [f for f in FORMATS if pipeline != 4 or f != "BF16"]  # build 4 reads packed pages only
         cmd = [sys.executable, *(["-P"] if sys.flags.safe_path else []), "-m",

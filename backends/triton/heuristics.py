@@ -395,8 +395,11 @@ V4_AUTO = True
 #: 400 / 427; BF16 pages B32 L32K 793 / 682 (0 / 1). Stop 56 (H100, H128 B32 L32K, :data:`V4_LOADER_WARPS`): builds
 #: 1 / 2 with 4 loader warps C4R4 882 / 819, C2R4 722 / 798, BF16 684 / 671; with 8, 697 / 759, 674 / 722, 728 / 655.
 #: 4 (packed pages only): as 1, but the loader's output product of page i - 1 is left in flight while it converts page
-#: i + 1's low channels and RoPE keys, and retired before it overwrites the high ones (its share of ``kempty`` goes)
-V4_PIPELINE = {"BF16": 2, "C4R4": 1, "C2R4": 1}
+#: i + 1's low channels and RoPE keys, and retired before it overwrites the high ones (its share of ``kempty`` goes).
+#: Stop 59 (H100, 8 loader warps, protected tokens inline, CUDA graphs, twice each), builds 1 / 4, us: C2R4 H128 B32
+#: L32K 618.1, 618.2 / 595.1, 596.2; B128 L32K 2,377.5, 2,372.1 / 2,338.3, 2,375.7; B8 L4K 47.5, 47.0 / 46.7, 46.4; H64
+#: B32 L32K 328.6, 327.6 / 319.8, 320.2; C4R4 H128 B32 L32K 640.4, 643.0 / 645.2, 655.6, B8 L4K 48.4, 49.1 / 48.1, 48.1
+V4_PIPELINE = {"BF16": 2, "C4R4": 1, "C2R4": 4}
 #: kernel v4's loader warps per page format (``QUANTMLA_TRITON_V4_LOADER_WARPS`` overrides it): 4, one warpgroup
 #: dequantizes (or copies) each page and runs the output product over the high half of the channels; 8, two do, each
 #: taking half of the page's tokens and half of those channels (the attender then keeps 232 registers, the loader
