@@ -21,12 +21,14 @@ pages), key slot ``s = i % 2``:
   retired at the next page's QK). At the end it publishes ``l`` (``lfin``) for the loader's half of the output.
 
 That order is builds 0 and 3 (``PIPELINE``, chosen per format by ``heuristics.V4_PIPELINE``, which says what each
-build changes); builds 1 and 2 retire the attender's product of page ``i - 1`` and arrive its ``kempty`` before QK(i).
-A split without pages walks one dead page (no table read, every token invisible): without a zero-trip path ptxas keeps
+build changes); builds 1, 2 and 4 retire the attender's product of page ``i - 1`` and arrive its ``kempty`` before
+QK(i). Build 4 (packed pages) leaves the loader's product in flight: ``kempty`` takes the attender's arrival alone,
+and the loader retires its product of page ``i - 2`` between converting page ``i``'s low and high channels. A split
+without pages walks one dead page (no table read, every token invisible): without a zero-trip path ptxas keeps
 the wgmmas pipelined.
 
 Barriers (``mbarrier``, parity waits; fresh barriers pass a wait for parity 1): ``kfull[2]`` (1 arrival),
-``kempty[2]`` (2: one per output half), ``pready``, ``pfree``, ``lfin`` (1 each). Every barrier completes one
+``kempty[2]`` (2: one per output half; build 4: 1), ``pready``, ``pfree``, ``lfin`` (1 each). Every barrier completes one
 phase a page, and no side can run two phases ahead of the other: the attender's P of page ``i`` needs
 ``pfree`` of ``i - 1``; the loader's refill of slot ``s`` needs both products of page ``i - 2``.
 

@@ -39,6 +39,7 @@ if GLUON_IMPORT_ERROR is None:
     #: ``lop3`` LUT 0xEA: ``(x & mask) | 0x43004300``, then the halves as two bfloat16 ``128 + code``
     ASM_PAIR4 = gl.constexpr("{ .reg .b32 t; lop3.b32 t, $2, 983055, 1124090624, 0xEA; mov.b32 {$0, $1}, t; }")
     ASM_PAIR2 = gl.constexpr("{ .reg .b32 t; lop3.b32 t, $2, 196611, 1124090624, 0xEA; mov.b32 {$0, $1}, t; }")
+
     @gluon.jit
     def _partition_barrier():
         """A barrier of the calling partition's warps (``bar.sync`` on its named barrier inside a partition)."""
@@ -403,8 +404,8 @@ if GLUON_IMPORT_ERROR is None:
         ``PROBE`` (measurement builds, wrong outputs): bit 0 skips the keys (no page bytes loaded, nothing written to
         the key slot), bit 1 the output product (the handoffs stay), bit 2 the packed pages' loads (their words are
         made up, :func:`_load`). Build 2 over BF16 pages (``PV_EARLY``) copies page i while it runs the output product
-        of page i - 1 and arrives ``kfull`` after both. ``WARPS``: 4 (one
-        warpgroup) or 8 (two, each converting half of the tokens and taking half of the output columns).
+        of page i - 1 and arrives ``kfull`` after both. ``WARPS``: 4 (one warpgroup) or 8 (two, each converting half
+        of the tokens and taking half of the output columns).
         ``INLINE_PROT``: after its ``n_tiles`` pages the split walks ``prot``'s ``n_prot`` protected pages (bfloat16
         rows of the sink and the window, :func:`_load_protected_page`; 0 but on the last split). ``CHANNEL_ORDER``
         (packed pages): key tiles, protected rows and the partial output in ``channel_of`` order."""
