@@ -28,8 +28,8 @@ without pages walks one dead page (no table read, every token invisible): withou
 the wgmmas pipelined.
 
 Barriers (``mbarrier``, parity waits; fresh barriers pass a wait for parity 1): ``kfull[2]`` (1 arrival),
-``kempty[2]`` (2: one per output half; build 4: 1), ``pready``, ``pfree``, ``lfin`` (1 each). Every barrier completes one
-phase a page, and no side can run two phases ahead of the other: the attender's P of page ``i`` needs
+``kempty[2]`` (2: one per output half; build 4: 1), ``pready``, ``pfree``, ``lfin`` (1 each). Every barrier
+completes one phase a page, and no side can run two phases ahead of the other: the attender's P of page ``i`` needs
 ``pfree`` of ``i - 1``; the loader's refill of slot ``s`` needs both products of page ``i - 2``.
 
 Shared memory: kc 128 KB + kr 16 KB + Q 72 KB + P 8 KB + alpha and l 512 B = 229,888 B; with the barriers and the
@@ -263,7 +263,7 @@ if GLUON_IMPORT_ERROR is None:
         ``heuristics.V4_LOADER_WARPS``): the loader's warps; with 8 its threads keep ``LOADER8_REGS`` registers.
         ``CHANNEL_ORDER`` (packed pages, ``heuristics.v4_channel_order``): key tiles in ``channel_of`` order, which
         spares the loader's byte permutes a page; queries and protected rows are rearranged to match, and the partial
-        output keeps the order for the merge kernel's ``CHANNEL_ORDER``. """
+        output keeps the order for the merge kernel's ``CHANNEL_ORDER``."""
         gl.static_assert(BLOCK_R == 64, "kernel v4: 64 query rows a program")
         gl.static_assert(P == 64 and BLOCK_N % 64 == 0, "kernel v4: 64-token pages")
         gl.static_assert(DC == 512 and DR == 64, "kernel v4: d_c 512, d_r 64")

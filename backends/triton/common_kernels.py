@@ -59,7 +59,8 @@ def store_f32(ptr, offs, x, mask, IS_BF16: tl.constexpr):
 def channel_of(j):
     """The channel that column ``j`` of kernel v4's key tiles holds with ``CHANNEL_ORDER`` (``attention_v4_loaders``'
     ``_plane`` and ``to_channel_order``): ``j`` with bits 0 and 1 swapped, so columns ``4q .. 4q + 3`` hold channels
-    ``4q, 4q + 2, 4q + 1, 4q + 3``. Its own inverse: the merge kernel writes the output through it."""
+    ``4q, 4q + 2, 4q + 1, 4q + 3``. Its own inverse: the merge kernel reads the protected parts (plain order) through
+    it."""
     return (j & -4) | ((j & 1) << 1) | ((j >> 1) & 1)
 
 

@@ -422,7 +422,9 @@ V4_INLINE_PROTECT = True
 #: tokens inline, CUDA graphs, H128 B32, C4R4 / C2R4, the order against the plain one in the same tree: stop 59, L8K (64
 #: pages a split) 182.5 / 179.6 us against 186.5 / 183.0, L16K (128) 334.9 / 325.2 against 346.2 / 334.5 (stop 58,
 #: merge storing through the map: L8K 195.5 / 191.6 against 185.6 / 183.1, L16K 344.6 / 339.5 against 345.5 / 336.3);
-#: stop 58, L32K (256) 650.0 / 629.7 against main's plain 698.3 / 666.4. Below 64 pages a split: not measured
+#: stop 58, L32K (256) 650.0 / 629.7 against main's plain 698.3 / 666.4. Below 64 pages the order loses (stop 59, plain
+#: against the order): B8 L4K (8 pages) 48.0 / 47.6 against 56.6 / 55.2, B8 L8K (16) 69.0 / 67.1 against 75.4 / 73.6,
+#: B32 L4K (32) 106.8 / 106.4 against 108.8 / 108.2; at 64, B128 L4K 378.8 / 369.5 against 374.7 / 369.8
 V4_CHANNEL_ORDER_MIN_PAGES = 64
 
 

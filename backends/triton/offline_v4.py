@@ -22,6 +22,12 @@ from typing import Any
 FORMATS = ("BF16", "C4R4", "C2R4")
 
 
+def channel_order_of(fmt_name: str, channel_order: bool) -> bool:
+    """The channel order a ``fmt_name`` build takes when asked for ``channel_order``: packed formats only (BF16 pages
+    are read in plain order)."""
+    return bool(channel_order) and fmt_name != "BF16"
+
+
 def v3_launch(fmt_name: str, heads: int = 128) -> Any:
     """The split-kernel launch (``offline_build.Launch``) the launcher records for kernel v3 on a ``fmt_name`` cache
     with ``heads`` query rows a request (S_q = 1)."""
@@ -65,7 +71,7 @@ def compile_v4(fmt_name: str = "C4R4", loader_regs: int = 0, heads: int = 128, p
     consts["PROBE"] = int(probe)
     consts["LOADER_WARPS"] = int(loader_warps)
     consts["INLINE_PROT"] = bool(inline_prot)
-    consts["CHANNEL_ORDER"] = bool(channel_order) and bool(consts["QUANT"])
+    consts["CHANNEL_ORDER"] = channel_order_of(fmt_name, channel_order)
     runtime = [p for p in params if p not in consts and signature[p].default is inspect.Parameter.empty]
     sig: dict[str, str] = {}
     attrs: dict[tuple[int], list] = {}
@@ -104,7 +110,7 @@ def compile_report(fmt_name: str = "C4R4", loader_regs: int = 0, pipeline: int =
     regs, spill = re.search(r"Used (\d+) registers", txt), re.search(r"(\d+) bytes spill stores", txt)
     out = {"triton": triton.__version__, "fmt": fmt_name, "pipeline": int(pipeline), "probe": int(probe),
            "loader_warps": int(loader_warps), "inline_prot": bool(inline_prot),
-           "channel_order": bool(channel_order) and fmt_name != "BF16", "regs": int(regs.group(1)) if regs else -1,
+           "channel_order": channel_order_of(fmt_name, channel_order), "regs": int(regs.group(1)) if regs else -1,
            "spill_bytes": int(spill.group(1)) if spill else 0, "smem": int(k.metadata.shared),
            "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
            # ptxas C7514 / C7515: it found the accumulators touched inside an async pipeline stage and made every
