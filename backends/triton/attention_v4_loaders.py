@@ -66,7 +66,8 @@ if GLUON_IMPORT_ERROR is None:
     @gluon.jit
     def to_channel_order(x, N: gl.constexpr, C: gl.constexpr):
         """``x`` ``[N, C]`` in channel order rearranged so that column ``j`` holds channel ``channel_of(j)``
-        (register moves within each thread's groups of 4 columns; C a multiple of 4)."""
+        (register moves within each thread's groups of 4 columns; C a multiple of 4). Gluon code cannot call
+        ``common_kernels.to_channel_order``, the merge kernel's Triton twin."""
         y0, y1 = gl.split(gl.reshape(x, [N, C // 4, 2, 2]))  # columns 4q + 2a and 4q + 2a + 1
         c0, c2 = gl.split(y0)
         c1, c3 = gl.split(y1)
