@@ -97,6 +97,9 @@
 #   bash benchmarks/run_h200_kernels.sh stop59b  # build 4 (the loader's output product in flight): small cases first,
 #       then CUDA graphs of builds 1 and 4 (S59B_SHAPES), both channel orders from 8 to 64 pages a split
 #       (S59B_ORDER_SHAPES), ncu of v4 (defaults against probe 3) at H128 B32 L32K C4R4 while time is left; $OUT/s59b.tgz
+#   bash benchmarks/run_h200_kernels.sh stop60   # build 4's GPU tests (4w8p, 4w8pc) and memcheck, Triton's and CuPy's
+#       defaults at H128 (S60_SHAPES; CUDA graphs, FlashInfer BF16 in the process), CuPy v6's probes 1 and 2 (no
+#       dequantization, no code loads) at H128 B32 L32K while time is left; $OUT/s60.tgz
 #   bash benchmarks/run_h200_kernels.sh stop58probe  # kernel v4's defaults against its probe builds (S58P_SHAPES), then
 #       Triton's defaults against CuPy's (S58P_AUTO_SHAPES), CUDA graphs with FlashInfer BF16; $OUT/s58p.tgz
 #   bash benchmarks/run_h200_kernels.sh stop57auto  # Triton v4's defaults against CuPy's over S57A_SHAPES (CUDA graphs,
@@ -678,6 +681,30 @@ elif [ "$MODE" = stop59 ]; then
       --json /tmp/s59/graph_orders.json 2>&1 | grep -v "^{" | tail -8
   fi
   tar czf "$OUT/s59.tgz" -C /tmp s59
+elif [ "$MODE" = stop60 ]; then
+  mkdir -p /tmp/s60; t0=$(date +%s); left() { echo $(( ${S60_LIMIT:-540} - $(date +%s) + t0 )); }
+  echo "=== kernel v4's build 4 over every GPU case (4w8p, 4w8pc)"
+  timeout -k 10 ${S60_CONF_S:-240} $T -rfE tests/test_triton_v4.py -k "4w8p] or 4w8pc" > /tmp/s60/conf4.txt 2>&1
+  echo "rc=$?" >> /tmp/s60/conf4.txt; grep -E "^FAILED|^ERROR" /tmp/s60/conf4.txt | head -10; tail -2 /tmp/s60/conf4.txt
+  echo "=== memcheck of build 4 ($(left) s left)"
+  timeout -k 5 60 compute-sanitizer --tool memcheck $T tests/test_triton_v4.py \
+    -k "matches_reference_and_v3 and C2R4 and L300_5 and 4w8pc" > /tmp/s60/memcheck4.txt 2>&1
+  echo "rc=$?" >> /tmp/s60/memcheck4.txt; tail -3 /tmp/s60/memcheck4.txt
+  echo "=== Triton's and CuPy's defaults at H128 (CUDA graphs, FlashInfer BF16 in the process; $(left) s left)"
+  timeout -k 10 ${S60_GRAPH_S:-150} python3 -P benchmarks/graph_probe.py --backends triton,cupy --formats C4R4,C2R4 \
+    --shapes ${S60_SHAPES:-128x8x32768,128x32x32768,128x128x32768} --json /tmp/s60/graph_defaults.json 2>&1 \
+    | grep -v "^{" | tail -16
+  # CuPy v6's measurement builds (QMLA_V6_PROBE 1: no dequantization, 2: no code loads; wrong outputs)
+  KDIR=/tmp/qm/quantmla_core/backends/cupy/kernels; cp "$KDIR/attention_v6.cu" /tmp/attention_v6_kept.cu
+  for probe in 1 2; do
+    [ $(left) -lt 40 ] && break
+    (echo "#define QMLA_V6_PROBE $probe"; cat /tmp/attention_v6_kept.cu) > "$KDIR/attention_v6.cu"
+    echo "=== CuPy v6 probe $probe ($(left) s left)"
+    timeout -k 5 $(( $(left) - 5 < 70 ? $(left) - 5 : 70 )) python3 -P benchmarks/graph_probe.py --backends cupy \
+      --shapes 128x32x32768 --formats C4R4,C2R4 --json /tmp/s60/graph_v6_probe$probe.json 2>&1 | grep -v "^{" | tail -3
+  done
+  cp /tmp/attention_v6_kept.cu "$KDIR/attention_v6.cu"
+  tar czf "$OUT/s60.tgz" -C /tmp s60
 elif [ "$MODE" = stop59b ]; then
   mkdir -p /tmp/s59b; t0=$(date +%s); left() { echo $(( ${S59_LIMIT:-540} - $(date +%s) + t0 )); }
   P=QUANTMLA_TRITON_V4_PROBE; CO=QUANTMLA_TRITON_V4_CHANNEL_ORDER; PL=QUANTMLA_TRITON_V4_PIPELINE
