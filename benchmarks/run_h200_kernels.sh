@@ -100,6 +100,10 @@
 #   bash benchmarks/run_h200_kernels.sh stop60   # build 4's GPU tests (4w8p, 4w8pc) and memcheck, Triton's and CuPy's
 #       defaults at H128 (S60_SHAPES; CUDA graphs, FlashInfer BF16 in the process), CuPy v6's probes 1 and 2 (no
 #       dequantization, no code loads) at H128 B32 L32K while time is left; $OUT/s60.tgz
+#   bash benchmarks/run_h200_kernels.sh stop60b  # CuPy v6 with two dequantizing warpgroups: its GPU tests (a failure
+#       stops there), CUDA graphs of one and two (S60B_SHAPES), v6's default/pair/balanced GPU tests after the per-role
+#       epilogue, memcheck, then main's v6 sources (probe_tmp/cupy_main, see the mode) against this tree's; $OUT/s60b.tgz.
+#       Stop 60 ran it as of e0a8c17 (branch proto/v6-two-dequantizers): on main the knob it sets does not exist
 #   bash benchmarks/run_h200_kernels.sh stop58probe  # kernel v4's defaults against its probe builds (S58P_SHAPES), then
 #       Triton's defaults against CuPy's (S58P_AUTO_SHAPES), CUDA graphs with FlashInfer BF16; $OUT/s58p.tgz
 #   bash benchmarks/run_h200_kernels.sh stop57auto  # Triton v4's defaults against CuPy's over S57A_SHAPES (CUDA graphs,
@@ -705,6 +709,41 @@ elif [ "$MODE" = stop60 ]; then
   done
   cp /tmp/attention_v6_kept.cu "$KDIR/attention_v6.cu"
   tar czf "$OUT/s60.tgz" -C /tmp s60
+elif [ "$MODE" = stop60b ]; then
+  # before the call: mkdir -p probe_tmp/cupy_main && for f in backends/cupy/kernels/*; do
+  #   git show main:$f > probe_tmp/cupy_main/$(basename $f); done   (main's kernel sources, for the "before" timing)
+  mkdir -p /tmp/s60b; t0=$(date +%s); left() { echo $(( ${S60B_LIMIT:-540} - $(date +%s) + t0 )); }
+  DQ=QUANTMLA_CUPY_V6_DEQUANTIZERS
+  echo "=== first: v6 with two dequantizing warpgroups against the reference"
+  timeout -k 10 ${S60B_FIRST_S:-150} $T -x -rfE --tb=long tests/test_cupy_v6.py -k "two_dequantizers_match" \
+    > /tmp/s60b/first.txt 2>&1
+  echo "rc=$?" >> /tmp/s60b/first.txt; grep -E "^E  |^FAILED" /tmp/s60b/first.txt | head -12; tail -2 /tmp/s60b/first.txt
+  if grep -q "^rc=0" /tmp/s60b/first.txt; then
+    echo "=== one and two dequantizers, twice (CUDA graphs, FlashInfer BF16 in the process; $(left) s left)"
+    timeout -k 10 ${S60B_GRAPH_S:-170} python3 -P benchmarks/graph_probe.py --backends cupy --formats C4R4,C2R4 \
+      --shapes ${S60B_SHAPES:-128x32x32768,128x128x32768,128x8x32768,64x32x32768} --settings "$DQ=1;$DQ=2;$DQ=1;$DQ=2" \
+      --json /tmp/s60b/graph_dq.json 2>&1 | grep -v "^{" | tail -34
+  fi
+  echo "=== v6's GPU tests after the per-role epilogue: defaults, pairs, balanced plans ($(left) s left)"
+  timeout -k 10 $(( $(left) - 150 > 60 ? $(left) - 150 : 60 )) $T -rfE tests/test_cupy_v6.py \
+    -k "v6_matches_reference or pair_matches or balanced_matches" > /tmp/s60b/conf.txt 2>&1
+  echo "rc=$?" >> /tmp/s60b/conf.txt; grep -E "^FAILED|^ERROR" /tmp/s60b/conf.txt | head -10; tail -2 /tmp/s60b/conf.txt
+  echo "=== memcheck of two dequantizers ($(left) s left)"
+  timeout -k 5 60 compute-sanitizer --tool memcheck $T tests/test_cupy_v6.py \
+    -k "two_dequantizers_match and 5000" > /tmp/s60b/memcheck.txt 2>&1
+  echo "rc=$?" >> /tmp/s60b/memcheck.txt; tail -3 /tmp/s60b/memcheck.txt
+  if [ -d probe_tmp/cupy_main ] && [ $(left) -gt 60 ]; then
+    KDIR=/tmp/qm/quantmla_core/backends/cupy/kernels; rm -rf /tmp/kernels_kept; cp -r "$KDIR" /tmp/kernels_kept
+    for tree in main after; do
+      [ $tree = main ] && cp probe_tmp/cupy_main/* "$KDIR"/
+      [ $tree = after ] && cp /tmp/kernels_kept/* "$KDIR"/
+      echo "=== $tree's v6 sources, the default build ($(left) s left)"
+      timeout -k 5 $(( $(left) / 2 - 5 > 30 ? $(left) / 2 - 5 : 30 )) python3 -P benchmarks/graph_probe.py --backends cupy \
+        --formats C4R4,C2R4 --shapes 128x32x32768 --json /tmp/s60b/graph_$tree.json 2>&1 | grep -v "^{" | tail -3
+    done
+    cp /tmp/kernels_kept/* "$KDIR"/
+  fi
+  tar czf "$OUT/s60b.tgz" -C /tmp s60b
 elif [ "$MODE" = stop59b ]; then
   mkdir -p /tmp/s59b; t0=$(date +%s); left() { echo $(( ${S59_LIMIT:-540} - $(date +%s) + t0 )); }
   P=QUANTMLA_TRITON_V4_PROBE; CO=QUANTMLA_TRITON_V4_CHANNEL_ORDER; PL=QUANTMLA_TRITON_V4_PIPELINE
