@@ -104,6 +104,8 @@
 #       stops there), CUDA graphs of one and two (S60B_SHAPES), v6's default/pair/balanced GPU tests after the per-role
 #       epilogue, memcheck, then main's v6 sources (probe_tmp/cupy_main, see the mode) against this tree's; $OUT/s60b.tgz.
 #       Stop 60 ran it as of e0a8c17 (branch proto/v6-two-dequantizers): on main the knob it sets does not exist
+#   bash benchmarks/run_h200_kernels.sh stop60c  # kernel v4's builds 1 and 4 with and without page loads (probe 4) at
+#       H128 B32 L32K C4R4, then benchmarks/host_profile.py (cProfile of eager calls, H128 B8 L4K); $OUT/s60c.tgz
 #   bash benchmarks/run_h200_kernels.sh stop58probe  # kernel v4's defaults against its probe builds (S58P_SHAPES), then
 #       Triton's defaults against CuPy's (S58P_AUTO_SHAPES), CUDA graphs with FlashInfer BF16; $OUT/s58p.tgz
 #   bash benchmarks/run_h200_kernels.sh stop57auto  # Triton v4's defaults against CuPy's over S57A_SHAPES (CUDA graphs,
@@ -744,6 +746,17 @@ elif [ "$MODE" = stop60b ]; then
     cp /tmp/kernels_kept/* "$KDIR"/
   fi
   tar czf "$OUT/s60b.tgz" -C /tmp s60b
+elif [ "$MODE" = stop60c ]; then
+  mkdir -p /tmp/s60c; P=QUANTMLA_TRITON_V4_PROBE; PL=QUANTMLA_TRITON_V4_PIPELINE
+  echo "=== kernel v4's builds 1 and 4 with and without page loads (probe 4), H128 B32 L32K C4R4 (CUDA graphs)"
+  timeout -k 10 ${S60C_GRAPH_S:-150} python3 -P benchmarks/graph_probe.py --backends triton --formats C4R4 \
+    --shapes 128x32x32768 --settings "$PL=1;$PL=4;$PL=1 $P=4;$PL=4 $P=4;$PL=1;$PL=4" --json /tmp/s60c/graph_loads.json 2>&1 \
+    | grep -v "^{\|RuntimeWarning\|warnings.warn" | tail -8
+  echo "=== where an eager call's host time goes (cProfile, H128 B8 L4K)"
+  timeout -k 10 ${S60C_HOST_S:-120} python3 -P benchmarks/host_profile.py --shape 128x8x4096 --formats C4R4,BF16 \
+    --backends triton,cupy --out /tmp/s60c 2>&1 | tail -6
+  for f in /tmp/s60c/host_profile_triton_*.txt; do head -40 "$f" | tail -32; done
+  tar czf "$OUT/s60c.tgz" -C /tmp s60c
 elif [ "$MODE" = stop59b ]; then
   mkdir -p /tmp/s59b; t0=$(date +%s); left() { echo $(( ${S59_LIMIT:-540} - $(date +%s) + t0 )); }
   P=QUANTMLA_TRITON_V4_PROBE; CO=QUANTMLA_TRITON_V4_CHANNEL_ORDER; PL=QUANTMLA_TRITON_V4_PIPELINE
