@@ -106,6 +106,9 @@
 #       Stop 60 ran it as of e0a8c17 (branch proto/v6-two-dequantizers): on main the knob it sets does not exist
 #   bash benchmarks/run_h200_kernels.sh stop60c  # kernel v4's builds 1 and 4 with and without page loads (probe 4) at
 #       H128 B32 L32K C4R4, then benchmarks/host_profile.py (cProfile of eager calls, H128 B8 L4K); $OUT/s60c.tgz
+#   bash benchmarks/run_h200_kernels.sh stop60d  # Triton's kept prepared calls: their GPU test and the launcher's
+#       stream and graph tests, then main's launcher (probe_tmp/triton_main, see the mode) against this tree's, twice:
+#       host_profile.py's eager time a call and graph_probe.py's eager and graph times at H128 B8 L4K; $OUT/s60d.tgz
 #   bash benchmarks/run_h200_kernels.sh stop58probe  # kernel v4's defaults against its probe builds (S58P_SHAPES), then
 #       Triton's defaults against CuPy's (S58P_AUTO_SHAPES), CUDA graphs with FlashInfer BF16; $OUT/s58p.tgz
 #   bash benchmarks/run_h200_kernels.sh stop57auto  # Triton v4's defaults against CuPy's over S57A_SHAPES (CUDA graphs,
@@ -757,6 +760,23 @@ elif [ "$MODE" = stop60c ]; then
     --backends triton,cupy --out /tmp/s60c 2>&1 | tail -6
   for f in /tmp/s60c/host_profile_triton_*.txt; do head -40 "$f" | tail -32; done
   tar czf "$OUT/s60c.tgz" -C /tmp s60c
+elif [ "$MODE" = stop60d ]; then
+  # before the call: mkdir -p probe_tmp/triton_main && git show main:backends/triton/attention.py \
+  #   > probe_tmp/triton_main/attention.py   (the launcher before its calls were kept, for the "before" host times)
+  mkdir -p /tmp/s60d
+  echo "=== kept prepared calls on the GPU, Triton's streams and graphs"
+  timeout -k 10 ${S60D_CONF_S:-200} $T -rfE tests/test_triton_prepared.py tests/test_triton_backend.py \
+    -k "prepared or reused or bit_identical" > /tmp/s60d/conf.txt 2>&1
+  echo "rc=$?" >> /tmp/s60d/conf.txt; grep -E "^FAILED|^ERROR" /tmp/s60d/conf.txt | head -10; tail -2 /tmp/s60d/conf.txt
+  for tree in main after main after; do
+    [ $tree = main ] && { [ -d probe_tmp/triton_main ] || continue; triton_tree main; }
+    echo "=== $tree: eager host time a call (host_profile.py), then eager and graph (graph_probe.py), H128 B8 L4K"
+    PYTHONPATH=$(tree_path $tree) timeout -k 5 ${S60D_HOST_S:-60} python3 -P benchmarks/host_profile.py \
+      --shape 128x8x4096 --formats C4R4,BF16 --backends triton --calls 500 --out /tmp/s60d/$tree 2>&1 | tail -2
+    PYTHONPATH=$(tree_path $tree) timeout -k 5 ${S60D_GRAPH_S:-60} python3 -P benchmarks/graph_probe.py --backends triton \
+      --formats C4R4,BF16 --shapes 128x8x4096 --json /tmp/s60d/graph_$tree.json 2>&1 | grep -v "^{" | tail -2
+  done
+  tar czf "$OUT/s60d.tgz" -C /tmp s60d
 elif [ "$MODE" = stop59b ]; then
   mkdir -p /tmp/s59b; t0=$(date +%s); left() { echo $(( ${S59_LIMIT:-540} - $(date +%s) + t0 )); }
   P=QUANTMLA_TRITON_V4_PROBE; CO=QUANTMLA_TRITON_V4_CHANNEL_ORDER; PL=QUANTMLA_TRITON_V4_PIPELINE

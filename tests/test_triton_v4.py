@@ -147,10 +147,16 @@ def test_pipelined_build_is_a_knob(monkeypatch, fmt, value, want):
 
 @pytest.mark.parametrize("value", ["1", "2", "3", "4"])
 def test_probe_builds_warn_that_their_outputs_are_wrong(monkeypatch, value):
+    """Every call of a measurement build warns, each run of one prepared call too (kernels stubbed)."""
     _as_hopper(monkeypatch)
     monkeypatch.setenv(A.V4_PROBE_ENV, value)
-    with pytest.warns(RuntimeWarning, match=f"QUANTMLA_TRITON_V4_PROBE={value}: .* outputs are wrong"):
-        assert _prepare().split_consts["PROBE"] == int(value)
+    call = _prepare()
+    assert call.split_consts["PROBE"] == int(value)
+    cache = qm.MLACache.allocate(PackFormat.parse("C4R4"), 2 * 64, 2, 4, 128, device="cpu")
+    q, r = torch.randn((2, 1, 128, 512)).bfloat16(), torch.randn((2, 1, 128, 64)).bfloat16()
+    for _ in range(2):
+        with pytest.warns(RuntimeWarning, match=f"QUANTMLA_TRITON_V4_PROBE={value}: .* outputs are wrong"):
+            call.run(q, r, cache)
 
 
 @pytest.mark.parametrize("value", [None, "0"])

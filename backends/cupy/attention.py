@@ -57,9 +57,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ...envvars import recording, snapshot
 from ..buffers import capturing as graph_capturing
 from ..buffers import carve, owned_by_call
+from ..prepared_calls import index_key, reuse_or_prepare
 from ..streams import fork_side_stream as _fork_side_stream
 from ..streams import join_side_stream as _join_side_stream
 from . import current_stream_handle, external_stream, launch
@@ -148,25 +148,15 @@ def prepared(cache, block_table, seq_lens, seq_ids, batch: int, s_q: int, heads:
     in place between calls are seen. A call that converts one (a copy of this call's values) and
     any call that may keep nothing (``fresh``: under CUDA-graph capture, see
     :func:`~quantmla_core.backends.buffers.call_owned_scratch`) is prepared afresh."""
-    if fresh:
+    def make() -> SplitCall:
         return prepare(cache, block_table, seq_lens, seq_ids, batch, s_q, heads, q_dtype, softmax_scale, out_shape)
-    key = (id(block_table), block_table.shape, block_table.stride(), id(seq_lens), seq_lens.shape, seq_lens.stride(),
-           id(seq_ids), seq_ids.shape, seq_ids.stride(), cache.format, cache.pages.device, cache.pages.shape[0],
+
+    if fresh:
+        return make()
+    key = (*index_key(block_table, seq_lens, seq_ids), cache.format, cache.pages.device, cache.pages.shape[0],
            cache.max_seqs, cache.sink, cache.local, batch, s_q, heads, q_dtype, softmax_scale, out_shape)
-    kept = _PREPARED.get(key)
-    if kept is not None and snapshot(kept[0]) == kept[1]:
-        return kept[2]
-    with recording() as read:
-        call = prepare(cache, block_table, seq_lens, seq_ids, batch, s_q, heads, q_dtype, softmax_scale, out_shape)
-    table, lens, ids = call.index
-    if table is block_table and lens is seq_lens and ids is seq_ids:
-        names = tuple(dict.fromkeys(read))
-        with _LOCK:
-            _PREPARED.pop(key, None)
-            _PREPARED[key] = (names, snapshot(names), call)
-            while len(_PREPARED) > PREPARED_KEEP:
-                _PREPARED.pop(next(iter(_PREPARED)))
-    return call
+    return reuse_or_prepare(_PREPARED, key, PREPARED_KEEP, make,
+                            lambda call: all(a is b for a, b in zip(call.index, (block_table, seq_lens, seq_ids))))
 
 
 def prepare(cache, block_table, seq_lens, seq_ids, batch: int, s_q: int, heads: int, q_dtype: torch.dtype,

@@ -17,6 +17,7 @@ import torch
 from ...envvars import env_int_choice, getenv
 from ..buffers import capturing as graph_capturing
 from ..buffers import carve
+from ..prepared_calls import index_key, reuse_or_prepare
 from ..streams import fork_side_stream, join_side_stream, launching_on
 from . import interpreting, slice_width
 from .attention_kernel import merge_kernel, protect_kernel, split_kernel
@@ -328,11 +329,40 @@ def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: 
     ``maxnreg``).
     ``variant`` ("auto"/"v1"/"v2"/"v3"/"v4") overrides ``$QUANTMLA_TRITON_ATTENTION`` (read per call;
     default "auto", see :func:`auto_variant`). v2 on a GPU with float32 queries runs v1 (``heuristics.V2_FLOAT32_ON_GPU``);
-    ``LAST_LAUNCH["variant"]`` names the kernel that ran."""
+    ``LAST_LAUNCH["variant"]`` names the kernel that ran. The call is prepared once for its index tensors, geometry
+    and knobs (:func:`prepared`)."""
     b, s_q, h, _ = q_latent.shape
-    call = prepare(cache, block_table, seq_lens, seq_ids, b, s_q, h, q_latent.dtype, softmax_scale,
-                   num_splits=num_splits, overrides=overrides, variant=variant)
+    call = prepared(cache, block_table, seq_lens, seq_ids, b, s_q, h, q_latent.dtype, softmax_scale,
+                    num_splits=num_splits, overrides=overrides, variant=variant)
     return call.run(q_latent, q_rope, cache)
+
+
+#: eager calls prepared by :func:`prepared`: key -> (variables read, their values then, the PreparedCall)
+_PREPARED: dict[tuple, tuple] = {}
+#: calls kept by :func:`prepared` (the oldest goes first); a decode step with one set of index tensors needs one
+PREPARED_KEEP = 64
+
+
+def prepared(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: torch.Tensor, batch: int,
+             q_len: int, heads: int, q_dtype: torch.dtype, softmax_scale: float, *, num_splits: int | None = None,
+             overrides: dict | None = None, variant: str | None = None) -> "PreparedCall":
+    """:func:`prepare`'s call for these arguments, reused while nothing it depends on changed: the same
+    ``block_table``, ``seq_lens`` and ``seq_ids`` objects (the call holds them, and the kernels read their values at
+    launch, so values changed in place are seen) with the same shapes and strides, a cache of the same geometry, the
+    same query shape, dtype and scale, ``num_splits`` and ``variant``, and the same values of every variable
+    ``prepare`` read (:func:`~quantmla_core.backends.prepared_calls.reuse_or_prepare`). Calls with ``overrides``
+    (probes) and calls under CUDA-graph capture are prepared afresh."""
+    def make() -> PreparedCall:
+        return prepare(cache, block_table, seq_lens, seq_ids, batch, q_len, heads, q_dtype, softmax_scale,
+                       num_splits=num_splits, overrides=overrides, variant=variant)
+
+    if overrides is not None or graph_capturing():
+        return make()
+    key = (*index_key(block_table, seq_lens, seq_ids), cache.format, cache.pages.device, cache.pages.shape[0],
+           cache.max_seqs, cache.sink, cache.local, cache.sink_buf.dtype, batch, q_len, heads, q_dtype, softmax_scale,
+           num_splits, variant)
+    return reuse_or_prepare(_PREPARED, key, PREPARED_KEEP, make, lambda call: call.block_table is block_table
+                            and call.seq_lens is seq_lens and call.seq_ids is seq_ids)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -373,6 +403,10 @@ class PreparedCall:
         [..., d_c] in their dtype, lse float32 [...]). ``out`` / ``lse`` given (contiguous, those shapes): the merge
         kernel writes there."""
         b, rows, pl = self.batch, self.q_len * self.heads, self.plan
+        LAST_LAUNCH.update(variant=self.variant, plan=pl, pdl=self.pdl)
+        if self.split_consts.get("PROBE"):
+            warnings.warn(f"{V4_PROBE_ENV}={self.split_consts['PROBE']}: a measurement build of kernel v4, its "
+                          "outputs are wrong", RuntimeWarning, stacklevel=2)
         npt = self.protect_grid[2] if self.protect_grid else 0
         dc, dr = q_latent.shape[-1], q_rope.shape[-1]
         q = q_latent.contiguous().view(b, rows, dc)
@@ -604,9 +638,7 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
         warps = env_int_choice(V4_LOADER_WARPS_ENV, (4, 8))
         consts["LOADER_WARPS"] = V4_LOADER_WARPS[fmt.name] if warps is None else warps
         probe = env_int_choice(V4_PROBE_ENV, (0, 1, 2, 3, 4)) or 0
-        if probe:
-            warnings.warn(f"{V4_PROBE_ENV}={probe}: a measurement build of kernel v4, its outputs are wrong",
-                          RuntimeWarning, stacklevel=2)
+        if probe:  # PreparedCall.run warns on every call that takes it
             consts["PROBE"] = probe
         if _v4_inline_protect(cache):
             consts["INLINE_PROT"] = True
