@@ -115,18 +115,6 @@ def test_calls_under_graph_capture_or_with_overrides_are_prepared_afresh(stubbed
     assert len(made) == 5 and len(A._PREPARED) == 1
 
 
-def test_kept_calls_are_bounded(stubbed, monkeypatch):
-    made = stubbed.made
-    monkeypatch.setattr(A, "PREPARED_KEEP", 4)
-    kept = [_index() for _ in range(6)]
-    for args in kept:
-        _call(*args)
-    assert len(A._PREPARED) == 4
-    _call(*kept[-1])
-    _call(*kept[0])  # dropped first
-    assert len(made) == 7
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernels need a CUDA GPU (the tests above stub them)")
 def test_reused_calls_match_fresh_ones_on_the_gpu():
     """On the GPU, eager calls that reuse a kept call give a freshly prepared call's outputs bit for bit, also after
