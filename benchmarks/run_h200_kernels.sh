@@ -768,7 +768,7 @@ elif [ "$MODE" = stop60d ]; then
   timeout -k 10 ${S60D_CONF_S:-200} $T -rfE tests/test_triton_prepared.py tests/test_triton_backend.py \
     -k "prepared or reused or bit_identical" > /tmp/s60d/conf.txt 2>&1
   echo "rc=$?" >> /tmp/s60d/conf.txt; grep -E "^FAILED|^ERROR" /tmp/s60d/conf.txt | head -10; tail -2 /tmp/s60d/conf.txt
-  for tree in main after main after; do
+  for tree in ${S60D_TREES:-main after main after}; do
     [ $tree = main ] && { [ -d probe_tmp/triton_main ] || continue; triton_tree main; }
     echo "=== $tree: eager host time a call (host_profile.py), then eager and graph (graph_probe.py), H128 B8 L4K"
     PYTHONPATH=$(tree_path $tree) timeout -k 5 ${S60D_HOST_S:-60} python3 -P benchmarks/host_profile.py \
