@@ -102,7 +102,8 @@
 #       dequantization, no code loads) at H128 B32 L32K while time is left; $OUT/s60.tgz
 #   bash benchmarks/run_h200_kernels.sh stop60b  # CuPy v6 with two dequantizing warpgroups: its GPU tests (a failure
 #       stops there), CUDA graphs of one and two (S60B_SHAPES), v6's default/pair/balanced GPU tests after the per-role
-#       epilogue, memcheck, then main's v6 sources (probe_tmp/cupy_main, see the mode) against this tree's; $OUT/s60b.tgz.
+#       epilogue, memcheck, then main's v6 sources (probe_tmp/cupy_main, see the mode) against this tree's;
+#       $OUT/s60b.tgz.
 #       Stop 60 ran it as of e0a8c17 (branch proto/v6-two-dequantizers): on main the knob it sets does not exist
 #   bash benchmarks/run_h200_kernels.sh stop60c  # kernel v4's builds 1 and 4 with and without page loads (probe 4) at
 #       H128 B32 L32K C4R4, then benchmarks/host_profile.py (cProfile of eager calls, H128 B8 L4K); $OUT/s60c.tgz
@@ -722,7 +723,8 @@ elif [ "$MODE" = stop60b ]; then
   echo "=== first: v6 with two dequantizing warpgroups against the reference"
   timeout -k 10 ${S60B_FIRST_S:-150} $T -x -rfE --tb=long tests/test_cupy_v6.py -k "two_dequantizers_match" \
     > /tmp/s60b/first.txt 2>&1
-  echo "rc=$?" >> /tmp/s60b/first.txt; grep -E "^E  |^FAILED" /tmp/s60b/first.txt | head -12; tail -2 /tmp/s60b/first.txt
+  echo "rc=$?" >> /tmp/s60b/first.txt; grep -E "^E  |^FAILED" /tmp/s60b/first.txt | head -12
+  tail -2 /tmp/s60b/first.txt
   if grep -q "^rc=0" /tmp/s60b/first.txt; then
     echo "=== one and two dequantizers, twice (CUDA graphs, FlashInfer BF16 in the process; $(left) s left)"
     timeout -k 10 ${S60B_GRAPH_S:-170} python3 -P benchmarks/graph_probe.py --backends cupy --formats C4R4,C2R4 \
@@ -743,7 +745,8 @@ elif [ "$MODE" = stop60b ]; then
       [ $tree = main ] && cp probe_tmp/cupy_main/* "$KDIR"/
       [ $tree = after ] && cp /tmp/kernels_kept/* "$KDIR"/
       echo "=== $tree's v6 sources, the default build ($(left) s left)"
-      timeout -k 5 $(( $(left) / 2 - 5 > 30 ? $(left) / 2 - 5 : 30 )) python3 -P benchmarks/graph_probe.py --backends cupy \
+      timeout -k 5 $(( $(left) / 2 - 5 > 30 ? $(left) / 2 - 5 : 30 )) python3 -P benchmarks/graph_probe.py \
+        --backends cupy \
         --formats C4R4,C2R4 --shapes 128x32x32768 --json /tmp/s60b/graph_$tree.json 2>&1 | grep -v "^{" | tail -3
     done
     cp /tmp/kernels_kept/* "$KDIR"/
@@ -753,7 +756,8 @@ elif [ "$MODE" = stop60c ]; then
   mkdir -p /tmp/s60c; P=QUANTMLA_TRITON_V4_PROBE; PL=QUANTMLA_TRITON_V4_PIPELINE
   echo "=== kernel v4's builds 1 and 4 with and without page loads (probe 4), H128 B32 L32K C4R4 (CUDA graphs)"
   timeout -k 10 ${S60C_GRAPH_S:-150} python3 -P benchmarks/graph_probe.py --backends triton --formats C4R4 \
-    --shapes 128x32x32768 --settings "$PL=1;$PL=4;$PL=1 $P=4;$PL=4 $P=4;$PL=1;$PL=4" --json /tmp/s60c/graph_loads.json 2>&1 \
+    --shapes 128x32x32768 --settings "$PL=1;$PL=4;$PL=1 $P=4;$PL=4 $P=4;$PL=1;$PL=4" \
+    --json /tmp/s60c/graph_loads.json 2>&1 \
     | grep -v "^{\|RuntimeWarning\|warnings.warn" | tail -8
   echo "=== where an eager call's host time goes (cProfile, H128 B8 L4K)"
   timeout -k 10 ${S60C_HOST_S:-120} python3 -P benchmarks/host_profile.py --shape 128x8x4096 --formats C4R4,BF16 \
@@ -773,7 +777,8 @@ elif [ "$MODE" = stop60d ]; then
     echo "=== $tree: eager host time a call (host_profile.py), then eager and graph (graph_probe.py), H128 B8 L4K"
     PYTHONPATH=$(tree_path $tree) timeout -k 5 ${S60D_HOST_S:-60} python3 -P benchmarks/host_profile.py \
       --shape 128x8x4096 --formats C4R4,BF16 --backends triton --calls 500 --out /tmp/s60d/$tree 2>&1 | tail -2
-    PYTHONPATH=$(tree_path $tree) timeout -k 5 ${S60D_GRAPH_S:-60} python3 -P benchmarks/graph_probe.py --backends triton \
+    PYTHONPATH=$(tree_path $tree) timeout -k 5 ${S60D_GRAPH_S:-60} python3 -P benchmarks/graph_probe.py \
+      --backends triton \
       --formats C4R4,BF16 --shapes 128x8x4096 --json /tmp/s60d/graph_$tree.json 2>&1 | grep -v "^{" | tail -2
   done
   tar czf "$OUT/s60d.tgz" -C /tmp s60d

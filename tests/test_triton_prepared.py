@@ -1,8 +1,8 @@
-"""The Triton launcher's eager host path on the CPU with the kernels stubbed (``quantmla_core.testing.stub_triton_launcher``):
-eager calls reuse their prepared call (``attention.prepared``) only while nothing it was made from changed -- the index
-tensors (by identity, shape, strides), the cache geometry, the query shape, dtype and scale, ``num_splits``,
-``variant`` and the ``QUANTMLA_*`` variables ``prepare`` read -- and never under CUDA-graph capture or with
-``overrides``."""
+"""The Triton launcher's eager host path on the CPU with the kernels stubbed
+(``quantmla_core.testing.stub_triton_launcher``): eager calls reuse their prepared call (``attention.prepared``)
+only while nothing it was made from changed -- the index tensors (by identity, shape, strides), the cache geometry,
+the query shape, dtype and scale, ``num_splits``, ``variant`` and the ``QUANTMLA_*`` variables ``prepare`` read --
+and never under CUDA-graph capture or with ``overrides``."""
 
 from __future__ import annotations
 
