@@ -37,8 +37,9 @@ def reuse_or_prepare(kept: dict, key: tuple, keep: int, make: Callable[[], Any],
     return call
 
 
-def index_key(block_table, seq_lens, seq_ids) -> tuple:
-    """The index tensors as a key: their identities (a kept call holds them, so the ids stay theirs), shapes and
-    strides."""
+def call_key(cache, block_table, seq_lens, seq_ids) -> tuple:
+    """The part of a kept call's key every launcher shares: the index tensors' identities (a kept call holds them, so
+    the ids stay theirs), shapes and strides, and the cache's geometry (any layer's cache of it serves the call)."""
     return (id(block_table), block_table.shape, block_table.stride(), id(seq_lens), seq_lens.shape, seq_lens.stride(),
-            id(seq_ids), seq_ids.shape, seq_ids.stride())
+            id(seq_ids), seq_ids.shape, seq_ids.stride(), cache.format, cache.pages.device, cache.pages.shape[0],
+            cache.max_seqs, cache.sink, cache.local, cache.sink_buf.dtype)

@@ -59,7 +59,7 @@ import torch
 
 from ..buffers import capturing as graph_capturing
 from ..buffers import carve, owned_by_call
-from ..prepared_calls import index_key, reuse_or_prepare
+from ..prepared_calls import call_key, reuse_or_prepare
 from ..streams import fork_side_stream as _fork_side_stream
 from ..streams import join_side_stream as _join_side_stream
 from . import current_stream_handle, external_stream, launch
@@ -153,8 +153,7 @@ def prepared(cache, block_table, seq_lens, seq_ids, batch: int, s_q: int, heads:
 
     if fresh:
         return make()
-    key = (*index_key(block_table, seq_lens, seq_ids), cache.format, cache.pages.device, cache.pages.shape[0],
-           cache.max_seqs, cache.sink, cache.local, batch, s_q, heads, q_dtype, softmax_scale, out_shape)
+    key = (*call_key(cache, block_table, seq_lens, seq_ids), batch, s_q, heads, q_dtype, softmax_scale, out_shape)
     return reuse_or_prepare(_PREPARED, key, PREPARED_KEEP, make,
                             lambda call: all(a is b for a, b in zip(call.index, (block_table, seq_lens, seq_ids))))
 

@@ -17,7 +17,7 @@ import torch
 from ...envvars import env_int_choice, getenv
 from ..buffers import capturing as graph_capturing
 from ..buffers import carve
-from ..prepared_calls import index_key, reuse_or_prepare
+from ..prepared_calls import call_key, reuse_or_prepare
 from ..streams import fork_side_stream, join_side_stream, launching_on
 from . import interpreting, slice_width
 from .attention_kernel import merge_kernel, protect_kernel, split_kernel
@@ -358,9 +358,8 @@ def prepared(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: 
 
     if overrides is not None or graph_capturing():
         return make()
-    key = (*index_key(block_table, seq_lens, seq_ids), cache.format, cache.pages.device, cache.pages.shape[0],
-           cache.max_seqs, cache.sink, cache.local, cache.sink_buf.dtype, batch, q_len, heads, q_dtype, softmax_scale,
-           num_splits, variant)
+    key = (*call_key(cache, block_table, seq_lens, seq_ids), batch, q_len, heads, q_dtype, softmax_scale, num_splits,
+           variant)
     return reuse_or_prepare(_PREPARED, key, PREPARED_KEEP, make, lambda call: call.block_table is block_table
                             and call.seq_lens is seq_lens and call.seq_ids is seq_ids)
 
