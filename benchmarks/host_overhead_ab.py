@@ -46,7 +46,7 @@ def median_us(fn, rounds: int = 15, calls: int = 2000) -> float:
 def main(label: str) -> None:
     mp = MonkeyPatch()
     stub_cupy_launcher(mp)
-    mp.setattr(A, "launch", lambda fn, grid, block, args, dev, smem=0, stream=None, types=None:
+    mp.setattr(A, "launch", lambda fn, grid, block, args, dev, smem=0, stream=None, types=None, pdl=False:
                pack_args(args) if types is None else pack_args(args, types))
     cache = qm.MLACache.allocate(qm.PackFormat.parse("C4R4"), B * PAGES, B, 4, 128, device="cpu")
     q, r = torch.randn((B, H, 512)).bfloat16(), torch.randn((B, H, 64)).bfloat16()

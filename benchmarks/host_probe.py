@@ -90,8 +90,9 @@ def plan_rows(batch: int = 8, length: int = 4096, heads: int = 16, backends: tup
     return rows
 
 
-def launch_via_cupy_call(fn, grid, block, args, device_index, smem=0, stream=None, types=None) -> None:
-    """The backend's launch before stop 20: CuPy's ``Function.__call__`` inside the stream's context."""
+def launch_via_cupy_call(fn, grid, block, args, device_index, smem=0, stream=None, types=None, pdl=False) -> None:
+    """The backend's launch before stop 20: CuPy's ``Function.__call__`` inside the stream's context (always a plain
+    launch: ``pdl`` is ignored, which the combine's wait allows)."""
     from quantmla_core.backends.cupy import external_stream
 
     if types is not None:

@@ -110,6 +110,10 @@
 #   bash benchmarks/run_h200_kernels.sh stop60d  # Triton's kept prepared calls: their GPU test and the launcher's
 #       stream and graph tests, then main's launcher (probe_tmp/triton_main, see the mode) against this tree's, twice:
 #       host_profile.py's eager time a call and graph_probe.py's eager and graph times at H128 B8 L4K; $OUT/s60d.tgz
+#   bash benchmarks/run_h200_kernels.sh stop61   # the CuPy combine with PDL (QUANTMLA_CUPY_PDL): its tests, the
+#       combine's and the CUDA-graph tests (a failure stops there), memcheck, then PDL 0 against 1 twice over S61_SHAPES
+#       (CUDA graphs, FlashInfer BF16 eagerly and as a graph in the process) with the SM clock, power and temperature
+#       logged every 500 ms, then v5's and v6's GPU conformance with it on; $OUT/s61.tgz
 #   bash benchmarks/run_h200_kernels.sh stop58probe  # kernel v4's defaults against its probe builds (S58P_SHAPES), then
 #       Triton's defaults against CuPy's (S58P_AUTO_SHAPES), CUDA graphs with FlashInfer BF16; $OUT/s58p.tgz
 #   bash benchmarks/run_h200_kernels.sh stop57auto  # Triton v4's defaults against CuPy's over S57A_SHAPES (CUDA graphs,
@@ -782,6 +786,31 @@ elif [ "$MODE" = stop60d ]; then
       --formats C4R4,BF16 --shapes 128x8x4096 --json /tmp/s60d/graph_$tree.json 2>&1 | grep -v "^{" | tail -2
   done
   tar czf "$OUT/s60d.tgz" -C /tmp s60d
+elif [ "$MODE" = stop61 ]; then
+  mkdir -p /tmp/s61; t0=$(date +%s); left() { echo $(( ${S61_LIMIT:-560} - $(date +%s) + t0 )); }
+  PDL=QUANTMLA_CUPY_PDL
+  echo "=== first: the PDL tests and the CUDA-graph tests (PDL on by default)"
+  timeout -k 10 ${S61_FIRST_S:-150} $T -x -rfE --tb=long tests/test_cupy_pdl.py tests/test_cupy_combine.py \
+    tests/test_cupy_backend.py -k "pdl or combine or cuda_graph" > /tmp/s61/first.txt 2>&1
+  echo "rc=$?" >> /tmp/s61/first.txt; grep -E "^E  |^FAILED" /tmp/s61/first.txt | head -12; tail -2 /tmp/s61/first.txt
+  if grep -q "^rc=0" /tmp/s61/first.txt; then
+    timeout -k 5 60 compute-sanitizer --tool memcheck $T tests/test_cupy_pdl.py -k same_bits \
+      > /tmp/s61/memcheck.txt 2>&1
+    echo "rc=$?" >> /tmp/s61/memcheck.txt; tail -3 /tmp/s61/memcheck.txt
+    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv -lms 500 \
+      > /tmp/s61/smi.csv 2>&1 &
+    SMI=$!
+    echo "=== PDL 0 against 1, twice (CUDA graphs; FlashInfer BF16 eager and graph; $(left) s left)"
+    timeout -k 10 ${S61_GRAPH_S:-240} python3 -P benchmarks/graph_probe.py --backends cupy --formats C4R4,C2R4 \
+      --shapes ${S61_SHAPES:-16x8x4096,16x8x32768,16x32x32768,128x8x4096,128x8x32768,128x32x32768,128x128x32768} \
+      --settings "$PDL=0;$PDL=1;$PDL=0;$PDL=1" --json /tmp/s61/graph_pdl.json 2>&1 | grep -v "^{" | tail -60
+    kill $SMI 2>/dev/null
+    echo "=== v5's and v6's GPU conformance with PDL on ($(left) s left)"
+    timeout -k 10 $(( $(left) - 10 > 30 ? $(left) - 10 : 30 )) $T -rfE tests/test_cupy_v5.py tests/test_cupy_v6.py \
+      -k "v5_matches_reference or v6_matches_reference" > /tmp/s61/conf.txt 2>&1
+    echo "rc=$?" >> /tmp/s61/conf.txt; grep -E "^FAILED|^ERROR" /tmp/s61/conf.txt | head -10; tail -2 /tmp/s61/conf.txt
+  fi
+  tar czf "$OUT/s61.tgz" -C /tmp s61
 elif [ "$MODE" = stop59b ]; then
   mkdir -p /tmp/s59b; t0=$(date +%s); left() { echo $(( ${S59_LIMIT:-540} - $(date +%s) + t0 )); }
   P=QUANTMLA_TRITON_V4_PROBE; CO=QUANTMLA_TRITON_V4_CHANNEL_ORDER; PL=QUANTMLA_TRITON_V4_PIPELINE

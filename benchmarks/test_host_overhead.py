@@ -40,7 +40,7 @@ def stubbed_cupy(monkeypatch):
 
     stub_cupy_launcher(monkeypatch)
     # what a launch does on the host before the driver call: pack the arguments (the stub's recording is not timed)
-    monkeypatch.setattr(A, "launch", lambda fn, grid, block, args, dev, smem=0, stream=None, types=None:
+    monkeypatch.setattr(A, "launch", lambda fn, grid, block, args, dev, smem=0, stream=None, types=None, pdl=False:
                         pack_args(args) if types is None else pack_args(args, types))
     return A
 

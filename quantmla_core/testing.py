@@ -217,11 +217,13 @@ class StubKernel:
 
 class LaunchLog(list):
     """Recorded launches (kernel, grid, block, args, shared bytes); ``streams[i]``: the stream of
-    launch i, ``"side"`` for one forked onto the protected-only side stream, else None."""
+    launch i, ``"side"`` for one forked onto the protected-only side stream, else None; ``pdl[i]``: whether
+    launch i asked for programmatic dependent launch."""
 
     def __init__(self):
         super().__init__()
         self.streams: list = []
+        self.pdl: list[bool] = []
 
     def of(self, kernel: str) -> tuple[tuple, Any]:
         """(record, stream) of the one launch of ``kernel`` (e.g. ``"qmla_attn_v3"``)."""
@@ -245,11 +247,14 @@ def patch_cupy_launcher(monkeypatch: Any, **stubs: Any) -> None:
             monkeypatch.setattr(m, name, value)
 
 
-def stub_cupy_launcher(monkeypatch: Any, sm_count: int = 132, nvrtc: tuple[int, int] = (13, 0)) -> tuple[list, list]:
+def stub_cupy_launcher(monkeypatch: Any, sm_count: int = 132, nvrtc: tuple[int, int] = (13, 0),
+                       pdl_reason: str | None = "stubbed: no CUDA driver") -> tuple[list, list]:
     """Let the CuPy attention launcher (``quantmla_core.backends.cupy.attention`` and the modules it plans with) run
     its host logic without a GPU: compilation returns :class:`StubKernel`, launches are recorded, the device is an
     sm_90 with ``sm_count`` SMs holding 2 CTAs each and NVRTC ``nvrtc``, and scratch and tables live on the CPU.
+    ``pdl_reason``: why the driver cannot launch with PDL (None: it can), whatever this machine's driver says.
     ``monkeypatch``: pytest's fixture. Returns (kernels asked for, launches as a :class:`LaunchLog`)."""
+    from .backends.cupy import knobs
     from .backends.cupy.kernel_args import pack_args
 
     kernels: list = []
@@ -259,12 +264,13 @@ def stub_cupy_launcher(monkeypatch: Any, sm_count: int = 132, nvrtc: tuple[int, 
         kernels.append((source, kernel))
         return StubKernel(source, kernel, defines, smem, arch)
 
-    def launch(fn, grid, block, args, dev, smem=0, stream=None, types=None):
+    def launch(fn, grid, block, args, dev, smem=0, stream=None, types=None, pdl=False):
         pack_args(args, types)  # what the real launch packs
         if types is not None:  # recorded as the numpy scalars of the parameters' types
             args = tuple(t(a) for t, a in zip(types, args))
         launches.append((fn, grid, block, args, smem))
         launches.streams.append(stream)
+        launches.pdl.append(pdl)
 
     patch_cupy_launcher(
         monkeypatch, get_kernel=get_kernel, launch=launch,
@@ -275,6 +281,7 @@ def stub_cupy_launcher(monkeypatch: Any, sm_count: int = 132, nvrtc: tuple[int, 
         _workspace=lambda dev, n: torch.empty(n, dtype=torch.float32),
         _device_table=lambda rows, dev: torch.tensor(rows, dtype=torch.int32),
         _FNS={}, _PLANS={}, _PREPARED={})
+    monkeypatch.setattr(knobs, "pdl_unavailable_reason", lambda capability: pdl_reason)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     return kernels, launches

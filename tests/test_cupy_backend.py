@@ -533,15 +533,15 @@ def _kernel_params(source: str, kernel: str) -> list[str]:
 def _run_v2_stubbed(monkeypatch, h: int, s_q: int, prot: bool, env: dict[str, str], variant: str = "v2",
                     pages_per: int = 5, length: int = 300, lens: torch.Tensor | None = None,
                     ids: torch.Tensor | None = None, fmt_name: str = "C4R4", nvrtc: tuple[int, int] = (13, 0),
-                    capturing: bool = False):
+                    capturing: bool = False, pdl_reason: str | None = "stubbed: no CUDA driver"):
     """One v2 (or ``variant``) attention call on the CPU with compilation and launches stubbed, over
     3 requests of ``length`` tokens and ``pages_per`` pages each (``lens``/``ids``: the seq_lens /
     seq_ids tensors to pass, default int64) of a ``fmt_name`` cache, NVRTC reporting ``nvrtc``, as if
-    under CUDA-graph capture where ``capturing``. Returns the launches (kernel, grid, block, args,
-    shared bytes), the kernels asked for, the format and B."""
+    under CUDA-graph capture where ``capturing``, with PDL refused for ``pdl_reason`` (None: allowed). Returns the
+    launches (kernel, grid, block, args, shared bytes), the kernels asked for, the format and B."""
     from quantmla_core.backends.cupy import attention as A
 
-    kernels, launches = stub_cupy_launcher(monkeypatch, nvrtc=nvrtc)
+    kernels, launches = stub_cupy_launcher(monkeypatch, nvrtc=nvrtc, pdl_reason=pdl_reason)
     if capturing:
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     monkeypatch.setenv(VARIANT_ENV, variant)
@@ -673,7 +673,7 @@ def test_v1_launch_arguments_match_kernel_signature(monkeypatch, variant, dtype)
     monkeypatch.setenv(VARIANT_ENV, variant)
     patch_cupy_launcher(
         monkeypatch, get_kernel=lambda source, kernel, defines, dev, smem=0: (source, kernel),
-        launch=lambda fn, grid, block, args, dev, smem=0, stream=None, types=None:
+        launch=lambda fn, grid, block, args, dev, smem=0, stream=None, types=None, pdl=False:
         launches.append((fn, grid, block, args if types is None else tuple(map(lambda t, a: t(a), types, args)))),
         external_stream=lambda dev: None, device_info=lambda dev: (132, (9, 0)), nvrtc_version=lambda: (13, 0),
         resident_ctas=lambda fn, threads, smem, dev, sms: 2 * sms,

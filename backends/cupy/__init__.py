@@ -26,6 +26,7 @@ from typing import Any
 from ...dispatch import Backend, Capabilities, Problem, _import_reason
 from ...formats import PackFormat
 from .kernel_args import pack_args
+from .pdl import launch_with_pdl
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 #: warps per block of the writer (one warp per token)
@@ -240,14 +241,15 @@ def current_stream_handle(device_index: int) -> int:
 
 
 def launch(fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, device_index: int, smem: int = 0,
-           stream=None, types: tuple[type, ...] | None = None) -> None:
+           stream=None, types: tuple[type, ...] | None = None, pdl: bool = False) -> None:
     """Launch ``fn`` (see :func:`function_ptr`) on torch's current stream of ``device_index`` (or on
     ``stream``, a CuPy stream object from :func:`external_stream`). ``args``: numpy scalars, device
     pointers as ``uint64``, or with ``types`` (each parameter's numpy scalar type) Python numbers too
     (:func:`~.kernel_args.pack_args`); ``grid`` / ``block``: 1 to 3 sizes.
 
     Calls the driver's ``cuLaunchKernel`` with the packed arguments rather than ``fn(grid, block,
-    args)``, which converts every argument on every call."""
+    args)``, which converts every argument on every call; with ``pdl``, ``cuLaunchKernelEx`` with
+    programmatic dependent launch (:mod:`.pdl`: ``fn`` must wait for the kernel before it)."""
     import cupy
 
     if stream is None:
@@ -257,7 +259,10 @@ def launch(fn, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, devic
     bx, by, bz = (*block, 1, 1)[:3]
     on_device = cupy.cuda.runtime.getDevice() == device_index
     with contextlib.nullcontext() if on_device else cupy.cuda.Device(device_index):
-        cupy.cuda.driver.launchKernel(function_ptr(fn), gx, gy, gz, bx, by, bz, smem, stream.ptr, params.address, 0)
+        if pdl:
+            launch_with_pdl(function_ptr(fn), (gx, gy, gz), (bx, by, bz), smem, stream.ptr, params.address)
+        else:
+            cupy.cuda.driver.launchKernel(function_ptr(fn), gx, gy, gz, bx, by, bz, smem, stream.ptr, params.address, 0)
 
 
 def function_ptr(fn) -> int:

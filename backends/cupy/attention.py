@@ -64,7 +64,7 @@ from ..streams import fork_side_stream as _fork_side_stream
 from ..streams import join_side_stream as _join_side_stream
 from . import current_stream_handle, external_stream, launch
 from .builds import COMBINE_THREADS
-from .knobs import V2Knobs, V3Knobs, V4Knobs, V5Knobs, V6Knobs, protected_on_side_stream
+from .knobs import V2Knobs, V3Knobs, V4Knobs, V5Knobs, V6Knobs, combine_pdl, protected_on_side_stream
 from .plans import SplitPlan, device_info, v1_plan, v2_plan, v3_plan, v4_plan, v5_plan, v6_plan
 from .variants import V3_MIN_TOKENS, select_variant, variant_nvrtc
 
@@ -191,7 +191,7 @@ def prepare(cache, block_table, seq_lens, seq_ids, batch: int, s_q: int, heads: 
         plan = v1_plan(fmt, dtype, dev, sm_count, batch, s_q * heads, max_pages)
     shape = (batch, s_q, heads, fmt.latent_dim)
     return SplitCall.make(plan, cache, block_table, seq_lens, seq_ids, shape, tuple(out_shape or shape),
-                          softmax_scale, dev, side_default, index64)
+                          softmax_scale, dev, side_default, index64, combine_pdl(capability))
 
 
 def _kernel_input(name: str, x: torch.Tensor, dtype: torch.dtype, capturing: bool) -> torch.Tensor:
@@ -216,7 +216,9 @@ class SplitCall:
     row, with the index inputs converted once (``index``: block_table, seq_lens, seq_ids, kept
     alive here) and the scalar arguments packed. A protected-only launch (the second of
     ``plan.launches``) may fork onto a second stream (:func:`~.knobs.protected_on_side_stream`, with
-    ``side_default`` the launcher's rule outside graph capture)."""
+    ``side_default`` the launcher's rule outside graph capture). With ``pdl`` the combine launches with
+    programmatic dependent launch (:func:`~.knobs.combine_pdl`) where it follows the kernel before it on
+    one stream."""
 
     plan: SplitPlan
     index: tuple
@@ -230,10 +232,11 @@ class SplitCall:
     graph_scratch: list = field(default_factory=list)
     #: numpy scalar types of the split kernel's parameters and of the shared list (protected-only launch)
     arg_types: tuple = ((), ())
+    pdl: bool = False
 
     @staticmethod
     def make(plan: SplitPlan, cache, block_table, seq_lens, seq_ids, shape: tuple, out_shape: tuple,
-             softmax_scale: float, dev: int, side_default: bool, index64: bool) -> "SplitCall":
+             softmax_scale: float, dev: int, side_default: bool, index64: bool, pdl: bool = False) -> "SplitCall":
         """seq_lens / seq_ids go in as int64, or int32 where the kernels were built with ``index64`` False."""
         capturing = graph_capturing()
         index = torch.int64 if index64 else torch.int32
@@ -246,7 +249,7 @@ class SplitCall:
                    np.float32(softmax_scale * LOG2E))
         types = (np.uint64,) * SPLIT_POINTERS + tuple(map(type, scalars))
         return SplitCall(plan, (table, lens, ids), shape, out_shape, scalars, dev, side_default,
-                         arg_types=(types + tuple(map(type, plan.extra_args)), types))
+                         arg_types=(types + tuple(map(type, plan.extra_args)), types), pdl=pdl)
 
     def run(self, q_latent, q_rope, cache, out=None, lse=None, want_lse: bool = True, capturing: bool | None = None
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -308,8 +311,9 @@ class SplitCall:
             launch(fn, grid, block, args, dev, smem, stream=stream, types=types)
         if side is not None:
             _join_side_stream(dev, side)
+        # PDL only after a kernel on this stream: after the side stream's join the combine waits for an event
         launch(plan.combine, (b * rows,), (COMBINE_THREADS,), (o_ptr, ml_ptr, out.data_ptr(), lse_ptr, slots),
-               dev, stream=stream, types=COMBINE_TYPES)
+               dev, stream=stream, types=COMBINE_TYPES, pdl=self.pdl and side is None)
         return out, lse
 
 

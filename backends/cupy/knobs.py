@@ -19,7 +19,8 @@ and ``QUANTMLA_CUPY_V5_LAZY_RESCALE`` (default 1) / ``QUANTMLA_CUPY_V5_WORKERS``
 (0/1) / ``QUANTMLA_CUPY_V6_PROTECTED`` (``inline``, ``separate``) / ``QUANTMLA_CUPY_V6_PAIR`` (``auto``, 0/1) /
 ``QUANTMLA_CUPY_V6_SLACK`` (0/1) / ``QUANTMLA_CUPY_V6_ROPE_FOLD`` (``auto``, 0/1) and ``QUANTMLA_CUPY_PLAN_PROTECTED`` (0/1: v5 (default 1) and v6
 (default 0) count the sink/local tiles they append to one split in the split plan) are
-tuning knobs for measurements, also read per call.
+tuning knobs for measurements, also read per call. ``QUANTMLA_CUPY_PDL`` (``auto``, 0/1) says whether the combine
+launches with programmatic dependent launch (:func:`combine_pdl`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from .builds import (
     V6_SLACK,
     v2_default_stages,
 )
+from .pdl import pdl_unavailable_reason
 
 #: v2 split heuristic: never create splits shorter than this many tiles (256 tokens)
 V2_MIN_TILES_PER_SPLIT = 8
@@ -258,3 +260,22 @@ def protected_on_side_stream(default: bool) -> bool:
     but ~10-20 µs more host time per eager call, which short eager calls, host-bound, would pay)."""
     raw = _env_int(PROTECTED_STREAM_ENV, -1, (-1, 0, 1))
     return default if raw < 0 else bool(raw)
+
+
+PDL_ENV = "QUANTMLA_CUPY_PDL"
+#: whether the combine launches with PDL where the GPU and driver allow it (``QUANTMLA_CUPY_PDL`` unset)
+PDL_DEFAULT = True
+
+
+def combine_pdl(capability: tuple[int, int] | None) -> bool:
+    """Whether the combine launches with programmatic dependent launch (:mod:`.pdl`) on a GPU of
+    ``capability``. ``QUANTMLA_CUPY_PDL`` (read when a call is prepared) ``0`` or ``1`` decides;
+    unset or ``auto``, :data:`PDL_DEFAULT` where the GPU (compute capability 9.0+) and the driver
+    (``cuLaunchKernelEx``) allow it. ``1`` where they do not raises ``ValueError`` with the reason."""
+    want = _env_auto_bool(PDL_ENV)
+    if want is False:
+        return False
+    why = pdl_unavailable_reason(capability)
+    if want and why:
+        raise ValueError(f"{PDL_ENV}=1: {why}")
+    return why is None and (want or PDL_DEFAULT)

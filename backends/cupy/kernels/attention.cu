@@ -543,9 +543,9 @@ extern "C" __global__ void __launch_bounds__(NW * 32, QMLA_MIN_BLOCKS) qmla_attn
 // Merge the splits of each query row: out = sum_i 2^(m_i - M) O_i / sum_i 2^(m_i - M) l_i,
 // lse = ln 2 * (M + log2(sum_i 2^(m_i - M) l_i)). One block of QMLA_COMBINE_THREADS per row; a thread owns 4
 // adjacent channels (one 16-byte load per split). Its first QMLA_COMBINE_AHEAD partials are loaded before the
-// splits' (m, l), so a row of up to that many splits takes one round trip to memory, not two; further splits
-// keep 8 (then 4) loads in flight. Sums run over i in order (bit-identical to one split at a time); splits that saw no token
-// (m_i = -inf) are skipped.
+// splits' (m, l), so a row of up to that many splits takes one round trip to memory, not two; each further batch of
+// as many is loaded while the one before it is summed. Sums run over i in order (bit-identical to one split at a
+// time); splits that saw no token (m_i = -inf) are skipped.
 __device__ __forceinline__ void qmla_combine_add(float4& a, float2 v, float M, float4 o) {
     if (v.x != -QMLA_INF) {
         const float w = exp2f(v.x - M);
@@ -568,6 +568,7 @@ extern "C" __global__ void __launch_bounds__(QMLA_COMBINE_THREADS) qmla_combine(
                                                                                float* __restrict__ lse, int num_splits) {
     static_assert(DC % 4 == 0 && DC / 4 <= QMLA_COMBINE_THREADS, "4 channels per thread, one pass");
     __shared__ float2 ml_s[QMLA_COMBINE_SMEM_SPLITS];
+    qmla_wait_prior_grid();  // launched with PDL: the split kernel's partials are complete from here
     const i64 row = blockIdx.x;
     const int c4 = threadIdx.x;
     const bool mine = c4 < DC / 4;
@@ -594,27 +595,21 @@ extern "C" __global__ void __launch_bounds__(QMLA_COMBINE_THREADS) qmla_combine(
     if (threadIdx.x == 0) lse[row] = den > 0.0f ? 0.69314718055994531f * (M + log2f(den)) : -QMLA_INF;
     if (!mine) return;
     float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    // batches of QMLA_COMBINE_AHEAD splits: the next batch's loads go out before this one's sums, so a long row keeps
+    // a batch in flight while it adds (the sums still run over i in order)
+    for (int base = 0; base < num_splits; base += QMLA_COMBINE_AHEAD) {
+        float4 next[QMLA_COMBINE_AHEAD];
 #pragma unroll
-    for (int k = 0; k < QMLA_COMBINE_AHEAD; ++k) {
-        if (k < num_splits) qmla_combine_add(a, ml[k], M, o[k]);
-    }
-    int i = QMLA_COMBINE_AHEAD;
-    for (; i + 8 <= num_splits; i += 8) {
-        float4 r[8];
+        for (int k = 0; k < QMLA_COMBINE_AHEAD; ++k) {
+            if (base + QMLA_COMBINE_AHEAD + k < num_splits) next[k] = op[(base + QMLA_COMBINE_AHEAD + k) * (DC / 4)];
+        }
 #pragma unroll
-        for (int k = 0; k < 8; ++k) r[k] = op[(i + k) * (DC / 4)];
+        for (int k = 0; k < QMLA_COMBINE_AHEAD; ++k) {
+            if (base + k < num_splits) qmla_combine_add(a, ml[base + k], M, o[k]);
+        }
 #pragma unroll
-        for (int k = 0; k < 8; ++k) qmla_combine_add(a, ml[i + k], M, r[k]);
+        for (int k = 0; k < QMLA_COMBINE_AHEAD; ++k) o[k] = next[k];
     }
-    for (; i + 4 <= num_splits; i += 4) {
-        const float4 r0 = op[(i + 0) * (DC / 4)], r1 = op[(i + 1) * (DC / 4)];
-        const float4 r2 = op[(i + 2) * (DC / 4)], r3 = op[(i + 3) * (DC / 4)];
-        qmla_combine_add(a, ml[i + 0], M, r0);
-        qmla_combine_add(a, ml[i + 1], M, r1);
-        qmla_combine_add(a, ml[i + 2], M, r2);
-        qmla_combine_add(a, ml[i + 3], M, r3);
-    }
-    for (; i < num_splits; ++i) qmla_combine_add(a, ml[i], M, op[i * (DC / 4)]);
     a.x *= inv;
     a.y *= inv;
     a.z *= inv;

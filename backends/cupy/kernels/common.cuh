@@ -109,6 +109,22 @@ __device__ __forceinline__ u32 qmla_dq2_f32(u32 c2, u32 off2, float s) {
     return pack_bf16x2(__uint_as_float(d << 16) * s, __uint_as_float(d & 0xffff0000u) * s);
 }
 
+// ----------------------------------------------------------------- programmatic dependent launch (sm_90+)
+// The split kernels let the combine, launched after them with PDL (pdl.py), start its CTAs once every CTA of
+// theirs is past its tile loop; the combine waits for them to finish, and for their writes, before its first
+// load. Without PDL (or before sm_90) the wait returns at once and the trigger does nothing.
+__device__ __forceinline__ void qmla_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void qmla_wait_prior_grid() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // ----------------------------------------------------------------- tensor-core helpers
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     u32 a;
