@@ -113,7 +113,9 @@
 #   bash benchmarks/run_h200_kernels.sh stop61   # the CuPy combine with PDL (QUANTMLA_CUPY_PDL): its tests, the
 #       combine's and the CUDA-graph tests (a failure stops there), memcheck, then PDL 0 against 1 twice over S61_SHAPES
 #       (CUDA graphs, FlashInfer BF16 eagerly and as a graph in the process) with the SM clock, power and temperature
-#       logged every 500 ms, then v5's and v6's GPU conformance with it on; $OUT/s61.tgz
+#       logged every 500 ms, the combine before its pipelined batches against now (PDL 0; probe_tmp/cupy_before =
+#       git show 1ce6bf8:backends/cupy/kernels/attention.cu, carried), then v5's and v6's GPU conformance with PDL on;
+#       $OUT/s61.tgz
 #   bash benchmarks/run_h200_kernels.sh stop58probe  # kernel v4's defaults against its probe builds (S58P_SHAPES), then
 #       Triton's defaults against CuPy's (S58P_AUTO_SHAPES), CUDA graphs with FlashInfer BF16; $OUT/s58p.tgz
 #   bash benchmarks/run_h200_kernels.sh stop57auto  # Triton v4's defaults against CuPy's over S57A_SHAPES (CUDA graphs,
@@ -805,6 +807,21 @@ elif [ "$MODE" = stop61 ]; then
       --shapes ${S61_SHAPES:-16x8x4096,16x8x32768,16x32x32768,128x8x4096,128x8x32768,128x32x32768,128x128x32768} \
       --settings "$PDL=0;$PDL=1;$PDL=0;$PDL=1" --json /tmp/s61/graph_pdl.json 2>&1 | grep -v "^{" | tail -60
     kill $SMI 2>/dev/null
+    if [ -f probe_tmp/cupy_before/attention.cu ]; then
+      # the combine before its batches were pipelined (no griddepcontrol.wait in it: PDL 0 only)
+      KDIR=/tmp/qm/quantmla_core/backends/cupy/kernels; cp "$KDIR/attention.cu" /tmp/attention_kept.cu
+      n=0
+      for tree in before after before after; do
+        n=$((n + 1))
+        [ $tree = before ] && cp probe_tmp/cupy_before/attention.cu "$KDIR/attention.cu"
+        [ $tree = after ] && cp /tmp/attention_kept.cu "$KDIR/attention.cu"
+        echo "=== the combine: $tree's attention.cu, PDL 0 ($(left) s left)"
+        timeout -k 5 ${S61_COMBINE_S:-45} python3 -P benchmarks/graph_probe.py --backends cupy --formats C4R4 \
+          --shapes ${S61_COMBINE_SHAPES:-16x8x32768,16x32x32768,128x8x32768} --settings "$PDL=0" \
+          --json /tmp/s61/graph_combine_${n}_$tree.json 2>&1 | grep -v "^{" | tail -3
+      done
+      cp /tmp/attention_kept.cu "$KDIR/attention.cu"
+    fi
     echo "=== v5's and v6's GPU conformance with PDL on ($(left) s left)"
     timeout -k 10 $(( $(left) - 10 > 30 ? $(left) - 10 : 30 )) $T -rfE tests/test_cupy_v5.py tests/test_cupy_v6.py \
       -k "v5_matches_reference or v6_matches_reference" > /tmp/s61/conf.txt 2>&1
