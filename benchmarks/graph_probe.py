@@ -18,11 +18,11 @@ import os
 import sys
 import time
 
-import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(__file__))
 import quantmla_core as qm  # noqa: E402
+from quantmla_core.testing import capture_graph  # noqa: E402
 from _mla_bench_common import FlashInferMLA, Workload, add_probe_arguments, probe_shapes  # noqa: E402
 
 SCALE = 1.0 / 576 ** 0.5
@@ -33,16 +33,8 @@ def bench(fn) -> float:
 
 
 def graphed(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
+    """``fn`` captured into a CUDA graph (after two warm-up calls): the graph's replay."""
+    return capture_graph(fn)[0].replay
 
 
 def _graph_or_none(fn) -> float | None:

@@ -312,3 +312,34 @@ def stub_triton_launcher(monkeypatch: Any, sm_count: int = 132) -> list:
     monkeypatch.setattr(A, "_sm_count", lambda dev: sm_count)
     monkeypatch.setattr(C, "interpreting", lambda: False)
     return launches
+
+
+def stub_cache(fmt: PackFormat, batch: int, pages_per: int, sink: int = 4, local: int = 128) -> type:
+    """A stand-in for an :class:`~quantmla_core.MLACache` that stubbed launchers plan over (CPU, zeros): ``fmt``'s
+    geometry, ``batch * pages_per`` pages, ``batch`` requests with ``sink`` / ``local`` bfloat16 protected rows."""
+    width = fmt.latent_dim + fmt.rope_dim
+
+    class Cache:
+        format = fmt
+        pages = torch.zeros((batch * pages_per, fmt.page_bytes), dtype=torch.uint8)
+        sink_buf = torch.zeros((batch, sink, width), dtype=torch.bfloat16)
+        local_buf = torch.zeros((batch, local, width), dtype=torch.bfloat16)
+        num_pages, max_seqs = batch * pages_per, batch
+
+    Cache.sink, Cache.local = sink, local
+    return Cache
+
+
+def capture_graph(fn: Any) -> tuple[Any, Any]:
+    """``fn`` warmed up twice on a side stream (compiles, plans), then captured into a CUDA graph: (the graph,
+    what the captured call returned, whose memory the graph's replays rewrite)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = fn()
+    return graph, result

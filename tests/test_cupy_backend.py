@@ -33,7 +33,7 @@ from quantmla_core.backends.cupy.writer import writer_defines
 import quantmla_core as qm
 from quantmla_core import get_backend
 from quantmla_core.dispatch import DeviceInfo, Problem, _import_reason
-from quantmla_core.testing import Case, allocate, build, generate_cases, stub_cupy_launcher
+from quantmla_core.testing import Case, allocate, build, capture_graph, generate_cases, stub_cache, stub_cupy_launcher
 
 NVCC = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if os.path.exists("/usr/local/bin/nvcc") else None)
 CAP = CupyBackend.capabilities
@@ -552,19 +552,13 @@ def _run_v2_stubbed(monkeypatch, h: int, s_q: int, prot: bool, env: dict[str, st
     b = 3
     n_sink, n_local = (4, 128) if prot else (0, 0)
 
-    class Cache:
-        format = fmt
-        pages = torch.zeros((b * pages_per, fmt.page_bytes), dtype=torch.uint8)
-        sink_buf = torch.zeros((b, n_sink, 576), dtype=torch.bfloat16)
-        local_buf = torch.zeros((b, n_local, 576), dtype=torch.bfloat16)
-        num_pages, max_seqs, sink, local = b * pages_per, b, n_sink, n_local
-
+    cache = stub_cache(fmt, b, pages_per, n_sink, n_local)
     q = torch.zeros((b, s_q, h, 512), dtype=torch.bfloat16)
     r = torch.zeros((b, s_q, h, 64), dtype=torch.bfloat16)
     table = torch.arange(b * pages_per, dtype=torch.int32).view(b, pages_per)
     lens = torch.full((b,), length) if lens is None else lens
     ids = torch.arange(b) if ids is None else ids
-    out, lse = A.attention(q, r, Cache, table, lens, ids, 0.05)
+    out, lse = A.attention(q, r, cache, table, lens, ids, 0.05)
     assert out.shape == q.shape and out.dtype == torch.bfloat16 and lse.shape == (b, s_q, h)
     return launches, kernels, fmt, b
 
@@ -681,17 +675,9 @@ def test_v1_launch_arguments_match_kernel_signature(monkeypatch, variant, dtype)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch, "empty", lambda *a, device=None, **k: torch.zeros(*a, **k))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    fmt = qm.PackFormat.parse("C4R4")
-
-    class Cache:
-        format = fmt
-        pages = torch.zeros((4, fmt.page_bytes), dtype=torch.uint8)
-        sink_buf = torch.zeros((2, 4, 576), dtype=torch.bfloat16)
-        local_buf = torch.zeros((2, 128, 576), dtype=torch.bfloat16)
-        num_pages, max_seqs, sink, local = 4, 2, 4, 128
-
+    cache = stub_cache(qm.PackFormat.parse("C4R4"), 2, 2)
     q, r = torch.zeros((2, 1, 16, 512), dtype=dtype), torch.zeros((2, 1, 16, 64), dtype=dtype)
-    A.attention(q, r, Cache, torch.zeros((2, 2), dtype=torch.int32), torch.full((2,), 100), torch.arange(2), 0.05)
+    A.attention(q, r, cache, torch.zeros((2, 2), dtype=torch.int32), torch.full((2,), 100), torch.arange(2), 0.05)
     (fn, _grid, block, args), (cfn, _, _, _cargs) = launches
     assert fn == ("attention.cu", "qmla_attn") and cfn == ("attention.cu", "qmla_combine")
     assert len(args) == len(_kernel_params("attention.cu", "qmla_attn")) and block == (128,)
@@ -728,15 +714,7 @@ def test_cuda_graph_capture_and_replay(backend, name, dtype, env, monkeypatch):
               softmax_scale=batch.softmax_scale, backend=backend, validate=False)
     q, r = args["q_latent"].clone(), args["q_rope"].clone()
     want, want_lse = qm.attention(q, r, cache, **kw)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture stream (compiles, plans)
-        for _ in range(2):
-            qm.attention(q, r, cache, **kw)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = qm.attention(q, r, cache, **kw)
+    graph, (out, lse) = capture_graph(lambda: qm.attention(q, r, cache, **kw))  # warmed up off the capture stream
     junk = [torch.full((1 << 20,), float("nan"), device="cuda") for _ in range(8)]  # reuse freed memory
     graph.replay()
     torch.cuda.synchronize()

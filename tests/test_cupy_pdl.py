@@ -23,7 +23,7 @@ import quantmla_core as qm
 from quantmla_core.backends.cupy import knobs, pdl
 from quantmla_core.backends.cupy.builds import attention_defines
 from quantmla_core.backends.cupy.variants import VARIANT_ENV
-from quantmla_core.testing import allocate, build, stub_cupy_launcher
+from quantmla_core.testing import allocate, build, capture_graph, stub_cache, stub_cupy_launcher
 
 CUDA_H = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include", "cuda.h")
 CC = shutil.which("cc") or shutil.which("gcc")
@@ -145,15 +145,7 @@ def test_knob_is_read_when_a_kept_call_is_reused(monkeypatch):
 
     _kernels, launches = stub_cupy_launcher(monkeypatch, pdl_reason=None)
     monkeypatch.setenv(VARIANT_ENV, "v5")
-    fmt = qm.PackFormat.parse("C4R4")
-
-    class Cache:
-        format = fmt
-        pages = torch.zeros((15, fmt.page_bytes), dtype=torch.uint8)
-        sink_buf = torch.zeros((3, 4, 576), dtype=torch.bfloat16)
-        local_buf = torch.zeros((3, 128, 576), dtype=torch.bfloat16)
-        num_pages, max_seqs, sink, local = 15, 3, 4, 128
-
+    cache = stub_cache(qm.PackFormat.parse("C4R4"), 3, 5)
     prepared = []
     real_prepare = A.prepare
     monkeypatch.setattr(A, "prepare", lambda *a, **k: prepared.append(1) or real_prepare(*a, **k))
@@ -164,7 +156,7 @@ def test_knob_is_read_when_a_kept_call_is_reused(monkeypatch):
             monkeypatch.delenv(knobs.PDL_ENV, raising=False)
         else:
             monkeypatch.setenv(knobs.PDL_ENV, env)
-        A.attention(q, r, Cache, table, lens, ids, 0.05)
+        A.attention(q, r, cache, table, lens, ids, 0.05)
         assert launches.pdl[-1] is want
     assert len(prepared) == 3  # each change of the variable prepared the call again; each repeat reused it
 
@@ -198,19 +190,6 @@ def test_split_kernels_let_the_combine_start(source):
 
 
 # ------------------------------------------------------------------ GPU
-def _graphed(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
-
-
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("name,heads,lens", [("C4R4", 16, (3000, 77, 9000)), ("C2R4", 128, (5000, 300, 64))])
@@ -239,7 +218,7 @@ def test_pdl_gives_the_same_bits(monkeypatch, name, heads, lens):
     with_pdl = qm.attention(q, r, cache, **kw)
     torch.cuda.synchronize()
     assert torch.equal(with_pdl[0], plain[0]) and torch.equal(with_pdl[1], plain[1])
-    graph, (out, lse) = _graphed(lambda: qm.attention(q, r, cache, **kw))
+    graph, (out, lse) = capture_graph(lambda: qm.attention(q, r, cache, **kw))
     q.mul_(-0.5)
     graph.replay()
     monkeypatch.setenv(knobs.PDL_ENV, "0")
