@@ -116,6 +116,9 @@
 #       logged every 500 ms, the combine before its pipelined batches against now (PDL 0; probe_tmp/cupy_before =
 #       git show 1ce6bf8:backends/cupy/kernels/attention.cu, carried), then v5's and v6's GPU conformance with PDL on;
 #       $OUT/s61.tgz
+#   bash benchmarks/run_h200_kernels.sh stop61b  # the combine with PDL after split kernels that trigger nothing (their
+#       CTAs trigger as they exit): the PDL and CUDA-graph tests, memcheck, then PDL 0 against 1 three times over
+#       S61B_SHAPES (CUDA graphs, FlashInfer BF16 in the process), SM clock and power logged; $OUT/s61b.tgz
 #   bash benchmarks/run_h200_kernels.sh stop58probe  # kernel v4's defaults against its probe builds (S58P_SHAPES), then
 #       Triton's defaults against CuPy's (S58P_AUTO_SHAPES), CUDA graphs with FlashInfer BF16; $OUT/s58p.tgz
 #   bash benchmarks/run_h200_kernels.sh stop57auto  # Triton v4's defaults against CuPy's over S57A_SHAPES (CUDA graphs,
@@ -828,6 +831,27 @@ elif [ "$MODE" = stop61 ]; then
     echo "rc=$?" >> /tmp/s61/conf.txt; grep -E "^FAILED|^ERROR" /tmp/s61/conf.txt | head -10; tail -2 /tmp/s61/conf.txt
   fi
   tar czf "$OUT/s61.tgz" -C /tmp s61
+elif [ "$MODE" = stop61b ]; then
+  mkdir -p /tmp/s61b; PDL=QUANTMLA_CUPY_PDL
+  echo "=== first: the PDL tests and the CUDA-graph tests"
+  timeout -k 10 ${S61B_FIRST_S:-150} $T -x -rfE --tb=long tests/test_cupy_pdl.py tests/test_cupy_combine.py \
+    tests/test_cupy_backend.py -k "pdl or combine or cuda_graph" > /tmp/s61b/first.txt 2>&1
+  echo "rc=$?" >> /tmp/s61b/first.txt; grep -E "^E  |^FAILED" /tmp/s61b/first.txt | head -12; tail -2 /tmp/s61b/first.txt
+  if grep -q "^rc=0" /tmp/s61b/first.txt; then
+    timeout -k 5 60 compute-sanitizer --tool memcheck $T tests/test_cupy_pdl.py -k same_bits \
+      > /tmp/s61b/memcheck.txt 2>&1
+    echo "rc=$?" >> /tmp/s61b/memcheck.txt; tail -3 /tmp/s61b/memcheck.txt
+    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv -lms 500 \
+      > /tmp/s61b/smi.csv 2>&1 &
+    SMI=$!
+    echo "=== PDL 0 against 1, three times (CUDA graphs; FlashInfer BF16 eager and graph)"
+    timeout -k 10 ${S61B_GRAPH_S:-200} python3 -P benchmarks/graph_probe.py --backends cupy --formats C4R4,C2R4 \
+      --shapes ${S61B_SHAPES:-16x8x4096,16x8x32768,128x8x4096,128x8x32768,128x128x32768} \
+      --settings "$PDL=0;$PDL=1;$PDL=0;$PDL=1;$PDL=0;$PDL=1" --json /tmp/s61b/graph_pdl.json 2>&1 \
+      | grep -v "^{" | tail -60
+    kill $SMI 2>/dev/null
+  fi
+  tar czf "$OUT/s61b.tgz" -C /tmp s61b
 elif [ "$MODE" = stop59b ]; then
   mkdir -p /tmp/s59b; t0=$(date +%s); left() { echo $(( ${S59_LIMIT:-540} - $(date +%s) + t0 )); }
   P=QUANTMLA_TRITON_V4_PROBE; CO=QUANTMLA_TRITON_V4_CHANNEL_ORDER; PL=QUANTMLA_TRITON_V4_PIPELINE

@@ -175,9 +175,9 @@ def test_combine_waits_for_the_split_kernel_on_sm90(arch, wait):
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
 @pytest.mark.parametrize("source", ["v5", "v6"])
-def test_split_kernels_let_the_combine_start(source):
-    """v5 and v6 (sm_90a) trigger their dependents once, after their tile loops: the instruction is in the PTX, after
-    the last wgmma."""
+def test_split_kernels_trigger_no_early_launch(source):
+    """v5 and v6 (sm_90a) trigger no dependent launch of their own: a trigger after the tile loops started the
+    combine's CTAs on the few SMs the split kernel's last CTAs left free, and was slower on an H100 (stop 61)."""
     if source == "v5":
         from test_cupy_v5 import V5_BUILDS, _compiled_v5
         rc, text, ptx = _compiled_v5()[V5_BUILDS[0]]
@@ -185,8 +185,7 @@ def test_split_kernels_let_the_combine_start(source):
         from test_cupy_v6 import V6_BUILDS, _compiled_v6
         rc, text, ptx = _compiled_v6()[V6_BUILDS[0]]
     assert rc == 0, text[-3000:]
-    assert ptx.count("griddepcontrol.launch_dependents") == 1
-    assert ptx.index("griddepcontrol.launch_dependents") > ptx.rindex("wgmma.mma_async")
+    assert "wgmma.mma_async" in ptx and "griddepcontrol" not in ptx
 
 
 # ------------------------------------------------------------------ GPU

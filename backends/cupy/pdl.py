@@ -2,10 +2,11 @@
 
 A kernel launched with the attribute ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`` may start
 while the kernel before it on the stream is still running: once every CTA of that kernel has run
-``griddepcontrol.launch_dependents`` (``common.cuh``'s ``qmla_launch_dependents``) or exited. It must then
-run ``griddepcontrol.wait`` (``qmla_wait_prior_grid``) before it reads what that kernel wrote. The
-launcher uses it for the combine after the split kernel: the combine's launch and its CTAs' start overlap
-the split kernel's last CTAs. Under stream capture the driver records the same edge in the CUDA graph.
+``griddepcontrol.launch_dependents`` or exited. It must then run ``griddepcontrol.wait`` (``common.cuh``'s
+``qmla_wait_prior_grid``) before it reads what that kernel wrote. The launcher uses it for the combine after
+the split kernel, which triggers nothing (its CTAs trigger as they exit; ``common.cuh`` says why): the
+combine's launch is prepared while the split kernel's last CTAs run. Under stream capture the driver records
+the same edge in the CUDA graph.
 
 CuPy's ``driver`` module has no ``cuLaunchKernelEx``, so it is called from ``libcuda`` directly; the two
 structures below follow ``cuda.h`` (CUDA 12.0 on), checked against it by ``tests/test_cupy_pdl.py``.

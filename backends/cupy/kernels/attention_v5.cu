@@ -989,7 +989,6 @@ extern "C" __global__ void __launch_bounds__(NWGS * NTH, 1) qmla_attn_v5(
     }
 
     // ---------------------------------------------------------------- partial results (v1 layout)
-    qmla_launch_dependents();  // the combine (PDL) may start its CTAs; it waits for this kernel's end
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
 #pragma unroll

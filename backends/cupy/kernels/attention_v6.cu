@@ -934,7 +934,6 @@ extern "C" __global__ void V6_CLUSTER __launch_bounds__(NTH, 1) qmla_attn_v6(
     }
 
     // ---------------------------------------------------------------- partial results (v1 layout)
-    qmla_launch_dependents();  // the combine (PDL) may start its CTAs; it waits for this kernel's end
     if (wg == 0) {
 #pragma unroll
         for (int o = 1; o <= 2; o <<= 1) {

@@ -110,15 +110,11 @@ __device__ __forceinline__ u32 qmla_dq2_f32(u32 c2, u32 off2, float s) {
 }
 
 // ----------------------------------------------------------------- programmatic dependent launch (sm_90+)
-// The split kernels let the combine, launched after them with PDL (pdl.py), start its CTAs once every CTA of
-// theirs is past its tile loop; the combine waits for them to finish, and for their writes, before its first
-// load. Without PDL (or before sm_90) the wait returns at once and the trigger does nothing.
-__device__ __forceinline__ void qmla_launch_dependents() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
+// The combine, launched after a split kernel with PDL (pdl.py), waits here for that kernel to finish and for its
+// writes before its first load; without PDL (or before sm_90) the wait returns at once. The split kernels trigger
+// nothing: each CTA triggers as it exits, so the combine's CTAs start on a GPU that is all but free. A trigger
+// after the tile loops (H100, stop 61) started them while the split kernel's last CTAs held most SMs, and made H16
+// B8 L32K 2-3 % and H128 B128 L32K C2R4 3 % slower.
 __device__ __forceinline__ void qmla_wait_prior_grid() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
