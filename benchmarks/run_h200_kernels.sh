@@ -119,6 +119,9 @@
 #   bash benchmarks/run_h200_kernels.sh stop61b  # the combine with PDL after split kernels that trigger nothing (their
 #       CTAs trigger as they exit): the PDL and CUDA-graph tests, memcheck, then PDL 0 against 1 three times over
 #       S61B_SHAPES (CUDA graphs, FlashInfer BF16 in the process), SM clock and power logged; $OUT/s61b.tgz
+#   bash benchmarks/run_h200_kernels.sh stop61c  # the final defaults (PDL where the split kernel is one wave): the PDL,
+#       combine and CUDA-graph tests, v5's and v6's GPU conformance, then the defaults over S61C_SHAPES (CUDA graphs,
+#       FlashInfer BF16 eager and as a graph in the process), SM clock and power logged; $OUT/s61c.tgz
 #   bash benchmarks/run_h200_kernels.sh stop58probe  # kernel v4's defaults against its probe builds (S58P_SHAPES), then
 #       Triton's defaults against CuPy's (S58P_AUTO_SHAPES), CUDA graphs with FlashInfer BF16; $OUT/s58p.tgz
 #   bash benchmarks/run_h200_kernels.sh stop57auto  # Triton v4's defaults against CuPy's over S57A_SHAPES (CUDA graphs,
@@ -852,6 +855,22 @@ elif [ "$MODE" = stop61b ]; then
     kill $SMI 2>/dev/null
   fi
   tar czf "$OUT/s61b.tgz" -C /tmp s61b
+elif [ "$MODE" = stop61c ]; then
+  mkdir -p /tmp/s61c
+  echo "=== the PDL, combine and CUDA-graph tests, v5's and v6's GPU conformance"
+  timeout -k 10 ${S61C_CONF_S:-200} $T -rfE tests/test_cupy_pdl.py tests/test_cupy_combine.py tests/test_cupy_backend.py \
+    tests/test_cupy_v5.py tests/test_cupy_v6.py -k "pdl or combine or cuda_graph or v5_matches_reference or \
+v6_matches_reference" > /tmp/s61c/conf.txt 2>&1
+  echo "rc=$?" >> /tmp/s61c/conf.txt; grep -E "^FAILED|^ERROR" /tmp/s61c/conf.txt | head -10; tail -2 /tmp/s61c/conf.txt
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv -lms 500 \
+    > /tmp/s61c/smi.csv 2>&1 &
+  SMI=$!
+  echo "=== the defaults (CUDA graphs; FlashInfer BF16 eager and graph)"
+  timeout -k 10 ${S61C_GRAPH_S:-120} python3 -P benchmarks/graph_probe.py --backends cupy --formats C4R4,C2R4 \
+    --shapes ${S61C_SHAPES:-128x8x32768,128x32x32768,128x128x32768,16x32x32768,16x128x32768} \
+    --json /tmp/s61c/graph_defaults.json 2>&1 | grep -v "^{" | tail -12
+  kill $SMI 2>/dev/null
+  tar czf "$OUT/s61c.tgz" -C /tmp s61c
 elif [ "$MODE" = stop59b ]; then
   mkdir -p /tmp/s59b; t0=$(date +%s); left() { echo $(( ${S59_LIMIT:-540} - $(date +%s) + t0 )); }
   P=QUANTMLA_TRITON_V4_PROBE; CO=QUANTMLA_TRITON_V4_CHANNEL_ORDER; PL=QUANTMLA_TRITON_V4_PIPELINE

@@ -95,27 +95,28 @@ def test_pdl_needs_compute_capability_9(capability):
     assert "compute capability 9.0" in pdl.pdl_unavailable_reason(capability)
 
 
-@pytest.mark.parametrize("env,reason,want", [
-    (None, None, True), ("auto", None, True), ("1", None, True), ("0", None, False),
-    (None, "old driver", False), ("auto", "old driver", False), ("0", "old driver", False),
+@pytest.mark.parametrize("env,reason,one_wave,want", [
+    (None, None, True, True), ("auto", None, True, True), (None, None, False, False), ("auto", None, False, False),
+    ("1", None, True, True), ("1", None, False, True), ("0", None, True, False),
+    (None, "old driver", True, False), ("auto", "old driver", True, False), ("0", "old driver", True, False),
 ])
-def test_combine_pdl_rule(monkeypatch, env, reason, want):
+def test_combine_pdl_rule(monkeypatch, env, reason, one_wave, want):
     monkeypatch.setattr(knobs, "pdl_unavailable_reason", lambda capability: reason)
     if env is None:
         monkeypatch.delenv(knobs.PDL_ENV, raising=False)
     else:
         monkeypatch.setenv(knobs.PDL_ENV, env)
-    assert knobs.combine_pdl((9, 0)) is want
+    assert knobs.combine_pdl((9, 0), one_wave) is want
 
 
 def test_combine_pdl_refuses_where_unavailable(monkeypatch):
     monkeypatch.setattr(knobs, "pdl_unavailable_reason", lambda capability: "old driver")
     monkeypatch.setenv(knobs.PDL_ENV, "1")
     with pytest.raises(ValueError, match="QUANTMLA_CUPY_PDL=1: old driver"):
-        knobs.combine_pdl((9, 0))
+        knobs.combine_pdl((9, 0), True)
     monkeypatch.setenv(knobs.PDL_ENV, "yes")
     with pytest.raises(ValueError, match="QUANTMLA_CUPY_PDL"):
-        knobs.combine_pdl((9, 0))
+        knobs.combine_pdl((9, 0), True)
 
 
 @pytest.mark.parametrize("variant,h", [("v5", 16), ("v6", 128), ("v3", 16), ("v2", 16)])
@@ -136,6 +137,24 @@ def test_no_pdl_after_the_side_stream(monkeypatch):
     launches = _run_v2_stubbed(monkeypatch, 16, 1, True, {"QUANTMLA_CUPY_PROTECTED_STREAM": "0"}, "v3",
                                pdl_reason=None)[0]
     assert "side" not in launches.streams and launches.pdl[-1]
+
+
+@pytest.mark.parametrize("resident,want", [(10_000, True), (1, False)], ids=["one-wave", "two-waves"])
+def test_pdl_only_after_a_split_kernel_of_one_wave(monkeypatch, resident, want):
+    """Unset, PDL goes to the combine only where every CTA of the split kernel runs at once on the GPU."""
+    from quantmla_core.backends.cupy import attention as A
+    from quantmla_core.testing import patch_cupy_launcher
+
+    _kernels, launches = stub_cupy_launcher(monkeypatch, pdl_reason=None)
+    patch_cupy_launcher(monkeypatch, resident_ctas=lambda fn, threads, smem, dev, sms: resident)
+    monkeypatch.setenv(VARIANT_ENV, "v6")
+    monkeypatch.delenv(knobs.PDL_ENV, raising=False)
+    q, r = torch.randn((3, 128, 512)).bfloat16(), torch.randn((3, 128, 64)).bfloat16()
+    A.attention(q, r, stub_cache(qm.PackFormat.parse("C4R4"), 3, 5), torch.arange(15, dtype=torch.int32).view(3, 5),
+                torch.full((3,), 300), torch.arange(3), 0.05)
+    grid = launches.of("qmla_attn_v6")[0][1]
+    assert (grid[0] * grid[1] <= resident) is want
+    assert launches.pdl[-1] is want
 
 
 def test_knob_is_read_when_a_kept_call_is_reused(monkeypatch):

@@ -51,6 +51,7 @@ Which kernel runs is :mod:`.variants`' choice, how each is built (``-D`` defines
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass, field
 
@@ -62,7 +63,7 @@ from ..buffers import carve, owned_by_call
 from ..prepared_calls import call_key, reuse_or_prepare
 from ..streams import fork_side_stream as _fork_side_stream
 from ..streams import join_side_stream as _join_side_stream
-from . import current_stream_handle, external_stream, launch
+from . import current_stream_handle, external_stream, launch, resident_ctas
 from .builds import COMBINE_THREADS
 from .knobs import V2Knobs, V3Knobs, V4Knobs, V5Knobs, V6Knobs, combine_pdl, protected_on_side_stream
 from .plans import SplitPlan, device_info, v1_plan, v2_plan, v3_plan, v4_plan, v5_plan, v6_plan
@@ -191,7 +192,14 @@ def prepare(cache, block_table, seq_lens, seq_ids, batch: int, s_q: int, heads: 
         plan = v1_plan(fmt, dtype, dev, sm_count, batch, s_q * heads, max_pages)
     shape = (batch, s_q, heads, fmt.latent_dim)
     return SplitCall.make(plan, cache, block_table, seq_lens, seq_ids, shape, tuple(out_shape or shape),
-                          softmax_scale, dev, side_default, index64, combine_pdl(capability))
+                          softmax_scale, dev, side_default, index64,
+                          combine_pdl(capability, _one_wave(plan.launches[0], dev, sm_count)))
+
+
+def _one_wave(launch: tuple, dev: int, sm_count: int) -> bool:
+    """Whether every CTA of ``launch`` (kernel, grid, block, shared bytes) runs at once on the GPU."""
+    fn, grid, block, smem = launch
+    return math.prod(grid) <= resident_ctas(fn, block[0], smem, dev, sm_count)
 
 
 def _kernel_input(name: str, x: torch.Tensor, dtype: torch.dtype, capturing: bool) -> torch.Tensor:

@@ -20,7 +20,7 @@ and ``QUANTMLA_CUPY_V5_LAZY_RESCALE`` (default 1) / ``QUANTMLA_CUPY_V5_WORKERS``
 ``QUANTMLA_CUPY_V6_SLACK`` (0/1) / ``QUANTMLA_CUPY_V6_ROPE_FOLD`` (``auto``, 0/1) and ``QUANTMLA_CUPY_PLAN_PROTECTED`` (0/1: v5 (default 1) and v6
 (default 0) count the sink/local tiles they append to one split in the split plan) are
 tuning knobs for measurements, also read per call. ``QUANTMLA_CUPY_PDL`` (``auto``, 0/1) says whether the combine
-launches with programmatic dependent launch (:func:`combine_pdl`).
+launches with programmatic dependent launch (:func:`combine_pdl`; read when a call is prepared).
 """
 
 from __future__ import annotations
@@ -263,19 +263,19 @@ def protected_on_side_stream(default: bool) -> bool:
 
 
 PDL_ENV = "QUANTMLA_CUPY_PDL"
-#: whether the combine launches with PDL where the GPU and driver allow it (``QUANTMLA_CUPY_PDL`` unset)
-PDL_DEFAULT = True
 
 
-def combine_pdl(capability: tuple[int, int] | None) -> bool:
-    """Whether the combine launches with programmatic dependent launch (:mod:`.pdl`) on a GPU of
-    ``capability``. ``QUANTMLA_CUPY_PDL`` (read when a call is prepared) ``0`` or ``1`` decides;
-    unset or ``auto``, :data:`PDL_DEFAULT` where the GPU (compute capability 9.0+) and the driver
-    (``cuLaunchKernelEx``) allow it. ``1`` where they do not raises ``ValueError`` with the reason."""
+def combine_pdl(capability: tuple[int, int] | None, one_wave: bool) -> bool:
+    """Whether the combine launches with programmatic dependent launch (:mod:`.pdl`) on a GPU of ``capability``
+    after a split kernel whose CTAs all run at once (``one_wave``) or not. ``QUANTMLA_CUPY_PDL`` (read when a call
+    is prepared) ``0`` or ``1`` decides; unset or ``auto``: on where the GPU (compute capability 9.0+) and the
+    driver (``cuLaunchKernelEx``, CUDA 12.3+) allow it and the split kernel is ``one_wave``. H100, CUDA graphs
+    (stop 61): one wave, H128 B8 L4K 40.8-41.3 -> 40.5-40.6 us and eager calls 1-2 us shorter; two waves (H128
+    B128 L32K) 5-7 % slower, not traced. ``1`` where the GPU or driver cannot is refused with the reason."""
     want = _env_auto_bool(PDL_ENV)
     if want is False:
         return False
     why = pdl_unavailable_reason(capability)
     if want and why:
         raise ValueError(f"{PDL_ENV}=1: {why}")
-    return why is None and (want or PDL_DEFAULT)
+    return why is None and (want or one_wave)
