@@ -270,8 +270,8 @@ def combine_pdl(capability: tuple[int, int] | None, one_wave: bool) -> bool:
     after a split kernel whose CTAs all run at once (``one_wave``) or not. ``QUANTMLA_CUPY_PDL`` (read when a call
     is prepared) ``0`` or ``1`` decides; unset or ``auto``: on where the GPU (compute capability 9.0+) and the
     driver (``cuLaunchKernelEx``, CUDA 12.3+) allow it and the split kernel is ``one_wave``. H100, CUDA graphs
-    (stop 61): one wave, H128 B8 L4K 40.8-41.3 -> 40.5-40.6 us and eager calls 1-2 us shorter; two waves (H128
-    B128 L32K) 5-7 % slower, not traced. ``1`` where the GPU or driver cannot is refused with the reason."""
+    (stop 61): one wave, H128 B8 L4K 40.8-41.3 -> 40.5-40.6 us and eager calls 1-1.7 us shorter; two waves (H128
+    B128 L32K) 2-9 % slower, not traced. ``1`` where the GPU or driver cannot is refused with the reason."""
     want = _env_auto_bool(PDL_ENV)
     if want is False:
         return False
