@@ -3,7 +3,8 @@
 For each shape and backend it times ``quantmla_core.attention`` eagerly (CUDA events around
 back-to-back calls, so host time shows when it exceeds the GPU's) and as a replayed CUDA graph
 of the same call (GPU time only), beside FlashInfer BF16 when it is installed (eagerly and, where its call can be
-captured, as a CUDA graph: ``flashinfer_graph_us``).
+captured, as a CUDA graph: ``flashinfer_graph_us``), timed before a shape's rows and again after them
+(``flashinfer_after_us``, ``flashinfer_graph_after_us``): at large shapes the GPU may reach its power cap meanwhile.
 
     PYTHONPATH=. python -P benchmarks/graph_probe.py [--shapes 16x8x4096,16x32x32768x4,...] [--dims 256,32] [--json F]
 
@@ -93,6 +94,16 @@ def _probe_shape(h: int, b: int, l: int, args, settings: list[dict[str, str]], s
                 fi_txt += f" (FI graph {fi_graph_us:7.1f} us)" if fi_graph_us else ""
                 print(f"H{h} B{b} L{l}{f' S{s_q}' if s_q > 1 else ''} {name} {backend:<6} {row['setting']:<32} eager {eager:8.1f} us  "
                       f"graph {graph:8.1f} us{fi_txt}", flush=True)
+    if fi_us is not None:
+        # timed again after the rows: a GPU at its power cap runs slower the longer it has run hot, so the first
+        # FlashInfer time (of a cool GPU) alone would favour it
+        after = {"flashinfer_after_us": bench(lambda: fi.run(q[:, 0], r[:, 0])),
+                 "flashinfer_graph_after_us": _graph_or_none(lambda: fi.run(q[:, 0], r[:, 0]))}
+        for row in rows:
+            row.update(after)
+        graph_after = after["flashinfer_graph_after_us"]
+        print(f"H{h} B{b} L{l} FI again after the rows: eager {after['flashinfer_after_us']:7.1f} us"
+              + (f", graph {graph_after:7.1f} us" if graph_after else ""), flush=True)
     return rows
 
 
