@@ -122,6 +122,9 @@
 #   bash benchmarks/run_h200_kernels.sh stop61c  # the final defaults (PDL where the split kernel is one wave): the PDL,
 #       combine and CUDA-graph tests, v5's and v6's GPU conformance, then the defaults over S61C_SHAPES (CUDA graphs,
 #       FlashInfer BF16 eager and as a graph in the process), SM clock and power logged; $OUT/s61c.tgz
+#   bash benchmarks/run_h200_kernels.sh pdlwaves  # PDL against plain launches where split kernels take one wave and
+#       two (CuPy QUANTMLA_CUPY_PDL, Triton QUANTMLA_TRITON_PDL; 0 against 1 three times over PDLW_SHAPES, CUDA
+#       graphs, FlashInfer BF16 before and after each shape's rows), SM clock and power logged; $OUT/pdlw.tgz
 #   bash benchmarks/run_h200_kernels.sh stop58probe  # kernel v4's defaults against its probe builds (S58P_SHAPES), then
 #       Triton's defaults against CuPy's (S58P_AUTO_SHAPES), CUDA graphs with FlashInfer BF16; $OUT/s58p.tgz
 #   bash benchmarks/run_h200_kernels.sh stop57auto  # Triton v4's defaults against CuPy's over S57A_SHAPES (CUDA graphs,
@@ -871,6 +874,20 @@ v6_matches_reference" > /tmp/s61c/conf.txt 2>&1
     --json /tmp/s61c/graph_defaults.json 2>&1 | grep -v "^{" | tail -12
   kill $SMI 2>/dev/null
   tar czf "$OUT/s61c.tgz" -C /tmp s61c
+elif [ "$MODE" = pdlwaves ]; then
+  mkdir -p /tmp/pdlw
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv -lms 500 \
+    > /tmp/pdlw/smi.csv 2>&1 &
+  SMI=$!
+  for be in ${PDLW_BACKENDS:-triton cupy}; do
+    V=QUANTMLA_$(echo "$be" | tr a-z A-Z)_PDL
+    echo "=== $be: $V 0 against 1, three times (CUDA graphs, FlashInfer BF16 before and after each shape)"
+    timeout -k 10 ${PDLW_S:-200} python3 -P benchmarks/graph_probe.py --backends $be --formats C4R4,C2R4 \
+      --shapes ${PDLW_SHAPES:-128x8x32768,128x32x32768,128x128x32768} --settings "$V=0;$V=1;$V=0;$V=1;$V=0;$V=1" \
+      --json /tmp/pdlw/graph_$be.json 2>&1 | grep -v "^{" | tail -45
+  done
+  kill $SMI 2>/dev/null
+  tar czf "$OUT/pdlw.tgz" -C /tmp pdlw
 elif [ "$MODE" = stop59b ]; then
   mkdir -p /tmp/s59b; t0=$(date +%s); left() { echo $(( ${S59_LIMIT:-540} - $(date +%s) + t0 )); }
   P=QUANTMLA_TRITON_V4_PROBE; CO=QUANTMLA_TRITON_V4_CHANNEL_ORDER; PL=QUANTMLA_TRITON_V4_PIPELINE
