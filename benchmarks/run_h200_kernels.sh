@@ -167,6 +167,20 @@ triton_tree() { rm -rf /tmp/qm_$1 && cp -r /tmp/qm /tmp/qm_$1 && cp probe_tmp/tr
 # PYTHONPATH with tree $1's package in place of this one ("after": this tree)
 tree_path() { [ "$1" = after ] && echo "$PYTHONPATH" || echo "${PYTHONPATH/\/tmp\/qm:/\/tmp\/qm_$1:}"; }
 # each Triton kernel's device time (C4R4) in the trees $1 over the shapes $2; JSON $OUT/kernel_times_triton_<tree>$3.json
+smi_log() {  # nvidia-smi's SM clock, power and temperature every 500 ms into $1/smi.csv until smi_stop
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv -lms 500 \
+    > "$1/smi.csv" 2>&1 &
+  SMI=$!
+}
+smi_stop() { smi_stop; }
+cupy_pdl_first() {  # the PDL, combine and CUDA-graph tests, then (if they pass) memcheck of PDL's bit-for-bit case
+  timeout -k 10 $2 $T -x -rfE --tb=long tests/test_cupy_pdl.py tests/test_cupy_combine.py \
+    tests/test_cupy_backend.py -k "pdl or combine or cuda_graph" > "$1/first.txt" 2>&1
+  echo "rc=$?" >> "$1/first.txt"; grep -E "^E  |^FAILED" "$1/first.txt" | head -12; tail -2 "$1/first.txt"
+  grep -q "^rc=0" "$1/first.txt" || return 1
+  timeout -k 5 60 compute-sanitizer --tool memcheck $T tests/test_cupy_pdl.py -k same_bits > "$1/memcheck.txt" 2>&1
+  echo "rc=$?" >> "$1/memcheck.txt"; tail -3 "$1/memcheck.txt"
+}
 triton_kernel_times() {
   for run in $1; do
     echo "=== Triton $run: each kernel's device time (torch.profiler), the call as a CUDA graph, FlashInfer BF16"
@@ -801,21 +815,13 @@ elif [ "$MODE" = stop61 ]; then
   mkdir -p /tmp/s61; t0=$(date +%s); left() { echo $(( ${S61_LIMIT:-560} - $(date +%s) + t0 )); }
   PDL=QUANTMLA_CUPY_PDL
   echo "=== first: the PDL tests and the CUDA-graph tests (PDL on by default)"
-  timeout -k 10 ${S61_FIRST_S:-150} $T -x -rfE --tb=long tests/test_cupy_pdl.py tests/test_cupy_combine.py \
-    tests/test_cupy_backend.py -k "pdl or combine or cuda_graph" > /tmp/s61/first.txt 2>&1
-  echo "rc=$?" >> /tmp/s61/first.txt; grep -E "^E  |^FAILED" /tmp/s61/first.txt | head -12; tail -2 /tmp/s61/first.txt
-  if grep -q "^rc=0" /tmp/s61/first.txt; then
-    timeout -k 5 60 compute-sanitizer --tool memcheck $T tests/test_cupy_pdl.py -k same_bits \
-      > /tmp/s61/memcheck.txt 2>&1
-    echo "rc=$?" >> /tmp/s61/memcheck.txt; tail -3 /tmp/s61/memcheck.txt
-    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv -lms 500 \
-      > /tmp/s61/smi.csv 2>&1 &
-    SMI=$!
+  if cupy_pdl_first /tmp/s61 ${S61_FIRST_S:-150}; then
+    smi_log /tmp/s61
     echo "=== PDL 0 against 1, twice (CUDA graphs; FlashInfer BF16 eager and graph; $(left) s left)"
     timeout -k 10 ${S61_GRAPH_S:-240} python3 -P benchmarks/graph_probe.py --backends cupy --formats C4R4,C2R4 \
       --shapes ${S61_SHAPES:-16x8x4096,16x8x32768,16x32x32768,128x8x4096,128x8x32768,128x32x32768,128x128x32768} \
       --settings "$PDL=0;$PDL=1;$PDL=0;$PDL=1" --json /tmp/s61/graph_pdl.json 2>&1 | grep -v "^{" | tail -60
-    kill $SMI 2>/dev/null
+    smi_stop
     if [ -f probe_tmp/cupy_before/attention.cu ]; then
       # the combine before its batches were pipelined (no griddepcontrol.wait in it: PDL 0 only)
       KDIR=/tmp/qm/quantmla_core/backends/cupy/kernels; cp "$KDIR/attention.cu" /tmp/attention_kept.cu
@@ -840,22 +846,14 @@ elif [ "$MODE" = stop61 ]; then
 elif [ "$MODE" = stop61b ]; then
   mkdir -p /tmp/s61b; PDL=QUANTMLA_CUPY_PDL
   echo "=== first: the PDL tests and the CUDA-graph tests"
-  timeout -k 10 ${S61B_FIRST_S:-150} $T -x -rfE --tb=long tests/test_cupy_pdl.py tests/test_cupy_combine.py \
-    tests/test_cupy_backend.py -k "pdl or combine or cuda_graph" > /tmp/s61b/first.txt 2>&1
-  echo "rc=$?" >> /tmp/s61b/first.txt; grep -E "^E  |^FAILED" /tmp/s61b/first.txt | head -12; tail -2 /tmp/s61b/first.txt
-  if grep -q "^rc=0" /tmp/s61b/first.txt; then
-    timeout -k 5 60 compute-sanitizer --tool memcheck $T tests/test_cupy_pdl.py -k same_bits \
-      > /tmp/s61b/memcheck.txt 2>&1
-    echo "rc=$?" >> /tmp/s61b/memcheck.txt; tail -3 /tmp/s61b/memcheck.txt
-    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv -lms 500 \
-      > /tmp/s61b/smi.csv 2>&1 &
-    SMI=$!
+  if cupy_pdl_first /tmp/s61b ${S61B_FIRST_S:-150}; then
+    smi_log /tmp/s61b
     echo "=== PDL 0 against 1, three times (CUDA graphs; FlashInfer BF16 eager and graph)"
     timeout -k 10 ${S61B_GRAPH_S:-200} python3 -P benchmarks/graph_probe.py --backends cupy --formats C4R4,C2R4 \
       --shapes ${S61B_SHAPES:-16x8x4096,16x8x32768,128x8x4096,128x8x32768,128x128x32768} \
       --settings "$PDL=0;$PDL=1;$PDL=0;$PDL=1;$PDL=0;$PDL=1" --json /tmp/s61b/graph_pdl.json 2>&1 \
       | grep -v "^{" | tail -60
-    kill $SMI 2>/dev/null
+    smi_stop
   fi
   tar czf "$OUT/s61b.tgz" -C /tmp s61b
 elif [ "$MODE" = stop61c ]; then
@@ -865,20 +863,16 @@ elif [ "$MODE" = stop61c ]; then
     tests/test_cupy_v5.py tests/test_cupy_v6.py -k "pdl or combine or cuda_graph or v5_matches_reference or \
 v6_matches_reference" > /tmp/s61c/conf.txt 2>&1
   echo "rc=$?" >> /tmp/s61c/conf.txt; grep -E "^FAILED|^ERROR" /tmp/s61c/conf.txt | head -10; tail -2 /tmp/s61c/conf.txt
-  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv -lms 500 \
-    > /tmp/s61c/smi.csv 2>&1 &
-  SMI=$!
+  smi_log /tmp/s61c
   echo "=== the defaults (CUDA graphs; FlashInfer BF16 eager and graph)"
   timeout -k 10 ${S61C_GRAPH_S:-120} python3 -P benchmarks/graph_probe.py --backends cupy --formats C4R4,C2R4 \
     --shapes ${S61C_SHAPES:-128x8x32768,128x32x32768,128x128x32768,16x32x32768,16x128x32768} \
     --json /tmp/s61c/graph_defaults.json 2>&1 | grep -v "^{" | tail -12
-  kill $SMI 2>/dev/null
+  smi_stop
   tar czf "$OUT/s61c.tgz" -C /tmp s61c
 elif [ "$MODE" = pdlwaves ]; then
   mkdir -p /tmp/pdlw
-  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv -lms 500 \
-    > /tmp/pdlw/smi.csv 2>&1 &
-  SMI=$!
+  smi_log /tmp/pdlw
   for be in ${PDLW_BACKENDS:-triton cupy}; do
     V=QUANTMLA_$(echo "$be" | tr a-z A-Z)_PDL
     echo "=== $be: $V 0 against 1, three times (CUDA graphs, FlashInfer BF16 before and after each shape)"
@@ -886,7 +880,7 @@ elif [ "$MODE" = pdlwaves ]; then
       --shapes ${PDLW_SHAPES:-128x8x32768,128x32x32768,128x128x32768} --settings "$V=0;$V=1;$V=0;$V=1;$V=0;$V=1" \
       --json /tmp/pdlw/graph_$be.json 2>&1 | grep -v "^{" | tail -45
   done
-  kill $SMI 2>/dev/null
+  smi_stop
   tar czf "$OUT/pdlw.tgz" -C /tmp pdlw
 elif [ "$MODE" = stop59b ]; then
   mkdir -p /tmp/s59b; t0=$(date +%s); left() { echo $(( ${S59_LIMIT:-540} - $(date +%s) + t0 )); }
