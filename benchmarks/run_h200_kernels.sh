@@ -122,6 +122,10 @@
 #   bash benchmarks/run_h200_kernels.sh stop61c  # the final defaults (PDL where the split kernel is one wave): the PDL,
 #       combine and CUDA-graph tests, v5's and v6's GPU conformance, then the defaults over S61C_SHAPES (CUDA graphs,
 #       FlashInfer BF16 eager and as a graph in the process), SM clock and power logged; $OUT/s61c.tgz
+#   bash benchmarks/run_h200_kernels.sh stop62b  # v6 writing the output itself (QUANTMLA_CUPY_V6_MERGE): its tests,
+#       memcheck, CUDA graphs of merge 0 against auto over S62B_SHAPES (FlashInfer BF16 in the process); $OUT/s62b.tgz
+#   bash benchmarks/run_h200_kernels.sh stop62a  # each kernel's device time of CuPy's defaults at H128 (S62A_KT_SHAPES),
+#       then mode pdlwaves; $OUT/s62a.tgz and $OUT/pdlw.tgz
 #   bash benchmarks/run_h200_kernels.sh pdlwaves  # PDL against plain launches where split kernels take one wave and
 #       two (CuPy QUANTMLA_CUPY_PDL, Triton QUANTMLA_TRITON_PDL; 0 against 1 three times over PDLW_SHAPES, CUDA
 #       graphs, FlashInfer BF16 before and after each shape's rows), SM clock and power logged; $OUT/pdlw.tgz
@@ -172,7 +176,7 @@ smi_log() {  # nvidia-smi's SM clock, power and temperature every 500 ms into $1
     > "$1/smi.csv" 2>&1 &
   SMI=$!
 }
-smi_stop() { smi_stop; }
+smi_stop() { kill "$SMI" 2>/dev/null; }
 cupy_pdl_first() {  # the PDL, combine and CUDA-graph tests, then (if they pass) memcheck of PDL's bit-for-bit case
   timeout -k 10 $2 $T -x -rfE --tb=long tests/test_cupy_pdl.py tests/test_cupy_combine.py \
     tests/test_cupy_backend.py -k "pdl or combine or cuda_graph" > "$1/first.txt" 2>&1
@@ -870,6 +874,39 @@ v6_matches_reference" > /tmp/s61c/conf.txt 2>&1
     --json /tmp/s61c/graph_defaults.json 2>&1 | grep -v "^{" | tail -12
   smi_stop
   tar czf "$OUT/s61c.tgz" -C /tmp s61c
+elif [ "$MODE" = stop62b ]; then
+  # v6 writing the output itself (QUANTMLA_CUPY_V6_MERGE): its tests first (a failure stops there), memcheck, then
+  # CUDA graphs of merge 0 against auto (FlashInfer BF16 before and after each shape's rows), SM clock and power logged
+  mkdir -p /tmp/s62b; t0=$(date +%s); left() { echo $(( ${S62B_LIMIT:-560} - $(date +%s) + t0 )); }
+  smi_log /tmp/s62b
+  echo "=== first: the merge tests, v6's conformance (merged by default), the combine and PDL tests"
+  timeout -k 10 ${S62B_FIRST_S:-240} $T -x -rfE --tb=long tests/test_cupy_v6_merge.py tests/test_cupy_combine.py \
+    tests/test_cupy_pdl.py tests/test_cupy_v6.py -k "merge or combine or pdl or v6_matches_reference \
+or knob_builds_match or balanced_matches or pair_matches" > /tmp/s62b/first.txt 2>&1
+  echo "rc=$?" >> /tmp/s62b/first.txt; grep -E "^E  |^FAILED" /tmp/s62b/first.txt | head -12; tail -2 /tmp/s62b/first.txt
+  if grep -q "^rc=0" /tmp/s62b/first.txt; then
+    echo "=== memcheck of the merged cases ($(left) s left)"
+    timeout -k 5 70 compute-sanitizer --tool memcheck $T tests/test_cupy_v6_merge.py -k "bit_for_bit and (res8 or res32 \
+or C2R4)" > /tmp/s62b/memcheck.txt 2>&1
+    echo "rc=$?" >> /tmp/s62b/memcheck.txt; tail -3 /tmp/s62b/memcheck.txt
+    M=QUANTMLA_CUPY_V6_MERGE
+    echo "=== merge 0 against auto, twice, then auto without balanced plans (CUDA graphs, FlashInfer BF16 before and after; $(left) s left)"
+    timeout -k 10 $(( $(left) - 10 )) python3 -P benchmarks/graph_probe.py --backends cupy --formats C4R4,C2R4 \
+      --shapes ${S62B_SHAPES:-128x8x4096,128x8x32768,128x32x32768,128x128x32768} \
+      --settings "$M=0;$M=auto;$M=0;$M=auto;$M=auto QUANTMLA_CUPY_V6_BALANCE=0" --json /tmp/s62b/graph_merge.json 2>&1 \
+      | grep -v "^{" | tail -60
+  fi
+  smi_stop
+  tar czf "$OUT/s62b.tgz" -C /tmp s62b
+elif [ "$MODE" = stop62a ]; then
+  # each kernel's device time of CuPy's defaults at H128 (what the combine and the partials cost), then pdlwaves
+  mkdir -p /tmp/s62a
+  echo "=== CuPy's kernels at H128 (torch.profiler), FlashInfer BF16 beside"
+  timeout -k 10 ${S62A_KT_S:-120} python3 -P benchmarks/kernel_times.py --backends cupy --formats C4R4,C2R4 \
+    --shapes ${S62A_KT_SHAPES:-128x8x4096,128x8x32768,128x32x32768,128x128x32768} --json /tmp/s62a/kernel_times.json \
+    2>&1 | grep -v "^{\|profiler" | tail -60
+  tar czf "$OUT/s62a.tgz" -C /tmp s62a
+  bash benchmarks/run_h200_kernels.sh pdlwaves
 elif [ "$MODE" = pdlwaves ]; then
   mkdir -p /tmp/pdlw
   smi_log /tmp/pdlw

@@ -8,6 +8,7 @@ same cache (the same dequantized operands).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -248,12 +249,15 @@ def patch_cupy_launcher(monkeypatch: Any, **stubs: Any) -> None:
 
 
 def stub_cupy_launcher(monkeypatch: Any, sm_count: int = 132, nvrtc: tuple[int, int] = (13, 0),
-                       pdl_reason: str | None = "stubbed: no CUDA driver") -> tuple[list, list]:
+                       pdl_reason: str | None = "stubbed: no CUDA driver", cluster_ctas: int | None = None
+                       ) -> tuple[list, list]:
     """Let the CuPy attention launcher (``quantmla_core.backends.cupy.attention`` and the modules it plans with) run
     its host logic without a GPU: compilation returns :class:`StubKernel`, launches are recorded, the device is an
     sm_90 with ``sm_count`` SMs holding 2 CTAs each and NVRTC ``nvrtc``, and scratch and tables live on the CPU.
     ``pdl_reason``: why the driver cannot launch with PDL (None: it can), whatever this machine's driver says.
-    ``monkeypatch``: pytest's fixture. Returns (kernels asked for, launches as a :class:`LaunchLog`)."""
+    ``cluster_ctas``: the CTAs the device runs at once as clusters (clusters of C: ``cluster_ctas // C`` at once;
+    None: as many as single CTAs). ``monkeypatch``: pytest's fixture. Returns (kernels asked for, launches as a
+    :class:`LaunchLog`)."""
     from .backends.cupy import knobs
     from .backends.cupy.kernel_args import pack_args
 
@@ -278,6 +282,9 @@ def stub_cupy_launcher(monkeypatch: Any, sm_count: int = 132, nvrtc: tuple[int, 
         _fork_side_stream=lambda dev: "side", _join_side_stream=lambda dev, side: None,
         device_info=lambda dev: (sm_count, (9, 0)), nvrtc_version=lambda: nvrtc,
         resident_ctas=lambda fn, threads, smem, dev, sms: 2 * sms,
+        function_ptr=lambda fn: fn,
+        max_active_clusters=lambda fn, cluster, threads, smem, dev: (
+            (2 * sm_count if cluster_ctas is None else cluster_ctas) // math.prod(cluster)),
         _workspace=lambda dev, n: torch.empty(n, dtype=torch.float32),
         _device_table=lambda rows, dev: torch.tensor(rows, dtype=torch.int32),
         _FNS={}, _PLANS={}, _PREPARED={})

@@ -25,6 +25,7 @@ from quantmla_core.backends.cupy.builds import attention_defines
 from quantmla_core.backends.cupy.variants import VARIANT_ENV
 from quantmla_core.testing import allocate, build, capture_graph, stub_cache, stub_cupy_launcher
 
+MERGE_ENV = "QUANTMLA_CUPY_V6_MERGE"
 CUDA_H = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include", "cuda.h")
 CC = shutil.which("cc") or shutil.which("gcc")
 
@@ -121,11 +122,13 @@ def test_combine_pdl_refuses_where_unavailable(monkeypatch):
 
 @pytest.mark.parametrize("variant,h", [("v5", 16), ("v6", 128), ("v3", 16), ("v2", 16)])
 def test_only_the_combine_asks_for_pdl(monkeypatch, variant, h):
-    """Where PDL is allowed the combine asks for it and no other launch does; refused, none does."""
-    launches = _run_v2_stubbed(monkeypatch, h, 1, True, {}, variant, pdl_reason=None)[0]
+    """Where PDL is allowed the combine asks for it and no other launch does; refused, none does (v6 with its
+    combine: merging clusters launch none)."""
+    env = {MERGE_ENV: "0"}
+    launches = _run_v2_stubbed(monkeypatch, h, 1, True, env, variant, pdl_reason=None)[0]
     assert launches.pdl == [rec[0].kernel == "qmla_combine" for rec in launches]
     assert launches.pdl[-1]
-    launches = _run_v2_stubbed(monkeypatch, h, 1, True, {}, variant)[0]
+    launches = _run_v2_stubbed(monkeypatch, h, 1, True, env, variant)[0]
     assert not any(launches.pdl)
 
 
@@ -148,6 +151,7 @@ def test_pdl_only_after_a_split_kernel_of_one_wave(monkeypatch, resident, want):
     _kernels, launches = stub_cupy_launcher(monkeypatch, pdl_reason=None)
     patch_cupy_launcher(monkeypatch, resident_ctas=lambda fn, threads, smem, dev, sms: resident)
     monkeypatch.setenv(VARIANT_ENV, "v6")
+    monkeypatch.setenv(MERGE_ENV, "0")  # v6 with its combine
     monkeypatch.delenv(knobs.PDL_ENV, raising=False)
     q, r = torch.randn((3, 128, 512)).bfloat16(), torch.randn((3, 128, 64)).bfloat16()
     A.attention(q, r, stub_cache(qm.PackFormat.parse("C4R4"), 3, 5), torch.arange(15, dtype=torch.int32).view(3, 5),

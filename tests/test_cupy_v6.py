@@ -342,12 +342,15 @@ def test_v6_forced_selection(monkeypatch):
 @pytest.mark.parametrize("h,s_q,prot", [(128, 1, True), (64, 1, False), (20, 4, True), (1, 1, False)])
 def test_v6_launches_match_kernel_signatures(monkeypatch, h, s_q, prot):
     """One v6 launch over 64-row chunks (256 threads, an sm_90a build), one partial per CTA (the sink and
-    local tokens inside, no protected-only launch), then the combine."""
-    launches, _kernels, fmt, b = _run_v2_stubbed(monkeypatch, h, s_q, prot, {}, variant="v6", pages_per=9, length=500)
+    local tokens inside, no protected-only launch), then the combine (QUANTMLA_CUPY_V6_MERGE=0: the merging
+    clusters' launches are tests/test_cupy_v6_merge.py's)."""
+    launches, _kernels, fmt, b = _run_v2_stubbed(monkeypatch, h, s_q, prot, {"QUANTMLA_CUPY_V6_MERGE": "0"},
+                                                 variant="v6", pages_per=9, length=500)
     params = _kernel_params("attention_v6.cu", "qmla_attn_v6")
-    # the split kernels' argument list, then v6's piece table (null: equal splits) and tiles per request
-    assert params == _kernel_params("attention_v3.cu", "qmla_attn_v3") + ["const int4* __restrict__ pieces",
-                                                                          "int unit_tiles"]
+    # the split kernels' argument list, then v6's piece table (null: equal splits), tiles per request and the output
+    # pointers (written by the merging builds)
+    assert params == _kernel_params("attention_v3.cu", "qmla_attn_v3") + [
+        "const int4* __restrict__ pieces", "int unit_tiles", "u16* __restrict__ out", "float* __restrict__ lse"]
     (attn, grid, block, args, smem), _stream = launches.of("qmla_attn_v6")
     assert attn.source == "attention_v6.cu" and attn.arch == "sm_90a"
     assert len(args) == len(params)

@@ -36,7 +36,9 @@ Six attention kernels share the partials layout and the combine kernel:
   other half). On the H200 (CUDA graphs, H128/H64, C4R4/C2R4, stop 23) it took 0.75-0.84x of v4's time.
   Its CTAs take equal splits of a request (planned with :data:`~.plans.V6_CTA_OVERHEAD_TILES` of fixed work each) or,
   in a balanced plan (:func:`~.plans.v6_balanced`), pieces of requests read from a device table, so that every SM
-  gets as many tiles.
+  gets as many tiles. With equal splits its CTAs may write the output themselves (:func:`~.plans.v6_merge_reason`):
+  the splits of a row chunk form one thread-block cluster that merges their partials through distributed shared
+  memory, so no partial leaves the SMs and no combine runs.
 
 v6 and v5 attend to the sink and local-window tokens themselves: they are the last tiles of one split
 per row chunk, their bf16 rows copied into v6's key tile or loaded into v5's QK operands. v3 and v2
@@ -256,8 +258,9 @@ class SplitCall:
                    i32(cache.max_seqs), i32(cache.sink), i32(cache.local), i32(plan.per), i32(plan.slots),
                    np.float32(softmax_scale * LOG2E))
         types = (np.uint64,) * SPLIT_POINTERS + tuple(map(type, scalars))
+        split_types = types + tuple(map(type, plan.extra_args)) + (np.uint64,) * (2 * plan.out_args)
         return SplitCall(plan, (table, lens, ids), shape, out_shape, scalars, dev, side_default,
-                         arg_types=(types + tuple(map(type, plan.extra_args)), types), pdl=pdl)
+                         arg_types=(split_types, types), pdl=pdl)
 
     def run(self, q_latent, q_rope, cache, out=None, lse=None, want_lse: bool = True, capturing: bool | None = None
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -273,8 +276,9 @@ class SplitCall:
         r = _kernel_input("q_rope", q_rope, q_rope.dtype, capturing)
         b, s_q, h, dc = self.shape
         rows, slots = s_q * h, plan.slots
-        n_o = b * rows * slots * dc
-        n_ws = n_o + b * rows * slots * 2
+        # a plan without a combine writes no partials (v6's merging clusters)
+        n_o = b * rows * slots * dc if plan.combine is not None else 0
+        n_ws = n_o + (b * rows * slots * 2 if plan.combine is not None else 0)
         if out is None and lse is None and want_lse:
             out, lse, ws = outputs_and_partials(self.out_shape, q_latent.dtype, n_ws, q_latent.device, dev, capturing)
         else:
@@ -304,7 +308,7 @@ class SplitCall:
         split_types, types = self.arg_types
         stream = external_stream(dev)
         launches = plan.launches
-        split_args = args + plan.extra_args
+        split_args = args + plan.extra_args + ((out.data_ptr(), lse_ptr) if plan.out_args else ())
         side = None
         if len(launches) > 1 and protected_on_side_stream(self.side_default or capturing):
             # fork: the protected-only launch runs beside the split kernel (captured as a parallel
@@ -319,9 +323,10 @@ class SplitCall:
             launch(fn, grid, block, args, dev, smem, stream=stream, types=types)
         if side is not None:
             _join_side_stream(dev, side)
-        # PDL only after a kernel on this stream: after the side stream's join the combine waits for an event
-        launch(plan.combine, (b * rows,), (COMBINE_THREADS,), (o_ptr, ml_ptr, out.data_ptr(), lse_ptr, slots),
-               dev, stream=stream, types=COMBINE_TYPES, pdl=self.pdl and side is None)
+        if plan.combine is not None:
+            # PDL only after a kernel on this stream: after the side stream's join the combine waits for an event
+            launch(plan.combine, (b * rows,), (COMBINE_THREADS,), (o_ptr, ml_ptr, out.data_ptr(), lse_ptr, slots),
+                   dev, stream=stream, types=COMBINE_TYPES, pdl=self.pdl and side is None)
         return out, lse
 
 

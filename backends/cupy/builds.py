@@ -357,25 +357,37 @@ def v5_rope_fold(fmt: PackFormat, workers: int, rope_fold: bool | None = None, q
     return fmt.content_bits in ROPE_FOLD_CONTENT_BITS or v5_quad_loads(fmt, workers, quad_loads)
 
 
+#: the most splits of a row chunk v6 merges in one cluster (:func:`v6_defines`' ``merge``): the portable cluster size
+V6_MERGE_MAX_SPLITS = 8
+
+
 def v6_defines(fmt: PackFormat, index64: bool = True, pv_at: int = V6_PV_AT, page_ahead: bool = V6_PAGE_AHEAD,
                protected: bool = True, pair: bool = False, slack: bool = V6_SLACK,
-               rope_fold: bool | None = None, pieces: bool = False) -> dict[str, int]:
+               rope_fold: bool | None = None, pieces: bool = False, merge: int = 0) -> dict[str, int]:
     """``-D`` defines of ``kernels/attention_v6.cu`` (bfloat16 queries; an sm_90a build,
     :data:`V4_WGMMA_ARCH`). ``index64``: int64 seq_lens / seq_ids (else int32); ``pv_at``, ``page_ahead``,
     ``protected`` (the sink/local tokens as the kernel's own tiles), ``pair`` (two-CTA clusters sharing
     each key tile), ``slack`` (a reference maximum per row that moves by more than :data:`V6_MAX_SLACK` only) and
     ``rope_fold`` (the RoPE scale applied to each score once; None: :func:`v6_rope_fold`'s default; True is refused
     with ``pair``): :class:`~.knobs.V6Knobs`; ``pieces``: each CTA's work from a balanced plan's piece table (:func:`~.plans.v6_balanced`;
-    refused with ``pair``)."""
+    refused with ``pair``); ``merge``: 0, or the splits (1 to :data:`V6_MERGE_MAX_SPLITS`) whose CTAs form a cluster that
+    merges their partials and writes the output and lse itself, with no combine (:func:`~.plans.v6_merge_splits`; refused
+    with ``pair``, ``pieces`` or without ``protected``)."""
     if pair and rope_fold:
         raise ValueError("v6 pair builds do not fold the RoPE scale: rope_fold=True needs pair=False")
     if pair and pieces:
         raise ValueError("v6 pair builds take equal splits: pieces=True needs pair=False")
+    if not 0 <= merge <= V6_MERGE_MAX_SPLITS:
+        raise ValueError(f"v6 merge: 0 or 1 to {V6_MERGE_MAX_SPLITS} splits a cluster, got {merge}")
+    if merge and (pair or pieces or not protected):
+        raise ValueError(f"v6 merge={merge} needs equal splits without pairs (pair=False, pieces=False) and the sink "
+                         f"and local tokens as the kernel's own tiles (protected=True), got pair={pair}, "
+                         f"pieces={pieces}, protected={protected}")
     fold = v6_rope_fold(fmt, pair, rope_fold)
     d = attention_defines(fmt, "bfloat16", index64)
     d.update(QMLA_V6_SMEM=v6_smem_bytes(fmt, pair, fold), QMLA_V6_PV_AT=pv_at, QMLA_V6_PAGE_AHEAD=int(page_ahead),
              QMLA_V6_PROTECTED=int(protected), QMLA_V6_PAIR=int(pair), QMLA_V6_MAX_SLACK=V6_MAX_SLACK if slack else 0,
-             QMLA_V6_ROPE_FOLD=int(fold), QMLA_V6_PIECES=int(pieces))
+             QMLA_V6_ROPE_FOLD=int(fold), QMLA_V6_PIECES=int(pieces), QMLA_V6_MERGE=merge)
     return d
 
 

@@ -223,7 +223,10 @@ class V6Knobs:
     (``QUANTMLA_CUPY_V6_ROPE_FOLD``, ``auto`` (default: None, :data:`~.builds.V6_ROPE_FOLD_CONTENT_BITS`), ``0`` or ``1``):
     multiply each score's RoPE part by the token's scale instead of dequantizing each RoPE value (pair builds never
     fold); ``balance`` (``QUANTMLA_CUPY_V6_BALANCE``, ``auto`` (default, :data:`V6_BALANCE`), ``0`` or ``1``): cut the
-    requests into pieces so that every SM gets as many tiles, instead of equal splits per request (:func:`~.plans.v6_balanced`)."""
+    requests into pieces so that every SM gets as many tiles, instead of equal splits per request (:func:`~.plans.v6_balanced`);
+    ``merge`` (``QUANTMLA_CUPY_V6_MERGE``, ``auto`` (default), ``0`` or ``1``): the splits of a row chunk run as one
+    cluster that merges their partials and writes the output itself, with no combine kernel (:func:`~.plans.v6_merge_reason`;
+    ``1`` refuses, with the reason, a call that cannot; ``auto`` takes it where it can, on equal splits)."""
 
     min_tiles: int = V2_MIN_TILES_PER_SPLIT
     pv_at: int = V6_PV_AT
@@ -234,6 +237,7 @@ class V6Knobs:
     slack: bool = V6_SLACK
     rope_fold: bool | None = None
     balance: str = V6_BALANCE
+    merge: str = "auto"
 
     @staticmethod
     def from_env() -> "V6Knobs":
@@ -245,7 +249,8 @@ class V6Knobs:
                        _env_choice("QUANTMLA_CUPY_V6_PAIR", "auto", ("auto", "0", "1")),
                        bool(_env_int("QUANTMLA_CUPY_V6_SLACK", int(V6_SLACK), (0, 1))),
                        _env_auto_bool("QUANTMLA_CUPY_V6_ROPE_FOLD"),
-                       _env_choice("QUANTMLA_CUPY_V6_BALANCE", V6_BALANCE, ("auto", "0", "1")))
+                       _env_choice("QUANTMLA_CUPY_V6_BALANCE", V6_BALANCE, ("auto", "0", "1")),
+                       _env_choice("QUANTMLA_CUPY_V6_MERGE", "auto", ("auto", "0", "1")))
 
 
 PROTECTED_STREAM_ENV = "QUANTMLA_CUPY_PROTECTED_STREAM"

@@ -41,16 +41,27 @@ class LaunchConfig(ctypes.Structure):
 
 
 @functools.cache
-def _driver() -> tuple[object | None, str | None]:
-    """(``cuLaunchKernelEx`` with its argument types set, None) or (None, why it is missing)."""
+def libcuda() -> tuple[object | None, int, str | None]:
+    """(the CUDA driver library, its ``cuDriverGetVersion``, None) or (None, 0, why it cannot be loaded)."""
     try:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError as e:
-        return None, f"the CUDA driver library cannot be loaded ({e})"
+        return None, 0, f"the CUDA driver library cannot be loaded ({e})"
     version = ctypes.c_int(0)
-    if lib.cuDriverGetVersion(ctypes.byref(version)) != 0 or version.value < PDL_MIN_DRIVER:
+    if lib.cuDriverGetVersion(ctypes.byref(version)) != 0:
+        return None, 0, "the CUDA driver does not report its version"
+    return lib, version.value, None
+
+
+@functools.cache
+def _driver() -> tuple[object | None, str | None]:
+    """(``cuLaunchKernelEx`` with its argument types set, None) or (None, why it is missing)."""
+    lib, version, why = libcuda()
+    if lib is None:
+        return None, why
+    if version < PDL_MIN_DRIVER:
         # before 12.3 stream capture did not record programmatic edges into CUDA graphs
-        return None, f"PDL needs a CUDA driver for CUDA 12.3 or later, this one reports {version.value}"
+        return None, f"PDL needs a CUDA driver for CUDA 12.3 or later, this one reports {version}"
     fn = getattr(lib, "cuLaunchKernelEx", None)
     if fn is None:
         return None, "the CUDA driver has no cuLaunchKernelEx"

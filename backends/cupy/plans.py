@@ -15,7 +15,7 @@ from ...formats import PackFormat
 from ...host_copy import to_device
 from ..buffers import nothing_kept
 from ..splits import CTA_OVERHEAD_TILES, PiecePlan, equal_splits_cost, plan_kv_splits, plan_pieces
-from . import ATTN_TILE, ATTN_WARPS, get_kernel, nvrtc_version, resident_ctas
+from . import ATTN_TILE, ATTN_WARPS, function_ptr, get_kernel, nvrtc_version, resident_ctas
 from .builds import (
     CODES_IN_PLACE,
     PROTECTED_WARPS,
@@ -31,6 +31,7 @@ from .builds import (
     V5_PACKED_GROUPS,
     V5_TILE,
     V5_WORKERS,
+    V6_MERGE_MAX_SPLITS,
     V6_ROWS,
     V6_THREADS,
     V6_TILE,
@@ -56,6 +57,7 @@ from .builds import (
     v6_rope_fold,
     v6_smem_bytes,
 )
+from .clusters import max_active_clusters
 from .knobs import V2Knobs, V2_MIN_TILES_PER_SPLIT, V3Knobs, V4Knobs, V5Knobs, V6Knobs
 
 #: v5's fixed work per CTA in tile-times for the split planner (two workers filling their pipelines,
@@ -125,17 +127,20 @@ def plan_splits_v2(batch: int, chunks: int, max_tokens: int, resident: int,
 
 @dataclass(frozen=True)
 class SplitPlan:
-    """Everything a v2 or v3 call launches for one problem shape: split kernels (kernel, grid,
-    block, shared bytes), the combine, tiles per split and partial slots per row."""
+    """Everything a split-kernel call launches for one problem shape: split kernels (kernel, grid,
+    block, shared bytes), the combine (None where the split kernel writes the output itself), tiles per
+    split and partial slots per row."""
 
     launches: tuple
-    combine: object
+    combine: object | None
     per: int
     slots: int
     #: arguments the split kernel (the first launch) takes after the shared list: v6's (piece table, tiles per request)
     extra_args: tuple = ()
     #: what the launches read and the plan keeps alive: v6's piece table (a device tensor)
     keep: tuple = ()
+    #: whether the split kernel's parameters end with the output and lse pointers (v6)
+    out_args: bool = False
 
 
 def _split_kernel(key: tuple, variant: str, dev: int, smem: int, defines, arch: str | None = None) -> tuple:
@@ -367,13 +372,55 @@ def v5_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
     return plan
 
 
-def _v6_kernel(fmt: PackFormat, dev: int, index64: bool, knobs: V6Knobs, pair: bool, fold: bool, pieces: bool):
+def _v6_kernel(fmt: PackFormat, dev: int, index64: bool, knobs: V6Knobs, pair: bool, fold: bool, pieces: bool,
+               merge: int = 0):
     """Compiled ``qmla_attn_v6`` (cached) for a call's knobs and its dynamic shared memory (:func:`~.builds.v6_defines`)."""
     return _split_kernel(("v6", fmt, dev, index64, knobs.pv_at, knobs.page_ahead, knobs.separate, pair, knobs.slack,
-                          fold, pieces), "v6", dev, v6_smem_bytes(fmt, pair, fold),
+                          fold, pieces, merge), "v6", dev, v6_smem_bytes(fmt, pair, fold),
                          lambda: v6_defines(fmt, index64, knobs.pv_at, knobs.page_ahead, not knobs.separate, pair,
-                                            knobs.slack, fold, pieces),
+                                            knobs.slack, fold, pieces, merge),
                          V4_WGMMA_ARCH)
+
+
+def v6_merge_reason(splits: int, units: int, resident: int, active_clusters: int | None) -> str | None:
+    """Why the ``splits`` CTAs of each of ``units`` row chunks cannot run as one cluster that merges their partials
+    (None: they can). A single split needs no cluster; more than :data:`~.builds.V6_MERGE_MAX_SPLITS` exceed a portable
+    cluster; ``active_clusters`` (the driver's count of such clusters at once, None where it cannot say) must hold
+    the grid in as many waves as ``resident`` single CTAs would."""
+    if splits == 1:
+        return None
+    if splits > V6_MERGE_MAX_SPLITS:
+        return f"{splits} splits a row chunk, more than a cluster of {V6_MERGE_MAX_SPLITS} CTAs"
+    if active_clusters is None:
+        return "the driver cannot say how many clusters run at once (cuOccupancyMaxActiveClusters)"
+    if active_clusters < 1:
+        return f"no cluster of {splits} v6 CTAs fits this GPU"
+    waves, cluster_waves = -(-units * splits // resident), -(-units // active_clusters)
+    if cluster_waves > waves:
+        return (f"{units} clusters of {splits} CTAs take {cluster_waves} waves ({active_clusters} at once), "
+                f"the CTAs alone {waves}")
+    return None
+
+
+def _v6_merged(plan: SplitPlan, fmt: PackFormat, dev: int, index64: bool, knobs: V6Knobs, fold: bool,
+               resident: int) -> SplitPlan:
+    """``plan`` (v6's equal splits) as clusters that merge each row chunk's splits and write the output
+    (:func:`v6_merge_reason`), or ``plan`` itself where ``knobs.merge`` is ``0`` or, with ``auto``, there is a
+    reason against it; ``1`` with a reason raises ValueError with it."""
+    (_attn, grid, block, smem), = plan.launches
+    units, splits = grid
+    if knobs.merge == "0":
+        return plan
+    attn = None
+    if splits <= V6_MERGE_MAX_SPLITS:  # the merging build and the driver's count of its clusters
+        attn, smem = _v6_kernel(fmt, dev, index64, knobs, False, fold, False, splits)
+        active = None if splits == 1 else max_active_clusters(function_ptr(attn), (1, splits, 1), block[0], smem, dev)
+    reason = v6_merge_reason(splits, units, resident, None if attn is None else active)
+    if reason is not None:
+        if knobs.merge == "1":
+            raise ValueError(f"QUANTMLA_CUPY_V6_MERGE=1: v6 cannot merge this call's splits in clusters: {reason}")
+        return plan
+    return replace(plan, launches=((attn, grid, block, smem),), combine=None)
 
 
 def _device_table(rows: tuple, dev: int) -> torch.Tensor:
@@ -389,7 +436,7 @@ def v6_balanced(fmt: PackFormat, knobs: V6Knobs, pair: bool, batch: int, chunks:
     build or ``knobs.separate`` (their kernels take equal splits), or with ``auto`` content bits outside
     :data:`V6_BALANCE_CONTENT_BITS` or a balanced plan whose simulated schedule (:func:`plan_pieces`) is no shorter
     than the equal splits' (:func:`plan_splits_v2`'s cost)."""
-    if knobs.balance == "0" or pair or knobs.separate:
+    if knobs.balance == "0" or pair or knobs.separate or knobs.merge == "1":
         return None
     if knobs.balance == "auto" and fmt.content_bits not in V6_BALANCE_CONTENT_BITS:
         return None
@@ -414,6 +461,10 @@ def v6_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
     plan = _PLANS.get(key)
     if plan is None:
         pair = v6_pairs(knobs.pair, rows)
+        if knobs.merge == "1" and (pair or knobs.separate or knobs.balance == "1"):
+            raise ValueError("QUANTMLA_CUPY_V6_MERGE=1 merges equal splits in clusters of one kernel: it cannot run "
+                             f"with pairs ({pair}), the protected-only launch (QUANTMLA_CUPY_V6_PROTECTED=separate: "
+                             f"{knobs.separate}) or a balanced plan (QUANTMLA_CUPY_V6_BALANCE=1: {knobs.balance == '1'})")
         fold = v6_rope_fold(fmt, pair, knobs.rope_fold)
         attn, smem = _v6_kernel(fmt, dev, index64, knobs, pair, fold, False)
         # the kernel attends to the sink/local tokens itself unless knobs.separate: no protected-only launch
@@ -429,9 +480,7 @@ def v6_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
             attn, smem = _v6_kernel(fmt, dev, index64, knobs, pair, fold, True)
             plan = SplitPlan(((attn, (len(balanced.pieces) * chunks, 1), (V6_THREADS,), smem),),
                              _combine_kernel(fmt, dev), balanced.per, balanced.slots,
-                             (np.uint64(table.data_ptr()), np.int32(unit_tiles)), (table,))
-            with _LOCK:
-                _PLANS[key] = plan
+                             (np.uint64(table.data_ptr()), np.int32(unit_tiles)), (table,), out_args=True)
         else:
             # a balanced plan's table cannot be uploaded under capture (nor kept for a torch.compile operator's CUDA
             # graphs): equal splits now, uncached, the table next call
@@ -439,5 +488,11 @@ def v6_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
                                       max_pages, no_prot or not knobs.separate, knobs.min_tiles, sink, local, index64,
                                       V6_CTA_OVERHEAD_TILES, rows_per_cta=V6_ROWS, own_protected_tiles=own,
                                       chunk_multiple=2 if pair else 1,
-                                      extra_args=(np.uint64(0), np.int32(unit_tiles)), cache=balanced is None)
+                                      extra_args=(np.uint64(0), np.int32(unit_tiles)), cache=False)
+            plan = replace(plan, out_args=True)
+            if not pair and not knobs.separate:
+                plan = _v6_merged(plan, fmt, dev, index64, knobs, fold, resident)
+        if balanced is None or plan.keep:
+            with _LOCK:
+                _PLANS[key] = plan
     return plan

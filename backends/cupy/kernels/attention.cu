@@ -540,21 +540,10 @@ extern "C" __global__ void __launch_bounds__(NW * 32, QMLA_MIN_BLOCKS) qmla_attn
     }
 }
 
-// Merge the splits of each query row: out = sum_i 2^(m_i - M) O_i / sum_i 2^(m_i - M) l_i,
-// lse = ln 2 * (M + log2(sum_i 2^(m_i - M) l_i)). One block of QMLA_COMBINE_THREADS per row; a thread owns 4
-// adjacent channels (one 16-byte load per split). Its first QMLA_COMBINE_AHEAD partials are loaded before the
-// splits' (m, l), so a row of up to that many splits takes one round trip to memory, not two; each further batch of
-// as many is loaded while the one before it is summed. Sums run over i in order (bit-identical to one split at a
-// time); splits that saw no token (m_i = -inf) are skipped.
-__device__ __forceinline__ void qmla_combine_add(float4& a, float2 v, float M, float4 o) {
-    if (v.x != -QMLA_INF) {
-        const float w = exp2f(v.x - M);
-        a.x += w * o.x;
-        a.y += w * o.y;
-        a.z += w * o.z;
-        a.w += w * o.w;
-    }
-}
+// Merge the splits of each query row (common.cuh's qmla_merge_stats and qmla_combine_add). One block of
+// QMLA_COMBINE_THREADS per row; a thread owns 4 adjacent channels (one 16-byte load per split). Its first
+// QMLA_COMBINE_AHEAD partials are loaded before the splits' (m, l), so a row of up to that many splits takes one round
+// trip to memory, not two; each further batch of as many is loaded while the one before it is summed.
 
 // Partials per row read through shared memory (larger counts read them from global memory):
 // one round trip for every split's (m, l) instead of one per loop trip.
@@ -584,15 +573,9 @@ extern "C" __global__ void __launch_bounds__(QMLA_COMBINE_THREADS) qmla_combine(
         __syncthreads();
         ml = ml_s;
     }
-    float M = -QMLA_INF;
-    for (int i = 0; i < num_splits; ++i) M = fmaxf(M, ml[i].x);
-    float den = 0.0f;
-    for (int i = 0; i < num_splits; ++i) {
-        const float2 v = ml[i];
-        if (v.x != -QMLA_INF) den += exp2f(v.x - M) * v.y;
-    }
-    const float inv = den > 0.0f ? 1.0f / den : 0.0f;
-    if (threadIdx.x == 0) lse[row] = den > 0.0f ? 0.69314718055994531f * (M + log2f(den)) : -QMLA_INF;
+    const float2 st = qmla_merge_stats(ml, num_splits);
+    const float M = st.x;
+    if (threadIdx.x == 0) lse[row] = qmla_merged_lse(st);
     if (!mine) return;
     float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     // batches of QMLA_COMBINE_AHEAD splits: the next batch's loads go out before this one's sums, so a long row keeps
@@ -610,15 +593,10 @@ extern "C" __global__ void __launch_bounds__(QMLA_COMBINE_THREADS) qmla_combine(
 #pragma unroll
         for (int k = 0; k < QMLA_COMBINE_AHEAD; ++k) o[k] = next[k];
     }
-    a.x *= inv;
-    a.y *= inv;
-    a.z *= inv;
-    a.w *= inv;
 #if QMLA_IN_BF16
-    const u32 lo = (u32)f32_to_bf16_bits(a.x) | ((u32)f32_to_bf16_bits(a.y) << 16);
-    const u32 hi = (u32)f32_to_bf16_bits(a.z) | ((u32)f32_to_bf16_bits(a.w) << 16);
-    ((uint2*)out)[row * (DC / 4) + c4] = make_uint2(lo, hi);
+    ((uint2*)out)[row * (DC / 4) + c4] = qmla_merged_bf16x4(a, st.y);
 #else
-    ((float4*)out)[row * (DC / 4) + c4] = a;
+    const float inv = st.y > 0.0f ? 1.0f / st.y : 0.0f;
+    ((float4*)out)[row * (DC / 4) + c4] = make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
 #endif
 }

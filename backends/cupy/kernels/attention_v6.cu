@@ -103,9 +103,19 @@
 // slower, so the default leaves folding builds at 0
 #define QMLA_V6_PLAIN_LOADS (!QMLA_V6_ROPE_FOLD)
 #endif
+#ifndef QMLA_V6_MERGE
+// C >= 1: the CTA writes the attention output and lse itself, with no partials and no combine kernel. The C splits of
+// a row chunk (gridDim.y == C) form a cluster (C > 1) and merge their partials through distributed shared memory
+// (v6_merge_rows); 0: each CTA writes a partial for qmla_combine (the launcher's QUANTMLA_CUPY_V6_MERGE, plans.py's
+// v6_merge_splits)
+#define QMLA_V6_MERGE 0
+#endif
 static_assert(QMLA_V6_PV_AT >= 1 && QMLA_V6_PV_AT <= 3, "QMLA_V6_PV_AT: 1, 2 or 3 parts converted before the PV");
 static_assert(QMLA_V6_MAX_SLACK >= 0 && QMLA_V6_MAX_SLACK <= 16, "QMLA_V6_MAX_SLACK: 0 to 16 (P < 2^16 in bf16)");
 static_assert(!(QMLA_V6_ROPE_FOLD && QMLA_V6_PAIR), "the RoPE fold is not built into pair kernels");
+static_assert(QMLA_V6_MERGE >= 0 && QMLA_V6_MERGE <= 8, "QMLA_V6_MERGE: 0, or 1 to 8 splits (a portable cluster)");
+static_assert(!QMLA_V6_MERGE || (QMLA_V6_PROTECTED && !QMLA_V6_PAIR && !QMLA_V6_PIECES),
+              "QMLA_V6_MERGE: equal splits without pairs, attending to the sink and local tokens itself");
 
 #define DC QMLA_DC
 #define DR QMLA_DR
@@ -140,9 +150,13 @@ static_assert(NCT % 4 == 0 && T * RCK <= WGT, "code rows of whole 64-byte groups
 #include "stage.cuh"  // qmla_table_page, OT_STRIDE, qmla_store_partial_rows
 #define QMLA_KT_SW128 1
 #include "tile_dequant.cuh"  // qmla_dq16, qmla_store16, qmla_store_rope_chunk
-#if QMLA_V6_PAIR
+#if QMLA_V6_PAIR || QMLA_V6_MERGE > 1
 #include "cluster.cuh"
+#endif
+#if QMLA_V6_PAIR
 #define V6_CLUSTER __cluster_dims__(2, 1, 1)
+#elif QMLA_V6_MERGE > 1
+#define V6_CLUSTER __cluster_dims__(1, QMLA_V6_MERGE, 1)
 #else
 #define V6_CLUSTER
 #endif
@@ -622,13 +636,64 @@ __device__ __forceinline__ int4 v6_piece(const int4* __restrict__ pieces, int nc
     return e;
 }
 
+#if QMLA_V6_MERGE
+#define V6_MERGE_ROWS ((RT + QMLA_V6_MERGE - 1) / QMLA_V6_MERGE)  // rows each CTA of a merging cluster writes
+// The output rows and lse of request b's row chunk at rbase, from the partials its C = QMLA_V6_MERGE splits staged in
+// their shared memory (ot: [RT][OT_STRIDE] unnormalized outputs, red: [2][RT] row maxima then sums). CTA k of the
+// cluster (split k) merges rows k V6_MERGE_ROWS .. of all C, in split order (common.cuh's merge: bit-identical to
+// qmla_combine over the same partials), a thread 4 channels; rows >= R are skipped. All NTH threads take part.
+__device__ __forceinline__ void v6_merge_rows(const float* ot, const float* red, u16* __restrict__ out,
+                                              float* __restrict__ lse, int b, int R, int rbase, int tid) {
+    constexpr int C = QMLA_V6_MERGE, TPR = DC / 4;  // threads per row
+    static_assert(NTH % TPR == 0, "whole rows per pass");
+#if QMLA_V6_MERGE > 1
+    cluster_sync_all();  // every split's partial staged (release / acquire across the cluster)
+    const int rank = (int)cluster_ctarank();
+    const u32 ot_s = smem_addr(ot), red_s = smem_addr(red);
+    u32 delta[C];
+#pragma unroll
+    for (int k = 0; k < C; ++k) delta[k] = cluster_peer_delta(ot_s, (u32)k);
+#else
+    __syncthreads();
+    const int rank = 0;
+#endif
+    const int c4 = tid % TPR;
+    for (int rr = tid / TPR; rr < V6_MERGE_ROWS; rr += NTH / TPR) {
+        const int row = rank * V6_MERGE_ROWS + rr;
+        if (row >= RT || rbase + row >= R) break;
+        float2 ml[C];
+        float4 o[C];
+#pragma unroll
+        for (int k = 0; k < C; ++k) {
+#if QMLA_V6_MERGE > 1
+            ml[k] = make_float2(ld_cluster_f32(red_s + 4 * row + delta[k]), ld_cluster_f32(red_s + 4 * (RT + row) + delta[k]));
+            o[k] = ld_cluster_f32x4(ot_s + 4 * (row * OT_STRIDE + 4 * c4) + delta[k]);
+#else
+            ml[k] = make_float2(red[row], red[RT + row]);
+            o[k] = *(const float4*)(ot + row * OT_STRIDE + 4 * c4);
+#endif
+        }
+        const float2 st = qmla_merge_stats(ml, C);
+        const i64 orow = (i64)b * R + rbase + row;
+        if (c4 == 0) lse[orow] = qmla_merged_lse(st);
+        float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+        for (int k = 0; k < C; ++k) qmla_combine_add(a, ml[k], st.x, o[k]);
+        *(uint2*)(out + orow * DC + 4 * c4) = qmla_merged_bf16x4(a, st.y);
+    }
+#if QMLA_V6_MERGE > 1
+    cluster_sync_all();  // no CTA leaves while a peer still reads its shared memory
+#endif
+}
+#endif
+
 extern "C" __global__ void V6_CLUSTER __launch_bounds__(NTH, 1) qmla_attn_v6(
     const u16* __restrict__ q_lat, const u16* __restrict__ q_rope, const u8* __restrict__ pages,
     const u16* __restrict__ sink_buf, const u16* __restrict__ local_buf, const int* __restrict__ block_table,
     const qmla_index_t* __restrict__ seq_lens, const qmla_index_t* __restrict__ seq_ids, float* __restrict__ o_part,
     float2* __restrict__ ml_part, int S_q, int H, int max_pages, int bt_stride, int num_pages, int max_seqs,
     int sink, int local, int tiles_per_split, int num_splits, float scale_log2, const int4* __restrict__ pieces,
-    int unit_tiles) {
+    int unit_tiles, u16* __restrict__ out, float* __restrict__ lse) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     u8* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);  // the swizzle needs 1024-byte tiles
     float* al_s = (float*)(smem + AL_OFF);
@@ -959,6 +1024,10 @@ extern "C" __global__ void V6_CLUSTER __launch_bounds__(NTH, 1) qmla_attn_v6(
         *(float2*)(ot + rw0 * OT_STRIDE + ch) = make_float2(acc[n][0], acc[n][1]);
         *(float2*)(ot + (rw0 + 8) * OT_STRIDE + ch) = make_float2(acc[n][2], acc[n][3]);
     }
+#if QMLA_V6_MERGE
+    // the request and row chunk from blockIdx again (equal splits), rather than registers held across the tiles
+    v6_merge_rows(ot, red, out, lse, (int)blockIdx.x / NCHK, S_q * H, (int)(blockIdx.x % NCHK) * RT, tid);
+#else
     __syncthreads();
     const int4 pe = v6_piece(pieces, NCHK, tiles_per_split);  // read again: held from the start, C4R4 spilled it
     const int slot = pe.w & 0xffff;
@@ -973,4 +1042,5 @@ extern "C" __global__ void V6_CLUSTER __launch_bounds__(NTH, 1) qmla_attn_v6(
     for (int j = 0; j < RT / 16; ++j) {
         qmla_store_partial_rows(o_part, ot + 16 * j * OT_STRIDE, pe.x, R, rbase + 16 * j, num_splits, slot, tid);
     }
+#endif
 }

@@ -23,6 +23,19 @@ __device__ __forceinline__ u32 cluster_peer_delta(u32 local_base, u32 rank) {
     return remote - local_base;
 }
 
+// loads from shared::cluster address `addr` (this CTA's or a peer's; ordered after the writer's cluster barrier)
+__device__ __forceinline__ float ld_cluster_f32(u32 addr) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+    return v;
+}
+__device__ __forceinline__ float4 ld_cluster_f32x4(u32 addr) {
+    float4 v;
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr)
+                 : "memory");
+    return v;
+}
+
 // `bytes` (a multiple of 16, both addresses 16-byte aligned) of this CTA's shared memory at `src` to a peer's
 // (shared::cluster address `dst`) by the bulk-copy engine; the peer's mbarrier at `mbar` (shared::cluster) counts
 // them as they land (complete_tx). It reads `src` through the async proxy: fence the stores that wrote it first.

@@ -121,6 +121,50 @@ __device__ __forceinline__ void qmla_wait_prior_grid() {
 #endif
 }
 
+// ----------------------------------------------------------------- merging split partials (the combine, v6's clusters)
+// A query row's splits i, each an unnormalized partial output O_i with its row maximum m_i (log2 units) and sum l_i:
+// out = sum_i 2^(m_i - M) O_i / den, den = sum_i 2^(m_i - M) l_i, lse = ln 2 * (M + log2 den). Sums run over i in
+// order and skip the splits that saw no token (m_i = -inf), so every kernel that merges with these is bit-identical.
+
+// (M, den) of n partials' (m, l)
+__device__ __forceinline__ float2 qmla_merge_stats(const float2* ml, int n) {
+    float M = -QMLA_INF;
+    for (int i = 0; i < n; ++i) M = fmaxf(M, ml[i].x);
+    float den = 0.0f;
+    for (int i = 0; i < n; ++i) {
+        const float2 v = ml[i];
+        if (v.x != -QMLA_INF) den += exp2f(v.x - M) * v.y;
+    }
+    return make_float2(M, den);
+}
+
+// lse of a merged row (-inf where no split saw a token)
+__device__ __forceinline__ float qmla_merged_lse(float2 st) {
+    return st.y > 0.0f ? 0.69314718055994531f * (st.x + log2f(st.y)) : -QMLA_INF;
+}
+
+// a += 2^(m - M) o for one partial's 4 channels (v = its (m, l))
+__device__ __forceinline__ void qmla_combine_add(float4& a, float2 v, float M, float4 o) {
+    if (v.x != -QMLA_INF) {
+        const float w = exp2f(v.x - M);
+        a.x += w * o.x;
+        a.y += w * o.y;
+        a.z += w * o.z;
+        a.w += w * o.w;
+    }
+}
+
+// 4 merged channels a / den as bf16 (0 where den is 0)
+__device__ __forceinline__ uint2 qmla_merged_bf16x4(float4 a, float den) {
+    const float inv = den > 0.0f ? 1.0f / den : 0.0f;
+    a.x *= inv;
+    a.y *= inv;
+    a.z *= inv;
+    a.w *= inv;
+    return make_uint2((u32)f32_to_bf16_bits(a.x) | ((u32)f32_to_bf16_bits(a.y) << 16),
+                      (u32)f32_to_bf16_bits(a.z) | ((u32)f32_to_bf16_bits(a.w) << 16));
+}
+
 // ----------------------------------------------------------------- tensor-core helpers
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     u32 a;
