@@ -122,8 +122,9 @@
 #   bash benchmarks/run_h200_kernels.sh stop61c  # the final defaults (PDL where the split kernel is one wave): the PDL,
 #       combine and CUDA-graph tests, v5's and v6's GPU conformance, then the defaults over S61C_SHAPES (CUDA graphs,
 #       FlashInfer BF16 eager and as a graph in the process), SM clock and power logged; $OUT/s61c.tgz
-#   bash benchmarks/run_h200_kernels.sh stop62b  # v6 writing the output itself (QUANTMLA_CUPY_V6_MERGE): its tests,
-#       memcheck, CUDA graphs of merge 0 against auto over S62B_SHAPES (FlashInfer BF16 in the process); $OUT/s62b.tgz
+#   bash benchmarks/run_h200_kernels.sh stop62b  # v6 writing the output itself (QUANTMLA_CUPY_V6_MERGE): its tests
+#       (S62B_K: pytest's -k), memcheck, CUDA graphs of S62B_SETTINGS (merge 0 against auto) over S62B_SHAPES
+#       (FlashInfer BF16 in the process); $OUT/s62b.tgz
 #   bash benchmarks/run_h200_kernels.sh stop62a  # each kernel's device time of CuPy's defaults at H128 (S62A_KT_SHAPES),
 #       then mode pdlwaves; $OUT/s62a.tgz and $OUT/pdlw.tgz
 #   bash benchmarks/run_h200_kernels.sh pdlwaves  # PDL against plain launches where split kernels take one wave and
@@ -881,8 +882,8 @@ elif [ "$MODE" = stop62b ]; then
   smi_log /tmp/s62b
   echo "=== first: the merge tests, v6's conformance (merged by default), the combine and PDL tests"
   timeout -k 10 ${S62B_FIRST_S:-240} $T -x -rfE --tb=long tests/test_cupy_v6_merge.py tests/test_cupy_combine.py \
-    tests/test_cupy_pdl.py tests/test_cupy_v6.py -k "merge or combine or pdl or v6_matches_reference \
-or knob_builds_match or balanced_matches or pair_matches" > /tmp/s62b/first.txt 2>&1
+    tests/test_cupy_pdl.py tests/test_cupy_v6.py -k "${S62B_K:-merge or combine or pdl or v6_matches_reference \
+or knob_builds_match or balanced_matches or pair_matches}" > /tmp/s62b/first.txt 2>&1
   echo "rc=$?" >> /tmp/s62b/first.txt; grep -E "^E  |^FAILED" /tmp/s62b/first.txt | head -12; tail -2 /tmp/s62b/first.txt
   if grep -q "^rc=0" /tmp/s62b/first.txt; then
     echo "=== memcheck of the merged cases ($(left) s left)"
@@ -893,7 +894,8 @@ or C2R4)" > /tmp/s62b/memcheck.txt 2>&1
     echo "=== merge 0 against auto, twice, then auto without balanced plans (CUDA graphs, FlashInfer BF16 before and after; $(left) s left)"
     timeout -k 10 $(( $(left) - 10 )) python3 -P benchmarks/graph_probe.py --backends cupy --formats C4R4,C2R4 \
       --shapes ${S62B_SHAPES:-128x8x4096,128x8x32768,128x32x32768,128x128x32768} \
-      --settings "$M=0;$M=auto;$M=0;$M=auto;$M=auto QUANTMLA_CUPY_V6_BALANCE=0" --json /tmp/s62b/graph_merge.json 2>&1 \
+      --settings "${S62B_SETTINGS:-$M=0;$M=auto;$M=0;$M=auto;$M=auto QUANTMLA_CUPY_V6_BALANCE=0}" \
+      --json /tmp/s62b/graph_merge.json 2>&1 \
       | grep -v "^{" | tail -60
   fi
   smi_stop

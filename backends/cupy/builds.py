@@ -370,9 +370,9 @@ def v6_defines(fmt: PackFormat, index64: bool = True, pv_at: int = V6_PV_AT, pag
     each key tile), ``slack`` (a reference maximum per row that moves by more than :data:`V6_MAX_SLACK` only) and
     ``rope_fold`` (the RoPE scale applied to each score once; None: :func:`v6_rope_fold`'s default; True is refused
     with ``pair``): :class:`~.knobs.V6Knobs`; ``pieces``: each CTA's work from a balanced plan's piece table (:func:`~.plans.v6_balanced`;
-    refused with ``pair``); ``merge``: 0, or the splits (1 to :data:`V6_MERGE_MAX_SPLITS`) whose CTAs form a cluster that
-    merges their partials and writes the output and lse itself, with no combine (:func:`~.plans.v6_merge_splits`; refused
-    with ``pair``, ``pieces`` or without ``protected``)."""
+    refused with ``pair``); ``merge``: 0, or the splits (1 to :data:`V6_MERGE_MAX_SPLITS`) whose CTAs form a cluster
+    that merges their partials and writes the output and lse itself, with no combine (:func:`~.plans.v6_merge_reason`;
+    refused with ``pair``, ``pieces`` or without ``protected``)."""
     if pair and rope_fold:
         raise ValueError("v6 pair builds do not fold the RoPE scale: rope_fold=True needs pair=False")
     if pair and pieces:

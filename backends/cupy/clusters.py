@@ -2,7 +2,7 @@
 
 A kernel declared with ``__cluster_dims__`` launches its CTAs in clusters that the GPU places on one GPC each, so
 a grid that fits the SMs as single CTAs may not fit them as clusters (a GPC of 18 SMs holds two clusters of 8, not
-two and a quarter). The launcher asks before it plans v6's merging clusters (:func:`~.plans.v6_merge_splits`).
+two and a quarter). The launcher asks before it plans v6's merging clusters (:func:`~.plans.v6_merge_reason`).
 CuPy's ``driver`` module has no such call, so it is called from ``libcuda`` (:func:`~.pdl.libcuda`) with
 :class:`~.pdl.LaunchConfig`.
 """

@@ -223,10 +223,11 @@ class V6Knobs:
     (``QUANTMLA_CUPY_V6_ROPE_FOLD``, ``auto`` (default: None, :data:`~.builds.V6_ROPE_FOLD_CONTENT_BITS`), ``0`` or ``1``):
     multiply each score's RoPE part by the token's scale instead of dequantizing each RoPE value (pair builds never
     fold); ``balance`` (``QUANTMLA_CUPY_V6_BALANCE``, ``auto`` (default, :data:`V6_BALANCE`), ``0`` or ``1``): cut the
-    requests into pieces so that every SM gets as many tiles, instead of equal splits per request (:func:`~.plans.v6_balanced`);
-    ``merge`` (``QUANTMLA_CUPY_V6_MERGE``, ``auto`` (default), ``0`` or ``1``): the splits of a row chunk run as one
-    cluster that merges their partials and writes the output itself, with no combine kernel (:func:`~.plans.v6_merge_reason`;
-    ``1`` refuses, with the reason, a call that cannot; ``auto`` takes it where it can, on equal splits)."""
+    requests into pieces so that every SM gets as many tiles, instead of equal splits per request
+    (:func:`~.plans.v6_balanced`); ``merge`` (``QUANTMLA_CUPY_V6_MERGE``, ``auto`` (default), ``0`` or ``1``): the
+    splits of a row chunk run as one cluster that merges their partials and writes the output itself, with no combine
+    kernel (:func:`~.plans.v6_merge_reason`; ``1`` refuses, with the reason, a call that cannot; ``auto`` takes it
+    where it can, on equal splits)."""
 
     min_tiles: int = V2_MIN_TILES_PER_SPLIT
     pv_at: int = V6_PV_AT

@@ -464,7 +464,8 @@ def v6_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
         if knobs.merge == "1" and (pair or knobs.separate or knobs.balance == "1"):
             raise ValueError("QUANTMLA_CUPY_V6_MERGE=1 merges equal splits in clusters of one kernel: it cannot run "
                              f"with pairs ({pair}), the protected-only launch (QUANTMLA_CUPY_V6_PROTECTED=separate: "
-                             f"{knobs.separate}) or a balanced plan (QUANTMLA_CUPY_V6_BALANCE=1: {knobs.balance == '1'})")
+                             f"{knobs.separate}) or a balanced plan (QUANTMLA_CUPY_V6_BALANCE=1: "
+                             f"{knobs.balance == '1'})")
         fold = v6_rope_fold(fmt, pair, knobs.rope_fold)
         attn, smem = _v6_kernel(fmt, dev, index64, knobs, pair, fold, False)
         # the kernel attends to the sink/local tokens itself unless knobs.separate: no protected-only launch

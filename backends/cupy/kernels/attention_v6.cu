@@ -107,7 +107,7 @@
 // C >= 1: the CTA writes the attention output and lse itself, with no partials and no combine kernel. The C splits of
 // a row chunk (gridDim.y == C) form a cluster (C > 1) and merge their partials through distributed shared memory
 // (v6_merge_rows); 0: each CTA writes a partial for qmla_combine (the launcher's QUANTMLA_CUPY_V6_MERGE, plans.py's
-// v6_merge_splits)
+// v6_merge_reason)
 #define QMLA_V6_MERGE 0
 #endif
 static_assert(QMLA_V6_PV_AT >= 1 && QMLA_V6_PV_AT <= 3, "QMLA_V6_PV_AT: 1, 2 or 3 parts converted before the PV");
@@ -638,14 +638,21 @@ __device__ __forceinline__ int4 v6_piece(const int4* __restrict__ pieces, int nc
 
 #if QMLA_V6_MERGE
 #define V6_MERGE_ROWS ((RT + QMLA_V6_MERGE - 1) / QMLA_V6_MERGE)  // rows each CTA of a merging cluster writes
+__host__ __device__ constexpr int v6_pow2_at_least(int n) { return n <= 1 ? 1 : 2 * v6_pow2_at_least((n + 1) / 2); }
+__host__ __device__ constexpr int v6_pow2_at_most(int n) { return n <= 1 ? 1 : 2 * v6_pow2_at_most(n / 2); }
 // The output rows and lse of request b's row chunk at rbase, from the partials its C = QMLA_V6_MERGE splits staged in
 // their shared memory (ot: [RT][OT_STRIDE] unnormalized outputs, red: [2][RT] row maxima then sums). CTA k of the
 // cluster (split k) merges rows k V6_MERGE_ROWS .. of all C, in split order (common.cuh's merge: bit-identical to
-// qmla_combine over the same partials), a thread 4 channels; rows >= R are skipped. All NTH threads take part.
+// qmla_combine over the same partials); rows >= R are skipped. All NTH threads take part, in one pass: TPR threads a
+// row, each 4 channels of every TPR-th 16-byte chunk, with the loads of MQ chunks of all C partials in flight at
+// once (distributed shared memory answers in about a global load's time: the first build, a row per 128 threads in
+// four dependent passes at C = 8, cost what the combine saved; H100, stop 62)
 __device__ __forceinline__ void v6_merge_rows(const float* ot, const float* red, u16* __restrict__ out,
                                               float* __restrict__ lse, int b, int R, int rbase, int tid) {
-    constexpr int C = QMLA_V6_MERGE, TPR = DC / 4;  // threads per row
-    static_assert(NTH % TPR == 0, "whole rows per pass");
+    constexpr int C = QMLA_V6_MERGE;
+    constexpr int TPR = NTH / v6_pow2_at_least(V6_MERGE_ROWS), NQ = DC / 4 / TPR;
+    constexpr int MQ = v6_pow2_at_most(NQ < 32 / C ? NQ : 32 / C);  // <= 32 chunks: 128 registers of loads
+    static_assert(TPR >= 1 && (DC / 4) % TPR == 0 && NQ % MQ == 0, "whole chunks a thread, whole batches");
 #if QMLA_V6_MERGE > 1
     cluster_sync_all();  // every split's partial staged (release / acquire across the cluster)
     const int rank = (int)cluster_ctarank();
@@ -657,29 +664,44 @@ __device__ __forceinline__ void v6_merge_rows(const float* ot, const float* red,
     __syncthreads();
     const int rank = 0;
 #endif
-    const int c4 = tid % TPR;
-    for (int rr = tid / TPR; rr < V6_MERGE_ROWS; rr += NTH / TPR) {
-        const int row = rank * V6_MERGE_ROWS + rr;
-        if (row >= RT || rbase + row >= R) break;
+    const int rr = tid / TPR, j = tid % TPR, row = rank * V6_MERGE_ROWS + rr;
+    if (rr < V6_MERGE_ROWS && row < RT && rbase + row < R) {
         float2 ml[C];
-        float4 o[C];
 #pragma unroll
         for (int k = 0; k < C; ++k) {
 #if QMLA_V6_MERGE > 1
-            ml[k] = make_float2(ld_cluster_f32(red_s + 4 * row + delta[k]), ld_cluster_f32(red_s + 4 * (RT + row) + delta[k]));
-            o[k] = ld_cluster_f32x4(ot_s + 4 * (row * OT_STRIDE + 4 * c4) + delta[k]);
+            ml[k] = make_float2(ld_cluster_f32(red_s + 4 * row + delta[k]),
+                                ld_cluster_f32(red_s + 4 * (RT + row) + delta[k]));
 #else
             ml[k] = make_float2(red[row], red[RT + row]);
-            o[k] = *(const float4*)(ot + row * OT_STRIDE + 4 * c4);
 #endif
         }
         const float2 st = qmla_merge_stats(ml, C);
         const i64 orow = (i64)b * R + rbase + row;
-        if (c4 == 0) lse[orow] = qmla_merged_lse(st);
-        float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (j == 0) lse[orow] = qmla_merged_lse(st);
 #pragma unroll
-        for (int k = 0; k < C; ++k) qmla_combine_add(a, ml[k], st.x, o[k]);
-        *(uint2*)(out + orow * DC + 4 * c4) = qmla_merged_bf16x4(a, st.y);
+        for (int q0 = 0; q0 < NQ; q0 += MQ) {
+            float4 o[MQ][C];
+#pragma unroll
+            for (int q = 0; q < MQ; ++q) {
+                const int c4 = j + TPR * (q0 + q);
+#pragma unroll
+                for (int k = 0; k < C; ++k) {
+#if QMLA_V6_MERGE > 1
+                    o[q][k] = ld_cluster_f32x4(ot_s + 4 * (row * OT_STRIDE + 4 * c4) + delta[k]);
+#else
+                    o[q][k] = *(const float4*)(ot + row * OT_STRIDE + 4 * c4);
+#endif
+                }
+            }
+#pragma unroll
+            for (int q = 0; q < MQ; ++q) {
+                float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+                for (int k = 0; k < C; ++k) qmla_combine_add(a, ml[k], st.x, o[q][k]);
+                *(uint2*)(out + orow * DC + 4 * (j + TPR * (q0 + q))) = qmla_merged_bf16x4(a, st.y);
+            }
+        }
     }
 #if QMLA_V6_MERGE > 1
     cluster_sync_all();  // no CTA leaves while a peer still reads its shared memory

@@ -23,16 +23,19 @@ __device__ __forceinline__ u32 cluster_peer_delta(u32 local_base, u32 rank) {
     return remote - local_base;
 }
 
-// loads from shared::cluster address `addr` (this CTA's or a peer's; ordered after the writer's cluster barrier)
+// loads from shared::cluster address `addr` (this CTA's or a peer's), after the writer's cluster barrier: volatile
+// keeps them after that barrier's asm; without a memory clobber the compiler may still issue many before the first
+// is used
 __device__ __forceinline__ float ld_cluster_f32(u32 addr) {
     float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr));
     return v;
 }
 __device__ __forceinline__ float4 ld_cluster_f32x4(u32 addr) {
     float4 v;
-    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr)
-                 : "memory");
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(addr));
     return v;
 }
 
