@@ -880,6 +880,8 @@ elif [ "$MODE" = stop62b ]; then
   # CUDA graphs of merge 0 against auto (FlashInfer BF16 before and after each shape's rows), SM clock and power logged
   mkdir -p /tmp/s62b; t0=$(date +%s); left() { echo $(( ${S62B_LIMIT:-560} - $(date +%s) + t0 )); }
   smi_log /tmp/s62b
+  echo "=== v6's merging clusters the GPU holds at once"
+  timeout -k 5 60 python3 -P benchmarks/cluster_report.py --sizes 2,4,8 --json /tmp/s62b/clusters.json 2>&1 | tail -4
   echo "=== first: the merge tests, v6's conformance (merged by default), the combine and PDL tests"
   timeout -k 10 ${S62B_FIRST_S:-240} $T -x -rfE --tb=long tests/test_cupy_v6_merge.py tests/test_cupy_combine.py \
     tests/test_cupy_pdl.py tests/test_cupy_v6.py -k "${S62B_K:-merge or combine or pdl or v6_matches_reference \
