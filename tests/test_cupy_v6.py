@@ -571,6 +571,15 @@ def test_attention_v6_pair_matches_reference(case, monkeypatch):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("case", [c for c in V2_CASES + BIG[:3] + V4_CASES + V6_CASES if c.fmt.quantized], ids=str)
+def test_attention_v6_merge_matches_reference(case, monkeypatch):
+    """QUANTMLA_CUPY_V6_MERGE=auto: where a row chunk's splits fit a cluster, its CTAs merge them and write the output
+    themselves (tests/test_cupy_v6_merge.py: bit for bit against the combine); the same attention everywhere."""
+    _check_v6_on_gpu(case, monkeypatch, {"QUANTMLA_CUPY_V6_MERGE": "auto"})
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("resident", [5, 14])
 @pytest.mark.parametrize("case", [c for c in V2_CASES + BIG[:3] + V4_CASES + V6_CASES if c.fmt.quantized], ids=str)
 def test_attention_v6_balanced_matches_reference(case, resident, monkeypatch):

@@ -68,9 +68,9 @@ def _stubbed_v6(monkeypatch, env: dict[str, str], batch: int = 3, heads: int = 1
 
 @pytest.mark.parametrize("resident", [6, 12, 18, 30, 48])
 def test_auto_merges_equal_splits_without_a_combine(monkeypatch, resident):
-    """Unset, a v6 call of at most 8 splits a row chunk is one launch of the build that merges them (its cluster the
-    grid's splits) with the output and lse pointers last among its arguments; no combine runs."""
-    launches, out, lse = _stubbed_v6(monkeypatch, {}, length=8192, resident=resident)
+    """``auto``: a v6 call of at most 8 splits a row chunk is one launch of the build that merges them (its cluster
+    the grid's splits) with the output and lse pointers last among its arguments; no combine runs."""
+    launches, out, lse = _stubbed_v6(monkeypatch, {MERGE_ENV: "auto"}, length=8192, resident=resident)
     assert [rec[0].kernel for rec in launches] == ["qmla_attn_v6"]
     fn, grid, _block, args, _smem = launches[0]
     assert grid == (6, resident // 6)  # 3 requests x 2 row chunks, the splits the plan gives one wave
@@ -78,10 +78,11 @@ def test_auto_merges_equal_splits_without_a_combine(monkeypatch, resident):
     assert [int(a) for a in args[-2:]] == [out.data_ptr(), lse.data_ptr()]
 
 
-def test_merge_off_launches_the_combine(monkeypatch):
-    """``0``: the build without a merge writes partials and the combine merges them; the split kernel still takes
-    the output pointers (every v6 build has them), and the combine gets the same ones."""
-    launches, out, lse = _stubbed_v6(monkeypatch, {MERGE_ENV: "0"}, length=8192, resident=24)
+@pytest.mark.parametrize("env", [{MERGE_ENV: "0"}, {}], ids=["0", "unset"])
+def test_merge_off_launches_the_combine(monkeypatch, env):
+    """``0`` (the default, knobs.V6_MERGE): the build without a merge writes partials and the combine merges them;
+    the split kernel still takes the output pointers (every v6 build has them), and the combine gets the same ones."""
+    launches, out, lse = _stubbed_v6(monkeypatch, env, length=8192, resident=24)
     assert [rec[0].kernel for rec in launches] == ["qmla_attn_v6", "qmla_combine"]
     assert launches[0][0].defines["QMLA_V6_MERGE"] == 0
     assert [int(a) for a in launches[0][3][-2:]] == [out.data_ptr(), lse.data_ptr()]
@@ -90,7 +91,7 @@ def test_merge_off_launches_the_combine(monkeypatch):
 
 def test_merge_without_lse_writes_it_to_the_scratch(monkeypatch):
     """With ``want_lse`` False the merging kernel still gets an lse pointer (to scratch), not the output's."""
-    launches, out, lse = _stubbed_v6(monkeypatch, {}, length=8192, resident=24, want_lse=False)
+    launches, out, lse = _stubbed_v6(monkeypatch, {MERGE_ENV: "auto"}, length=8192, resident=24, want_lse=False)
     assert lse is None
     out_ptr, lse_ptr = (int(a) for a in launches[0][3][-2:])
     assert out_ptr == out.data_ptr() and lse_ptr not in (0, out_ptr)
@@ -99,11 +100,11 @@ def test_merge_without_lse_writes_it_to_the_scratch(monkeypatch):
 def test_auto_keeps_the_combine_where_clusters_take_more_waves(monkeypatch):
     """Where the GPU holds fewer clusters than the grid needs in one wave, ``auto`` keeps the combine and ``1``
     refuses the call with the reason; more than 8 splits likewise."""
-    launches = _stubbed_v6(monkeypatch, {}, length=8192, resident=48, cluster_ctas=40)[0]
+    launches = _stubbed_v6(monkeypatch, {MERGE_ENV: "auto"}, length=8192, resident=48, cluster_ctas=40)[0]
     assert [rec[0].kernel for rec in launches] == ["qmla_attn_v6", "qmla_combine"]
     with pytest.raises(ValueError, match=r"QUANTMLA_CUPY_V6_MERGE=1: .*6 clusters of 8 CTAs take 2 waves"):
         _stubbed_v6(monkeypatch, {MERGE_ENV: "1"}, length=8192, resident=48, cluster_ctas=40)
-    launches = _stubbed_v6(monkeypatch, {}, length=8192, resident=60)[0]
+    launches = _stubbed_v6(monkeypatch, {MERGE_ENV: "auto"}, length=8192, resident=60)[0]
     assert launches[0][1][1] > V6_MERGE_MAX_SPLITS and launches[-1][0].kernel == "qmla_combine"
     with pytest.raises(ValueError, match="more than a cluster of 8"):
         _stubbed_v6(monkeypatch, {MERGE_ENV: "1"}, length=8192, resident=60)
@@ -116,7 +117,7 @@ def test_merge_forced_with_a_plan_it_cannot_serve_is_refused(monkeypatch, env):
     naming both, not a silent choice of one."""
     with pytest.raises(ValueError, match="QUANTMLA_CUPY_V6_MERGE=1 merges equal splits"):
         _stubbed_v6(monkeypatch, {MERGE_ENV: "1", **env})
-    launches = _stubbed_v6(monkeypatch, env)[0]  # unset: those plans keep their combine
+    launches = _stubbed_v6(monkeypatch, {MERGE_ENV: "auto", **env})[0]  # auto: those plans keep their combine
     assert launches[-1][0].kernel == "qmla_combine"
 
 

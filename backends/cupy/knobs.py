@@ -60,6 +60,11 @@ V6_PLAN_PROTECTED = False
 #: of requests cut so that every SM gets as many tiles; ``backends/splits.py``'s :func:`plan_pieces`) for the content
 #: bits in :data:`~.plans.V6_BALANCE_CONTENT_BITS` where its simulated schedule beats equal splits per request
 V6_BALANCE = "auto"
+#: v6's default ``QUANTMLA_CUPY_V6_MERGE`` (:class:`V6Knobs` ``merge``): ``0``, partials and the combine. H100, H128,
+#: CUDA graphs (stop 62, the first merging build, whose rows took four dependent passes of loads at 8 splits): equal
+#: at B8 L4K and L32K, 0.5-1 % slower at B32 L32K (clusters of 2), at B128 L32K (one split: no cluster) C4R4 1-6 %
+#: faster and C2R4 5 % slower; the one-pass build that followed has not run on a GPU
+V6_MERGE = "0"
 
 
 def _min_tiles() -> int:
@@ -224,10 +229,10 @@ class V6Knobs:
     multiply each score's RoPE part by the token's scale instead of dequantizing each RoPE value (pair builds never
     fold); ``balance`` (``QUANTMLA_CUPY_V6_BALANCE``, ``auto`` (default, :data:`V6_BALANCE`), ``0`` or ``1``): cut the
     requests into pieces so that every SM gets as many tiles, instead of equal splits per request
-    (:func:`~.plans.v6_balanced`); ``merge`` (``QUANTMLA_CUPY_V6_MERGE``, ``auto`` (default), ``0`` or ``1``): the
-    splits of a row chunk run as one cluster that merges their partials and writes the output itself, with no combine
-    kernel (:func:`~.plans.v6_merge_reason`; ``1`` refuses, with the reason, a call that cannot; ``auto`` takes it
-    where it can, on equal splits)."""
+    (:func:`~.plans.v6_balanced`); ``merge`` (``QUANTMLA_CUPY_V6_MERGE``, ``auto``, ``0`` (default, :data:`V6_MERGE`)
+    or ``1``): the splits of a row chunk run as one cluster that merges their partials and writes the output itself,
+    with no combine kernel (:func:`~.plans.v6_merge_reason`; ``1`` refuses, with the reason, a call that cannot;
+    ``auto`` takes it where it can, on equal splits)."""
 
     min_tiles: int = V2_MIN_TILES_PER_SPLIT
     pv_at: int = V6_PV_AT
@@ -238,7 +243,7 @@ class V6Knobs:
     slack: bool = V6_SLACK
     rope_fold: bool | None = None
     balance: str = V6_BALANCE
-    merge: str = "auto"
+    merge: str = V6_MERGE
 
     @staticmethod
     def from_env() -> "V6Knobs":
@@ -251,7 +256,7 @@ class V6Knobs:
                        bool(_env_int("QUANTMLA_CUPY_V6_SLACK", int(V6_SLACK), (0, 1))),
                        _env_auto_bool("QUANTMLA_CUPY_V6_ROPE_FOLD"),
                        _env_choice("QUANTMLA_CUPY_V6_BALANCE", V6_BALANCE, ("auto", "0", "1")),
-                       _env_choice("QUANTMLA_CUPY_V6_MERGE", "auto", ("auto", "0", "1")))
+                       _env_choice("QUANTMLA_CUPY_V6_MERGE", V6_MERGE, ("auto", "0", "1")))
 
 
 PROTECTED_STREAM_ENV = "QUANTMLA_CUPY_PROTECTED_STREAM"
