@@ -60,10 +60,11 @@ V6_PLAN_PROTECTED = False
 #: of requests cut so that every SM gets as many tiles; ``backends/splits.py``'s :func:`plan_pieces`) for the content
 #: bits in :data:`~.plans.V6_BALANCE_CONTENT_BITS` where its simulated schedule beats equal splits per request
 V6_BALANCE = "auto"
-#: v6's default ``QUANTMLA_CUPY_V6_MERGE`` (:class:`V6Knobs` ``merge``): ``0``, partials and the combine. H100, H128,
-#: CUDA graphs (stop 62, the first merging build, whose rows took four dependent passes of loads at 8 splits): equal
-#: at B8 L4K and L32K, 0.5-1 % slower at B32 L32K (clusters of 2), at B128 L32K (one split: no cluster) C4R4 1-6 %
-#: faster and C2R4 5 % slower; the one-pass build that followed has not run on a GPU
+#: v6's default ``QUANTMLA_CUPY_V6_MERGE`` (:class:`V6Knobs` ``merge``): ``0``, partials and the combine. H128, CUDA
+#: graphs (stop 62): the first merging build (rows merged in dependent passes) 0.5-1 % slower at B32 L32K on an H100;
+#: the one-pass build on an H200 within 0.4 % of the combine at B32 L32K (clusters of 2). At B8 the splits (8 a row
+#: chunk, 128 CTAs) do not fit one wave as clusters (the GPU holds 15 clusters of 8, 120 CTAs), so ``auto`` keeps
+#: the combine there; B128 (one split, no cluster) ran only at the H100's power cap, where its rows said nothing
 V6_MERGE = "0"
 
 
