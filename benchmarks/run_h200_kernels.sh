@@ -882,7 +882,7 @@ elif [ "$MODE" = stop62b ]; then
   smi_log /tmp/s62b
   echo "=== v6's merging clusters the GPU holds at once"
   timeout -k 5 60 python3 -P benchmarks/cluster_report.py --sizes 2,4,8 --json /tmp/s62b/clusters.json 2>&1 | tail -4
-  echo "=== first: the merge tests, v6's conformance (merged by default), the combine and PDL tests"
+  echo "=== first: the merge tests, v6's conformance (the default and merge auto), the combine and PDL tests"
   timeout -k 10 ${S62B_FIRST_S:-240} $T -x -rfE --tb=long tests/test_cupy_v6_merge.py tests/test_cupy_combine.py \
     tests/test_cupy_pdl.py tests/test_cupy_v6.py -k "${S62B_K:-merge or combine or pdl or v6_matches_reference \
 or knob_builds_match or balanced_matches or pair_matches}" > /tmp/s62b/first.txt 2>&1
@@ -893,7 +893,7 @@ or knob_builds_match or balanced_matches or pair_matches}" > /tmp/s62b/first.txt
 or C2R4)" > /tmp/s62b/memcheck.txt 2>&1
     echo "rc=$?" >> /tmp/s62b/memcheck.txt; tail -3 /tmp/s62b/memcheck.txt
     M=QUANTMLA_CUPY_V6_MERGE
-    echo "=== merge 0 against auto, twice, then auto without balanced plans (CUDA graphs, FlashInfer BF16 before and after; $(left) s left)"
+    echo "=== S62B_SETTINGS: merge 0 against auto (CUDA graphs, FlashInfer BF16 before and after; $(left) s left)"
     timeout -k 10 $(( $(left) - 10 )) python3 -P benchmarks/graph_probe.py --backends cupy --formats C4R4,C2R4 \
       --shapes ${S62B_SHAPES:-128x8x4096,128x8x32768,128x32x32768,128x128x32768} \
       --settings "${S62B_SETTINGS:-$M=0;$M=auto;$M=0;$M=auto;$M=auto QUANTMLA_CUPY_V6_BALANCE=0}" \
