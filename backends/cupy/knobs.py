@@ -61,7 +61,7 @@ V6_PLAN_PROTECTED = False
 #: bits in :data:`~.plans.V6_BALANCE_CONTENT_BITS` where its simulated schedule beats equal splits per request
 V6_BALANCE = "auto"
 #: v6's default ``QUANTMLA_CUPY_V6_MERGE`` (:class:`V6Knobs` ``merge``): ``0``, partials and the combine. H128, CUDA
-#: graphs (stop 62): the first merging build (rows merged in dependent passes) 0.5-1 % slower at B32 L32K on an H100;
+#: graphs (stop 62): the first merging build (rows merged in dependent passes) 0.4-1.2 % slower at B32 L32K on an H100;
 #: the one-pass build on an H200 within 0.4 % of the combine at B32 L32K (clusters of 2). At B8 the splits (8 a row
 #: chunk, 128 CTAs) do not fit one wave as clusters (the GPU holds 15 clusters of 8, 120 CTAs), so ``auto`` keeps
 #: the combine there; B128 (one split, no cluster) ran only at the H100's power cap, where its rows said nothing
