@@ -277,8 +277,9 @@ class SplitCall:
         b, s_q, h, dc = self.shape
         rows, slots = s_q * h, plan.slots
         # a plan without a combine writes no partials (v6's merging clusters)
-        n_o = b * rows * slots * dc if plan.combine is not None else 0
-        n_ws = n_o + (b * rows * slots * 2 if plan.combine is not None else 0)
+        partials = b * rows * slots if plan.combine is not None else 0
+        n_o = partials * dc
+        n_ws = n_o + partials * 2
         if out is None and lse is None and want_lse:
             out, lse, ws = outputs_and_partials(self.out_shape, q_latent.dtype, n_ws, q_latent.device, dev, capturing)
         else:

@@ -411,11 +411,12 @@ def _v6_merged(plan: SplitPlan, fmt: PackFormat, dev: int, index64: bool, knobs:
     units, splits = grid
     if knobs.merge == "0":
         return plan
-    attn = None
+    attn = active = None
     if splits <= V6_MERGE_MAX_SPLITS:  # the merging build and the driver's count of its clusters
         attn, smem = _v6_kernel(fmt, dev, index64, knobs, False, fold, False, splits)
-        active = None if splits == 1 else max_active_clusters(function_ptr(attn), (1, splits, 1), block[0], smem, dev)
-    reason = v6_merge_reason(splits, units, resident, None if attn is None else active)
+        if splits > 1:
+            active = max_active_clusters(function_ptr(attn), (1, splits, 1), block[0], smem, dev)
+    reason = v6_merge_reason(splits, units, resident, active)
     if reason is not None:
         if knobs.merge == "1":
             raise ValueError(f"QUANTMLA_CUPY_V6_MERGE=1: v6 cannot merge this call's splits in clusters: {reason}")

@@ -596,7 +596,6 @@ extern "C" __global__ void __launch_bounds__(QMLA_COMBINE_THREADS) qmla_combine(
 #if QMLA_IN_BF16
     ((uint2*)out)[row * (DC / 4) + c4] = qmla_merged_bf16x4(a, st.y);
 #else
-    const float inv = st.y > 0.0f ? 1.0f / st.y : 0.0f;
-    ((float4*)out)[row * (DC / 4) + c4] = make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
+    ((float4*)out)[row * (DC / 4) + c4] = qmla_merged_f32x4(a, st.y);
 #endif
 }

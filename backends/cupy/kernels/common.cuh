@@ -154,13 +154,15 @@ __device__ __forceinline__ void qmla_combine_add(float4& a, float2 v, float M, f
     }
 }
 
-// 4 merged channels a / den as bf16 (0 where den is 0)
-__device__ __forceinline__ uint2 qmla_merged_bf16x4(float4 a, float den) {
+// 4 merged channels a / den (0 where den is 0)
+__device__ __forceinline__ float4 qmla_merged_f32x4(float4 a, float den) {
     const float inv = den > 0.0f ? 1.0f / den : 0.0f;
-    a.x *= inv;
-    a.y *= inv;
-    a.z *= inv;
-    a.w *= inv;
+    return make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
+}
+
+// the same as bf16
+__device__ __forceinline__ uint2 qmla_merged_bf16x4(float4 a, float den) {
+    a = qmla_merged_f32x4(a, den);
     return make_uint2((u32)f32_to_bf16_bits(a.x) | ((u32)f32_to_bf16_bits(a.y) << 16),
                       (u32)f32_to_bf16_bits(a.z) | ((u32)f32_to_bf16_bits(a.w) << 16));
 }
