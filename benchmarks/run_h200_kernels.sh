@@ -125,6 +125,10 @@
 #   bash benchmarks/run_h200_kernels.sh stop62b  # v6 writing the output itself (QUANTMLA_CUPY_V6_MERGE): its tests
 #       (S62B_K: pytest's -k), memcheck, CUDA graphs of S62B_SETTINGS (merge 0 against auto) over S62B_SHAPES
 #       (FlashInfer BF16 in the process); $OUT/s62b.tgz
+#   bash benchmarks/run_h200_kernels.sh stop63a  # Triton kernel v4 below 64 query rows (H 16, 40, 1): its few-row GPU
+#       tests in each format's default build (S63A_K: pytest's -k), memcheck, then CUDA graphs of v2 against v4 over
+#       S63A_SHAPES (CuPy's defaults and FlashInfer BF16 in the process), then CuPy's merge 0 against auto at
+#       S63A_MERGE_SHAPES (one split a row chunk), while S63A_LIMIT seconds (default 560) are not spent; $OUT/s63a.tgz
 #   bash benchmarks/run_h200_kernels.sh stop62a  # each kernel's device time of CuPy's defaults at H128 (S62A_KT_SHAPES),
 #       then mode pdlwaves; $OUT/s62a.tgz and $OUT/pdlw.tgz
 #   bash benchmarks/run_h200_kernels.sh pdlwaves  # PDL against plain launches where split kernels take one wave and
@@ -902,6 +906,33 @@ or C2R4)" > /tmp/s62b/memcheck.txt 2>&1
   fi
   smi_stop
   tar czf "$OUT/s62b.tgz" -C /tmp s62b
+elif [ "$MODE" = stop63a ]; then
+  mkdir -p /tmp/s63a; t0=$(date +%s); left() { echo $(( ${S63A_LIMIT:-560} - $(date +%s) + t0 )); }
+  smi_log /tmp/s63a
+  echo "=== first: kernel v4 below 64 rows, each format's default build, against the reference and v3"
+  timeout -k 10 ${S63A_FIRST_S:-200} $T -rfE --tb=long tests/test_triton_v4.py -k "${S63A_K:-matches_reference_and_v3 \
+and (H16- or H40- or H1-) and ((BF16 and 2w8p]) or (C4R4 and (1w8p] or 1w8pc)) or (C2R4 and (4w8p] or 4w8pc)))}" \
+    > /tmp/s63a/first.txt 2>&1
+  echo "rc=$?" >> /tmp/s63a/first.txt; grep -E "^E  |^FAILED" /tmp/s63a/first.txt | head -12; tail -2 /tmp/s63a/first.txt
+  if grep -q "^rc=0" /tmp/s63a/first.txt; then
+    echo "=== memcheck of v4 at H16 ($(left) s left)"
+    timeout -k 5 90 compute-sanitizer --tool memcheck $T tests/test_triton_v4.py -k "matches_reference_and_v3 and \
+H16- and L63_64_65 and ((C4R4 and 1w8p]) or (C2R4 and 4w8p]))" > /tmp/s63a/memcheck.txt 2>&1
+    echo "rc=$?" >> /tmp/s63a/memcheck.txt; tail -3 /tmp/s63a/memcheck.txt
+    V=QUANTMLA_TRITON_ATTENTION
+    echo "=== Triton v2 against v4 at few rows, twice (CUDA graphs; CuPy, FlashInfer BF16 in the process; $(left) s left)"
+    timeout -k 10 $(( $(left) - ${S63A_MERGE_S:-80} )) python3 -P benchmarks/graph_probe.py --backends triton,cupy \
+      --formats ${S63A_FORMATS:-C4R4,C2R4} \
+      --shapes ${S63A_SHAPES:-16x8x4096,16x8x32768,16x32x32768,16x128x32768,16x32x131072,16x32x32768x2} \
+      --settings "$V=v2;$V=v4;$V=v2;$V=v4" --json /tmp/s63a/graph_fewrows.json 2>&1 | grep -v "^{" | tail -80
+  fi
+  M=QUANTMLA_CUPY_V6_MERGE
+  echo "=== CuPy merge 0 against auto where a row chunk has one split ($(left) s left)"
+  timeout -k 10 $(( $(left) - 10 )) python3 -P benchmarks/graph_probe.py --backends cupy --formats C4R4,C2R4 \
+    --shapes ${S63A_MERGE_SHAPES:-128x128x32768} --settings "$M=0;$M=auto;$M=0;$M=auto" \
+    --json /tmp/s63a/graph_merge1.json 2>&1 | grep -v "^{" | tail -20
+  smi_stop
+  tar czf "$OUT/s63a.tgz" -C /tmp s63a
 elif [ "$MODE" = stop62a ]; then
   # each kernel's device time of CuPy's defaults at H128 (what the combine and the partials cost), then pdlwaves
   mkdir -p /tmp/s62a

@@ -271,6 +271,21 @@ def _gpu_cases() -> list[tuple[Case, int | None]]:
         # attends to them alone)
         out.append((Case(fmt, (300, 5), heads=128, sink=4, local=128, seed=seed + 4), 8))
         seed += 10
+    return out + _few_row_cases()
+
+
+def _few_row_cases() -> list[tuple[Case, int | None]]:
+    """(case, forced splits) with fewer query rows than v4's 64-row block (the rows past S_q x H masked): H 16 at the
+    edge lengths, H 40 (rows not a multiple of 16) over several splits, one head over splits without packed pages."""
+    out, seed = [], 4500
+    for name in ("BF16", "C4R4", "C2R4"):
+        fmt = PackFormat.parse(name)
+        for lens in edge_lengths(fmt, 4, 128):
+            seed += 1
+            out.append((Case(fmt, lens, heads=16, sink=4, local=128, seed=seed), None))
+        out.append((Case(fmt, (777, 2000), heads=40, sink=4, local=128, seed=seed + 1), 3))
+        out.append((Case(fmt, (300, 5), heads=1, s_q=3, sink=4, local=128, seed=seed + 2), 8))
+        seed += 10
     return out
 
 
