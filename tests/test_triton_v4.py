@@ -61,8 +61,36 @@ def test_auto_runs_v4_where_it_would_run_v3(monkeypatch, on, fmt, heads, want):
     """``heuristics.V4_AUTO`` on: auto runs v4 in v3's place where v4 serves the call; off: never."""
     _as_hopper(monkeypatch)
     monkeypatch.setattr(A, "V4_AUTO", on)
+    monkeypatch.setattr(A, "V4_MIN_ROWS", 64)  # below 64 rows v2 stays (the few-row rule: the test below)
     monkeypatch.delenv(A.VARIANT_ENV, raising=False)
     assert _prepare(fmt, heads=heads, variant="auto").variant == (want if on or want != "v4" else "v3")
+
+
+@pytest.mark.parametrize("min_rows,fmt,heads,s_q,want", [
+    (16, "C4R4", 16, 1, "v4"), (17, "C4R4", 16, 1, "v2"), (16, "C2R4", 8, 2, "v4"), (32, "C2R4", 8, 2, "v2"),
+    (1, "C4R4", 1, 1, "v4"), (1, "BF16", 16, 1, "v1"), (1, "C4R8", 16, 1, "v2")])
+def test_auto_runs_v4_below_64_rows_from_v4_min_rows(monkeypatch, min_rows, fmt, heads, s_q, want):
+    """Below v3's 64 rows auto runs v4 in v2's place over packed pages from ``heuristics.V4_MIN_ROWS`` query rows
+    (S_q x H) where v4 serves the call; BF16 pages keep v1, formats v4 does not read keep v2."""
+    _as_hopper(monkeypatch)
+    monkeypatch.setattr(A, "V4_AUTO", True)
+    monkeypatch.setattr(A, "V4_MIN_ROWS", min_rows)
+    monkeypatch.delenv(A.VARIANT_ENV, raising=False)
+    f = PackFormat.parse(fmt)
+    cache = qm.MLACache.allocate(f, 4 * 64, 4, 4, 128, device="cpu")
+    table = torch.arange(4 * 64, dtype=torch.int32).view(4, 64)
+    lens = torch.full((4,), 4096, dtype=torch.int32)
+    call = A.prepare(cache, table, lens, torch.arange(4 * s_q, dtype=torch.int32) // s_q, 4, s_q, heads,
+                     torch.bfloat16, 0.05, variant="auto")
+    assert call.variant == want
+
+
+def test_auto_keeps_v2_below_64_rows_without_v4_auto(monkeypatch):
+    _as_hopper(monkeypatch)
+    monkeypatch.setattr(A, "V4_AUTO", False)
+    monkeypatch.setattr(A, "V4_MIN_ROWS", 1)
+    monkeypatch.delenv(A.VARIANT_ENV, raising=False)
+    assert _prepare("C4R4", heads=16, variant="auto").variant == "v2"
 
 
 def test_auto_keeps_v3_off_hopper_and_in_the_interpreter(monkeypatch):

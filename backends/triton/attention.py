@@ -30,7 +30,7 @@ from .heuristics import (INTERPRETER_SM_COUNT, MERGE_BLOCK_C, MERGE_BLOCK_R, MER
                          V3_BLOCK_N, V3_BLOCK_R, V3_MIN_ROWS, V3_NUM_STAGES, V3_NUM_WARPS, V3_PREFETCH, AttentionPlan,
                          DeviceLimits, PROTECT_ROWS_CHOICES, merge_load_width, pdl_default, plan, plan_v2, plan_v3,
                          planned_shared_max, plan_v4, protect_parts, v3_code_words, v3_tile_groups, v3_word_lanes,
-                         V4_AUTO, V4_CAPABILITY_MAJOR, V4_INLINE_PROTECT, V4_LOADER_WARPS, V4_PIPELINE,
+                         V4_AUTO, V4_CAPABILITY_MAJOR, V4_INLINE_PROTECT, V4_LOADER_WARPS, V4_MIN_ROWS, V4_PIPELINE,
                          v4_channel_order, v4_format_unsupported)
 
 #: environment variable choosing the split kernel ("auto" default, "v1", "v2", "v3", "v4"); read on every call. ``auto``
@@ -85,6 +85,14 @@ def auto_variant(quantized: bool, q_bf16: bool, rows: int = 1, v3_fits: bool = T
     if q_bf16 and rows >= V3_MIN_ROWS and v3_fits:
         return "v3"
     return "v2" if quantized and q_bf16 else "v1"
+
+
+def _auto_takes_v4(variant: str, quantized: bool, rows: int) -> bool:
+    """Whether ``auto``, having picked ``variant`` for ``rows`` query rows, runs kernel v4 instead where v4 serves the
+    call (:data:`heuristics.V4_AUTO`): in v3's place, and in v2's over packed pages from :data:`heuristics.V4_MIN_ROWS`
+    rows (v4 masks the rows of its 64-row block past them)."""
+    few_rows = variant == "v2" and quantized and rows >= V4_MIN_ROWS
+    return V4_AUTO and (variant == "v3" or few_rows)
 
 
 def v3_suits(device: torch.device) -> bool:
@@ -579,7 +587,7 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
         v3_fits = not v3_excess
     if variant == "auto":
         variant = auto_variant(fmt.quantized, q_bf16, rows, v3_fits)
-        if variant == "v3" and V4_AUTO and v4_unsupported(fmt, q_dtype, dev) is None:
+        if _auto_takes_v4(variant, fmt.quantized, rows) and v4_unsupported(fmt, q_dtype, dev) is None:
             variant = "v4"
     if variant in ("v2", "v3") and not q_bf16 and not interp and not V2_FLOAT32_ON_GPU:
         variant = "v1"  # float32 queries on a GPU: see heuristics.V2_FLOAT32_ON_GPU
