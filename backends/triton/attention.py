@@ -90,8 +90,8 @@ def auto_variant(quantized: bool, q_bf16: bool, rows: int = 1, v3_fits: bool = T
 def _auto_takes_v4(variant: str, quantized: bool, rows: int) -> bool:
     """Whether ``auto``, having picked ``variant`` for ``rows`` query rows, runs kernel v4 instead where v4 serves the
     call (:data:`heuristics.V4_AUTO`): in v3's place, and in v2's over packed pages from :data:`heuristics.V4_MIN_ROWS`
-    rows (v4 masks the rows of its 64-row block past them)."""
-    few_rows = variant == "v2" and quantized and rows >= V4_MIN_ROWS
+    rows up to v3's :data:`heuristics.V3_MIN_ROWS` (v4 masks the rows of its 64-row block past them)."""
+    few_rows = variant == "v2" and quantized and V4_MIN_ROWS <= rows < V3_MIN_ROWS
     return V4_AUTO and (variant == "v3" or few_rows)
 
 
