@@ -387,7 +387,7 @@ V4_AUTO = True
 #: costs it what one of 64 does. Kept at 64 (v2 below) until v4 has passed its few-row GPU cases (``tests/
 #: test_triton_v4.py``'s ``_few_row_cases``) and been timed against v2 there (``run_h200_kernels.sh stop63a``); what
 #: suggests it pays: on an H100 (CUDA graphs) v4 took 341 us at H64 B32 L32K C4R4 (stop 58) and 313 C2R4 (stop 59),
-#: where v2 takes 647-651 and 595-599 at H16 B32 L32K (stops 49-50): the same grid of 32 row blocks, the same pages
+#: where v2 takes 646-652 and 595-600 at H16 B32 L32K (stops 49-50): the same grid of 32 row blocks, the same pages
 V4_MIN_ROWS = 64
 #: kernel v4's build per page format (``QUANTMLA_TRITON_V4_PIPELINE`` overrides it): 0, pages in turn (the loader loads
 #: a page's bytes once its key slot is free; the attender's output product runs beside its next QK); 1, pipelined (the
