@@ -182,11 +182,12 @@ smi_log() {  # nvidia-smi's SM clock, power and temperature every 500 ms into $1
   SMI=$!
 }
 smi_stop() { kill "$SMI" 2>/dev/null; }
+# pytest's exit status $2 appended to its log $1, the log's failures and summary shown; status 0 where it passed
+tests_report() { echo "rc=$2" >> "$1"; grep -E "^E  |^FAILED" "$1" | head -12; tail -2 "$1"; [ "$2" = 0 ]; }
 cupy_pdl_first() {  # the PDL, combine and CUDA-graph tests, then (if they pass) memcheck of PDL's bit-for-bit case
   timeout -k 10 $2 $T -x -rfE --tb=long tests/test_cupy_pdl.py tests/test_cupy_combine.py \
     tests/test_cupy_backend.py -k "pdl or combine or cuda_graph" > "$1/first.txt" 2>&1
-  echo "rc=$?" >> "$1/first.txt"; grep -E "^E  |^FAILED" "$1/first.txt" | head -12; tail -2 "$1/first.txt"
-  grep -q "^rc=0" "$1/first.txt" || return 1
+  tests_report "$1/first.txt" $? || return 1
   timeout -k 5 60 compute-sanitizer --tool memcheck $T tests/test_cupy_pdl.py -k same_bits > "$1/memcheck.txt" 2>&1
   echo "rc=$?" >> "$1/memcheck.txt"; tail -3 "$1/memcheck.txt"
 }
@@ -890,8 +891,7 @@ elif [ "$MODE" = stop62b ]; then
   timeout -k 10 ${S62B_FIRST_S:-240} $T -x -rfE --tb=long tests/test_cupy_v6_merge.py tests/test_cupy_combine.py \
     tests/test_cupy_pdl.py tests/test_cupy_v6.py -k "${S62B_K:-merge or combine or pdl or v6_matches_reference \
 or knob_builds_match or balanced_matches or pair_matches}" > /tmp/s62b/first.txt 2>&1
-  echo "rc=$?" >> /tmp/s62b/first.txt; grep -E "^E  |^FAILED" /tmp/s62b/first.txt | head -12; tail -2 /tmp/s62b/first.txt
-  if grep -q "^rc=0" /tmp/s62b/first.txt; then
+  if tests_report /tmp/s62b/first.txt $?; then
     echo "=== memcheck of the merged cases ($(left) s left)"
     timeout -k 5 70 compute-sanitizer --tool memcheck $T tests/test_cupy_v6_merge.py -k "bit_for_bit and (res8 or res32 \
 or C2R4)" > /tmp/s62b/memcheck.txt 2>&1
@@ -913,8 +913,7 @@ elif [ "$MODE" = stop63a ]; then
   timeout -k 10 ${S63A_FIRST_S:-200} $T -rfE --tb=long tests/test_triton_v4.py -k "${S63A_K:-matches_reference_and_v3 \
 and (H16- or H40- or H1-) and ((BF16 and 2w8p]) or (C4R4 and (1w8p] or 1w8pc)) or (C2R4 and (4w8p] or 4w8pc)))}" \
     > /tmp/s63a/first.txt 2>&1
-  echo "rc=$?" >> /tmp/s63a/first.txt; grep -E "^E  |^FAILED" /tmp/s63a/first.txt | head -12; tail -2 /tmp/s63a/first.txt
-  if grep -q "^rc=0" /tmp/s63a/first.txt; then
+  if tests_report /tmp/s63a/first.txt $?; then
     echo "=== memcheck of v4 at H16 ($(left) s left)"
     timeout -k 5 90 compute-sanitizer --tool memcheck $T tests/test_triton_v4.py -k "matches_reference_and_v3 and \
 H16- and L63_64_65 and ((C4R4 and 1w8p]) or (C2R4 and 4w8p]))" > /tmp/s63a/memcheck.txt 2>&1
