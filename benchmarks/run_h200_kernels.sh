@@ -125,10 +125,11 @@
 #   bash benchmarks/run_h200_kernels.sh stop62b  # v6 writing the output itself (QUANTMLA_CUPY_V6_MERGE): its tests
 #       (S62B_K: pytest's -k), memcheck, CUDA graphs of S62B_SETTINGS (merge 0 against auto) over S62B_SHAPES
 #       (FlashInfer BF16 in the process); $OUT/s62b.tgz
-#   bash benchmarks/run_h200_kernels.sh stop63a  # Triton kernel v4 below 64 query rows (H 16, 40, 1): its few-row GPU
-#       tests in each format's default build (S63A_K: pytest's -k), memcheck, then CUDA graphs of v2 against v4 over
-#       S63A_SHAPES (CuPy's defaults and FlashInfer BF16 in the process), then CuPy's merge 0 against auto at
-#       S63A_MERGE_SHAPES (one split a row chunk), while S63A_LIMIT seconds (default 560) are not spent; $OUT/s63a.tgz
+#   bash benchmarks/run_h200_kernels.sh stop64a  # Triton kernel v5 (few rows, tokens as wgmma M): its GPU tests
+#       (S64A_K: pytest's -k; against the reference and kernel v4), memcheck, then CUDA graphs of S64A_SETTINGS (v2,
+#       v4, v5, v5 two pages ahead) over S64A_SHAPES (CuPy's defaults and FlashInfer BF16 in the process), then
+#       (S64A_MERGE_SHAPES set) CuPy's merge 0 against auto, while S64A_LIMIT seconds (default 560) are not spent;
+#       $OUT/s64a.tgz. stop63a is the same mode (its first form, v4 below 64 rows, never ran)
 #   bash benchmarks/run_h200_kernels.sh stop62a  # each kernel's device time of CuPy's defaults at H128 (S62A_KT_SHAPES),
 #       then mode pdlwaves; $OUT/s62a.tgz and $OUT/pdlw.tgz
 #   bash benchmarks/run_h200_kernels.sh pdlwaves  # PDL against plain launches where split kernels take one wave and
@@ -906,32 +907,34 @@ or C2R4)" > /tmp/s62b/memcheck.txt 2>&1
   fi
   smi_stop
   tar czf "$OUT/s62b.tgz" -C /tmp s62b
-elif [ "$MODE" = stop63a ]; then
-  mkdir -p /tmp/s63a; t0=$(date +%s); left() { echo $(( ${S63A_LIMIT:-560} - $(date +%s) + t0 )); }
-  smi_log /tmp/s63a
-  echo "=== first: kernel v4 below 64 rows, each format's default build, against the reference and v3"
-  timeout -k 10 ${S63A_FIRST_S:-200} $T -rfE --tb=long tests/test_triton_v4.py -k "${S63A_K:-matches_reference_and_v3 \
-and (H16- or H40- or H1-) and ((BF16 and 2w8p]) or (C4R4 and (1w8p] or 1w8pc)) or (C2R4 and (4w8p] or 4w8pc)))}" \
-    > /tmp/s63a/first.txt 2>&1
-  if tests_report /tmp/s63a/first.txt $?; then
-    echo "=== memcheck of v4 at H16 ($(left) s left)"
-    timeout -k 5 90 compute-sanitizer --tool memcheck $T tests/test_triton_v4.py -k "matches_reference_and_v3 and \
-H16- and L63_64_65 and ((C4R4 and 1w8p]) or (C2R4 and 4w8p]))" > /tmp/s63a/memcheck.txt 2>&1
-    echo "rc=$?" >> /tmp/s63a/memcheck.txt; tail -3 /tmp/s63a/memcheck.txt
-    V=QUANTMLA_TRITON_ATTENTION
-    echo "=== Triton v2 against v4 at few rows, twice (CUDA graphs; CuPy, FlashInfer BF16 in the process; $(left) s left)"
-    timeout -k 10 $(( $(left) - ${S63A_MERGE_S:-80} )) python3 -P benchmarks/graph_probe.py --backends triton,cupy \
-      --formats ${S63A_FORMATS:-C4R4,C2R4} \
-      --shapes ${S63A_SHAPES:-16x8x4096,16x8x32768,16x32x32768,16x128x32768,16x32x131072,16x32x32768x2} \
-      --settings "$V=v2;$V=v4;$V=v2;$V=v4" --json /tmp/s63a/graph_fewrows.json 2>&1 | grep -v "^{" | tail -80
+elif [ "$MODE" = stop64a ] || [ "$MODE" = stop63a ]; then
+  mkdir -p /tmp/s64a; t0=$(date +%s); left() { echo $(( ${S64A_LIMIT:-${S63A_LIMIT:-560}} - $(date +%s) + t0 )); }
+  smi_log /tmp/s64a
+  echo "=== first: Triton kernel v5 against the reference and kernel v4 (H16, H40, H1)"
+  timeout -k 10 ${S64A_FIRST_S:-240} $T -x -rfE --tb=long tests/test_triton_v5.py -k "${S64A_K:-a1p] or a1pc]}" \
+    > /tmp/s64a/first.txt 2>&1
+  if tests_report /tmp/s64a/first.txt $?; then
+    echo "=== memcheck of v5 at H16 ($(left) s left)"
+    timeout -k 5 90 compute-sanitizer --tool memcheck $T tests/test_triton_v5.py -k "matches_reference and H16- and \
+L63_64_65 and (C4R4 or C2R4) and a1pc]" > /tmp/s64a/memcheck.txt 2>&1
+    echo "rc=$?" >> /tmp/s64a/memcheck.txt; tail -3 /tmp/s64a/memcheck.txt
   fi
-  M=QUANTMLA_CUPY_V6_MERGE
-  echo "=== CuPy merge 0 against auto where a row chunk has one split ($(left) s left)"
-  timeout -k 10 $(( $(left) - 10 )) python3 -P benchmarks/graph_probe.py --backends cupy --formats C4R4,C2R4 \
-    --shapes ${S63A_MERGE_SHAPES:-128x128x32768} --settings "$M=0;$M=auto;$M=0;$M=auto" \
-    --json /tmp/s63a/graph_merge1.json 2>&1 | grep -v "^{" | tail -20
+  V=QUANTMLA_TRITON_ATTENTION
+  echo "=== Triton v2, v4, v5 at few rows (CUDA graphs; CuPy, FlashInfer BF16 in the process; $(left) s left)"
+  timeout -k 10 $(( $(left) - ${S64A_MERGE_S:-10} )) python3 -P benchmarks/graph_probe.py --backends triton,cupy \
+    --formats ${S64A_FORMATS:-C4R4,C2R4} \
+    --shapes ${S64A_SHAPES:-16x32x32768,16x128x32768,16x8x4096,16x32x131072,16x32x32768x2} \
+    --settings "${S64A_SETTINGS:-$V=v2;$V=v4;$V=v5;$V=v5 QUANTMLA_TRITON_V5_AHEAD=2}" \
+    --json /tmp/s64a/graph_fewrows.json 2>&1 | grep -v "^{" | tail -80
+  if [ -n "${S64A_MERGE_SHAPES:-}" ]; then
+    M=QUANTMLA_CUPY_V6_MERGE
+    echo "=== CuPy merge 0 against auto where a row chunk has one split ($(left) s left)"
+    timeout -k 10 $(( $(left) - 10 )) python3 -P benchmarks/graph_probe.py --backends cupy --formats C4R4,C2R4 \
+      --shapes $S64A_MERGE_SHAPES --settings "$M=0;$M=auto;$M=0;$M=auto" \
+      --json /tmp/s64a/graph_merge1.json 2>&1 | grep -v "^{" | tail -20
+  fi
   smi_stop
-  tar czf "$OUT/s63a.tgz" -C /tmp s63a
+  tar czf "$OUT/s64a.tgz" -C /tmp s64a
 elif [ "$MODE" = stop62a ]; then
   # each kernel's device time of CuPy's defaults at H128 (what the combine and the partials cost), then pdlwaves
   mkdir -p /tmp/s62a

@@ -24,6 +24,7 @@ from .attention_kernel import merge_kernel, protect_kernel, split_kernel
 from .attention_v2_kernel import split_kernel_v2
 from .attention_v3_kernel import split_kernel_v3
 from .attention_v4_kernel import GLUON_IMPORT_ERROR, split_kernel_v4
+from .attention_v5_kernel import split_kernel_v5
 from .common import launch_dims, page_layout_constexprs, ptr_or_dummy
 from .heuristics import (INTERPRETER_SM_COUNT, MERGE_BLOCK_C, MERGE_BLOCK_R, MERGE_WARPS, PDL_MODES,
                          PROTECT_STAGES, TMEM_COLUMNS, V2_CODE_WORDS, V2_FLOAT32_ON_GPU, V2_HOLD_RAW, V2_ZSUB,
@@ -31,12 +32,14 @@ from .heuristics import (INTERPRETER_SM_COUNT, MERGE_BLOCK_C, MERGE_BLOCK_R, MER
                          DeviceLimits, PROTECT_ROWS_CHOICES, merge_load_width, pdl_default, plan, plan_v2, plan_v3,
                          planned_shared_max, plan_v4, protect_parts, v3_code_words, v3_tile_groups, v3_word_lanes,
                          V4_AUTO, V4_CAPABILITY_MAJOR, V4_INLINE_PROTECT, V4_LOADER_WARPS, V4_MIN_ROWS, V4_PIPELINE,
-                         v4_channel_order, v4_format_unsupported)
+                         v4_channel_order, v4_format_unsupported, plan_v5, V5_AHEAD, V5_AHEAD_CHOICES, V5_AUTO,
+                         V5_BLOCK_R, V5_BLOCK_R_CHOICES, V5_LOADER_WARPS)
 
-#: environment variable choosing the split kernel ("auto" default, "v1", "v2", "v3", "v4"); read on every call. ``auto``
-#: runs v4 (Gluon, Hopper) where it would run v3 and v4 serves the call (``heuristics.V4_AUTO``)
+#: environment variable choosing the split kernel ("auto" default, "v1", "v2", "v3", "v4", "v5"); read on every call.
+#: ``auto`` runs v4 (Gluon, Hopper) where it would run v3 and v4 serves the call (``heuristics.V4_AUTO``); v5 (Gluon,
+#: few query rows) in v2's place where ``heuristics.V5_AUTO`` is on
 VARIANT_ENV = "QUANTMLA_TRITON_ATTENTION"
-VARIANTS = ("auto", "v1", "v2", "v3", "v4")
+VARIANTS = ("auto", "v1", "v2", "v3", "v4", "v5")
 #: query rows a program of the protected-tile kernel attends (a measurement knob, read on every call; unset: the
 #: plan's 16, see heuristics.PROTECT_ROWS_CHOICES)
 PROTECT_ROWS_ENV = "QUANTMLA_TRITON_PROTECT_ROWS"
@@ -70,9 +73,25 @@ V4_CHANNEL_ORDER_ENV = "QUANTMLA_TRITON_V4_CHANNEL_ORDER"
 #: loader loads and writes no keys; 2, it skips its output product; 3, both; 4, it loads no packed page bytes (it
 #: dequantizes made-up words). Unset or 0: the real kernel
 V4_PROBE_ENV = "QUANTMLA_TRITON_V4_PROBE"
+#: kernel v5's query rows a program, 16 or 32 (:data:`heuristics.V5_BLOCK_R`; unset: that default). A measurement knob,
+#: read when a call is prepared
+V5_BLOCK_R_ENV = "QUANTMLA_TRITON_V5_BLOCK_R"
+#: pages between kernel v5's loads of a packed page and its conversion, 1 or 2 (:data:`heuristics.V5_AHEAD`; unset:
+#: that default). A measurement knob, read when a call is prepared
+V5_AHEAD_ENV = "QUANTMLA_TRITON_V5_AHEAD"
 _KERNELS = {"v1": split_kernel, "v2": split_kernel_v2, "v3": split_kernel_v3,
-            **({} if split_kernel_v4 is None else {"v4": split_kernel_v4})}
-_PLANNERS = {"v1": plan, "v2": plan_v2, "v3": plan_v3, "v4": plan_v4}
+            **({} if split_kernel_v4 is None else {"v4": split_kernel_v4, "v5": split_kernel_v5})}
+#: the Gluon kernels (Hopper, no interpreter): v4's arguments and constexprs, their own protected tokens and channel order
+GLUON_VARIANTS = ("v4", "v5")
+
+
+def _plan_v5(*args, **kw) -> AttentionPlan:
+    """:func:`heuristics.plan_v5` with :data:`V5_BLOCK_R_ENV`'s rows a program."""
+    block_r = env_int_choice(V5_BLOCK_R_ENV, V5_BLOCK_R_CHOICES)
+    return plan_v5(*args, **kw, block_r=V5_BLOCK_R if block_r is None else block_r)
+
+
+_PLANNERS = {"v1": plan, "v2": plan_v2, "v3": plan_v3, "v4": plan_v4, "v5": _plan_v5}
 
 
 def auto_variant(quantized: bool, q_bf16: bool, rows: int = 1, v3_fits: bool = True) -> str:
@@ -95,6 +114,12 @@ def _auto_takes_v4(variant: str, quantized: bool, rows: int) -> bool:
     return V4_AUTO and (variant == "v3" or few_rows)
 
 
+def _auto_takes_v5(variant: str, quantized: bool) -> bool:
+    """Whether ``auto``, having picked ``variant``, runs kernel v5 instead where v5 serves the call
+    (:data:`heuristics.V5_AUTO`): in kernel v2's place over packed pages (below v3's 64 query rows)."""
+    return V5_AUTO and variant == "v2" and quantized
+
+
 def v3_suits(device: torch.device) -> bool:
     """Whether ``auto`` may run kernel v3 on ``device``: on Hopper (sm_90), where its dots are warpgroup MMAs, and in
     the interpreter, which plans as the H200. Elsewhere its 64-row output stays in registers (A100: mma.sync; for 64
@@ -105,21 +130,24 @@ def v3_suits(device: torch.device) -> bool:
     return _nvidia_major(_device_index(device)) == 9
 
 
-def v4_unsupported(fmt, q_dtype: torch.dtype, device: torch.device) -> str | None:
-    """Why kernel v4 (Gluon: warp-specialized, Hopper ``wgmma``) cannot serve a call of ``fmt`` pages and ``q_dtype``
-    queries on ``device``, or None. Gluon has no interpreter, so it runs on NVIDIA sm_90 GPUs alone."""
+def v4_unsupported(fmt, q_dtype: torch.dtype, device: torch.device, variant: str = "v4") -> str | None:
+    """Why Gluon kernel ``variant`` (v4 or v5: warp-specialized, Hopper ``wgmma``; v5 reads what v4 reads) cannot serve
+    a call of ``fmt`` pages and ``q_dtype`` queries on ``device``, or None. Gluon has no interpreter, so they run on
+    NVIDIA sm_90 GPUs alone."""
+    name = f"kernel {variant}"
     if GLUON_IMPORT_ERROR is not None:
-        return f"kernel v4 needs triton's Gluon: {GLUON_IMPORT_ERROR}"
-    reason = _not_nvidia(device, "kernel v4 (Gluon) runs on NVIDIA GPUs", "kernel v4 (Gluon) is built for NVIDIA Hopper, "
+        return f"{name} needs triton's Gluon: {GLUON_IMPORT_ERROR}"
+    reason = _not_nvidia(device, f"{name} (Gluon) runs on NVIDIA GPUs", f"{name} (Gluon) is built for NVIDIA Hopper, "
                          "not ROCm")
     if reason is not None:
         return reason
     major = _nvidia_major(_device_index(device))
     if major != V4_CAPABILITY_MAJOR:
-        return f"kernel v4 needs compute capability {V4_CAPABILITY_MAJOR}.x (Hopper), {device} is {major}.x"
+        return f"{name} needs compute capability {V4_CAPABILITY_MAJOR}.x (Hopper), {device} is {major}.x"
     if q_dtype != torch.bfloat16:
-        return f"kernel v4 takes bfloat16 queries, got {q_dtype}"
-    return v4_format_unsupported(fmt)
+        return f"{name} takes bfloat16 queries, got {q_dtype}"
+    why = v4_format_unsupported(fmt)
+    return None if why is None else why.replace("kernel v4", name)
 
 
 @functools.lru_cache(maxsize=16)
@@ -318,7 +346,7 @@ def _split_constexprs(fmt, variant: str, q_bf16: bool, dot_bf16: bool, block_n: 
     )
     if variant == "v2":
         consts.update(v2_constexprs(quant, cbits, rbits, dot_bf16, ptx_split=nvidia_asm))
-    elif variant in ("v3", "v4"):  # v4 takes v3's arguments and constexprs (it reads no switch)
+    elif variant in ("v3", *GLUON_VARIANTS):  # v4 and v5 take v3's arguments and constexprs (they read no switch)
         consts.update(v3_constexprs(quant, cbits, rbits, dot_bf16, ptx_split=nvidia_asm))
     return MappingProxyType(consts)
 
@@ -576,8 +604,8 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
     interp = interpreting()
     dot_bf16 = q_bf16 and not interp  # the interpreter's bfloat16 math is wrong: float32 there
     limits = device_limits(dev, dc, dr)
-    if variant == "v4" and (why := v4_unsupported(fmt, q_dtype, dev)):
-        raise ValueError(f"{VARIANT_ENV}=v4: {why}")
+    if variant in GLUON_VARIANTS and (why := v4_unsupported(fmt, q_dtype, dev, variant)):
+        raise ValueError(f"{VARIANT_ENV}={variant}: {why}")
     v3_fits = False
     if q_bf16 and (variant == "v3" or (variant == "auto" and rows >= V3_MIN_ROWS and v3_suits(dev))):
         v3_excess = _split_excess("v3", fmt, q_dtype, cache, block_table, seq_lens, dot_bf16, (V3_BLOCK_N, V3_BLOCK_R),
@@ -587,7 +615,9 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
         v3_fits = not v3_excess
     if variant == "auto":
         variant = auto_variant(fmt.quantized, q_bf16, rows, v3_fits)
-        if _auto_takes_v4(variant, fmt.quantized, rows) and v4_unsupported(fmt, q_dtype, dev) is None:
+        if _auto_takes_v5(variant, fmt.quantized) and v4_unsupported(fmt, q_dtype, dev, "v5") is None:
+            variant = "v5"
+        elif _auto_takes_v4(variant, fmt.quantized, rows) and v4_unsupported(fmt, q_dtype, dev) is None:
             variant = "v4"
     if variant in ("v2", "v3") and not q_bf16 and not interp and not V2_FLOAT32_ON_GPU:
         variant = "v1"  # float32 queries on a GPU: see heuristics.V2_FLOAT32_ON_GPU
@@ -601,8 +631,8 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
     if overrides:
         overrides = dict(overrides)
         probe_skip_pv = bool(overrides.pop("skip_pv", False))
-        if probe_skip_pv and variant == "v4":
-            raise ValueError("overrides: 'skip_pv' is a switch of kernels v1-v3, the call runs v4")
+        if probe_skip_pv and variant in GLUON_VARIANTS:
+            raise ValueError(f"overrides: 'skip_pv' is a switch of kernels v1-v3, the call runs {variant}")
         for key, (kernels, kind) in KERNEL_SWITCHES.items():
             if key in overrides:
                 if variant not in kernels:
@@ -617,7 +647,7 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
             pl = dataclasses.replace(pl, row_blocks=-(-rows // pl.block_r))
     pl = _protect_rows_from_env(pl, overrides)
     LAST_LAUNCH["plan"] = pl
-    if limits.checked and variant not in ("v3", "v4"):  # v3's plan is the one checked above; v4 runs on sm_90 alone
+    if limits.checked and variant not in ("v3", *GLUON_VARIANTS):  # v3's plan is checked above; v4/v5 run on sm_90
         excess = _split_excess(variant, fmt, q_dtype, cache, block_table, seq_lens, dot_bf16, (pl.block_n, pl.block_r),
                                (pl.num_warps, pl.num_stages), dev, limits)
         if excess:
@@ -647,6 +677,11 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
         probe = env_int_choice(V4_PROBE_ENV, (0, 1, 2, 3, 4)) or 0
         if probe:  # PreparedCall.run warns on every call that takes it
             consts["PROBE"] = probe
+    if variant == "v5":
+        consts["LOADER_WARPS"] = V5_LOADER_WARPS
+        ahead = env_int_choice(V5_AHEAD_ENV, V5_AHEAD_CHOICES)
+        consts["AHEAD"] = V5_AHEAD if ahead is None else ahead
+    if variant in GLUON_VARIANTS:
         if _v4_inline_protect(cache):
             consts["INLINE_PROT"] = True
         if fmt.quantized and _v4_channel_order(int(block_table.shape[1]), pl.num_splits):

@@ -87,13 +87,14 @@ if GLUON_IMPORT_ERROR is None:
         return ps, pe, j_lo, gl.maximum(j_hi - j_lo, 0)
 
     @gluon.jit
-    def _load_q(q_base, rows, row_ok, cols, q_s, D: gl.constexpr, CHANNEL_ORDER: gl.constexpr = False):
-        """Query rows ``[64, D]`` (0 past R) as bfloat16 into ``q_s``, 64 channels at a time (``CHANNEL_ORDER``: in
+    def _load_q(q_base, rows, row_ok, cols, q_s, D: gl.constexpr, CHANNEL_ORDER: gl.constexpr = False,
+                N: gl.constexpr = 64):
+        """Query rows ``[N, D]`` (0 past R) as bfloat16 into ``q_s``, 64 channels at a time (``CHANNEL_ORDER``: in
         the packed key tiles' channel order, ``channel_of``)."""
         for c in gl.static_range(D // 64):
             x = gl.load(q_base + rows[:, None] * D + (c * 64 + cols)[None, :], mask=row_ok[:, None], other=0.0)
             if CHANNEL_ORDER:
-                x = to_channel_order(x, 64, 64)
+                x = to_channel_order(x, N, 64)
             q_s.slice(c * 64, 64, dim=1).store(x.to(gl.bfloat16))
 
     @gluon.jit

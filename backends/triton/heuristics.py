@@ -447,3 +447,39 @@ def plan_v4(batch: int, rows: int, latent_dim: int, page_size: int, max_tokens: 
     with :data:`V4_NUM_WARPS` warps in the launch's default partition."""
     return replace(plan_v3(batch, rows, latent_dim, page_size, max_tokens, sm_count, interpreter, num_splits, fp32_dot),
                    num_warps=V4_NUM_WARPS)
+
+
+# ------------------------------------------------------------------ attention kernel v5
+# (attention_v5_kernel.py: few query rows a program, the 64 tokens of a page as the wgmma M dimension; v4's formats,
+# dims, page size and device)
+#: warps of the attending (default) partition; the converter partition adds :data:`V5_LOADER_WARPS`
+V5_NUM_WARPS = 4
+#: the converter's warps (the kernel's ``LOADER_WARPS``): 8, as kernel v4's loader since stop 56
+V5_LOADER_WARPS = 8
+#: query rows a program (``QUANTMLA_TRITON_V5_BLOCK_R`` overrides it): 16, one request at H16 S_q 1 (the wgmma N). 32
+#: serves H16 S_q 2 in one program (each page converted once, not twice) but the output then takes 128 floats of the
+#: attender's 256 registers a thread (offline sm_90a: 0-40 bytes spilled)
+V5_BLOCK_R = 16
+V5_BLOCK_R_CHOICES = (16, 32)
+#: pages between a packed page's loads and its conversion (``QUANTMLA_TRITON_V5_AHEAD`` overrides it): 1 or 2
+#: (offline sm_90a at 16 rows: no spills with either; at 32 rows 2 spilled 20 bytes)
+V5_AHEAD = 1
+V5_AHEAD_CHOICES = (1, 2)
+#: whether ``auto`` runs kernel v5 over packed pages for fewer than :data:`V3_MIN_ROWS` query rows (in kernel v2's
+#: place) where v5 serves the call. Off until v5 has passed its GPU tests (``tests/test_triton_v5.py``) and been timed
+#: against v2 and v4 there (``run_h200_kernels.sh stop64a``); ``QUANTMLA_TRITON_ATTENTION=v5`` forces it meanwhile
+V5_AUTO = False
+
+
+def plan_v5(batch: int, rows: int, latent_dim: int, page_size: int, max_tokens: int, sm_count: int,
+            interpreter: bool = False, num_splits: int | None = None, fp32_dot: bool = False,
+            block_r: int = V5_BLOCK_R) -> AttentionPlan:
+    """Launch plan of attention kernel v5: kernel v3's tiles and split rule (one program an SM) over row blocks of
+    ``block_r`` query rows, :data:`V5_NUM_WARPS` warps in the launch's default partition."""
+    row_blocks = -(-rows // block_r)
+    tiles = max(1, -(-max_tokens // V3_BLOCK_N))
+    if num_splits is None:
+        min_tiles = MIN_TILES_PER_SPLIT_INTERPRETER if interpreter else V3_MIN_TILES_PER_SPLIT
+        num_splits = plan_kv_splits(batch * row_blocks, tiles, V3_CTAS_PER_SM * sm_count, min_tiles, MAX_SPLITS)[0]
+    return AttentionPlan(V3_BLOCK_N, block_r, row_blocks, int(num_splits), V5_NUM_WARPS, V3_NUM_STAGES,
+                         v3_protect_rows(batch, rows, sm_count), PROTECT_WARPS)
