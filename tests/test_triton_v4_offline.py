@@ -8,6 +8,8 @@
   a wrong map must mismatch.
 * A model of the two partitions' mbarrier protocol under random interleavings: no deadlock, no overwrite of a key
   slot or of P while a reader of it is pending, every read sees its own page; controls that drop a wait must fail.
+* Kernel v5 (``attention_v5_kernel``, few query rows, the same loaders): offline sm_90a builds of its row blocks and
+  prefetch depths (``wgmma`` count, pipelining, shared memory, spills, the register split).
 """
 
 from __future__ import annotations
@@ -188,6 +190,50 @@ def test_offline_made_up_words_keep_the_dequantization(reports, fmt):
         pytest.skip("no cuobjdump beside this triton")
     assert r["probe"] == 4 and r["wgmma"] == 48 and not r["wgmma_serialized"], r
     assert abs(r["sass"] - real["sass"]) <= 0.03 * real["sass"], (r["sass"], real["sass"])
+
+
+# ---------------------------------------------------------------- kernel v5 (attention_v5_kernel.py)
+
+#: kernel v5's offline builds: (block_r, ahead, protected tokens inline, channel order, formats)
+V5_CONFIGS = ((16, 1, 1, 1, FORMATS), (16, 2, 1, 1, ("C4R4", "C2R4")), (32, 1, 1, 1, ("C4R4",)))
+
+
+@pytest.fixture(scope="module")
+def reports_v5() -> dict:
+    """``offline_v4.compile_report_v5`` of :data:`V5_CONFIGS`, each in a subprocess without ``TRITON_INTERPRET``."""
+    _needs_gluon()
+    _needs_ptxas()
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = {}
+    for block_r, ahead, inline, order, fmts in V5_CONFIGS:
+        cmd = [sys.executable, *(["-P"] if sys.flags.safe_path else []), "-m",
+               "quantmla_core.backends.triton.offline_v4", *fmts, "kernel=5", f"block_r={block_r}", f"ahead={ahead}",
+               f"inline_prot={inline}", f"channel_order={order}"]
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=tempfile.gettempdir())
+        lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+        assert len(lines) == len(fmts), r.stdout + r.stderr
+        for fmt, line in zip(fmts, lines):
+            out[fmt, block_r, ahead] = ast.literal_eval(line)
+            assert "err" not in out[fmt, block_r, ahead], out[fmt, block_r, ahead]
+    return out
+
+
+@pytest.mark.parametrize("fmt,block_r,ahead", [(f, b, a) for b, a, _, _, fmts in V5_CONFIGS for f in fmts])
+def test_offline_v5_build(reports_v5, fmt, block_r, ahead):
+    """68 ``wgmma``, pipelined: QK 9 x 4 (m64nRk16, A = the key tile, B = the queries) and PV 8 x 4 (A = the key tile
+    read MN-major, 8 blocks of 64 channels); shared memory within a block's; the register file split as 128 x attender
+    + 256 x converter (8 warps) with the converter's ``LOADER8_REGS`` for the rows; no spills at 16 rows (at 32 the
+    attender's 128 output floats a thread may spill a few words)."""
+    from quantmla_core.backends.triton.attention_v5_kernel import LOADER8_REGS
+
+    r = reports_v5[fmt, block_r, ahead]
+    assert r["block_r"] == block_r and r["ahead"] == ahead and r["inline_prot"], r
+    assert r["wgmma"] == 68 and not r["wgmma_serialized"], r
+    assert r["smem"] <= SMEM_LIMIT, r
+    assert r["spill_bytes"] <= (0 if block_r == 16 else 48), r
+    converter = LOADER8_REGS.value[block_r]
+    attender = max(v for v in r["setmaxnreg"] if v < 256)
+    assert converter in r["setmaxnreg"] and 256 * converter + 128 * attender <= 65536, r
 
 
 # ---------------------------------------------------------------- the loaders' channel order, mirrored in NumPy
