@@ -90,7 +90,8 @@ if GLUON_IMPORT_ERROR is None:
         qcols = gl.arange(0, 64, gl.SliceLayout(0, ql))
         _load_q(q_base, qrows, qrows < R, qcols, q_s, DC, CHANNEL_ORDER, BLOCK_R)
         _load_q(qr_base, qrows, qrows < R, qcols, qr_s, DR, CHANNEL_ORDER, BLOCK_R)
-        fence_async_shared()
+        fence_async_shared()  # every thread's stores, then the warpgroup's barrier, before the wgmma reads them
+        _partition_barrier()
 
         rows = rb * BLOCK_R + gl.arange(0, BLOCK_R, col_l)
         limit = L - S_Q + rows // H + 1  # row r (query r // H) sees tokens n < limit
@@ -129,6 +130,7 @@ if GLUON_IMPORT_ERROR is None:
 
             p_s.store(gl.permute(p.to(gl.bfloat16), (1, 0)))  # P [BLOCK_R, 64]: B = P^T, K-major
             fence_async_shared()
+            _partition_barrier()
             acc = warpgroup_mma(kc_s.permute((1, 0)), p_s.permute((1, 0)), o * alpha[None, :], is_async=True)
 
         o = warpgroup_mma_wait(0, deps=[acc])
