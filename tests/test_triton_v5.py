@@ -81,17 +81,28 @@ def test_v5_needs_hopper(monkeypatch, major, why):
         _prepare()
 
 
-@pytest.mark.parametrize("fmt,heads,s_q,want", [
-    ("C4R4", 16, 1, "v5"), ("C2R4", 16, 2, "v5"), ("C4R4", 1, 1, "v5"), ("C2R4", 40, 1, "v5"),
-    ("BF16", 16, 1, "v1"), ("C4R8", 16, 1, "v2"), ("C4R4", 128, 1, "v4"), ("C4R4", 64, 1, "v4")])
-def test_auto_runs_v5_below_64_rows_with_v5_auto(monkeypatch, fmt, heads, s_q, want):
-    """With ``heuristics.V5_AUTO`` on, auto runs v5 in kernel v2's place over packed pages v5 reads (below 64 query
-    rows); BF16 pages keep v1, formats v5 does not read keep v2, and from 64 rows v4 runs."""
+@pytest.mark.parametrize("max_rows,fmt,heads,s_q,want", [
+    (16, "C4R4", 16, 1, "v5"), (16, "C4R4", 1, 1, "v5"), (16, "C2R4", 8, 2, "v5"), (15, "C4R4", 16, 1, "v4"),
+    (16, "C2R4", 16, 2, "v4"), (32, "C2R4", 16, 2, "v5"), (16, "C2R4", 40, 1, "v4"), (16, "BF16", 16, 1, "v1"),
+    (16, "C4R8", 16, 1, "v2"), (63, "C4R4", 64, 1, "v4"), (64, "C4R4", 128, 1, "v4")])
+def test_auto_runs_v5_up_to_v5_max_rows(monkeypatch, max_rows, fmt, heads, s_q, want):
+    """With ``heuristics.V5_AUTO`` on, auto runs v5 in kernel v2's place over packed pages v5 reads up to
+    ``heuristics.V5_MAX_ROWS`` query rows (S_q x H), and v4 above them (from ``V4_MIN_ROWS``); BF16 pages keep v1,
+    formats neither reads keep v2, and from 64 rows v4 runs in v3's place."""
     _as_hopper(monkeypatch)
     monkeypatch.setattr(A, "V5_AUTO", True)
-    monkeypatch.setattr(A, "V4_MIN_ROWS", 1)  # v5 goes first where both would take the call
+    monkeypatch.setattr(A, "V5_MAX_ROWS", max_rows)
+    monkeypatch.setattr(A, "V4_MIN_ROWS", 1)
     monkeypatch.delenv(A.VARIANT_ENV, raising=False)
     assert _prepare(fmt, heads=heads, s_q=s_q, variant="auto").variant == want
+
+
+def test_defaults_run_v5_at_h16_and_v4_at_32_rows(monkeypatch):
+    """The shipped rule (stop 64's H100 timings): v5 for one request's 16 rows, v4 for 32 (H16 S_q 2)."""
+    _as_hopper(monkeypatch)
+    monkeypatch.delenv(A.VARIANT_ENV, raising=False)
+    assert _prepare("C4R4", heads=16, variant="auto").variant == "v5"
+    assert _prepare("C2R4", heads=16, s_q=2, variant="auto").variant == "v4"
 
 
 def test_auto_keeps_v2_without_v5_auto(monkeypatch):

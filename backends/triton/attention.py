@@ -33,11 +33,11 @@ from .heuristics import (INTERPRETER_SM_COUNT, MERGE_BLOCK_C, MERGE_BLOCK_R, MER
                          planned_shared_max, plan_v4, protect_parts, v3_code_words, v3_tile_groups, v3_word_lanes,
                          V4_AUTO, V4_CAPABILITY_MAJOR, V4_INLINE_PROTECT, V4_LOADER_WARPS, V4_MIN_ROWS, V4_PIPELINE,
                          v4_channel_order, v4_format_unsupported, plan_v5, V5_AHEAD, V5_AHEAD_CHOICES, V5_AUTO,
-                         V5_BLOCK_R, V5_BLOCK_R_CHOICES, V5_LOADER_WARPS)
+                         V5_BLOCK_R, V5_BLOCK_R_CHOICES, V5_LOADER_WARPS, V5_MAX_ROWS)
 
 #: environment variable choosing the split kernel ("auto" default, "v1", "v2", "v3", "v4", "v5"); read on every call.
-#: ``auto`` runs v4 (Gluon, Hopper) where it would run v3 and v4 serves the call (``heuristics.V4_AUTO``); v5 (Gluon,
-#: few query rows) in v2's place where ``heuristics.V5_AUTO`` is on
+#: ``auto`` runs v4 (Gluon, Hopper) where it would run v3 and v4 serves the call (``heuristics.V4_AUTO``); below 64
+#: query rows over packed pages v5 (Gluon, few rows) up to ``heuristics.V5_MAX_ROWS`` rows and v4 above
 VARIANT_ENV = "QUANTMLA_TRITON_ATTENTION"
 VARIANTS = ("auto", "v1", "v2", "v3", "v4", "v5")
 #: query rows a program of the protected-tile kernel attends (a measurement knob, read on every call; unset: the
@@ -114,10 +114,11 @@ def _auto_takes_v4(variant: str, quantized: bool, rows: int) -> bool:
     return V4_AUTO and (variant == "v3" or few_rows)
 
 
-def _auto_takes_v5(variant: str, quantized: bool) -> bool:
-    """Whether ``auto``, having picked ``variant``, runs kernel v5 instead where v5 serves the call
-    (:data:`heuristics.V5_AUTO`): in kernel v2's place over packed pages (below v3's 64 query rows)."""
-    return V5_AUTO and variant == "v2" and quantized
+def _auto_takes_v5(variant: str, quantized: bool, rows: int) -> bool:
+    """Whether ``auto``, having picked ``variant`` for ``rows`` query rows, runs kernel v5 instead where v5 serves the
+    call (:data:`heuristics.V5_AUTO`): in kernel v2's place over packed pages up to :data:`heuristics.V5_MAX_ROWS`
+    rows."""
+    return V5_AUTO and variant == "v2" and quantized and rows <= V5_MAX_ROWS
 
 
 def v3_suits(device: torch.device) -> bool:
@@ -615,7 +616,7 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
         v3_fits = not v3_excess
     if variant == "auto":
         variant = auto_variant(fmt.quantized, q_bf16, rows, v3_fits)
-        if _auto_takes_v5(variant, fmt.quantized) and v4_unsupported(fmt, q_dtype, dev, "v5") is None:
+        if _auto_takes_v5(variant, fmt.quantized, rows) and v4_unsupported(fmt, q_dtype, dev, "v5") is None:
             variant = "v5"
         elif _auto_takes_v4(variant, fmt.quantized, rows) and v4_unsupported(fmt, q_dtype, dev) is None:
             variant = "v4"

@@ -384,11 +384,11 @@ def v4_format_unsupported(fmt) -> str | None:
 V4_AUTO = True
 #: query rows (S_q x H) from which ``auto`` runs kernel v4 over packed pages where it would run kernel v2 (below
 #: :data:`V3_MIN_ROWS`) and v4 serves the call; v4 masks the rows of its 64-row block past them, so a block of 16 rows
-#: costs it what one of 64 does. Kept at 64 (v2 below) until v4 has passed its few-row GPU cases (``tests/
-#: test_triton_v4.py``'s ``_few_row_cases``) and been timed against v2 there (``run_h200_kernels.sh stop63a``); what
-#: suggests it pays: on an H100 (CUDA graphs) v4 took 341 us at H64 B32 L32K C4R4 (stop 58) and 313 C2R4 (stop 59),
-#: where v2 takes 646-652 and 595-600 at H16 B32 L32K (stops 49-50): the same grid of 32 row blocks, the same pages
-V4_MIN_ROWS = 64
+#: costs it what one of 64 does. Kernel v5 goes first up to :data:`V5_MAX_ROWS`. H100, CUDA graphs, FlashInfer BF16
+#: in the process (stop 64, ``run_h200_kernels.sh stop64a``; v4 matched the reference and v5 on the few-row GPU cases
+#: of ``tests/test_triton_v5.py``), v2 / v4 / v5, us: H16 S_q 2 B32 L32K (32 rows) C4R4 1,180 / 328 / 533, C2R4
+#: 1,071 / 315 / 514; H16 S_q 1 B32 L32K C4R4 646 / 321 / 287, C2R4 592 / 310 / 274
+V4_MIN_ROWS = 1
 #: kernel v4's build per page format (``QUANTMLA_TRITON_V4_PIPELINE`` overrides it): 0, pages in turn (the loader loads
 #: a page's bytes once its key slot is free; the attender's output product runs beside its next QK); 1, pipelined (the
 #: packed loader loads page i + 1's bytes during page i's output product, the attender hands a key slot back before
@@ -462,13 +462,22 @@ V5_LOADER_WARPS = 8
 V5_BLOCK_R = 16
 V5_BLOCK_R_CHOICES = (16, 32)
 #: pages between a packed page's loads and its conversion (``QUANTMLA_TRITON_V5_AHEAD`` overrides it): 1 or 2
-#: (offline sm_90a at 16 rows: no spills with either; at 32 rows 2 spilled 20 bytes)
+#: (offline sm_90a at 16 rows: no spills with either; at 32 rows 2 spilled 20 bytes). H100, CUDA graphs (stop 64), 1 /
+#: 2, us: H16 B32 L32K C4R4 287.0 / 280.2, C2R4 274.4 / 266.8; B128 L32K 1,061 / 1,033, 1,017 / 970; B32 L128K 1,056
+#: / 1,035, 1,016 / 990; B8 L4K 34.1 / 34.6, 33.5 / 33.9. 2 is 2-5 % faster from 32K tokens but has not yet run
+#: its GPU tests (stop 64 ran them with 1; the timings check no outputs), so 1 stays the default until it has
 V5_AHEAD = 1
 V5_AHEAD_CHOICES = (1, 2)
-#: whether ``auto`` runs kernel v5 over packed pages for fewer than :data:`V3_MIN_ROWS` query rows (in kernel v2's
-#: place) where v5 serves the call. Off until v5 has passed its GPU tests (``tests/test_triton_v5.py``) and been timed
-#: against v2 and v4 there (``run_h200_kernels.sh stop64a``); ``QUANTMLA_TRITON_ATTENTION=v5`` forces it meanwhile
-V5_AUTO = False
+#: whether ``auto`` runs kernel v5 over packed pages for at most :data:`V5_MAX_ROWS` query rows (in kernel v2's place)
+#: where v5 serves the call. On: on an H100 (stop 64, ``run_h200_kernels.sh stop64a``) v5 passed its GPU tests
+#: (``tests/test_triton_v5.py``, 74 cases, against the reference and kernel v4) and memcheck, and took 0.43-0.46x of
+#: v2's time and 0.87-0.89x of v4's at H16 from 32K tokens (CUDA graphs, :data:`V5_AHEAD` 1: B32 L32K C4R4 287 us, v4
+#: 321, v2 646, FlashInfer BF16 420), B8 L4K 34.1 (v4 38.5, v2 48.4, FlashInfer 32.7)
+V5_AUTO = True
+#: query rows up to which ``auto`` takes kernel v5 (one 16-row block a request): at 32 rows (H16 S_q 2, two blocks,
+#: each page dequantized twice) v5 took 514-533 us at B32 L32K against v4's 315-328 (stop 64, H100; 32-row blocks,
+#: ``QUANTMLA_TRITON_V5_BLOCK_R=32``, not timed)
+V5_MAX_ROWS = 16
 
 
 def plan_v5(batch: int, rows: int, latent_dim: int, page_size: int, max_tokens: int, sm_count: int,
