@@ -343,9 +343,10 @@ def v3_protect_rows(batch: int, rows: int, sm_count: int) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def plan_v3(batch: int, rows: int, latent_dim: int, page_size: int, max_tokens: int, sm_count: int,
-            interpreter: bool = False, num_splits: int | None = None, fp32_dot: bool = False) -> AttentionPlan:
-    """Launch plan of attention kernel v3 (same fields and split rule as :func:`plan`)."""
-    block_r = V3_BLOCK_R
+            interpreter: bool = False, num_splits: int | None = None, fp32_dot: bool = False,
+            block_r: int = V3_BLOCK_R) -> AttentionPlan:
+    """Launch plan of attention kernel v3 (same fields and split rule as :func:`plan`) over row blocks of ``block_r``
+    query rows (kernel v5 plans its 16-row blocks so)."""
     row_blocks = -(-rows // block_r)
     tiles = max(1, -(-max_tokens // V3_BLOCK_N))
     if num_splits is None:
@@ -485,10 +486,5 @@ def plan_v5(batch: int, rows: int, latent_dim: int, page_size: int, max_tokens: 
             block_r: int = V5_BLOCK_R) -> AttentionPlan:
     """Launch plan of attention kernel v5: kernel v3's tiles and split rule (one program an SM) over row blocks of
     ``block_r`` query rows, :data:`V5_NUM_WARPS` warps in the launch's default partition."""
-    row_blocks = -(-rows // block_r)
-    tiles = max(1, -(-max_tokens // V3_BLOCK_N))
-    if num_splits is None:
-        min_tiles = MIN_TILES_PER_SPLIT_INTERPRETER if interpreter else V3_MIN_TILES_PER_SPLIT
-        num_splits = plan_kv_splits(batch * row_blocks, tiles, V3_CTAS_PER_SM * sm_count, min_tiles, MAX_SPLITS)[0]
-    return AttentionPlan(V3_BLOCK_N, block_r, row_blocks, int(num_splits), V5_NUM_WARPS, V3_NUM_STAGES,
-                         v3_protect_rows(batch, rows, sm_count), PROTECT_WARPS)
+    return replace(plan_v3(batch, rows, latent_dim, page_size, max_tokens, sm_count, interpreter, num_splits, fp32_dot,
+                           block_r), num_warps=V5_NUM_WARPS)
