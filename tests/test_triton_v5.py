@@ -239,8 +239,8 @@ def test_v5_overwrites_poisoned_partials(monkeypatch, build):
     batch, args, cache = write_case(case, "cuda", "bfloat16")
     out = torch.full_like(args["q_latent"], float("nan"))
     lse = torch.full(args["q_latent"].shape[:-1], float("nan"), device="cuda")
-    call = A.prepare(cache, args["block_table"], args["attn_seq_lens"], args["attn_seq_ids"], *args["q_latent"].shape[:3],
-                     torch.bfloat16, batch.softmax_scale, num_splits=6, variant="v5")
+    call = A.prepare(cache, args["block_table"], args["attn_seq_lens"], args["attn_seq_ids"],
+                     *args["q_latent"].shape[:3], torch.bfloat16, batch.softmax_scale, num_splits=6, variant="v5")
     call.run(args["q_latent"], args["q_rope"], cache, out=out, lse=lse)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     want_out, want_lse = ref.decode_attention(args["q_latent"].cpu(), args["q_rope"].cpu(), cache_to_cpu(cache),

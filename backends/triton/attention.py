@@ -81,7 +81,8 @@ V5_BLOCK_R_ENV = "QUANTMLA_TRITON_V5_BLOCK_R"
 V5_AHEAD_ENV = "QUANTMLA_TRITON_V5_AHEAD"
 _KERNELS = {"v1": split_kernel, "v2": split_kernel_v2, "v3": split_kernel_v3,
             **({} if split_kernel_v4 is None else {"v4": split_kernel_v4, "v5": split_kernel_v5})}
-#: the Gluon kernels (Hopper, no interpreter): v4's arguments and constexprs, their own protected tokens and channel order
+#: the Gluon kernels (Hopper, no interpreter): v4's arguments and constexprs, their own protected tokens and channel
+#: order
 GLUON_VARIANTS = ("v4", "v5")
 
 

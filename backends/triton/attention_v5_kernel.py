@@ -268,7 +268,8 @@ if GLUON_IMPORT_ERROR is None:
         ``o_part[b, split, rows]`` (float32 ``[BLOCK_R, DC]``) and log2-sum-exp ``lse_part[b, split, rows]`` over the
         split's tokens, as ``split_kernel_v4``. v3's code-path switches are accepted and ignored. ``LOADER_WARPS``
         (4 or 8): the converter's warps; ``LOADER_REGS``: their registers after ``setmaxnreg`` (0:
-        :data:`LOADER8_REGS` by ``BLOCK_R``, or :data:`LOADER4_REGS`). ``AHEAD``: pages between a page's loads and its conversion.
+        :data:`LOADER8_REGS` by ``BLOCK_R``, or :data:`LOADER4_REGS`). ``AHEAD``: pages between a page's loads and its
+        conversion.
         ``INLINE_PROT``, ``CHANNEL_ORDER``: as kernel v4's."""
         gl.static_assert(BLOCK_R == 16 or BLOCK_R == 32, "kernel v5: 16 or 32 query rows a program")
         gl.static_assert(P == 64 and BLOCK_N % 64 == 0, "kernel v5: 64-token pages")
