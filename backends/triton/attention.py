@@ -148,8 +148,7 @@ def v4_unsupported(fmt, q_dtype: torch.dtype, device: torch.device, variant: str
         return f"{name} needs compute capability {V4_CAPABILITY_MAJOR}.x (Hopper), {device} is {major}.x"
     if q_dtype != torch.bfloat16:
         return f"{name} takes bfloat16 queries, got {q_dtype}"
-    why = v4_format_unsupported(fmt)
-    return None if why is None else why.replace("kernel v4", name)
+    return v4_format_unsupported(fmt, name)
 
 
 @functools.lru_cache(maxsize=16)

@@ -52,8 +52,8 @@ if GLUON_IMPORT_ERROR is None:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                   warpgroup_mma_init, warpgroup_mma_wait)
 
-    from .attention_v4_loaders import (_acc_layout, is_protected_page, loader_partition, page_of, protected_pages,
-                                       protected_span, to_channel_order)
+    from .attention_v4_loaders import (_acc_layout, loader_partition, page_of, protected_pages, to_channel_order,
+                                       visible_span)
 
     #: registers of each loader thread (``setmaxnreg``) with 8 loader warps: the attender keeps (65,536 - 256 x this)
     #: / 128
@@ -128,7 +128,7 @@ if GLUON_IMPORT_ERROR is None:
         s0 = gl.zeros([BLOCK_R, 64], gl.float32, s_layout)
         # builds 1, 2 and 4 retire the product of page i - 1 before QK(i); builds 0 and 3 beside it
         EARLY: gl.constexpr = PIPELINE != 0 and PIPELINE != 3
-        seq_ok, SINK, LOCAL, n_prot = prot[3], prot[5], prot[6], prot[7]
+        n_prot = prot[7]
         for i in range(gl.maximum(n_tiles + n_prot, 1)):  # see split_kernel_v4: an empty split attends to one dead page
             slot = i % 2
             j = j_lo + i
@@ -153,15 +153,7 @@ if GLUON_IMPORT_ERROR is None:
                 mbarrier.arrive(kempty.index(1 - slot), pred=i > 0)
 
             # slot t holds position base + t, visible where lo <= base + t < hi (scalars: no per-token work)
-            base = j * 64
-            lo = ps
-            hi = gl.where(page_ok, pe, ps)
-            if INLINE_PROT:  # past the split's pages: its protected pages
-                base_p, lo_p, hi_p, _ = protected_span(i - n_tiles, L, SINK, LOCAL, seq_ok)
-                is_prot = is_protected_page(i, n_tiles, n_prot)
-                base = gl.where(is_prot, base_p, base)
-                lo = gl.where(is_prot, lo_p, lo)
-                hi = gl.where(is_prot, hi_p, hi)
+            base, lo, hi = visible_span(i, j, page_ok, ps, pe, n_tiles, L, prot, INLINE_PROT)
             n = base + toks
             vis = ((n >= lo) & (n < hi))[None, :] & (n[None, :] < limit[:, None])
             # the scale (> 0, checked at the API) after the maximum, so that scale and subtraction fuse into one FFMA

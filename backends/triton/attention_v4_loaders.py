@@ -120,6 +120,38 @@ if GLUON_IMPORT_ERROR is None:
         return base, lo, gl.where(seq_ok, hi, lo), is_sink
 
     @gluon.jit
+    def visible_span(i, j, page_ok, ps, pe, n_tiles, L, prot, INLINE_PROT: gl.constexpr):
+        """Step ``i`` of the split's walk (page ``j``) as scalars: its slot ``t`` holds position ``base + t``, visible
+        (before the causal limit) where ``lo <= base + t < hi``; past the packed pages, the protected page's span
+        (``prot``: the kernel's protected-token tuple)."""
+        base = j * PAGE_TOKENS
+        lo = ps
+        hi = gl.where(page_ok, pe, ps)
+        if INLINE_PROT:
+            seq_ok, SINK, LOCAL, n_prot = prot[3], prot[5], prot[6], prot[7]
+            base_p, lo_p, hi_p, _ = protected_span(i - n_tiles, L, SINK, LOCAL, seq_ok)
+            is_prot = is_protected_page(i, n_tiles, n_prot)
+            base = gl.where(is_prot, base_p, base)
+            lo = gl.where(is_prot, lo_p, lo)
+            hi = gl.where(is_prot, hi_p, hi)
+        return base, lo, hi
+
+    @gluon.jit
+    def finish_slot(i, n_tiles, prot, kc_s, kr_s, DC: gl.constexpr, DR: gl.constexpr, WARPS: gl.constexpr,
+                    INLINE_PROT: gl.constexpr, CHANNEL_ORDER: gl.constexpr):
+        """A filled key slot made ready for the caller's one arrival on its ``kfull``: for a protected page
+        (``INLINE_PROT``; the slot holds the dead page's zeros) its bfloat16 rows copied in first, then every thread's
+        fence and the partition's barrier."""
+        if INLINE_PROT:
+            sink_ptr, local_ptr, seq, seq_ok, L, SINK, LOCAL, n_prot = prot
+            if is_protected_page(i, n_tiles, n_prot):
+                _partition_barrier()
+                _load_protected_page(sink_ptr, local_ptr, seq, seq_ok, i - n_tiles, L, SINK, LOCAL, kc_s, kr_s, DC,
+                                     DR, WARPS, CHANNEL_ORDER)
+        fence_async_shared()  # generic-proxy stores, read next by wgmma (async proxy)
+        _partition_barrier()  # every thread's fence before the one arrival
+
+    @gluon.jit
     def _load_protected_page(sink_ptr, local_ptr, seq, seq_ok, e, L, SINK, LOCAL, kc_s, kr_s, DC: gl.constexpr,
                              DR: gl.constexpr, WARPS: gl.constexpr, CHANNEL_ORDER: gl.constexpr = False):
         """Protected page ``e`` of request slot ``seq`` copied from the bfloat16 sink / window rows ``[DC + DR]``
@@ -438,7 +470,7 @@ if GLUON_IMPORT_ERROR is None:
                     raws, scales, zeros, rw, rs, rz = _code_raws(pages_ptr, page_off, j_lo, ps, pe, page_ok, DC, DR,
                                                                  CBITS, RBITS, C_CODES_OFF, R_CODES_OFF, C_SCALES_OFF,
                                                                  C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF, WARPS, MADE_UP)
-        sink_ptr, local_ptr, seq, seq_ok, L, SINK, LOCAL, n_prot = prot
+        n_prot = prot[7]
         n_iter = gl.maximum(n_tiles + n_prot, 1)  # the attender's count: an empty split walks one dead page
         for i in range(n_iter):
             slot = i % 2
@@ -472,13 +504,7 @@ if GLUON_IMPORT_ERROR is None:
                 if KEYS:
                     _store_code_page(raws, scales, zeros, rw, rs, rz, kc.index(slot), kr.index(slot), DC, DR, CBITS,
                                      RBITS, CHANNEL_ORDER, 1)
-            if INLINE_PROT:
-                if is_protected_page(i, n_tiles, n_prot):  # the slot (zeros from the dead page above) takes its rows
-                    _partition_barrier()
-                    _load_protected_page(sink_ptr, local_ptr, seq, seq_ok, i - n_tiles, L, SINK, LOCAL,
-                                         kc.index(slot), kr.index(slot), DC, DR, WARPS, CHANNEL_ORDER)
-            fence_async_shared()  # generic-proxy stores, read next by wgmma (async proxy)
-            _partition_barrier()  # every thread's fence before the one arrival
+            finish_slot(i, n_tiles, prot, kc.index(slot), kr.index(slot), DC, DR, WARPS, INLINE_PROT, CHANNEL_ORDER)
             mbarrier.arrive(kfull.index(slot))
             if CODES:
                 if PIPELINE:

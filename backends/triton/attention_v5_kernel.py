@@ -45,9 +45,8 @@ if GLUON_IMPORT_ERROR is None:
                                                                   warpgroup_mma_init, warpgroup_mma_wait)
 
     from .attention_v4_kernel import _add, _load_q, _max, _split_range
-    from .attention_v4_loaders import (_acc_layout, _code_raws, _load_bf16_page, _load_protected_page,
-                                       _partition_barrier, _store_code_page, is_protected_page, page_of,
-                                       protected_pages, protected_span)
+    from .attention_v4_loaders import (_acc_layout, _code_raws, _load_bf16_page, _partition_barrier,
+                                       _store_code_page, finish_slot, page_of, protected_pages, visible_span)
 
     #: the converter's registers a thread (``setmaxnreg``) with 8 warps, by ``BLOCK_R``: the attender keeps (65,536 -
     #: 256 x this) / 128, 208 at 16 rows and 256 at 32, where its output takes 128 floats a thread (offline sm_90a,
@@ -55,22 +54,6 @@ if GLUON_IMPORT_ERROR is None:
     LOADER8_REGS = gl.constexpr({16: 152, 32: 128})
     #: ... with 4 warps (8 warps of 232 and 256 fill the register file)
     LOADER4_REGS = gl.constexpr(232)
-
-    @gluon.jit
-    def _visible_span(i, j, page_ok, ps, pe, n_tiles, L, prot, INLINE_PROT: gl.constexpr):
-        """Step ``i`` of the split's walk (page ``j``) as scalars: its slot ``t`` holds position ``base + t``, visible
-        (before the causal limit) where ``lo <= base + t < hi``; past the packed pages, the protected page's span."""
-        base = j * 64
-        lo = ps
-        hi = gl.where(page_ok, pe, ps)
-        if INLINE_PROT:
-            seq_ok, SINK, LOCAL, n_prot = prot[3], prot[5], prot[6], prot[7]
-            base_p, lo_p, hi_p, _ = protected_span(i - n_tiles, L, SINK, LOCAL, seq_ok)
-            is_prot = is_protected_page(i, n_tiles, n_prot)
-            base = gl.where(is_prot, base_p, base)
-            lo = gl.where(is_prot, lo_p, lo)
-            hi = gl.where(is_prot, hi_p, hi)
-        return base, lo, hi
 
     @gluon.jit
     def attender_partition(q_base, qr_base, table_row, num_pages, o_part_ptr, lse_part_ptr, part, rb, R, H, S_Q, L,
@@ -116,7 +99,7 @@ if GLUON_IMPORT_ERROR is None:
             s, o = warpgroup_mma_wait(0, deps=[s, acc])  # also retires the output product of page i - 1
             mbarrier.arrive(kempty.index(1 - slot), pred=i > 0)
 
-            base, lo, hi = _visible_span(i, j, page_ok, ps, pe, n_tiles, L, prot, INLINE_PROT)
+            base, lo, hi = visible_span(i, j, page_ok, ps, pe, n_tiles, L, prot, INLINE_PROT)
             n = base + toks
             vis = ((n >= lo) & (n < hi))[:, None] & (n[:, None] < limit[None, :])
             # the scale (> 0, checked at the API) after the maximum, so that scale and subtraction fuse into one FFMA
@@ -165,7 +148,7 @@ if GLUON_IMPORT_ERROR is None:
         ``n_tiles`` pages the split walks ``prot``'s protected pages (0 but on the last split)."""
         kc, kr = bufs[0], bufs[1]
         kfull, kempty = bars
-        sink_ptr, local_ptr, seq, seq_ok, L, SINK, LOCAL, n_prot = prot
+        n_prot = prot[7]
         gl.static_assert(AHEAD == 1 or AHEAD == 2, "kernel v5: page bytes 1 or 2 pages ahead")
         if QUANT:
             cur = _page_bytes(pages_ptr, table_row, num_pages, j_lo, n_tiles > 0, ps, pe, DC, DR, CBITS, RBITS,
@@ -186,13 +169,7 @@ if GLUON_IMPORT_ERROR is None:
                 page_off, page_ok = page_of(table_row, j_lo + i, num_pages, PAGE_BYTES, i < n_tiles)
                 _load_bf16_page(pages_ptr, page_off, j_lo + i, ps, pe, page_ok, kc.index(slot), kr.index(slot), DC,
                                 DR, C_CODES_OFF, R_CODES_OFF, True, WARPS)
-            if INLINE_PROT:
-                if is_protected_page(i, n_tiles, n_prot):  # the slot (zeros from the dead page above) takes its rows
-                    _partition_barrier()
-                    _load_protected_page(sink_ptr, local_ptr, seq, seq_ok, i - n_tiles, L, SINK, LOCAL,
-                                         kc.index(slot), kr.index(slot), DC, DR, WARPS, CHANNEL_ORDER)
-            fence_async_shared()  # generic-proxy stores, read next by wgmma (async proxy)
-            _partition_barrier()  # every thread's fence before the one arrival
+            finish_slot(i, n_tiles, prot, kc.index(slot), kr.index(slot), DC, DR, WARPS, INLINE_PROT, CHANNEL_ORDER)
             mbarrier.arrive(kfull.index(slot))
             if QUANT:
                 k = i + AHEAD

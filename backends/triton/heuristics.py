@@ -368,14 +368,15 @@ V4_PAGE_SIZE = 64
 V4_CAPABILITY_MAJOR = 9
 
 
-def v4_format_unsupported(fmt) -> str | None:
-    """Why kernel v4 cannot read pages of ``fmt`` (a ``PackFormat``: its name, dims and page size), or None."""
+def v4_format_unsupported(fmt, kernel: str = "kernel v4") -> str | None:
+    """Why ``kernel`` (v4, or v5, which reads what v4 reads) cannot read pages of ``fmt`` (a ``PackFormat``: its name,
+    dims and page size), or None."""
     if fmt.name not in V4_FORMATS:
-        return f"kernel v4 reads pages of {'/'.join(V4_FORMATS)}, got {fmt.name}"
+        return f"{kernel} reads pages of {'/'.join(V4_FORMATS)}, got {fmt.name}"
     if (fmt.latent_dim, fmt.rope_dim) != V4_DIMS:
-        return f"kernel v4 is built for (d_c, d_r) = {V4_DIMS}, got ({fmt.latent_dim}, {fmt.rope_dim})"
+        return f"{kernel} is built for (d_c, d_r) = {V4_DIMS}, got ({fmt.latent_dim}, {fmt.rope_dim})"
     if fmt.page_size != V4_PAGE_SIZE:
-        return f"kernel v4 reads {V4_PAGE_SIZE}-token pages, got page_size={fmt.page_size}"
+        return f"{kernel} reads {V4_PAGE_SIZE}-token pages, got page_size={fmt.page_size}"
     return None
 
 #: whether ``auto`` runs kernel v4 where it would run v3 and v4 serves the call (:func:`attention.v4_unsupported`). On:
