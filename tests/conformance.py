@@ -125,6 +125,13 @@ def check_attention_case(case: Case, write_backend: str, attn_backend: str, devi
     return check_attention(out, lse, ref_out, ref_lse, dtype)
 
 
+def reference_outputs(batch, args, cache):
+    """The float64 reference's (out, lse) for ``write_case``'s ``batch`` and ``args`` over ``cache`` (any torch
+    device: copied to host memory first)."""
+    return ref.decode_attention(args["q_latent"].cpu(), args["q_rope"].cpu(), cache_to_cpu(cache), batch.block_table,
+                                batch.attn_seq_lens, batch.attn_seq_ids, batch.softmax_scale)
+
+
 def cache_to_cpu(cache):
     """A copy of a device cache in host memory (torch CPU tensors)."""
     return qm.MLACache(cache.format, cache.pages.cpu(), cache.sink_buf.cpu(), cache.local_buf.cpu(),

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import quantmla_core as qm
-from quantmla_core import reference as ref
 from quantmla_core import torch_ops
 from quantmla_core.testing import Case, allocate, build, check_attention
+
+from conformance import reference_outputs
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 #: (case, backend): CPU backends that run at test speed, and auto on a GPU
@@ -92,10 +93,7 @@ def test_compiled_step_matches_eager_api_and_reference(case, backend, device):
     assert torch.equal(cache.pages, eager_cache.pages) and torch.equal(cache.local_buf, eager_cache.local_buf)
     assert torch.equal(cache.sink_buf, eager_cache.sink_buf)
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
-    host = qm.MLACache(case.fmt, cache.pages.cpu(), cache.sink_buf.cpu(), cache.local_buf.cpu(), cache.max_seqs,
-                       cache.sink, cache.local)
-    ref_out, ref_lse = ref.decode_attention(args["q_latent"].cpu(), args["q_rope"].cpu(), host, batch.block_table,
-                                            batch.attn_seq_lens, batch.attn_seq_ids, batch.softmax_scale)
+    ref_out, ref_lse = reference_outputs(batch, args, cache)
     check_attention(out, lse, ref_out, ref_lse, "float32")
 
 

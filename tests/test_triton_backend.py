@@ -16,7 +16,7 @@ from quantmla_core import PackFormat, get_backend
 from quantmla_core import reference as ref
 from quantmla_core.testing import Case, allocate, build, check_attention, edge_lengths, generate_cases, write_case
 
-from conformance import cache_to_cpu, check_attention_case, check_writer
+from conformance import check_attention_case, check_writer, reference_outputs
 
 pytest.importorskip("triton")
 
@@ -277,9 +277,7 @@ def _attend_direct(case: Case, dtype: str = "float32", tol_dtype: str | None = N
     batch, args, cache = write_case(case, DEVICE, dtype)
     out, lse = triton_attention(args["q_latent"], args["q_rope"], cache, args["block_table"], args["attn_seq_lens"],
                                 args["attn_seq_ids"], batch.softmax_scale, **kwargs)
-    host = cache_to_cpu(cache)
-    want_out, want_lse = ref.decode_attention(args["q_latent"].cpu(), args["q_rope"].cpu(), host, batch.block_table,
-                                              batch.attn_seq_lens, batch.attn_seq_ids, batch.softmax_scale)
+    want_out, want_lse = reference_outputs(batch, args, cache)
     check_attention(out, lse, want_out, want_lse, tol_dtype or dtype)
 
 

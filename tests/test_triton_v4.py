@@ -14,10 +14,9 @@ import torch
 
 import quantmla_core as qm
 from quantmla_core import PackFormat
-from quantmla_core import reference as ref
 from quantmla_core.testing import Case, check_attention, edge_lengths, stub_triton_launcher, write_case
 
-from conformance import cache_to_cpu
+from conformance import reference_outputs
 
 pytest.importorskip("triton")
 from quantmla_core.backends.triton import attention as A  # noqa: E402
@@ -355,9 +354,7 @@ def test_v4_matches_reference_and_v3(case, splits, build, monkeypatch):
     out_v3, lse_v3 = _attend(case, cache, args, batch, "v3", splits)
     out, lse = _attend(case, cache, args, batch, "v4", splits)
     assert A.LAST_LAUNCH["variant"] == "v4"
-    host = cache_to_cpu(cache)
-    want_out, want_lse = ref.decode_attention(args["q_latent"].cpu(), args["q_rope"].cpu(), host, batch.block_table,
-                                              batch.attn_seq_lens, batch.attn_seq_ids, batch.softmax_scale)
+    want_out, want_lse = reference_outputs(batch, args, cache)
     check_attention(out, lse, want_out, want_lse, "bfloat16")
     torch.testing.assert_close(out.float(), out_v3.float(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(lse, lse_v3, rtol=1e-3, atol=1e-3)
@@ -379,9 +376,7 @@ def test_v4_overwrites_poisoned_partials(monkeypatch, build):
                      torch.bfloat16, batch.softmax_scale, num_splits=4, variant="v4")
     call.run(args["q_latent"], args["q_rope"], cache, out=out, lse=lse)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
-    want_out, want_lse = ref.decode_attention(args["q_latent"].cpu(), args["q_rope"].cpu(), cache_to_cpu(cache),
-                                              batch.block_table, batch.attn_seq_lens, batch.attn_seq_ids,
-                                              batch.softmax_scale)
+    want_out, want_lse = reference_outputs(batch, args, cache)
     check_attention(out, lse, want_out, want_lse, "bfloat16")
 
 
@@ -401,9 +396,7 @@ def test_probe_builds_keep_the_handoffs(monkeypatch, build, probe):
     torch.cuda.synchronize()
     if probe not in ("2", "4"):
         return
-    want_out, want_lse = ref.decode_attention(args["q_latent"].cpu(), args["q_rope"].cpu(), cache_to_cpu(cache),
-                                              batch.block_table, batch.attn_seq_lens, batch.attn_seq_ids,
-                                              batch.softmax_scale)
+    want_out, want_lse = reference_outputs(batch, args, cache)
     if probe == "4":
         assert not np.allclose(out.float().cpu().numpy(), want_out, rtol=0.1, atol=0.1)
         return

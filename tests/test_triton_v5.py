@@ -14,10 +14,9 @@ import torch
 
 import quantmla_core as qm
 from quantmla_core import PackFormat
-from quantmla_core import reference as ref
 from quantmla_core.testing import Case, check_attention, edge_lengths, stub_triton_launcher, write_case
 
-from conformance import cache_to_cpu
+from conformance import reference_outputs
 
 pytest.importorskip("triton")
 from quantmla_core.backends.triton import attention as A  # noqa: E402
@@ -219,9 +218,7 @@ def test_v5_matches_reference_and_v4(case, splits, build, monkeypatch):
     out_v4, lse_v4 = _attend(cache, args, batch, "v4", splits)
     out, lse = _attend(cache, args, batch, "v5", splits)
     assert A.LAST_LAUNCH["variant"] == "v5"
-    want_out, want_lse = ref.decode_attention(args["q_latent"].cpu(), args["q_rope"].cpu(), cache_to_cpu(cache),
-                                              batch.block_table, batch.attn_seq_lens, batch.attn_seq_ids,
-                                              batch.softmax_scale)
+    want_out, want_lse = reference_outputs(batch, args, cache)
     check_attention(out, lse, want_out, want_lse, "bfloat16")
     torch.testing.assert_close(out.float(), out_v4.float(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(lse, lse_v4, rtol=1e-3, atol=1e-3)
@@ -243,7 +240,5 @@ def test_v5_overwrites_poisoned_partials(monkeypatch, build):
                      *args["q_latent"].shape[:3], torch.bfloat16, batch.softmax_scale, num_splits=6, variant="v5")
     call.run(args["q_latent"], args["q_rope"], cache, out=out, lse=lse)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
-    want_out, want_lse = ref.decode_attention(args["q_latent"].cpu(), args["q_rope"].cpu(), cache_to_cpu(cache),
-                                              batch.block_table, batch.attn_seq_lens, batch.attn_seq_ids,
-                                              batch.softmax_scale)
+    want_out, want_lse = reference_outputs(batch, args, cache)
     check_attention(out, lse, want_out, want_lse, "bfloat16")
