@@ -132,6 +132,24 @@ def reference_outputs(batch, args, cache):
                                 batch.attn_seq_lens, batch.attn_seq_ids, batch.softmax_scale)
 
 
+def check_poisoned_partials(monkeypatch, launcher, case: Case, num_splits: int, variant: str) -> None:
+    """Triton split kernel ``variant`` (``launcher``: ``backends.triton.attention``) over ``case`` on CUDA in
+    ``num_splits`` splits, with its partials' memory and the outputs NaN-filled: the outputs come back finite (every
+    partial a split owns was written) and match the reference."""
+    carve = launcher.carve
+    monkeypatch.setattr(launcher, "carve", lambda specs, device: [t.fill_(float("nan")) for t in carve(specs, device)])
+    batch, args, cache = write_case(case, "cuda", "bfloat16")
+    out = torch.full_like(args["q_latent"], float("nan"))
+    lse = torch.full(args["q_latent"].shape[:-1], float("nan"), device="cuda")
+    call = launcher.prepare(cache, args["block_table"], args["attn_seq_lens"], args["attn_seq_ids"],
+                            *args["q_latent"].shape[:3], torch.bfloat16, batch.softmax_scale, num_splits=num_splits,
+                            variant=variant)
+    call.run(args["q_latent"], args["q_rope"], cache, out=out, lse=lse)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    want_out, want_lse = reference_outputs(batch, args, cache)
+    check_attention(out, lse, want_out, want_lse, "bfloat16")
+
+
 def cache_to_cpu(cache):
     """A copy of a device cache in host memory (torch CPU tensors)."""
     return qm.MLACache(cache.format, cache.pages.cpu(), cache.sink_buf.cpu(), cache.local_buf.cpu(),

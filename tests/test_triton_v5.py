@@ -16,7 +16,7 @@ import quantmla_core as qm
 from quantmla_core import PackFormat
 from quantmla_core.testing import Case, check_attention, edge_lengths, stub_triton_launcher, write_case
 
-from conformance import reference_outputs
+from conformance import check_poisoned_partials, reference_outputs
 
 pytest.importorskip("triton")
 from quantmla_core.backends.triton import attention as A  # noqa: E402
@@ -230,15 +230,5 @@ def test_v5_overwrites_poisoned_partials(monkeypatch, build):
     """Every partial a v5 split owns is written, empty splits included: with the partials' memory and the outputs
     NaN-filled, the outputs come back finite (and still match the reference)."""
     _set_build(monkeypatch, build)
-    carve = A.carve
-    monkeypatch.setattr(A, "carve", lambda specs, device: [t.fill_(float("nan")) for t in carve(specs, device)])
     case = Case(PackFormat.parse("C4R4"), (3000, 64, 129), heads=16, s_q=2, seed=6999)
-    batch, args, cache = write_case(case, "cuda", "bfloat16")
-    out = torch.full_like(args["q_latent"], float("nan"))
-    lse = torch.full(args["q_latent"].shape[:-1], float("nan"), device="cuda")
-    call = A.prepare(cache, args["block_table"], args["attn_seq_lens"], args["attn_seq_ids"],
-                     *args["q_latent"].shape[:3], torch.bfloat16, batch.softmax_scale, num_splits=6, variant="v5")
-    call.run(args["q_latent"], args["q_rope"], cache, out=out, lse=lse)
-    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
-    want_out, want_lse = reference_outputs(batch, args, cache)
-    check_attention(out, lse, want_out, want_lse, "bfloat16")
+    check_poisoned_partials(monkeypatch, A, case, 6, "v5")
