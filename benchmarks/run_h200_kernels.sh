@@ -129,7 +129,8 @@
 #       (S64A_K: pytest's -k; against the reference and kernel v4), memcheck, then CUDA graphs of S64A_SETTINGS (v2,
 #       v4, v5, v5 two pages ahead) over S64A_SHAPES (CuPy's defaults and FlashInfer BF16 in the process), then
 #       (S64A_MERGE_SHAPES set) CuPy's merge 0 against auto, while S64A_LIMIT seconds (default 560) are not spent;
-#       $OUT/s64a.tgz. stop63a is the same mode (its first form, v4 below 64 rows, never ran)
+#       $OUT/s64a.tgz. stop63a is the same mode (its first form, v4 below 64 rows, never ran). S64A_MEMCHECK_BUILD:
+#       the build memcheck runs (a GPU_BUILDS id of tests/test_triton_v5.py, default a1pc)
 #   bash benchmarks/run_h200_kernels.sh stop62a  # each kernel's device time of CuPy's defaults at H128 (S62A_KT_SHAPES),
 #       then mode pdlwaves; $OUT/s62a.tgz and $OUT/pdlw.tgz
 #   bash benchmarks/run_h200_kernels.sh pdlwaves  # PDL against plain launches where split kernels take one wave and
@@ -916,7 +917,7 @@ elif [ "$MODE" = stop64a ] || [ "$MODE" = stop63a ]; then
   if tests_report /tmp/s64a/first.txt $?; then
     echo "=== memcheck of v5 at H16 ($(left) s left)"
     timeout -k 5 90 compute-sanitizer --tool memcheck $T tests/test_triton_v5.py -k "matches_reference and H16- and \
-L63_64_65 and (C4R4 or C2R4) and a1pc]" > /tmp/s64a/memcheck.txt 2>&1
+L63_64_65 and (C4R4 or C2R4) and ${S64A_MEMCHECK_BUILD:-a1pc}]" > /tmp/s64a/memcheck.txt 2>&1
     echo "rc=$?" >> /tmp/s64a/memcheck.txt; tail -3 /tmp/s64a/memcheck.txt
   fi
   V=QUANTMLA_TRITON_ATTENTION

@@ -194,8 +194,9 @@ def test_offline_made_up_words_keep_the_dequantization(reports, fmt):
 
 # ---------------------------------------------------------------- kernel v5 (attention_v5_kernel.py)
 
-#: kernel v5's offline builds: (block_r, ahead, protected tokens inline, channel order, formats)
-V5_CONFIGS = ((16, 1, 1, 1, FORMATS), (16, 2, 1, 1, ("C4R4", "C2R4")), (32, 1, 1, 1, ("C4R4",)))
+#: kernel v5's offline builds: (block_r, ahead, protected tokens inline, channel order, attenders, formats)
+V5_CONFIGS = ((16, 1, 1, 1, 1, FORMATS), (16, 2, 1, 1, 1, ("C4R4", "C2R4")), (32, 1, 1, 1, 1, ("C4R4",)),
+              (16, 1, 1, 1, 2, ("C4R4", "C2R4")))
 
 
 @pytest.fixture(scope="module")
@@ -205,20 +206,23 @@ def reports_v5() -> dict:
     _needs_ptxas()
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = {}
-    for block_r, ahead, inline, order, fmts in V5_CONFIGS:
+    for block_r, ahead, inline, order, attenders, fmts in V5_CONFIGS:
         cmd = [sys.executable, *(["-P"] if sys.flags.safe_path else []), "-m",
                "quantmla_core.backends.triton.offline_v4", *fmts, "kernel=5", f"block_r={block_r}", f"ahead={ahead}",
-               f"inline_prot={inline}", f"channel_order={order}"]
+               f"inline_prot={inline}", f"channel_order={order}", f"attenders={attenders}",
+               f"loader_warps={8 if attenders == 1 else 4}"]
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=tempfile.gettempdir())
         lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
         assert len(lines) == len(fmts), r.stdout + r.stderr
         for fmt, line in zip(fmts, lines):
-            out[fmt, block_r, ahead] = ast.literal_eval(line)
-            assert "err" not in out[fmt, block_r, ahead], out[fmt, block_r, ahead]
+            key = (fmt, block_r, ahead, attenders)
+            out[key] = ast.literal_eval(line)
+            assert "err" not in out[key], out[key]
     return out
 
 
-@pytest.mark.parametrize("fmt,block_r,ahead", [(f, b, a) for b, a, _, _, fmts in V5_CONFIGS for f in fmts])
+@pytest.mark.parametrize("fmt,block_r,ahead", [(f, b, a) for b, a, _, _, t, fmts in V5_CONFIGS for f in fmts
+                                               if t == 1])
 def test_offline_v5_build(reports_v5, fmt, block_r, ahead):
     """68 ``wgmma``, pipelined: QK 9 x 4 (m64nRk16, A = the key tile, B = the queries) and PV 8 x 4 (A = the key tile
     read MN-major, 8 blocks of 64 channels); shared memory within a block's; the register file split as 128 x attender
@@ -226,14 +230,30 @@ def test_offline_v5_build(reports_v5, fmt, block_r, ahead):
     attender's 128 output floats a thread may spill a few words)."""
     from quantmla_core.backends.triton.attention_v5_kernel import LOADER8_REGS
 
-    r = reports_v5[fmt, block_r, ahead]
-    assert r["block_r"] == block_r and r["ahead"] == ahead and r["inline_prot"], r
+    r = reports_v5[fmt, block_r, ahead, 1]
+    assert r["block_r"] == block_r and r["ahead"] == ahead and r["inline_prot"] and r["attenders"] == 1, r
     assert r["wgmma"] == 68 and not r["wgmma_serialized"], r
     assert r["smem"] <= SMEM_LIMIT, r
     assert r["spill_bytes"] <= (0 if block_r == 16 else 48), r
     converter = LOADER8_REGS.value[block_r]
     attender = max(v for v in r["setmaxnreg"] if v < 256)
     assert converter in r["setmaxnreg"] and 256 * converter + 128 * attender <= 65536, r
+
+
+@pytest.mark.parametrize("fmt", ["C4R4", "C2R4"])
+def test_offline_v5_two_attenders(reports_v5, fmt):
+    """Two attenders: each issues its own 68 ``wgmma`` (136), pipelined; the merge buffers (attender 1's 32 KB of
+    sums) within a block's shared memory; the register file split as 128 x (two attenders + converter, 4 warps each)
+    at the registers the build sets; at most a few loop-invariant words spilled (attender 0 reloads them)."""
+    from quantmla_core.backends.triton.attention_v5_kernel import ATTENDER2_REGS, LOADER2A_REGS
+
+    r = reports_v5[fmt, 16, 1, 2]
+    assert r["attenders"] == 2 and r["loader_warps"] == 4, r
+    assert r["wgmma"] == 136 and not r["wgmma_serialized"], r
+    assert r["smem"] <= SMEM_LIMIT, r
+    assert r["spill_bytes"] <= 128, r
+    regs = (ATTENDER2_REGS.value[4], LOADER2A_REGS.value[4])
+    assert set(regs) <= set(r["setmaxnreg"]) and 128 * (max(r["setmaxnreg"][:-1]) + sum(regs)) <= 65536, r
 
 
 # ---------------------------------------------------------------- the loaders' channel order, mirrored in NumPy

@@ -20,7 +20,8 @@ from conformance import check_poisoned_partials, reference_outputs
 
 pytest.importorskip("triton")
 from quantmla_core.backends.triton import attention as A  # noqa: E402
-from quantmla_core.backends.triton.heuristics import V5_AHEAD, V5_BLOCK_R, V5_LOADER_WARPS, plan_v3  # noqa: E402
+from quantmla_core.backends.triton.heuristics import (V5_AHEAD, V5_ATTENDERS, V5_BLOCK_R, V5_LOADER_WARPS,  # noqa: E402
+                                                      V5_LOADER_WARPS_2A, plan_v3)
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 NEEDS_HOPPER = pytest.mark.skipif(not ON_HOPPER or A.GLUON_IMPORT_ERROR is not None,
@@ -140,7 +141,47 @@ def test_v5_ahead_is_a_knob(monkeypatch, value, want):
     assert _prepare().split_consts["AHEAD"] == want
 
 
-@pytest.mark.parametrize("name,value", [("V5_AHEAD_ENV", "3"), ("V5_BLOCK_R_ENV", "64"), ("V5_BLOCK_R_ENV", "x")])
+@pytest.mark.parametrize("attenders,block_r,warps,want", [
+    (None, None, None, (V5_ATTENDERS, V5_LOADER_WARPS if V5_ATTENDERS == 1 else V5_LOADER_WARPS_2A)),
+    ("1", None, None, (1, V5_LOADER_WARPS)), ("2", None, None, (2, V5_LOADER_WARPS_2A)), ("2", "16", "8", (2, 8)),
+    ("1", "32", "4", (1, 4)), (None, "32", None, (1, V5_LOADER_WARPS))])
+def test_v5_attenders_and_converter_warps_are_knobs(monkeypatch, attenders, block_r, warps, want):
+    """Two attending warpgroups at 16 rows a program (one at 32 by default), the converter's warps by their count."""
+    _as_hopper(monkeypatch)
+    _set_env(monkeypatch, A.V5_ATTENDERS_ENV, attenders)
+    _set_env(monkeypatch, A.V5_BLOCK_R_ENV, block_r)
+    _set_env(monkeypatch, A.V5_LOADER_WARPS_ENV, warps)
+    consts = _prepare().split_consts
+    assert (consts["ATTENDERS"], consts["LOADER_WARPS"]) == want
+
+
+def test_two_attenders_refuse_32_rows(monkeypatch):
+    _as_hopper(monkeypatch)
+    monkeypatch.setenv(A.V5_ATTENDERS_ENV, "2")
+    monkeypatch.setenv(A.V5_BLOCK_R_ENV, "32")
+    with pytest.raises(ValueError, match="QUANTMLA_TRITON_V5_ATTENDERS=2: kernel v5's two attenders take 16 query rows "
+                                         r"a program, the call has 32 \(QUANTMLA_TRITON_V5_BLOCK_R\)"):
+        _prepare()
+
+
+@pytest.mark.parametrize("value", ["1", "2"])
+def test_v5_probe_builds_warn_that_their_outputs_are_wrong(monkeypatch, value):
+    """Every run of a v5 measurement build warns (kernels stubbed); unset or 0, no probe constexpr."""
+    _as_hopper(monkeypatch)
+    monkeypatch.setenv(A.V5_PROBE_ENV, value)
+    call = _prepare(batch=2)
+    assert call.split_consts["PROBE"] == int(value)
+    cache = qm.MLACache.allocate(PackFormat.parse("C4R4"), 2 * 64, 2, 4, 128, device="cpu")
+    q, r = torch.randn((2, 1, 16, 512)).bfloat16(), torch.randn((2, 1, 16, 64)).bfloat16()
+    with pytest.warns(RuntimeWarning, match=f"QUANTMLA_TRITON_V5_PROBE={value}: a measurement build of kernel v5"):
+        call.run(q, r, cache)
+    monkeypatch.setenv(A.V5_PROBE_ENV, "0")
+    assert "PROBE" not in _prepare().split_consts
+
+
+@pytest.mark.parametrize("name,value", [("V5_AHEAD_ENV", "3"), ("V5_BLOCK_R_ENV", "64"), ("V5_BLOCK_R_ENV", "x"),
+                                        ("V5_ATTENDERS_ENV", "3"), ("V5_LOADER_WARPS_ENV", "6"),
+                                        ("V5_PROBE_ENV", "3")])
 def test_malformed_v5_knobs_are_refused(monkeypatch, name, value):
     _as_hopper(monkeypatch)
     monkeypatch.setenv(getattr(A, name), value)
@@ -191,8 +232,9 @@ def _gpu_cases() -> list[tuple[Case, int | None]]:
 
 #: kernel v5's builds on the GPU: "a1" / "a2" (``QUANTMLA_TRITON_V5_AHEAD``), "r32" for 32 rows a program
 #: (``QUANTMLA_TRITON_V5_BLOCK_R``; else 16), "p" for the protected tokens in the split kernel, "c" for packed pages in
-#: channel_of order (v4's knobs; the others plain)
-GPU_BUILDS = ["a1", "a1p", "a1pc", "a2pc", "a1r32pc", "a2r32"]
+#: channel_of order (v4's knobs; the others plain), "t2" for two attenders (else one), "w8" for 8 converter warps
+#: (else the default for the attenders)
+GPU_BUILDS = ["a1", "a1p", "a1pc", "a2pc", "a1r32pc", "a2r32", "a1t2", "a1pct2", "a1pct2w8"]
 
 
 def _set_build(monkeypatch, build: str) -> None:
@@ -200,6 +242,8 @@ def _set_build(monkeypatch, build: str) -> None:
     monkeypatch.setenv(A.V4_INLINE_PROTECT_ENV, "1" if "p" in build else "0")
     monkeypatch.setenv(A.V5_AHEAD_ENV, build[1])
     monkeypatch.setenv(A.V5_BLOCK_R_ENV, "32" if "r32" in build else "16")
+    monkeypatch.setenv(A.V5_ATTENDERS_ENV, "2" if "t2" in build else "1")
+    _set_env(monkeypatch, A.V5_LOADER_WARPS_ENV, "8" if "w8" in build else None)
 
 
 def _attend(cache, args, batch, variant: str, num_splits: int | None):

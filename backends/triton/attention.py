@@ -33,7 +33,8 @@ from .heuristics import (INTERPRETER_SM_COUNT, MERGE_BLOCK_C, MERGE_BLOCK_R, MER
                          planned_shared_max, plan_v4, protect_parts, v3_code_words, v3_tile_groups, v3_word_lanes,
                          V4_AUTO, V4_CAPABILITY_MAJOR, V4_INLINE_PROTECT, V4_LOADER_WARPS, V4_MIN_ROWS, V4_PIPELINE,
                          v4_channel_order, v4_format_unsupported, plan_v5, V5_AHEAD, V5_AHEAD_CHOICES, V5_AUTO,
-                         V5_BLOCK_R, V5_BLOCK_R_CHOICES, V5_LOADER_WARPS, V5_MAX_ROWS)
+                         V5_ATTENDERS, V5_ATTENDERS_CHOICES, V5_BLOCK_R, V5_BLOCK_R_CHOICES, V5_LOADER_WARPS,
+                         V5_LOADER_WARPS_2A, V5_MAX_ROWS)
 
 #: environment variable choosing the split kernel ("auto" default, "v1", "v2", "v3", "v4", "v5"); read on every call.
 #: ``auto`` runs v4 (Gluon, Hopper) where it would run v3 and v4 serves the call (``heuristics.V4_AUTO``); below 64
@@ -79,6 +80,16 @@ V5_BLOCK_R_ENV = "QUANTMLA_TRITON_V5_BLOCK_R"
 #: pages between kernel v5's loads of a packed page and its conversion, 1 or 2 (:data:`heuristics.V5_AHEAD`; unset:
 #: that default). A measurement knob, read when a call is prepared
 V5_AHEAD_ENV = "QUANTMLA_TRITON_V5_AHEAD"
+#: kernel v5's attending warpgroups, 1 or 2 (:data:`heuristics.V5_ATTENDERS`; 2 with 16 rows a program only). A
+#: measurement knob, read when a call is prepared
+V5_ATTENDERS_ENV = "QUANTMLA_TRITON_V5_ATTENDERS"
+#: kernel v5's converter warps, 4 or 8 (unset: :data:`heuristics.V5_LOADER_WARPS` beside one attender,
+#: :data:`heuristics.V5_LOADER_WARPS_2A` beside two). A measurement knob, read when a call is prepared
+V5_LOADER_WARPS_ENV = "QUANTMLA_TRITON_V5_LOADER_WARPS"
+#: kernel v5's measurement builds, WRONG OUTPUTS (benchmarks only; a warning on every call that takes one): 1, the
+#: converter hands the key slots over unwritten (no page loaded or converted); 2, the attenders hand them back unread
+#: (no products, no softmax). Unset or 0: the real kernel
+V5_PROBE_ENV = "QUANTMLA_TRITON_V5_PROBE"
 _KERNELS = {"v1": split_kernel, "v2": split_kernel_v2, "v3": split_kernel_v3,
             **({} if split_kernel_v4 is None else {"v4": split_kernel_v4, "v5": split_kernel_v5})}
 #: the Gluon kernels (Hopper, no interpreter): v4's arguments and constexprs, their own protected tokens and channel
@@ -113,6 +124,26 @@ def _auto_takes_v4(variant: str, quantized: bool, rows: int) -> bool:
     rows up to v3's :data:`heuristics.V3_MIN_ROWS` (v4 masks the rows of its 64-row block past them)."""
     few_rows = variant == "v2" and quantized and V4_MIN_ROWS <= rows < V3_MIN_ROWS
     return V4_AUTO and (variant == "v3" or few_rows)
+
+
+def _v5_constexprs(block_r: int) -> dict:
+    """Kernel v5's build from its knobs (:data:`V5_AHEAD_ENV`, :data:`V5_ATTENDERS_ENV`, :data:`V5_LOADER_WARPS_ENV`,
+    :data:`V5_PROBE_ENV`) and defaults for ``block_r`` rows a program: two attenders only at 16 rows."""
+    ahead = env_int_choice(V5_AHEAD_ENV, V5_AHEAD_CHOICES)
+    attenders = env_int_choice(V5_ATTENDERS_ENV, V5_ATTENDERS_CHOICES)
+    if attenders == 2 and block_r != 16:
+        raise ValueError(f"{V5_ATTENDERS_ENV}=2: kernel v5's two attenders take 16 query rows a program, the call has "
+                         f"{block_r} ({V5_BLOCK_R_ENV})")
+    if attenders is None:
+        attenders = V5_ATTENDERS if block_r == 16 else 1
+    warps = env_int_choice(V5_LOADER_WARPS_ENV, (4, 8))
+    if warps is None:
+        warps = V5_LOADER_WARPS if attenders == 1 else V5_LOADER_WARPS_2A
+    consts = {"LOADER_WARPS": warps, "AHEAD": V5_AHEAD if ahead is None else ahead, "ATTENDERS": attenders}
+    probe = env_int_choice(V5_PROBE_ENV, (0, 1, 2)) or 0
+    if probe:  # PreparedCall.run warns on every call that takes it
+        consts["PROBE"] = probe
+    return consts
 
 
 def _auto_takes_v5(variant: str, quantized: bool, rows: int) -> bool:
@@ -441,7 +472,8 @@ class PreparedCall:
         b, rows, pl = self.batch, self.q_len * self.heads, self.plan
         LAST_LAUNCH.update(variant=self.variant, plan=pl, pdl=self.pdl)
         if self.split_consts.get("PROBE"):
-            warnings.warn(f"{V4_PROBE_ENV}={self.split_consts['PROBE']}: a measurement build of kernel v4, its "
+            env = V4_PROBE_ENV if self.variant == "v4" else V5_PROBE_ENV
+            warnings.warn(f"{env}={self.split_consts['PROBE']}: a measurement build of kernel {self.variant}, its "
                           "outputs are wrong", RuntimeWarning, stacklevel=2)
         npt = self.protect_grid[2] if self.protect_grid else 0
         dc, dr = q_latent.shape[-1], q_rope.shape[-1]
@@ -679,9 +711,7 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
         if probe:  # PreparedCall.run warns on every call that takes it
             consts["PROBE"] = probe
     if variant == "v5":
-        consts["LOADER_WARPS"] = V5_LOADER_WARPS
-        ahead = env_int_choice(V5_AHEAD_ENV, V5_AHEAD_CHOICES)
-        consts["AHEAD"] = V5_AHEAD if ahead is None else ahead
+        consts.update(_v5_constexprs(pl.block_r))
     if variant in GLUON_VARIANTS:
         if _v4_inline_protect(cache):
             consts["INLINE_PROT"] = True

@@ -54,75 +54,148 @@ if GLUON_IMPORT_ERROR is None:
     LOADER8_REGS = gl.constexpr({16: 152, 32: 128})
     #: ... with 4 warps (8 warps of 232 and 256 fill the register file)
     LOADER4_REGS = gl.constexpr(232)
+    #: with two attenders (16 rows), the converter's and attender 1's registers by the converter's warps (attender 0
+    #: keeps the rest). The build caps every partition at the launch's 168 (12 warps) or 128 (16 warps) a thread;
+    #: offline sm_90a, C4R4 / C2R4, 4 converter warps: 72 / 96 bytes spilled (loop-invariant scalars of the
+    #: attenders), 8: 124-132
+    LOADER2A_REGS = gl.constexpr({4: 168, 8: 112})
+    ATTENDER2_REGS = gl.constexpr({4: 168, 8: 144})
+
+    @gluon.jit
+    def _qk_issue(kc_s, kr_s, q_s, qr_s, s0, DC: gl.constexpr):
+        """``S^T = K Q^T`` of a key slot (``DC / 64 + 1`` asynchronous ``wgmma``, not waited for)."""
+        s = warpgroup_mma(kc_s.slice(0, 64, dim=1), q_s.slice(0, 64, dim=1).permute((1, 0)), s0, use_acc=False,
+                          is_async=True)
+        for c in gl.static_range(1, DC // 64):
+            s = warpgroup_mma(kc_s.slice(c * 64, 64, dim=1), q_s.slice(c * 64, 64, dim=1).permute((1, 0)), s,
+                              is_async=True)
+        return warpgroup_mma(kr_s, qr_s.permute((1, 0)), s, is_async=True)
+
+    @gluon.jit
+    def _softmax_step(s, i, j, page_ok, ps, pe, n_tiles, L, prot, toks, limit, m_i, l_i, sm_scale_log2,
+                      INLINE_PROT: gl.constexpr):
+        """Step ``i`` (page ``j``) of the base-2 online softmax down the columns of the scores ``s`` ``[64, R]``:
+        (P, alpha, the new maxima and sums)."""
+        base, lo, hi = visible_span(i, j, page_ok, ps, pe, n_tiles, L, prot, INLINE_PROT)
+        n = base + toks
+        vis = ((n >= lo) & (n < hi))[:, None] & (n[:, None] < limit[None, :])
+        # the scale (> 0, checked at the API) after the maximum, so that scale and subtraction fuse into one FFMA
+        sc = gl.where(vis, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.reduce(sc, 0, _max) * sm_scale_log2)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(sc * sm_scale_log2 - m_safe[None, :])
+        l_i = l_i * alpha + gl.reduce(p, 0, _add)
+        return p, alpha, m_new, l_i
+
+    @gluon.jit
+    def _pv_issue(p, alpha, o, kc_s, p_s):
+        """P^T into ``p_s`` (bfloat16 ``[R, 64]``, K-major), then ``O^T * alpha + K^T P^T`` issued (not waited for)."""
+        p_s.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
+        fence_async_shared()
+        _partition_barrier()
+        return warpgroup_mma(kc_s.permute((1, 0)), p_s.permute((1, 0)), o * alpha[None, :], is_async=True)
 
     @gluon.jit
     def attender_partition(q_base, qr_base, table_row, num_pages, o_part_ptr, lse_part_ptr, part, rb, R, H, S_Q, L,
                            sm_scale_log2, ps, pe, j_lo, n_tiles, bufs, bars, prot, DC: gl.constexpr, DR: gl.constexpr,
                            PAGE_BYTES: gl.constexpr, BLOCK_R: gl.constexpr, INLINE_PROT: gl.constexpr = False,
-                           CHANNEL_ORDER: gl.constexpr = False):
-        """Default partition: ``S^T``, the softmax down its columns and ``O^T`` over all ``DC`` channels; writes the
-        partial output (float32 ``[BLOCK_R, DC]`` rows of ``o_part``) and the log2-sum-exp."""
-        kc, kr, q_s, qr_s, p_s = bufs
-        kfull, kempty = bars
+                           CHANNEL_ORDER: gl.constexpr = False, WHO: gl.constexpr = 0, ATTENDERS: gl.constexpr = 1,
+                           ATTEND: gl.constexpr = True):
+        """Attender ``WHO`` of ``ATTENDERS``: ``S^T``, the softmax down its columns and ``O^T`` over all ``DC``
+        channels, for every page of the split (one attender) or every other one from page ``WHO`` (two, each on
+        key slot ``WHO``). Attender 0 (the default partition) loads the queries and writes the partial output
+        (float32 ``[BLOCK_R, DC]`` rows of ``o_part``) and the log2-sum-exp, with attender 1's sums merged in.
+        ``ATTEND`` False (a probe build): pages are handed back unread."""
+        kc, kr, q_s, qr_s, p_s, o_s, m_s, l_s = bufs
+        kfull, kempty, qready, mdone = bars
         lay: gl.constexpr = _acc_layout(BLOCK_R)  # [64 tokens, BLOCK_R] scores and [DC, BLOCK_R] output alike
         col_l: gl.constexpr = gl.SliceLayout(0, lay)  # one value a query row
         tok_l: gl.constexpr = gl.SliceLayout(1, lay)
 
-        ql: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        qrows = rb * BLOCK_R + gl.arange(0, BLOCK_R, gl.SliceLayout(1, ql))
-        qcols = gl.arange(0, 64, gl.SliceLayout(0, ql))
-        _load_q(q_base, qrows, qrows < R, qcols, q_s, DC, CHANNEL_ORDER, BLOCK_R)
-        _load_q(qr_base, qrows, qrows < R, qcols, qr_s, DR, CHANNEL_ORDER, BLOCK_R)
-        fence_async_shared()  # every thread's stores, then the warpgroup's barrier, before the wgmma reads them
-        _partition_barrier()
+        if WHO == 0:
+            ql: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+            qrows = rb * BLOCK_R + gl.arange(0, BLOCK_R, gl.SliceLayout(1, ql))
+            qcols = gl.arange(0, 64, gl.SliceLayout(0, ql))
+            _load_q(q_base, qrows, qrows < R, qcols, q_s, DC, CHANNEL_ORDER, BLOCK_R)
+            _load_q(qr_base, qrows, qrows < R, qcols, qr_s, DR, CHANNEL_ORDER, BLOCK_R)
+            fence_async_shared()  # every thread's stores, then the warpgroup's barrier, before the wgmma reads them
+            _partition_barrier()
+            if ATTENDERS == 2:
+                mbarrier.arrive(qready)
+        else:
+            mbarrier.wait(qready, 0)
 
         rows = rb * BLOCK_R + gl.arange(0, BLOCK_R, col_l)
         limit = L - S_Q + rows // H + 1  # row r (query r // H) sees tokens n < limit
         toks = gl.arange(0, 64, tok_l)
         m_i = gl.full([BLOCK_R], float("-inf"), gl.float32, col_l)
         l_i = gl.zeros([BLOCK_R], gl.float32, col_l)
-        acc = warpgroup_mma_init(gl.zeros([DC, BLOCK_R], gl.float32, lay))
         s0 = gl.zeros([64, BLOCK_R], gl.float32, lay)
-        n_prot = prot[7]
-        for i in range(gl.maximum(n_tiles + n_prot, 1)):  # an empty split attends to one dead page
-            slot = i % 2
-            j = j_lo + i
-            _, page_ok = page_of(table_row, j, num_pages, PAGE_BYTES, i < n_tiles)
-            mbarrier.wait(kfull.index(slot), (i // 2) & 1)
-            kc_s = kc.index(slot)
-            s = warpgroup_mma(kc_s.slice(0, 64, dim=1), q_s.slice(0, 64, dim=1).permute((1, 0)), s0, use_acc=False,
-                              is_async=True)
-            for c in gl.static_range(1, DC // 64):
-                s = warpgroup_mma(kc_s.slice(c * 64, 64, dim=1), q_s.slice(c * 64, 64, dim=1).permute((1, 0)), s,
-                                  is_async=True)
-            s = warpgroup_mma(kr.index(slot), qr_s.permute((1, 0)), s, is_async=True)
-            s, o = warpgroup_mma_wait(0, deps=[s, acc])  # also retires the output product of page i - 1
-            mbarrier.arrive(kempty.index(1 - slot), pred=i > 0)
-
-            base, lo, hi = visible_span(i, j, page_ok, ps, pe, n_tiles, L, prot, INLINE_PROT)
-            n = base + toks
-            vis = ((n >= lo) & (n < hi))[:, None] & (n[:, None] < limit[None, :])
-            # the scale (> 0, checked at the API) after the maximum, so that scale and subtraction fuse into one FFMA
-            sc = gl.where(vis, s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.reduce(sc, 0, _max) * sm_scale_log2)
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(sc * sm_scale_log2 - m_safe[None, :])
-            l_i = l_i * alpha + gl.reduce(p, 0, _add)
-            m_i = m_new
-
-            p_s.store(gl.permute(p.to(gl.bfloat16), (1, 0)))  # P [BLOCK_R, 64]: B = P^T, K-major
-            fence_async_shared()
-            _partition_barrier()
-            acc = warpgroup_mma(kc_s.permute((1, 0)), p_s.permute((1, 0)), o * alpha[None, :], is_async=True)
-
-        o = warpgroup_mma_wait(0, deps=[acc])
-        l_safe = gl.where(l_i > 0.0, l_i, 1.0)
-        chans = gl.arange(0, DC, tok_l)
-        gl.store(o_part_ptr + (part + rows[None, :]) * DC + chans[:, None], o / l_safe[None, :],
-                 mask=(rows < R)[None, :])
-        lse2 = gl.where(l_i > 0.0, m_i + gl.log2(l_safe), float("-inf"))
-        gl.store(lse_part_ptr + part + rows, lse2, mask=rows < R)
+        p_mine = p_s.index(WHO)
+        n_walk = prot[7] + n_tiles
+        if not ATTEND:  # a probe build: each page handed back unread
+            for k in range(gl.maximum((n_walk + ATTENDERS - 1) // ATTENDERS, 1)):
+                i = ATTENDERS * k + WHO
+                mbarrier.wait(kfull.index(i % 2), (i // 2) & 1)
+                mbarrier.arrive(kempty.index(i % 2))
+            o = gl.zeros([DC, BLOCK_R], gl.float32, lay)
+        elif ATTENDERS == 1:
+            acc = warpgroup_mma_init(gl.zeros([DC, BLOCK_R], gl.float32, lay))
+            for i in range(gl.maximum(n_walk, 1)):  # an empty split attends to one dead page
+                slot = i % 2
+                j = j_lo + i
+                _, page_ok = page_of(table_row, j, num_pages, PAGE_BYTES, i < n_tiles)
+                mbarrier.wait(kfull.index(slot), (i // 2) & 1)
+                kc_s = kc.index(slot)
+                s = _qk_issue(kc_s, kr.index(slot), q_s, qr_s, s0, DC)
+                s, o = warpgroup_mma_wait(0, deps=[s, acc])  # also retires the output product of page i - 1
+                mbarrier.arrive(kempty.index(1 - slot), pred=i > 0)
+                p, alpha, m_i, l_i = _softmax_step(s, i, j, page_ok, ps, pe, n_tiles, L, prot, toks, limit, m_i, l_i,
+                                                   sm_scale_log2, INLINE_PROT)
+                acc = _pv_issue(p, alpha, o, kc_s, p_mine)
+            o = warpgroup_mma_wait(0, deps=[acc])
+        else:  # pages WHO, WHO + 2, ...: while one attender runs its softmax, the other's products run
+            o = gl.zeros([DC, BLOCK_R], gl.float32, lay)
+            for k in range(gl.maximum((n_walk + 1) // 2, 1)):  # an odd walk ends on a dead page of attender 1
+                i = 2 * k + WHO
+                j = j_lo + i
+                _, page_ok = page_of(table_row, j, num_pages, PAGE_BYTES, i < n_tiles)
+                mbarrier.wait(kfull.index(WHO), k & 1)
+                slot = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [i % 2], dtype=gl.int32, is_pure=False,
+                                                 pack=1)
+                kc_s = kc.index(slot)
+                s = _qk_issue(kc_s, kr.index(slot), q_s, qr_s, s0, DC)
+                s = warpgroup_mma_wait(0, deps=[s])
+                p, alpha, m_i, l_i = _softmax_step(s, i, j, page_ok, ps, pe, n_tiles, L, prot, toks, limit, m_i, l_i,
+                                                   sm_scale_log2, INLINE_PROT)
+                acc = _pv_issue(p, alpha, o, kc_s, p_mine)
+                o = warpgroup_mma_wait(0, deps=[acc])
+                mbarrier.arrive(kempty.index(WHO))  # the slot's next page: two pages on
+        if ATTENDERS == 2:
+            if WHO == 1:  # the unnormalised sums handed to attender 0
+                o_s.store(o)
+                m_s.store(m_i)
+                l_s.store(l_i)
+                _partition_barrier()
+                mbarrier.arrive(mdone)
+            else:
+                mbarrier.wait(mdone, 0)
+                m1 = m_s.load(col_l)
+                m_new = gl.maximum(m_i, m1)
+                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+                a0 = gl.exp2(m_i - m_safe)
+                a1 = gl.exp2(m1 - m_safe)
+                l_i = l_i * a0 + l_s.load(col_l) * a1
+                m_i = m_new
+                o = o * a0[None, :] + o_s.load(lay) * a1[None, :]
+        if WHO == 0:
+            l_safe = gl.where(l_i > 0.0, l_i, 1.0)
+            chans = gl.arange(0, DC, tok_l)
+            gl.store(o_part_ptr + (part + rows[None, :]) * DC + chans[:, None], o / l_safe[None, :],
+                     mask=(rows < R)[None, :])
+            lse2 = gl.where(l_i > 0.0, m_i + gl.log2(l_safe), float("-inf"))
+            gl.store(lse_part_ptr + part + rows, lse2, mask=rows < R)
 
     @gluon.jit
     def _page_bytes(pages_ptr, table_row, num_pages, j, live, ps, pe, DC: gl.constexpr, DR: gl.constexpr,
@@ -141,46 +214,58 @@ if GLUON_IMPORT_ERROR is None:
                             R_CODES_OFF: gl.constexpr, C_SCALES_OFF: gl.constexpr, C_ZEROS_OFF: gl.constexpr,
                             R_SCALES_OFF: gl.constexpr, R_ZEROS_OFF: gl.constexpr, WARPS: gl.constexpr = 8,
                             AHEAD: gl.constexpr = 1, INLINE_PROT: gl.constexpr = False,
-                            CHANNEL_ORDER: gl.constexpr = False):
+                            CHANNEL_ORDER: gl.constexpr = False, ATTENDERS: gl.constexpr = 1,
+                            KEYS: gl.constexpr = True):
         """Worker partition: fills key slot ``i % 2`` with page ``j_lo + i`` as bfloat16 once the attender's output
         product of page ``i - 2`` freed it. Packed pages: each page's bytes are loaded ``AHEAD`` (1 or 2) pages before
         its turn, into registers. BF16 pages: copied (``cp.async``) when the slot is free. ``INLINE_PROT``: after its
-        ``n_tiles`` pages the split walks ``prot``'s protected pages (0 but on the last split)."""
+        ``n_tiles`` pages the split walks ``prot``'s protected pages (0 but on the last split). Two ``ATTENDERS``
+        take an even count of pages (a dead one after an odd walk). ``KEYS`` False (a probe build): the slots are
+        handed over unwritten."""
         kc, kr = bufs[0], bufs[1]
-        kfull, kempty = bars
+        kfull, kempty = bars[0], bars[1]
         n_prot = prot[7]
+        if ATTENDERS == 1:
+            n_walk = gl.maximum(n_tiles + n_prot, 1)  # the attender's count: an empty split walks one dead page
+        else:
+            n_walk = 2 * gl.maximum((n_tiles + n_prot + 1) // 2, 1)
         gl.static_assert(AHEAD == 1 or AHEAD == 2, "kernel v5: page bytes 1 or 2 pages ahead")
-        if QUANT:
-            cur = _page_bytes(pages_ptr, table_row, num_pages, j_lo, n_tiles > 0, ps, pe, DC, DR, CBITS, RBITS,
-                              PAGE_BYTES, C_CODES_OFF, R_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF, R_SCALES_OFF,
-                              R_ZEROS_OFF, WARPS)
-            if AHEAD == 2:
-                nxt = _page_bytes(pages_ptr, table_row, num_pages, j_lo + 1, n_tiles > 1, ps, pe, DC, DR, CBITS,
-                                  RBITS, PAGE_BYTES, C_CODES_OFF, R_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF,
-                                  R_SCALES_OFF, R_ZEROS_OFF, WARPS)
-        for i in range(gl.maximum(n_tiles + n_prot, 1)):  # the attender's count: an empty split walks one dead page
-            slot = i % 2
-            mbarrier.wait(kempty.index(slot), ((i // 2) & 1) ^ 1)  # fresh barriers pass parity 1
+        if not KEYS:
+            for i in range(n_walk):
+                mbarrier.wait(kempty.index(i % 2), ((i // 2) & 1) ^ 1)
+                mbarrier.arrive(kfull.index(i % 2))
+        else:
             if QUANT:
-                raws, scales, zeros, rw, rs, rz = cur
-                _store_code_page(raws, scales, zeros, rw, rs, rz, kc.index(slot), kr.index(slot), DC, DR, CBITS,
-                                 RBITS, CHANNEL_ORDER)
-            else:
-                page_off, page_ok = page_of(table_row, j_lo + i, num_pages, PAGE_BYTES, i < n_tiles)
-                _load_bf16_page(pages_ptr, page_off, j_lo + i, ps, pe, page_ok, kc.index(slot), kr.index(slot), DC,
-                                DR, C_CODES_OFF, R_CODES_OFF, True, WARPS)
-            finish_slot(i, n_tiles, prot, kc.index(slot), kr.index(slot), DC, DR, WARPS, INLINE_PROT, CHANNEL_ORDER)
-            mbarrier.arrive(kfull.index(slot))
-            if QUANT:
-                k = i + AHEAD
-                later = _page_bytes(pages_ptr, table_row, num_pages, j_lo + k, k < n_tiles, ps, pe, DC, DR, CBITS,
-                                    RBITS, PAGE_BYTES, C_CODES_OFF, R_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF,
-                                    R_SCALES_OFF, R_ZEROS_OFF, WARPS)
+                cur = _page_bytes(pages_ptr, table_row, num_pages, j_lo, n_tiles > 0, ps, pe, DC, DR, CBITS, RBITS,
+                                  PAGE_BYTES, C_CODES_OFF, R_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF, R_SCALES_OFF,
+                                  R_ZEROS_OFF, WARPS)
                 if AHEAD == 2:
-                    cur = nxt
-                    nxt = later
+                    nxt = _page_bytes(pages_ptr, table_row, num_pages, j_lo + 1, n_tiles > 1, ps, pe, DC, DR, CBITS,
+                                      RBITS, PAGE_BYTES, C_CODES_OFF, R_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF,
+                                      R_SCALES_OFF, R_ZEROS_OFF, WARPS)
+            for i in range(n_walk):
+                slot = i % 2
+                mbarrier.wait(kempty.index(slot), ((i // 2) & 1) ^ 1)  # fresh barriers pass parity 1
+                if QUANT:
+                    raws, scales, zeros, rw, rs, rz = cur
+                    _store_code_page(raws, scales, zeros, rw, rs, rz, kc.index(slot), kr.index(slot), DC, DR, CBITS,
+                                     RBITS, CHANNEL_ORDER)
                 else:
-                    cur = later
+                    page_off, page_ok = page_of(table_row, j_lo + i, num_pages, PAGE_BYTES, i < n_tiles)
+                    _load_bf16_page(pages_ptr, page_off, j_lo + i, ps, pe, page_ok, kc.index(slot), kr.index(slot), DC,
+                                    DR, C_CODES_OFF, R_CODES_OFF, True, WARPS)
+                finish_slot(i, n_tiles, prot, kc.index(slot), kr.index(slot), DC, DR, WARPS, INLINE_PROT, CHANNEL_ORDER)
+                mbarrier.arrive(kfull.index(slot))
+                if QUANT:
+                    k = i + AHEAD
+                    later = _page_bytes(pages_ptr, table_row, num_pages, j_lo + k, k < n_tiles, ps, pe, DC, DR, CBITS,
+                                        RBITS, PAGE_BYTES, C_CODES_OFF, R_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF,
+                                        R_SCALES_OFF, R_ZEROS_OFF, WARPS)
+                    if AHEAD == 2:
+                        cur = nxt
+                        nxt = later
+                    else:
+                        cur = later
 
     @gluon.jit
     def split_kernel_v5(
@@ -236,6 +321,8 @@ if GLUON_IMPORT_ERROR is None:
         AHEAD: gl.constexpr = 1,
         INLINE_PROT: gl.constexpr = False,
         CHANNEL_ORDER: gl.constexpr = False,
+        ATTENDERS: gl.constexpr = 1,
+        PROBE: gl.constexpr = 0,
         sink_ptr=None,  # [max_seqs, SINK, DC + DR] bfloat16 (INLINE_PROT)
         local_ptr=None,  # [max_seqs, LOCAL, DC + DR] bfloat16, a ring by position
         ids_ptr=None,  # [B] int: each request's slot in them
@@ -247,7 +334,9 @@ if GLUON_IMPORT_ERROR is None:
         (4 or 8): the converter's warps; ``LOADER_REGS``: their registers after ``setmaxnreg`` (0:
         :data:`LOADER8_REGS` by ``BLOCK_R``, or :data:`LOADER4_REGS`). ``AHEAD``: pages between a page's loads and its
         conversion.
-        ``INLINE_PROT``, ``CHANNEL_ORDER``: as kernel v4's."""
+        ``INLINE_PROT``, ``CHANNEL_ORDER``: as kernel v4's. ``ATTENDERS`` 2 (16 rows): two attending warpgroups
+        take every other page, each on its own key slot. ``PROBE`` (measurement builds, wrong outputs): 1 hands the
+        key slots over unwritten (no page loaded or converted), 2 hands them back unread (no products, no softmax)."""
         gl.static_assert(BLOCK_R == 16 or BLOCK_R == 32, "kernel v5: 16 or 32 query rows a program")
         gl.static_assert(P == 64 and BLOCK_N % 64 == 0, "kernel v5: 64-token pages")
         gl.static_assert(DC == 512 and DR == 64, "kernel v5: d_c 512, d_r 64")
@@ -257,6 +346,8 @@ if GLUON_IMPORT_ERROR is None:
                          "kernel v5: bfloat16 content and float32 RoPE scales")
         gl.static_assert(QUANT or not CHANNEL_ORDER, "kernel v5: the channel order is packed pages' alone")
         gl.static_assert(LOADER_WARPS == 4 or LOADER_WARPS == 8, "kernel v5: a converter of 4 or 8 warps")
+        gl.static_assert(ATTENDERS == 1 or (ATTENDERS == 2 and BLOCK_R == 16), "kernel v5: 2 attenders at 16 rows")
+        gl.static_assert(PROBE >= 0 and PROBE <= 2, "kernel v5: probe builds 1 and 2")
         pid_s = gl.program_id(0)
         b = gl.program_id(1)
         rb = gl.program_id(2)
@@ -274,12 +365,27 @@ if GLUON_IMPORT_ERROR is None:
         kr = gl.allocate_shared_memory(gl.bfloat16, [2, 64, DR], rl)
         q_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_R, DC], ql)
         qr_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_R, DR], qrl)
-        p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_R, 64], pl)
+        p_s = gl.allocate_shared_memory(gl.bfloat16, [ATTENDERS, BLOCK_R, 64], pl)
         kfull = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         kempty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(2):
             mbarrier.init(kfull.index(s), count=1)
             mbarrier.init(kempty.index(s), count=1)
+        if ATTENDERS == 2:  # attender 1's unnormalised output and (max, sum) for attender 0's merge
+            o_s = gl.allocate_shared_memory(gl.float32, [DC, BLOCK_R], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+            m_s = gl.allocate_shared_memory(gl.float32, [BLOCK_R], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+            l_s = gl.allocate_shared_memory(gl.float32, [BLOCK_R], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+            handoff = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # queries ready, merge
+            for s in gl.static_range(2):
+                mbarrier.init(handoff.index(s), count=1)
+            qready = handoff.index(0)
+            mdone = handoff.index(1)
+        else:  # unused
+            o_s = p_s
+            m_s = p_s
+            l_s = p_s
+            qready = kfull.index(0)
+            mdone = kfull.index(0)
 
         if INLINE_PROT:  # the last split also attends to the request's protected tokens (no protected-tile kernel)
             seq = gl.load(ids_ptr + b).to(gl.int64)
@@ -289,9 +395,11 @@ if GLUON_IMPORT_ERROR is None:
             prot = (sink_ptr, local_ptr, seq, seq_ok, L, SINK, LOCAL, n_prot)
         else:
             prot = (pages_ptr, pages_ptr, 0, False, L, SINK, LOCAL, 0)
-        bufs = (kc, kr, q_s, qr_s, p_s)
-        bars = (kfull, kempty)
-        if LOADER_REGS == 0 and LOADER_WARPS == 8:
+        bufs = (kc, kr, q_s, qr_s, p_s, o_s, m_s, l_s)
+        bars = (kfull, kempty, qready, mdone)
+        if LOADER_REGS == 0 and ATTENDERS == 2:
+            REGS: gl.constexpr = LOADER2A_REGS[LOADER_WARPS]
+        elif LOADER_REGS == 0 and LOADER_WARPS == 8:
             REGS: gl.constexpr = LOADER8_REGS[BLOCK_R]
         elif LOADER_REGS == 0:
             REGS: gl.constexpr = LOADER4_REGS
@@ -299,12 +407,26 @@ if GLUON_IMPORT_ERROR is None:
             REGS: gl.constexpr = LOADER_REGS
         q_base = q_ptr + b.to(gl.int64) * R * DC
         qr_base = qr_ptr + b.to(gl.int64) * R * DR
-        gl.warp_specialize([
-            (attender_partition, (q_base, qr_base, table_row, num_pages, o_part_ptr, lse_part_ptr, part, rb, R, H, S_Q,
-                                  L, sm_scale_log2, ps, pe, j_lo, n_tiles, bufs, bars, prot, DC, DR, PAGE_BYTES,
-                                  BLOCK_R, INLINE_PROT, CHANNEL_ORDER)),
-            (converter_partition, (pages_ptr, table_row, num_pages, ps, pe, j_lo, n_tiles, bufs, bars, prot, QUANT,
-                                   DC, DR, CBITS, RBITS, PAGE_BYTES, C_CODES_OFF, R_CODES_OFF, C_SCALES_OFF,
-                                   C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF, LOADER_WARPS, AHEAD, INLINE_PROT,
-                                   CHANNEL_ORDER)),
-        ], [LOADER_WARPS], [REGS])
+        if ATTENDERS == 1:
+            gl.warp_specialize([
+                (attender_partition, (q_base, qr_base, table_row, num_pages, o_part_ptr, lse_part_ptr, part, rb, R, H,
+                                      S_Q, L, sm_scale_log2, ps, pe, j_lo, n_tiles, bufs, bars, prot, DC, DR,
+                                      PAGE_BYTES, BLOCK_R, INLINE_PROT, CHANNEL_ORDER, 0, 1, PROBE != 2)),
+                (converter_partition, (pages_ptr, table_row, num_pages, ps, pe, j_lo, n_tiles, bufs, bars, prot, QUANT,
+                                       DC, DR, CBITS, RBITS, PAGE_BYTES, C_CODES_OFF, R_CODES_OFF, C_SCALES_OFF,
+                                       C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF, LOADER_WARPS, AHEAD, INLINE_PROT,
+                                       CHANNEL_ORDER, 1, PROBE != 1)),
+            ], [LOADER_WARPS], [REGS])
+        else:
+            gl.warp_specialize([
+                (attender_partition, (q_base, qr_base, table_row, num_pages, o_part_ptr, lse_part_ptr, part, rb, R, H,
+                                      S_Q, L, sm_scale_log2, ps, pe, j_lo, n_tiles, bufs, bars, prot, DC, DR,
+                                      PAGE_BYTES, BLOCK_R, INLINE_PROT, CHANNEL_ORDER, 0, 2, PROBE != 2)),
+                (attender_partition, (q_base, qr_base, table_row, num_pages, o_part_ptr, lse_part_ptr, part, rb, R, H,
+                                      S_Q, L, sm_scale_log2, ps, pe, j_lo, n_tiles, bufs, bars, prot, DC, DR,
+                                      PAGE_BYTES, BLOCK_R, INLINE_PROT, CHANNEL_ORDER, 1, 2, PROBE != 2)),
+                (converter_partition, (pages_ptr, table_row, num_pages, ps, pe, j_lo, n_tiles, bufs, bars, prot, QUANT,
+                                       DC, DR, CBITS, RBITS, PAGE_BYTES, C_CODES_OFF, R_CODES_OFF, C_SCALES_OFF,
+                                       C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF, LOADER_WARPS, AHEAD, INLINE_PROT,
+                                       CHANNEL_ORDER, 2, PROBE != 1)),
+            ], [4, LOADER_WARPS], [ATTENDER2_REGS[LOADER_WARPS], REGS])

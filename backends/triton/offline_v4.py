@@ -65,16 +65,18 @@ def compile_v4(fmt_name: str = "C4R4", loader_regs: int = 0, heads: int = 128, p
 
 
 def compile_v5(fmt_name: str = "C4R4", block_r: int = 16, ahead: int = 1, inline_prot: bool = False,
-               channel_order: bool = False) -> Any:
+               channel_order: bool = False, attenders: int = 1, loader_warps: int = 8, probe: int = 0) -> Any:
     """``triton.compile`` of ``split_kernel_v5`` for sm_90a with v3's recorded launch at H = 128 (the rows change
-    nothing in the build), ``block_r`` query rows a program, the converter's loads ``ahead`` pages early."""
+    nothing in the build), ``block_r`` query rows a program, the converter's loads ``ahead`` pages early, its
+    ``attenders``, the converter's ``loader_warps``, a ``probe`` build."""
     from .attention_v4_kernel import GLUON_IMPORT_ERROR
 
     if GLUON_IMPORT_ERROR is not None:
         raise RuntimeError(f"no Gluon in this triton: {GLUON_IMPORT_ERROR}")
     from .attention_v5_kernel import split_kernel_v5
 
-    consts = {"BLOCK_R": int(block_r), "AHEAD": int(ahead), "LOADER_WARPS": 8}
+    consts = {"BLOCK_R": int(block_r), "AHEAD": int(ahead), "LOADER_WARPS": int(loader_warps),
+              "ATTENDERS": int(attenders), "PROBE": int(probe)}
     return _compile_gluon(split_kernel_v5, fmt_name, consts, 128, inline_prot, channel_order)
 
 
@@ -128,12 +130,12 @@ def compile_report(fmt_name: str = "C4R4", loader_regs: int = 0, pipeline: int =
 
 
 def compile_report_v5(fmt_name: str = "C4R4", block_r: int = 16, ahead: int = 1, inline_prot: bool = False,
-                      channel_order: bool = False) -> dict:
+                      channel_order: bool = False, attenders: int = 1, loader_warps: int = 8, probe: int = 0) -> dict:
     """:func:`compile_report`'s resources of kernel v5 compiled offline for sm_90a."""
-    k = compile_v5(fmt_name, block_r, ahead, inline_prot, channel_order)
+    k = compile_v5(fmt_name, block_r, ahead, inline_prot, channel_order, attenders, loader_warps, probe)
     return {"triton": _triton_version(), "kernel": 5, "fmt": fmt_name, "block_r": int(block_r), "ahead": int(ahead),
             "inline_prot": bool(inline_prot), "channel_order": channel_order_of(fmt_name, channel_order),
-            **_resources(k)}
+            "attenders": int(attenders), "loader_warps": int(loader_warps), "probe": int(probe), **_resources(k)}
 
 
 def _triton_version() -> str:
@@ -177,7 +179,8 @@ def main(argv: list[str]) -> None:
         try:
             if option("kernel", 4) == 5:
                 print(compile_report_v5(f, option("block_r", 16), option("ahead", 1), option("inline_prot", 0) == 1,
-                                        option("channel_order", 0) == 1), flush=True)
+                                        option("channel_order", 0) == 1, option("attenders", 1),
+                                        option("loader_warps", 8), option("probe", 0)), flush=True)
                 continue
             print(compile_report(f, option("loader_regs", 0), option("pipeline", 0), option("probe", 0),
                                  option("loader_warps", 4), option("inline_prot", 0) == 1,
