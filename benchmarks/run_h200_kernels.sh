@@ -130,7 +130,8 @@
 #       v4, v5, v5 two pages ahead) over S64A_SHAPES (CuPy's defaults and FlashInfer BF16 in the process), then
 #       (S64A_MERGE_SHAPES set) CuPy's merge 0 against auto, while S64A_LIMIT seconds (default 560) are not spent;
 #       $OUT/s64a.tgz. stop63a is the same mode (its first form, v4 below 64 rows, never ran). S64A_MEMCHECK_BUILD:
-#       the build memcheck runs (a GPU_BUILDS id of tests/test_triton_v5.py, default a1pc)
+#       the build memcheck runs (a GPU_BUILDS id of tests/test_triton_v5.py, default a1pc); S64A_BACKENDS: timed
+#       beside FlashInfer (default triton,cupy)
 #   bash benchmarks/run_h200_kernels.sh stop62a  # each kernel's device time of CuPy's defaults at H128 (S62A_KT_SHAPES),
 #       then mode pdlwaves; $OUT/s62a.tgz and $OUT/pdlw.tgz
 #   bash benchmarks/run_h200_kernels.sh pdlwaves  # PDL against plain launches where split kernels take one wave and
@@ -922,7 +923,7 @@ L63_64_65 and (C4R4 or C2R4) and ${S64A_MEMCHECK_BUILD:-a1pc}]" > /tmp/s64a/memc
   fi
   V=QUANTMLA_TRITON_ATTENTION
   echo "=== Triton v2, v4, v5 at few rows (CUDA graphs; CuPy, FlashInfer BF16 in the process; $(left) s left)"
-  timeout -k 10 $(( $(left) - ${S64A_MERGE_S:-10} )) python3 -P benchmarks/graph_probe.py --backends triton,cupy \
+  timeout -k 10 $(( $(left) - ${S64A_MERGE_S:-10} )) python3 -P benchmarks/graph_probe.py --backends ${S64A_BACKENDS:-triton,cupy} \
     --formats ${S64A_FORMATS:-C4R4,C2R4} \
     --shapes ${S64A_SHAPES:-16x32x32768,16x128x32768,16x8x4096,16x32x131072,16x32x32768x2} \
     --settings "${S64A_SETTINGS:-$V=v2;$V=v4;$V=v5;$V=v5 QUANTMLA_TRITON_V5_AHEAD=2}" \
