@@ -923,8 +923,8 @@ L63_64_65 and (C4R4 or C2R4) and ${S64A_MEMCHECK_BUILD:-a1pc}]" > /tmp/s64a/memc
   fi
   V=QUANTMLA_TRITON_ATTENTION
   echo "=== Triton v2, v4, v5 at few rows (CUDA graphs; CuPy, FlashInfer BF16 in the process; $(left) s left)"
-  timeout -k 10 $(( $(left) - ${S64A_MERGE_S:-10} )) python3 -P benchmarks/graph_probe.py --backends ${S64A_BACKENDS:-triton,cupy} \
-    --formats ${S64A_FORMATS:-C4R4,C2R4} \
+  timeout -k 10 $(( $(left) - ${S64A_MERGE_S:-10} )) python3 -P benchmarks/graph_probe.py \
+    --backends ${S64A_BACKENDS:-triton,cupy} --formats ${S64A_FORMATS:-C4R4,C2R4} \
     --shapes ${S64A_SHAPES:-16x32x32768,16x128x32768,16x8x4096,16x32x131072,16x32x32768x2} \
     --settings "${S64A_SETTINGS:-$V=v2;$V=v4;$V=v5;$V=v5 QUANTMLA_TRITON_V5_AHEAD=2}" \
     --json /tmp/s64a/graph_fewrows.json 2>&1 | grep -v "^{" | tail -80
