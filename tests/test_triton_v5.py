@@ -20,8 +20,8 @@ from conformance import check_poisoned_partials, reference_outputs
 
 pytest.importorskip("triton")
 from quantmla_core.backends.triton import attention as A  # noqa: E402
-from quantmla_core.backends.triton.heuristics import (V5_AHEAD, V5_ATTENDERS, V5_BLOCK_R, V5_LOADER_WARPS,  # noqa: E402
-                                                      V5_LOADER_WARPS_2A, plan_v3)
+from quantmla_core.backends.triton.heuristics import (V5_AHEAD, V5_AHEAD_2A, V5_ATTENDERS,  # noqa: E402
+                                                      V5_LOADER_WARPS, V5_LOADER_WARPS_2A, plan_v3, v5_block_r)
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 NEEDS_HOPPER = pytest.mark.skipif(not ON_HOPPER or A.GLUON_IMPORT_ERROR is not None,
@@ -97,12 +97,15 @@ def test_auto_runs_v5_up_to_v5_max_rows(monkeypatch, max_rows, fmt, heads, s_q, 
     assert _prepare(fmt, heads=heads, s_q=s_q, variant="auto").variant == want
 
 
-def test_defaults_run_v5_at_h16_and_v4_at_32_rows(monkeypatch):
-    """The shipped rule (stop 64's H100 timings): v5 for one request's 16 rows, v4 for 32 (H16 S_q 2)."""
+def test_defaults_run_v5_to_32_rows_and_v4_above(monkeypatch):
+    """The shipped rule (stop 65's H100 timings): v5 for one request's 16 rows (16 a program) and 32 (H16 S_q 2, one
+    program of 32 rows), v4 for 48."""
     _as_hopper(monkeypatch)
     monkeypatch.delenv(A.VARIANT_ENV, raising=False)
-    assert _prepare("C4R4", heads=16, variant="auto").variant == "v5"
-    assert _prepare("C2R4", heads=16, s_q=2, variant="auto").variant == "v4"
+    monkeypatch.delenv(A.V5_BLOCK_R_ENV, raising=False)
+    for s_q, variant, block_r in ((1, "v5", 16), (2, "v5", 32), (3, "v4", None)):
+        call = _prepare("C2R4", heads=16, s_q=s_q, variant="auto")
+        assert call.variant == variant and (block_r is None or call.plan.block_r == block_r), (s_q, call.plan)
 
 
 def test_auto_keeps_v2_without_v5_auto(monkeypatch):
@@ -117,12 +120,12 @@ def test_auto_keeps_v2_without_v5_auto(monkeypatch):
 @pytest.mark.parametrize("heads,s_q", [(16, 1), (16, 2), (40, 1), (1, 3)])
 @pytest.mark.parametrize("batch,tokens", [(32, 32768), (8, 4096)])
 def test_v5_plan(monkeypatch, block_r, heads, s_q, batch, tokens):
-    """Row blocks of ``QUANTMLA_TRITON_V5_BLOCK_R`` rows (default :data:`heuristics.V5_BLOCK_R`), the splits kernel
+    """Row blocks of ``QUANTMLA_TRITON_V5_BLOCK_R`` rows (default :func:`heuristics.v5_block_r`), the splits kernel
     v3 takes for as many programs (one an SM), v4's partials and merge."""
     _as_hopper(monkeypatch)
     _set_env(monkeypatch, A.V5_BLOCK_R_ENV, block_r)
     call = _prepare("C4R4", batch=batch, heads=heads, s_q=s_q, tokens=tokens)
-    rows, br = heads * s_q, int(block_r or V5_BLOCK_R)
+    rows, br = heads * s_q, int(block_r or v5_block_r(heads * s_q))
     pl = call.plan
     assert call.variant == "v5" and pl.block_r == br and pl.row_blocks == -(-rows // br) and pl.block_n == 128
     assert call.split_grid == (pl.num_splits, batch, pl.row_blocks)
@@ -134,10 +137,14 @@ def test_v5_plan(monkeypatch, block_r, heads, s_q, batch, tokens):
     assert call.split_dims["num_warps"] == 4
 
 
-@pytest.mark.parametrize("value,want", [(None, V5_AHEAD), ("1", 1), ("2", 2)])
-def test_v5_ahead_is_a_knob(monkeypatch, value, want):
+@pytest.mark.parametrize("attenders", ["1", "2"])
+@pytest.mark.parametrize("value", [None, "1", "2"])
+def test_v5_ahead_is_a_knob(monkeypatch, value, attenders):
+    """Pages ahead: the knob's, else :data:`heuristics.V5_AHEAD` beside one attender and ``V5_AHEAD_2A`` beside two."""
     _as_hopper(monkeypatch)
     _set_env(monkeypatch, A.V5_AHEAD_ENV, value)
+    monkeypatch.setenv(A.V5_ATTENDERS_ENV, attenders)
+    want = int(value) if value else (V5_AHEAD if attenders == "1" else V5_AHEAD_2A)
     assert _prepare().split_consts["AHEAD"] == want
 
 

@@ -32,8 +32,8 @@ from .heuristics import (INTERPRETER_SM_COUNT, MERGE_BLOCK_C, MERGE_BLOCK_R, MER
                          DeviceLimits, PROTECT_ROWS_CHOICES, merge_load_width, pdl_default, plan, plan_v2, plan_v3,
                          planned_shared_max, plan_v4, protect_parts, v3_code_words, v3_tile_groups, v3_word_lanes,
                          V4_AUTO, V4_CAPABILITY_MAJOR, V4_INLINE_PROTECT, V4_LOADER_WARPS, V4_MIN_ROWS, V4_PIPELINE,
-                         v4_channel_order, v4_format_unsupported, plan_v5, V5_AHEAD, V5_AHEAD_CHOICES, V5_AUTO,
-                         V5_ATTENDERS, V5_ATTENDERS_CHOICES, V5_BLOCK_R, V5_BLOCK_R_CHOICES, V5_LOADER_WARPS,
+                         v4_channel_order, v4_format_unsupported, plan_v5, V5_AHEAD, V5_AHEAD_2A, V5_AHEAD_CHOICES,
+                         V5_AUTO, V5_ATTENDERS, V5_ATTENDERS_CHOICES, V5_BLOCK_R_CHOICES, V5_LOADER_WARPS,
                          V5_LOADER_WARPS_2A, V5_MAX_ROWS)
 
 #: environment variable choosing the split kernel ("auto" default, "v1", "v2", "v3", "v4", "v5"); read on every call.
@@ -74,8 +74,8 @@ V4_CHANNEL_ORDER_ENV = "QUANTMLA_TRITON_V4_CHANNEL_ORDER"
 #: loader loads and writes no keys; 2, it skips its output product; 3, both; 4, it loads no packed page bytes (it
 #: dequantizes made-up words). Unset or 0: the real kernel
 V4_PROBE_ENV = "QUANTMLA_TRITON_V4_PROBE"
-#: kernel v5's query rows a program, 16 or 32 (:data:`heuristics.V5_BLOCK_R`; unset: that default). A measurement knob,
-#: read when a call is prepared
+#: kernel v5's query rows a program, 16 or 32 (unset: :func:`heuristics.v5_block_r`, 16 up to 16 rows a request and
+#: 32 above). A measurement knob, read when a call is prepared
 V5_BLOCK_R_ENV = "QUANTMLA_TRITON_V5_BLOCK_R"
 #: pages between kernel v5's loads of a packed page and its conversion, 1 or 2 (:data:`heuristics.V5_AHEAD`; unset:
 #: that default). A measurement knob, read when a call is prepared
@@ -98,9 +98,8 @@ GLUON_VARIANTS = ("v4", "v5")
 
 
 def _plan_v5(*args, **kw) -> AttentionPlan:
-    """:func:`heuristics.plan_v5` with :data:`V5_BLOCK_R_ENV`'s rows a program."""
-    block_r = env_int_choice(V5_BLOCK_R_ENV, V5_BLOCK_R_CHOICES)
-    return plan_v5(*args, **kw, block_r=V5_BLOCK_R if block_r is None else block_r)
+    """:func:`heuristics.plan_v5` with :data:`V5_BLOCK_R_ENV`'s rows a program (unset: the rows' default)."""
+    return plan_v5(*args, **kw, block_r=env_int_choice(V5_BLOCK_R_ENV, V5_BLOCK_R_CHOICES))
 
 
 _PLANNERS = {"v1": plan, "v2": plan_v2, "v3": plan_v3, "v4": plan_v4, "v5": _plan_v5}
@@ -129,7 +128,6 @@ def _auto_takes_v4(variant: str, quantized: bool, rows: int) -> bool:
 def _v5_constexprs(block_r: int) -> dict:
     """Kernel v5's build from its knobs (:data:`V5_AHEAD_ENV`, :data:`V5_ATTENDERS_ENV`, :data:`V5_LOADER_WARPS_ENV`,
     :data:`V5_PROBE_ENV`) and defaults for ``block_r`` rows a program: two attenders only at 16 rows."""
-    ahead = env_int_choice(V5_AHEAD_ENV, V5_AHEAD_CHOICES)
     attenders = env_int_choice(V5_ATTENDERS_ENV, V5_ATTENDERS_CHOICES)
     if attenders == 2 and block_r != 16:
         raise ValueError(f"{V5_ATTENDERS_ENV}=2: kernel v5's two attenders take 16 query rows a program, the call has "
@@ -139,7 +137,10 @@ def _v5_constexprs(block_r: int) -> dict:
     warps = env_int_choice(V5_LOADER_WARPS_ENV, (4, 8))
     if warps is None:
         warps = V5_LOADER_WARPS if attenders == 1 else V5_LOADER_WARPS_2A
-    consts = {"LOADER_WARPS": warps, "AHEAD": V5_AHEAD if ahead is None else ahead, "ATTENDERS": attenders}
+    ahead = env_int_choice(V5_AHEAD_ENV, V5_AHEAD_CHOICES)
+    if ahead is None:
+        ahead = V5_AHEAD if attenders == 1 else V5_AHEAD_2A
+    consts = {"LOADER_WARPS": warps, "AHEAD": ahead, "ATTENDERS": attenders}
     probe = env_int_choice(V5_PROBE_ENV, (0, 1, 2)) or 0
     if probe:  # PreparedCall.run warns on every call that takes it
         consts["PROBE"] = probe

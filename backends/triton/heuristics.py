@@ -458,17 +458,23 @@ def plan_v4(batch: int, rows: int, latent_dim: int, page_size: int, max_tokens: 
 V5_NUM_WARPS = 4
 #: the converter's warps (the kernel's ``LOADER_WARPS``): 8, as kernel v4's loader since stop 56
 V5_LOADER_WARPS = 8
-#: query rows a program (``QUANTMLA_TRITON_V5_BLOCK_R`` overrides it): 16, one request at H16 S_q 1 (the wgmma N). 32
-#: serves H16 S_q 2 in one program (each page converted once, not twice) but the output then takes 128 floats of the
-#: attender's 256 registers a thread (offline sm_90a: 0-40 bytes spilled)
+#: query rows a program up to 16 rows a request (``QUANTMLA_TRITON_V5_BLOCK_R`` overrides it): 16, one request at H16
+#: S_q 1 (the wgmma N); above 16 rows :data:`V5_BLOCK_R_WIDE`. H100, CUDA graphs (stop 65), H16 B32 L32K: 16 rows a
+#: program 288.0 us (C4R4) / 277.0 (C2R4), 32 rows 295.9 / 287.8 (the output's 128 floats a thread)
 V5_BLOCK_R = 16
+#: query rows a program from 17 rows a request: 32 (H16 S_q 2 in one program, each page converted once). H100, CUDA
+#: graphs (stop 65), H16 S_q 2 B32 L32K: 298.0 us (C4R4) / 296.7 (C2R4), against 537.0 / 517.6 with two programs of
+#: 16 rows and kernel v4's 327.7 / 314.3
+V5_BLOCK_R_WIDE = 32
 V5_BLOCK_R_CHOICES = (16, 32)
 #: pages between a packed page's loads and its conversion (``QUANTMLA_TRITON_V5_AHEAD`` overrides it): 1 or 2
-#: (offline sm_90a at 16 rows: no spills with either; at 32 rows 2 spilled 20 bytes). H100, CUDA graphs (stop 64), 1 /
-#: 2, us: H16 B32 L32K C4R4 287.0 / 280.2, C2R4 274.4 / 266.8; B128 L32K 1,061 / 1,033, 1,017 / 970; B32 L128K 1,056
-#: / 1,035, 1,016 / 990; B8 L4K 34.1 / 34.6, 33.5 / 33.9. 2 is 2-5 % faster from 32K tokens but has not yet run
-#: its GPU tests (stop 64 ran them with 1; the timings check no outputs), so 1 stays the default until it has
-V5_AHEAD = 1
+#: (offline sm_90a at 16 rows: no spills with either; at 32 rows 2 spilled 20 bytes). H100, CUDA graphs, 1 / 2, us
+#: (stop 65, one process): H16 B32 L32K C4R4 288.0 / 281.7, C2R4 277.0 / 271.1; B128 L32K 1,070.7 / 1,044.8, 1,020.8 /
+#: 981.3; B8 L4K 34.1 / 34.8, 33.8 / 34.1. 2 passed its GPU tests (stop 65: builds a2pc and a2r32), so it is the
+#: default: 2-4 % faster from 32K tokens, 1-2 % slower at B8 L4K (still 1.05x FlashInfer BF16, target 1.5x)
+V5_AHEAD = 2
+#: ... beside two attenders: 1 (their 4 converter warps holding two pages spill 214 bytes, offline sm_90a C4R4)
+V5_AHEAD_2A = 1
 V5_AHEAD_CHOICES = (1, 2)
 #: attending warpgroups a program (``QUANTMLA_TRITON_V5_ATTENDERS`` overrides it; 2 at 16 rows a program only): with
 #: one, a page's QK, softmax and output product run back to back and the converter fills the other key slot; with
@@ -487,16 +493,23 @@ V5_LOADER_WARPS_2A = 4
 #: v2's time and 0.87-0.89x of v4's at H16 from 32K tokens (CUDA graphs, :data:`V5_AHEAD` 1: B32 L32K C4R4 287 us, v4
 #: 321, v2 646, FlashInfer BF16 420), B8 L4K 34.1 (v4 38.5, v2 48.4, FlashInfer 32.7)
 V5_AUTO = True
-#: query rows up to which ``auto`` takes kernel v5 (one 16-row block a request): at 32 rows (H16 S_q 2, two blocks,
-#: each page dequantized twice) v5 took 514-533 us at B32 L32K against v4's 315-328 (stop 64, H100; 32-row blocks,
-#: ``QUANTMLA_TRITON_V5_BLOCK_R=32``, not timed)
-V5_MAX_ROWS = 16
+#: query rows up to which ``auto`` takes kernel v5: 32 (H16 S_q 2 as one program of :data:`V5_BLOCK_R_WIDE` rows a
+#: request: 298.0 / 296.7 us at B32 L32K C4R4 / C2R4 against kernel v4's 327.7 / 314.3, H100, stop 65); v4 above
+V5_MAX_ROWS = 32
+
+
+def v5_block_r(rows: int) -> int:
+    """Kernel v5's query rows a program for ``rows`` rows a request: :data:`V5_BLOCK_R` up to 16, else
+    :data:`V5_BLOCK_R_WIDE`."""
+    return V5_BLOCK_R if rows <= V5_BLOCK_R else V5_BLOCK_R_WIDE
 
 
 def plan_v5(batch: int, rows: int, latent_dim: int, page_size: int, max_tokens: int, sm_count: int,
             interpreter: bool = False, num_splits: int | None = None, fp32_dot: bool = False,
-            block_r: int = V5_BLOCK_R) -> AttentionPlan:
+            block_r: int | None = None) -> AttentionPlan:
     """Launch plan of attention kernel v5: kernel v3's tiles and split rule (one program an SM) over row blocks of
-    ``block_r`` query rows, :data:`V5_NUM_WARPS` warps in the launch's default partition."""
+    ``block_r`` query rows (None: :func:`v5_block_r` of the ``rows`` a request), :data:`V5_NUM_WARPS` warps in the
+    launch's default partition."""
+    block_r = v5_block_r(rows) if block_r is None else block_r
     return replace(plan_v3(batch, rows, latent_dim, page_size, max_tokens, sm_count, interpreter, num_splits, fp32_dot,
                            block_r), num_warps=V5_NUM_WARPS)
