@@ -407,6 +407,7 @@ if GLUON_IMPORT_ERROR is None:
             REGS: gl.constexpr = LOADER_REGS
         q_base = q_ptr + b.to(gl.int64) * R * DC
         qr_base = qr_ptr + b.to(gl.int64) * R * DR
+        # the argument lists are spelled out in each call: a tuple held in a variable loses its constexprs here
         if ATTENDERS == 1:
             gl.warp_specialize([
                 (attender_partition, (q_base, qr_base, table_row, num_pages, o_part_ptr, lse_part_ptr, part, rb, R, H,
