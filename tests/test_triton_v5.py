@@ -167,8 +167,11 @@ def test_two_attenders_refuse_32_rows(monkeypatch):
     monkeypatch.setenv(A.V5_ATTENDERS_ENV, "2")
     monkeypatch.setenv(A.V5_BLOCK_R_ENV, "32")
     with pytest.raises(ValueError, match="QUANTMLA_TRITON_V5_ATTENDERS=2: kernel v5's two attenders take 16 query rows "
-                                         r"a program, the call has 32 \(QUANTMLA_TRITON_V5_BLOCK_R\)"):
+                                         r"a program, the call has 32 \(QUANTMLA_TRITON_V5_BLOCK_R, or unset: 32 above"):
         _prepare()
+    monkeypatch.delenv(A.V5_BLOCK_R_ENV)
+    with pytest.raises(ValueError, match="two attenders take 16 query rows a program, the call has 32"):
+        _prepare(s_q=2)
 
 
 @pytest.mark.parametrize("value", ["1", "2"])

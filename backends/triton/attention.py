@@ -131,7 +131,7 @@ def _v5_constexprs(block_r: int) -> dict:
     attenders = env_int_choice(V5_ATTENDERS_ENV, V5_ATTENDERS_CHOICES)
     if attenders == 2 and block_r != 16:
         raise ValueError(f"{V5_ATTENDERS_ENV}=2: kernel v5's two attenders take 16 query rows a program, the call has "
-                         f"{block_r} ({V5_BLOCK_R_ENV})")
+                         f"{block_r} ({V5_BLOCK_R_ENV}, or unset: 32 above 16 rows a request)")
     if attenders is None:
         attenders = V5_ATTENDERS if block_r == 16 else 1
     warps = env_int_choice(V5_LOADER_WARPS_ENV, (4, 8))

@@ -162,6 +162,8 @@ if GLUON_IMPORT_ERROR is None:
                 j = j_lo + i
                 _, page_ok = page_of(table_row, j, num_pages, PAGE_BYTES, i < n_tiles)
                 mbarrier.wait(kfull.index(WHO), k & 1)
+                # slot == WHO, through an opaque move: with a constant slot LLVM hoists the descriptors of the 68
+                # wgmma out of the loop, where they take registers for the whole walk (offline: 712 bytes spilled)
                 slot = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [i % 2], dtype=gl.int32, is_pure=False,
                                                  pack=1)
                 kc_s = kc.index(slot)

@@ -480,12 +480,12 @@ V5_AHEAD_CHOICES = (1, 2)
 #: one, a page's QK, softmax and output product run back to back and the converter fills the other key slot; with
 #: two, each takes every other page on its own slot, so that one's softmax runs beside the other's products and the
 #: converter fills a slot while the other attender works (attender 1's sums merged into attender 0's at the end).
-#: Offline sm_90a (C4R4, 16 rows, 4 converter warps): 203 KB of shared memory, 72-104 bytes spilled (loop-invariant
-#: scalars reloaded, ~17 loads a page). Not yet run on a GPU: 1 stays the default until it has
+#: Offline sm_90a (C4R4 / C2R4 / BF16, 16 rows, 4 converter warps): 203 KB of shared memory, 56-108 bytes spilled
+#: (loop-invariant scalars reloaded, ~13-26 loads a page). Not yet run on a GPU: 1 stays the default until it has
 V5_ATTENDERS = 1
 V5_ATTENDERS_CHOICES = (1, 2)
 #: the converter's warps beside two attenders (``QUANTMLA_TRITON_V5_LOADER_WARPS`` overrides it, 4 or 8): 4, since
-#: with 8 the 16 warps leave 128 registers a thread and the build spills 124-156 bytes (offline sm_90a)
+#: with 8 the 16 warps leave 128 registers a thread and the build spills 124-132 bytes (offline sm_90a)
 V5_LOADER_WARPS_2A = 4
 #: whether ``auto`` runs kernel v5 over packed pages for at most :data:`V5_MAX_ROWS` query rows (in kernel v2's place)
 #: where v5 serves the call. On: on an H100 (stop 64, ``run_h200_kernels.sh stop64a``) v5 passed its GPU tests
