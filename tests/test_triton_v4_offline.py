@@ -32,6 +32,8 @@ from quantmla_core import PackFormat
 from quantmla_core import reference as ref
 from quantmla_core.reference.quantize import bf16_round, bits_to_bf16
 
+from mbarrier_model import Barrier as _Bar, run_interleaved
+
 pytest.importorskip("triton")
 
 from quantmla_core.backends.triton import attention_v4_kernel as v4  # noqa: E402
@@ -422,22 +424,6 @@ def test_per_group_splits_give_groups_in_order():
 
 # ---------------------------------------------------------------- the mbarrier protocol, modelled
 
-class _Bar:
-    """An mbarrier: ``count`` arrivals complete a phase; ``wait(parity)`` passes once the phase of that parity has
-    completed (the current phase's parity differs), so a fresh barrier passes parity 1."""
-
-    def __init__(self, count: int):
-        self.count, self.pending, self.completed = count, count, 0
-
-    def arrive(self):
-        self.pending -= 1
-        if self.pending == 0:
-            self.completed, self.pending = self.completed + 1, self.count
-
-    def passes(self, parity: int) -> bool:
-        return (self.completed & 1) != parity
-
-
 def _attender(n: int, drop: str | None, pipeline: bool = False):
     """``attention_v4_kernel.attender_partition``'s synchronizing statements, in order (``PIPELINE``: PV_lo(i - 1)
     retired and its key slot handed back before QK(i); else both after QK(i)). A split of no pages walks one."""
@@ -457,7 +443,7 @@ def _attender(n: int, drop: str | None, pipeline: bool = False):
             yield ("wait", ("pfree",), (i & 1) ^ 1)
         yield ("write", ("p",), i)
         yield ("arrive", ("pready",))
-        yield ("issue", "pv_lo", [("k", s), ("p",)], i)  # reads until the next retire
+        yield ("issue", "pv_lo", [(("k", s), i), (("p",), i)])  # reads until the next retire
     yield ("arrive", ("lfin",))
     yield ("retire", "pv_lo")
 
@@ -495,34 +481,12 @@ BUILDS = {"0": (False, False), "1": (True, False), "2-BF16": (True, True)}
 
 def _run_protocol(n: int, seed: int, drop: str | None = None, build: str = "0") -> None:
     """Both partitions under one random interleaving; AssertionError on a hazard or a deadlock."""
-    rnd = random.Random(seed)
     bars = {("kfull", 0): _Bar(1), ("kfull", 1): _Bar(1), ("kempty", 0): _Bar(2), ("kempty", 1): _Bar(2),
             ("pready",): _Bar(1), ("pfree",): _Bar(1), ("lfin",): _Bar(1)}
     held = {("k", 0): None, ("k", 1): None, ("p",): None}  # page whose data each buffer holds
-    readers: dict = {}  # buffer -> pending async readers (the attender's PV_lo)
     pipeline, pv_early = BUILDS[build]
     procs = {"attender": _attender(n, drop, pipeline), "loader": _loader(n, drop, pv_early)}
-    nxt = {name: next(g, None) for name, g in procs.items()}
-    while any(ev is not None for ev in nxt.values()):
-        ready = [p for p, ev in nxt.items() if ev is not None and (ev[0] != "wait" or bars[ev[1]].passes(ev[2]))]
-        assert ready, f"deadlock at {nxt}"
-        p = rnd.choice(ready)
-        ev = nxt[p]
-        if ev[0] == "arrive":
-            bars[ev[1]].arrive()
-        elif ev[0] == "write":
-            assert not readers.get(ev[1]), f"{p} overwrites {ev[1]} under a pending reader {readers[ev[1]]}"
-            held[ev[1]] = ev[2]
-        elif ev[0] == "read":
-            assert held[ev[1]] == ev[2], f"{p} reads page {held[ev[1]]} from {ev[1]}, expected {ev[2]}"
-        elif ev[0] == "issue":
-            for buf in ev[2]:
-                assert held[buf] == ev[3], f"{p} reads page {held[buf]} from {buf}, expected {ev[3]}"
-                readers.setdefault(buf, set()).add(ev[1])
-        elif ev[0] == "retire":
-            for rs in readers.values():
-                rs.discard(ev[1])
-        nxt[p] = next(procs[p], None)
+    run_interleaved(procs, bars, held, random.Random(seed))
     for key, bar in bars.items():  # every barrier between phases: no stray arrival
         assert bar.pending == bar.count or key[0] == "kempty", (key, bar.pending)
 
