@@ -58,3 +58,14 @@ def run_interleaved(procs: dict, bars: dict, held: dict, rnd: random.Random) -> 
             for rs in readers.values():
                 rs.discard(ev[1])
         nxt[p] = next(procs[p], None)
+
+
+def failures(run, seeds: int = 300) -> int:
+    """How many of the interleavings ``run(seed)`` for seeds ``0 .. seeds - 1`` raise an AssertionError."""
+    count = 0
+    for seed in range(seeds):
+        try:
+            run(seed)
+        except AssertionError:
+            count += 1
+    return count

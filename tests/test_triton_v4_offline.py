@@ -32,7 +32,7 @@ from quantmla_core import PackFormat
 from quantmla_core import reference as ref
 from quantmla_core.reference.quantize import bf16_round, bits_to_bf16
 
-from mbarrier_model import Barrier as _Bar, run_interleaved
+from mbarrier_model import Barrier as _Bar, failures, run_interleaved
 
 pytest.importorskip("triton")
 
@@ -499,13 +499,7 @@ def test_protocol_holds_under_random_interleavings(n, build):
 
 
 def _failures(drop: str, build: str) -> int:
-    failures = 0
-    for seed in range(300):
-        try:
-            _run_protocol(5, seed, drop, build)
-        except AssertionError:
-            failures += 1
-    return failures
+    return failures(lambda seed: _run_protocol(5, seed, drop, build))
 
 
 @pytest.mark.parametrize("drop,build", [(d, b) for d in ("pfree", "kempty", "pready") for b in BUILDS
