@@ -19,13 +19,20 @@ Partitions, per 64-token page ``i`` of the split, key slot ``s = i % 2``:
 * attender (default partition, 4 warps): waits ``kfull[s]``, issues QK, retires it together with the output
   product of page ``i - 1`` and arrives ``kempty`` of that page's slot, runs the softmax, writes P^T, issues the
   output product of page ``i`` (retired at page ``i + 1``). At the end it writes the partial output and lse.
+* ``ATTENDERS`` 2 (16 rows): attender ``w`` (0: the default partition, 1: a 4-warp worker) takes pages ``w, w + 2,
+  ...`` on key slot ``w``: waits ``kfull[w]``, QK, softmax, P^T into its own P tile, the output product, retires
+  it and arrives ``kempty[w]``. Attender 0 loads the queries and arrives ``qready`` (attender 1 waits for it); at
+  the end attender 1 stores its unnormalised output, maximum and sum and arrives ``mdone``, and attender 0 merges
+  them into its own before writing the partial. The converter walks an even count of pages.
 
-Barriers (``mbarrier``, parity waits; fresh barriers pass a wait for parity 1): ``kfull[2]``, ``kempty[2]``, one
-arrival each; every barrier completes one phase a page. A split without pages walks one dead page (no table read,
-every token invisible), as in kernel v4: with a zero-trip path ptxas serializes the ``wgmma`` (C7515).
+Barriers (``mbarrier``, parity waits; fresh barriers pass a wait for parity 1): ``kfull[2]``, ``kempty[2]`` (and
+with two attenders ``qready``, ``mdone``), one arrival each; every key barrier completes one phase a page. A split
+without pages walks one dead page (no table read, every token invisible), as in kernel v4: with a zero-trip path
+ptxas serializes the ``wgmma`` (C7515). ``tests/test_triton_v5_protocol.py`` models both schedules.
 
-Shared memory (``BLOCK_R`` 16): kc 128 KB + kr 16 KB + Q 18 KB + P 2 KB and the softmax's reduction scratch.
-Registers: the output accumulator is ``512 * BLOCK_R / 128`` floats a thread (64 at 16 rows, 128 at 32).
+Shared memory (``BLOCK_R`` 16): kc 128 KB + kr 16 KB + Q 18 KB + P 2 KB and the softmax's reduction scratch; two
+attenders add a second P tile and attender 1's sums (32 KB): 203,448 B. Registers: the output accumulator is
+``512 * BLOCK_R / 128`` floats a thread (64 at 16 rows, 128 at 32).
 """
 
 from __future__ import annotations
