@@ -69,6 +69,12 @@ if GLUON_IMPORT_ERROR is None:
     ATTENDER2_REGS = gl.constexpr({4: 168, 8: 144})
 
     @gluon.jit
+    def pages_each(n_walk, ATTENDERS: gl.constexpr):
+        """Pages each of ``ATTENDERS`` attenders takes of a split's ``n_walk`` packed and protected pages: at least
+        one (an empty split walks a dead page) and as many as the other (an odd walk of two ends on a dead page)."""
+        return gl.maximum((n_walk + ATTENDERS - 1) // ATTENDERS, 1)
+
+    @gluon.jit
     def _qk_issue(kc_s, kr_s, q_s, qr_s, s0, DC: gl.constexpr):
         """``S^T = K Q^T`` of a key slot (``DC / 64 + 1`` asynchronous ``wgmma``, not waited for)."""
         s = warpgroup_mma(kc_s.slice(0, 64, dim=1), q_s.slice(0, 64, dim=1).permute((1, 0)), s0, use_acc=False,
@@ -142,14 +148,14 @@ if GLUON_IMPORT_ERROR is None:
         p_mine = p_s.index(WHO)
         n_walk = prot[7] + n_tiles
         if not ATTEND:  # a probe build: each page handed back unread
-            for k in range(gl.maximum((n_walk + ATTENDERS - 1) // ATTENDERS, 1)):
+            for k in range(pages_each(n_walk, ATTENDERS)):
                 i = ATTENDERS * k + WHO
                 mbarrier.wait(kfull.index(i % 2), (i // 2) & 1)
                 mbarrier.arrive(kempty.index(i % 2))
             o = gl.zeros([DC, BLOCK_R], gl.float32, lay)
         elif ATTENDERS == 1:
             acc = warpgroup_mma_init(gl.zeros([DC, BLOCK_R], gl.float32, lay))
-            for i in range(gl.maximum(n_walk, 1)):  # an empty split attends to one dead page
+            for i in range(pages_each(n_walk, 1)):
                 slot = i % 2
                 j = j_lo + i
                 _, page_ok = page_of(table_row, j, num_pages, PAGE_BYTES, i < n_tiles)
@@ -164,7 +170,7 @@ if GLUON_IMPORT_ERROR is None:
             o = warpgroup_mma_wait(0, deps=[acc])
         else:  # pages WHO, WHO + 2, ...: while one attender runs its softmax, the other's products run
             o = gl.zeros([DC, BLOCK_R], gl.float32, lay)
-            for k in range(gl.maximum((n_walk + 1) // 2, 1)):  # an odd walk ends on a dead page of attender 1
+            for k in range(pages_each(n_walk, 2)):
                 i = 2 * k + WHO
                 j = j_lo + i
                 _, page_ok = page_of(table_row, j, num_pages, PAGE_BYTES, i < n_tiles)
@@ -234,10 +240,7 @@ if GLUON_IMPORT_ERROR is None:
         kc, kr = bufs[0], bufs[1]
         kfull, kempty = bars[0], bars[1]
         n_prot = prot[7]
-        if ATTENDERS == 1:
-            n_walk = gl.maximum(n_tiles + n_prot, 1)  # the attender's count: an empty split walks one dead page
-        else:
-            n_walk = 2 * gl.maximum((n_tiles + n_prot + 1) // 2, 1)
+        n_walk = ATTENDERS * pages_each(n_tiles + n_prot, ATTENDERS)  # the attenders' pages together
         gl.static_assert(AHEAD == 1 or AHEAD == 2, "kernel v5: page bytes 1 or 2 pages ahead")
         if not KEYS:
             for i in range(n_walk):
