@@ -131,7 +131,8 @@
 #       (S64A_MERGE_SHAPES set) CuPy's merge 0 against auto, while S64A_LIMIT seconds (default 560) are not spent;
 #       $OUT/s64a.tgz. stop63a is the same mode (its first form, v4 below 64 rows, never ran). S64A_MEMCHECK_BUILD:
 #       the build memcheck runs (a GPU_BUILDS id of tests/test_triton_v5.py, default a1pc); S64A_BACKENDS: timed
-#       beside FlashInfer (default triton,cupy)
+#       beside FlashInfer (default triton,cupy); S64A_TESTS: the test file (default tests/test_triton_v5.py; kernel v6:
+#       tests/test_triton_v6.py, whose memcheck build is its QUANTMLA_TRITON_V6_AHEAD, 0 or 1)
 #   bash benchmarks/run_h200_kernels.sh stop62a  # each kernel's device time of CuPy's defaults at H128 (S62A_KT_SHAPES),
 #       then mode pdlwaves; $OUT/s62a.tgz and $OUT/pdlw.tgz
 #   bash benchmarks/run_h200_kernels.sh pdlwaves  # PDL against plain launches where split kernels take one wave and
@@ -912,12 +913,12 @@ or C2R4)" > /tmp/s62b/memcheck.txt 2>&1
 elif [ "$MODE" = stop64a ] || [ "$MODE" = stop63a ]; then
   mkdir -p /tmp/s64a; t0=$(date +%s); left() { echo $(( ${S64A_LIMIT:-${S63A_LIMIT:-560}} - $(date +%s) + t0 )); }
   smi_log /tmp/s64a
-  echo "=== first: Triton kernel v5 against the reference and kernel v4 (H16, H40, H1)"
-  timeout -k 10 ${S64A_FIRST_S:-240} $T -x -rfE --tb=long tests/test_triton_v5.py -k "${S64A_K:-a1p] or a1pc]}" \
+  echo "=== first: ${S64A_TESTS:-tests/test_triton_v5.py} (H16, H40, H1): -k ${S64A_K:-a1p] or a1pc]}"
+  timeout -k 10 ${S64A_FIRST_S:-240} $T -x -rfE --tb=long ${S64A_TESTS:-tests/test_triton_v5.py} -k "${S64A_K:-a1p] or a1pc]}" \
     > /tmp/s64a/first.txt 2>&1
   if tests_report /tmp/s64a/first.txt $?; then
     echo "=== memcheck of v5 at H16 ($(left) s left)"
-    timeout -k 5 90 compute-sanitizer --tool memcheck $T tests/test_triton_v5.py -k "matches_reference and H16- and \
+    timeout -k 5 90 compute-sanitizer --tool memcheck $T ${S64A_TESTS:-tests/test_triton_v5.py} -k "matches_reference and H16- and \
 L63_64_65 and (C4R4 or C2R4) and ${S64A_MEMCHECK_BUILD:-a1pc}]" > /tmp/s64a/memcheck.txt 2>&1
     echo "rc=$?" >> /tmp/s64a/memcheck.txt; tail -3 /tmp/s64a/memcheck.txt
   fi

@@ -25,6 +25,7 @@ from .attention_v2_kernel import split_kernel_v2
 from .attention_v3_kernel import split_kernel_v3
 from .attention_v4_kernel import GLUON_IMPORT_ERROR, split_kernel_v4
 from .attention_v5_kernel import split_kernel_v5
+from .attention_v6_kernel import split_kernel_v6
 from .common import launch_dims, page_layout_constexprs, ptr_or_dummy
 from .heuristics import (INTERPRETER_SM_COUNT, MERGE_BLOCK_C, MERGE_BLOCK_R, MERGE_WARPS, PDL_MODES,
                          PROTECT_STAGES, TMEM_COLUMNS, V2_CODE_WORDS, V2_FLOAT32_ON_GPU, V2_HOLD_RAW, V2_ZSUB,
@@ -34,13 +35,14 @@ from .heuristics import (INTERPRETER_SM_COUNT, MERGE_BLOCK_C, MERGE_BLOCK_R, MER
                          V4_AUTO, V4_CAPABILITY_MAJOR, V4_INLINE_PROTECT, V4_LOADER_WARPS, V4_MIN_ROWS, V4_PIPELINE,
                          v4_channel_order, v4_format_unsupported, plan_v5, V5_AHEAD, V5_AHEAD_2A, V5_AHEAD_CHOICES,
                          V5_AUTO, V5_ATTENDERS, V5_ATTENDERS_CHOICES, V5_BLOCK_R_CHOICES, V5_LOADER_WARPS,
-                         V5_LOADER_WARPS_2A, V5_MAX_ROWS)
+                         V5_LOADER_WARPS_2A, V5_MAX_ROWS, plan_v6, V6_AHEAD, V6_AHEAD_CHOICES, v6_format_unsupported)
 
-#: environment variable choosing the split kernel ("auto" default, "v1", "v2", "v3", "v4", "v5"); read on every call.
+#: environment variable choosing the split kernel ("auto" default, "v1" to "v6"); read on every call.
 #: ``auto`` runs v4 (Gluon, Hopper) where it would run v3 and v4 serves the call (``heuristics.V4_AUTO``); below 64
-#: query rows over packed pages v5 (Gluon, few rows) up to ``heuristics.V5_MAX_ROWS`` rows and v4 above
+#: query rows over packed pages v5 (Gluon, few rows) up to ``heuristics.V5_MAX_ROWS`` rows and v4 above. v6 (Gluon,
+#: 16 rows a program, C4R4 / C2R4) runs only when asked for
 VARIANT_ENV = "QUANTMLA_TRITON_ATTENTION"
-VARIANTS = ("auto", "v1", "v2", "v3", "v4", "v5")
+VARIANTS = ("auto", "v1", "v2", "v3", "v4", "v5", "v6")
 #: query rows a program of the protected-tile kernel attends (a measurement knob, read on every call; unset: the
 #: plan's 16, see heuristics.PROTECT_ROWS_CHOICES)
 PROTECT_ROWS_ENV = "QUANTMLA_TRITON_PROTECT_ROWS"
@@ -90,11 +92,15 @@ V5_LOADER_WARPS_ENV = "QUANTMLA_TRITON_V5_LOADER_WARPS"
 #: converter hands the key slots over unwritten (no page loaded or converted); 2, the attenders hand them back unread
 #: (no products, no softmax). Unset or 0: the real kernel
 V5_PROBE_ENV = "QUANTMLA_TRITON_V5_PROBE"
+#: pages between kernel v6's loads of a page and its conversion, 0 or 1 (:data:`heuristics.V6_AHEAD`). A measurement
+#: knob, read when a call is prepared
+V6_AHEAD_ENV = "QUANTMLA_TRITON_V6_AHEAD"
 _KERNELS = {"v1": split_kernel, "v2": split_kernel_v2, "v3": split_kernel_v3,
-            **({} if split_kernel_v4 is None else {"v4": split_kernel_v4, "v5": split_kernel_v5})}
+            **({} if split_kernel_v4 is None else {"v4": split_kernel_v4, "v5": split_kernel_v5,
+                                                   "v6": split_kernel_v6})}
 #: the Gluon kernels (Hopper, no interpreter): v4's arguments and constexprs, their own protected tokens and channel
 #: order
-GLUON_VARIANTS = ("v4", "v5")
+GLUON_VARIANTS = ("v4", "v5", "v6")
 
 
 def _plan_v5(*args, **kw) -> AttentionPlan:
@@ -102,7 +108,7 @@ def _plan_v5(*args, **kw) -> AttentionPlan:
     return plan_v5(*args, **kw, block_r=env_int_choice(V5_BLOCK_R_ENV, V5_BLOCK_R_CHOICES))
 
 
-_PLANNERS = {"v1": plan, "v2": plan_v2, "v3": plan_v3, "v4": plan_v4, "v5": _plan_v5}
+_PLANNERS = {"v1": plan, "v2": plan_v2, "v3": plan_v3, "v4": plan_v4, "v5": _plan_v5, "v6": plan_v6}
 
 
 def auto_variant(quantized: bool, q_bf16: bool, rows: int = 1, v3_fits: bool = True) -> str:
@@ -165,9 +171,9 @@ def v3_suits(device: torch.device) -> bool:
 
 
 def v4_unsupported(fmt, q_dtype: torch.dtype, device: torch.device, variant: str = "v4") -> str | None:
-    """Why Gluon kernel ``variant`` (v4 or v5: warp-specialized, Hopper ``wgmma``; v5 reads what v4 reads) cannot serve
-    a call of ``fmt`` pages and ``q_dtype`` queries on ``device``, or None. Gluon has no interpreter, so they run on
-    NVIDIA sm_90 GPUs alone."""
+    """Why Gluon kernel ``variant`` (v4, v5 or v6: Hopper ``wgmma``; v5 reads what v4 reads, v6 its packed formats)
+    cannot serve a call of ``fmt`` pages and ``q_dtype`` queries on ``device``, or None. Gluon has no interpreter, so
+    they run on NVIDIA sm_90 GPUs alone."""
     name = f"kernel {variant}"
     if GLUON_IMPORT_ERROR is not None:
         return f"{name} needs triton's Gluon: {GLUON_IMPORT_ERROR}"
@@ -180,7 +186,7 @@ def v4_unsupported(fmt, q_dtype: torch.dtype, device: torch.device, variant: str
         return f"{name} needs compute capability {V4_CAPABILITY_MAJOR}.x (Hopper), {device} is {major}.x"
     if q_dtype != torch.bfloat16:
         return f"{name} takes bfloat16 queries, got {q_dtype}"
-    return v4_format_unsupported(fmt, name)
+    return v6_format_unsupported(fmt, name) if variant == "v6" else v4_format_unsupported(fmt, name)
 
 
 @functools.lru_cache(maxsize=16)
@@ -713,7 +719,10 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
             consts["PROBE"] = probe
     if variant == "v5":
         consts.update(_v5_constexprs(pl.block_r))
-    if variant in GLUON_VARIANTS:
+    if variant == "v6":
+        ahead = env_int_choice(V6_AHEAD_ENV, V6_AHEAD_CHOICES)
+        consts["AHEAD"] = V6_AHEAD if ahead is None else ahead
+    if variant in ("v4", "v5"):  # v6 leaves the protected tokens to the protected-tile kernel, in plain order
         if _v4_inline_protect(cache):
             consts["INLINE_PROT"] = True
         if fmt.quantized and _v4_channel_order(int(block_table.shape[1]), pl.num_splits):

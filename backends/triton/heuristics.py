@@ -504,6 +504,46 @@ def v5_block_r(rows: int) -> int:
     return V5_BLOCK_R if rows <= V5_BLOCK_R else V5_BLOCK_R_WIDE
 
 
+# ------------------------------------------------------------------ attention kernel v6
+# (attention_v6_kernel.py: kernel v5's transposed products with QK's keys dequantized straight into registers, one
+# warpgroup a program and two programs an SM; C4R4 / C2R4 pages at v4's dims and page size, on sm_90; the protected
+# tokens by the protected-tile kernel)
+#: warps of a program (one warpgroup, no warp specialization)
+V6_NUM_WARPS = 4
+#: programs an SM (86 KB of shared memory each): the split rule fills the GPU with this many
+V6_CTAS_PER_SM = 2
+#: the page formats kernel v6 reads
+V6_FORMATS = ("C4R4", "C2R4")
+#: query rows a program: 16, the ``wgmma`` N (an H16 S_q 1 request)
+V6_BLOCK_R = 16
+#: pages between a page's loads and its conversion (``QUANTMLA_TRITON_V6_AHEAD`` overrides it): 1, the bytes of page
+#: i + 1 in flight while page i is converted and multiplied; 0, each page's loads issued at its start. Offline sm_90a
+#: (triton 3.7.1, stop 66), C4R4 / C2R4: 1 spills 228 / 164 bytes and issues 1,460 / 1,397 instructions a warp in its
+#: loops, 0 spills 68 / 40 and issues 1,287 / 1,284. Not yet timed on a GPU
+V6_AHEAD = 1
+V6_AHEAD_CHOICES = (0, 1)
+
+
+def v6_format_unsupported(fmt, kernel: str = "kernel v6") -> str | None:
+    """Why kernel v6 cannot read pages of ``fmt`` (a ``PackFormat``), or None."""
+    if fmt.name not in V6_FORMATS:
+        return f"{kernel} reads pages of {'/'.join(V6_FORMATS)}, got {fmt.name}"
+    return v4_format_unsupported(fmt, kernel)
+
+
+def plan_v6(batch: int, rows: int, latent_dim: int, page_size: int, max_tokens: int, sm_count: int,
+            interpreter: bool = False, num_splits: int | None = None, fp32_dot: bool = False) -> AttentionPlan:
+    """Launch plan of attention kernel v6: kernel v3's tiles over row blocks of :data:`V6_BLOCK_R` rows, split for
+    :data:`V6_CTAS_PER_SM` programs an SM, :data:`V6_NUM_WARPS` warps."""
+    row_blocks = -(-rows // V6_BLOCK_R)
+    tiles = max(1, -(-max_tokens // V3_BLOCK_N))
+    if num_splits is None:
+        min_tiles = MIN_TILES_PER_SPLIT_INTERPRETER if interpreter else V3_MIN_TILES_PER_SPLIT
+        num_splits = plan_kv_splits(batch * row_blocks, tiles, V6_CTAS_PER_SM * sm_count, min_tiles, MAX_SPLITS)[0]
+    return AttentionPlan(V3_BLOCK_N, V6_BLOCK_R, row_blocks, int(num_splits), V6_NUM_WARPS, V3_NUM_STAGES,
+                         v3_protect_rows(batch, rows, sm_count), PROTECT_WARPS)
+
+
 def plan_v5(batch: int, rows: int, latent_dim: int, page_size: int, max_tokens: int, sm_count: int,
             interpreter: bool = False, num_splits: int | None = None, fp32_dot: bool = False,
             block_r: int | None = None) -> AttentionPlan:

@@ -275,8 +275,8 @@ def nvidia_resources(compiled) -> dict[str, int]:
 
 def sass_loop_counts(compiled) -> dict[str, int]:
     """Instructions of a kernel compiled for NVIDIA, from ``cuobjdump -sass`` of its cubin (Triton's own): all of
-    them, those inside loops (between a backward branch and its target), and the local-memory spill stores (STL) and
-    loads (LDL) among those."""
+    them, those inside loops (between a backward branch and its target), and among those the local-memory spill stores
+    (STL) and loads (LDL) and the plain shared-memory stores (STS) and loads (LDS)."""
     with _temp_file(compiled.asm["cubin"], ".cubin") as path:
         sass = subprocess.run([_nvidia_tool("cuobjdump"), "-sass", path], capture_output=True, text=True,
                               check=True).stdout
@@ -293,7 +293,14 @@ def sass_loop_counts(compiled) -> dict[str, int]:
             in_loop[start:i + 1] = [True] * (i + 1 - start)
     return {"sass": len(ins), "sass_in_loops": sum(in_loop),
             "stl_in_loops": sum("STL" in t for t, inside in zip(ins, in_loop) if inside),
-            "ldl_in_loops": sum("LDL" in t for t, inside in zip(ins, in_loop) if inside)}
+            "ldl_in_loops": sum("LDL" in t for t, inside in zip(ins, in_loop) if inside),
+            "sts_in_loops": sum(_opcode(t) == "STS" for t, inside in zip(ins, in_loop) if inside),
+            "lds_in_loops": sum(_opcode(t) == "LDS" for t, inside in zip(ins, in_loop) if inside)}
+
+
+def _opcode(instruction: str) -> str:
+    """A SASS instruction's opcode without its predicate and modifiers (``@!P0 STS.128 [R1], R2`` -> ``STS``)."""
+    return re.sub(r"^@!?U?P\w+\s+", "", instruction).split()[0].split(".")[0]
 
 
 def innermost_error(exc: BaseException) -> str:

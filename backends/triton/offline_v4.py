@@ -80,6 +80,18 @@ def compile_v5(fmt_name: str = "C4R4", block_r: int = 16, ahead: int = 1, inline
     return _compile_gluon(split_kernel_v5, fmt_name, consts, 128, inline_prot, channel_order)
 
 
+def compile_v6(fmt_name: str = "C4R4", ahead: int = 1) -> Any:
+    """``triton.compile`` of ``split_kernel_v6`` for sm_90a with v3's recorded launch at H = 128, 16 query rows a
+    program, each page's bytes loaded ``ahead`` (0 or 1) pages early."""
+    from .attention_v4_kernel import GLUON_IMPORT_ERROR
+
+    if GLUON_IMPORT_ERROR is not None:
+        raise RuntimeError(f"no Gluon in this triton: {GLUON_IMPORT_ERROR}")
+    from .attention_v6_kernel import split_kernel_v6
+
+    return _compile_gluon(split_kernel_v6, fmt_name, {"BLOCK_R": 16, "AHEAD": int(ahead)}, 128, False, False)
+
+
 def _compile_gluon(kernel: Any, fmt_name: str, overrides: dict, heads: int, inline_prot: bool,
                    channel_order: bool) -> Any:
     """``triton.compile`` of the Gluon split ``kernel`` for sm_90a: v3's recorded launch for ``heads`` rows, its
@@ -138,6 +150,12 @@ def compile_report_v5(fmt_name: str = "C4R4", block_r: int = 16, ahead: int = 1,
             "attenders": int(attenders), "loader_warps": int(loader_warps), "probe": int(probe), **_resources(k)}
 
 
+def compile_report_v6(fmt_name: str = "C4R4", ahead: int = 1) -> dict:
+    """:func:`compile_report`'s resources of kernel v6 compiled offline for sm_90a."""
+    k = compile_v6(fmt_name, ahead)
+    return {"triton": _triton_version(), "kernel": 6, "fmt": fmt_name, "ahead": int(ahead), **_resources(k)}
+
+
 def _triton_version() -> str:
     import triton
 
@@ -177,6 +195,9 @@ def main(argv: list[str]) -> None:
     fmts = [a.upper() for a in argv if "=" not in a] or list(FORMATS)
     for f in fmts:
         try:
+            if option("kernel", 4) == 6:
+                print(compile_report_v6(f, option("ahead", 1)), flush=True)
+                continue
             if option("kernel", 4) == 5:
                 print(compile_report_v5(f, option("block_r", 16), option("ahead", 1), option("inline_prot", 0) == 1,
                                         option("channel_order", 0) == 1, option("attenders", 1),

@@ -1,0 +1,334 @@
+"""Split-KV decode attention, kernel v6: kernel v5's transposed products (a page's 64 tokens as the ``wgmma`` M, 16
+query rows as N) with QK's key operand dequantized straight into registers, no warp specialization, two programs an
+SM (CuPy kernel v5's two workers; Gluon, Hopper sm_90a).
+
+A drop-in for ``split_kernel_v5`` (same positional arguments, constexpr names and partial outputs) at 16 query rows a
+program, over C4R4 / C2R4 pages with d_c 512, d_r 64; the protected tokens are left to the protected-tile kernel
+(``INLINE_PROT`` False) and the partial output is in plain channel order (``CHANNEL_ORDER`` False).
+
+Why: kernel v5 moves each key tile through shared memory three times a page (the converter's 72 KB of stores, QK's
+72 KB of A reads at N = 16, PV's 64 KB), ~208 KB a page against CuPy v5's 128 KB, and its converter and attender take
+turns. Here one warpgroup converts each 64-channel plane of a page in registers, issues that plane's QK ``wgmma``
+with A from those registers, and stores the plane into the one key tile for PV; two programs an SM overlap one's
+conversion with the other's products.
+
+Per page ``i`` of the split (its bytes loaded a page earlier, ``AHEAD`` 1, or where used, 0):
+
+1. content tile ``t`` (plane ``pl`` of 64-byte chunk ``c``: channels ``pl * CB + 64 c ..``, one quantization
+   group): the chunk's code words, 16 bytes a row and thread, converted by kernel v4's packed pairs (``lop3``, then
+   ``s * (code - z)`` two values an instruction) and relabelled (no data moves) into QK's A-operand layout;
+   ``S^T += K_t Q_t^T`` issued; after the first tile the output product of page ``i - 1`` is retired (the key tile is
+   free), then the tile is stored into it;
+2. the two RoPE planes likewise (32 channels each, not stored: PV reads content alone); QK retired;
+3. base-2 online softmax down the columns, P^T to shared memory, ``O^T = O^T * alpha + K^T P^T`` issued (retired at
+   page ``i + 1``'s first tile).
+
+Channel order: the relabelling puts byte ``j(k)`` of a chunk (:func:`a_channel`) at position ``k`` of the A operand,
+so each 64-channel group (32 for RoPE planes) of the queries is loaded in that order, the key tile holds it, the output
+product's rows come out in it, and the partial output is stored back in place.
+
+Shared memory: key tile 64 KB, queries 18 KB, P 2 KB: ~86 KB, two programs an SM. Registers: the output accumulator
+is 64 floats a thread.
+"""
+
+from __future__ import annotations
+
+from .attention_v4_loaders import GLUON_IMPORT_ERROR
+
+
+#: the permutation that relabels a converted ``[64, width]`` chunk, viewed as ``[64, 2, ..., 2]`` (row, byte bits from
+#: the top), into QK's A-operand order: position bits 5 .. 0 are byte bits 3, 2, 0, 5, 4, 1 at width 64, bits 4 .. 0
+#: byte bits 2, 0, 4, 3, 1 at 32 (``_relabel`` spells them out: Gluon's permute takes no constexpr tuple)
+RELABEL_ORDER = {64: (0, 3, 4, 6, 1, 2, 5), 32: (0, 3, 5, 1, 2, 4)}
+
+
+def a_channel(k: int, width: int) -> int:
+    """The byte of a ``width``-byte chunk row (64: content, 32: a RoPE plane) whose codes land at position ``k`` of
+    QK's A operand once converted and relabelled (:func:`_relabel`): ``k``'s bit 3 is byte bit 0, bit 0 byte bit 1,
+    bits 4.. the word bits a thread holds, bits 1-2 the two lane bits (the top ones)."""
+    return ((k >> 3) & 1) | ((k & 1) << 1) | ((k >> 4) << 2) | (((k >> 1) & 3) * (width // 4))
+
+
+#: the kernel (a Gluon function), None where ``GLUON_IMPORT_ERROR`` says why this triton cannot build it
+split_kernel_v6 = None
+
+if GLUON_IMPORT_ERROR is None:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
+                                                                  warpgroup_mma_init, warpgroup_mma_wait)
+
+    from .attention_v4_kernel import _split_range
+    from .attention_v4_loaders import _acc_layout, _biased_zero, _partition_barrier, _plane, page_of, tokens_ok
+    from .attention_v5_kernel import _pv_issue, _softmax_step
+
+    @gluon.constexpr_function
+    def _words_layout(WORDS):
+        """``[64, WORDS]`` int32 code words (``WORDS`` 16 or 8: a 64- or 32-byte chunk of each token's row): a thread
+        holds ``WORDS / 4`` consecutive words (one 16- or 8-byte load) of rows ``r`` and ``r + 8``, the two lane bits
+        over the words above them; converted and relabelled, QK's A operand register for register."""
+        per = int(WORDS) // 4
+        regs = [[0, 1 << b] for b in range(per.bit_length() - 1)] + [[8, 0]]
+        lanes = [[0, per], [0, 2 * per], [1, 0], [2, 0], [4, 0]]
+        return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=lanes, warp_bases=[[16, 0], [32, 0]],
+                                          block_bases=[], shape=[64, int(WORDS)])
+
+    @gluon.constexpr_function
+    def _group_layout(GROUPS):
+        """``[64, GROUPS]`` per-group values of a page (``GROUPS`` 8: scales or zero points): a thread holds all of
+        rows ``r`` and ``r + 8`` (one load each), the rows as :func:`_words_layout`'s."""
+        regs = [[0, 1 << b] for b in range(int(GROUPS).bit_length() - 1)] + [[8, 0]]
+        lanes = [[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]]
+        return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=lanes, warp_bases=[[16, 0], [32, 0]],
+                                          block_bases=[], shape=[64, int(GROUPS)])
+
+    @gluon.jit
+    def _columns(x, words_layout: gl.constexpr):
+        """The 8 columns of ``x`` ``[64, 8]`` (:func:`_group_layout`) as a tuple of ``[64]`` tensors in the rows'
+        layout of ``words_layout`` (splits: no data moves)."""
+        even, odd = gl.split(gl.reshape(x, [64, 2, 2, 2]))  # [row, column bit 2, bit 1, bit 0]: bit 0
+        e0, e1 = gl.split(even)  # bit 1
+        o0, o1 = gl.split(odd)
+        pairs = (gl.split(e0), gl.split(o0), gl.split(e1), gl.split(o1))  # columns (r, r + 4), r = 0 .. 3
+        row_l: gl.constexpr = gl.SliceLayout(1, words_layout)
+        cols = ()
+        for q in gl.static_range(2):
+            for r in gl.static_range(4):
+                cols = cols + (gl.convert_layout(pairs[r][q], row_l),)
+        return cols
+
+    @gluon.constexpr_function
+    def _a_layout(N):
+        """QK's A operand (registers) for the ``[64, N]`` accumulator."""
+        return gl.DotOperandLayout(operand_index=0, parent=_acc_layout(N), k_width=2)
+
+    @gluon.jit
+    def _relabel(k, WIDTH: gl.constexpr):
+        """``[64, WIDTH]`` converted codes (column ``j`` = byte ``j`` of the chunk; the layout :func:`_plane` leaves on
+        :func:`_words_layout`'s words) relabelled so that column ``k`` holds byte :func:`a_channel` ``(k)``: a reshape
+        and a permute (no data moves), after which the layout is QK's A operand's up to the order of registers."""
+        if WIDTH == 64:
+            k = gl.permute(gl.reshape(k, [64, 2, 2, 2, 2, 2, 2]), (0, 3, 4, 6, 1, 2, 5))  # RELABEL_ORDER[64]
+        else:
+            k = gl.permute(gl.reshape(k, [64, 2, 2, 2, 2, 2]), (0, 3, 5, 1, 2, 4))  # RELABEL_ORDER[32]
+        return gl.reshape(k, [64, WIDTH])
+
+    @gluon.jit
+    def _a_channel(k, WIDTH: gl.constexpr):
+        """:func:`a_channel` in the kernel."""
+        return ((k >> 3) & 1) | ((k & 1) << 1) | ((k >> 4) << 2) | (((k >> 1) & 3) * (WIDTH // 4))
+
+    @gluon.jit
+    def _a_tile(w, pl: gl.constexpr, BITS: gl.constexpr, zb, s, F32_SCALE: gl.constexpr, BLOCK_R: gl.constexpr):
+        """Plane ``pl`` of the words ``w`` (``[64, W]``, :func:`_words_layout`) as bfloat16 ``s * (code - z)`` in QK's
+        A-operand layout, ``[64, 4 W]`` in :func:`a_channel` order."""
+        W: gl.constexpr = w.shape[1]
+        k = _plane(w, pl, BITS, zb, s, 64, W, F32_SCALE)
+        return gl.convert_layout(_relabel(k, 4 * W), _a_layout(BLOCK_R))
+
+    @gluon.jit
+    def _load_q_relabelled(q_base, rows, row_ok, q_s, D: gl.constexpr, WIDTH: gl.constexpr, N: gl.constexpr):
+        """Query rows ``[N, D]`` (0 past R) into ``q_s``, each ``WIDTH``-channel block in :func:`a_channel` order."""
+        ql: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        pos = gl.arange(0, 64, gl.SliceLayout(0, ql))
+        chan = (pos // WIDTH) * WIDTH + _a_channel(pos % WIDTH, WIDTH)
+        for c in gl.static_range(D // 64):
+            x = gl.load(q_base + rows[:, None] * D + (c * 64 + chan)[None, :], mask=row_ok[:, None], other=0.0)
+            q_s.slice(c * 64, 64, dim=1).store(x.to(gl.bfloat16))
+
+    @gluon.jit
+    def _page_bytes(pages_ptr, table_row, num_pages, j, live, ps, pe, DC: gl.constexpr, DR: gl.constexpr,
+                    CBITS: gl.constexpr, RBITS: gl.constexpr, PAGE_BYTES: gl.constexpr, C_CODES_OFF: gl.constexpr,
+                    R_CODES_OFF: gl.constexpr, C_SCALES_OFF: gl.constexpr, C_ZEROS_OFF: gl.constexpr,
+                    R_SCALES_OFF: gl.constexpr, R_ZEROS_OFF: gl.constexpr):
+        """Page ``j``'s bytes in the layouts the conversion takes: the content's 64-byte chunks (``[64, 16]`` words
+        each), each group's scale (bfloat16) and zero point (uint8) a row, the RoPE words ``[64, DR * RBITS / 32]``,
+        scale (float32) and zero point; 0 for tokens outside ``[ps, pe)`` or on an invalid page (``live`` False: no
+        table read)."""
+        CB: gl.constexpr = DC * CBITS // 8
+        RB: gl.constexpr = DR * RBITS // 8
+        cl: gl.constexpr = _words_layout(16)
+        rl: gl.constexpr = _words_layout(RB // 4)
+        page_off, page_ok = page_of(table_row, j, num_pages, PAGE_BYTES, live)
+        tok = gl.arange(0, 64, gl.SliceLayout(1, cl))
+        ok = tokens_ok(tok, j, ps, pe, page_ok)
+        base = pages_ptr + page_off
+        words = (base + C_CODES_OFF).to(gl.pointer_type(gl.int32)) + (tok * (CB // 4))[:, None]
+        wcol = gl.arange(0, 16, gl.SliceLayout(0, cl))
+        chunks = ()
+        for c in gl.static_range(CB // 64):
+            chunks = chunks + (gl.load(words + (c * 16 + wcol)[None, :], mask=ok[:, None], other=0),)
+        gll: gl.constexpr = _group_layout(DC // 64)
+        gtok = gl.arange(0, 64, gl.SliceLayout(1, gll))
+        gok = gl.convert_layout(ok, gl.SliceLayout(1, gll))[:, None]
+        gcol = gl.arange(0, DC // 64, gl.SliceLayout(0, gll))
+        at = (gtok * (DC // 64))[:, None] + gcol[None, :]
+        scales = _columns(gl.load((base + C_SCALES_OFF).to(gl.pointer_type(gl.bfloat16)) + at, mask=gok, other=0.0),
+                          cl)
+        zeros = _columns(gl.load(base + C_ZEROS_OFF + at, mask=gok, other=0), cl)
+        rtok = gl.arange(0, 64, gl.SliceLayout(1, rl))
+        rok = gl.convert_layout(ok, gl.SliceLayout(1, rl))
+        rcol = gl.arange(0, RB // 4, gl.SliceLayout(0, rl))
+        rwords = gl.load((base + R_CODES_OFF).to(gl.pointer_type(gl.int32)) + (rtok * (RB // 4))[:, None]
+                         + rcol[None, :], mask=rok[:, None], other=0)
+        rs = gl.load((base + R_SCALES_OFF).to(gl.pointer_type(gl.float32)) + rtok, mask=rok, other=0.0)
+        rz = gl.load(base + R_ZEROS_OFF + rtok, mask=rok, other=0)
+        return chunks, scales, zeros, rwords, rs, rz
+
+    @gluon.jit
+    def _qk_and_key_tile(page, q_s, qr_s, kc, s0, acc, DC: gl.constexpr, DR: gl.constexpr, CBITS: gl.constexpr,
+                         RBITS: gl.constexpr, BLOCK_R: gl.constexpr):
+        """``S^T = K Q^T`` over a page's converted planes (A from registers), each content plane also stored into
+        the key tile ``kc`` once the output product ``acc`` of the page before is retired (after the first plane's
+        ``wgmma`` is issued). Returns (S^T ``[64, BLOCK_R]`` float32, that output product's value)."""
+        chunks, scales, zeros, rwords, rs, rz = page
+        CB: gl.constexpr = DC * CBITS // 8
+        PLANES: gl.constexpr = 8 // CBITS
+        s = s0
+        o = warpgroup_mma_wait(0, deps=[acc])  # the page before's output product: the key tile is free
+        for c in gl.static_range(CB // 64):
+            for pl in gl.static_range(PLANES):
+                # the plane's group: channels 64 g .. 64 g + 63, g = pl * CB / 64 + c
+                k = _a_tile(chunks[c], pl, CBITS, _biased_zero(zeros[pl * (CB // 64) + c]),
+                            scales[pl * (CB // 64) + c], False, BLOCK_R)
+                q_g = q_s.slice(64 * (pl * (CB // 64) + c), 64, dim=1)
+                s = warpgroup_mma(k, q_g.permute((1, 0)), s, is_async=True)
+                s, k = warpgroup_mma_wait(1, deps=[s, k])
+                kc.slice(64 * (pl * (CB // 64) + c), 64, dim=1).store(k)
+        RW: gl.constexpr = DR * RBITS // 32
+        for pl in gl.static_range(8 // RBITS):
+            k = _a_tile(rwords, pl, RBITS, _biased_zero(rz), rs, True, BLOCK_R)
+            s = warpgroup_mma(k, qr_s.slice(pl * 4 * RW, 4 * RW, dim=1).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s])
+        return s, o
+
+    @gluon.jit
+    def split_kernel_v6(
+        q_ptr,  # [B, R, DC] bfloat16, contiguous
+        qr_ptr,  # [B, R, DR]
+        pages_ptr,  # uint8 [num_pages, PAGE_BYTES]
+        table_ptr,  # int32 [B, max_pages]
+        lens_ptr,  # [B] int
+        o_part_ptr,  # float32 [B, NSPLIT, R, DC]
+        lse_part_ptr,  # float32 [B, NSPLIT, R] (log2 units)
+        stride_table,
+        num_pages,
+        sm_scale_log2,
+        R,
+        H,
+        S_Q,
+        SINK,
+        LOCAL,
+        NSPLIT,
+        Q_BF16: gl.constexpr,
+        DOT_BF16: gl.constexpr,
+        QUANT: gl.constexpr,
+        DC: gl.constexpr,
+        DR: gl.constexpr,
+        CBITS: gl.constexpr,
+        RBITS: gl.constexpr,
+        CG: gl.constexpr,
+        RG: gl.constexpr,
+        CCW: gl.constexpr,
+        RCW: gl.constexpr,
+        P: gl.constexpr,
+        PAGE_BYTES: gl.constexpr,
+        C_CODES_OFF: gl.constexpr,
+        R_CODES_OFF: gl.constexpr,
+        C_SCALES_OFF: gl.constexpr,
+        C_ZEROS_OFF: gl.constexpr,
+        R_SCALES_OFF: gl.constexpr,
+        R_ZEROS_OFF: gl.constexpr,
+        C_SCALE_BF16: gl.constexpr,
+        R_SCALE_BF16: gl.constexpr,
+        CBIAS: gl.constexpr,
+        RBIAS: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        BLOCK_R: gl.constexpr,
+        PREFETCH: gl.constexpr = False,
+        PROBE_SKIP_PV: gl.constexpr = False,
+        PDL: gl.constexpr = False,
+        WORDS: gl.constexpr = 0,
+        WORD_LANES: gl.constexpr = 1,
+        TILE_GROUPS: gl.constexpr = False,
+        AHEAD: gl.constexpr = 1,
+        INLINE_PROT: gl.constexpr = False,
+        CHANNEL_ORDER: gl.constexpr = False,
+    ):
+        """One (split, request, block of 16 query rows): the partial normalised output ``o_part[b, split, rows]``
+        (float32 ``[16, DC]``, plain channel order) and log2-sum-exp ``lse_part[b, split, rows]`` over the split's
+        packed tokens, as ``split_kernel_v5``. v3's code-path switches are accepted and ignored. ``AHEAD``: 1, each
+        page's bytes loaded a page before its conversion; 0, where they are converted."""
+        gl.static_assert(BLOCK_R == 16, "kernel v6: 16 query rows a program")
+        gl.static_assert(QUANT and (CBITS == 4 or CBITS == 2), "kernel v6: C4R4, C2R4")
+        gl.static_assert(RBITS == 4, "kernel v6: C4R4, C2R4")
+        gl.static_assert(DC == 512 and DR == 64, "kernel v6: d_c 512, d_r 64")
+        gl.static_assert(P == 64 and BLOCK_N % 64 == 0, "kernel v6: 64-token pages")
+        gl.static_assert(CG == 64 and RG == DR, "kernel v6: groups of 64 channels, one RoPE group")
+        gl.static_assert(C_SCALE_BF16 and not R_SCALE_BF16, "kernel v6: bfloat16 content and float32 RoPE scales")
+        gl.static_assert(not INLINE_PROT and not CHANNEL_ORDER, "kernel v6: the protected-tile kernel, plain order")
+        gl.static_assert(AHEAD == 0 or AHEAD == 1, "kernel v6: page bytes 0 or 1 page ahead")
+        pid_s = gl.program_id(0)
+        b = gl.program_id(1)
+        rb = gl.program_id(2)
+        L = gl.load(lens_ptr + b).to(gl.int32)
+        ps, pe, j_lo, n_tiles = _split_range(L, SINK, LOCAL, NSPLIT, pid_s, BLOCK_N)
+        table_row = table_ptr + b.to(gl.int64) * stride_table
+        part = (b.to(gl.int64) * NSPLIT + pid_s) * R
+
+        kl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, DC], gl.bfloat16)
+        ql: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_R, DC], gl.bfloat16)
+        qrl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_R, DR], gl.bfloat16)
+        pl_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_R, 64], gl.bfloat16)
+        kc = gl.allocate_shared_memory(gl.bfloat16, [64, DC], kl)
+        q_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_R, DC], ql)
+        qr_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_R, DR], qrl)
+        p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_R, 64], pl_l)
+
+        qlay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        qrows = rb * BLOCK_R + gl.arange(0, BLOCK_R, gl.SliceLayout(1, qlay))
+        _load_q_relabelled(q_ptr + b.to(gl.int64) * R * DC, qrows, qrows < R, q_s, DC, 64, BLOCK_R)
+        _load_q_relabelled(qr_ptr + b.to(gl.int64) * R * DR, qrows, qrows < R, qr_s, DR, DR * RBITS // 32 * 4,
+                           BLOCK_R)
+        fence_async_shared()  # every thread's stores, then the barrier, before the first wgmma reads them
+        _partition_barrier()
+
+        lay: gl.constexpr = _acc_layout(BLOCK_R)
+        col_l: gl.constexpr = gl.SliceLayout(0, lay)
+        tok_l: gl.constexpr = gl.SliceLayout(1, lay)
+        rows = rb * BLOCK_R + gl.arange(0, BLOCK_R, col_l)
+        limit = L - S_Q + rows // H + 1  # row r (query r // H) sees tokens n < limit
+        toks = gl.arange(0, 64, tok_l)
+        m_i = gl.full([BLOCK_R], float("-inf"), gl.float32, col_l)
+        l_i = gl.zeros([BLOCK_R], gl.float32, col_l)
+        acc = warpgroup_mma_init(gl.zeros([DC, BLOCK_R], gl.float32, lay))
+        s0 = gl.zeros([64, BLOCK_R], gl.float32, lay)
+        prot = (pages_ptr, pages_ptr, 0, False, L, SINK, LOCAL, 0)
+        if AHEAD == 1:
+            cur = _page_bytes(pages_ptr, table_row, num_pages, j_lo, n_tiles > 0, ps, pe, DC, DR, CBITS, RBITS,
+                              PAGE_BYTES, C_CODES_OFF, R_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF, R_SCALES_OFF,
+                              R_ZEROS_OFF)
+        for i in range(gl.maximum(n_tiles, 1)):  # an empty split attends to one dead page (see kernel v4)
+            j = j_lo + i
+            _, page_ok = page_of(table_row, j, num_pages, PAGE_BYTES, i < n_tiles)
+            if AHEAD == 1:
+                page = cur
+                cur = _page_bytes(pages_ptr, table_row, num_pages, j + 1, i + 1 < n_tiles, ps, pe, DC, DR, CBITS,
+                                  RBITS, PAGE_BYTES, C_CODES_OFF, R_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF,
+                                  R_SCALES_OFF, R_ZEROS_OFF)
+            else:
+                page = _page_bytes(pages_ptr, table_row, num_pages, j, i < n_tiles, ps, pe, DC, DR, CBITS, RBITS,
+                                   PAGE_BYTES, C_CODES_OFF, R_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF, R_SCALES_OFF,
+                                   R_ZEROS_OFF)
+            s, o = _qk_and_key_tile(page, q_s, qr_s, kc, s0, acc, DC, DR, CBITS, RBITS, BLOCK_R)
+            p, alpha, m_i, l_i = _softmax_step(s, i, j, page_ok, ps, pe, n_tiles, L, prot, toks, limit, m_i, l_i,
+                                               sm_scale_log2, False)
+            acc = _pv_issue(p, alpha, o, kc, p_s)  # the key tile's and P's stores fenced first
+        o = warpgroup_mma_wait(0, deps=[acc])
+        l_safe = gl.where(l_i > 0.0, l_i, 1.0)
+        pos = gl.arange(0, DC, tok_l)
+        chans = (pos // 64) * 64 + _a_channel(pos % 64, 64)  # the key tile's columns, put back in place
+        gl.store(o_part_ptr + (part + rows[None, :]) * DC + chans[:, None], o / l_safe[None, :],
+                 mask=(rows < R)[None, :])
+        lse2 = gl.where(l_i > 0.0, m_i + gl.log2(l_safe), float("-inf"))
+        gl.store(lse_part_ptr + part + rows, lse2, mask=rows < R)
