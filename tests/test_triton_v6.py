@@ -240,15 +240,20 @@ def test_malformed_v6_ahead_is_refused(monkeypatch, value):
         _prepare()
 
 
-def test_auto_does_not_run_v6(monkeypatch):
-    """v6 runs only when asked for until a GPU has timed it: auto keeps v5 at H16."""
+@pytest.mark.parametrize("v6_auto,fmt,heads,s_q,want", [
+    (True, "C4R4", 16, 1, "v6"), (True, "C2R4", 8, 2, "v6"), (True, "C2R4", 16, 2, "v5"), (True, "BF16", 16, 1, "v1"),
+    (True, "C4R8", 16, 1, "v2"), (False, "C4R4", 16, 1, "v5")])
+def test_auto_runs_v6_up_to_16_rows_where_on(monkeypatch, v6_auto, fmt, heads, s_q, want):
+    """With ``heuristics.V6_AUTO`` on, auto runs v6 in v5's place over C4R4/C2R4 pages up to 16 query rows a request
+    (one row block), v5 above; BF16 pages keep v1, formats neither reads v2; off, v5."""
     _as_hopper(monkeypatch)
+    monkeypatch.setattr(A, "V6_AUTO", v6_auto)
     monkeypatch.delenv(A.VARIANT_ENV, raising=False)
-    f = PackFormat.parse("C4R4")
+    f = PackFormat.parse(fmt)
     cache = qm.MLACache.allocate(f, 64, 1, 4, 128, device="cpu")
     call = A.prepare(cache, torch.arange(64, dtype=torch.int32).view(1, 64), torch.tensor([4096], dtype=torch.int32),
-                     torch.zeros(1, dtype=torch.int32), 1, 1, 16, torch.bfloat16, 0.05)
-    assert call.variant == "v5"
+                     torch.zeros(1, dtype=torch.int32), 1, s_q, heads, torch.bfloat16, 0.05)
+    assert call.variant == want
 
 
 # ---------------------------------------------------------------- on an sm_90 GPU

@@ -35,7 +35,8 @@ from .heuristics import (INTERPRETER_SM_COUNT, MERGE_BLOCK_C, MERGE_BLOCK_R, MER
                          V4_AUTO, V4_CAPABILITY_MAJOR, V4_INLINE_PROTECT, V4_LOADER_WARPS, V4_MIN_ROWS, V4_PIPELINE,
                          v4_channel_order, v4_format_unsupported, plan_v5, V5_AHEAD, V5_AHEAD_2A, V5_AHEAD_CHOICES,
                          V5_AUTO, V5_ATTENDERS, V5_ATTENDERS_CHOICES, V5_BLOCK_R_CHOICES, V5_LOADER_WARPS,
-                         V5_LOADER_WARPS_2A, V5_MAX_ROWS, plan_v6, V6_AHEAD, V6_AHEAD_CHOICES, v6_format_unsupported)
+                         V5_LOADER_WARPS_2A, V5_MAX_ROWS, plan_v6, V6_AHEAD, V6_AHEAD_CHOICES, V6_AUTO, V6_BLOCK_R,
+                         v6_format_unsupported)
 
 #: environment variable choosing the split kernel ("auto" default, "v1" to "v6"); read on every call.
 #: ``auto`` runs v4 (Gluon, Hopper) where it would run v3 and v4 serves the call (``heuristics.V4_AUTO``); below 64
@@ -158,6 +159,13 @@ def _auto_takes_v5(variant: str, quantized: bool, rows: int) -> bool:
     call (:data:`heuristics.V5_AUTO`): in kernel v2's place over packed pages up to :data:`heuristics.V5_MAX_ROWS`
     rows."""
     return V5_AUTO and variant == "v2" and quantized and rows <= V5_MAX_ROWS
+
+
+def _auto_takes_v6(variant: str, quantized: bool, rows: int) -> bool:
+    """Whether ``auto``, having picked ``variant`` for ``rows`` query rows, runs kernel v6 instead where v6 serves the
+    call (:data:`heuristics.V6_AUTO`): in kernel v2's place (v5's) over packed pages up to one row block of
+    :data:`heuristics.V6_BLOCK_R` rows a request."""
+    return V6_AUTO and variant == "v2" and quantized and rows <= V6_BLOCK_R
 
 
 def v3_suits(device: torch.device) -> bool:
@@ -655,7 +663,9 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
         v3_fits = not v3_excess
     if variant == "auto":
         variant = auto_variant(fmt.quantized, q_bf16, rows, v3_fits)
-        if _auto_takes_v5(variant, fmt.quantized, rows) and v4_unsupported(fmt, q_dtype, dev, "v5") is None:
+        if _auto_takes_v6(variant, fmt.quantized, rows) and v4_unsupported(fmt, q_dtype, dev, "v6") is None:
+            variant = "v6"
+        elif _auto_takes_v5(variant, fmt.quantized, rows) and v4_unsupported(fmt, q_dtype, dev, "v5") is None:
             variant = "v5"
         elif _auto_takes_v4(variant, fmt.quantized, rows) and v4_unsupported(fmt, q_dtype, dev) is None:
             variant = "v4"

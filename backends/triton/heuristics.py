@@ -522,6 +522,9 @@ V6_BLOCK_R = 16
 #: loops, 0 spills 68 / 40 and issues 1,287 / 1,284. Not yet timed on a GPU
 V6_AHEAD = 1
 V6_AHEAD_CHOICES = (0, 1)
+#: whether ``auto`` runs kernel v6 over the packed pages it reads for at most :data:`V6_BLOCK_R` query rows a request
+#: (in kernel v5's place) where v6 serves the call. Off: not yet run on a GPU
+V6_AUTO = False
 
 
 def v6_format_unsupported(fmt, kernel: str = "kernel v6") -> str | None:
