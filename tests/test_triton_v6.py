@@ -68,9 +68,10 @@ def test_relabel_orders_are_the_kernels():
     assert [ast.literal_eval(x) for x in found] == [v6.RELABEL_ORDER[64], v6.RELABEL_ORDER[32]]
 
 
-def _a_tiles(fmt: PackFormat, page: np.ndarray) -> tuple[dict, list]:
-    """Kernel v6's A tiles of one page: content tiles by group ``g`` (``[64, 64]``) and the two RoPE planes
-    (``[64, 32]``), as ``_page_bytes`` loads the words and ``_a_tile`` converts and relabels them."""
+def _a_tiles(fmt: PackFormat, page: np.ndarray) -> tuple[dict, list, np.ndarray]:
+    """Kernel v6's A tiles of one page as ``_page_bytes`` loads the words and ``_a_tile`` converts and relabels them:
+    content tiles by group ``g`` (``[64, 64]``, bfloat16 ``s * (code - z)``), the two RoPE planes (``[64, 32]``, exact
+    ``code - z``: the fold) and the RoPE scales that multiply their scores."""
     secs = {k: v[0] for k, v in fmt.sections.items()}
     cbytes, planes = fmt.latent_dim * fmt.content_bits // 8, 8 // fmt.content_bits
     words = _rows(page, secs["content_codes"], cbytes // 4, "<u4")
@@ -86,33 +87,39 @@ def _a_tiles(fmt: PackFormat, page: np.ndarray) -> tuple[dict, list]:
     rw = _rows(page, secs["rope_codes"], fmt.rope_dim * fmt.rope_bits // 32, "<u4")
     rs = _rows(page, secs["rope_scales"], 1, "<f4")[:, 0]
     rzb = bits_to_bf16(_rows(page, secs["rope_zeros"], 1, np.uint8)[:, 0].astype(np.uint16) | 0x4300)
-    rope = [_relabelled(_plane(rw, pl, fmt.rope_bits, rzb, rs, True, False)) for pl in range(2)]
-    return tiles, rope
+    one = np.ones_like(rs)
+    rope = [_relabelled(_plane(rw, pl, fmt.rope_bits, rzb, one, True, False)) for pl in range(2)]
+    return tiles, rope, rs
 
 
 @pytest.mark.parametrize("name", ["C4R4", "C2R4"])
 def test_a_tiles_hold_the_reference_channels_a_channel_names(name):
     """Each relabelled content tile of group ``g`` holds, at position ``k``, channel ``64 g + a_channel(k, 64)`` of
-    the reference's decoded page, and RoPE plane ``pl`` channel ``32 pl + a_channel(k, 32)``, bit for bit: the
-    channels the kernel loads the queries in (``_load_q_relabelled``) and stores the output back to."""
+    the reference's decoded page (bfloat16, bit for bit), and RoPE plane ``pl`` times each token's scale channel
+    ``32 pl + a_channel(k, 32)`` (float64, exact: the RoPE fold): the channels the kernel loads the queries in
+    (``_load_q_relabelled``) and stores the output back to."""
+    from quantmla_core import reference as ref
+
     fmt, page = _written_page(name, seed=11)
-    c_ref, r_ref = _oracle(fmt, page, False)
-    tiles, rope = _a_tiles(fmt, page)
+    c_ref, _ = _oracle(fmt, page, False)
+    r_ref = ref.decode_page(fmt, page)[1]
+    tiles, rope, rs = _a_tiles(fmt, page)
     assert sorted(tiles) == list(range(fmt.latent_dim // 64))
     pos64, pos32 = np.arange(64), np.arange(32)
     for g, tile in tiles.items():
         want = c_ref[:, 64 * g + np.array([v6.a_channel(k, 64) for k in pos64])]
         assert _same_bits(tile, want), (g, np.argwhere(tile != want)[:5])
     for pl, tile in enumerate(rope):
+        assert np.array_equal(tile, np.round(tile)) and np.abs(tile).max() <= 15  # exact code - z
         want = r_ref[:, 32 * pl + np.array([v6.a_channel(k, 32) for k in pos32])]
-        assert _same_bits(tile, want), (pl, np.argwhere(tile != want)[:5])
+        np.testing.assert_array_equal(tile.astype(np.float64) * rs.astype(np.float64)[:, None], want)
 
 
 def test_a_tiles_control_plain_order_mismatches():
     """Control: the tiles are not the reference's channels in plain order (the map matters)."""
     fmt, page = _written_page("C4R4", seed=12)
     c_ref, _ = _oracle(fmt, page, False)
-    tiles, _ = _a_tiles(fmt, page)
+    tiles, _, _ = _a_tiles(fmt, page)
     assert not np.array_equal(tiles[0], c_ref[:, :64])
 
 

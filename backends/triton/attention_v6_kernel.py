@@ -19,7 +19,9 @@ Per page ``i`` of the split (its bytes loaded a page earlier, ``AHEAD`` 1, or wh
    ``s * (code - z)`` two values an instruction) and relabelled (no data moves) into QK's A-operand layout;
    ``S^T += K_t Q_t^T`` issued; after the first tile the output product of page ``i - 1`` is retired (the key tile is
    free), then the tile is stored into it;
-2. the two RoPE planes likewise (32 channels each, not stored: PV reads content alone); QK retired;
+2. the two RoPE planes likewise (32 channels each, not stored: PV reads content alone), folded: they enter as exact
+   ``code - z`` into scores of their own, which each token's float32 scale multiplies once (CuPy v5's ROPE_FOLD);
+   QK retired;
 3. base-2 online softmax down the columns, P^T to shared memory, ``O^T = O^T * alpha + K^T P^T`` issued (retired at
    page ``i + 1``'s first tile).
 
@@ -195,12 +197,17 @@ if GLUON_IMPORT_ERROR is None:
                 s = warpgroup_mma(k, q_g.permute((1, 0)), s, is_async=True)
                 s, k = warpgroup_mma_wait(1, deps=[s, k])
                 kc.slice(64 * (pl * (CB // 64) + c), 64, dim=1).store(k)
+        # RoPE folded: its planes enter as exact (code - z) (a scale of 1) into their own scores, whose float32 scale
+        # multiplies each token's row once (8 FFMA a thread, not 32 values scaled and rounded a page)
         RW: gl.constexpr = DR * RBITS // 32
+        one = gl.full(rs.shape, 1.0, gl.bfloat16, rs.type.layout)
+        sr = s0
         for pl in gl.static_range(8 // RBITS):
-            k = _a_tile(rwords, pl, RBITS, _biased_zero(rz), rs, True, BLOCK_R)
-            s = warpgroup_mma(k, qr_s.slice(pl * 4 * RW, 4 * RW, dim=1).permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma_wait(0, deps=[s])
-        return s, o
+            k = _a_tile(rwords, pl, RBITS, _biased_zero(rz), one, False, BLOCK_R)
+            sr = warpgroup_mma(k, qr_s.slice(pl * 4 * RW, 4 * RW, dim=1).permute((1, 0)), sr, is_async=True)
+        s, sr = warpgroup_mma_wait(0, deps=[s, sr])
+        rs_tok = gl.convert_layout(rs, gl.SliceLayout(1, _acc_layout(BLOCK_R)))
+        return s + sr * rs_tok[:, None], o
 
     @gluon.jit
     def split_kernel_v6(
