@@ -134,7 +134,7 @@ def reports_v6() -> dict:
     _needs_ptxas()
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = {}
-    for ahead in (0, 1):
+    for ahead in (0, 1, 2):
         cmd = [sys.executable, *(["-P"] if sys.flags.safe_path else []), "-m",
                "quantmla_core.backends.triton.offline_v4", "C4R4", "C2R4", "kernel=6", f"ahead={ahead}"]
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=tempfile.gettempdir())
@@ -146,17 +146,18 @@ def reports_v6() -> dict:
     return out
 
 
-@pytest.mark.parametrize("ahead", [0, 1])
+@pytest.mark.parametrize("ahead", [0, 1, 2])
 @pytest.mark.parametrize("fmt", ["C4R4", "C2R4"])
 def test_offline_v6_build(reports_v6, fmt, ahead):
     """68 ``wgmma`` a page (QK: 8 content tiles x 4 k-steps + 2 RoPE planes x 2, A from registers; PV 8 x 4),
-    pipelined; two programs' shared memory within an SM's; spills of at most a few hundred bytes; the relabelling moves
+    pipelined; two programs' shared memory within an SM's; no spills (the descriptors made in the loop, not hoisted
+    into ~80 registers: ``_opaque_zero``); the relabelling moves
     no data (the loops' plain shared-memory loads and stores are the softmax's reductions and P's alone: a relabel
     through shared memory would add 32 of each a tile)."""
     r = reports_v6[fmt, ahead]
     assert r["ahead"] == ahead and r["wgmma"] == 68 and not r["wgmma_serialized"], r
     assert V6_CTAS_PER_SM * r["smem"] <= SMEM_LIMIT, r
-    assert r["spill_bytes"] <= 256, r
+    assert r["spill_bytes"] == 0, r
     if r["sass"] >= 0:
         assert r["sts_in_loops"] <= 16 and r["lds_in_loops"] <= 16, r
 
@@ -229,7 +230,7 @@ def test_v6_plan(monkeypatch, heads, s_q, batch, tokens):
     assert call.split_dims["num_warps"] == 4
 
 
-@pytest.mark.parametrize("value", [None, "0", "1"])
+@pytest.mark.parametrize("value", [None, "0", "1", "2"])
 def test_v6_ahead_is_a_knob(monkeypatch, value):
     _as_hopper(monkeypatch)
     if value is None:
@@ -239,7 +240,7 @@ def test_v6_ahead_is_a_knob(monkeypatch, value):
     assert _prepare().split_consts["AHEAD"] == (V6_AHEAD if value is None else int(value))
 
 
-@pytest.mark.parametrize("value", ["2", "x"])
+@pytest.mark.parametrize("value", ["3", "x"])
 def test_malformed_v6_ahead_is_refused(monkeypatch, value):
     _as_hopper(monkeypatch)
     monkeypatch.setenv(A.V6_AHEAD_ENV, value)
@@ -292,7 +293,7 @@ def _attend(cache, args, batch, variant: str, num_splits: int | None):
 
 
 @NEEDS_HOPPER
-@pytest.mark.parametrize("ahead", ["0", "1"])
+@pytest.mark.parametrize("ahead", ["0", "1", "2"])
 @pytest.mark.parametrize("case,splits", _gpu_cases(), ids=lambda x: str(x))
 def test_v6_matches_reference_and_v5(case, splits, ahead, monkeypatch):
     """Against the float64 reference (bfloat16 tolerance) and kernel v5 on the same cache and queries (both round the
@@ -309,7 +310,7 @@ def test_v6_matches_reference_and_v5(case, splits, ahead, monkeypatch):
 
 
 @NEEDS_HOPPER
-@pytest.mark.parametrize("ahead", ["0", "1"])
+@pytest.mark.parametrize("ahead", ["0", "1", "2"])
 def test_v6_overwrites_poisoned_partials(monkeypatch, ahead):
     """Every partial a v6 split owns is written, empty splits included (NaN-filled partials and outputs come back
     finite and match the reference)."""

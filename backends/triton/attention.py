@@ -93,8 +93,8 @@ V5_LOADER_WARPS_ENV = "QUANTMLA_TRITON_V5_LOADER_WARPS"
 #: converter hands the key slots over unwritten (no page loaded or converted); 2, the attenders hand them back unread
 #: (no products, no softmax). Unset or 0: the real kernel
 V5_PROBE_ENV = "QUANTMLA_TRITON_V5_PROBE"
-#: pages between kernel v6's loads of a page and its conversion, 0 or 1 (:data:`heuristics.V6_AHEAD`). A measurement
-#: knob, read when a call is prepared
+#: when kernel v6 loads a page's bytes: 0 at its start, 1 a page ahead, 2 two chunks ahead (:data:`heuristics.V6_AHEAD`).
+#: A measurement knob, read when a call is prepared
 V6_AHEAD_ENV = "QUANTMLA_TRITON_V6_AHEAD"
 _KERNELS = {"v1": split_kernel, "v2": split_kernel_v2, "v3": split_kernel_v3,
             **({} if split_kernel_v4 is None else {"v4": split_kernel_v4, "v5": split_kernel_v5,

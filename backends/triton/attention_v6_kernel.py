@@ -12,7 +12,8 @@ turns. Here one warpgroup converts each 64-channel plane of a page in registers,
 with A from those registers, and stores the plane into the one key tile for PV; two programs an SM overlap one's
 conversion with the other's products.
 
-Per page ``i`` of the split (its bytes loaded a page earlier, ``AHEAD`` 1, or where used, 0):
+Per page ``i`` of the split (its bytes loaded at its start, ``AHEAD`` 0, a page earlier, 1, or two 64-byte chunks
+ahead of their conversion, rolling across pages, 2):
 
 1. content tile ``t`` (plane ``pl`` of 64-byte chunk ``c``: channels ``pl * CB + 64 c ..``, one quantization
    group): the chunk's code words, 16 bytes a row and thread, converted by kernel v4's packed pairs (``lop3``, then
@@ -129,6 +130,14 @@ if GLUON_IMPORT_ERROR is None:
         return gl.convert_layout(_relabel(k, 4 * W), _a_layout(BLOCK_R))
 
     @gluon.jit
+    def _opaque_zero(i):
+        """0, through a one-instruction inline ``mov`` of ``i * 0`` each page: shared-memory tiles indexed by it have
+        their ``wgmma`` descriptors made in the loop. Indexed by a constant, LLVM hoists the descriptors of the 68
+        ``wgmma`` out of the page loop, where they hold ~80 registers for the whole walk (kernel v5's slot had the
+        same fix)."""
+        return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [i * 0], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
     def _load_q_relabelled(q_base, rows, row_ok, q_s, D: gl.constexpr, WIDTH: gl.constexpr, N: gl.constexpr):
         """Query rows ``[N, D]`` (0 past R) into ``q_s``, each ``WIDTH``-channel block in :func:`a_channel` order."""
         ql: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -139,27 +148,34 @@ if GLUON_IMPORT_ERROR is None:
             q_s.slice(c * 64, 64, dim=1).store(x.to(gl.bfloat16))
 
     @gluon.jit
-    def _page_bytes(pages_ptr, table_row, num_pages, j, live, ps, pe, DC: gl.constexpr, DR: gl.constexpr,
-                    CBITS: gl.constexpr, RBITS: gl.constexpr, PAGE_BYTES: gl.constexpr, C_CODES_OFF: gl.constexpr,
-                    R_CODES_OFF: gl.constexpr, C_SCALES_OFF: gl.constexpr, C_ZEROS_OFF: gl.constexpr,
-                    R_SCALES_OFF: gl.constexpr, R_ZEROS_OFF: gl.constexpr):
-        """Page ``j``'s bytes in the layouts the conversion takes: the content's 64-byte chunks (``[64, 16]`` words
-        each), each group's scale (bfloat16) and zero point (uint8) a row, the RoPE words ``[64, DR * RBITS / 32]``,
-        scale (float32) and zero point; 0 for tokens outside ``[ps, pe)`` or on an invalid page (``live`` False: no
-        table read)."""
-        CB: gl.constexpr = DC * CBITS // 8
+    def _page_at(pages_ptr, table_row, num_pages, j, live, ps, pe, PAGE_BYTES: gl.constexpr):
+        """Page ``j`` of the request: (its first byte, which of its tokens are in ``[ps, pe)`` on a valid page (the
+        code words' rows), whether its table entry is valid); ``live`` False: no table read, every token out."""
+        page_off, page_ok = page_of(table_row, j, num_pages, PAGE_BYTES, live)
+        tok = gl.arange(0, 64, gl.SliceLayout(1, _words_layout(16)))
+        return pages_ptr + page_off, tokens_ok(tok, j, ps, pe, page_ok), page_ok
+
+    @gluon.jit
+    def _chunk_words(at, c: gl.constexpr, CB: gl.constexpr, C_CODES_OFF: gl.constexpr):
+        """Content chunk ``c`` (bytes ``64 c ..`` of each token's code row) of the page ``at`` (:func:`_page_at`) as
+        ``[64, 16]`` words, 0 for tokens out."""
+        base, ok, _ = at
+        cl: gl.constexpr = _words_layout(16)
+        tok = gl.arange(0, 64, gl.SliceLayout(1, cl))
+        wcol = gl.arange(0, 16, gl.SliceLayout(0, cl))
+        words = (base + C_CODES_OFF).to(gl.pointer_type(gl.int32)) + (tok * (CB // 4))[:, None]
+        return gl.load(words + (c * 16 + wcol)[None, :], mask=ok[:, None], other=0)
+
+    @gluon.jit
+    def _page_params(at, DC: gl.constexpr, DR: gl.constexpr, RBITS: gl.constexpr, R_CODES_OFF: gl.constexpr,
+                     C_SCALES_OFF: gl.constexpr, C_ZEROS_OFF: gl.constexpr, R_SCALES_OFF: gl.constexpr,
+                     R_ZEROS_OFF: gl.constexpr):
+        """The rest of page ``at``'s bytes: each group's scale (bfloat16) and zero point (uint8) a row, the RoPE words
+        ``[64, DR * RBITS / 32]``, scale (float32) and zero point; 0 for tokens out."""
+        base, ok, _ = at
         RB: gl.constexpr = DR * RBITS // 8
         cl: gl.constexpr = _words_layout(16)
         rl: gl.constexpr = _words_layout(RB // 4)
-        page_off, page_ok = page_of(table_row, j, num_pages, PAGE_BYTES, live)
-        tok = gl.arange(0, 64, gl.SliceLayout(1, cl))
-        ok = tokens_ok(tok, j, ps, pe, page_ok)
-        base = pages_ptr + page_off
-        words = (base + C_CODES_OFF).to(gl.pointer_type(gl.int32)) + (tok * (CB // 4))[:, None]
-        wcol = gl.arange(0, 16, gl.SliceLayout(0, cl))
-        chunks = ()
-        for c in gl.static_range(CB // 64):
-            chunks = chunks + (gl.load(words + (c * 16 + wcol)[None, :], mask=ok[:, None], other=0),)
         gll: gl.constexpr = _group_layout(DC // 64)
         gtok = gl.arange(0, 64, gl.SliceLayout(1, gll))
         gok = gl.convert_layout(ok, gl.SliceLayout(1, gll))[:, None]
@@ -175,28 +191,56 @@ if GLUON_IMPORT_ERROR is None:
                          + rcol[None, :], mask=rok[:, None], other=0)
         rs = gl.load((base + R_SCALES_OFF).to(gl.pointer_type(gl.float32)) + rtok, mask=rok, other=0.0)
         rz = gl.load(base + R_ZEROS_OFF + rtok, mask=rok, other=0)
-        return chunks, scales, zeros, rwords, rs, rz
+        return scales, zeros, rwords, rs, rz
 
     @gluon.jit
-    def _qk_and_key_tile(page, q_s, qr_s, kc, s0, acc, DC: gl.constexpr, DR: gl.constexpr, CBITS: gl.constexpr,
-                         RBITS: gl.constexpr, BLOCK_R: gl.constexpr):
+    def _page_chunks(at, FIRST: gl.constexpr, COUNT: gl.constexpr, CB: gl.constexpr, C_CODES_OFF: gl.constexpr):
+        """Chunks ``FIRST .. FIRST + COUNT - 1`` of page ``at`` (a tuple of :func:`_chunk_words`)."""
+        chunks = ()
+        for c in gl.static_range(FIRST, FIRST + COUNT):
+            chunks = chunks + (_chunk_words(at, c, CB, C_CODES_OFF),)
+        return chunks
+
+    @gluon.jit
+    def _qk_and_key_tile(chunks, params, at, at_next, q_s, qr_s, kc, s0, acc, DC: gl.constexpr, DR: gl.constexpr,
+                         CBITS: gl.constexpr, RBITS: gl.constexpr, BLOCK_R: gl.constexpr, C_CODES_OFF: gl.constexpr,
+                         R_CODES_OFF: gl.constexpr, C_SCALES_OFF: gl.constexpr, C_ZEROS_OFF: gl.constexpr,
+                         R_SCALES_OFF: gl.constexpr, R_ZEROS_OFF: gl.constexpr, ROLL: gl.constexpr):
         """``S^T = K Q^T`` over a page's converted planes (A from registers), each content plane also stored into
-        the key tile ``kc`` once the output product ``acc`` of the page before is retired (after the first plane's
-        ``wgmma`` is issued). Returns (S^T ``[64, BLOCK_R]`` float32, that output product's value)."""
-        chunks, scales, zeros, rwords, rs, rz = page
+        the key tile ``kc`` (the output product ``acc`` of the page before retired first). ``chunks``: the page's
+        content chunks, or with ``ROLL`` its first two, each later one loaded (from ``at``, then the next page's
+        first two and its ``params`` from ``at_next``) as the chunk two before it is converted. Returns (S^T
+        ``[64, BLOCK_R]`` float32, that output product's value, the next page's first two chunks and params with
+        ``ROLL``, else ``chunks`` and ``params``)."""
+        scales, zeros, rwords, rs, rz = params
         CB: gl.constexpr = DC * CBITS // 8
+        NCH: gl.constexpr = CB // 64
         PLANES: gl.constexpr = 8 // CBITS
         s = s0
         o = warpgroup_mma_wait(0, deps=[acc])  # the page before's output product: the key tile is free
-        for c in gl.static_range(CB // 64):
+        window = chunks
+        later = params
+        for c in gl.static_range(NCH):
+            if ROLL:
+                if c + 2 < NCH:
+                    new = _chunk_words(at, c + 2, CB, C_CODES_OFF)
+                else:
+                    new = _chunk_words(at_next, c + 2 - NCH, CB, C_CODES_OFF)
+                if c == NCH - 2:
+                    later = _page_params(at_next, DC, DR, RBITS, R_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF,
+                                         R_SCALES_OFF, R_ZEROS_OFF)
+                chunk = window[0]
+                window = (window[1], new)
+            else:
+                chunk = chunks[c]
             for pl in gl.static_range(PLANES):
-                # the plane's group: channels 64 g .. 64 g + 63, g = pl * CB / 64 + c
-                k = _a_tile(chunks[c], pl, CBITS, _biased_zero(zeros[pl * (CB // 64) + c]),
-                            scales[pl * (CB // 64) + c], False, BLOCK_R)
-                q_g = q_s.slice(64 * (pl * (CB // 64) + c), 64, dim=1)
+                # the plane's group: channels 64 g .. 64 g + 63, g = pl * NCH + c
+                k = _a_tile(chunk, pl, CBITS, _biased_zero(zeros[pl * NCH + c]), scales[pl * NCH + c], False,
+                            BLOCK_R)
+                q_g = q_s.slice(64 * (pl * NCH + c), 64, dim=1)
                 s = warpgroup_mma(k, q_g.permute((1, 0)), s, is_async=True)
                 s, k = warpgroup_mma_wait(1, deps=[s, k])
-                kc.slice(64 * (pl * (CB // 64) + c), 64, dim=1).store(k)
+                kc.slice(64 * (pl * NCH + c), 64, dim=1).store(k)
         # RoPE folded: its planes enter as exact (code - z) (a scale of 1) into their own scores, whose float32 scale
         # multiplies each token's row once (8 FFMA a thread, not 32 values scaled and rounded a page)
         RW: gl.constexpr = DR * RBITS // 32
@@ -207,7 +251,7 @@ if GLUON_IMPORT_ERROR is None:
             sr = warpgroup_mma(k, qr_s.slice(pl * 4 * RW, 4 * RW, dim=1).permute((1, 0)), sr, is_async=True)
         s, sr = warpgroup_mma_wait(0, deps=[s, sr])
         rs_tok = gl.convert_layout(rs, gl.SliceLayout(1, _acc_layout(BLOCK_R)))
-        return s + sr * rs_tok[:, None], o
+        return s + sr * rs_tok[:, None], o, window, later
 
     @gluon.jit
     def split_kernel_v6(
@@ -264,8 +308,8 @@ if GLUON_IMPORT_ERROR is None:
     ):
         """One (split, request, block of 16 query rows): the partial normalised output ``o_part[b, split, rows]``
         (float32 ``[16, DC]``, plain channel order) and log2-sum-exp ``lse_part[b, split, rows]`` over the split's
-        packed tokens, as ``split_kernel_v5``. v3's code-path switches are accepted and ignored. ``AHEAD``: 1, each
-        page's bytes loaded a page before its conversion; 0, where they are converted."""
+        packed tokens, as ``split_kernel_v5``. v3's code-path switches are accepted and ignored. ``AHEAD``: when a
+        page's bytes are loaded (0: at its start; 1: a page ahead; 2: two chunks ahead, rolling)."""
         gl.static_assert(BLOCK_R == 16, "kernel v6: 16 query rows a program")
         gl.static_assert(QUANT and (CBITS == 4 or CBITS == 2), "kernel v6: C4R4, C2R4")
         gl.static_assert(RBITS == 4, "kernel v6: C4R4, C2R4")
@@ -274,7 +318,8 @@ if GLUON_IMPORT_ERROR is None:
         gl.static_assert(CG == 64 and RG == DR, "kernel v6: groups of 64 channels, one RoPE group")
         gl.static_assert(C_SCALE_BF16 and not R_SCALE_BF16, "kernel v6: bfloat16 content and float32 RoPE scales")
         gl.static_assert(not INLINE_PROT and not CHANNEL_ORDER, "kernel v6: the protected-tile kernel, plain order")
-        gl.static_assert(AHEAD == 0 or AHEAD == 1, "kernel v6: page bytes 0 or 1 page ahead")
+        gl.static_assert(AHEAD >= 0 and AHEAD <= 2, "kernel v6: loads at the page's start, a page or two chunks ahead")
+        CB: gl.constexpr = DC * CBITS // 8
         pid_s = gl.program_id(0)
         b = gl.program_id(1)
         rb = gl.program_id(2)
@@ -287,10 +332,13 @@ if GLUON_IMPORT_ERROR is None:
         ql: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_R, DC], gl.bfloat16)
         qrl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_R, DR], gl.bfloat16)
         pl_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_R, 64], gl.bfloat16)
-        kc = gl.allocate_shared_memory(gl.bfloat16, [64, DC], kl)
-        q_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_R, DC], ql)
-        qr_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_R, DR], qrl)
-        p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_R, 64], pl_l)
+        # one-slot arrays, indexed in the loop by an opaque zero (:func:`_opaque_zero`)
+        kc1 = gl.allocate_shared_memory(gl.bfloat16, [1, 64, DC], kl)
+        q_s1 = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_R, DC], ql)
+        qr_s1 = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_R, DR], qrl)
+        p_s1 = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_R, 64], pl_l)
+        q_s = q_s1.index(0)
+        qr_s = qr_s1.index(0)
 
         qlay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         qrows = rb * BLOCK_R + gl.arange(0, BLOCK_R, gl.SliceLayout(1, qlay))
@@ -311,26 +359,38 @@ if GLUON_IMPORT_ERROR is None:
         acc = warpgroup_mma_init(gl.zeros([DC, BLOCK_R], gl.float32, lay))
         s0 = gl.zeros([64, BLOCK_R], gl.float32, lay)
         prot = (pages_ptr, pages_ptr, 0, False, L, SINK, LOCAL, 0)
-        if AHEAD == 1:
-            cur = _page_bytes(pages_ptr, table_row, num_pages, j_lo, n_tiles > 0, ps, pe, DC, DR, CBITS, RBITS,
-                              PAGE_BYTES, C_CODES_OFF, R_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF, R_SCALES_OFF,
-                              R_ZEROS_OFF)
+        if AHEAD > 0:  # page j_lo's bytes (with AHEAD 2 its first two chunks) before the loop
+            at = _page_at(pages_ptr, table_row, num_pages, j_lo, n_tiles > 0, ps, pe, PAGE_BYTES)
+            chunks = _page_chunks(at, 0, CB // 64 if AHEAD == 1 else 2, CB, C_CODES_OFF)
+            params = _page_params(at, DC, DR, RBITS, R_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF, R_SCALES_OFF,
+                                  R_ZEROS_OFF)
         for i in range(gl.maximum(n_tiles, 1)):  # an empty split attends to one dead page (see kernel v4)
             j = j_lo + i
-            _, page_ok = page_of(table_row, j, num_pages, PAGE_BYTES, i < n_tiles)
+            at = _page_at(pages_ptr, table_row, num_pages, j, i < n_tiles, ps, pe, PAGE_BYTES)
+            page_ok = at[2]
+            at_next = _page_at(pages_ptr, table_row, num_pages, j + 1, i + 1 < n_tiles, ps, pe, PAGE_BYTES)
+            if AHEAD == 0:
+                chunks = _page_chunks(at, 0, CB // 64, CB, C_CODES_OFF)
+                params = _page_params(at, DC, DR, RBITS, R_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF, R_SCALES_OFF,
+                                      R_ZEROS_OFF)
+            elif AHEAD == 1:
+                nchunks = _page_chunks(at_next, 0, CB // 64, CB, C_CODES_OFF)
+                nparams = _page_params(at_next, DC, DR, RBITS, R_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF,
+                                       R_SCALES_OFF, R_ZEROS_OFF)
+            z = _opaque_zero(i)
+            kc = kc1.index(z)
+            s, o, rolled, rolled_params = _qk_and_key_tile(
+                chunks, params, at, at_next, q_s1.index(z), qr_s1.index(z), kc, s0, acc, DC, DR, CBITS, RBITS, BLOCK_R, C_CODES_OFF,
+                R_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF, AHEAD == 2)
             if AHEAD == 1:
-                page = cur
-                cur = _page_bytes(pages_ptr, table_row, num_pages, j + 1, i + 1 < n_tiles, ps, pe, DC, DR, CBITS,
-                                  RBITS, PAGE_BYTES, C_CODES_OFF, R_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF,
-                                  R_SCALES_OFF, R_ZEROS_OFF)
-            else:
-                page = _page_bytes(pages_ptr, table_row, num_pages, j, i < n_tiles, ps, pe, DC, DR, CBITS, RBITS,
-                                   PAGE_BYTES, C_CODES_OFF, R_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF, R_SCALES_OFF,
-                                   R_ZEROS_OFF)
-            s, o = _qk_and_key_tile(page, q_s, qr_s, kc, s0, acc, DC, DR, CBITS, RBITS, BLOCK_R)
+                chunks = nchunks
+                params = nparams
+            elif AHEAD == 2:
+                chunks = rolled
+                params = rolled_params
             p, alpha, m_i, l_i = _softmax_step(s, i, j, page_ok, ps, pe, n_tiles, L, prot, toks, limit, m_i, l_i,
                                                sm_scale_log2, False)
-            acc = _pv_issue(p, alpha, o, kc, p_s)  # the key tile's and P's stores fenced first
+            acc = _pv_issue(p, alpha, o, kc, p_s1.index(z))  # the key tile's and P's stores fenced first
         o = warpgroup_mma_wait(0, deps=[acc])
         l_safe = gl.where(l_i > 0.0, l_i, 1.0)
         pos = gl.arange(0, DC, tok_l)

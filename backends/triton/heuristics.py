@@ -516,12 +516,15 @@ V6_CTAS_PER_SM = 2
 V6_FORMATS = ("C4R4", "C2R4")
 #: query rows a program: 16, the ``wgmma`` N (an H16 S_q 1 request)
 V6_BLOCK_R = 16
-#: pages between a page's loads and its conversion (``QUANTMLA_TRITON_V6_AHEAD`` overrides it): 1, the bytes of page
-#: i + 1 in flight while page i is converted and multiplied; 0, each page's loads issued at its start. Offline sm_90a
-#: (triton 3.7.1, stop 66), C4R4 / C2R4: 1 spills 228 / 164 bytes and issues 1,460 / 1,397 instructions a warp in its
-#: loops, 0 spills 68 / 40 and issues 1,287 / 1,284. Not yet timed on a GPU
-V6_AHEAD = 1
-V6_AHEAD_CHOICES = (0, 1)
+#: when a page's bytes are loaded (``QUANTMLA_TRITON_V6_AHEAD`` overrides it): 0, at the page's start; 1, a page
+#: ahead (page i + 1's bytes in registers while page i is converted); 2, two 64-byte chunks ahead, rolling across
+#: pages (chunk c + 2 loaded as chunk c is converted, the next page's scales with its first chunk). Offline sm_90a
+#: (triton 3.7.1, stop 66, no spills), C4R4 / C2R4 instructions a warp in the page loop: 0: 1,187 / 1,191 (221 / 206
+#: registers), 1: 1,283 / 1,289 (247 / 244), 2: 1,248 / 1,278 (229 / 244). H100, CUDA graphs (stop 66, an earlier
+#: build that spilled 40-228 bytes), H16 B32 L32K: 0 took C4R4 298.3 / C2R4 252.1 us, 1 289.5 / 278.3 (v5 280.4 /
+#: 267.0)
+V6_AHEAD = 2
+V6_AHEAD_CHOICES = (0, 1, 2)
 #: whether ``auto`` runs kernel v6 over the packed pages it reads for at most :data:`V6_BLOCK_R` query rows a request
 #: (in kernel v5's place) where v6 serves the call. Off: not yet run on a GPU
 V6_AUTO = False
