@@ -919,7 +919,7 @@ elif [ "$MODE" = stop64a ] || [ "$MODE" = stop63a ]; then
   timeout -k 10 ${S64A_FIRST_S:-240} $T -x -rfE --tb=long ${S64A_TESTS:-tests/test_triton_v5.py} -k "${S64A_K:-a1p] or a1pc]}" \
     > /tmp/s64a/first.txt 2>&1
   if tests_report /tmp/s64a/first.txt $?; then
-    echo "=== memcheck of v5 at H16 ($(left) s left)"
+    echo "=== memcheck, build ${S64A_MEMCHECK_BUILD:-a1pc} of ${S64A_TESTS:-tests/test_triton_v5.py} ($(left) s left)"
     timeout -k 5 90 compute-sanitizer --tool memcheck $T ${S64A_TESTS:-tests/test_triton_v5.py} -k "matches_reference and H16- and \
 L63_64_65 and (C4R4 or C2R4) and ${S64A_MEMCHECK_BUILD:-a1pc}]" > /tmp/s64a/memcheck.txt 2>&1
     echo "rc=$?" >> /tmp/s64a/memcheck.txt; tail -3 /tmp/s64a/memcheck.txt

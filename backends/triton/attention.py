@@ -93,14 +93,14 @@ V5_LOADER_WARPS_ENV = "QUANTMLA_TRITON_V5_LOADER_WARPS"
 #: converter hands the key slots over unwritten (no page loaded or converted); 2, the attenders hand them back unread
 #: (no products, no softmax). Unset or 0: the real kernel
 V5_PROBE_ENV = "QUANTMLA_TRITON_V5_PROBE"
-#: when kernel v6 loads a page's bytes: 0 at its start, 1 a page ahead, 2 two chunks ahead (:data:`heuristics.V6_AHEAD`).
-#: A measurement knob, read when a call is prepared
+#: when kernel v6 loads a page's bytes: 0 at its start, 1 a page ahead, 2 two chunks ahead
+#: (:data:`heuristics.V6_AHEAD`). A measurement knob, read when a call is prepared
 V6_AHEAD_ENV = "QUANTMLA_TRITON_V6_AHEAD"
 _KERNELS = {"v1": split_kernel, "v2": split_kernel_v2, "v3": split_kernel_v3,
             **({} if split_kernel_v4 is None else {"v4": split_kernel_v4, "v5": split_kernel_v5,
                                                    "v6": split_kernel_v6})}
-#: the Gluon kernels (Hopper, no interpreter): v4's arguments and constexprs, their own protected tokens and channel
-#: order
+#: the Gluon kernels (Hopper, no interpreter): v4's arguments and constexprs; v4 and v5 attend to the protected tokens
+#: themselves and may keep packed tiles in channel order, v6 leaves both to the protected-tile kernel and plain order
 GLUON_VARIANTS = ("v4", "v5", "v6")
 
 
@@ -393,7 +393,7 @@ def _split_constexprs(fmt, variant: str, q_bf16: bool, dot_bf16: bool, block_n: 
     )
     if variant == "v2":
         consts.update(v2_constexprs(quant, cbits, rbits, dot_bf16, ptx_split=nvidia_asm))
-    elif variant in ("v3", *GLUON_VARIANTS):  # v4 and v5 take v3's arguments and constexprs (they read no switch)
+    elif variant in ("v3", *GLUON_VARIANTS):  # v4-v6 take v3's arguments and constexprs (they read no switch)
         consts.update(v3_constexprs(quant, cbits, rbits, dot_bf16, ptx_split=nvidia_asm))
     return MappingProxyType(consts)
 
@@ -410,7 +410,7 @@ def attention(q_latent: torch.Tensor, q_rope: torch.Tensor, cache, block_table: 
     kernel switches ``pv_form``, ``hold_raw``, ``code_bias``, ``zsub``, v3 ``prefetch``, ``word_codes``,
     ``ptx_split``; all take
     ``maxnreg``).
-    ``variant`` ("auto"/"v1"/"v2"/"v3"/"v4") overrides ``$QUANTMLA_TRITON_ATTENTION`` (read per call;
+    ``variant`` ("auto", "v1" to "v6") overrides ``$QUANTMLA_TRITON_ATTENTION`` (read per call;
     default "auto", see :func:`auto_variant`). v2 on a GPU with float32 queries runs v1 (``heuristics.V2_FLOAT32_ON_GPU``);
     ``LAST_LAUNCH["variant"]`` names the kernel that ran. The call is prepared once for its index tensors, geometry
     and knobs (:func:`prepared`)."""

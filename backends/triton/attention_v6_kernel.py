@@ -380,7 +380,8 @@ if GLUON_IMPORT_ERROR is None:
             z = _opaque_zero(i)
             kc = kc1.index(z)
             s, o, rolled, rolled_params = _qk_and_key_tile(
-                chunks, params, at, at_next, q_s1.index(z), qr_s1.index(z), kc, s0, acc, DC, DR, CBITS, RBITS, BLOCK_R, C_CODES_OFF,
+                chunks, params, at, at_next, q_s1.index(z), qr_s1.index(z), kc, s0, acc, DC, DR, CBITS, RBITS, BLOCK_R,
+                C_CODES_OFF,
                 R_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF, AHEAD == 2)
             if AHEAD == 1:
                 chunks = nchunks

@@ -1,14 +1,16 @@
-"""Offline sm_90a builds of the Gluon kernels v4 (``attention_v4_kernel.split_kernel_v4``) and v5
-(``attention_v5_kernel.split_kernel_v5``): no GPU needed.
+"""Offline sm_90a builds of the Gluon kernels v4 (``attention_v4_kernel.split_kernel_v4``), v5
+(``attention_v5_kernel.split_kernel_v5``) and v6 (``attention_v6_kernel.split_kernel_v6``): no GPU needed.
 
 The launch the Triton launcher records for kernel v3 at H = 128 (``offline_build.launches_of`` with
 ``QUANTMLA_TRITON_ATTENTION=v3``: its positional arguments and constexprs) is compiled with ``split_kernel_v4``
-(or v5) in its place, 4 warps in the default partition, through Gluon's AST source for ``GPUTarget("cuda", 90, 32)``.
+(or v5, v6) in its place, 4 warps in the default partition, through Gluon's AST source for
+``GPUTarget("cuda", 90, 32)``.
 
     python -m quantmla_core.backends.triton.offline_v4 [BF16|C4R4|C2R4] [loader_regs=N] [pipeline=0-3] [probe=0-3]
         [loader_warps=4|8] [inline_prot=0|1] [channel_order=0|1]
     python -m quantmla_core.backends.triton.offline_v4 [BF16|C4R4|C2R4] kernel=5 [block_r=16|32] [ahead=1|2]
         [inline_prot=0|1] [channel_order=0|1]
+    python -m quantmla_core.backends.triton.offline_v4 [C4R4|C2R4] kernel=6 [ahead=0|1|2]
 
 prints :func:`compile_report`'s dict: registers and spilled bytes (``ptxas -v``), shared memory, ``wgmma`` count in
 the PTX, ``setmaxnreg`` values, SASS instruction counts (``cuobjdump``, where Triton bundles it).
@@ -82,7 +84,7 @@ def compile_v5(fmt_name: str = "C4R4", block_r: int = 16, ahead: int = 1, inline
 
 def compile_v6(fmt_name: str = "C4R4", ahead: int = 1) -> Any:
     """``triton.compile`` of ``split_kernel_v6`` for sm_90a with v3's recorded launch at H = 128, 16 query rows a
-    program, each page's bytes loaded ``ahead`` (0 or 1) pages early."""
+    program, its ``AHEAD`` (0: each page's bytes at its start, 1: a page ahead, 2: two chunks ahead)."""
     from .attention_v4_kernel import GLUON_IMPORT_ERROR
 
     if GLUON_IMPORT_ERROR is not None:
