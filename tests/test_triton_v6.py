@@ -25,7 +25,7 @@ import torch
 import quantmla_core as qm
 from quantmla_core import PackFormat
 from quantmla_core.reference.quantize import bits_to_bf16
-from quantmla_core.testing import Case, check_attention, edge_lengths, stub_triton_launcher, write_case
+from quantmla_core.testing import Case, check_attention, edge_lengths, write_case
 
 from conformance import check_poisoned_partials, reference_outputs
 
@@ -34,6 +34,7 @@ from quantmla_core.backends.triton import attention as A  # noqa: E402
 from quantmla_core.backends.triton import attention_v6_kernel as v6  # noqa: E402
 from quantmla_core.backends.triton.heuristics import V6_AHEAD, V6_CTAS_PER_SM, plan_v3  # noqa: E402
 
+from test_triton_v5 import _as_hopper, _prepare as prepare_v5  # noqa: E402
 from test_triton_v4_offline import (SMEM_LIMIT, _needs_gluon, _needs_ptxas, _oracle, _plane, _rows,  # noqa: E402
                                     _same_bits, _written_page)
 
@@ -165,22 +166,8 @@ def test_offline_v6_build(reports_v6, fmt, ahead):
 # ---------------------------------------------------------------- the launcher (CPU, kernels stubbed)
 
 
-def _prepare(fmt: str = "C4R4", q_dtype=torch.bfloat16, batch: int = 2, heads: int = 16, tokens: int = 4096,
-             s_q: int = 1, latent_dim: int = 512, rope_dim: int = 64, page_size: int = 64, **kw):
-    f = PackFormat.parse(fmt, latent_dim=latent_dim, rope_dim=rope_dim, page_size=page_size)
-    pages = tokens // f.page_size
-    cache = qm.MLACache.allocate(f, batch * pages, batch, 4, 128, device="cpu")
-    table = torch.arange(batch * pages, dtype=torch.int32).view(batch, pages)
-    lens = torch.full((batch,), tokens, dtype=torch.int32)
-    return A.prepare(cache, table, lens, torch.arange(batch, dtype=torch.int32), batch, s_q, heads, q_dtype, 0.05,
-                     variant="v6", **kw)
-
-
-def _as_hopper(monkeypatch, major: int | None = 9) -> None:
-    stub_triton_launcher(monkeypatch, sm_count=132)
-    monkeypatch.setattr(A, "_not_nvidia", lambda device, needs, on_rocm: on_rocm if major is None else None)
-    monkeypatch.setattr(A, "_nvidia_major", lambda index: major)
-    monkeypatch.setattr(A, "GLUON_IMPORT_ERROR", None)
+def _prepare(*args, **kw):
+    return prepare_v5(*args, variant="v6", **kw)
 
 
 def test_v6_is_refused_off_a_gpu_with_the_reason():

@@ -344,14 +344,14 @@ def v3_protect_rows(batch: int, rows: int, sm_count: int) -> int:
 @functools.lru_cache(maxsize=4096)
 def plan_v3(batch: int, rows: int, latent_dim: int, page_size: int, max_tokens: int, sm_count: int,
             interpreter: bool = False, num_splits: int | None = None, fp32_dot: bool = False,
-            block_r: int = V3_BLOCK_R) -> AttentionPlan:
+            block_r: int = V3_BLOCK_R, ctas_per_sm: int = V3_CTAS_PER_SM) -> AttentionPlan:
     """Launch plan of attention kernel v3 (same fields and split rule as :func:`plan`) over row blocks of ``block_r``
-    query rows (kernel v5 plans its 16-row blocks so)."""
+    query rows, splits for ``ctas_per_sm`` programs an SM (kernels v5 and v6 plan their 16-row blocks so)."""
     row_blocks = -(-rows // block_r)
     tiles = max(1, -(-max_tokens // V3_BLOCK_N))
     if num_splits is None:
         min_tiles = MIN_TILES_PER_SPLIT_INTERPRETER if interpreter else V3_MIN_TILES_PER_SPLIT
-        num_splits = plan_kv_splits(batch * row_blocks, tiles, V3_CTAS_PER_SM * sm_count, min_tiles, MAX_SPLITS)[0]
+        num_splits = plan_kv_splits(batch * row_blocks, tiles, ctas_per_sm * sm_count, min_tiles, MAX_SPLITS)[0]
     return AttentionPlan(V3_BLOCK_N, block_r, row_blocks, int(num_splits), V3_NUM_WARPS, V3_NUM_STAGES,
                          v3_protect_rows(batch, rows, sm_count), PROTECT_WARPS)
 
@@ -543,13 +543,8 @@ def plan_v6(batch: int, rows: int, latent_dim: int, page_size: int, max_tokens: 
             interpreter: bool = False, num_splits: int | None = None, fp32_dot: bool = False) -> AttentionPlan:
     """Launch plan of attention kernel v6: kernel v3's tiles over row blocks of :data:`V6_BLOCK_R` rows, split for
     :data:`V6_CTAS_PER_SM` programs an SM, :data:`V6_NUM_WARPS` warps."""
-    row_blocks = -(-rows // V6_BLOCK_R)
-    tiles = max(1, -(-max_tokens // V3_BLOCK_N))
-    if num_splits is None:
-        min_tiles = MIN_TILES_PER_SPLIT_INTERPRETER if interpreter else V3_MIN_TILES_PER_SPLIT
-        num_splits = plan_kv_splits(batch * row_blocks, tiles, V6_CTAS_PER_SM * sm_count, min_tiles, MAX_SPLITS)[0]
-    return AttentionPlan(V3_BLOCK_N, V6_BLOCK_R, row_blocks, int(num_splits), V6_NUM_WARPS, V3_NUM_STAGES,
-                         v3_protect_rows(batch, rows, sm_count), PROTECT_WARPS)
+    return replace(plan_v3(batch, rows, latent_dim, page_size, max_tokens, sm_count, interpreter, num_splits, fp32_dot,
+                           V6_BLOCK_R, V6_CTAS_PER_SM), num_warps=V6_NUM_WARPS)
 
 
 def plan_v5(batch: int, rows: int, latent_dim: int, page_size: int, max_tokens: int, sm_count: int,
