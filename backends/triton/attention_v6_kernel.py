@@ -13,18 +13,21 @@ with A from those registers, and stores the plane into the one key tile for PV; 
 conversion with the other's products.
 
 Per page ``i`` of the split (its bytes loaded at its start, ``AHEAD`` 0, a page earlier, 1, or two 64-byte chunks
-ahead of their conversion, rolling across pages, 2):
+ahead of their conversion, rolling across pages, 2), once the output product of page ``i - 1`` is retired (the key
+tile is free):
 
 1. content tile ``t`` (plane ``pl`` of 64-byte chunk ``c``: channels ``pl * CB + 64 c ..``, one quantization
    group): the chunk's code words, 16 bytes a row and thread, converted by kernel v4's packed pairs (``lop3``, then
    ``s * (code - z)`` two values an instruction) and relabelled (no data moves) into QK's A-operand layout;
-   ``S^T += K_t Q_t^T`` issued; after the first tile the output product of page ``i - 1`` is retired (the key tile is
-   free), then the tile is stored into it;
+   ``S^T += K_t Q_t^T`` issued, the tile before's product retired, the tile stored into the key tile;
 2. the two RoPE planes likewise (32 channels each, not stored: PV reads content alone), folded: they enter as exact
    ``code - z`` into scores of their own, which each token's float32 scale multiplies once (CuPy v5's ROPE_FOLD);
    QK retired;
-3. base-2 online softmax down the columns, P^T to shared memory, ``O^T = O^T * alpha + K^T P^T`` issued (retired at
-   page ``i + 1``'s first tile).
+3. base-2 online softmax down the columns, P^T to shared memory, ``O^T = O^T * alpha + K^T P^T`` issued (retired as
+   page ``i + 1`` starts).
+
+The shared tiles are indexed in the loop by an opaque zero (:func:`_opaque_zero`), so that the ``wgmma`` descriptors
+are made per page rather than hoisted out of the loop into ~80 registers (which spilled).
 
 Channel order: the relabelling puts byte ``j(k)`` of a chunk (:func:`a_channel`) at position ``k`` of the A operand,
 so each 64-channel group (32 for RoPE planes) of the queries is loaded in that order, the key tile holds it, the output
