@@ -23,8 +23,9 @@ tile is free):
 2. the two RoPE planes likewise (32 channels each, not stored: PV reads content alone), folded: they enter as exact
    ``code - z`` into scores of their own, which each token's float32 scale multiplies once (CuPy v5's ROPE_FOLD);
    QK retired;
-3. base-2 online softmax down the columns, P^T to shared memory, ``O^T = O^T * alpha + K^T P^T`` issued (retired as
-   page ``i + 1`` starts).
+3. base-2 online softmax down the columns (the four warps' maxima through shared memory with one barrier, the sums
+   kept per thread until the end), P^T to shared memory, ``O^T = O^T * alpha + K^T P^T`` issued (retired as page
+   ``i + 1`` starts). Three CTA barriers a page in all.
 
 The shared tiles are indexed in the loop by an opaque zero (:func:`_opaque_zero`), so that the ``wgmma`` descriptors
 are made per page rather than hoisted out of the loop into ~80 registers (which spilled).
@@ -66,7 +67,9 @@ if GLUON_IMPORT_ERROR is None:
 
     from .attention_v4_kernel import _split_range
     from .attention_v4_loaders import _acc_layout, _biased_zero, _partition_barrier, _plane, page_of, tokens_ok
-    from .attention_v5_kernel import _pv_issue, _softmax_step
+    from .attention_v4_kernel import _add, _max
+    from .attention_v4_loaders import visible_span
+    from .attention_v5_kernel import _pv_issue
 
     @gluon.constexpr_function
     def _words_layout(WORDS):
@@ -256,6 +259,42 @@ if GLUON_IMPORT_ERROR is None:
         rs_tok = gl.convert_layout(rs, gl.SliceLayout(1, _acc_layout(BLOCK_R)))
         return s + sr * rs_tok[:, None], o, window, later
 
+    @gluon.constexpr_function
+    def _warp_maxima_layout(N):
+        """``[4, N]`` (a warp's maxima a row, ``N`` 16 query rows as columns): every thread holds the four warps' values
+        of the columns it holds in the ``[64, N]`` accumulator, so that their maximum is in its column layout."""
+        assert int(N) == 16
+        return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 8], [1, 0], [2, 0]],
+                                          lane_bases=[[0, 2], [0, 4], [0, 0], [0, 0], [0, 0]],
+                                          warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[4, int(N)])
+
+    @gluon.jit
+    def _column_max(sc, m_scr):
+        """The maximum down each column of ``sc`` ``[64, N]`` (the accumulator layout; warp ``w`` holds rows
+        ``16 w ..``): each warp's by shuffles, the four warps' through ``m_scr`` (float32 ``[4, N]``) and one CTA
+        barrier (a reduction across warps takes two)."""
+        N: gl.constexpr = sc.shape[1]
+        m_scr.store(gl.max(gl.reshape(sc, [4, 16, N]), axis=1))
+        _partition_barrier()
+        part = m_scr.load(_warp_maxima_layout(N))
+        return gl.convert_layout(gl.max(part, axis=0), gl.SliceLayout(0, _acc_layout(N)))
+
+    @gluon.jit
+    def _softmax_deferred(s, i, j, page_ok, ps, pe, n_tiles, L, prot, toks, limit, m_i, l_acc, sm_scale_log2, m_scr):
+        """Step ``i`` (page ``j``) of the base-2 online softmax down the columns of the scores ``s`` ``[64, R]``, its
+        sums deferred: ``l_acc`` ``[64, R]`` keeps each thread's share (``l_acc * alpha + P``, one FFMA a value), so a
+        page reduces across warps only for its maxima (kernel v5's step also reduces the sums: three more CTA
+        barriers a page). Returns (P, alpha, the new maxima, the partial sums)."""
+        base, lo, hi = visible_span(i, j, page_ok, ps, pe, n_tiles, L, prot, False)
+        n = base + toks
+        vis = ((n >= lo) & (n < hi))[:, None] & (n[:, None] < limit[None, :])
+        sc = gl.where(vis, s, float("-inf"))
+        m_new = gl.maximum(m_i, _column_max(sc, m_scr) * sm_scale_log2)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(sc * sm_scale_log2 - m_safe[None, :])
+        return p, alpha, m_new, l_acc * alpha[None, :] + p
+
     @gluon.jit
     def split_kernel_v6(
         q_ptr,  # [B, R, DC] bfloat16, contiguous
@@ -340,6 +379,7 @@ if GLUON_IMPORT_ERROR is None:
         q_s1 = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_R, DC], ql)
         qr_s1 = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_R, DR], qrl)
         p_s1 = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_R, 64], pl_l)
+        m_scr = gl.allocate_shared_memory(gl.float32, [4, BLOCK_R], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         q_s = q_s1.index(0)
         qr_s = qr_s1.index(0)
 
@@ -358,7 +398,7 @@ if GLUON_IMPORT_ERROR is None:
         limit = L - S_Q + rows // H + 1  # row r (query r // H) sees tokens n < limit
         toks = gl.arange(0, 64, tok_l)
         m_i = gl.full([BLOCK_R], float("-inf"), gl.float32, col_l)
-        l_i = gl.zeros([BLOCK_R], gl.float32, col_l)
+        l_acc = gl.zeros([64, BLOCK_R], gl.float32, lay)  # each thread's share of the sums (_softmax_deferred)
         acc = warpgroup_mma_init(gl.zeros([DC, BLOCK_R], gl.float32, lay))
         s0 = gl.zeros([64, BLOCK_R], gl.float32, lay)
         prot = (pages_ptr, pages_ptr, 0, False, L, SINK, LOCAL, 0)
@@ -392,10 +432,11 @@ if GLUON_IMPORT_ERROR is None:
             elif AHEAD == 2:
                 chunks = rolled
                 params = rolled_params
-            p, alpha, m_i, l_i = _softmax_step(s, i, j, page_ok, ps, pe, n_tiles, L, prot, toks, limit, m_i, l_i,
-                                               sm_scale_log2, False)
+            p, alpha, m_i, l_acc = _softmax_deferred(s, i, j, page_ok, ps, pe, n_tiles, L, prot, toks, limit, m_i,
+                                                     l_acc, sm_scale_log2, m_scr)
             acc = _pv_issue(p, alpha, o, kc, p_s1.index(z))  # the key tile's and P's stores fenced first
         o = warpgroup_mma_wait(0, deps=[acc])
+        l_i = gl.reduce(l_acc, 0, _add)
         l_safe = gl.where(l_i > 0.0, l_i, 1.0)
         pos = gl.arange(0, DC, tok_l)
         chans = (pos // 64) * 64 + _a_channel(pos % 64, 64)  # the key tile's columns, put back in place

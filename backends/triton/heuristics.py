@@ -521,10 +521,10 @@ V6_BLOCK_R = 16
 #: when a page's bytes are loaded (``QUANTMLA_TRITON_V6_AHEAD`` overrides it): 0, at the page's start; 1, a page
 #: ahead (page i + 1's bytes in registers while page i is converted); 2, two 64-byte chunks ahead, rolling across
 #: pages (chunk c + 2 loaded as chunk c is converted, the next page's scales with its first chunk). Offline sm_90a
-#: (triton 3.7.1, stop 66, no spills), C4R4 / C2R4 instructions a warp in the page loop: 0: 1,187 / 1,191 (221 / 206
-#: registers), 1: 1,283 / 1,289 (247 / 244), 2: 1,248 / 1,278 (229 / 244). H100, CUDA graphs (stop 66, an earlier
-#: build that spilled 40-228 bytes), H16 B32 L32K: 0 took C4R4 298.3 / C2R4 252.1 us, 1 289.5 / 278.3 (v5 280.4 /
-#: 267.0)
+#: (triton 3.7.1, stop 66, no spills, 3 CTA barriers a page), C4R4 / C2R4 instructions a warp in the page loop: 0:
+#: 1,152 / 1,156 (221 / 210 registers), 1: 1,247 / 1,255 (245 / 248), 2: 1,212 / 1,243 (228 / 247). H100, CUDA graphs
+#: (stop 66, an earlier build: 40-228 bytes spilled, 7 barriers a page), H16 B32 L32K: 0 took C4R4 298.3 / C2R4 252.1
+#: us, 1 289.5 / 278.3 (v5 280.4 / 267.0)
 V6_AHEAD = 2
 V6_AHEAD_CHOICES = (0, 1, 2)
 #: whether ``auto`` runs kernel v6 over the packed pages it reads for at most :data:`V6_BLOCK_R` query rows a request

@@ -276,7 +276,7 @@ def nvidia_resources(compiled) -> dict[str, int]:
 def sass_loop_counts(compiled) -> dict[str, int]:
     """Instructions of a kernel compiled for NVIDIA, from ``cuobjdump -sass`` of its cubin (Triton's own): all of
     them, those inside loops (between a backward branch and its target), and among those the local-memory spill stores
-    (STL) and loads (LDL) and the plain shared-memory stores (STS) and loads (LDS)."""
+    (STL) and loads (LDL), the plain shared-memory stores (STS) and loads (LDS) and the CTA barriers (BAR)."""
     with _temp_file(compiled.asm["cubin"], ".cubin") as path:
         sass = subprocess.run([_nvidia_tool("cuobjdump"), "-sass", path], capture_output=True, text=True,
                               check=True).stdout
@@ -295,7 +295,8 @@ def sass_loop_counts(compiled) -> dict[str, int]:
             "stl_in_loops": sum("STL" in t for t, inside in zip(ins, in_loop) if inside),
             "ldl_in_loops": sum("LDL" in t for t, inside in zip(ins, in_loop) if inside),
             "sts_in_loops": sum(_opcode(t) == "STS" for t, inside in zip(ins, in_loop) if inside),
-            "lds_in_loops": sum(_opcode(t) == "LDS" for t, inside in zip(ins, in_loop) if inside)}
+            "lds_in_loops": sum(_opcode(t) == "LDS" for t, inside in zip(ins, in_loop) if inside),
+            "bar_in_loops": sum(_opcode(t) == "BAR" for t, inside in zip(ins, in_loop) if inside)}
 
 
 def _opcode(instruction: str) -> str:
