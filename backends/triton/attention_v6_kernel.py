@@ -67,7 +67,7 @@ if GLUON_IMPORT_ERROR is None:
 
     from .attention_v4_kernel import _split_range
     from .attention_v4_loaders import _acc_layout, _biased_zero, _partition_barrier, _plane, page_of, tokens_ok
-    from .attention_v4_kernel import _add, _max
+    from .attention_v4_kernel import _add
     from .attention_v4_loaders import visible_span
     from .attention_v5_kernel import _pv_issue
 
