@@ -128,11 +128,11 @@ if GLUON_IMPORT_ERROR is None:
         return ((k >> 3) & 1) | ((k & 1) << 1) | ((k >> 4) << 2) | (((k >> 1) & 3) * (WIDTH // 4))
 
     @gluon.jit
-    def _a_tile(w, pl: gl.constexpr, BITS: gl.constexpr, zb, s, F32_SCALE: gl.constexpr, BLOCK_R: gl.constexpr):
-        """Plane ``pl`` of the words ``w`` (``[64, W]``, :func:`_words_layout`) as bfloat16 ``s * (code - z)`` in QK's
-        A-operand layout, ``[64, 4 W]`` in :func:`a_channel` order."""
+    def _a_tile(w, pl: gl.constexpr, BITS: gl.constexpr, zb, s, BLOCK_R: gl.constexpr):
+        """Plane ``pl`` of the words ``w`` (``[64, W]``, :func:`_words_layout`) as bfloat16 ``s * (code - z)`` (``s``
+        bfloat16) in QK's A-operand layout, ``[64, 4 W]`` in :func:`a_channel` order."""
         W: gl.constexpr = w.shape[1]
-        k = _plane(w, pl, BITS, zb, s, 64, W, F32_SCALE)
+        k = _plane(w, pl, BITS, zb, s, 64, W, False)
         return gl.convert_layout(_relabel(k, 4 * W), _a_layout(BLOCK_R))
 
     @gluon.jit
@@ -144,8 +144,8 @@ if GLUON_IMPORT_ERROR is None:
         return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [i * 0], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
-    def _load_q_relabelled(q_base, rows, row_ok, q_s, D: gl.constexpr, WIDTH: gl.constexpr, N: gl.constexpr):
-        """Query rows ``[N, D]`` (0 past R) into ``q_s``, each ``WIDTH``-channel block in :func:`a_channel` order."""
+    def _load_q_relabelled(q_base, rows, row_ok, q_s, D: gl.constexpr, WIDTH: gl.constexpr):
+        """Query rows ``[len(rows), D]`` (0 past R) into ``q_s``, each ``WIDTH``-channel block in :func:`a_channel` order."""
         ql: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         pos = gl.arange(0, 64, gl.SliceLayout(0, ql))
         chan = (pos // WIDTH) * WIDTH + _a_channel(pos % WIDTH, WIDTH)
@@ -241,8 +241,7 @@ if GLUON_IMPORT_ERROR is None:
                 chunk = chunks[c]
             for pl in gl.static_range(PLANES):
                 # the plane's group: channels 64 g .. 64 g + 63, g = pl * NCH + c
-                k = _a_tile(chunk, pl, CBITS, _biased_zero(zeros[pl * NCH + c]), scales[pl * NCH + c], False,
-                            BLOCK_R)
+                k = _a_tile(chunk, pl, CBITS, _biased_zero(zeros[pl * NCH + c]), scales[pl * NCH + c], BLOCK_R)
                 q_g = q_s.slice(64 * (pl * NCH + c), 64, dim=1)
                 s = warpgroup_mma(k, q_g.permute((1, 0)), s, is_async=True)
                 s, k = warpgroup_mma_wait(1, deps=[s, k])
@@ -253,7 +252,7 @@ if GLUON_IMPORT_ERROR is None:
         one = gl.full(rs.shape, 1.0, gl.bfloat16, rs.type.layout)
         sr = s0
         for pl in gl.static_range(8 // RBITS):
-            k = _a_tile(rwords, pl, RBITS, _biased_zero(rz), one, False, BLOCK_R)
+            k = _a_tile(rwords, pl, RBITS, _biased_zero(rz), one, BLOCK_R)
             sr = warpgroup_mma(k, qr_s.slice(pl * 4 * RW, 4 * RW, dim=1).permute((1, 0)), sr, is_async=True)
         s, sr = warpgroup_mma_wait(0, deps=[s, sr])
         rs_tok = gl.convert_layout(rs, gl.SliceLayout(1, _acc_layout(BLOCK_R)))
@@ -385,9 +384,8 @@ if GLUON_IMPORT_ERROR is None:
 
         qlay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         qrows = rb * BLOCK_R + gl.arange(0, BLOCK_R, gl.SliceLayout(1, qlay))
-        _load_q_relabelled(q_ptr + b.to(gl.int64) * R * DC, qrows, qrows < R, q_s, DC, 64, BLOCK_R)
-        _load_q_relabelled(qr_ptr + b.to(gl.int64) * R * DR, qrows, qrows < R, qr_s, DR, DR * RBITS // 32 * 4,
-                           BLOCK_R)
+        _load_q_relabelled(q_ptr + b.to(gl.int64) * R * DC, qrows, qrows < R, q_s, DC, 64)
+        _load_q_relabelled(qr_ptr + b.to(gl.int64) * R * DR, qrows, qrows < R, qr_s, DR, DR * RBITS // 32 * 4)
         fence_async_shared()  # every thread's stores, then the barrier, before the first wgmma reads them
         _partition_barrier()
 
@@ -402,14 +400,15 @@ if GLUON_IMPORT_ERROR is None:
         acc = warpgroup_mma_init(gl.zeros([DC, BLOCK_R], gl.float32, lay))
         s0 = gl.zeros([64, BLOCK_R], gl.float32, lay)
         prot = (pages_ptr, pages_ptr, 0, False, L, SINK, LOCAL, 0)
-        if AHEAD > 0:  # page j_lo's bytes (with AHEAD 2 its first two chunks) before the loop
-            at = _page_at(pages_ptr, table_row, num_pages, j_lo, n_tiles > 0, ps, pe, PAGE_BYTES)
+        # page j_lo's place (each page's is found once, as the page after its predecessor) and, ahead, its bytes (with
+        # AHEAD 2 its first two chunks)
+        at = _page_at(pages_ptr, table_row, num_pages, j_lo, n_tiles > 0, ps, pe, PAGE_BYTES)
+        if AHEAD > 0:
             chunks = _page_chunks(at, 0, CB // 64 if AHEAD == 1 else 2, CB, C_CODES_OFF)
             params = _page_params(at, DC, DR, RBITS, R_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF, R_SCALES_OFF,
                                   R_ZEROS_OFF)
         for i in range(gl.maximum(n_tiles, 1)):  # an empty split attends to one dead page (see kernel v4)
             j = j_lo + i
-            at = _page_at(pages_ptr, table_row, num_pages, j, i < n_tiles, ps, pe, PAGE_BYTES)
             page_ok = at[2]
             at_next = _page_at(pages_ptr, table_row, num_pages, j + 1, i + 1 < n_tiles, ps, pe, PAGE_BYTES)
             if AHEAD == 0:
@@ -424,8 +423,7 @@ if GLUON_IMPORT_ERROR is None:
             kc = kc1.index(z)
             s, o, rolled, rolled_params = _qk_and_key_tile(
                 chunks, params, at, at_next, q_s1.index(z), qr_s1.index(z), kc, s0, acc, DC, DR, CBITS, RBITS, BLOCK_R,
-                C_CODES_OFF,
-                R_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF, AHEAD == 2)
+                C_CODES_OFF, R_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF, AHEAD == 2)
             if AHEAD == 1:
                 chunks = nchunks
                 params = nparams
@@ -435,6 +433,7 @@ if GLUON_IMPORT_ERROR is None:
             p, alpha, m_i, l_acc = _softmax_deferred(s, i, j, page_ok, ps, pe, n_tiles, L, prot, toks, limit, m_i,
                                                      l_acc, sm_scale_log2, m_scr)
             acc = _pv_issue(p, alpha, o, kc, p_s1.index(z))  # the key tile's and P's stores fenced first
+            at = at_next
         o = warpgroup_mma_wait(0, deps=[acc])
         l_i = gl.reduce(l_acc, 0, _add)
         l_safe = gl.where(l_i > 0.0, l_i, 1.0)
