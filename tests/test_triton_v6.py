@@ -154,15 +154,17 @@ def test_offline_v6_build(reports_v6, fmt, ahead):
     pipelined; two programs' shared memory within an SM's; no spills (the descriptors made in the loop, not hoisted
     into ~80 registers: ``_opaque_zero``); the relabelling moves
     no data (the loops' plain shared-memory loads and stores are the softmax's column maxima alone: a relabel through
-    shared memory would add 32 of each a tile); three CTA barriers a page (before the key tile's first store, the
-    warps' maxima, P) with the softmax's sums deferred (``_softmax_deferred``; reducing them and the maxima across
+    shared memory would add 32 of each a tile); three CTA barriers a page with triton 3.7 (before the key tile's first
+    store, the warps' maxima, P; ten with 3.6) with the softmax's sums deferred (``_softmax_deferred``; reducing them and the maxima across
     warps each page took seven)."""
     r = reports_v6[fmt, ahead]
     assert r["ahead"] == ahead and r["wgmma"] == 68 and not r["wgmma_serialized"], r
     assert V6_CTAS_PER_SM * r["smem"] <= SMEM_LIMIT, r
     assert r["spill_bytes"] == 0, r
     if r["sass"] >= 0:
-        assert r["sts_in_loops"] <= 16 and r["lds_in_loops"] <= 16 and r["bar_in_loops"] <= 3, r
+        # triton 3.6 (the GPU machine's) puts a barrier before each of the key tile's 8 stores, not only the first
+        most_bars = 3 if tuple(int(x) for x in r["triton"].split(".")[:2]) >= (3, 7) else 10
+        assert r["sts_in_loops"] <= 16 and r["lds_in_loops"] <= 16 and r["bar_in_loops"] <= most_bars, r
 
 
 # ---------------------------------------------------------------- the launcher (CPU, kernels stubbed)
