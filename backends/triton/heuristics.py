@@ -521,8 +521,9 @@ V6_BLOCK_R = 16
 #: when a page's bytes are loaded (``QUANTMLA_TRITON_V6_AHEAD`` overrides it): 0, at the page's start; 1, a page
 #: ahead (page i + 1's bytes in registers while page i is converted); 2, two 64-byte chunks ahead, rolling across
 #: pages (chunk c + 2 loaded as chunk c is converted, the next page's scales with its first chunk). Offline sm_90a
-#: (triton 3.7.1, stop 66, no spills, 3 CTA barriers a page), C4R4 / C2R4 instructions a warp in the page loop: 0:
-#: 1,152 / 1,156 (221 / 210 registers), 1: 1,247 / 1,255 (245 / 248), 2: 1,212 / 1,243 (228 / 247). H100, CUDA graphs
+#: (triton 3.7.1, stop 66, no spills, 3 CTA barriers a page; 10 with triton 3.6), C4R4 / C2R4 instructions a warp in
+#: the page loop: 0: 1,152 / 1,157 (221 / 206 registers), 1: 1,234 / 1,243 (249 / 246), 2: 1,193 / 1,231 (224 / 245).
+#: H100, CUDA graphs
 #: (stop 66, an earlier build: 40-228 bytes spilled, 7 barriers a page), H16 B32 L32K: 0 took C4R4 298.3 / C2R4 252.1
 #: us, 1 289.5 / 278.3 (v5 280.4 / 267.0)
 V6_AHEAD = 2
