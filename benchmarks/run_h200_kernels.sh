@@ -132,9 +132,10 @@
 #       $OUT/s64a.tgz. stop63a is the same mode (its first form, v4 below 64 rows, never ran). S64A_MEMCHECK_BUILD:
 #       the build memcheck runs (a GPU_BUILDS id of tests/test_triton_v5.py, default a1pc); S64A_BACKENDS: timed
 #       beside FlashInfer (default triton,cupy); S64A_TESTS: the test file (default tests/test_triton_v5.py; kernel v6:
-#       tests/test_triton_v6.py, whose memcheck build is its QUANTMLA_TRITON_V6_AHEAD, 0 to 2); S64A_NCU set (an
+#       tests/test_triton_v6.py, whose memcheck builds are its BUILDS, e.g. a1p); S64A_NCU set (an
 #       environment setting, e.g. QUANTMLA_TRITON_ATTENTION=v6): ncu's warp-state, scheduler, memory and occupancy
-#       sections of kernel S64A_NCU_KERNEL (default split_kernel_v6) at S64A_NCU_SHAPE (default 16x32x32768), C4R4
+#       sections of kernel S64A_NCU_KERNEL (default split_kernel_v6) at S64A_NCU_SHAPE (default 16x32x32768), C4R4,
+#       with each stall reason's warps a issued instruction (smsp__average_warps_issue_stalled_*)
 #   bash benchmarks/run_h200_kernels.sh stop62a  # each kernel's device time of CuPy's defaults at H128 (S62A_KT_SHAPES),
 #       then mode pdlwaves; $OUT/s62a.tgz and $OUT/pdlw.tgz
 #   bash benchmarks/run_h200_kernels.sh pdlwaves  # PDL against plain launches where split kernels take one wave and
@@ -937,10 +938,11 @@ L63_64_65 and (C4R4 or C2R4) and ${S64A_MEMCHECK_BUILD:-a1pc}]" > /tmp/s64a/memc
     env $S64A_NCU timeout -k 5 $(( $(left) - 10 < 120 ? $(left) - 10 : 120 )) $NCU \
       -k regex:${S64A_NCU_KERNEL:-split_kernel_v6} -s 3 -c 1 --clock-control none --section SpeedOfLight \
       --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section Occupancy \
+      --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
       python3 -P benchmarks/graph_probe.py --backends triton --formats C4R4 --shapes ${S64A_NCU_SHAPE:-16x32x32768} \
       > /tmp/s64a/ncu.txt 2>&1
     grep -v "^==PROF==" /tmp/s64a/ncu.txt | grep -E "Duration|Issue Slots|Issued Warp|Warp Cycles|Eligible|Active Warps|\
-Stall|Shared|Bank|Pipe|Throughput|Occupancy|Registers" | head -50
+Stall|stalled|Shared|Bank|Pipe|Throughput|Occupancy|Registers" | head -80
   fi
   if [ -n "${S64A_MERGE_SHAPES:-}" ]; then
     M=QUANTMLA_CUPY_V6_MERGE

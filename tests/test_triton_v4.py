@@ -62,6 +62,7 @@ def test_auto_runs_v4_where_it_would_run_v3(monkeypatch, on, fmt, heads, want):
     monkeypatch.setattr(A, "V4_AUTO", on)
     monkeypatch.setattr(A, "V4_MIN_ROWS", 64)  # below 64 rows v2 stays (the few-row rule: the test below)
     monkeypatch.setattr(A, "V5_AUTO", False)  # kernel v5's few-row rule: test_triton_v5.py
+    monkeypatch.setattr(A, "V6_AUTO", False)  # kernel v6's: test_triton_v6.py
     monkeypatch.delenv(A.VARIANT_ENV, raising=False)
     assert _prepare(fmt, heads=heads, variant="auto").variant == (want if on or want != "v4" else "v3")
 
@@ -76,6 +77,7 @@ def test_auto_runs_v4_below_64_rows_from_v4_min_rows(monkeypatch, min_rows, fmt,
     monkeypatch.setattr(A, "V4_AUTO", True)
     monkeypatch.setattr(A, "V4_MIN_ROWS", min_rows)
     monkeypatch.setattr(A, "V5_AUTO", False)
+    monkeypatch.setattr(A, "V6_AUTO", False)
     monkeypatch.delenv(A.VARIANT_ENV, raising=False)
     f = PackFormat.parse(fmt)
     cache = qm.MLACache.allocate(f, 4 * 64, 4, 4, 128, device="cpu")
@@ -91,6 +93,7 @@ def test_auto_keeps_v2_below_64_rows_without_v4_auto(monkeypatch):
     monkeypatch.setattr(A, "V4_AUTO", False)
     monkeypatch.setattr(A, "V4_MIN_ROWS", 1)
     monkeypatch.setattr(A, "V5_AUTO", False)
+    monkeypatch.setattr(A, "V6_AUTO", False)
     monkeypatch.delenv(A.VARIANT_ENV, raising=False)
     assert _prepare("C4R4", heads=16, variant="auto").variant == "v2"
 

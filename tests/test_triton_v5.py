@@ -88,22 +88,24 @@ def test_v5_needs_hopper(monkeypatch, major, why):
 def test_auto_runs_v5_up_to_v5_max_rows(monkeypatch, max_rows, fmt, heads, s_q, want):
     """With ``heuristics.V5_AUTO`` on, auto runs v5 in kernel v2's place over packed pages v5 reads up to
     ``heuristics.V5_MAX_ROWS`` query rows (S_q x H), and v4 above them (from ``V4_MIN_ROWS``); BF16 pages keep v1,
-    formats neither reads keep v2, and from 64 rows v4 runs in v3's place."""
+    formats neither reads keep v2, and from 64 rows v4 runs in v3's place (kernel v6's rule off: see
+    ``test_triton_v6``)."""
     _as_hopper(monkeypatch)
     monkeypatch.setattr(A, "V5_AUTO", True)
+    monkeypatch.setattr(A, "V6_AUTO", False)
     monkeypatch.setattr(A, "V5_MAX_ROWS", max_rows)
     monkeypatch.setattr(A, "V4_MIN_ROWS", 1)
     monkeypatch.delenv(A.VARIANT_ENV, raising=False)
     assert _prepare(fmt, heads=heads, s_q=s_q, variant="auto").variant == want
 
 
-def test_defaults_run_v5_to_32_rows_and_v4_above(monkeypatch):
-    """The shipped rule (stop 65's H100 timings): v5 for one request's 16 rows (16 a program) and 32 (H16 S_q 2, one
+def test_defaults_run_v6_to_16_rows_v5_to_32_and_v4_above(monkeypatch):
+    """The shipped rule (stops 65 and 67, H100 timings): v6 for one request's 16 rows, v5 for 32 (H16 S_q 2, one
     program of 32 rows), v4 for 48."""
     _as_hopper(monkeypatch)
     monkeypatch.delenv(A.VARIANT_ENV, raising=False)
     monkeypatch.delenv(A.V5_BLOCK_R_ENV, raising=False)
-    for s_q, variant, block_r in ((1, "v5", 16), (2, "v5", 32), (3, "v4", None)):
+    for s_q, variant, block_r in ((1, "v6", 16), (2, "v5", 32), (3, "v4", None)):
         call = _prepare("C2R4", heads=16, s_q=s_q, variant="auto")
         assert call.variant == variant and (block_r is None or call.plan.block_r == block_r), (s_q, call.plan)
 
@@ -111,6 +113,7 @@ def test_defaults_run_v5_to_32_rows_and_v4_above(monkeypatch):
 def test_auto_keeps_v2_without_v5_auto(monkeypatch):
     _as_hopper(monkeypatch)
     monkeypatch.setattr(A, "V5_AUTO", False)
+    monkeypatch.setattr(A, "V6_AUTO", False)
     monkeypatch.setattr(A, "V4_MIN_ROWS", 64)
     monkeypatch.delenv(A.VARIANT_ENV, raising=False)
     assert _prepare("C4R4", heads=16, variant="auto").variant == "v2"

@@ -129,21 +129,23 @@ def test_a_tiles_control_plain_order_mismatches():
 
 @pytest.fixture(scope="module")
 def reports_v6() -> dict:
-    """``offline_v4.compile_report_v6`` of C4R4 and C2R4 at both prefetch depths, in a subprocess without
-    ``TRITON_INTERPRET``."""
+    """``offline_v4.compile_report_v6`` of C4R4 and C2R4 at each prefetch depth, and a page ahead with the protected
+    tokens inline (keyed ``(fmt, "1p")``), in a subprocess without ``TRITON_INTERPRET``."""
     _needs_gluon()
     _needs_ptxas()
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = {}
-    for ahead in (0, 1, 2):
+    for ahead, inline in ((0, 0), (1, 0), (2, 0), (1, 1)):
         cmd = [sys.executable, *(["-P"] if sys.flags.safe_path else []), "-m",
-               "quantmla_core.backends.triton.offline_v4", "C4R4", "C2R4", "kernel=6", f"ahead={ahead}"]
+               "quantmla_core.backends.triton.offline_v4", "C4R4", "C2R4", "kernel=6", f"ahead={ahead}",
+               f"inline_prot={inline}"]
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=tempfile.gettempdir())
         lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
         assert len(lines) == 2, r.stdout + r.stderr
         for fmt, line in zip(("C4R4", "C2R4"), lines):
-            out[fmt, ahead] = ast.literal_eval(line)
-            assert "err" not in out[fmt, ahead], out[fmt, ahead]
+            key = (fmt, f"{ahead}p" if inline else ahead)
+            out[key] = ast.literal_eval(line)
+            assert "err" not in out[key], out[key]
     return out
 
 
@@ -165,6 +167,20 @@ def test_offline_v6_build(reports_v6, fmt, ahead):
         # triton 3.6 (the GPU machine's) puts a barrier before each of the key tile's 8 stores, not only the first
         most_bars = 3 if tuple(int(x) for x in r["triton"].split(".")[:2]) >= (3, 7) else 10
         assert r["sts_in_loops"] <= 16 and r["lds_in_loops"] <= 16 and r["bar_in_loops"] <= most_bars, r
+
+
+@pytest.mark.parametrize("fmt", ["C4R4", "C2R4"])
+def test_offline_v6_build_inline_protected(reports_v6, fmt):
+    """With the protected tokens in the last split: a second page loop over bfloat16 rows (its own 68 ``wgmma``, not
+    serialized), still no spills and two programs an SM, and the packed loop within 3 % of its instructions without
+    it (the protected loop comes after it and shares none of its code)."""
+    r, plain = reports_v6[fmt, "1p"], reports_v6[fmt, 1]
+    assert r["inline_prot"] and r["wgmma"] == 2 * plain["wgmma"] == 136 and not r["wgmma_serialized"], r
+    assert r["spill_bytes"] == 0 and V6_CTAS_PER_SM * r["smem"] <= SMEM_LIMIT, r
+    if r["sass"] >= 0:
+        packed, packed_plain = r["loop_sizes"][0], plain["loop_sizes"][0]
+        assert len(r["loop_sizes"]) == len(plain["loop_sizes"]) + 1, (r, plain)
+        assert abs(packed - packed_plain) <= 0.03 * packed_plain, (r["loop_sizes"], plain["loop_sizes"])
 
 
 # ---------------------------------------------------------------- the launcher (CPU, kernels stubbed)
@@ -198,14 +214,15 @@ def test_v6_needs_hopper(monkeypatch):
         _prepare()
 
 
+@pytest.mark.parametrize("inline", ["1", "0"])
 @pytest.mark.parametrize("heads,s_q", [(16, 1), (16, 2), (40, 1), (1, 3)])
 @pytest.mark.parametrize("batch,tokens", [(32, 32768), (8, 4096), (1, 65536)])
-def test_v6_plan(monkeypatch, heads, s_q, batch, tokens):
+def test_v6_plan(monkeypatch, heads, s_q, batch, tokens, inline):
     """Row blocks of 16 rows; the splits kernel v3 takes for twice the programs (two programs an SM, so the same rule
-    on twice the SMs); the protected-tile kernel beside it (protected tokens not inline, plain channel order, even
-    where v4's knobs ask for them); v4's partials."""
+    on twice the SMs); the protected tokens in the last split or by the protected-tile kernel as v4's knob says; plain
+    channel order even where v4's knob asks for its order; v4's partials."""
     _as_hopper(monkeypatch)
-    monkeypatch.setenv(A.V4_INLINE_PROTECT_ENV, "1")
+    monkeypatch.setenv(A.V4_INLINE_PROTECT_ENV, inline)
     monkeypatch.setenv(A.V4_CHANNEL_ORDER_ENV, "1")
     call = _prepare("C2R4", batch=batch, heads=heads, s_q=s_q, tokens=tokens)
     rows = heads * s_q
@@ -214,8 +231,9 @@ def test_v6_plan(monkeypatch, heads, s_q, batch, tokens):
     assert call.split_grid == (pl.num_splits, batch, pl.row_blocks)
     v3 = plan_v3(batch, 64 * pl.row_blocks, 512, 64, tokens, V6_CTAS_PER_SM * 132)
     assert pl.num_splits == v3.num_splits
-    assert not call.split_consts.get("INLINE_PROT") and not call.split_consts.get("CHANNEL_ORDER")
-    assert call.protect_grid is not None and not call.merge_consts["CHANNEL_ORDER"]
+    assert bool(call.split_consts.get("INLINE_PROT")) == (inline == "1")
+    assert (call.protect_grid is None) == (inline == "1")
+    assert not call.split_consts.get("CHANNEL_ORDER") and not call.merge_consts["CHANNEL_ORDER"]
     assert call.partial_specs[:2] == (((batch, pl.num_splits, rows, 512), torch.float32),
                                       ((batch, pl.num_splits, rows), torch.float32))
     assert call.split_dims["num_warps"] == 4
@@ -283,13 +301,22 @@ def _attend(cache, args, batch, variant: str, num_splits: int | None):
                        args["attn_seq_ids"], batch.softmax_scale, num_splits=num_splits, variant=variant)
 
 
+#: GPU builds: "a" + AHEAD, "p" where the protected tokens are in the last split (else the protected-tile kernel)
+BUILDS = ["a0p", "a1p", "a2p", "a1"]
+
+
+def _set_build(monkeypatch, build: str) -> None:
+    monkeypatch.setenv(A.V6_AHEAD_ENV, build[1])
+    monkeypatch.setenv(A.V4_INLINE_PROTECT_ENV, "1" if build.endswith("p") else "0")
+
+
 @NEEDS_HOPPER
-@pytest.mark.parametrize("ahead", ["0", "1", "2"])
+@pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("case,splits", _gpu_cases(), ids=lambda x: str(x))
-def test_v6_matches_reference_and_v5(case, splits, ahead, monkeypatch):
+def test_v6_matches_reference_and_v5(case, splits, build, monkeypatch):
     """Against the float64 reference (bfloat16 tolerance) and kernel v5 on the same cache and queries (both round the
     dequantized keys to bfloat16 once; they differ in summation order and in P's bfloat16 rounding)."""
-    monkeypatch.setenv(A.V6_AHEAD_ENV, ahead)
+    _set_build(monkeypatch, build)
     batch, args, cache = write_case(case, "cuda", "bfloat16")
     out_v5, lse_v5 = _attend(cache, args, batch, "v5", splits)
     out, lse = _attend(cache, args, batch, "v6", splits)
@@ -301,10 +328,25 @@ def test_v6_matches_reference_and_v5(case, splits, ahead, monkeypatch):
 
 
 @NEEDS_HOPPER
-@pytest.mark.parametrize("ahead", ["0", "1", "2"])
-def test_v6_overwrites_poisoned_partials(monkeypatch, ahead):
+@pytest.mark.parametrize("build", BUILDS)
+def test_v6_overwrites_poisoned_partials(monkeypatch, build):
     """Every partial a v6 split owns is written, empty splits included (NaN-filled partials and outputs come back
     finite and match the reference)."""
-    monkeypatch.setenv(A.V6_AHEAD_ENV, ahead)
+    _set_build(monkeypatch, build)
     case = Case(PackFormat.parse("C2R4"), (3000, 64, 129), heads=16, s_q=2, seed=7999)
     check_poisoned_partials(monkeypatch, A, case, 6, "v6")
+
+
+@NEEDS_HOPPER
+@pytest.mark.parametrize("name,heads,s_q", [("C4R4", 16, 1), ("C2R4", 16, 1), ("C4R4", 8, 2), ("C2R4", 5, 3)])
+def test_auto_runs_v6_and_matches_reference(monkeypatch, name, heads, s_q):
+    """``auto`` (heuristics' defaults, no knob set) runs v6 up to 16 query rows a request over packed pages, and
+    matches the reference there."""
+    for env in (A.VARIANT_ENV, A.V6_AHEAD_ENV, A.V4_INLINE_PROTECT_ENV):
+        monkeypatch.delenv(env, raising=False)
+    case = Case(PackFormat.parse(name), (5000, 70, 131), heads=heads, s_q=s_q, sink=4, local=128, seed=7900 + heads)
+    batch, args, cache = write_case(case, "cuda", "bfloat16")
+    out, lse = _attend(cache, args, batch, "auto", None)
+    assert A.LAST_LAUNCH["variant"] == "v6"
+    want_out, want_lse = reference_outputs(batch, args, cache)
+    check_attention(out, lse, want_out, want_lse, "bfloat16")

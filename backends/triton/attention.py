@@ -65,7 +65,7 @@ V4_PIPELINE_ENV = "QUANTMLA_TRITON_V4_PIPELINE"
 #: kernel v4's loader warps, 4 or 8 (:data:`heuristics.V4_LOADER_WARPS`; unset: that default). A measurement knob,
 #: read when a call is prepared
 V4_LOADER_WARPS_ENV = "QUANTMLA_TRITON_V4_LOADER_WARPS"
-#: "1": kernel v4's last split also attends to the protected tokens (bfloat16 protection only), so that no
+#: "1": the last split of kernel v4 (v5, v6) also attends to the protected tokens (bfloat16 protection only), so that no
 #: protected-tile kernel runs; "0": that kernel runs; unset: :data:`heuristics.V4_INLINE_PROTECT`. Read when a call is
 #: prepared
 V4_INLINE_PROTECT_ENV = "QUANTMLA_TRITON_V4_INLINE_PROTECT"
@@ -541,7 +541,7 @@ class PreparedCall:
 
 
 def _v4_inline_protect(cache) -> bool:
-    """Whether kernel v4 attends to ``cache``'s protected tokens itself (:data:`V4_INLINE_PROTECT_ENV`): where it is
+    """Whether kernel v4 (v5, v6) attends to ``cache``'s protected tokens itself (:data:`V4_INLINE_PROTECT_ENV`): where it is
     asked to and the cache has protected tokens. Asked for with float32 protection: refused (it copies bfloat16
     rows)."""
     asked = env_int_choice(V4_INLINE_PROTECT_ENV, (0, 1))
@@ -732,11 +732,10 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
     if variant == "v6":
         ahead = env_int_choice(V6_AHEAD_ENV, V6_AHEAD_CHOICES)
         consts["AHEAD"] = V6_AHEAD if ahead is None else ahead
-    if variant in ("v4", "v5"):  # v6 leaves the protected tokens to the protected-tile kernel, in plain order
-        if _v4_inline_protect(cache):
-            consts["INLINE_PROT"] = True
-        if fmt.quantized and _v4_channel_order(int(block_table.shape[1]), pl.num_splits):
-            consts["CHANNEL_ORDER"] = True
+    if variant in GLUON_VARIANTS and _v4_inline_protect(cache):
+        consts["INLINE_PROT"] = True
+    if variant in ("v4", "v5") and fmt.quantized and _v4_channel_order(int(block_table.shape[1]), pl.num_splits):
+        consts["CHANNEL_ORDER"] = True  # v6 keeps plain order
     scale_log2 = float(softmax_scale) * math.log2(math.e)
     pconsts = dict(Q_BF16=q_bf16, DOT_BF16=dot_bf16, PROT_BF16=cache.sink_buf.dtype == torch.bfloat16, DC=dc, DR=dr,
                    BLOCK_T=pl.protect_block_t, BLOCK_R=pl.protect_block_r, PDL=pdl == 2)

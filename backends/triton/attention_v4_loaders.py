@@ -152,6 +152,18 @@ if GLUON_IMPORT_ERROR is None:
         _partition_barrier()  # every thread's fence before the one arrival
 
     @gluon.jit
+    def protected_rows(sink_ptr, local_ptr, seq, seq_ok, e, tok, L, SINK, LOCAL, D: gl.constexpr):
+        """Slots ``tok`` of protected page ``e`` of request slot ``seq``: each one's bfloat16 row ``[D]`` in the sink
+        or window buffer (the window a ring by position; row 0 of the request where no protected token is there),
+        and whether it holds a protected token."""
+        base, lo, hi, is_sink = protected_span(e, L, SINK, LOCAL, seq_ok)
+        n = base + tok
+        ok = (n >= lo) & (n < hi)
+        ring = n % gl.maximum(LOCAL, 1)
+        row = gl.where(is_sink, seq * SINK + gl.where(ok, n, 0), seq * LOCAL + gl.where(ok, ring, 0))
+        return gl.where(is_sink, sink_ptr, local_ptr) + row * D, ok
+
+    @gluon.jit
     def _load_protected_page(sink_ptr, local_ptr, seq, seq_ok, e, L, SINK, LOCAL, kc_s, kr_s, DC: gl.constexpr,
                              DR: gl.constexpr, WARPS: gl.constexpr, CHANNEL_ORDER: gl.constexpr = False):
         """Protected page ``e`` of request slot ``seq`` copied from the bfloat16 sink / window rows ``[DC + DR]``
@@ -162,12 +174,7 @@ if GLUON_IMPORT_ERROR is None:
         lay: gl.constexpr = _rows_layout(8, 64, WARPS)
         tok = gl.arange(0, 64, gl.SliceLayout(1, lay))
         col = gl.arange(0, 64, gl.SliceLayout(0, lay))
-        base, lo, hi, is_sink = protected_span(e, L, SINK, LOCAL, seq_ok)
-        n = base + tok
-        ok = (n >= lo) & (n < hi)
-        ring = n % gl.maximum(LOCAL, 1)
-        row = gl.where(is_sink, seq * SINK + gl.where(ok, n, 0), seq * LOCAL + gl.where(ok, ring, 0))
-        base = gl.where(is_sink, sink_ptr, local_ptr) + row * (DC + DR)
+        base, ok = protected_rows(sink_ptr, local_ptr, seq, seq_ok, e, tok, L, SINK, LOCAL, DC + DR)
         mask = ok[:, None] & (col < 64)[None, :]
         if CHANNEL_ORDER:
             for c in gl.static_range(DC // 64):

@@ -66,7 +66,8 @@ if GLUON_IMPORT_ERROR is None:
                                                                   warpgroup_mma_init, warpgroup_mma_wait)
 
     from .attention_v4_kernel import _split_range
-    from .attention_v4_loaders import _acc_layout, _biased_zero, _partition_barrier, _plane, page_of, tokens_ok
+    from .attention_v4_loaders import (_acc_layout, _biased_zero, _partition_barrier, _plane, page_of,
+                                       protected_pages, protected_rows, protected_span, tokens_ok)
     from .attention_v4_kernel import _add
     from .attention_v4_loaders import visible_span
     from .attention_v5_kernel import _pv_issue
@@ -259,6 +260,39 @@ if GLUON_IMPORT_ERROR is None:
         return s + sr * rs_tok[:, None], o, window, later
 
     @gluon.constexpr_function
+    def _protected_layout():
+        """A protected page's bfloat16 rows ``[64, 64 or 32]`` as loaded, before they move into QK's A operand."""
+        return gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+
+    @gluon.jit
+    def _protected_a_tile(rowp, ok, FIRST: gl.constexpr, WIDTH: gl.constexpr, BLOCK_R: gl.constexpr):
+        """Channels ``FIRST .. FIRST + WIDTH - 1`` of a protected page's bfloat16 rows (``rowp`` ``[64]``, 0 where
+        ``ok`` is False) in QK's A-operand layout, position ``k`` holding channel ``FIRST +`` :func:`a_channel`
+        ``(k, WIDTH)`` as a converted plane does (loaded, then moved through shared memory: a few pages a request)."""
+        pos = gl.arange(0, WIDTH, gl.SliceLayout(0, _protected_layout()))
+        x = gl.load(rowp[:, None] + (FIRST + _a_channel(pos, WIDTH))[None, :], mask=ok[:, None], other=0.0)
+        return gl.convert_layout(x, _a_layout(BLOCK_R))
+
+    @gluon.jit
+    def _protected_qk_and_key_tile(rowp, ok, q_s, qr_s, kc, s0, acc, DC: gl.constexpr, DR: gl.constexpr,
+                                   BLOCK_R: gl.constexpr):
+        """:func:`_qk_and_key_tile` over a protected page's bfloat16 rows (:func:`_protected_a_tile`): ``S^T = K Q^T``
+        with A from registers, each content plane stored into the key tile ``kc`` once the output product ``acc``
+        is retired. Returns (S^T ``[64, BLOCK_R]`` float32, that output product's value)."""
+        o = warpgroup_mma_wait(0, deps=[acc])
+        s = s0
+        for g in gl.static_range(DC // 64):
+            k = _protected_a_tile(rowp, ok, 64 * g, 64, BLOCK_R)
+            s = warpgroup_mma(k, q_s.slice(64 * g, 64, dim=1).permute((1, 0)), s, is_async=True)
+            s, k = warpgroup_mma_wait(1, deps=[s, k])
+            kc.slice(64 * g, 64, dim=1).store(k)
+        for pl in gl.static_range(DR // 32):  # the RoPE values as they are (scale 1), into the same scores
+            k = _protected_a_tile(rowp, ok, DC + 32 * pl, 32, BLOCK_R)
+            s = warpgroup_mma(k, qr_s.slice(32 * pl, 32, dim=1).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s])
+        return s, o
+
+    @gluon.constexpr_function
     def _warp_maxima_layout(N):
         """``[4, N]`` (a warp's maxima a row, ``N`` 16 query rows as columns): every thread holds the four warps' values
         of the columns it holds in the ``[64, N]`` accumulator, so that their maximum is in its column layout."""
@@ -279,12 +313,13 @@ if GLUON_IMPORT_ERROR is None:
         return gl.convert_layout(gl.max(part, axis=0), gl.SliceLayout(0, _acc_layout(N)))
 
     @gluon.jit
-    def _softmax_deferred(s, i, j, page_ok, ps, pe, n_tiles, L, prot, toks, limit, m_i, l_acc, sm_scale_log2, m_scr):
-        """Step ``i`` (page ``j``) of the base-2 online softmax down the columns of the scores ``s`` ``[64, R]``, its
-        sums deferred: ``l_acc`` ``[64, R]`` keeps each thread's share (``l_acc * alpha + P``, one FFMA a value), so a
-        page reduces across warps only for its maxima (kernel v5's step also reduces the sums: three more CTA
-        barriers a page). Returns (P, alpha, the new maxima, the partial sums)."""
-        base, lo, hi = visible_span(i, j, page_ok, ps, pe, n_tiles, L, prot, False)
+    def _softmax_deferred(s, span, toks, limit, m_i, l_acc, sm_scale_log2, m_scr):
+        """A step of the base-2 online softmax down the columns of the scores ``s`` ``[64, R]`` of a page whose slot
+        ``t`` holds position ``base + t``, visible where ``lo <= base + t < hi`` (``span``) and before the causal
+        ``limit``, its sums deferred: ``l_acc`` ``[64, R]`` keeps each thread's share (``l_acc * alpha + P``, one
+        FFMA a value), so a page reduces across warps only for its maxima (kernel v5's step also reduces the sums:
+        three more CTA barriers a page). Returns (P, alpha, the new maxima, the partial sums)."""
+        base, lo, hi = span
         n = base + toks
         vis = ((n >= lo) & (n < hi))[:, None] & (n[:, None] < limit[None, :])
         sc = gl.where(vis, s, float("-inf"))
@@ -346,11 +381,16 @@ if GLUON_IMPORT_ERROR is None:
         AHEAD: gl.constexpr = 1,
         INLINE_PROT: gl.constexpr = False,
         CHANNEL_ORDER: gl.constexpr = False,
+        sink_ptr=None,  # [max_seqs, SINK, DC + DR] bfloat16 (INLINE_PROT)
+        local_ptr=None,  # [max_seqs, LOCAL, DC + DR] bfloat16, a ring by position
+        ids_ptr=None,  # [B] int: each request's slot in them
+        max_seqs=1,
     ):
         """One (split, request, block of 16 query rows): the partial normalised output ``o_part[b, split, rows]``
         (float32 ``[16, DC]``, plain channel order) and log2-sum-exp ``lse_part[b, split, rows]`` over the split's
-        packed tokens, as ``split_kernel_v5``. v3's code-path switches are accepted and ignored. ``AHEAD``: when a
-        page's bytes are loaded (0: at its start; 1: a page ahead; 2: two chunks ahead, rolling)."""
+        packed tokens (``INLINE_PROT``: the last split also over the request's protected tokens, read from the
+        bfloat16 sink and window buffers), as ``split_kernel_v5``. v3's code-path switches are accepted and ignored.
+        ``AHEAD``: when a page's bytes are loaded (0: at its start; 1: a page ahead; 2: two chunks ahead, rolling)."""
         gl.static_assert(BLOCK_R == 16, "kernel v6: 16 query rows a program")
         gl.static_assert(QUANT and (CBITS == 4 or CBITS == 2), "kernel v6: C4R4, C2R4")
         gl.static_assert(RBITS == 4, "kernel v6: C4R4, C2R4")
@@ -358,7 +398,7 @@ if GLUON_IMPORT_ERROR is None:
         gl.static_assert(P == 64 and BLOCK_N % 64 == 0, "kernel v6: 64-token pages")
         gl.static_assert(CG == 64 and RG == DR, "kernel v6: groups of 64 channels, one RoPE group")
         gl.static_assert(C_SCALE_BF16 and not R_SCALE_BF16, "kernel v6: bfloat16 content and float32 RoPE scales")
-        gl.static_assert(not INLINE_PROT and not CHANNEL_ORDER, "kernel v6: the protected-tile kernel, plain order")
+        gl.static_assert(not CHANNEL_ORDER, "kernel v6: plain channel order")
         gl.static_assert(AHEAD >= 0 and AHEAD <= 2, "kernel v6: loads at the page's start, a page or two chunks ahead")
         CB: gl.constexpr = DC * CBITS // 8
         pid_s = gl.program_id(0)
@@ -399,7 +439,14 @@ if GLUON_IMPORT_ERROR is None:
         l_acc = gl.zeros([64, BLOCK_R], gl.float32, lay)  # each thread's share of the sums (_softmax_deferred)
         acc = warpgroup_mma_init(gl.zeros([DC, BLOCK_R], gl.float32, lay))
         s0 = gl.zeros([64, BLOCK_R], gl.float32, lay)
-        prot = (pages_ptr, pages_ptr, 0, False, L, SINK, LOCAL, 0)
+        if INLINE_PROT:  # the last split also attends to the request's protected tokens (no protected-tile kernel)
+            seq = gl.load(ids_ptr + b).to(gl.int64)
+            seq_ok = (seq >= 0) & (seq < max_seqs)
+            seq = gl.where(seq_ok, seq, 0)
+            prot = (sink_ptr, local_ptr, seq, seq_ok, L, SINK, LOCAL,
+                    gl.where(pid_s == NSPLIT - 1, protected_pages(SINK, LOCAL), 0))
+        else:
+            prot = (pages_ptr, pages_ptr, 0, False, L, SINK, LOCAL, 0)
         # page j_lo's place (each page's is found once, as the page after its predecessor) and, ahead, its bytes (with
         # AHEAD 2 its first two chunks)
         at = _page_at(pages_ptr, table_row, num_pages, j_lo, n_tiles > 0, ps, pe, PAGE_BYTES)
@@ -430,10 +477,22 @@ if GLUON_IMPORT_ERROR is None:
             elif AHEAD == 2:
                 chunks = rolled
                 params = rolled_params
-            p, alpha, m_i, l_acc = _softmax_deferred(s, i, j, page_ok, ps, pe, n_tiles, L, prot, toks, limit, m_i,
-                                                     l_acc, sm_scale_log2, m_scr)
+            span = visible_span(i, j, page_ok, ps, pe, n_tiles, L, prot, False)
+            p, alpha, m_i, l_acc = _softmax_deferred(s, span, toks, limit, m_i, l_acc, sm_scale_log2, m_scr)
             acc = _pv_issue(p, alpha, o, kc, p_s1.index(z))  # the key tile's and P's stores fenced first
             at = at_next
+        if INLINE_PROT:  # the last split's protected pages, after its packed ones (prot[7]: 0 on the others)
+            ptok = gl.arange(0, 64, gl.SliceLayout(1, _protected_layout()))
+            for e in range(prot[7]):
+                z = _opaque_zero(e)
+                kc = kc1.index(z)
+                rowp, ok = protected_rows(sink_ptr, local_ptr, seq, seq_ok, e, ptok, L, SINK, LOCAL, DC + DR)
+                s, o = _protected_qk_and_key_tile(rowp, ok, q_s1.index(z), qr_s1.index(z), kc, s0, acc, DC, DR,
+                                                  BLOCK_R)
+                base, lo, hi, _ = protected_span(e, L, SINK, LOCAL, seq_ok)
+                p, alpha, m_i, l_acc = _softmax_deferred(s, (base, lo, hi), toks, limit, m_i, l_acc, sm_scale_log2,
+                                                         m_scr)
+                acc = _pv_issue(p, alpha, o, kc, p_s1.index(z))
         o = warpgroup_mma_wait(0, deps=[acc])
         l_i = gl.reduce(l_acc, 0, _add)
         l_safe = gl.where(l_i > 0.0, l_i, 1.0)

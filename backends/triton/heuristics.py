@@ -509,7 +509,7 @@ def v5_block_r(rows: int) -> int:
 # ------------------------------------------------------------------ attention kernel v6
 # (attention_v6_kernel.py: kernel v5's transposed products with QK's keys dequantized straight into registers, one
 # warpgroup a program and two programs an SM; C4R4 / C2R4 pages at v4's dims and page size, on sm_90; the protected
-# tokens by the protected-tile kernel)
+# tokens in its last split with V4_INLINE_PROTECT, else by the protected-tile kernel)
 #: warps of a program (one warpgroup, no warp specialization)
 V6_NUM_WARPS = 4
 #: programs an SM (86 KB of shared memory each): the split rule fills the GPU with this many
@@ -525,12 +525,16 @@ V6_BLOCK_R = 16
 #: the page loop: 0: 1,152 / 1,157 (221 / 206 registers), 1: 1,234 / 1,243 (249 / 246), 2: 1,193 / 1,231 (224 / 245).
 #: H100, CUDA graphs
 #: (stop 66, an earlier build: 40-228 bytes spilled, 7 barriers a page), H16 B32 L32K: 0 took C4R4 298.3 / C2R4 252.1
-#: us, 1 289.5 / 278.3 (v5 280.4 / 267.0)
-V6_AHEAD = 2
+#: us, 1 289.5 / 278.3 (v5 280.4 / 267.0). The spill-free build (stop 67, H100, CUDA graphs, protected tokens by the
+#: protected-tile kernel), C4R4 / C2R4: 1 took 224.4 / 213.2 us at H16 B32 L32K, 788.5 / 752.4 at B128 L32K, 39.6 /
+#: 38.4 at B8 L4K; 2 took 238.9 / 214.3, 838.0 / 749.5, 43.8 / 39.8 (v5 278.3 / 269.1, 1,030.3 / 981.4, 34.5 / 34.2)
+V6_AHEAD = 1
 V6_AHEAD_CHOICES = (0, 1, 2)
 #: whether ``auto`` runs kernel v6 over the packed pages it reads for at most :data:`V6_BLOCK_R` query rows a request
-#: (in kernel v5's place) where v6 serves the call. Off: not yet run on a GPU
-V6_AUTO = False
+#: (in kernel v5's place) where v6 serves the call. On since stop 67 (H100, CUDA graphs, the timings at
+#: :data:`V6_AHEAD`): v6 took 19-24 % less time than v5 from 32K tokens at H16 S_q 1. Not above 16 rows: at H16 S_q 2
+#: each page is converted once a 16-row program, and v6 took 383-406 us against v5's 292-302 (B32 L32K)
+V6_AUTO = True
 
 
 def v6_format_unsupported(fmt, kernel: str = "kernel v6") -> str | None:

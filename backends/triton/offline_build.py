@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import os
 import re
 import subprocess
@@ -276,7 +277,8 @@ def nvidia_resources(compiled) -> dict[str, int]:
 def sass_loop_counts(compiled) -> dict[str, int]:
     """Instructions of a kernel compiled for NVIDIA, from ``cuobjdump -sass`` of its cubin (Triton's own): all of
     them, those inside loops (between a backward branch and its target), and among those the local-memory spill stores
-    (STL) and loads (LDL), the plain shared-memory stores (STS) and loads (LDS) and the CTA barriers (BAR)."""
+    (STL) and loads (LDL), the plain shared-memory stores (STS) and loads (LDS) and the CTA barriers (BAR), and the
+    length of each outermost loop in program order (``loop_sizes``)."""
     with _temp_file(compiled.asm["cubin"], ".cubin") as path:
         sass = subprocess.run([_nvidia_tool("cuobjdump"), "-sass", path], capture_output=True, text=True,
                               check=True).stdout
@@ -291,7 +293,8 @@ def sass_loop_counts(compiled) -> dict[str, int]:
         start = index.get(int(m.group(1), 16)) if m else None
         if start is not None and start <= i:
             in_loop[start:i + 1] = [True] * (i + 1 - start)
-    return {"sass": len(ins), "sass_in_loops": sum(in_loop),
+    runs = [len(list(g)) for inside, g in itertools.groupby(in_loop) if inside]
+    return {"sass": len(ins), "sass_in_loops": sum(in_loop), "loop_sizes": runs,
             "stl_in_loops": sum("STL" in t for t, inside in zip(ins, in_loop) if inside),
             "ldl_in_loops": sum("LDL" in t for t, inside in zip(ins, in_loop) if inside),
             "sts_in_loops": sum(_opcode(t) == "STS" for t, inside in zip(ins, in_loop) if inside),
