@@ -99,14 +99,15 @@ def test_auto_runs_v5_up_to_v5_max_rows(monkeypatch, max_rows, fmt, heads, s_q, 
     assert _prepare(fmt, heads=heads, s_q=s_q, variant="auto").variant == want
 
 
-def test_defaults_run_v6_to_16_rows_v5_to_32_and_v4_above(monkeypatch):
-    """The shipped rule (stops 65 and 67, H100 timings): v6 for one request's 16 rows, v5 for 32 (H16 S_q 2, one
-    program of 32 rows), v4 for 48."""
+@pytest.mark.parametrize("tokens,one_block", [(32768, "v6"), (4096, "v5")])
+def test_defaults_run_v6_or_v5_to_16_rows_v5_to_32_and_v4_above(monkeypatch, tokens, one_block):
+    """The shipped rule (stops 65 and 67, H100 timings): one request's 16 rows v6 over long block tables (v5 over short
+    ones), 32 rows v5 (H16 S_q 2, one program of 32 rows), 48 v4."""
     _as_hopper(monkeypatch)
     monkeypatch.delenv(A.VARIANT_ENV, raising=False)
     monkeypatch.delenv(A.V5_BLOCK_R_ENV, raising=False)
-    for s_q, variant, block_r in ((1, "v6", 16), (2, "v5", 32), (3, "v4", None)):
-        call = _prepare("C2R4", heads=16, s_q=s_q, variant="auto")
+    for s_q, variant, block_r in ((1, one_block, 16), (2, "v5", 32), (3, "v4", None)):
+        call = _prepare("C2R4", heads=16, s_q=s_q, variant="auto", tokens=tokens)
         assert call.variant == variant and (block_r is None or call.plan.block_r == block_r), (s_q, call.plan)
 
 

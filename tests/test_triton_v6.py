@@ -214,15 +214,20 @@ def test_v6_needs_hopper(monkeypatch):
         _prepare()
 
 
-@pytest.mark.parametrize("inline", ["1", "0"])
+@pytest.mark.parametrize("inline", ["1", "0", None])
 @pytest.mark.parametrize("heads,s_q", [(16, 1), (16, 2), (40, 1), (1, 3)])
 @pytest.mark.parametrize("batch,tokens", [(32, 32768), (8, 4096), (1, 65536)])
 def test_v6_plan(monkeypatch, heads, s_q, batch, tokens, inline):
     """Row blocks of 16 rows; the splits kernel v3 takes for twice the programs (two programs an SM, so the same rule
-    on twice the SMs); the protected tokens in the last split or by the protected-tile kernel as v4's knob says; plain
-    channel order even where v4's knob asks for its order; v4's partials."""
+    on twice the SMs); the protected tokens in the last split or by the protected-tile kernel as v4's knob says (unset:
+    ``heuristics.V6_INLINE_PROTECT``, off, whatever v4 and v5 do); plain channel order even where v4's knob asks for
+    its order; v4's partials."""
     _as_hopper(monkeypatch)
-    monkeypatch.setenv(A.V4_INLINE_PROTECT_ENV, inline)
+    if inline is None:
+        monkeypatch.delenv(A.V4_INLINE_PROTECT_ENV, raising=False)
+        assert A.V4_INLINE_PROTECT and not A.V6_INLINE_PROTECT
+    else:
+        monkeypatch.setenv(A.V4_INLINE_PROTECT_ENV, inline)
     monkeypatch.setenv(A.V4_CHANNEL_ORDER_ENV, "1")
     call = _prepare("C2R4", batch=batch, heads=heads, s_q=s_q, tokens=tokens)
     rows = heads * s_q
@@ -231,8 +236,7 @@ def test_v6_plan(monkeypatch, heads, s_q, batch, tokens, inline):
     assert call.split_grid == (pl.num_splits, batch, pl.row_blocks)
     v3 = plan_v3(batch, 64 * pl.row_blocks, 512, 64, tokens, V6_CTAS_PER_SM * 132)
     assert pl.num_splits == v3.num_splits
-    assert bool(call.split_consts.get("INLINE_PROT")) == (inline == "1")
-    assert (call.protect_grid is None) == (inline == "1")
+    assert bool(call.split_consts.get("INLINE_PROT")) == (call.protect_grid is None) == (inline == "1")
     assert not call.split_consts.get("CHANNEL_ORDER") and not call.merge_consts["CHANNEL_ORDER"]
     assert call.partial_specs[:2] == (((batch, pl.num_splits, rows, 512), torch.float32),
                                       ((batch, pl.num_splits, rows), torch.float32))
@@ -257,19 +261,23 @@ def test_malformed_v6_ahead_is_refused(monkeypatch, value):
         _prepare()
 
 
-@pytest.mark.parametrize("v6_auto,fmt,heads,s_q,want", [
-    (True, "C4R4", 16, 1, "v6"), (True, "C2R4", 8, 2, "v6"), (True, "C2R4", 16, 2, "v5"), (True, "BF16", 16, 1, "v1"),
-    (True, "C4R8", 16, 1, "v2"), (False, "C4R4", 16, 1, "v5")])
-def test_auto_runs_v6_up_to_16_rows_where_on(monkeypatch, v6_auto, fmt, heads, s_q, want):
+@pytest.mark.parametrize("v6_auto,fmt,heads,s_q,pages,want", [
+    (True, "C4R4", 16, 1, 256, "v6"), (True, "C2R4", 8, 2, 256, "v6"), (True, "C2R4", 16, 2, 256, "v5"),
+    (True, "C4R4", 16, 1, 255, "v5"), (True, "C2R4", 1, 1, 64, "v5"), (True, "BF16", 16, 1, 256, "v1"),
+    (True, "C4R8", 16, 1, 256, "v2"), (False, "C4R4", 16, 1, 256, "v5")])
+def test_auto_runs_v6_up_to_16_rows_over_long_tables_where_on(monkeypatch, v6_auto, fmt, heads, s_q, pages, want):
     """With ``heuristics.V6_AUTO`` on, auto runs v6 in v5's place over C4R4/C2R4 pages up to 16 query rows a request
-    (one row block), v5 above; BF16 pages keep v1, formats neither reads v2; off, v5."""
+    (one row block) where the block table holds ``heuristics.V6_MIN_TABLE_TOKENS`` (16,384: 256 pages of 64) tokens a
+    request or more; v5 above 16 rows or below that; BF16 pages keep v1, formats neither reads v2; off, v5."""
     _as_hopper(monkeypatch)
     monkeypatch.setattr(A, "V6_AUTO", v6_auto)
     monkeypatch.delenv(A.VARIANT_ENV, raising=False)
+    assert A.V6_MIN_TABLE_TOKENS == 256 * 64
     f = PackFormat.parse(fmt)
-    cache = qm.MLACache.allocate(f, 64, 1, 4, 128, device="cpu")
-    call = A.prepare(cache, torch.arange(64, dtype=torch.int32).view(1, 64), torch.tensor([4096], dtype=torch.int32),
-                     torch.zeros(1, dtype=torch.int32), 1, s_q, heads, torch.bfloat16, 0.05)
+    cache = qm.MLACache.allocate(f, pages, 1, 4, 128, device="cpu")
+    call = A.prepare(cache, torch.arange(pages, dtype=torch.int32).view(1, pages),
+                     torch.tensor([4096], dtype=torch.int32), torch.zeros(1, dtype=torch.int32), 1, s_q, heads,
+                     torch.bfloat16, 0.05)
     assert call.variant == want
 
 
@@ -340,11 +348,11 @@ def test_v6_overwrites_poisoned_partials(monkeypatch, build):
 @NEEDS_HOPPER
 @pytest.mark.parametrize("name,heads,s_q", [("C4R4", 16, 1), ("C2R4", 16, 1), ("C4R4", 8, 2), ("C2R4", 5, 3)])
 def test_auto_runs_v6_and_matches_reference(monkeypatch, name, heads, s_q):
-    """``auto`` (heuristics' defaults, no knob set) runs v6 up to 16 query rows a request over packed pages, and
-    matches the reference there."""
+    """``auto`` (heuristics' defaults, no knob set) runs v6 up to 16 query rows a request over packed pages where the
+    block table is long enough, and matches the reference there."""
     for env in (A.VARIANT_ENV, A.V6_AHEAD_ENV, A.V4_INLINE_PROTECT_ENV):
         monkeypatch.delenv(env, raising=False)
-    case = Case(PackFormat.parse(name), (5000, 70, 131), heads=heads, s_q=s_q, sink=4, local=128, seed=7900 + heads)
+    case = Case(PackFormat.parse(name), (17000, 70, 131), heads=heads, s_q=s_q, sink=4, local=128, seed=7900 + heads)
     batch, args, cache = write_case(case, "cuda", "bfloat16")
     out, lse = _attend(cache, args, batch, "auto", None)
     assert A.LAST_LAUNCH["variant"] == "v6"

@@ -36,6 +36,7 @@ from .heuristics import (INTERPRETER_SM_COUNT, MERGE_BLOCK_C, MERGE_BLOCK_R, MER
                          v4_channel_order, v4_format_unsupported, plan_v5, V5_AHEAD, V5_AHEAD_2A, V5_AHEAD_CHOICES,
                          V5_AUTO, V5_ATTENDERS, V5_ATTENDERS_CHOICES, V5_BLOCK_R_CHOICES, V5_LOADER_WARPS,
                          V5_LOADER_WARPS_2A, V5_MAX_ROWS, plan_v6, V6_AHEAD, V6_AHEAD_CHOICES, V6_AUTO, V6_BLOCK_R,
+                         V6_INLINE_PROTECT, V6_MIN_TABLE_TOKENS,
                          v6_format_unsupported)
 
 #: environment variable choosing the split kernel ("auto" default, "v1" to "v6"); read on every call.
@@ -161,11 +162,14 @@ def _auto_takes_v5(variant: str, quantized: bool, rows: int) -> bool:
     return V5_AUTO and variant == "v2" and quantized and rows <= V5_MAX_ROWS
 
 
-def _auto_takes_v6(variant: str, quantized: bool, rows: int) -> bool:
-    """Whether ``auto``, having picked ``variant`` for ``rows`` query rows, runs kernel v6 instead where v6 serves the
-    call (:data:`heuristics.V6_AUTO`): in kernel v2's place (v5's) over packed pages up to one row block of
-    :data:`heuristics.V6_BLOCK_R` rows a request."""
-    return V6_AUTO and variant == "v2" and quantized and rows <= V6_BLOCK_R
+def _auto_takes_v6(variant: str, quantized: bool, rows: int, table_tokens: int) -> bool:
+    """Whether ``auto``, having picked ``variant`` for ``rows`` query rows over a block table of ``table_tokens``
+    tokens a request, runs kernel v6 instead where v6 serves the call (:data:`heuristics.V6_AUTO`): in kernel v2's
+    place (v5's) over packed pages up to one row block of :data:`heuristics.V6_BLOCK_R` rows a request, from
+    :data:`heuristics.V6_MIN_TABLE_TOKENS` tokens."""
+    if not (V6_AUTO and variant == "v2" and quantized):
+        return False
+    return rows <= V6_BLOCK_R and table_tokens >= V6_MIN_TABLE_TOKENS
 
 
 def v3_suits(device: torch.device) -> bool:
@@ -540,12 +544,15 @@ class PreparedCall:
                                                                    **launch)
 
 
-def _v4_inline_protect(cache) -> bool:
-    """Whether kernel v4 (v5, v6) attends to ``cache``'s protected tokens itself (:data:`V4_INLINE_PROTECT_ENV`): where it is
-    asked to and the cache has protected tokens. Asked for with float32 protection: refused (it copies bfloat16
-    rows)."""
+def _v4_inline_protect(cache, default: bool | None = None) -> bool:
+    """Whether kernel v4 (v5, v6) attends to ``cache``'s protected tokens itself (:data:`V4_INLINE_PROTECT_ENV`; unset:
+    ``default``, or :data:`heuristics.V4_INLINE_PROTECT` where None): where it is asked to and the cache has protected
+    tokens. Asked for with float32 protection: refused (it reads bfloat16 rows)."""
     asked = env_int_choice(V4_INLINE_PROTECT_ENV, (0, 1))
-    inline = V4_INLINE_PROTECT if asked is None else asked == 1
+    if asked is None:
+        inline = V4_INLINE_PROTECT if default is None else default
+    else:
+        inline = asked == 1
     if not inline or cache.sink + cache.local == 0:
         return False
     if cache.sink_buf.dtype != torch.bfloat16:
@@ -663,7 +670,9 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
         v3_fits = not v3_excess
     if variant == "auto":
         variant = auto_variant(fmt.quantized, q_bf16, rows, v3_fits)
-        if _auto_takes_v6(variant, fmt.quantized, rows) and v4_unsupported(fmt, q_dtype, dev, "v6") is None:
+        table_tokens = int(block_table.shape[1]) * fmt.page_size
+        if _auto_takes_v6(variant, fmt.quantized, rows, table_tokens) and v4_unsupported(fmt, q_dtype, dev,
+                                                                                         "v6") is None:
             variant = "v6"
         elif _auto_takes_v5(variant, fmt.quantized, rows) and v4_unsupported(fmt, q_dtype, dev, "v5") is None:
             variant = "v5"
@@ -732,7 +741,7 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
     if variant == "v6":
         ahead = env_int_choice(V6_AHEAD_ENV, V6_AHEAD_CHOICES)
         consts["AHEAD"] = V6_AHEAD if ahead is None else ahead
-    if variant in GLUON_VARIANTS and _v4_inline_protect(cache):
+    if variant in GLUON_VARIANTS and _v4_inline_protect(cache, V6_INLINE_PROTECT if variant == "v6" else None):
         consts["INLINE_PROT"] = True
     if variant in ("v4", "v5") and fmt.quantized and _v4_channel_order(int(block_table.shape[1]), pl.num_splits):
         consts["CHANNEL_ORDER"] = True  # v6 keeps plain order

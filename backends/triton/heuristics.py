@@ -509,7 +509,7 @@ def v5_block_r(rows: int) -> int:
 # ------------------------------------------------------------------ attention kernel v6
 # (attention_v6_kernel.py: kernel v5's transposed products with QK's keys dequantized straight into registers, one
 # warpgroup a program and two programs an SM; C4R4 / C2R4 pages at v4's dims and page size, on sm_90; the protected
-# tokens in its last split with V4_INLINE_PROTECT, else by the protected-tile kernel)
+# tokens by the protected-tile kernel, or in its last split: V6_INLINE_PROTECT)
 #: warps of a program (one warpgroup, no warp specialization)
 V6_NUM_WARPS = 4
 #: programs an SM (86 KB of shared memory each): the split rule fills the GPU with this many
@@ -535,6 +535,19 @@ V6_AHEAD_CHOICES = (0, 1, 2)
 #: :data:`V6_AHEAD`): v6 took 19-24 % less time than v5 from 32K tokens at H16 S_q 1. Not above 16 rows: at H16 S_q 2
 #: each page is converted once a 16-row program, and v6 took 383-406 us against v5's 292-302 (B32 L32K)
 V6_AUTO = True
+#: ``auto`` runs kernel v6 only where the block table holds at least this many tokens a request (its capacity, known
+#: when a call is prepared; below it v5). H100, CUDA graphs (stop 67), H16 S_q 1, v6 against v5, C4R4 / C2R4: B8 L4K
+#: 39.3 / 38.5 against 34.4 / 33.8 us; B8 L32K 82.8 / 76.2 against 90.0 / 86.8. Between 4K and 32K not measured: the
+#: rule sits where CuPy's (``backends/cupy/variants.py``) does
+V6_MIN_TABLE_TOKENS = 16384
+#: whether kernel v6's last split attends to the protected tokens itself (``QUANTMLA_TRITON_V4_INLINE_PROTECT``
+#: overrides it, as for v4 and v5). Off: v6 walks the bfloat16 rows through the same per-page loop as codes, each
+#: 64-channel plane moved into QK's A operand through shared memory (the loop: 1,554 instructions a warp and 37
+#: barriers a page, offline sm_90a with triton 3.7.1, against a packed page's 1,233 and 3), and the last split's
+#: extra pages set the call's length. H100, CUDA graphs (stop 67), H16 S_q 1, inline against the protected-tile
+#: kernel, C4R4 / C2R4: B8 L4K 55.3 / 54.3 against 39.3 / 38.5 us, B8 L32K 98.9 / 91.1 against 82.8 / 76.2, B32 L32K
+#: 240.7 / 222.4 against 223.4 / 212.2, B128 L32K 796.5 / 735.5 against 794.7 / 752.0
+V6_INLINE_PROTECT = False
 
 
 def v6_format_unsupported(fmt, kernel: str = "kernel v6") -> str | None:
