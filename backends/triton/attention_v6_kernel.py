@@ -3,8 +3,10 @@ query rows as N) with QK's key operand dequantized straight into registers, no w
 SM (CuPy kernel v5's two workers; Gluon, Hopper sm_90a).
 
 A drop-in for ``split_kernel_v5`` (same positional arguments, constexpr names and partial outputs) at 16 query rows a
-program, over C4R4 / C2R4 pages with d_c 512, d_r 64; the protected tokens are left to the protected-tile kernel
-(``INLINE_PROT`` False) and the partial output is in plain channel order (``CHANNEL_ORDER`` False).
+program, over C4R4 / C2R4 pages with d_c 512, d_r 64; the partial output is in plain channel order (``CHANNEL_ORDER``
+False). The protected tokens are left to the protected-tile kernel, or with ``INLINE_PROT`` walked by the last split
+after its packed pages: their bfloat16 rows loaded in the channel order below and moved into QK's A operand through
+shared memory (``heuristics.V6_INLINE_PROTECT`` says why that is off by default).
 
 Why: kernel v5 moves each key tile through shared memory three times a page (the converter's 72 KB of stores, QK's
 72 KB of A reads at N = 16, PV's 64 KB), ~208 KB a page against CuPy v5's 128 KB, and its converter and attender take
