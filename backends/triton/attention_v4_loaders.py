@@ -152,11 +152,11 @@ if GLUON_IMPORT_ERROR is None:
         _partition_barrier()  # every thread's fence before the one arrival
 
     @gluon.jit
-    def protected_rows(sink_ptr, local_ptr, seq, seq_ok, e, tok, L, SINK, LOCAL, D: gl.constexpr):
-        """Slots ``tok`` of protected page ``e`` of request slot ``seq``: each one's bfloat16 row ``[D]`` in the sink
-        or window buffer (the window a ring by position; row 0 of the request where no protected token is there),
-        and whether it holds a protected token."""
-        base, lo, hi, is_sink = protected_span(e, L, SINK, LOCAL, seq_ok)
+    def protected_rows(sink_ptr, local_ptr, seq, span, tok, SINK, LOCAL, D: gl.constexpr):
+        """Slots ``tok`` of the protected page whose :func:`protected_span` is ``span``, of request slot ``seq``: each
+        one's bfloat16 row ``[D]`` in the sink or window buffer (the window a ring by position; row 0 of the request
+        where no protected token is there), and whether it holds a protected token."""
+        base, lo, hi, is_sink = span
         n = base + tok
         ok = (n >= lo) & (n < hi)
         ring = n % gl.maximum(LOCAL, 1)
@@ -174,7 +174,8 @@ if GLUON_IMPORT_ERROR is None:
         lay: gl.constexpr = _rows_layout(8, 64, WARPS)
         tok = gl.arange(0, 64, gl.SliceLayout(1, lay))
         col = gl.arange(0, 64, gl.SliceLayout(0, lay))
-        base, ok = protected_rows(sink_ptr, local_ptr, seq, seq_ok, e, tok, L, SINK, LOCAL, DC + DR)
+        span = protected_span(e, L, SINK, LOCAL, seq_ok)
+        base, ok = protected_rows(sink_ptr, local_ptr, seq, span, tok, SINK, LOCAL, DC + DR)
         mask = ok[:, None] & (col < 64)[None, :]
         if CHANNEL_ORDER:
             for c in gl.static_range(DC // 64):

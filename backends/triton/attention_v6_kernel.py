@@ -211,6 +211,15 @@ if GLUON_IMPORT_ERROR is None:
         return chunks
 
     @gluon.jit
+    def _qk_plane(k, q_s, kc, s, g: gl.constexpr):
+        """Content group ``g``'s keys ``k`` (``[64, 64]`` in QK's A-operand layout): ``S^T += K_g Q_g^T`` issued, the
+        group before's product retired (so ``k``'s registers may be reused after), ``k`` stored into the key tile."""
+        s = warpgroup_mma(k, q_s.slice(64 * g, 64, dim=1).permute((1, 0)), s, is_async=True)
+        s, k = warpgroup_mma_wait(1, deps=[s, k])
+        kc.slice(64 * g, 64, dim=1).store(k)
+        return s
+
+    @gluon.jit
     def _qk_and_key_tile(chunks, params, at, at_next, q_s, qr_s, kc, s0, acc, DC: gl.constexpr, DR: gl.constexpr,
                          CBITS: gl.constexpr, RBITS: gl.constexpr, BLOCK_R: gl.constexpr, C_CODES_OFF: gl.constexpr,
                          R_CODES_OFF: gl.constexpr, C_SCALES_OFF: gl.constexpr, C_ZEROS_OFF: gl.constexpr,
@@ -245,10 +254,7 @@ if GLUON_IMPORT_ERROR is None:
             for pl in gl.static_range(PLANES):
                 # the plane's group: channels 64 g .. 64 g + 63, g = pl * NCH + c
                 k = _a_tile(chunk, pl, CBITS, _biased_zero(zeros[pl * NCH + c]), scales[pl * NCH + c], BLOCK_R)
-                q_g = q_s.slice(64 * (pl * NCH + c), 64, dim=1)
-                s = warpgroup_mma(k, q_g.permute((1, 0)), s, is_async=True)
-                s, k = warpgroup_mma_wait(1, deps=[s, k])
-                kc.slice(64 * (pl * NCH + c), 64, dim=1).store(k)
+                s = _qk_plane(k, q_s, kc, s, pl * NCH + c)
         # RoPE folded: its planes enter as exact (code - z) (a scale of 1) into their own scores, whose float32 scale
         # multiplies each token's row once (8 FFMA a thread, not 32 values scaled and rounded a page)
         RW: gl.constexpr = DR * RBITS // 32
@@ -284,10 +290,7 @@ if GLUON_IMPORT_ERROR is None:
         o = warpgroup_mma_wait(0, deps=[acc])
         s = s0
         for g in gl.static_range(DC // 64):
-            k = _protected_a_tile(rowp, ok, 64 * g, 64, BLOCK_R)
-            s = warpgroup_mma(k, q_s.slice(64 * g, 64, dim=1).permute((1, 0)), s, is_async=True)
-            s, k = warpgroup_mma_wait(1, deps=[s, k])
-            kc.slice(64 * g, 64, dim=1).store(k)
+            s = _qk_plane(_protected_a_tile(rowp, ok, 64 * g, 64, BLOCK_R), q_s, kc, s, g)
         for pl in gl.static_range(DR // 32):  # the RoPE values as they are (scale 1), into the same scores
             k = _protected_a_tile(rowp, ok, DC + 32 * pl, 32, BLOCK_R)
             s = warpgroup_mma(k, qr_s.slice(32 * pl, 32, dim=1).permute((1, 0)), s, is_async=True)
@@ -488,10 +491,11 @@ if GLUON_IMPORT_ERROR is None:
             for e in range(prot[7]):
                 z = _opaque_zero(e)
                 kc = kc1.index(z)
-                rowp, ok = protected_rows(sink_ptr, local_ptr, seq, seq_ok, e, ptok, L, SINK, LOCAL, DC + DR)
+                span = protected_span(e, L, SINK, LOCAL, seq_ok)
+                rowp, ok = protected_rows(sink_ptr, local_ptr, seq, span, ptok, SINK, LOCAL, DC + DR)
                 s, o = _protected_qk_and_key_tile(rowp, ok, q_s1.index(z), qr_s1.index(z), kc, s0, acc, DC, DR,
                                                   BLOCK_R)
-                base, lo, hi, _ = protected_span(e, L, SINK, LOCAL, seq_ok)
+                base, lo, hi, _ = span
                 p, alpha, m_i, l_acc = _softmax_deferred(s, (base, lo, hi), toks, limit, m_i, l_acc, sm_scale_log2,
                                                          m_scr)
                 acc = _pv_issue(p, alpha, o, kc, p_s1.index(z))
