@@ -220,12 +220,13 @@ def test_v6_needs_hopper(monkeypatch):
 def test_v6_plan(monkeypatch, heads, s_q, batch, tokens, inline):
     """Row blocks of 16 rows; the splits kernel v3 takes for twice the programs (two programs an SM, so the same rule
     on twice the SMs); the protected tokens in the last split or by the protected-tile kernel as v4's knob says (unset:
-    ``heuristics.V6_INLINE_PROTECT``, off, whatever v4 and v5 do); plain channel order even where v4's knob asks for
-    its order; v4's partials."""
+    v6's own default, ``heuristics.V6_INLINE_PROTECT``, here off while v4's is on); plain channel order even where
+    v4's knob asks for its order; v4's partials."""
     _as_hopper(monkeypatch)
     if inline is None:
         monkeypatch.delenv(A.V4_INLINE_PROTECT_ENV, raising=False)
-        assert A.V4_INLINE_PROTECT and not A.V6_INLINE_PROTECT
+        monkeypatch.setattr(A, "V4_INLINE_PROTECT", True)
+        monkeypatch.setattr(A, "V6_INLINE_PROTECT", False)
     else:
         monkeypatch.setenv(A.V4_INLINE_PROTECT_ENV, inline)
     monkeypatch.setenv(A.V4_CHANNEL_ORDER_ENV, "1")
@@ -271,8 +272,8 @@ def test_auto_runs_v6_up_to_16_rows_over_long_tables_where_on(monkeypatch, v6_au
     request or more; v5 above 16 rows or below that; BF16 pages keep v1, formats neither reads v2; off, v5."""
     _as_hopper(monkeypatch)
     monkeypatch.setattr(A, "V6_AUTO", v6_auto)
+    monkeypatch.setattr(A, "V6_MIN_TABLE_TOKENS", 256 * 64)  # the shipped value: the defaults' test in test_triton_v5
     monkeypatch.delenv(A.VARIANT_ENV, raising=False)
-    assert A.V6_MIN_TABLE_TOKENS == 256 * 64
     f = PackFormat.parse(fmt)
     cache = qm.MLACache.allocate(f, pages, 1, 4, 128, device="cpu")
     call = A.prepare(cache, torch.arange(pages, dtype=torch.int32).view(1, pages),
