@@ -32,6 +32,7 @@ from conformance import check_poisoned_partials, reference_outputs
 pytest.importorskip("triton")
 from quantmla_core.backends.triton import attention as A  # noqa: E402
 from quantmla_core.backends.triton import attention_v6_kernel as v6  # noqa: E402
+from quantmla_core.backends.triton import heuristics as HR  # noqa: E402
 from quantmla_core.backends.triton.heuristics import V6_AHEAD, V6_CTAS_PER_SM, plan_v3  # noqa: E402
 
 from test_triton_v5 import _as_hopper, _prepare as prepare_v5  # noqa: E402
@@ -130,20 +131,21 @@ def test_a_tiles_control_plain_order_mismatches():
 @pytest.fixture(scope="module")
 def reports_v6() -> dict:
     """``offline_v4.compile_report_v6`` of C4R4 and C2R4 at each prefetch depth, and a page ahead with the protected
-    tokens inline (keyed ``(fmt, "1p")``), in a subprocess without ``TRITON_INTERPRET``."""
+    tokens inline (keyed ``(fmt, "1p")``) or with the key tile as one allocation a plane (``(fmt, "1k")``), in a
+    subprocess without ``TRITON_INTERPRET``."""
     _needs_gluon()
     _needs_ptxas()
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = {}
-    for ahead, inline in ((0, 0), (1, 0), (2, 0), (1, 1)):
+    for ahead, inline, planes in ((0, 0, 0), (1, 0, 0), (2, 0, 0), (1, 1, 0), (1, 0, 1)):
         cmd = [sys.executable, *(["-P"] if sys.flags.safe_path else []), "-m",
                "quantmla_core.backends.triton.offline_v4", "C4R4", "C2R4", "kernel=6", f"ahead={ahead}",
-               f"inline_prot={inline}"]
+               f"inline_prot={inline}", f"key_planes={planes}"]
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=tempfile.gettempdir())
         lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
         assert len(lines) == 2, r.stdout + r.stderr
         for fmt, line in zip(("C4R4", "C2R4"), lines):
-            key = (fmt, f"{ahead}p" if inline else ahead)
+            key = (fmt, f"{ahead}p" if inline else f"{ahead}k" if planes else ahead)
             out[key] = ast.literal_eval(line)
             assert "err" not in out[key], out[key]
     return out
@@ -160,13 +162,27 @@ def test_offline_v6_build(reports_v6, fmt, ahead):
     store, the warps' maxima, P; ten with 3.6) with the softmax's sums deferred (``_softmax_deferred``; reducing them and the maxima across
     warps each page took seven)."""
     r = reports_v6[fmt, ahead]
-    assert r["ahead"] == ahead and r["wgmma"] == 68 and not r["wgmma_serialized"], r
+    assert r["ahead"] == ahead and not r["key_planes"] and r["wgmma"] == 68 and not r["wgmma_serialized"], r
     assert V6_CTAS_PER_SM * r["smem"] <= SMEM_LIMIT, r
     assert r["spill_bytes"] == 0, r
     if r["sass"] >= 0:
         # triton 3.6 (the GPU machine's) puts a barrier before each of the key tile's 8 stores, not only the first
         most_bars = 3 if tuple(int(x) for x in r["triton"].split(".")[:2]) >= (3, 7) else 10
         assert r["sts_in_loops"] <= 16 and r["lds_in_loops"] <= 16 and r["bar_in_loops"] <= most_bars, r
+
+
+@pytest.mark.parametrize("fmt", ["C4R4", "C2R4"])
+def test_offline_v6_build_key_planes(reports_v6, fmt):
+    """With the key tile as one shared allocation a 64-channel plane (``KEY_PLANES``): three CTA barriers a page with
+    either triton (with one allocation triton 3.6 puts one before each plane's store), the same 68 ``wgmma``, no
+    spills, two programs an SM, and the page loop within 3 % of the one-allocation build's instructions (its 8 output
+    products each make their own descriptors)."""
+    r, plain = reports_v6[fmt, "1k"], reports_v6[fmt, 1]
+    assert r["key_planes"] and r["wgmma"] == 68 and not r["wgmma_serialized"], r
+    assert r["spill_bytes"] == 0 and V6_CTAS_PER_SM * r["smem"] <= SMEM_LIMIT, r
+    if r["sass"] >= 0:
+        assert r["bar_in_loops"] <= 3 and r["sts_in_loops"] <= 16 and r["lds_in_loops"] <= 16, r
+        assert abs(r["loop_sizes"][0] - plain["loop_sizes"][0]) <= 0.03 * plain["loop_sizes"][0], (r, plain)
 
 
 @pytest.mark.parametrize("fmt", ["C4R4", "C2R4"])
@@ -254,6 +270,36 @@ def test_v6_ahead_is_a_knob(monkeypatch, value):
     assert _prepare().split_consts["AHEAD"] == (V6_AHEAD if value is None else int(value))
 
 
+@pytest.mark.parametrize("value", [None, "0", "1"])
+def test_v6_key_planes_is_a_knob(monkeypatch, value):
+    """Unset: the default for the running triton (:func:`heuristics.v6_key_planes`); else the value asked for."""
+    _as_hopper(monkeypatch)
+    if value is None:
+        monkeypatch.delenv(A.V6_KEY_PLANES_ENV, raising=False)
+    else:
+        monkeypatch.setenv(A.V6_KEY_PLANES_ENV, value)
+    want = HR.v6_key_planes(A.triton.__version__) if value is None else value == "1"
+    assert _prepare().split_consts["KEY_PLANES"] is want
+
+
+@pytest.mark.parametrize("setting,version,want", [
+    (None, "3.6.0", True), (None, "3.6.1+git0123abc", True), (None, "3.7.1", False), (None, "3.10.0", False),
+    (None, "4.0.0", False), (None, "2.3.1", True), (True, "3.7.1", True), (False, "3.6.0", False)])
+def test_v6_key_planes_default_follows_the_triton_release(monkeypatch, setting, version, want):
+    """One allocation a plane below :data:`heuristics.V6_KEY_PLANES_BEFORE` (3.7) unless the default is set."""
+    monkeypatch.setattr(HR, "V6_KEY_PLANES", setting)
+    monkeypatch.setattr(HR, "V6_KEY_PLANES_BEFORE", (3, 7))
+    assert HR.v6_key_planes(version) is want
+
+
+@pytest.mark.parametrize("value", ["2", "x"])
+def test_malformed_v6_key_planes_is_refused(monkeypatch, value):
+    _as_hopper(monkeypatch)
+    monkeypatch.setenv(A.V6_KEY_PLANES_ENV, value)
+    with pytest.raises(ValueError, match=A.V6_KEY_PLANES_ENV):
+        _prepare()
+
+
 @pytest.mark.parametrize("value", ["3", "x"])
 def test_malformed_v6_ahead_is_refused(monkeypatch, value):
     _as_hopper(monkeypatch)
@@ -310,13 +356,15 @@ def _attend(cache, args, batch, variant: str, num_splits: int | None):
                        args["attn_seq_ids"], batch.softmax_scale, num_splits=num_splits, variant=variant)
 
 
-#: GPU builds: "a" + AHEAD, "p" where the protected tokens are in the last split (else the protected-tile kernel)
-BUILDS = ["a0p", "a1p", "a2p", "a1"]
+#: GPU builds: "a" + AHEAD, "p" where the protected tokens are in the last split (else the protected-tile kernel), "k"
+#: where the key tile is one allocation a plane (``KEY_PLANES``)
+BUILDS = ["a0pk", "a1pk", "a2pk", "a1k", "a1p", "a1"]
 
 
 def _set_build(monkeypatch, build: str) -> None:
     monkeypatch.setenv(A.V6_AHEAD_ENV, build[1])
-    monkeypatch.setenv(A.V4_INLINE_PROTECT_ENV, "1" if build.endswith("p") else "0")
+    monkeypatch.setenv(A.V4_INLINE_PROTECT_ENV, "1" if "p" in build else "0")
+    monkeypatch.setenv(A.V6_KEY_PLANES_ENV, "1" if "k" in build else "0")
 
 
 @NEEDS_HOPPER
@@ -351,7 +399,7 @@ def test_v6_overwrites_poisoned_partials(monkeypatch, build):
 def test_auto_runs_v6_and_matches_reference(monkeypatch, name, heads, s_q):
     """``auto`` (heuristics' defaults, no knob set) runs v6 up to 16 query rows a request over packed pages where the
     block table is long enough, and matches the reference there."""
-    for env in (A.VARIANT_ENV, A.V6_AHEAD_ENV, A.V4_INLINE_PROTECT_ENV):
+    for env in (A.VARIANT_ENV, A.V6_AHEAD_ENV, A.V4_INLINE_PROTECT_ENV, A.V6_KEY_PLANES_ENV):
         monkeypatch.delenv(env, raising=False)
     case = Case(PackFormat.parse(name), (17000, 70, 131), heads=heads, s_q=s_q, sink=4, local=128, seed=7900 + heads)
     batch, args, cache = write_case(case, "cuda", "bfloat16")

@@ -13,6 +13,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 import torch
+import triton
 
 from ...envvars import env_int_choice, getenv
 from ..buffers import capturing as graph_capturing
@@ -36,7 +37,7 @@ from .heuristics import (INTERPRETER_SM_COUNT, MERGE_BLOCK_C, MERGE_BLOCK_R, MER
                          v4_channel_order, v4_format_unsupported, plan_v5, V5_AHEAD, V5_AHEAD_2A, V5_AHEAD_CHOICES,
                          V5_AUTO, V5_ATTENDERS, V5_ATTENDERS_CHOICES, V5_BLOCK_R_CHOICES, V5_LOADER_WARPS,
                          V5_LOADER_WARPS_2A, V5_MAX_ROWS, plan_v6, V6_AHEAD, V6_AHEAD_CHOICES, V6_AUTO, V6_BLOCK_R,
-                         V6_INLINE_PROTECT, V6_MIN_TABLE_TOKENS,
+                         V6_INLINE_PROTECT, V6_MIN_TABLE_TOKENS, v6_key_planes,
                          v6_format_unsupported)
 
 #: environment variable choosing the split kernel ("auto" default, "v1" to "v6"); read on every call.
@@ -97,6 +98,9 @@ V5_PROBE_ENV = "QUANTMLA_TRITON_V5_PROBE"
 #: when kernel v6 loads a page's bytes: 0 at its start, 1 a page ahead, 2 two chunks ahead
 #: (:data:`heuristics.V6_AHEAD`). A measurement knob, read when a call is prepared
 V6_AHEAD_ENV = "QUANTMLA_TRITON_V6_AHEAD"
+#: kernel v6's key tile: 1, one shared allocation a 64-channel plane; 0, one allocation
+#: (:data:`heuristics.V6_KEY_PLANES`). A measurement knob, read when a call is prepared
+V6_KEY_PLANES_ENV = "QUANTMLA_TRITON_V6_KEY_PLANES"
 _KERNELS = {"v1": split_kernel, "v2": split_kernel_v2, "v3": split_kernel_v3,
             **({} if split_kernel_v4 is None else {"v4": split_kernel_v4, "v5": split_kernel_v5,
                                                    "v6": split_kernel_v6})}
@@ -741,6 +745,8 @@ def prepare(cache, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_ids: t
     if variant == "v6":
         ahead = env_int_choice(V6_AHEAD_ENV, V6_AHEAD_CHOICES)
         consts["AHEAD"] = V6_AHEAD if ahead is None else ahead
+        planes = env_int_choice(V6_KEY_PLANES_ENV, (0, 1))
+        consts["KEY_PLANES"] = v6_key_planes(triton.__version__) if planes is None else bool(planes)
     if variant in GLUON_VARIANTS and _v4_inline_protect(cache, V6_INLINE_PROTECT if variant == "v6" else None):
         consts["INLINE_PROT"] = True
     if variant in ("v4", "v5") and fmt.quantized and _v4_channel_order(int(block_table.shape[1]), pl.num_splits):

@@ -36,6 +36,10 @@ Channel order: the relabelling puts byte ``j(k)`` of a chunk (:func:`a_channel`)
 so each 64-channel group (32 for RoPE planes) of the queries is loaded in that order, the key tile holds it, the output
 product's rows come out in it, and the partial output is stored back in place.
 
+Key tile: one shared allocation, or with ``KEY_PLANES`` one a 64-channel plane, each plane's output product its own
+``wgmma`` (triton 3.6 takes stores into slices of one allocation for conflicting writes and puts a CTA barrier before
+each plane's; ``heuristics.V6_KEY_PLANES``).
+
 Shared memory: key tile 64 KB, queries 18 KB, P 2 KB: ~86 KB, two programs an SM. Registers: the output accumulator
 is 64 floats a thread.
 """
@@ -72,7 +76,6 @@ if GLUON_IMPORT_ERROR is None:
                                        protected_pages, protected_rows, protected_span, tokens_ok)
     from .attention_v4_kernel import _add
     from .attention_v4_loaders import visible_span
-    from .attention_v5_kernel import _pv_issue
 
     @gluon.constexpr_function
     def _words_layout(WORDS):
@@ -216,8 +219,47 @@ if GLUON_IMPORT_ERROR is None:
         group before's product retired (so ``k``'s registers may be reused after), ``k`` stored into the key tile."""
         s = warpgroup_mma(k, q_s.slice(64 * g, 64, dim=1).permute((1, 0)), s, is_async=True)
         s, k = warpgroup_mma_wait(1, deps=[s, k])
-        kc.slice(64 * g, 64, dim=1).store(k)
+        _key_plane(kc, g).store(k)
         return s
+
+    @gluon.jit
+    def _retire(acc):
+        """The output products ``acc`` (a tuple, :func:`_pv_issue`) waited for: a tuple of their values."""
+        o = warpgroup_mma_wait(0, deps=acc)
+        if len(acc) == 1:
+            o = (o,)
+        return o
+
+    @gluon.jit
+    def _key_tile_at(kt1, z):
+        """The key tile (a tuple of bfloat16 shared tiles: ``[64, DC]``, or with ``KEY_PLANES`` one ``[64, 64]``
+        allocation a plane) indexed by the opaque zero ``z``."""
+        parts = ()
+        for i in gl.static_range(len(kt1)):
+            parts = parts + (kt1[i].index(z),)
+        return parts
+
+    @gluon.jit
+    def _key_plane(kc, g: gl.constexpr):
+        """Plane ``g`` (channels ``64 g ..``, ``[64, 64]``) of the key tile ``kc`` (:func:`_key_tile_at`)."""
+        if len(kc) == 1:
+            return kc[0].slice(64 * g, 64, dim=1)
+        else:
+            return kc[g]
+
+    @gluon.jit
+    def _pv_issue(p, alpha, o, kc, p_s):
+        """P^T into ``p_s`` (bfloat16 ``[R, 64]``, K-major), then ``O^T * alpha + K^T P^T`` issued (not waited for),
+        a product for each part of the key tile ``kc`` (:func:`_key_tile_at`) into its part of the output ``o`` (a
+        tuple as ``kc``). Returns the tuple of output products."""
+        p_s.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
+        fence_async_shared()
+        _partition_barrier()
+        acc = ()
+        for i in gl.static_range(len(kc)):
+            acc = acc + (warpgroup_mma(kc[i].permute((1, 0)), p_s.permute((1, 0)), o[i] * alpha[None, :],
+                                       is_async=True),)
+        return acc
 
     @gluon.jit
     def _qk_and_key_tile(chunks, params, at, at_next, q_s, qr_s, kc, s0, acc, DC: gl.constexpr, DR: gl.constexpr,
@@ -235,7 +277,7 @@ if GLUON_IMPORT_ERROR is None:
         NCH: gl.constexpr = CB // 64
         PLANES: gl.constexpr = 8 // CBITS
         s = s0
-        o = warpgroup_mma_wait(0, deps=[acc])  # the page before's output product: the key tile is free
+        o = _retire(acc)  # the page before's output product: the key tile is free
         window = chunks
         later = params
         for c in gl.static_range(NCH):
@@ -287,7 +329,7 @@ if GLUON_IMPORT_ERROR is None:
         """:func:`_qk_and_key_tile` over a protected page's bfloat16 rows (:func:`_protected_a_tile`): ``S^T = K Q^T``
         with A from registers, each content plane stored into the key tile ``kc`` once the output product ``acc``
         is retired. Returns (S^T ``[64, BLOCK_R]`` float32, that output product's value)."""
-        o = warpgroup_mma_wait(0, deps=[acc])
+        o = _retire(acc)
         s = s0
         for g in gl.static_range(DC // 64):
             s = _qk_plane(_protected_a_tile(rowp, ok, 64 * g, 64, BLOCK_R), q_s, kc, s, g)
@@ -386,6 +428,7 @@ if GLUON_IMPORT_ERROR is None:
         AHEAD: gl.constexpr = 1,
         INLINE_PROT: gl.constexpr = False,
         CHANNEL_ORDER: gl.constexpr = False,
+        KEY_PLANES: gl.constexpr = False,
         sink_ptr=None,  # [max_seqs, SINK, DC + DR] bfloat16 (INLINE_PROT)
         local_ptr=None,  # [max_seqs, LOCAL, DC + DR] bfloat16, a ring by position
         ids_ptr=None,  # [B] int: each request's slot in them
@@ -414,12 +457,15 @@ if GLUON_IMPORT_ERROR is None:
         table_row = table_ptr + b.to(gl.int64) * stride_table
         part = (b.to(gl.int64) * NSPLIT + pid_s) * R
 
-        kl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, DC], gl.bfloat16)
+        KPARTS: gl.constexpr = DC // 64 if KEY_PLANES else 1  # the key tile's allocations
+        kl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, DC // KPARTS], gl.bfloat16)
         ql: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_R, DC], gl.bfloat16)
         qrl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_R, DR], gl.bfloat16)
         pl_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_R, 64], gl.bfloat16)
         # one-slot arrays, indexed in the loop by an opaque zero (:func:`_opaque_zero`)
-        kc1 = gl.allocate_shared_memory(gl.bfloat16, [1, 64, DC], kl)
+        kt1 = ()
+        for i in gl.static_range(KPARTS):
+            kt1 = kt1 + (gl.allocate_shared_memory(gl.bfloat16, [1, 64, DC // KPARTS], kl),)
         q_s1 = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_R, DC], ql)
         qr_s1 = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_R, DR], qrl)
         p_s1 = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_R, 64], pl_l)
@@ -442,7 +488,9 @@ if GLUON_IMPORT_ERROR is None:
         toks = gl.arange(0, 64, tok_l)
         m_i = gl.full([BLOCK_R], float("-inf"), gl.float32, col_l)
         l_acc = gl.zeros([64, BLOCK_R], gl.float32, lay)  # each thread's share of the sums (_softmax_deferred)
-        acc = warpgroup_mma_init(gl.zeros([DC, BLOCK_R], gl.float32, lay))
+        acc = ()  # the output, a part for each of the key tile's
+        for i in gl.static_range(KPARTS):
+            acc = acc + (warpgroup_mma_init(gl.zeros([DC // KPARTS, BLOCK_R], gl.float32, lay)),)
         s0 = gl.zeros([64, BLOCK_R], gl.float32, lay)
         if INLINE_PROT:  # the last split also attends to the request's protected tokens (no protected-tile kernel)
             seq = gl.load(ids_ptr + b).to(gl.int64)
@@ -472,7 +520,7 @@ if GLUON_IMPORT_ERROR is None:
                 nparams = _page_params(at_next, DC, DR, RBITS, R_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF,
                                        R_SCALES_OFF, R_ZEROS_OFF)
             z = _opaque_zero(i)
-            kc = kc1.index(z)
+            kc = _key_tile_at(kt1, z)
             s, o, rolled, rolled_params = _qk_and_key_tile(
                 chunks, params, at, at_next, q_s1.index(z), qr_s1.index(z), kc, s0, acc, DC, DR, CBITS, RBITS, BLOCK_R,
                 C_CODES_OFF, R_CODES_OFF, C_SCALES_OFF, C_ZEROS_OFF, R_SCALES_OFF, R_ZEROS_OFF, AHEAD == 2)
@@ -490,7 +538,7 @@ if GLUON_IMPORT_ERROR is None:
             ptok = gl.arange(0, 64, gl.SliceLayout(1, _protected_layout()))
             for e in range(prot[7]):
                 z = _opaque_zero(e)
-                kc = kc1.index(z)
+                kc = _key_tile_at(kt1, z)
                 span = protected_span(e, L, SINK, LOCAL, seq_ok)
                 rowp, ok = protected_rows(sink_ptr, local_ptr, seq, span, ptok, SINK, LOCAL, DC + DR)
                 s, o = _protected_qk_and_key_tile(rowp, ok, q_s1.index(z), qr_s1.index(z), kc, s0, acc, DC, DR,
@@ -499,12 +547,13 @@ if GLUON_IMPORT_ERROR is None:
                 p, alpha, m_i, l_acc = _softmax_deferred(s, (base, lo, hi), toks, limit, m_i, l_acc, sm_scale_log2,
                                                          m_scr)
                 acc = _pv_issue(p, alpha, o, kc, p_s1.index(z))
-        o = warpgroup_mma_wait(0, deps=[acc])
+        o = _retire(acc)
         l_i = gl.reduce(l_acc, 0, _add)
         l_safe = gl.where(l_i > 0.0, l_i, 1.0)
-        pos = gl.arange(0, DC, tok_l)
+        pos = gl.arange(0, DC // KPARTS, tok_l)
         chans = (pos // 64) * 64 + _a_channel(pos % 64, 64)  # the key tile's columns, put back in place
-        gl.store(o_part_ptr + (part + rows[None, :]) * DC + chans[:, None], o / l_safe[None, :],
-                 mask=(rows < R)[None, :])
+        for i in gl.static_range(KPARTS):
+            gl.store(o_part_ptr + (part + rows[None, :]) * DC + (i * (DC // KPARTS) + chans)[:, None],
+                     o[i] / l_safe[None, :], mask=(rows < R)[None, :])
         lse2 = gl.where(l_i > 0.0, m_i + gl.log2(l_safe), float("-inf"))
         gl.store(lse_part_ptr + part + rows, lse2, mask=rows < R)

@@ -20,6 +20,7 @@ run in the interpreter (CPU) with ``sm_count`` = :data:`INTERPRETER_SM_COUNT`.
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass, replace
 
 from ..splits import plan_kv_splits
@@ -548,6 +549,22 @@ V6_MIN_TABLE_TOKENS = 16384
 #: kernel, C4R4 / C2R4: B8 L4K 55.3 / 54.3 against 39.3 / 38.5 us, B8 L32K 98.9 / 91.1 against 82.8 / 76.2, B32 L32K
 #: 240.7 / 222.4 against 223.4 / 212.2, B128 L32K 796.5 / 735.5 against 794.7 / 752.0
 V6_INLINE_PROTECT = False
+#: whether kernel v6 keeps its key tile as one shared allocation a 64-channel plane and issues its output product a
+#: plane at a time (``QUANTMLA_TRITON_V6_KEY_PLANES`` overrides it); None: where the running Triton is older than
+#: :data:`V6_KEY_PLANES_BEFORE`. Triton 3.6's shared-memory barrier analysis takes the 8 planes' stores into slices of
+#: one allocation for conflicting writes and puts a CTA barrier before each: 10 a page, 3 with one allocation a plane.
+#: Triton 3.7.1 tells the slices apart (3 either way), and there the 8 output products cost 28 instructions a warp and
+#: page (C4R4 1,233 -> 1,261, offline sm_90a; with 3.6.0 1,235 -> 1,256)
+V6_KEY_PLANES = None
+V6_KEY_PLANES_BEFORE = (3, 7)
+
+
+def v6_key_planes(triton_version: str) -> bool:
+    """:data:`V6_KEY_PLANES`, resolved for a Triton of ``triton_version`` (``"3.6.0"``, ``"3.7.1+git..."``)."""
+    if V6_KEY_PLANES is not None:
+        return bool(V6_KEY_PLANES)
+    major, minor = (int(re.match(r"\d+", part).group()) for part in triton_version.split(".")[:2])
+    return (major, minor) < V6_KEY_PLANES_BEFORE
 
 
 def v6_format_unsupported(fmt, kernel: str = "kernel v6") -> str | None:

@@ -11,6 +11,7 @@ The launch the Triton launcher records for kernel v3 at H = 128 (``offline_build
     python -m quantmla_core.backends.triton.offline_v4 [BF16|C4R4|C2R4] kernel=5 [block_r=16|32] [ahead=1|2]
         [inline_prot=0|1] [channel_order=0|1]
     python -m quantmla_core.backends.triton.offline_v4 [C4R4|C2R4] kernel=6 [ahead=0|1|2] [inline_prot=0|1]
+        [key_planes=0|1]
 
 prints :func:`compile_report`'s dict: registers and spilled bytes (``ptxas -v``), shared memory, ``wgmma`` count in
 the PTX, ``setmaxnreg`` values, SASS instruction counts (``cuobjdump``, where Triton bundles it).
@@ -82,17 +83,18 @@ def compile_v5(fmt_name: str = "C4R4", block_r: int = 16, ahead: int = 1, inline
     return _compile_gluon(split_kernel_v5, fmt_name, consts, 128, inline_prot, channel_order)
 
 
-def compile_v6(fmt_name: str = "C4R4", ahead: int = 1, inline_prot: bool = False) -> Any:
+def compile_v6(fmt_name: str = "C4R4", ahead: int = 1, inline_prot: bool = False, key_planes: bool = False) -> Any:
     """``triton.compile`` of ``split_kernel_v6`` for sm_90a with v3's recorded launch at H = 128, 16 query rows a
     program, its ``AHEAD`` (0: each page's bytes at its start, 1: a page ahead, 2: two chunks ahead), the protected
-    tokens inline or not."""
+    tokens inline or not, the key tile as one shared allocation or one a plane (``KEY_PLANES``)."""
     from .attention_v4_kernel import GLUON_IMPORT_ERROR
 
     if GLUON_IMPORT_ERROR is not None:
         raise RuntimeError(f"no Gluon in this triton: {GLUON_IMPORT_ERROR}")
     from .attention_v6_kernel import split_kernel_v6
 
-    return _compile_gluon(split_kernel_v6, fmt_name, {"BLOCK_R": 16, "AHEAD": int(ahead)}, 128, inline_prot, False)
+    overrides = {"BLOCK_R": 16, "AHEAD": int(ahead), "KEY_PLANES": bool(key_planes)}
+    return _compile_gluon(split_kernel_v6, fmt_name, overrides, 128, inline_prot, False)
 
 
 def _compile_gluon(kernel: Any, fmt_name: str, overrides: dict, heads: int, inline_prot: bool,
@@ -153,11 +155,12 @@ def compile_report_v5(fmt_name: str = "C4R4", block_r: int = 16, ahead: int = 1,
             "attenders": int(attenders), "loader_warps": int(loader_warps), "probe": int(probe), **_resources(k)}
 
 
-def compile_report_v6(fmt_name: str = "C4R4", ahead: int = 1, inline_prot: bool = False) -> dict:
+def compile_report_v6(fmt_name: str = "C4R4", ahead: int = 1, inline_prot: bool = False,
+                      key_planes: bool = False) -> dict:
     """:func:`compile_report`'s resources of kernel v6 compiled offline for sm_90a."""
-    k = compile_v6(fmt_name, ahead, inline_prot)
+    k = compile_v6(fmt_name, ahead, inline_prot, key_planes)
     return {"triton": _triton_version(), "kernel": 6, "fmt": fmt_name, "ahead": int(ahead),
-            "inline_prot": bool(inline_prot), **_resources(k)}
+            "inline_prot": bool(inline_prot), "key_planes": bool(key_planes), **_resources(k)}
 
 
 def _triton_version() -> str:
@@ -200,7 +203,8 @@ def main(argv: list[str]) -> None:
     for f in fmts:
         try:
             if option("kernel", 4) == 6:
-                print(compile_report_v6(f, option("ahead", 1), option("inline_prot", 0) == 1), flush=True)
+                print(compile_report_v6(f, option("ahead", 1), option("inline_prot", 0) == 1,
+                                        option("key_planes", 0) == 1), flush=True)
                 continue
             if option("kernel", 4) == 5:
                 print(compile_report_v5(f, option("block_r", 16), option("ahead", 1), option("inline_prot", 0) == 1,
