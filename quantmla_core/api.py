@@ -160,7 +160,8 @@ def _attention_backend(cache: MLACache, block_table: Any, seq_lens: Any, seq_ids
         v.check_index(name, x, (b,))
     if validate:
         _validate_index_values(cache, block_table, seq_lens, seq_ids, s_q)
-    problem = Problem("attention", fmt, DeviceInfo.of(cache.pages), dtype, v.protect_dtype_name(cache), heads, s_q)
+    problem = Problem("attention", fmt, DeviceInfo.of(cache.pages), dtype, v.protect_dtype_name(cache), heads, s_q, b,
+                      int(block_table.shape[1]) * fmt.page_size)
     return select_backend(problem, backend)
 
 

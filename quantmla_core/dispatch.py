@@ -9,7 +9,7 @@ lists every backend's reasons. Selection has no side effects.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
@@ -44,20 +44,41 @@ PRIORITY: dict[str, tuple[str, ...]] = {
 BF16_TRITON_FIRST_ROWS = 64
 #: the GPU on which CuPy's kernel v4 serves bf16 pages of the 512-wide latent (227 KB of shared memory, wgmma)
 CUPY_V4_CAPABILITY = (9, 0)
+#: query rows a request (S_q x H, e.g. H16 S_q 2: multi-token prediction) over which packed-page attention tries
+#: Triton before CuPy on a :data:`CUPY_V4_CAPABILITY` GPU with bfloat16 queries, where the call's block tables hold at
+#: least :data:`WIDE_TRITON_FIRST_TOKENS` tokens in all (batch x table tokens a request) and Triton's Gluon kernels
+#: serve the format: there Triton's kernel v5 takes the 32 rows in one program, CuPy's v5 two 16-row programs that each
+#: convert every page. H100, CUDA graphs, H16 S_q 2, Triton against CuPy, C4R4 / C2R4 (benchmarks/RESULTS.md, stops
+#: 67 and 68): B128 L32K 1,119.6 / 1,055.7 against 1,202.4 / 1,169.7 us, B32 L32K 289.9-302.9 against 308.9-314.4 (C4R4
+#: and C2R4); below 2^20 tokens CuPy was faster: B8 L32K 100.1 / 97.0 against 94.6 / 91.3, B32 L8K 99.9 / 97.1 against
+#: 96.4 / 95.7. Up to 16 rows CuPy stays first (H16 S_q 1 B32 L32K: 172.6 / 165.5 us against Triton v6's 218.6 / 208.1)
+WIDE_ROWS = (17, 32)
+WIDE_TRITON_FIRST_TOKENS = 1 << 20
 
 
 def auto_order(problem: Problem) -> tuple[str, ...]:
     """The backends ``auto`` tries for ``problem``, in order (:data:`PRIORITY`, with Triton first for
     BF16-page attention on CUDA from :data:`BF16_TRITON_FIRST_ROWS` query rows, unless the queries
     are bfloat16 on a :data:`CUPY_V4_CAPABILITY` GPU and Triton's kernel v4 cannot serve the format
-    there)."""
+    there, and for large packed-page calls of :data:`WIDE_ROWS` rows a request: :func:`_wide_rows_triton_first`)."""
     order = PRIORITY.get(problem.device.kind, ("torch",))
     cupy_v4 = problem.dtype == "bfloat16" and problem.device.capability == CUPY_V4_CAPABILITY
-    bf16_rows = (problem.device.kind == "cuda" and problem.op == "attention" and not problem.format.quantized
+    cuda_attention = problem.device.kind == "cuda" and problem.op == "attention"
+    bf16_rows = (cuda_attention and not problem.format.quantized
                  and problem.num_heads * problem.q_len >= BF16_TRITON_FIRST_ROWS)
-    if bf16_rows and not (cupy_v4 and triton_v4_missing(problem.format)):
+    triton_first = bf16_rows and not (cupy_v4 and triton_v4_missing(problem.format))
+    if triton_first or (cuda_attention and cupy_v4 and _wide_rows_triton_first(problem)):
         order = ("triton", *(name for name in order if name != "triton"))
     return order
+
+
+def _wide_rows_triton_first(problem: Problem) -> bool:
+    """Whether a packed-page attention call of :data:`WIDE_ROWS` query rows a request whose block tables hold at
+    least :data:`WIDE_TRITON_FIRST_TOKENS` tokens in all goes to Triton first (its kernel v5 serves the format)."""
+    lo, hi = WIDE_ROWS
+    if not (problem.format.quantized and lo <= problem.num_heads * problem.q_len <= hi):
+        return False
+    return problem.batch * problem.table_tokens >= WIDE_TRITON_FIRST_TOKENS and not triton_v4_missing(problem.format)
 
 
 def triton_v4_missing(fmt: PackFormat) -> str | None:
@@ -113,7 +134,8 @@ def _cuda_info(index: int) -> DeviceInfo:
 
 @dataclass(frozen=True)
 class Problem:
-    """What a call needs: op ("write" or "attention"), format, device and value dtype."""
+    """What a call needs: op ("write" or "attention"), format, device and value dtype; for attention the heads, query
+    tokens and requests of the call and the tokens its block table holds a request (its width x page size)."""
 
     op: str
     format: PackFormat
@@ -122,6 +144,8 @@ class Problem:
     protect_dtype: str = "bfloat16"
     num_heads: int = 1
     q_len: int = 1
+    batch: int = 1
+    table_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -295,7 +319,15 @@ def select_backend(problem: Problem, backend: str = "auto", env: dict[str, str] 
         override = getenv(ENV_OVERRIDE) if env is None else env.get(ENV_OVERRIDE)
         if override:
             backend = override
-    return _select(problem, backend)
+    return _select(_memo_key(problem), backend)
+
+
+def _memo_key(problem: Problem) -> Problem:
+    """``problem`` with its batch and block-table tokens reduced to what :func:`auto_order` reads of them (whether
+    they reach :data:`WIDE_TRITON_FIRST_TOKENS`), so that a decode loop's changing batch and table widths share one
+    memoised decision."""
+    large = problem.batch * problem.table_tokens >= WIDE_TRITON_FIRST_TOKENS
+    return replace(problem, batch=1, table_tokens=WIDE_TRITON_FIRST_TOKENS if large else 0)
 
 
 @lru_cache(maxsize=4096)

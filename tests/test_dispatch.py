@@ -67,6 +67,75 @@ def test_bf16_pages_on_sm90_go_to_cupy_where_triton_has_no_kernel_v4(monkeypatch
     assert dispatch.auto_order(problem)[0] == first
 
 
+@pytest.mark.parametrize("fmt_name,heads,q_len,batch,tokens,dtype,device,missing,first", [
+    ("C4R4", 16, 2, 32, 32768, "bfloat16", CUDA, None, "triton"),
+    ("C2R4", 16, 2, 128, 32768, "bfloat16", CUDA, None, "triton"),
+    ("C4R4", 8, 4, 16, 65536, "bfloat16", CUDA, None, "triton"),
+    ("C4R4", 16, 2, 8, 32768, "bfloat16", CUDA, None, "cupy"),
+    ("C4R4", 16, 2, 32, 8192, "bfloat16", CUDA, None, "cupy"),
+    ("C4R4", 16, 1, 32, 32768, "bfloat16", CUDA, None, "cupy"),
+    ("C4R4", 17, 1, 32, 32768, "bfloat16", CUDA, None, "triton"),
+    ("C4R4", 11, 3, 32, 32768, "bfloat16", CUDA, None, "cupy"),
+    ("C4R4", 16, 2, 32, 32768, "float32", CUDA, None, "cupy"),
+    ("C4R4", 16, 2, 32, 32768, "bfloat16", A100, None, "cupy"),
+    ("C4R4", 16, 2, 32, 32768, "bfloat16", CUDA, "no Gluon in this triton", "cupy"),
+    ("BF16", 16, 2, 32, 32768, "bfloat16", CUDA, None, "cupy")])
+def test_wide_rows_of_large_packed_calls_go_to_triton_first(monkeypatch, fmt_name, heads, q_len, batch, tokens,
+                                                            dtype, device, missing, first):
+    """17 to 32 query rows a request over packed pages, bfloat16 queries on sm_90: Triton first where the block
+    tables hold 2^20 tokens in all and its Gluon kernels serve the format (its kernel v5 measured faster there,
+    CuPy below); CuPy first at other row counts, dtypes, GPUs, page formats. Writes keep CuPy first."""
+    from quantmla_core import dispatch
+
+    monkeypatch.setattr(dispatch, "triton_v4_missing", lambda fmt: missing)
+    monkeypatch.setattr(dispatch, "WIDE_ROWS", (17, 32))
+    monkeypatch.setattr(dispatch, "WIDE_TRITON_FIRST_TOKENS", 1 << 20)
+    fmt = qm.PackFormat.parse(fmt_name)
+    problem = Problem("attention", fmt, device, dtype, num_heads=heads, q_len=q_len, batch=batch, table_tokens=tokens)
+    order = dispatch.auto_order(problem)
+    assert order[0] == first and sorted(order) == ["cupy", "torch", "triton"] and order[-1] == "torch"
+    assert dispatch.auto_order(Problem("write", fmt, device, dtype, num_heads=heads, q_len=q_len, batch=batch,
+                                       table_tokens=tokens))[0] == "cupy"
+
+
+def test_memoised_decisions_keep_only_whether_a_call_is_large(monkeypatch):
+    """Problems that differ in batch and table tokens but fall on the same side of the threshold share one memo key
+    (a decode loop's batch changes every step); the two sides do not."""
+    from quantmla_core import dispatch
+
+    monkeypatch.setattr(dispatch, "WIDE_TRITON_FIRST_TOKENS", 1 << 20)
+    def key(batch, tokens):
+        return dispatch._memo_key(Problem("attention", C4R4, CUDA, "bfloat16", num_heads=16, q_len=2, batch=batch,
+                                          table_tokens=tokens))
+
+    assert key(32, 32768) == key(128, 65536) != key(31, 32768) == key(8, 4096) == key(1, 0)
+
+
+def test_attention_asks_with_its_batch_and_table_tokens(monkeypatch):
+    """``qm.attention`` describes its call to the dispatcher with the batch and the block table's tokens a request."""
+    from quantmla_core import api
+    from quantmla_core.testing import Case, allocate, build
+
+    seen = []
+
+    def spy(problem, backend="auto", env=None):
+        seen.append(problem)
+        return select_backend(problem, backend, env)
+
+    monkeypatch.setattr(api, "select_backend", spy)
+    case = Case(qm.PackFormat.parse("C4R4", latent_dim=256, rope_dim=32, page_size=16), (20, 70, 5), heads=2,
+                s_q=1, local=8)
+    batch = build(case)
+    args = batch.to("cpu")
+    cache = allocate(case, batch, "cpu")
+    qm.attention(args["q_latent"][:, 0], args["q_rope"][:, 0], cache, block_table=args["block_table"],
+                 seq_lens=args["attn_seq_lens"], seq_ids=args["attn_seq_ids"], softmax_scale=batch.softmax_scale,
+                 backend="torch")
+    width = int(args["block_table"].shape[1])
+    assert width >= 5 and (seen[-1].op, seen[-1].num_heads, seen[-1].q_len) == ("attention", 2, 1)
+    assert (seen[-1].batch, seen[-1].table_tokens) == (3, 16 * width)
+
+
 def test_triton_v4_missing_says_why_or_none():
     """None for what v4 serves where Gluon builds; else the reason (Gluon, dims, page size)."""
     pytest.importorskip("triton")
