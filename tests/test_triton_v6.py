@@ -260,26 +260,27 @@ def test_v6_plan(monkeypatch, heads, s_q, batch, tokens, inline):
     assert call.split_dims["num_warps"] == 4
 
 
-@pytest.mark.parametrize("value", [None, "0", "1", "2"])
-def test_v6_ahead_is_a_knob(monkeypatch, value):
+def _consts_with(monkeypatch, env: str, value: str | None) -> dict:
+    """The prepared v6 call's constexprs (stubbed Hopper) with ``$env`` set to ``value`` (unset where None)."""
     _as_hopper(monkeypatch)
     if value is None:
-        monkeypatch.delenv(A.V6_AHEAD_ENV, raising=False)
+        monkeypatch.delenv(env, raising=False)
     else:
-        monkeypatch.setenv(A.V6_AHEAD_ENV, value)
-    assert _prepare().split_consts["AHEAD"] == (V6_AHEAD if value is None else int(value))
+        monkeypatch.setenv(env, value)
+    return _prepare().split_consts
+
+
+@pytest.mark.parametrize("value", [None, "0", "1", "2"])
+def test_v6_ahead_is_a_knob(monkeypatch, value):
+    consts = _consts_with(monkeypatch, A.V6_AHEAD_ENV, value)
+    assert consts["AHEAD"] == (V6_AHEAD if value is None else int(value))
 
 
 @pytest.mark.parametrize("value", [None, "0", "1"])
 def test_v6_key_planes_is_a_knob(monkeypatch, value):
     """Unset: the default for the running triton (:func:`heuristics.v6_key_planes`); else the value asked for."""
-    _as_hopper(monkeypatch)
-    if value is None:
-        monkeypatch.delenv(A.V6_KEY_PLANES_ENV, raising=False)
-    else:
-        monkeypatch.setenv(A.V6_KEY_PLANES_ENV, value)
-    want = HR.v6_key_planes(A.triton.__version__) if value is None else value == "1"
-    assert _prepare().split_consts["KEY_PLANES"] is want
+    consts = _consts_with(monkeypatch, A.V6_KEY_PLANES_ENV, value)
+    assert consts["KEY_PLANES"] is (HR.v6_key_planes(A.triton.__version__) if value is None else value == "1")
 
 
 @pytest.mark.parametrize("setting,version,want", [
@@ -292,20 +293,11 @@ def test_v6_key_planes_default_follows_the_triton_release(monkeypatch, setting, 
     assert HR.v6_key_planes(version) is want
 
 
-@pytest.mark.parametrize("value", ["2", "x"])
-def test_malformed_v6_key_planes_is_refused(monkeypatch, value):
-    _as_hopper(monkeypatch)
-    monkeypatch.setenv(A.V6_KEY_PLANES_ENV, value)
-    with pytest.raises(ValueError, match=A.V6_KEY_PLANES_ENV):
-        _prepare()
-
-
-@pytest.mark.parametrize("value", ["3", "x"])
-def test_malformed_v6_ahead_is_refused(monkeypatch, value):
-    _as_hopper(monkeypatch)
-    monkeypatch.setenv(A.V6_AHEAD_ENV, value)
-    with pytest.raises(ValueError, match=A.V6_AHEAD_ENV):
-        _prepare()
+@pytest.mark.parametrize("env,value", [("V6_AHEAD_ENV", "3"), ("V6_AHEAD_ENV", "x"), ("V6_KEY_PLANES_ENV", "2"),
+                                       ("V6_KEY_PLANES_ENV", "x")])
+def test_malformed_v6_knobs_are_refused(monkeypatch, env, value):
+    with pytest.raises(ValueError, match=getattr(A, env)):
+        _consts_with(monkeypatch, getattr(A, env), value)
 
 
 @pytest.mark.parametrize("v6_auto,fmt,heads,s_q,pages,want", [
