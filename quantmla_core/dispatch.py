@@ -9,7 +9,7 @@ lists every backend's reasons. Selection has no side effects.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -319,18 +319,29 @@ def select_backend(problem: Problem, backend: str = "auto", env: dict[str, str] 
         override = getenv(ENV_OVERRIDE) if env is None else env.get(ENV_OVERRIDE)
         if override:
             backend = override
-    return _select(_memo_key(problem), backend)
+    key = _memo_key(problem, backend)
+    chosen = _DECISIONS.get(key)
+    if chosen is None:
+        if len(_DECISIONS) >= _DECISIONS_MAX:
+            _DECISIONS.clear()
+        chosen = _DECISIONS[key] = _select(problem, backend)
+    return chosen
 
 
-def _memo_key(problem: Problem) -> Problem:
-    """``problem`` with its batch and block-table tokens reduced to what :func:`auto_order` reads of them (whether
-    they reach :data:`WIDE_TRITON_FIRST_TOKENS`), so that a decode loop's changing batch and table widths share one
-    memoised decision."""
+#: memoised decisions (:func:`select_backend`), at most :data:`_DECISIONS_MAX` of them
+_DECISIONS: dict[tuple, Backend] = {}
+_DECISIONS_MAX = 4096
+
+
+def _memo_key(problem: Problem, backend: str) -> tuple:
+    """What a decision for ``problem`` depends on: its fields, but of its batch and block-table tokens only whether
+    they reach :data:`WIDE_TRITON_FIRST_TOKENS` (what :func:`auto_order` reads of them), so that a decode loop's
+    changing batch and table widths share one memoised decision."""
     large = problem.batch * problem.table_tokens >= WIDE_TRITON_FIRST_TOKENS
-    return replace(problem, batch=1, table_tokens=WIDE_TRITON_FIRST_TOKENS if large else 0)
+    return (problem.op, problem.format, problem.device, problem.dtype, problem.protect_dtype, problem.num_heads,
+            problem.q_len, large, backend)
 
 
-@lru_cache(maxsize=4096)
 def _select(problem: Problem, backend: str) -> Backend:
     if backend != "auto":
         chosen = get_backend(backend)

@@ -106,9 +106,23 @@ def test_memoised_decisions_keep_only_whether_a_call_is_large(monkeypatch):
     monkeypatch.setattr(dispatch, "WIDE_TRITON_FIRST_TOKENS", 1 << 20)
     def key(batch, tokens):
         return dispatch._memo_key(Problem("attention", C4R4, CUDA, "bfloat16", num_heads=16, q_len=2, batch=batch,
-                                          table_tokens=tokens))
+                                          table_tokens=tokens), "auto")
 
     assert key(32, 32768) == key(128, 65536) != key(31, 32768) == key(8, 4096) == key(1, 0)
+
+
+def test_memoised_decisions_are_bounded_and_answer_as_asked(monkeypatch):
+    """Decisions are kept per memo key (the same backend object back for a repeated question) and their store never
+    grows past its bound."""
+    from quantmla_core import dispatch
+
+    monkeypatch.setattr(dispatch, "_DECISIONS", {})
+    monkeypatch.setattr(dispatch, "_DECISIONS_MAX", 2)
+    problems = [Problem("attention", C4R4, CPU, num_heads=h) for h in (1, 2, 3, 4)]
+    for p in problems:
+        first = select_backend(p, env={})
+        assert select_backend(p, env={}) is first and len(dispatch._DECISIONS) <= 2
+        assert first.name == dispatch._select(p, "auto").name
 
 
 def test_attention_asks_with_its_batch_and_table_tokens(monkeypatch):
