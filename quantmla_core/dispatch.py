@@ -78,7 +78,13 @@ def _wide_rows_triton_first(problem: Problem) -> bool:
     lo, hi = WIDE_ROWS
     if not (problem.format.quantized and lo <= problem.num_heads * problem.q_len <= hi):
         return False
-    return problem.batch * problem.table_tokens >= WIDE_TRITON_FIRST_TOKENS and not triton_v4_missing(problem.format)
+    return _large_call(problem) and not triton_v4_missing(problem.format)
+
+
+def _large_call(problem: Problem) -> bool:
+    """Whether ``problem``'s block tables hold at least :data:`WIDE_TRITON_FIRST_TOKENS` tokens in all (batch x table
+    tokens a request)."""
+    return problem.batch * problem.table_tokens >= WIDE_TRITON_FIRST_TOKENS
 
 
 def triton_v4_missing(fmt: PackFormat) -> str | None:
@@ -334,12 +340,11 @@ _DECISIONS_MAX = 4096
 
 
 def _memo_key(problem: Problem, backend: str) -> tuple:
-    """What a decision for ``problem`` depends on: its fields, but of its batch and block-table tokens only whether
-    they reach :data:`WIDE_TRITON_FIRST_TOKENS` (what :func:`auto_order` reads of them), so that a decode loop's
+    """What a decision for ``problem`` depends on: its fields, but of its batch and block-table tokens only
+    :func:`_large_call` (what :func:`auto_order` reads of them), so that a decode loop's
     changing batch and table widths share one memoised decision."""
-    large = problem.batch * problem.table_tokens >= WIDE_TRITON_FIRST_TOKENS
     return (problem.op, problem.format, problem.device, problem.dtype, problem.protect_dtype, problem.num_heads,
-            problem.q_len, large, backend)
+            problem.q_len, _large_call(problem), backend)
 
 
 def _select(problem: Problem, backend: str) -> Backend:

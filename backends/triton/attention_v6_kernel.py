@@ -151,7 +151,8 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _load_q_relabelled(q_base, rows, row_ok, q_s, D: gl.constexpr, WIDTH: gl.constexpr):
-        """Query rows ``[len(rows), D]`` (0 past R) into ``q_s``, each ``WIDTH``-channel block in :func:`a_channel` order."""
+        """Query rows ``[len(rows), D]`` (0 past R) into ``q_s``, each ``WIDTH``-channel block in :func:`a_channel`
+        order."""
         ql: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         pos = gl.arange(0, 64, gl.SliceLayout(0, ql))
         chan = (pos // WIDTH) * WIDTH + _a_channel(pos % WIDTH, WIDTH)
