@@ -20,6 +20,7 @@ from quantmla_core.backends.cupy.builds import (
     ROPE_FOLD_CONTENT_BITS,
     V5_PACKED_GROUPS,
     V5_QUAD_LOADS,
+    V5_ZFOLD,
     V5_HALVES_CHOICES,
     V5_WORKER_CHOICES,
     V4_WGMMA_ARCH,
@@ -31,6 +32,7 @@ from quantmla_core.backends.cupy.builds import (
     v5_quad_loads,
     v5_rope_fold,
     v5_smem_bytes,
+    v5_zfold,
 )
 from quantmla_core.backends.cupy.knobs import V5Knobs
 from quantmla_core.backends.cupy.variants import (
@@ -137,6 +139,58 @@ def test_v5_load_knob_builds_compile(name, knobs):
     use = ptxas_usage(text)
     assert use["spill_stores"] == 0 and use["spill_loads"] == 0 and use["stack"] == 0, f"v5 {name} {knobs}: {use}"
     assert ptx != _compiled_v5()[(name, 512, 64, 64, 64)][2]
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
+@pytest.mark.parametrize("name", ["C4R4", "C2R4"])
+def test_v5_zfold_builds_compile(name):
+    """QMLA_V5_ZFOLD (d_c 512): no spills, no serialized wgmma; per tile body two more QK k-steps (A from registers)
+    and one more PV block of 4 (A from the key tile), the zero points' columns stored with the content's; and no
+    zero-point subtraction left in the content dequantization (one fma a pair where there were two)."""
+    fmt = qm.PackFormat.parse(name)
+    rc, text, ptx = compile_cubin_and_ptx("attention_v5.cu", V4_WGMMA_ARCH, v5_defines(fmt, zfold=True))
+    assert rc == 0, text[-4000:]
+    use = ptxas_usage(text)
+    assert use["spill_stores"] == 0 and use["spill_loads"] == 0 and use["stack"] == 0, f"v5 {name} zfold: {use}"
+    assert "C7515" not in text and "serialized" not in text, text
+    ksteps, bodies, blocks = 576 // 16, 2, 512 // 64 + 1
+    wgmma = "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16"
+    assert ptx.count(wgmma) == bodies * (ksteps + 2 + blocks * 4)
+    assert ptx.count("p, 1, 1, 1, 0;") == bodies * blocks * 4 and ptx.count("p, 1, 1, 0; }") == bodies * (ksteps + 2)
+    assert ptx.count("stmatrix.sync.aligned.m8n8.x4.shared.b16") == bodies * (512 // 16 + 1)
+    _, _, plain = _compiled_v5()[(name, 512, 64, 64, 64)]
+    # per tile the dequantization's fma.rn.bf16x2: two a content pair before, one now (plus the RoPE's and 2 x 3 for the
+    # zero-point fragment's s z)
+    assert ptx.count("fma.rn.bf16x2") < plain.count("fma.rn.bf16x2") - 100
+
+
+def test_v5_zfold_choice():
+    """Where v5 can fold the zero points: d_c 512 builds that load a token's 8 groups together (quad loads, packed
+    groups) with one warpgroup a worker; there the knob, else V5_ZFOLD; the shared memory grows by a key-tile block
+    and the group sums per worker and a query block."""
+    c4, c2, small = qm.PackFormat.parse("C4R4"), qm.PackFormat.parse("C2R4"), qm.PackFormat.parse("C4R4", 256, 32)
+    assert v5_zfold(c4, zfold=True) and v5_zfold(c2, zfold=True) and not v5_zfold(small, zfold=True)
+    assert not v5_zfold(c4, zfold=False) and v5_zfold(c4) == v5_zfold(c2) == V5_ZFOLD
+    assert not v5_zfold(c4, 3, zfold=True) and not v5_zfold(c4, 2, 2, zfold=True)
+    assert not v5_zfold(c4, zfold=True, quad_loads=False) and not v5_zfold(c2, zfold=True, packed_groups=False)
+    worker = -(-(9 * 64 * 128 + 16 * 128 + 4 * 16 * 4 + 16 + 8 * 16 * 4) // 1024) * 1024
+    assert v5_smem_bytes(c4, zfold=True) == 2 * worker + 10 * 16 * 128 + 1024 <= smem_per_block((9, 0))
+    assert v5_defines(c4, zfold=True)["QMLA_V5_SMEM"] == v5_smem_bytes(c4, zfold=True)
+    assert v5_defines(c4, zfold=True)["QMLA_V5_ZFOLD"] == 1 and v5_defines(small, zfold=True)["QMLA_V5_ZFOLD"] == 0
+
+
+def test_v5_zfold_knob(monkeypatch):
+    """QUANTMLA_CUPY_V5_ZFOLD (auto, 0, 1) reaches the C4R4 build as QMLA_V5_ZFOLD and its shared memory."""
+    for value, want in (("0", 0), ("1", 1), ("auto", int(V5_ZFOLD))):
+        monkeypatch.setenv("QUANTMLA_CUPY_V5_ZFOLD", value)
+        assert V5Knobs.from_env() == V5Knobs(True, zfold=None if value == "auto" else bool(want))
+        launches, *_ = _run_v2_stubbed(monkeypatch, 16, 1, True, {}, variant="v5", fmt_name="C4R4")
+        d = launches.of("qmla_attn_v5")[0][0].defines
+        assert d["QMLA_V5_ZFOLD"] == want and d["QMLA_V5_SMEM"] == v5_smem_bytes(qm.PackFormat.parse("C4R4"),
+                                                                                  zfold=bool(want)), value
+    monkeypatch.setenv("QUANTMLA_CUPY_V5_ZFOLD", "2")
+    with pytest.raises(ValueError, match="QUANTMLA_CUPY_V5_ZFOLD"):
+        V5Knobs.from_env()
 
 
 def _checked_build(label: str, build: tuple, compiled: tuple[int, str, str], max_registers: int,
@@ -637,6 +691,15 @@ def test_attention_v5_packed_groups_flipped_match_reference(case, monkeypatch):
     """The other zero-point load build (``QUANTMLA_CUPY_V5_PACKED_GROUPS``: a token's 2-bit d_c 512 zero points and
     scales in one load each, the lane's groups picked once a tile) computes the same attention."""
     _check_v5(case, monkeypatch, {"QUANTMLA_CUPY_V5_PACKED_GROUPS": "0" if V5_PACKED_GROUPS else "1"})
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", [c for c in V2_CASES + BIG[:3] + V5_CASES if v5_zfold(c.fmt, zfold=True)], ids=str)
+def test_attention_v5_zfold_flipped_match_reference(case, monkeypatch):
+    """The other zero-point build (``QUANTMLA_CUPY_V5_ZFOLD``: keys as bf16(s code), the zero points' share added back
+    through two more QK k-steps and one more PV block) computes the same attention, sink and local tiles included."""
+    _check_v5(case, monkeypatch, {"QUANTMLA_CUPY_V5_ZFOLD": "0" if V5_ZFOLD else "1"})
 
 
 @pytest.mark.gpu

@@ -108,6 +108,13 @@ V5_QUAD_LOADS = True
 #: 646.6 / 612.5, B128 L128K 2,530.0 / 2,392.6 and 2,532.4 / 2,392.0 (5-6 % faster); B32 L4K equal (40.7-41.1)
 V5_PACKED_GROUPS = True
 
+#: whether v5 takes the zero points out of the per-value dequantization where the build can (``QMLA_V5_ZFOLD``,
+#: :func:`v5_zfold`; ``QUANTMLA_CUPY_V5_ZFOLD`` = 0/1 forces it): keys enter QK and the key tile as bf16(s code), one
+#: fma a pair instead of two, and two more QK k-steps and one more PV block per tile add -sum_g s z Q_g and
+#: -sum_t P s z back. Offline SASS of the packed tile loop (nvcc 13), a warp and tile: C4R4 1,307 -> 1,234 instructions
+#: (828 -> 816 fixed-wait cycles), C2R4 1,218 -> 1,122 (787 -> 752).
+V5_ZFOLD = False
+
 
 def smem_per_block(capability: tuple[int, int] | None) -> int:
     """Opt-in dynamic shared memory per block (bytes): 227 KB on sm_90, sm_100 and sm_110 (and when the GPU is not
@@ -252,7 +259,7 @@ def v5_defines(fmt: PackFormat, lazy_rescale: bool = True, index64: bool = True,
                workers: int = V5_WORKERS, protected: bool = True, prot_vec: bool = True,
                codes_in_place: bool = CODES_IN_PLACE, rope_fold: bool | None = None,
                quad_loads: bool | None = None, packed_groups: bool = V5_PACKED_GROUPS,
-               halves: int = V5_HALVES) -> dict[str, int]:
+               halves: int = V5_HALVES, zfold: bool | None = None) -> dict[str, int]:
     """``-D`` defines of ``kernels/attention_v5.cu`` (bfloat16 queries; an sm_90a build,
     :data:`V4_WGMMA_ARCH`). ``index64``: int64 seq_lens / seq_ids (else int32); ``workers``: worker
     warpgroups per CTA; ``protected``: the sink/local tokens as the kernel's own tiles (else packed
@@ -265,14 +272,16 @@ def v5_defines(fmt: PackFormat, lazy_rescale: bool = True, index64: bool = True,
     :func:`v5_quad_loads`); ``packed_groups``: a 2-bit d_c 512 build with 64-channel groups loads a token's zero points
     and scales at once (``QMLA_V5_PACKED_GROUPS``, :data:`V5_PACKED_GROUPS`; other formats and three workers, which
     spilled 8 bytes with it, ignore it); ``halves``: warpgroups of a worker (``QMLA_V5_HALVES``, :data:`V5_HALVES`;
-    2 builds neither the fold, quad loads nor packed groups, which need registers four warpgroups do not have)."""
+    2 builds neither the fold, quad loads nor packed groups, which need registers four warpgroups do not have);
+    ``zfold``: the zero points through the matmuls (``QMLA_V5_ZFOLD``, :func:`v5_zfold`; None: its default)."""
     reasons = v5_build_reasons(fmt, workers, halves)
     if reasons:
         raise ValueError(f"v5 cannot build {fmt} with {workers} workers of {halves} warpgroups: {'; '.join(reasons)}")
     if halves > 1:
         rope_fold, quad_loads, packed_groups = False, False, False
     d = attention_defines(fmt, "bfloat16", index64)
-    d.update(QMLA_V5_SMEM=v5_smem_bytes(fmt, workers, halves), QMLA_V5_HALVES=halves,
+    zf = v5_zfold(fmt, workers, halves, zfold, quad_loads, packed_groups)
+    d.update(QMLA_V5_SMEM=v5_smem_bytes(fmt, workers, halves, zf), QMLA_V5_HALVES=halves, QMLA_V5_ZFOLD=int(zf),
              QMLA_V5_LAZY_RESCALE=int(lazy_rescale),
              QMLA_V5_WORKERS=workers, QMLA_V5_PROTECTED=int(protected), QMLA_V5_PROT_VEC=int(prot_vec),
              QMLA_CODES_IN_PLACE=int(codes_in_place and fmt.content_bits == 2),
@@ -293,17 +302,20 @@ def v5_workers(fmt: PackFormat, batch: int, max_tokens: int, workers: int | None
     return V5_WORKERS
 
 
-def v5_smem_bytes(fmt: PackFormat, workers: int = V5_WORKERS, halves: int = V5_HALVES) -> int:
+def v5_smem_bytes(fmt: PackFormat, workers: int = V5_WORKERS, halves: int = V5_HALVES, zfold: bool = False) -> int:
     """Dynamic shared memory of one v5 block (mirrors SMEM_TOTAL in attention_v5.cu): per worker
     (1024-byte aligned) the 128-byte-swizzled key tile of the content channels (64-channel column blocks
     of 64 rows), P^T (bf16 [16][64]), column statistics (float [4][16]) and 16 bytes of the warps'
     new-maximum flags; then the queries (16 rows of d_c + d_r channels in column blocks), plus 1 KB to
     align the base. No stage: the lanes load their codes from the pages into registers. ``workers``:
     workers per CTA (2 or 3); ``halves``: warpgroups of a worker, each with an area of its own over its share of the
-    channels (with 2: and 8 float scores per thread to hand over) and a query tile of its own."""
-    blocks = -(-(fmt.latent_dim + fmt.rope_dim) // halves // 64)
+    channels (with 2: and 8 float scores per thread to hand over) and a query tile of its own. ``zfold``
+    (``QMLA_V5_ZFOLD``): one more key-tile block, 8 groups' float sums per column, one more query block."""
+    blocks = -(-(fmt.latent_dim + fmt.rope_dim) // halves // 64) + int(zfold)
     exchange = 2 * 128 * 16 if halves > 1 else 0
-    area = V5_TILE * (fmt.latent_dim // halves // 64) * 128 + V5_ROWS * V5_TILE * 2 + 4 * V5_ROWS * 4 + 16 + exchange
+    corr = 8 * V5_ROWS * 4 if zfold else 0
+    area = (V5_TILE * (fmt.latent_dim // halves // 64 + int(zfold)) * 128 + V5_ROWS * V5_TILE * 2 + 4 * V5_ROWS * 4 + 16
+            + corr + exchange)
     return workers * halves * (-(-area // 1024) * 1024) + halves * blocks * V5_ROWS * 128 + 1024
 
 
@@ -334,6 +346,18 @@ def _v5_loads_token_groups(fmt: PackFormat, workers: int, content_bits: int) -> 
     packed groups)."""
     return (workers == 2 and fmt.content_bits == content_bits and fmt.latent_dim == 512 and fmt.group_size == 64
             and fmt.content_scale_dtype == "bfloat16")
+
+
+def v5_zfold(fmt: PackFormat, workers: int = V5_WORKERS, halves: int = V5_HALVES, zfold: bool | None = None,
+             quad_loads: bool | None = None, packed_groups: bool = V5_PACKED_GROUPS) -> bool:
+    """Whether v5 folds ``fmt``'s content zero points into its matmuls (``QMLA_V5_ZFOLD``): only where the build loads
+    a token's eight groups at once (quad loads or packed groups, :func:`_v5_loads_token_groups`) with one warpgroup a
+    worker; there ``zfold``, or by default :data:`V5_ZFOLD`."""
+    loads_groups = v5_quad_loads(fmt, workers, quad_loads) or (
+        packed_groups and _v5_loads_token_groups(fmt, workers, 2))
+    if halves != 1 or not loads_groups:
+        return False
+    return V5_ZFOLD if zfold is None else bool(zfold)
 
 
 def v5_quad_loads(fmt: PackFormat, workers: int = 2, quad_loads: bool | None = None) -> bool:

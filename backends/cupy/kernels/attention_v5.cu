@@ -197,6 +197,19 @@ static_assert(!QUAD || (CBITS == 4 && BL == 64 && QMLA_GC == 64 && QMLA_CSCALE_B
 #define QMLA_V5_PACKED_GROUPS 0
 #endif
 #define PACKED (QUAD || QMLA_V5_PACKED_GROUPS)
+#ifndef QMLA_V5_ZFOLD
+// 1: the zero points leave the per-value dequantization (the launcher's QUANTMLA_CUPY_V5_ZFOLD). A content value enters
+// QK's A fragments and the key tile as bf16(s code), one fma a pair (s (128 + code) - 128 s, exact before its one
+// rounding) in place of bf16(s (code - z)), two. What the zero points take away is added back through the matmuls:
+// QK gets two more k-steps whose A columns are each token's s z of the 8 groups, split into a bf16 part and its exact
+// rounding error, against the query sums of each group (-Q_g, likewise split) as B; PV gets one more 64-row block whose
+// first 16 rows are the same s z columns, so O^T's block NMB accumulates sum_t P s z per group, subtracted from each
+// group's channels when the partials are written. Packed tiles only: protected (bf16) tiles skip both.
+#define QMLA_V5_ZFOLD 0
+#endif
+#define ZF QMLA_V5_ZFOLD
+static_assert(!ZF || (PACKED && NHV == 1 && NGC == 8 && QMLA_CSCALE_BF16),
+              "QMLA_V5_ZFOLD serves d_c 512 with 64-channel groups, bf16 scales and a token's groups loaded together");
 static_assert(!QMLA_V5_PACKED_GROUPS || QUAD || (CBITS == 2 && BL == 32 && QMLA_GC == 64 && QMLA_CSCALE_BF16),
               "QMLA_V5_PACKED_GROUPS serves 2-bit d_c 512 with 64-channel groups and bf16 scales");
 static_assert(BL >= 16 && BL <= 64 && (DR == 32 || DR == 64), "d_c 256/512, d_r 32/64");
@@ -275,15 +288,16 @@ __device__ __forceinline__ int v5_column_limits(int (&lm)[2][2], int hi, int L, 
 // warpgroup wgi's area starts at wgi * WK_BYTES (1024-byte aligned, as the swizzled tiles need; a worker's halves are
 // warpgroups NHV w .. NHV w + NHV - 1); the kernel rounds the dynamic shared memory base up to 1024 bytes, hence the
 // extra 1 KB
-#define W_KT 0                          // key tile (content channels, PV's A operand), bf16 [NCBK][T][64]
-#define W_PT (T * NCBK * 128)           // P^T, bf16 [RT][T]: one swizzled 128-byte row per query row
+#define W_KT 0                          // key tile (content channels, PV's A operand), bf16 [NCBK + ZF][T][64]
+#define W_PT (T * (NCBK + ZF) * 128)    // P^T, bf16 [RT][T]: one swizzled 128-byte row per query row
 #define W_RED (W_PT + RT * T * 2)       // float [4 warps][RT]: column maxima, then row sums
 #define W_FLG (W_RED + 4 * RT * 4)      // u8 [4 warps]: a score of the tile passed its reference maximum + slack
-#define W_XS (W_FLG + 16)               // NHV 2, half 1: float4 [2][NTH], its QK scores; half 0: float [RT], the rescale
+#define W_CORR (W_FLG + 16)             // ZF: float [8 groups][RT], each group's sum_t P s z (the partials subtract it)
+#define W_XS (W_CORR + (ZF ? 8 * RT * 4 : 0))  // NHV 2, half 1: float4 [2][NTH], its QK scores; half 0: float [RT], the rescale
 #define XS_BYTES ((NHV > 1) ? 2 * NTH * 16 : 0)
 #define WK_BYTES ((W_XS + XS_BYTES + 1023) / 1024 * 1024)
 #define QT_OFF (NWGS * WK_BYTES)        // queries, bf16 [NHV][NCB][RT][64]: each half's in its QK order
-#define QT_HALF (NCB * RT * 128)
+#define QT_HALF ((NCB + ZF) * RT * 128)  // ZF: block NCB holds the zero-point k-steps' B (v5_stage_zero_queries)
 #define SMEM_TOTAL (QT_OFF + NHV * QT_HALF + 1024)
 #ifdef QMLA_V5_SMEM
 static_assert(SMEM_TOTAL == QMLA_V5_SMEM, "launcher's v5_smem_bytes() disagrees with the kernel's layout");
@@ -502,6 +516,61 @@ __device__ __forceinline__ void v5_quad_group(u32& off2, u32& s2, const V5Regs& 
 }
 #endif
 
+// attend_tile's zero-point fragment for tiles without zero points (bf16 rows; builds without QMLA_V5_ZFOLD): zeros,
+// so their zero-point k-steps and PV block add nothing (skipping them there made ptxas serialize every wgmma)
+__device__ __forceinline__ void v5_no_zero_fragment(u32 (&zx)[1][4]) { zx[0][0] = zx[0][1] = zx[0][2] = zx[0][3] = 0u; }
+
+#if ZF
+static_assert(NKC >= 3, "the zero-point k-steps' registers are released at chunk 2's wait");
+// QMLA_V5_ZFOLD: the A fragment of the zero-point k-steps for this lane (columns 2 q4, 2 q4 + 1 are groups 2 q4,
+// 2 q4 + 1; columns + 8 the same groups' rounding errors): zx[tk] = bf16x2 hi = bf16(s z) of token tk, zx[2 + tk] =
+// hi - s z, exact (s z has at most 12 significant bits). The error's sign is undone by its B rows (+Q_g).
+__device__ __forceinline__ void v5_zero_fragment(u32 (&zx)[4], const V5Regs& r, int q4, u32 c43) {
+#pragma unroll
+    for (int tk = 0; tk < 2; ++tk) {
+        const u32 s2 = (q4 & 2) ? ((q4 & 1) ? r.sw[tk][3] : r.sw[tk][2]) : ((q4 & 1) ? r.sw[tk][1] : r.sw[tk][0]);
+        const u32 zw = (q4 & 2) ? r.zw[tk][1] : r.zw[tk][0];
+        const u32 z2 = (q4 & 1) ? v5_code2<1>(zw, c43) : v5_code2<0>(zw, c43);  // bf16x2 128 + z
+        const u32 zz = fma_bf16x2(z2, 0x3f803f80u, 0xc300c300u);                 // z, exact
+        zx[tk] = fma_bf16x2(zz, s2, 0x80008000u);
+        zx[2 + tk] = fma_bf16x2(zz, s2 ^ 0x80008000u, zx[tk]);
+    }
+}
+
+// QMLA_V5_ZFOLD: the zero-point k-steps' B in query block NCB, row h (query row rbase + h): channels g, 8 + g, 16 + g
+// (g < 8) hold -hi, +hi, -lo of Q_g = sum of the row's content queries of group g (hi = bf16(Q_g), lo = bf16(Q_g - hi)),
+// channels 24 .. 63 zero; rows >= R zero. Thread i < 128 sums (h, g) = (i / 8, i % 8), 128 <= i < 256 zero the rest.
+__device__ __forceinline__ void v5_stage_zero_queries(u8* qt, const u16* __restrict__ q_lat, int b, int R, int rbase) {
+    const int i = threadIdx.x;
+    const auto put = [&](int h, int ch, u32 v) {
+        *(u16*)(qt + sw128_chunk(h, 8 * NCB + (ch >> 3), RT) + 2 * (ch & 7)) = (u16)v;
+    };
+    if (i < 8 * RT) {
+        const int h = i >> 3, g = i & 7;
+        float q = 0.0f;
+        if (rbase + h < R) {
+            const uint4* p = (const uint4*)(q_lat + ((i64)b * R + rbase + h) * DC + QMLA_GC * g);
+#pragma unroll
+            for (int v = 0; v < QMLA_GC / 8; ++v) {
+                const uint4 x = __ldg(p + v);
+                const u32 w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+                for (int k = 0; k < 4; ++k) q += bf16_bits_to_f32(w[k] & 0xffffu) + bf16_bits_to_f32(w[k] >> 16);
+            }
+        }
+        const u32 hi = f32_to_bf16_bits(q), lo = f32_to_bf16_bits(q - bf16_bits_to_f32(hi));
+        put(h, g, hi ^ 0x8000u);
+        put(h, 8 + g, hi);
+        put(h, 16 + g, lo ^ 0x8000u);
+        put(h, 24 + g, 0u);
+    } else if (i < 16 * RT) {
+        const int h = (i - 8 * RT) >> 3, c = (i & 7) * 4;  // channels 32 + c .. 32 + c + 3
+#pragma unroll
+        for (int k = 0; k < 4; ++k) put(h, 32 + c + k, 0u);
+    }
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(NWGS * NTH, 1) qmla_attn_v5(
     const u16* __restrict__ q_lat, const u16* __restrict__ q_rope, const u8* __restrict__ pages,
     const u16* __restrict__ sink_buf, const u16* __restrict__ local_buf, const int* __restrict__ block_table,
@@ -548,9 +617,11 @@ extern "C" __global__ void __launch_bounds__(NWGS * NTH, 1) qmla_attn_v5(
     int lim[2][2];
     const int lim_min = v5_column_limits(lim, keep_hi, L, S_q, H, rbase, q4);
 
-    float acc[NMB][8];  // O^T: acc[mb][4 i + 2 h + e] = channel 64 mb + 16 ww + g8 + 8 h, column 8 i + 2 q4 + e
+    // O^T: acc[mb][4 i + 2 h + e] = channel 64 mb + 16 ww + g8 + 8 h, column 8 i + 2 q4 + e (ZF: block NMB, rows 0 .. 15
+    // of warp 0: sum_t P s z of group g8, then of its rounding errors, negated)
+    float acc[NMB + ZF][8];
 #pragma unroll
-    for (int mb = 0; mb < NMB; ++mb) {
+    for (int mb = 0; mb < NMB + ZF; ++mb) {
 #pragma unroll
         for (int k = 0; k < 8; ++k) acc[mb][k] = 0.0f;
     }
@@ -586,6 +657,14 @@ extern "C" __global__ void __launch_bounds__(NWGS * NTH, 1) qmla_attn_v5(
         V5Regs rg;
         if (my_begin < t_end) v5_load_tile(rg, pages, v5_warp_page(my_begin, ww, bt_row, L, max_pages), num_pages, my_begin, hv, L, tq[0], q4);
         int pgn = v5_warp_page(my_begin + NWG * T, ww, bt_row, L, max_pages);  // page of the worker's next tile
+#if ZF
+        v5_stage_zero_queries(smem + QT_OFF, q_lat, b, R, rbase);
+        // the zero-point block of each key tile: rows 16 .. 63 stay zero (packed tiles store rows 0 .. 15)
+        for (int k = threadIdx.x; k < NWGS * T * 8; k += NWGS * NTH) {
+            *(uint4*)(smem + (k / (T * 8)) * WK_BYTES + W_KT + NCBK * (T * 128) + 16 * (k % (T * 8))) =
+                make_uint4(0u, 0u, 0u, 0u);
+        }
+#endif
         fence_proxy_async();  // the query stores, for wgmma's reads
         __syncthreads();      // queries visible to every warpgroup
 
@@ -614,7 +693,9 @@ extern "C" __global__ void __launch_bounds__(NWGS * NTH, 1) qmla_attn_v5(
         };
         const auto adv_rows = [](u64 d, u32 bytes) { return desc_advance(d, bytes); };
         auto attend_tile = [&](const int t0, const int lo, const int (&lm)[2][2], const int lm_min,
-                               const float (&rsc)[2], auto&& fill, auto&& after_qk, auto&& adv) {
+                               const float (&rsc)[2], auto&& fill, auto&& after_qk, auto&& adv, auto zfrag) {
+            // zfrag(zx): the A fragment of the zero-point k-steps (QMLA_V5_ZFOLD)
+            constexpr bool zon = ZF;
             // descriptors: queries (QK's B, K-major), K (PV's A, MN-major) and P^T (PV's B, K-major), built here and
             // opaque: built once before both tile loops, ptxas took them out of uniform registers (+100 instructions)
             const u64 dq = desc_opaque(sw128_desc(smem_s + QT_OFF + hv * QT_HALF, 16, 1024));
@@ -622,7 +703,7 @@ extern "C" __global__ void __launch_bounds__(NWGS * NTH, 1) qmla_attn_v5(
             const u64 dp = desc_opaque(sw128_desc(smem_s + (wgi - hv) * WK_BYTES + W_PT, 16, 1024));  // half 0's
             wgmma_wait<0>();  // the previous tile's PV (it ran beside the lines before this call)
 #pragma unroll
-            for (int mb = 0; mb < NMB; ++mb) wgmma_fence_operand(acc[mb]);
+            for (int mb = 0; mb < NMB + ZF; ++mb) wgmma_fence_operand(acc[mb]);
             v5_worker_sync(wgi);  // every thread is past the previous tile's PV (K, P free)
 
             // -------------------------------------------------------- QK: S^T[64 tokens][16 rows], A from registers
@@ -633,12 +714,26 @@ extern "C" __global__ void __launch_bounds__(NWGS * NTH, 1) qmla_attn_v5(
             float Sr[8];  // the RoPE k-steps' scores, before the scale
 #endif
             u32 A[2][KCK][4];
+            u32 zx[1][4];
+            if constexpr (zon) {  // the zero points' k-steps first (S starts there), their columns to key block NCBK
+                zfrag(zx);
+                stsm_x4(st_lane + NCBK * (T * 128) + (st_x << 4), zx[0][0], zx[0][1], zx[0][2], zx[0][3]);
+                wgmma_fence_operand(zx);
+                wgmma_fence_operand(S);
+                wgmma_fence();
+                wgmma_m64n16k16_rs(S, zx[0], adv(dq, NCB * (RT * 128)), 0);
+                wgmma_m64n16k16_rs(S, zx[0], adv(dq, NCB * (RT * 128) + 32), 1);
+                wgmma_commit();
+            }
 #pragma unroll
             for (int kc = 0; kc < NKC; ++kc) {
                 u32(&a)[KCK][4] = A[kc & 1];
                 if (kc >= 2) {
                     wgmma_wait<1>();
                     wgmma_fence_operand(a);
+                    if constexpr (zon) {
+                        if (kc == 2) wgmma_fence_operand(zx);  // retired with chunk 0
+                    }
                 }
                 fill(a, kc);
 #pragma unroll
@@ -661,9 +756,9 @@ extern "C" __global__ void __launch_bounds__(NWGS * NTH, 1) qmla_attn_v5(
                     const u64 dqk = adv(dq, (ks >> 2) * (RT * 128) + 32 * (ks & 3));
 #if QMLA_V5_ROPE_FOLD
                     if (ks >= KSC && ks < KSTEPS) wgmma_m64n16k16_rs(Sr, a[j], dqk, ks > KSC);
-                    if (ks < KSC) wgmma_m64n16k16_rs(S, a[j], dqk, ks > 0);
+                    if (ks < KSC) wgmma_m64n16k16_rs(S, a[j], dqk, ks > 0 || zon);
 #else
-                    if (ks < KSTEPS) wgmma_m64n16k16_rs(S, a[j], dqk, ks > 0);
+                    if (ks < KSTEPS) wgmma_m64n16k16_rs(S, a[j], dqk, ks > 0 || zon);
 #endif
                 }
                 wgmma_commit();
@@ -777,13 +872,13 @@ extern "C" __global__ void __launch_bounds__(NWGS * NTH, 1) qmla_attn_v5(
             if (!QMLA_V5_LAZY_RESCALE ||
                 __any_sync(0xffffffffu, al[0][0] != 1.0f || al[0][1] != 1.0f || al[1][0] != 1.0f || al[1][1] != 1.0f)) {
 #pragma unroll
-                for (int mb = 0; mb < NMB; ++mb) {
+                for (int mb = 0; mb < NMB + ZF; ++mb) {
 #pragma unroll
                     for (int k = 0; k < 8; ++k) acc[mb][k] *= al[k >> 2][k & 1];
                 }
             }
 #pragma unroll
-            for (int mb = 0; mb < NMB; ++mb) wgmma_fence_operand(acc[mb]);
+            for (int mb = 0; mb < NMB + ZF; ++mb) wgmma_fence_operand(acc[mb]);
             wgmma_fence();
 #pragma unroll
             for (int mb = 0; mb < NMB; ++mb) {
@@ -793,6 +888,12 @@ extern "C" __global__ void __launch_bounds__(NWGS * NTH, 1) qmla_attn_v5(
                     // tokens 16 kk .. (32 bytes into the rows)
                     wgmma_m64n16k16_ss<1, 0>(acc[mb], adv(dv, mb * (T * 128) + 2048 * kk),
                                              adv(dp, 32 * kk), 1);
+                }
+            }
+            if constexpr (zon) {  // sum_t P s z of each group (key block NCBK's rows 0 .. 15)
+#pragma unroll
+                for (int kk = 0; kk < T / 16; ++kk) {
+                    wgmma_m64n16k16_ss<1, 0>(acc[NMB], adv(dv, NMB * (T * 128) + 2048 * kk), adv(dp, 32 * kk), 1);
                 }
             }
             wgmma_commit();  // waited for in the next tile, or below
@@ -843,6 +944,9 @@ extern "C" __global__ void __launch_bounds__(NWGS * NTH, 1) qmla_attn_v5(
                         s2[tk][c][gl] = __uint_as_float(cs);
 #endif
 #endif
+#if ZF  // -128 s (exact): the dequantization's fma makes bf16(s code)
+                        off2[tk][c][gl] = fma_bf16x2(s2[tk][c][gl], 0xc300c300u, 0x80008000u);
+#endif
                     }
                 }
 #endif
@@ -865,6 +969,9 @@ extern "C" __global__ void __launch_bounds__(NWGS * NTH, 1) qmla_attn_v5(
                             for (int r = 0; r < 4; ++r) {
                                 v5_quad_group(off2[r & 1][r >> 1][0], s2[r & 1][r >> 1][0], cur, r & 1, r >> 1, ks / 8,
                                               c43 | 0x80u);
+#if ZF
+                                off2[r & 1][r >> 1][0] = fma_bf16x2(s2[r & 1][r >> 1][0], 0xc300c300u, 0x80008000u);
+#endif
                             }
                         }
 #endif
@@ -879,7 +986,9 @@ extern "C" __global__ void __launch_bounds__(NWGS * NTH, 1) qmla_attn_v5(
                             const u32 x = (cur.wc[tk][bp >> 1] >> (CBITS * c)) & CMASK;
                             const u32 c2 = (bp & 1) ? v5_code2<1>(x, c43) : v5_code2<0>(x, c43);
 #endif
-#if QMLA_CSCALE_BF16
+#if ZF  // s (128 + code) - 128 s: bf16(s code)
+                            a[j][r] = fma_bf16x2(c2, s2[tk][c][gl], off2[tk][c][gl]);
+#elif QMLA_CSCALE_BF16
                             a[j][r] = qmla_dq2_bf16(c2, off2[tk][c][gl], s2[tk][c][gl]);
 #else
                             a[j][r] = qmla_dq2_f32(c2, off2[tk][c][gl], s2[tk][c][gl]);
@@ -908,7 +1017,12 @@ extern "C" __global__ void __launch_bounds__(NWGS * NTH, 1) qmla_attn_v5(
                     pgn = v5_warp_page(t0 + 2 * NWG * T, ww, bt_row, L, max_pages);
                 }
 #endif
-            }, adv_packed);
+            }, adv_packed,
+#if ZF
+            [&](u32 (&zx)[1][4]) { v5_zero_fragment(zx[0], cur, q4, c43); });
+#else
+            v5_no_zero_fragment);
+#endif
         }
 
         // the protected tiles (ns + nl: none but in the split qmla_protected_split picks): the worker goes on with its
@@ -981,11 +1095,11 @@ extern "C" __global__ void __launch_bounds__(NWGS * NTH, 1) qmla_attn_v5(
             };
 #endif
             const float unscaled[2] = {1.0f, 1.0f};
-            attend_tile(t0, lo, lm, lm_min, unscaled, load_rows, [] {}, adv_rows);
+            attend_tile(t0, lo, lm, lm_min, unscaled, load_rows, [] {}, adv_rows, v5_no_zero_fragment);
         }
         wgmma_wait<0>();  // the last tile's PV
 #pragma unroll
-        for (int mb = 0; mb < NMB; ++mb) wgmma_fence_operand(acc[mb]);
+        for (int mb = 0; mb < NMB + ZF; ++mb) wgmma_fence_operand(acc[mb]);
     }
 
     // ---------------------------------------------------------------- partial results (v1 layout)
@@ -1008,6 +1122,16 @@ extern "C" __global__ void __launch_bounds__(NWGS * NTH, 1) qmla_attn_v5(
     v5_pair_sync(v5_bar_scores(wg));  // both halves past their last PV (the key tiles free), row sums in red[]
     float* ot = (float*)(smem + NHV * wg * WK_BYTES);  // [RT][OT_STRIDE] in half 0's area
 #else
+#if ZF
+    float* corr = (float*)(wk + W_CORR);
+    if (ww == 0) {  // group g8's sum_t P s z: its bf16 parts' sum less its negated rounding errors' (rows g8, g8 + 8)
+#pragma unroll
+        for (int k = 0; k < 8; k += 4) {
+            corr[g8 * RT + 2 * k + 2 * q4] = acc[NMB][k] - acc[NMB][k + 2];
+            corr[g8 * RT + 2 * k + 2 * q4 + 1] = acc[NMB][k + 1] - acc[NMB][k + 3];
+        }
+    }
+#endif
     v5_worker_sync(wgi);  // every warp is past its last PV (the key tile is free) and its row sums are in red[]
     float* ot = (float*)kt;  // [RT][OT_STRIDE]
 #endif
@@ -1018,7 +1142,11 @@ extern "C" __global__ void __launch_bounds__(NWGS * NTH, 1) qmla_attn_v5(
             // row 16 ww + g8 + 8 h of block mb is QK's channel 64 mb + 16 ww + g8 + 8 h
             const int col = 8 * (k >> 2) + 2 * q4 + (k & 1);
             const int ch = v5_qk_channel(64 * mb + 16 * ww + g8 + 8 * ((k >> 1) & 1), hv);
+#if ZF
+            ot[col * OT_STRIDE + ch] = acc[mb][k] - corr[(ch / QMLA_GC) * RT + col];
+#else
             ot[col * OT_STRIDE + ch] = acc[mb][k];
+#endif
         }
     }
     if ((NHV == 1 || hv == 0) && ww == 0 && g8 == 0) {  // the halves' statistics are the same
