@@ -110,18 +110,20 @@ def test_v5_compiles_without_spills(build):
     _name, dc, dr = build[:3]
     wgmma = "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16"
     ksteps, bodies = (dc + dr) // 16, 2  # the tile's code for packed and for protected tiles
-    assert ptx.count(wgmma) == bodies * (ksteps + dc // 64 * 4)
-    assert ptx.count("p, 1, 1, 1, 0;") == bodies * dc // 64 * 4  # PV: A (the key tile) read MN-major
+    zf = int(v5_zfold(_build_format(build)))  # the zero points' 2 QK k-steps and PV block (test_v5_zfold_builds_compile)
+    ksteps, blocks = ksteps + 2 * zf, dc // 64 + zf
+    assert ptx.count(wgmma) == bodies * (ksteps + blocks * 4)
+    assert ptx.count("p, 1, 1, 1, 0;") == bodies * blocks * 4  # PV: A (the key tile) read MN-major
     assert ptx.count("p, 1, 1, 0; }") == bodies * ksteps  # QK: A from registers
-    chunks = -(-ksteps // 4)  # QMLA_V5_KCHUNK: 4 k-steps (two workers)
-    assert ptx.count("wgmma.commit_group.sync.aligned") == bodies * (chunks + 1)
+    chunks = -(-(ksteps - 2 * zf) // 4)  # QMLA_V5_KCHUNK: 4 k-steps (two workers)
+    assert ptx.count("wgmma.commit_group.sync.aligned") == bodies * (chunks + 1 + zf)
     assert ptx.count("wgmma.wait_group.sync.aligned 1") == bodies * (chunks - 2)
     # per body QK's and the previous tile's PV (deferred to the next tile), then the last PV after the loops
     assert ptx.count("wgmma.wait_group.sync.aligned 0") == 2 * bodies + 1
     # no stage: the lanes load their codes from global memory into registers (16-byte loads of content codes),
     # and a protected tile's bf16 pairs (4-byte loads)
     assert "cp.async" not in ptx and "ld.global.nc.v4.u32" in ptx and "ld.global.nc.u32" in ptx
-    assert ptx.count("stmatrix.sync.aligned.m8n8.x4.shared.b16") == bodies * dc // 16  # one per content k-step
+    assert ptx.count("stmatrix.sync.aligned.m8n8.x4.shared.b16") == bodies * (dc // 16 + zf)  # one per content k-step
     assert "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx and "fence.proxy.async.shared::cta" in ptx
     assert "mma.sync" not in ptx and "ldmatrix" not in ptx and "fma.rn.bf16x2" in ptx
     assert "C7515" not in text and "serialized" not in text, text  # ptxas: "wgmma ... serialized"
@@ -158,9 +160,10 @@ def test_v5_zfold_builds_compile(name):
     assert ptx.count(wgmma) == bodies * (ksteps + 2 + blocks * 4)
     assert ptx.count("p, 1, 1, 1, 0;") == bodies * blocks * 4 and ptx.count("p, 1, 1, 0; }") == bodies * (ksteps + 2)
     assert ptx.count("stmatrix.sync.aligned.m8n8.x4.shared.b16") == bodies * (512 // 16 + 1)
-    _, _, plain = _compiled_v5()[(name, 512, 64, 64, 64)]
-    # per tile the dequantization's fma.rn.bf16x2: two a content pair before, one now (plus the RoPE's and 2 x 3 for the
-    # zero-point fragment's s z)
+    rc, text, plain = compile_cubin_and_ptx("attention_v5.cu", V4_WGMMA_ARCH, v5_defines(fmt, zfold=False))
+    assert rc == 0, text[-4000:]
+    # per tile the dequantization's fma.rn.bf16x2: two a content pair without the fold, one with it (plus the RoPE's
+    # and 3 a token for the zero-point fragment's s z)
     assert ptx.count("fma.rn.bf16x2") < plain.count("fma.rn.bf16x2") - 100
 
 
@@ -276,7 +279,9 @@ def test_v5_smem_layout():
     worker = -(-(8 * 64 * 128 + 16 * 128 + 4 * 16 * 4 + 16) // 1024) * 1024
     assert v5_smem_bytes(fmt) == 2 * worker + 9 * 16 * 128 + 1024 == 156672 <= smem_per_block((9, 0))
     assert v5_smem_bytes(qm.PackFormat.parse("C2R4")) == v5_smem_bytes(fmt)
-    assert v5_defines(fmt)["QMLA_V5_SMEM"] == v5_smem_bytes(fmt) and v5_defines(fmt)["QMLA_V5_LAZY_RESCALE"] == 1
+    assert v5_defines(fmt, zfold=False)["QMLA_V5_SMEM"] == v5_smem_bytes(fmt)
+    assert v5_defines(fmt)["QMLA_V5_SMEM"] == v5_smem_bytes(fmt, zfold=v5_zfold(fmt))
+    assert v5_defines(fmt)["QMLA_V5_LAZY_RESCALE"] == 1
     assert v5_defines(fmt, lazy_rescale=False)["QMLA_V5_LAZY_RESCALE"] == 0
     assert "QMLA_V5_STAGES" not in v5_defines(fmt)
     small = qm.PackFormat.parse("C2R4", 256, 32)
@@ -353,7 +358,8 @@ def test_v5_launches_match_kernel_signatures(monkeypatch, h, s_q, prot, separate
         assert isinstance(a, np.uint64 if "*" in p else np.int32 if p.startswith("int ") else np.float32), p
     rows = s_q * h
     assert grid[0] == b * (-(-rows // 16)) and block == (256,)
-    assert smem == v5_smem_bytes(fmt) == attn.defines["QMLA_V5_SMEM"] and attn.defines["QMLA_V5_LAZY_RESCALE"] == 1
+    assert smem == v5_smem_bytes(fmt, zfold=v5_zfold(fmt)) == attn.defines["QMLA_V5_SMEM"]
+    assert attn.defines["QMLA_V5_LAZY_RESCALE"] == 1 and attn.defines["QMLA_V5_ZFOLD"] == int(v5_zfold(fmt))
     assert attn.defines["QMLA_V5_PROTECTED"] == (0 if separate else 1)
     assert int(args[params.index("int sink")]) == (4 if prot else 0)
     assert int(args[params.index("int local")]) == (128 if prot else 0)

@@ -537,10 +537,22 @@ __device__ __forceinline__ void v5_zero_fragment(u32 (&zx)[4], const V5Regs& r, 
     }
 }
 
+// QMLA_V5_ZFOLD: thread i < 128's query row h = i / 8 (query row rbase + h) content channels of group g = i % 8, for
+// v5_stage_zero_queries (zeros for rows >= R and threads i >= 128); loaded with the query tile's, before its stores
+__device__ __forceinline__ void v5_load_zero_queries(uint4 (&x)[QMLA_GC / 8], const u16* __restrict__ q_lat, int b,
+                                                     int R, int rbase) {
+    const int i = threadIdx.x, h = i >> 3, g = i & 7;
+    const bool ok = i < 8 * RT && rbase + h < R;
+    const uint4* p = (const uint4*)(q_lat + ((i64)b * R + rbase + (ok ? h : 0)) * DC + QMLA_GC * g);
+#pragma unroll
+    for (int v = 0; v < QMLA_GC / 8; ++v) x[v] = ok ? __ldg(p + v) : make_uint4(0u, 0u, 0u, 0u);
+}
+
 // QMLA_V5_ZFOLD: the zero-point k-steps' B in query block NCB, row h (query row rbase + h): channels g, 8 + g, 16 + g
 // (g < 8) hold -hi, +hi, -lo of Q_g = sum of the row's content queries of group g (hi = bf16(Q_g), lo = bf16(Q_g - hi)),
-// channels 24 .. 63 zero; rows >= R zero. Thread i < 128 sums (h, g) = (i / 8, i % 8), 128 <= i < 256 zero the rest.
-__device__ __forceinline__ void v5_stage_zero_queries(u8* qt, const u16* __restrict__ q_lat, int b, int R, int rbase) {
+// channels 24 .. 63 zero; rows >= R zero. Thread i < 128 sums (h, g) = (i / 8, i % 8) from x (v5_load_zero_queries),
+// 128 <= i < 256 zero the rest.
+__device__ __forceinline__ void v5_stage_zero_queries(u8* qt, const uint4 (&x)[QMLA_GC / 8]) {
     const int i = threadIdx.x;
     const auto put = [&](int h, int ch, u32 v) {
         *(u16*)(qt + sw128_chunk(h, 8 * NCB + (ch >> 3), RT) + 2 * (ch & 7)) = (u16)v;
@@ -548,15 +560,11 @@ __device__ __forceinline__ void v5_stage_zero_queries(u8* qt, const u16* __restr
     if (i < 8 * RT) {
         const int h = i >> 3, g = i & 7;
         float q = 0.0f;
-        if (rbase + h < R) {
-            const uint4* p = (const uint4*)(q_lat + ((i64)b * R + rbase + h) * DC + QMLA_GC * g);
 #pragma unroll
-            for (int v = 0; v < QMLA_GC / 8; ++v) {
-                const uint4 x = __ldg(p + v);
-                const u32 w[4] = {x.x, x.y, x.z, x.w};
+        for (int v = 0; v < QMLA_GC / 8; ++v) {
+            const u32 w[4] = {x[v].x, x[v].y, x[v].z, x[v].w};
 #pragma unroll
-                for (int k = 0; k < 4; ++k) q += bf16_bits_to_f32(w[k] & 0xffffu) + bf16_bits_to_f32(w[k] >> 16);
-            }
+            for (int k = 0; k < 4; ++k) q += bf16_bits_to_f32(w[k] & 0xffffu) + bf16_bits_to_f32(w[k] >> 16);
         }
         const u32 hi = f32_to_bf16_bits(q), lo = f32_to_bf16_bits(q - bf16_bits_to_f32(hi));
         put(h, g, hi ^ 0x8000u);
@@ -643,6 +651,17 @@ extern "C" __global__ void __launch_bounds__(NWGS * NTH, 1) qmla_attn_v5(
                 qv[k] = pc < DC ? *(const u32*)(q_lat + qrow * DC + pc) : *(const u32*)(q_rope + qrow * DR + (pc - DC));
             }
         }
+#if ZF
+        uint4 zq[QMLA_GC / 8];
+        v5_load_zero_queries(zq, q_lat, b, R, rbase);
+#endif
+        // the worker's first tile's operands, also before the stores
+        const int* bt_row = block_table + (i64)b * bt_stride;
+        const int my_begin = t_begin + wg * T;
+        const int tq[2] = {16 * ww + g8, 16 * ww + g8 + 8};  // this thread's tokens of a tile (A-fragment rows)
+        V5Regs rg;
+        if (my_begin < t_end) v5_load_tile(rg, pages, v5_warp_page(my_begin, ww, bt_row, L, max_pages), num_pages, my_begin, hv, L, tq[0], q4);
+        int pgn = v5_warp_page(my_begin + NWG * T, ww, bt_row, L, max_pages);  // page of the worker's next tile
 #pragma unroll
         for (int k = 0; k < QLD; ++k) {
             const int idx = threadIdx.x + k * NWGS * NTH, row = idx / (DT / 2), lp = idx % (DT / 2);
@@ -651,14 +670,8 @@ extern "C" __global__ void __launch_bounds__(NWGS * NTH, 1) qmla_attn_v5(
                 *(u32*)(smem + QT_OFF + hq * QT_HALF + sw128_chunk(row, lph >> 2, RT) + 4 * (lph & 3)) = qv[k];
             }
         }
-        const int* bt_row = block_table + (i64)b * bt_stride;
-        const int my_begin = t_begin + wg * T;
-        const int tq[2] = {16 * ww + g8, 16 * ww + g8 + 8};  // this thread's tokens of a tile (A-fragment rows)
-        V5Regs rg;
-        if (my_begin < t_end) v5_load_tile(rg, pages, v5_warp_page(my_begin, ww, bt_row, L, max_pages), num_pages, my_begin, hv, L, tq[0], q4);
-        int pgn = v5_warp_page(my_begin + NWG * T, ww, bt_row, L, max_pages);  // page of the worker's next tile
 #if ZF
-        v5_stage_zero_queries(smem + QT_OFF, q_lat, b, R, rbase);
+        v5_stage_zero_queries(smem + QT_OFF, zq);
         // the zero-point block of each key tile: rows 16 .. 63 stay zero (packed tiles store rows 0 .. 15)
         for (int k = threadIdx.x; k < NWGS * T * 8; k += NWGS * NTH) {
             *(uint4*)(smem + (k / (T * 8)) * WK_BYTES + W_KT + NCBK * (T * 128) + 16 * (k % (T * 8))) =
