@@ -52,6 +52,7 @@ from .builds import (
     v5_defines,
     v5_build_reasons,
     v6_defines,
+    v5_zfold,
 )
 
 _INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*(.*?);")
@@ -131,12 +132,14 @@ def compile_sass_v4(fmt: PackFormat, wgmma: bool = True) -> tuple[str, str]:
 
 
 def compile_sass_v5(fmt: PackFormat, workers: int = V5_WORKERS, prot_vec: bool = True,
-                    codes_in_place: bool = CODES_IN_PLACE, rope_fold: bool | None = None) -> tuple[str, str]:
+                    codes_in_place: bool = CODES_IN_PLACE, rope_fold: bool | None = None,
+                    zfold: bool | None = None) -> tuple[str, str]:
     """(SASS text, ptxas -v output) of ``qmla_attn_v5`` for ``fmt`` with ``workers`` worker warpgroups
     per CTA (an sm_90a build); ``prot_vec``: the protected-row loads of up to 16 bytes (``QMLA_V5_PROT_VEC``;
-    False: 4-byte loads); ``codes_in_place``: ``QMLA_CODES_IN_PLACE``; ``rope_fold``: ``QMLA_V5_ROPE_FOLD`` (None:
-    the launcher's default)."""
-    defines = v5_defines(fmt, workers=workers, prot_vec=prot_vec, codes_in_place=codes_in_place, rope_fold=rope_fold)
+    False: 4-byte loads); ``codes_in_place``: ``QMLA_CODES_IN_PLACE``; ``rope_fold``: ``QMLA_V5_ROPE_FOLD``;
+    ``zfold``: ``QMLA_V5_ZFOLD`` (None: the launcher's defaults)."""
+    defines = v5_defines(fmt, workers=workers, prot_vec=prot_vec, codes_in_place=codes_in_place, rope_fold=rope_fold,
+                         zfold=zfold)
     return _build_sass("attention_v5.cu", defines, V4_WGMMA_ARCH)
 
 
@@ -270,11 +273,12 @@ def tile_loop_v5(fmt: PackFormat, workers: int = V5_WORKERS) -> LoopReport:
 
 
 def tile_loops_v5(fmt: PackFormat, workers: int = V5_WORKERS, prot_vec: bool = True,
-                  codes_in_place: bool = CODES_IN_PLACE, rope_fold: bool | None = None) -> dict[str, LoopReport]:
+                  codes_in_place: bool = CODES_IN_PLACE, rope_fold: bool | None = None,
+                  zfold: bool | None = None) -> dict[str, LoopReport]:
     """The two tile loops of one ``qmla_attn_v5`` worker, {"packed": ..., "protected": ...}: both hold
     QK's and PV's HGMMA; the packed one dequantizes codes (HADD2 subtracts the zero points), the
     protected one loads bf16 rows (no HADD2)."""
-    return v5_loops(compile_sass_v5(fmt, workers, prot_vec, codes_in_place, rope_fold)[0])
+    return v5_loops(compile_sass_v5(fmt, workers, prot_vec, codes_in_place, rope_fold, zfold)[0])
 
 
 def v5_loops(sass: str) -> dict[str, LoopReport]:
@@ -318,13 +322,17 @@ def main(argv: list[str]) -> None:
         print(f"{name} {dc}/{dr} kernel v4, wgmma build (64 rows x 64-token tiles, 8 warps): {loop.total} instructions "
               f"per warp per tile, {loop.count('HGMMA')} HGMMA, {regs} registers\n    {top}")
     for name, dc, dr in cases:
-        for workers in v5_report_workers(PackFormat.parse(name, latent_dim=dc, rope_dim=dr)):
-            sass, ptxas = compile_sass_v5(PackFormat.parse(name, latent_dim=dc, rope_dim=dr), workers)
+        fmt = PackFormat.parse(name, latent_dim=dc, rope_dim=dr)
+        builds = [(w, None) for w in v5_report_workers(fmt)] + [(V5_WORKERS, not v5_zfold(fmt, zfold=None))] * (
+            v5_zfold(fmt, zfold=True))
+        for workers, zfold in builds:
+            sass, ptxas = compile_sass_v5(fmt, workers, zfold=zfold)
             loop, regs, top = _loop_summary(sass, ptxas)
             spills = re.search(r"(\d+) bytes spill stores", ptxas)
             prot = v5_loops(sass)["protected"]
             gaps = sorted(c for reg_a, c in hgmma_issue_gaps(sass, loop).elements() if reg_a)
-            print(f"{name} {dc}/{dr} kernel v5, {workers} workers (16 rows x 64-token tiles, a worker of 4 warps): "
+            which = "" if zfold is None else f", zero-point fold {'on' if zfold else 'off'}"
+            print(f"{name} {dc}/{dr} kernel v5, {workers} workers{which} (16 rows x 64-token tiles, a worker of 4 warps): "
                   f"{loop.total} instructions per warp per tile ({loop.total * 4 / 64:.0f} per token), "
                   f"{loop.fixed_wait_cycles} fixed-wait cycles, "
                   f"{loop.count('HGMMA')} HGMMA (QK's {gaps[len(gaps) // 2] if gaps else '?'} cycles apart, median), "
