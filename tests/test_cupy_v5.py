@@ -20,6 +20,7 @@ from quantmla_core.backends.cupy.builds import (
     ROPE_FOLD_CONTENT_BITS,
     V5_PACKED_GROUPS,
     V5_QUAD_LOADS,
+    V5_PROBE_BITS,
     V5_ZFOLD,
     V5_HALVES_CHOICES,
     V5_WORKER_CHOICES,
@@ -194,6 +195,38 @@ def test_v5_zfold_knob(monkeypatch):
     monkeypatch.setenv("QUANTMLA_CUPY_V5_ZFOLD", "2")
     with pytest.raises(ValueError, match="QUANTMLA_CUPY_V5_ZFOLD"):
         V5Knobs.from_env()
+
+
+def test_v5_probe_knob(monkeypatch):
+    """QUANTMLA_CUPY_V5_PROBE (0-7: the stages of V5_PROBE_BITS a measurement build skips) reaches the build as
+    QMLA_V5_PROBE; 0 by default; anything else is refused by name."""
+    assert V5Knobs.from_env().probe == 0 and v5_defines(qm.PackFormat.parse("C4R4"))["QMLA_V5_PROBE"] == 0
+    assert V5_PROBE_BITS == {"pv": 1, "key_stores": 2, "dequant": 4}
+    for value in ("1", "6"):
+        monkeypatch.setenv("QUANTMLA_CUPY_V5_PROBE", value)
+        launches, *_ = _run_v2_stubbed(monkeypatch, 16, 1, True, {}, variant="v5", fmt_name="C4R4")
+        assert launches.of("qmla_attn_v5")[0][0].defines["QMLA_V5_PROBE"] == int(value)
+    monkeypatch.setenv("QUANTMLA_CUPY_V5_PROBE", "8")
+    with pytest.raises(ValueError, match="QUANTMLA_CUPY_V5_PROBE"):
+        V5Knobs.from_env()
+    with pytest.raises(ValueError, match="probe: expected a sum of"):
+        v5_defines(qm.PackFormat.parse("C4R4"), probe=9)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
+def test_v5_probe_builds_skip_their_stages():
+    """Each probe build drops exactly its stage from the packed and protected tiles: bit 1 PV's d_c / 64 x 4 wgmma,
+    bit 2 the key tile's stmatrix (one a content k-step), bit 4 the content dequantization's fma."""
+    fmt = qm.PackFormat.parse("C4R4")
+    ptx = {}
+    for probe in (0, 1, 2, 4):
+        rc, text, ptx[probe] = compile_cubin_and_ptx("attention_v5.cu", V4_WGMMA_ARCH,
+                                                     v5_defines(fmt, zfold=False, probe=probe))
+        assert rc == 0, text[-4000:]
+    wgmma, stsm, fma = "wgmma.mma_async", "stmatrix.sync.aligned.m8n8.x4.shared.b16", "fma.rn.bf16x2"
+    assert ptx[0].count(wgmma) - ptx[1].count(wgmma) == 2 * 512 // 64 * 4
+    assert ptx[0].count(stsm) - ptx[2].count(stsm) == 2 * 512 // 16 and ptx[2].count(wgmma) == ptx[0].count(wgmma)
+    assert ptx[4].count(fma) < ptx[0].count(fma) - 100 and ptx[4].count(stsm) == ptx[0].count(stsm)
 
 
 def _checked_build(label: str, build: tuple, compiled: tuple[int, str, str], max_registers: int,

@@ -115,6 +115,10 @@ V5_PACKED_GROUPS = True
 #: (828 -> 816 fixed-wait cycles), C2R4 1,218 -> 1,122 (787 -> 752).
 V5_ZFOLD = False
 
+#: the stages a v5 measurement build may skip (``QMLA_V5_PROBE``, ``QUANTMLA_CUPY_V5_PROBE`` the sum of their bits):
+#: PV's wgmma, the key tile's stores, the content dequantization's fma. Results are wrong; timing only.
+V5_PROBE_BITS = {"pv": 1, "key_stores": 2, "dequant": 4}
+
 
 def smem_per_block(capability: tuple[int, int] | None) -> int:
     """Opt-in dynamic shared memory per block (bytes): 227 KB on sm_90, sm_100 and sm_110 (and when the GPU is not
@@ -259,7 +263,7 @@ def v5_defines(fmt: PackFormat, lazy_rescale: bool = True, index64: bool = True,
                workers: int = V5_WORKERS, protected: bool = True, prot_vec: bool = True,
                codes_in_place: bool = CODES_IN_PLACE, rope_fold: bool | None = None,
                quad_loads: bool | None = None, packed_groups: bool = V5_PACKED_GROUPS,
-               halves: int = V5_HALVES, zfold: bool | None = None) -> dict[str, int]:
+               halves: int = V5_HALVES, zfold: bool | None = None, probe: int = 0) -> dict[str, int]:
     """``-D`` defines of ``kernels/attention_v5.cu`` (bfloat16 queries; an sm_90a build,
     :data:`V4_WGMMA_ARCH`). ``index64``: int64 seq_lens / seq_ids (else int32); ``workers``: worker
     warpgroups per CTA; ``protected``: the sink/local tokens as the kernel's own tiles (else packed
@@ -273,7 +277,8 @@ def v5_defines(fmt: PackFormat, lazy_rescale: bool = True, index64: bool = True,
     and scales at once (``QMLA_V5_PACKED_GROUPS``, :data:`V5_PACKED_GROUPS`; other formats and three workers, which
     spilled 8 bytes with it, ignore it); ``halves``: warpgroups of a worker (``QMLA_V5_HALVES``, :data:`V5_HALVES`;
     2 builds neither the fold, quad loads nor packed groups, which need registers four warpgroups do not have);
-    ``zfold``: the zero points through the matmuls (``QMLA_V5_ZFOLD``, :func:`v5_zfold`; None: its default)."""
+    ``zfold``: the zero points through the matmuls (``QMLA_V5_ZFOLD``, :func:`v5_zfold`; None: its default);
+    ``probe``: the stages a measurement build skips (``QMLA_V5_PROBE``, :data:`V5_PROBE_BITS`; 0: none)."""
     reasons = v5_build_reasons(fmt, workers, halves)
     if reasons:
         raise ValueError(f"v5 cannot build {fmt} with {workers} workers of {halves} warpgroups: {'; '.join(reasons)}")
@@ -281,7 +286,9 @@ def v5_defines(fmt: PackFormat, lazy_rescale: bool = True, index64: bool = True,
         rope_fold, quad_loads, packed_groups = False, False, False
     d = attention_defines(fmt, "bfloat16", index64)
     zf = v5_zfold(fmt, workers, halves, zfold, quad_loads, packed_groups)
-    d.update(QMLA_V5_SMEM=v5_smem_bytes(fmt, workers, halves, zf), QMLA_V5_HALVES=halves, QMLA_V5_ZFOLD=int(zf),
+    if probe not in range(8):
+        raise ValueError(f"probe: expected a sum of {V5_PROBE_BITS}, got {probe!r}")
+    d.update(QMLA_V5_PROBE=probe, QMLA_V5_SMEM=v5_smem_bytes(fmt, workers, halves, zf), QMLA_V5_HALVES=halves, QMLA_V5_ZFOLD=int(zf),
              QMLA_V5_LAZY_RESCALE=int(lazy_rescale),
              QMLA_V5_WORKERS=workers, QMLA_V5_PROTECTED=int(protected), QMLA_V5_PROT_VEC=int(prot_vec),
              QMLA_CODES_IN_PLACE=int(codes_in_place and fmt.content_bits == 2),

@@ -186,7 +186,9 @@ class V5Knobs:
     default :data:`~.builds.V5_PACKED_GROUPS`): a token's 2-bit content zero points and scales in one load each; halves
     (``QUANTMLA_CUPY_V5_HALVES``, 1/2, default :data:`~.builds.V5_HALVES`): warpgroups of a worker, each over half of every
     tile's channels; zfold (``QUANTMLA_CUPY_V5_ZFOLD``, ``auto`` (default: None, :func:`~.builds.v5_zfold`), ``0`` or
-    ``1``): the content zero points through the matmuls instead of each value's dequantization) and v2's split floor."""
+    ``1``): the content zero points through the matmuls instead of each value's dequantization; probe
+    (``QUANTMLA_CUPY_V5_PROBE``, 0-7, default 0): a measurement build that skips the stages whose bits it sums,
+    :data:`~.builds.V5_PROBE_BITS`, with wrong results) and v2's split floor."""
 
     lazy: bool = True
     min_tiles: int = V2_MIN_TILES_PER_SPLIT
@@ -200,6 +202,7 @@ class V5Knobs:
     packed_groups: bool = V5_PACKED_GROUPS
     halves: int = V5_HALVES
     zfold: bool | None = None
+    probe: int = 0
 
     @staticmethod
     def from_env() -> "V5Knobs":
@@ -214,7 +217,8 @@ class V5Knobs:
                        _env_auto_bool("QUANTMLA_CUPY_V5_QUAD_LOADS"),
                        bool(_env_int("QUANTMLA_CUPY_V5_PACKED_GROUPS", int(V5_PACKED_GROUPS), (0, 1))),
                        _env_int("QUANTMLA_CUPY_V5_HALVES", V5_HALVES, V5_HALVES_CHOICES),
-                       _env_auto_bool("QUANTMLA_CUPY_V5_ZFOLD"))
+                       _env_auto_bool("QUANTMLA_CUPY_V5_ZFOLD"),
+                       _env_int("QUANTMLA_CUPY_V5_PROBE", 0, tuple(range(8))))
 
 
 @dataclass(frozen=True)

@@ -339,13 +339,15 @@ def v4_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
 def _v5_kernel(fmt: PackFormat, dev: int, lazy: bool, index64: bool, workers: int = V5_WORKERS,
                protected: bool = True, prot_vec: bool = True, codes_in_place: bool = CODES_IN_PLACE,
                rope_fold: bool | None = None, quad_loads: bool | None = None,
-               packed_groups: bool = V5_PACKED_GROUPS, halves: int = V5_HALVES, zfold: bool | None = None):
+               packed_groups: bool = V5_PACKED_GROUPS, halves: int = V5_HALVES, zfold: bool | None = None,
+               probe: int = 0):
     """Compiled ``qmla_attn_v5`` (cached, an sm_90a build) and its dynamic shared memory."""
     zf = v5_zfold(fmt, workers, halves, zfold, quad_loads, packed_groups)
     return _split_kernel(("v5", fmt, dev, lazy, index64, workers, protected, prot_vec, codes_in_place, rope_fold,
-                          quad_loads, packed_groups, halves, zf), "v5", dev, v5_smem_bytes(fmt, workers, halves, zf),
+                          quad_loads, packed_groups, halves, zf, probe), "v5", dev,
+                         v5_smem_bytes(fmt, workers, halves, zf),
                          lambda: v5_defines(fmt, lazy, index64, workers, protected, prot_vec, codes_in_place, rope_fold,
-                                            quad_loads, packed_groups, halves, zf),
+                                            quad_loads, packed_groups, halves, zf, probe),
                          V4_WGMMA_ARCH)
 
 
@@ -365,7 +367,7 @@ def v5_plan(fmt: PackFormat, dev: int, sm_count: int, batch: int, rows: int, max
                              f"serve this call: {'; '.join(reasons)}")
         attn, smem = _v5_kernel(fmt, dev, knobs.lazy, index64, knobs.workers, not knobs.separate, knobs.prot_vec,
                                 knobs.codes_in_place, knobs.rope_fold, knobs.quad_loads, knobs.packed_groups,
-                                knobs.halves, knobs.zfold)
+                                knobs.halves, knobs.zfold, knobs.probe)
         own = _own_protected_tiles(no_prot, knobs, sink, local, V5_TILE)
         threads = knobs.workers * knobs.halves * 128  # one partial per worker, whatever its warpgroups
         plan = _packed_split_plan(key, attn, smem, threads, V5_TILE, knobs.workers, fmt, dev, sm_count, batch,

@@ -197,6 +197,13 @@ static_assert(!QUAD || (CBITS == 4 && BL == 64 && QMLA_GC == 64 && QMLA_CSCALE_B
 #define QMLA_V5_PACKED_GROUPS 0
 #endif
 #define PACKED (QUAD || QMLA_V5_PACKED_GROUPS)
+#ifndef QMLA_V5_PROBE
+// measurement builds that skip a stage of every tile, to see what it costs (results are wrong; the launcher's
+// QUANTMLA_CUPY_V5_PROBE, never a default): bit 1 PV's wgmma, bit 2 the key tile's stores (stmatrix), bit 4 the
+// content dequantization's fma (A = the raw bf16 128 + code). 0: none
+#define QMLA_V5_PROBE 0
+#endif
+#define PROBE QMLA_V5_PROBE
 #ifndef QMLA_V5_ZFOLD
 // 1: the zero points leave the per-value dequantization (the launcher's QUANTMLA_CUPY_V5_ZFOLD). A content value enters
 // QK's A fragments and the key tile as bf16(s code), one fma a pair (s (128 + code) - 128 s, exact before its one
@@ -752,7 +759,7 @@ extern "C" __global__ void __launch_bounds__(NWGS * NTH, 1) qmla_attn_v5(
 #pragma unroll
                 for (int j = 0; j < KCK; ++j) {  // content k-step ks: chunks 2 ks, 2 ks + 1 of the key tile
                     const int ks = KCK * kc + j;
-                    if (ks < KSC) {
+                    if (ks < KSC && !(PROBE & 2)) {
                         stsm_x4(st_lane + (ks >> 2) * (T * 128) + ((2 * (ks & 3) ^ st_x) << 4), a[j][0], a[j][1], a[j][2],
                                 a[j][3]);
                     }
@@ -894,7 +901,7 @@ extern "C" __global__ void __launch_bounds__(NWGS * NTH, 1) qmla_attn_v5(
             for (int mb = 0; mb < NMB + ZF; ++mb) wgmma_fence_operand(acc[mb]);
             wgmma_fence();
 #pragma unroll
-            for (int mb = 0; mb < NMB; ++mb) {
+            for (int mb = 0; mb < ((PROBE & 1) ? 0 : NMB); ++mb) {
 #pragma unroll
                 for (int kk = 0; kk < T / 16; ++kk) {
                     // A: K^T, channels of column block mb, tokens 16 kk .. (2048 bytes per 16 rows); B: P^T,
@@ -999,7 +1006,9 @@ extern "C" __global__ void __launch_bounds__(NWGS * NTH, 1) qmla_attn_v5(
                             const u32 x = (cur.wc[tk][bp >> 1] >> (CBITS * c)) & CMASK;
                             const u32 c2 = (bp & 1) ? v5_code2<1>(x, c43) : v5_code2<0>(x, c43);
 #endif
-#if ZF  // s (128 + code) - 128 s: bf16(s code)
+#if PROBE & 4
+                            a[j][r] = c2;
+#elif ZF  // s (128 + code) - 128 s: bf16(s code)
                             a[j][r] = fma_bf16x2(c2, s2[tk][c][gl], off2[tk][c][gl]);
 #elif QMLA_CSCALE_BF16
                             a[j][r] = qmla_dq2_bf16(c2, off2[tk][c][gl], s2[tk][c][gl]);
