@@ -112,7 +112,10 @@ V5_PACKED_GROUPS = True
 #: :func:`v5_zfold`; ``QUANTMLA_CUPY_V5_ZFOLD`` = 0/1 forces it): keys enter QK and the key tile as bf16(s code), one
 #: fma a pair instead of two, and two more QK k-steps and one more PV block per tile add -sum_g s z Q_g and
 #: -sum_t P s z back. Offline SASS of the packed tile loop (nvcc 13), a warp and tile: C4R4 1,307 -> 1,234 instructions
-#: (828 -> 816 fixed-wait cycles), C2R4 1,218 -> 1,122 (787 -> 752).
+#: (828 -> 787 fixed-wait cycles), C2R4 1,218 -> 1,122 (787 -> 757). Slower all the same (H100, H16, CUDA graphs, stop
+#: 69, off / on twice each): B32 L32K C4R4 173.3-173.4 / 174.2 us, C2R4 165.1-165.2 / 174.6-174.7, B128 L32K C4R4
+#: 644.0-652.4 / 659.7-661.7, C2R4 599.1-600.3 / 638.1-638.2, B32 L128K C2R4 596.3-596.8 / 633.8-634.3: its 6 more
+#: wgmma a tile (QK 36 -> 38, PV 32 -> 36) cost more than the instructions saved, so the loop is not issue-bound.
 V5_ZFOLD = False
 
 #: the stages a v5 measurement build may skip (``QMLA_V5_PROBE``, ``QUANTMLA_CUPY_V5_PROBE`` the sum of their bits):

@@ -211,7 +211,9 @@ static_assert(!QUAD || (CBITS == 4 && BL == 64 && QMLA_GC == 64 && QMLA_CSCALE_B
 // QK gets two more k-steps whose A columns are each token's s z of the 8 groups, split into a bf16 part and its exact
 // rounding error, against the query sums of each group (-Q_g, likewise split) as B; PV gets one more 64-row block whose
 // first 16 rows are the same s z columns, so O^T's block NMB accumulates sum_t P s z per group, subtracted from each
-// group's channels when the partials are written. Packed tiles only: protected (bf16) tiles skip both.
+// group's channels when the partials are written. Protected (bf16) tiles run both over zeros. Offline it takes the
+// packed loop from 1,307 to 1,216 instructions a warp and tile (C4R4; C2R4 1,218 -> 1,122), but on an H100 it ran 0.5 %
+// (C4R4 B32 L32K) to 6 % (C2R4) slower (builds.py's V5_ZFOLD): the 6 more wgmma a tile cost more. A measurement knob.
 #define QMLA_V5_ZFOLD 0
 #endif
 #define ZF QMLA_V5_ZFOLD
