@@ -716,8 +716,7 @@ extern "C" __global__ void __launch_bounds__(NWGS * NTH, 1) qmla_attn_v5(
         const auto adv_rows = [](u64 d, u32 bytes) { return desc_advance(d, bytes); };
         auto attend_tile = [&](const int t0, const int lo, const int (&lm)[2][2], const int lm_min,
                                const float (&rsc)[2], auto&& fill, auto&& after_qk, auto&& adv, auto zfrag) {
-            // zfrag(zx): the A fragment of the zero-point k-steps (QMLA_V5_ZFOLD)
-            constexpr bool zon = ZF;
+            // zfrag(zx): the A fragment of the zero-point k-steps (QMLA_V5_ZFOLD; v5_no_zero_fragment for bf16 tiles)
             // descriptors: queries (QK's B, K-major), K (PV's A, MN-major) and P^T (PV's B, K-major), built here and
             // opaque: built once before both tile loops, ptxas took them out of uniform registers (+100 instructions)
             const u64 dq = desc_opaque(sw128_desc(smem_s + QT_OFF + hv * QT_HALF, 16, 1024));
@@ -737,7 +736,7 @@ extern "C" __global__ void __launch_bounds__(NWGS * NTH, 1) qmla_attn_v5(
 #endif
             u32 A[2][KCK][4];
             u32 zx[1][4];
-            if constexpr (zon) {  // the zero points' k-steps first (S starts there), their columns to key block NCBK
+            if constexpr (ZF) {  // the zero points' k-steps first (S starts there), their columns to key block NCBK
                 zfrag(zx);
                 stsm_x4(st_lane + NCBK * (T * 128) + (st_x << 4), zx[0][0], zx[0][1], zx[0][2], zx[0][3]);
                 wgmma_fence_operand(zx);
@@ -753,7 +752,7 @@ extern "C" __global__ void __launch_bounds__(NWGS * NTH, 1) qmla_attn_v5(
                 if (kc >= 2) {
                     wgmma_wait<1>();
                     wgmma_fence_operand(a);
-                    if constexpr (zon) {
+                    if constexpr (ZF) {
                         if (kc == 2) wgmma_fence_operand(zx);  // retired with chunk 0
                     }
                 }
@@ -778,9 +777,9 @@ extern "C" __global__ void __launch_bounds__(NWGS * NTH, 1) qmla_attn_v5(
                     const u64 dqk = adv(dq, (ks >> 2) * (RT * 128) + 32 * (ks & 3));
 #if QMLA_V5_ROPE_FOLD
                     if (ks >= KSC && ks < KSTEPS) wgmma_m64n16k16_rs(Sr, a[j], dqk, ks > KSC);
-                    if (ks < KSC) wgmma_m64n16k16_rs(S, a[j], dqk, ks > 0 || zon);
+                    if (ks < KSC) wgmma_m64n16k16_rs(S, a[j], dqk, ks > 0 || ZF);
 #else
-                    if (ks < KSTEPS) wgmma_m64n16k16_rs(S, a[j], dqk, ks > 0 || zon);
+                    if (ks < KSTEPS) wgmma_m64n16k16_rs(S, a[j], dqk, ks > 0 || ZF);
 #endif
                 }
                 wgmma_commit();
@@ -912,7 +911,7 @@ extern "C" __global__ void __launch_bounds__(NWGS * NTH, 1) qmla_attn_v5(
                                              adv(dp, 32 * kk), 1);
                 }
             }
-            if constexpr (zon) {  // sum_t P s z of each group (key block NCBK's rows 0 .. 15)
+            if constexpr (ZF) {  // sum_t P s z of each group (key block NCBK's rows 0 .. 15)
 #pragma unroll
                 for (int kk = 0; kk < T / 16; ++kk) {
                     wgmma_m64n16k16_ss<1, 0>(acc[NMB], adv(dv, NMB * (T * 128) + 2048 * kk), adv(dp, 32 * kk), 1);
