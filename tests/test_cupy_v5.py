@@ -111,7 +111,7 @@ def test_v5_compiles_without_spills(build):
     _name, dc, dr = build[:3]
     wgmma = "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16"
     ksteps, bodies = (dc + dr) // 16, 2  # the tile's code for packed and for protected tiles
-    zf = int(v5_zfold(_build_format(build)))  # the zero points' 2 QK k-steps and PV block (test_v5_zfold_builds_compile)
+    zf = int(v5_zfold(_build_format(build)))  # the fold's 2 QK k-steps and PV block (test_v5_zfold_builds_compile)
     ksteps, blocks = ksteps + 2 * zf, dc // 64 + zf
     assert ptx.count(wgmma) == bodies * (ksteps + blocks * 4)
     assert ptx.count("p, 1, 1, 1, 0;") == bodies * blocks * 4  # PV: A (the key tile) read MN-major

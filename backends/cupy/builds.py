@@ -291,7 +291,8 @@ def v5_defines(fmt: PackFormat, lazy_rescale: bool = True, index64: bool = True,
     zf = v5_zfold(fmt, workers, halves, zfold, quad_loads, packed_groups)
     if probe not in range(8):
         raise ValueError(f"probe: expected a sum of {V5_PROBE_BITS}, got {probe!r}")
-    d.update(QMLA_V5_PROBE=probe, QMLA_V5_SMEM=v5_smem_bytes(fmt, workers, halves, zf), QMLA_V5_HALVES=halves, QMLA_V5_ZFOLD=int(zf),
+    d.update(QMLA_V5_PROBE=probe, QMLA_V5_SMEM=v5_smem_bytes(fmt, workers, halves, zf), QMLA_V5_HALVES=halves,
+             QMLA_V5_ZFOLD=int(zf),
              QMLA_V5_LAZY_RESCALE=int(lazy_rescale),
              QMLA_V5_WORKERS=workers, QMLA_V5_PROTECTED=int(protected), QMLA_V5_PROT_VEC=int(prot_vec),
              QMLA_CODES_IN_PLACE=int(codes_in_place and fmt.content_bits == 2),

@@ -332,7 +332,8 @@ def main(argv: list[str]) -> None:
             prot = v5_loops(sass)["protected"]
             gaps = sorted(c for reg_a, c in hgmma_issue_gaps(sass, loop).elements() if reg_a)
             which = "" if zfold is None else f", zero-point fold {'on' if zfold else 'off'}"
-            print(f"{name} {dc}/{dr} kernel v5, {workers} workers{which} (16 rows x 64-token tiles, a worker of 4 warps): "
+            print(f"{name} {dc}/{dr} kernel v5, {workers} workers{which} (16 rows x 64-token tiles, a worker of 4 "
+                  "warps): "
                   f"{loop.total} instructions per warp per tile ({loop.total * 4 / 64:.0f} per token), "
                   f"{loop.fixed_wait_cycles} fixed-wait cycles, "
                   f"{loop.count('HGMMA')} HGMMA (QK's {gaps[len(gaps) // 2] if gaps else '?'} cycles apart, median), "

@@ -302,7 +302,8 @@ __device__ __forceinline__ int v5_column_limits(int (&lm)[2][2], int hi, int L, 
 #define W_RED (W_PT + RT * T * 2)       // float [4 warps][RT]: column maxima, then row sums
 #define W_FLG (W_RED + 4 * RT * 4)      // u8 [4 warps]: a score of the tile passed its reference maximum + slack
 #define W_CORR (W_FLG + 16)             // ZF: float [8 groups][RT], each group's sum_t P s z (the partials subtract it)
-#define W_XS (W_CORR + (ZF ? 8 * RT * 4 : 0))  // NHV 2, half 1: float4 [2][NTH], its QK scores; half 0: float [RT], the rescale
+// NHV 2, half 1: float4 [2][NTH], its QK scores; half 0: float [RT], the rescale
+#define W_XS (W_CORR + (ZF ? 8 * RT * 4 : 0))
 #define XS_BYTES ((NHV > 1) ? 2 * NTH * 16 : 0)
 #define WK_BYTES ((W_XS + XS_BYTES + 1023) / 1024 * 1024)
 #define QT_OFF (NWGS * WK_BYTES)        // queries, bf16 [NHV][NCB][RT][64]: each half's in its QK order
@@ -558,9 +559,9 @@ __device__ __forceinline__ void v5_load_zero_queries(uint4 (&x)[QMLA_GC / 8], co
 }
 
 // QMLA_V5_ZFOLD: the zero-point k-steps' B in query block NCB, row h (query row rbase + h): channels g, 8 + g, 16 + g
-// (g < 8) hold -hi, +hi, -lo of Q_g = sum of the row's content queries of group g (hi = bf16(Q_g), lo = bf16(Q_g - hi)),
-// channels 24 .. 63 zero; rows >= R zero. Thread i < 128 sums (h, g) = (i / 8, i % 8) from x (v5_load_zero_queries),
-// 128 <= i < 256 zero the rest.
+// (g < 8) hold -hi, +hi, -lo of Q_g = the sum of the row's content queries of group g (hi = bf16(Q_g),
+// lo = bf16(Q_g - hi)), channels 24 .. 63 zero; rows >= R zero. Thread i < 128 sums (h, g) = (i / 8, i % 8) from x
+// (v5_load_zero_queries), 128 <= i < 256 zero the rest.
 __device__ __forceinline__ void v5_stage_zero_queries(u8* qt, const uint4 (&x)[QMLA_GC / 8]) {
     const int i = threadIdx.x;
     const auto put = [&](int h, int ch, u32 v) {
@@ -634,8 +635,8 @@ extern "C" __global__ void __launch_bounds__(NWGS * NTH, 1) qmla_attn_v5(
     int lim[2][2];
     const int lim_min = v5_column_limits(lim, keep_hi, L, S_q, H, rbase, q4);
 
-    // O^T: acc[mb][4 i + 2 h + e] = channel 64 mb + 16 ww + g8 + 8 h, column 8 i + 2 q4 + e (ZF: block NMB, rows 0 .. 15
-    // of warp 0: sum_t P s z of group g8, then of its rounding errors, negated)
+    // O^T: acc[mb][4 i + 2 h + e] = channel 64 mb + 16 ww + g8 + 8 h, column 8 i + 2 q4 + e (ZF: block NMB, rows
+    // 0 .. 15 of warp 0: sum_t P s z of group g8, then of its rounding errors, negated)
     float acc[NMB + ZF][8];
 #pragma unroll
     for (int mb = 0; mb < NMB + ZF; ++mb) {
@@ -669,7 +670,10 @@ extern "C" __global__ void __launch_bounds__(NWGS * NTH, 1) qmla_attn_v5(
         const int my_begin = t_begin + wg * T;
         const int tq[2] = {16 * ww + g8, 16 * ww + g8 + 8};  // this thread's tokens of a tile (A-fragment rows)
         V5Regs rg;
-        if (my_begin < t_end) v5_load_tile(rg, pages, v5_warp_page(my_begin, ww, bt_row, L, max_pages), num_pages, my_begin, hv, L, tq[0], q4);
+        if (my_begin < t_end) {
+            v5_load_tile(rg, pages, v5_warp_page(my_begin, ww, bt_row, L, max_pages), num_pages, my_begin, hv, L, tq[0],
+                         q4);
+        }
         int pgn = v5_warp_page(my_begin + NWG * T, ww, bt_row, L, max_pages);  // page of the worker's next tile
 #pragma unroll
         for (int k = 0; k < QLD; ++k) {
