@@ -111,7 +111,7 @@ V5_PACKED_GROUPS = True
 #: whether v5 takes the zero points out of the per-value dequantization where the build can (``QMLA_V5_ZFOLD``,
 #: :func:`v5_zfold`; ``QUANTMLA_CUPY_V5_ZFOLD`` = 0/1 forces it): keys enter QK and the key tile as bf16(s code), one
 #: fma a pair instead of two, and two more QK k-steps and one more PV block per tile add -sum_g s z Q_g and
-#: -sum_t P s z back. Offline SASS of the packed tile loop (nvcc 13), a warp and tile: C4R4 1,307 -> 1,234 instructions
+#: -sum_t P s z back. Offline SASS of the packed tile loop (nvcc 13), a warp and tile: C4R4 1,307 -> 1,216 instructions
 #: (828 -> 787 fixed-wait cycles), C2R4 1,218 -> 1,122 (787 -> 757). Slower all the same (H100, H16, CUDA graphs, stop
 #: 69, off / on twice each): B32 L32K C4R4 173.3-173.4 / 174.2 us, C2R4 165.1-165.2 / 174.6-174.7, B128 L32K C4R4
 #: 644.0-652.4 / 659.7-661.7, C2R4 599.1-600.3 / 638.1-638.2, B32 L128K C2R4 596.3-596.8 / 633.8-634.3: its 6 more
@@ -298,7 +298,7 @@ def v5_defines(fmt: PackFormat, lazy_rescale: bool = True, index64: bool = True,
              QMLA_CODES_IN_PLACE=int(codes_in_place and fmt.content_bits == 2),
              QMLA_V5_ROPE_FOLD=int(v5_rope_fold(fmt, workers, rope_fold, quad_loads)),
              QMLA_V5_QUAD_LOADS=int(v5_quad_loads(fmt, workers, quad_loads)),
-             QMLA_V5_PACKED_GROUPS=int(packed_groups and _v5_loads_token_groups(fmt, workers, 2)))
+             QMLA_V5_PACKED_GROUPS=int(_v5_packed_groups(fmt, workers, packed_groups)))
     return d
 
 
@@ -359,13 +359,18 @@ def _v5_loads_token_groups(fmt: PackFormat, workers: int, content_bits: int) -> 
             and fmt.content_scale_dtype == "bfloat16")
 
 
+def _v5_packed_groups(fmt: PackFormat, workers: int, packed_groups: bool) -> bool:
+    """Whether a v5 build with ``workers`` workers loads ``fmt``'s 2-bit content zero points and scales a token at once
+    (``QMLA_V5_PACKED_GROUPS``) where ``packed_groups`` asks for it."""
+    return packed_groups and _v5_loads_token_groups(fmt, workers, 2)
+
+
 def v5_zfold(fmt: PackFormat, workers: int = V5_WORKERS, halves: int = V5_HALVES, zfold: bool | None = None,
              quad_loads: bool | None = None, packed_groups: bool = V5_PACKED_GROUPS) -> bool:
     """Whether v5 folds ``fmt``'s content zero points into its matmuls (``QMLA_V5_ZFOLD``): only where the build loads
     a token's eight groups at once (quad loads or packed groups, :func:`_v5_loads_token_groups`) with one warpgroup a
     worker; there ``zfold``, or by default :data:`V5_ZFOLD`."""
-    loads_groups = v5_quad_loads(fmt, workers, quad_loads) or (
-        packed_groups and _v5_loads_token_groups(fmt, workers, 2))
+    loads_groups = v5_quad_loads(fmt, workers, quad_loads) or _v5_packed_groups(fmt, workers, packed_groups)
     if halves != 1 or not loads_groups:
         return False
     return V5_ZFOLD if zfold is None else bool(zfold)

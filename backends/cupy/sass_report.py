@@ -323,8 +323,9 @@ def main(argv: list[str]) -> None:
               f"per warp per tile, {loop.count('HGMMA')} HGMMA, {regs} registers\n    {top}")
     for name, dc, dr in cases:
         fmt = PackFormat.parse(name, latent_dim=dc, rope_dim=dr)
-        builds = [(w, None) for w in v5_report_workers(fmt)] + [(V5_WORKERS, not v5_zfold(fmt, zfold=None))] * (
-            v5_zfold(fmt, zfold=True))
+        builds = [(w, None) for w in v5_report_workers(fmt)]
+        if v5_zfold(fmt, zfold=True):  # beside the default, the build with the zero-point fold flipped
+            builds.append((V5_WORKERS, not v5_zfold(fmt)))
         for workers, zfold in builds:
             sass, ptxas = compile_sass_v5(fmt, workers, zfold=zfold)
             loop, regs, top = _loop_summary(sass, ptxas)
