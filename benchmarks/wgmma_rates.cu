@@ -9,6 +9,12 @@
 //     72 KB dequantized key tile) until warpgroup 0 is done, and writes its iteration count to cyc[gridDim.x * 2 +
 //     blockIdx.x].
 //   WR_MODE 2 (QK, A from registers): 36 m64n64k16 with A in registers, one warpgroup.
+//   WR_MODE 3 (kernel v5's matmuls, WR_N 16): each of WGS warpgroups (v5's workers) runs a tile's QK (36
+//     m64n16k16, A from registers), WR_STORES stmatrix.x4 a warp (32: v5's 64 KB key tile), then PV (8 m-blocks x 4
+//     k-steps of m64n16k16, A = the key tile MN-major, B = P^T K-major), waiting for each: v5 without its
+//     dequantization, softmax and loads.
+//   WR_MODE 4 (mma.sync, WR_N 8): every warp of WGS warpgroups issues 136 m16n8k16 an iteration (72 + 64: a 64-token
+//     tile's QK and PV for a warp that owns a quarter of the channels at H 16) into 16 accumulators in turn.
 #define QMLA_DC 512  // common.cuh wants a layout; nothing here reads it
 #include "common.cuh"
 #include "wgmma.cuh"
@@ -25,9 +31,14 @@
 #ifndef WR_STORES
 #define WR_STORES 0
 #endif
-static_assert(WR_N == 64 || WR_N == 128 || WR_N == 256, "WR_N: 64, 128 or 256");
+static_assert(WR_N == 64 || WR_N == 128 || WR_N == 256 || (WR_MODE == 3 && WR_N == 16) || (WR_MODE == 4 && WR_N == 8),
+              "WR_N: 64, 128 or 256 (mode 3: 16, mode 4: 8)");
 static_assert(WR_MODE != 1 || (WR_WGS == 2 && WR_N == 64), "mode 1 is v6's two warpgroups with QK at N = 64");
 static_assert(WR_MODE != 2 || (WR_WGS == 1 && WR_N == 64), "mode 2 is one warpgroup at N = 64");
+static_assert(WR_MODE != 3 || (WR_N == 16 && WR_WGS <= 2 && WR_STORES <= 32), "mode 3: v5's N = 16, one or two workers");
+static_assert(WR_MODE != 4 || (WR_N == 8 && WR_STORES == 0), "mode 4: mma.sync's N = 8, no stores");
+#define V5_PV_BLOCKS 8               // mode 3: d_c 512 / 64 rows
+#define SYNC_MMAS 136                // mode 4: m16n8k16 a warp and iteration
 
 #define QK_STEPS 36
 #define A_OFF 0                      // A (queries / P): 16 KB
@@ -129,6 +140,53 @@ extern "C" __global__ void __launch_bounds__(WR_WGS * 128, 1) wgmma_rates(float*
         wgmma_fence_operand(s);
     }
     r = wr_sum(s);
+#elif WR_MODE == 3
+    float s[8], o[V5_PV_BLOCKS][8];
+    for (int i = 0; i < 8; ++i) s[i] = 0.0f;
+    for (int mb = 0; mb < V5_PV_BLOCKS; ++mb) for (int i = 0; i < 8; ++i) o[mb][i] = 0.0f;
+    const u32 a[4] = {0x3c803c80u, 0x3c803c80u, 0x3c803c80u, 0x3c803c80u};
+    const u32 st = base + S_OFF + (threadIdx.x % 32) * 16;
+    for (int it = 0; it < iters; ++it) {
+        wgmma_fence_operand(s);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < QK_STEPS; ++ks) wgmma_m64n16k16_rs(s, a, desc_advance(da, 32 * (ks & 3)), 1);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operand(s);
+#pragma unroll
+        for (int k = 0; k < WR_STORES; ++k) {
+            const int chunk = ((threadIdx.x / 32) * WR_STORES + k) % (S_CHUNKS / 32);
+            stsm_x4(st + chunk * 512, __float_as_uint(s[0]), __float_as_uint(s[1]), __float_as_uint(s[2]), it);
+        }
+        fence_proxy_async();
+        asm volatile("bar.sync %0, 128;" ::"r"(wg + 1) : "memory");
+#pragma unroll
+        for (int mb = 0; mb < V5_PV_BLOCKS; ++mb) wgmma_fence_operand(o[mb]);
+        wgmma_fence();
+#pragma unroll
+        for (int mb = 0; mb < V5_PV_BLOCKS; ++mb) {
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {
+                wgmma_m64n16k16_ss<1, 0>(o[mb], desc_advance(dv, mb * 8192 + 2048 * kk), desc_advance(da, 32 * kk), 1);
+            }
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+#pragma unroll
+        for (int mb = 0; mb < V5_PV_BLOCKS; ++mb) wgmma_fence_operand(o[mb]);
+    }
+    r = s[0] + s[7];
+    for (int mb = 0; mb < V5_PV_BLOCKS; ++mb) r += o[mb][0] + o[mb][7];
+#elif WR_MODE == 4
+    float o[16][4];
+    wr_zero(o);
+    const u32 a[4] = {0x3c803c80u, 0x3c803c80u, 0x3c803c80u, 0x3c803c80u};
+    for (int it = 0; it < iters; ++it) {
+#pragma unroll
+        for (int i = 0; i < SYNC_MMAS; ++i) mma_bf16(o[i % 16], a, 0x3c803c80u, 0x3c803c80u);
+    }
+    r = wr_sum(o);
 #else
     float o[32][4];
     wr_zero(o);

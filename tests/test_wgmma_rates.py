@@ -29,7 +29,8 @@ def test_case_builds_for_sm90a(case):
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
-@pytest.mark.parametrize("case", [(1, 64, 1, 0), (2, 128, 1, 0), (0, 32, 1, 0)], ids=str)
+@pytest.mark.parametrize("case", [(1, 64, 1, 0), (2, 128, 1, 0), (0, 32, 1, 0), (0, 16, 1, 0), (3, 64, 1, 0),
+                                  (3, 16, 4, 0), (4, 16, 1, 0), (4, 8, 1, 4)], ids=str)
 def test_guards_reject_builds_outside_the_modes(case):
     r = _build(*case)
     assert r.returncode != 0
@@ -43,3 +44,7 @@ def test_multiply_adds_per_iteration():
     assert PV_MACS == 4 * 64 * 256 * 16
     # v6's QK alone at the dense rate: 1,152 clocks, the number stop 33's timing probe was read against
     assert macs_per_iter(0, 64) / PEAK_MAC_PER_CLK == 1152
+    # kernel v5's tile: 68 m64n16k16 (576 channels of QK, 512 x 64 tokens of PV, 16 rows)
+    assert macs_per_iter(3, 16) == (576 * 64 + 512 * 64) * 16
+    # mma.sync: a warpgroup's four warps, each a quarter of the same tile's multiply-adds
+    assert macs_per_iter(4, 8) == macs_per_iter(3, 16)
