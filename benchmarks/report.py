@@ -1,6 +1,8 @@
 """Turn benchmark JSON into the tables and plots of ``benchmarks/RESULTS.md``.
 
     python -m benchmarks.report --memory M.json --attention A.json --serving S.json
+    python -m benchmarks.report --merge-grid NEW.json --into results/h200_bench_grid.json  # then --attention
+
 
 Each table is written between ``<!-- report:NAME -->`` and ``<!-- /report:NAME -->`` markers
 in RESULTS.md (added at the end when absent), so hand-written text around them survives.
@@ -190,6 +192,16 @@ def _plot_serving(rows: list[dict], plots: Path) -> Path:
 
 
 # ---------------------------------------------------------------------------- RESULTS.md
+def merge_grid(base: dict, new: dict) -> dict:
+    """``base`` (pytest-benchmark JSON) with every attention row of the head counts that ``new`` times replaced
+    by ``new``'s rows: a fresh run of one H's grid (e.g. ``run_h200_report.sh grid16``) into the combined file."""
+    heads = {b["extra_info"]["H"] for b in new.get("benchmarks", []) if "H" in b.get("extra_info", {})}
+    if not heads:
+        raise ValueError("the new grid has no benchmark with extra_info['H']")
+    kept = [b for b in base.get("benchmarks", []) if b.get("extra_info", {}).get("H") not in heads]
+    return {**base, "benchmarks": kept + list(new["benchmarks"])}
+
+
 def replace_section(text: str, name: str, body: str) -> str:
     start, end = f"<!-- report:{name} -->", f"<!-- /report:{name} -->"
     block = f"{start}\n{body}\n{end}"
@@ -205,7 +217,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--attention", help="pytest-benchmark JSON (--benchmark-json)")
     ap.add_argument("--serving", help="JSON from python -m benchmarks.serving --out")
     ap.add_argument("--results", default=str(RESULTS))
+    ap.add_argument("--merge-grid", help="pytest-benchmark JSON of one or more H's grids to merge into --into")
+    ap.add_argument("--into", help="the combined grid JSON --merge-grid rewrites (its rows of those H replaced)")
     args = ap.parse_args(argv)
+    if args.merge_grid:
+        if not args.into:
+            ap.error("--merge-grid needs --into (the combined grid JSON to rewrite)")
+        merged = merge_grid(json.loads(Path(args.into).read_text()), json.loads(Path(args.merge_grid).read_text()))
+        Path(args.into).write_text(json.dumps(merged, indent=1) + "\n")
+        print(f"merged {args.merge_grid} into {args.into}: {len(merged['benchmarks'])} benchmarks")
     path = Path(args.results)
     plots = path.parent / "results"
     plots.mkdir(exist_ok=True)

@@ -171,3 +171,20 @@ def test_index_and_step_probes_run_at_cpu_scale(capsys):
     ids = torch.randint(3, 1024, (2, 20), generator=torch.Generator().manual_seed(0))
     (_, hits), (_, none) = (hf_step_probe.step_ms(model, ids, 2, shared) for shared in (True, False))
     assert hits == 2 * 2 + 1 and none == 0  # layer 1 takes layer 0's write and attention plans (a time may be noise)
+
+
+def test_merge_grid_replaces_the_new_grids_head_counts_only():
+    from benchmarks import report
+
+    def bench(h, us, name):
+        return {"name": name, "extra_info": {"H": h, "B": 8, "L": 4096, "impl": "cupy", "device_us": us},
+                "stats": {"median": us * 1e-6}}
+
+    base = {"machine_info": {"node": "old"}, "benchmarks": [bench(16, 10.0, "a"), bench(128, 20.0, "b"),
+                                                              bench(16, 11.0, "c")]}
+    new = {"benchmarks": [bench(16, 5.0, "d")]}
+    merged = report.merge_grid(base, new)
+    assert [b["name"] for b in merged["benchmarks"]] == ["b", "d"]
+    assert merged["machine_info"] == {"node": "old"}
+    with pytest.raises(ValueError, match="extra_info"):
+        report.merge_grid(base, {"benchmarks": [{"name": "x", "extra_info": {}}]})
