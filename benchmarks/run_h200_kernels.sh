@@ -125,10 +125,11 @@
 #   bash benchmarks/run_h200_kernels.sh stop62b  # v6 writing the output itself (QUANTMLA_CUPY_V6_MERGE): its tests
 #       (S62B_K: pytest's -k), memcheck, CUDA graphs of S62B_SETTINGS (merge 0 against auto) over S62B_SHAPES
 #       (FlashInfer BF16 in the process); $OUT/s62b.tgz
-#   bash benchmarks/run_h200_kernels.sh stop70   # what bounds kernel v5 at H16 (any card): wgmma_rates.py (v5's
-#       matmuls alone, mma.sync's rate), Nsight Compute of v5 at H16 B32 L32K C4R4 and C2R4 (memory tables, pipes,
-#       warp states), v5's GPU tests, CUDA graphs of both backends' defaults over S70_SHAPES (FlashInfer BF16 in the
-#       process), while S70_LIMIT seconds (default 560) are not spent; $OUT/s70.tgz
+#   bash benchmarks/run_h200_kernels.sh stop70   # what bounds kernel v5 at H16 (any card): v7_probe.py (PV's operand
+#       in registers, checked against float64), wgmma_rates.py (v5's matmuls alone, mma.sync's rate), CUDA graphs of
+#       both backends' defaults over S70_SHAPES (FlashInfer BF16 in the process), Nsight Compute of the probe and of v5
+#       at H16 B32 L32K C4R4 and C2R4 (memory tables, pipes, warp states), v5's GPU tests, while S70_LIMIT seconds
+#       (default 560) are not spent; $OUT/s70.tgz
 #   bash benchmarks/run_h200_kernels.sh stop64a  # Triton kernel v5 (few rows, tokens as wgmma M): its GPU tests
 #       (S64A_K: pytest's -k; against the reference and kernel v4), memcheck, then CUDA graphs of S64A_SETTINGS (v2,
 #       v4, v5, v5 two pages ahead) over S64A_SHAPES (CuPy's defaults and FlashInfer BF16 in the process), then
@@ -920,24 +921,32 @@ or C2R4)" > /tmp/s62b/memcheck.txt 2>&1
 elif [ "$MODE" = stop70 ]; then
   mkdir -p /tmp/s70; t0=$(date +%s); left() { echo $(( ${S70_LIMIT:-560} - $(date +%s) + t0 )); }
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee /tmp/s70/gpu.txt
-  echo "=== wgmma_rates (v5's matmuls alone: mode 3; mma.sync: mode 4)"
+  echo "=== v7 probe (PV's operand in registers; B32 L32K's tokens, checked against float64)"
+  timeout 120 python3 -P benchmarks/v7_probe.py --json /tmp/s70/v7_probe.jsonl 2>&1 | tail -4
+  echo "=== wgmma_rates (v5's matmuls alone: mode 3; mma.sync: mode 4; $(left) s left)"
   timeout 120 python3 -P benchmarks/wgmma_rates.py --json /tmp/s70/wgmma_rates.jsonl 2>&1 | tail -16
-  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
-  for f in C4R4 C2R4; do
-    echo "=== ncu v5 $f 16x32x32768 ($(left) s left)"
-    timeout 110 $NCU -k regex:qmla_attn_v5 -s 2 -c 1 --clock-control none --section SpeedOfLight \
-      --section MemoryWorkloadAnalysis_Tables --section ComputeWorkloadAnalysis --section InstructionStats \
-      --section WarpStateStats --section SchedulerStats python3 -P benchmarks/cupy_probe.py --variant v5 \
-      --shapes 16x32x32768 --formats $f --no-writer --protection 0,0 > /tmp/s70/ncu_v5_$f.txt 2>&1
-    grep -v "^==PROF==" /tmp/s70/ncu_v5_$f.txt | grep -E "Duration|L1/TEX|Shared|Issue Slots|Issued Warp|Pipe|Warp Cycles" \
-      | head -24
-  done
-  echo "=== v5's GPU tests ($(left) s left)"
-  timeout -k 5 $(( $(left) - 100 )) $T -rfE tests/test_cupy_v5.py tests/test_cupy_v5_loads.py 2>&1 | tail -4 \
-    | tee /tmp/s70/v5_tests.txt
   echo "=== CUDA graphs, defaults ($(left) s left)"
-  timeout -k 5 $(( $(left) - 10 )) python3 -P benchmarks/graph_probe.py --backends triton,cupy --formats C4R4,C2R4 \
-    --shapes ${S70_SHAPES:-16x32x32768,16x128x32768} --json /tmp/s70/graph.json 2>&1 | grep -v "^{" | tail -20
+  timeout -k 5 100 python3 -P benchmarks/graph_probe.py --backends triton,cupy --formats C4R4,C2R4 \
+    --shapes ${S70_SHAPES:-16x32x32768} --json /tmp/s70/graph.json 2>&1 | grep -v "^{" | tail -12
+  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+  SECS="--section SpeedOfLight --section MemoryWorkloadAnalysis_Tables --section ComputeWorkloadAnalysis \
+    --section InstructionStats --section WarpStateStats --section SchedulerStats"
+  echo "=== ncu v7 probe ($(left) s left)"
+  timeout 90 $NCU -k regex:v7_probe -s 1 -c 1 --clock-control none $SECS python3 -P benchmarks/v7_probe.py --iters 1 \
+    --check 0 > /tmp/s70/ncu_v7.txt 2>&1
+  grep -v "^==PROF==" /tmp/s70/ncu_v7.txt | grep -E "Duration|L1/TEX|Issued Warp|Warp Cycles Per Issued|Executed Ipc" | head -8
+  for f in C4R4 C2R4; do
+    [ $(left) -gt 100 ] || break
+    echo "=== ncu v5 $f 16x32x32768 ($(left) s left)"
+    timeout 100 $NCU -k regex:qmla_attn_v5 -s 2 -c 1 --clock-control none $SECS python3 -P benchmarks/cupy_probe.py \
+      --variant v5 --shapes 16x32x32768 --formats $f --no-writer --protection 0,0 > /tmp/s70/ncu_v5_$f.txt 2>&1
+    grep -v "^==PROF==" /tmp/s70/ncu_v5_$f.txt | grep -E "Duration|L1/TEX|Issued Warp|Warp Cycles Per Issued" | head -8
+  done
+  if [ $(left) -gt 60 ]; then
+    echo "=== v5's GPU tests ($(left) s left)"
+    timeout -k 5 $(( $(left) - 10 )) $T -rfE tests/test_cupy_v5.py tests/test_cupy_v5_loads.py 2>&1 | tail -4 \
+      | tee /tmp/s70/v5_tests.txt
+  fi
   tar czf "$OUT/s70.tgz" -C /tmp s70
 elif [ "$MODE" = stop64a ] || [ "$MODE" = stop63a ]; then
   mkdir -p /tmp/s64a; t0=$(date +%s); left() { echo $(( ${S64A_LIMIT:-${S63A_LIMIT:-560}} - $(date +%s) + t0 )); }

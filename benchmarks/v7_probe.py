@@ -1,0 +1,131 @@
+"""Time (and check) ``benchmarks/v7_probe.cu``: decode attention at H 16 with PV's operand kept in registers.
+
+The probe reads a synthetic token-major C4R4 layout (``layout_bytes`` says how big), one 16-row request spread over
+``--ctas`` CTAs of ``--tpc`` tokens each (the defaults are B32 L32K's 1,048,576 tokens), and writes each team's
+unnormalized partial output. Printed: the kernel's median time over ``--iters`` launches (CUDA events, no combine
+kernel), the bytes it read and, for ``--check`` CTAs, the largest error of each team's normalized output and
+log-sum-exp against float64 over the same dequantized (bf16) keys::
+
+    source benchmarks/h200_setup.sh; python3 -P benchmarks/v7_probe.py --json "$OUT/v7_probe.json"
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+SOURCE = Path(__file__).with_name("v7_probe.cu")
+H, DC, DR, CROW, RROW, NGC, TEAMS, TILE = 16, 512, 64, 256, 32, 8, 2, 32
+
+
+def layout_bytes(tokens: int) -> int:
+    """Bytes the probe reads a launch: codes, bf16 scales and u8 zero points (content groups and RoPE)."""
+    return tokens * (CROW + RROW + NGC * 3 + 3)
+
+
+def make_inputs(rng: np.random.Generator, tokens: int) -> dict[str, np.ndarray]:
+    """Random codes, zero points, bf16 scales (as uint16 bits) and bf16 queries (bits)."""
+    def bf16_bits(x: np.ndarray) -> np.ndarray:
+        return (x.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+    return {"cc": rng.integers(0, 256, (tokens, CROW), dtype=np.uint8),
+            "rc": rng.integers(0, 256, (tokens, RROW), dtype=np.uint8),
+            "csc": bf16_bits(rng.uniform(0.02, 0.2, (tokens, NGC))), "cze": rng.integers(0, 16, (tokens, NGC),
+                                                                                              dtype=np.uint8),
+            "rsc": bf16_bits(rng.uniform(0.02, 0.2, tokens)), "rze": rng.integers(0, 16, tokens, dtype=np.uint8),
+            "q": bf16_bits(rng.standard_normal((H, DC + DR)))}
+
+
+def _bf16_to_f64(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def _round_bf16(x: np.ndarray) -> np.ndarray:
+    b = x.astype(np.float32).view(np.uint32)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+    return b.view(np.float32).astype(np.float64)
+
+
+def dequantized_keys(inp: dict[str, np.ndarray], lo: int, hi: int) -> np.ndarray:
+    """[hi - lo, 576] float64: bf16(s (code - z)) of tokens lo .. hi - 1, as the kernel makes them."""
+    cc, rc = inp["cc"][lo:hi], inp["rc"][lo:hi]
+    content = np.stack([cc & 15, cc >> 4], axis=-1).reshape(hi - lo, DC).astype(np.float64)
+    rope = np.stack([rc & 15, rc >> 4], axis=-1).reshape(hi - lo, DR).astype(np.float64)
+    cs = np.repeat(_bf16_to_f64(inp["csc"][lo:hi]), DC // NGC, axis=1)
+    cz = np.repeat(inp["cze"][lo:hi].astype(np.float64), DC // NGC, axis=1)
+    rs = _bf16_to_f64(inp["rsc"][lo:hi])[:, None]
+    rz = inp["rze"][lo:hi].astype(np.float64)[:, None]
+    return np.concatenate([_round_bf16(cs * (content - cz)), _round_bf16(rs * (rope - rz))], axis=1)
+
+
+def reference_team(inp: dict[str, np.ndarray], cta: int, team: int, tpc: int, sm_scale: float):
+    """Normalized output [16, 512] and log2-sum-exp [16] of one team's tiles (float64)."""
+    tiles = [t for t in range(team, tpc // TILE, TEAMS)]
+    k = np.concatenate([dequantized_keys(inp, cta * tpc + TILE * t, cta * tpc + TILE * (t + 1)) for t in tiles])
+    s = _bf16_to_f64(inp["q"]) @ k.T * sm_scale * np.log2(np.e)
+    m = s.max(axis=1, keepdims=True)
+    p = np.exp2(s - m)
+    return p @ k[:, :DC] / p.sum(axis=1, keepdims=True), (m[:, 0] + np.log2(p.sum(axis=1)))
+
+
+def run(ctas: int, tpc: int, iters: int, check: int, seed: int = 0) -> dict:
+    import cupy
+
+    from quantmla_core.backends.cupy import KERNEL_DIR, compile_cubin
+
+    if tpc % (TILE * TEAMS):
+        raise ValueError(f"--tpc must be a multiple of {TILE * TEAMS}, got {tpc}")
+    tokens = ctas * tpc
+    inp = make_inputs(np.random.default_rng(seed), tokens)
+    dev = {k: cupy.asarray(v) for k, v in inp.items()}
+    out = cupy.full((ctas, TEAMS, H, DC), np.nan, dtype=cupy.float32)
+    ml = cupy.full((ctas, TEAMS, H, 2), np.nan, dtype=cupy.float32)
+    opts = ("--std=c++17", f"-I{KERNEL_DIR}")
+    fn = cupy.RawModule(path=str(compile_cubin(SOURCE.read_text(), opts, "sm_90a"))).get_function("v7_probe")
+    sm_scale = 1.0 / np.sqrt(DC + DR)
+    args = (dev["cc"], dev["rc"], dev["csc"], dev["cze"], dev["rsc"], dev["rze"], dev["q"], out, ml,
+            np.int32(tpc), np.float32(sm_scale * np.log2(np.e)))
+    fn((ctas,), (128 * TEAMS,), args)
+    cupy.cuda.runtime.deviceSynchronize()
+    times = []
+    for _ in range(iters):
+        a, b = cupy.cuda.Event(), cupy.cuda.Event()
+        a.record()
+        fn((ctas,), (128 * TEAMS,), args)
+        b.record()
+        b.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(a, b) * 1e3)
+    us = float(np.median(times))
+    o, st = out.get().astype(np.float64), ml.get().astype(np.float64)
+    err_o = err_lse = 0.0
+    for cta in np.linspace(0, ctas - 1, max(check, 0)).astype(int) if check else []:
+        for team in range(TEAMS):
+            ref_o, ref_lse = reference_team(inp, int(cta), team, tpc, sm_scale)
+            got_o = o[cta, team] / st[cta, team, :, 1:2]
+            got_lse = st[cta, team, :, 0] + np.log2(st[cta, team, :, 1])
+            err_o = max(err_o, float(np.abs(got_o - ref_o).max() / np.abs(ref_o).max()))
+            err_lse = max(err_lse, float(np.abs(got_lse - ref_lse).max()))
+    return {"ctas": ctas, "tokens_per_cta": tpc, "tokens": tokens, "us": us, "bytes": layout_bytes(tokens),
+            "gbps": layout_bytes(tokens) / us / 1e3, "checked_ctas": check, "max_rel_err_out": err_o,
+            "max_abs_err_lse2": err_lse, "nan_in_checked": bool(np.isnan(o).any()) if check else None}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ctas", type=int, default=128)
+    ap.add_argument("--tpc", type=int, default=8192, help="tokens a CTA (a multiple of 64)")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--check", type=int, default=2, help="CTAs checked against float64 (0: none)")
+    ap.add_argument("--json", default=None, help="also append the JSON line to this file")
+    args = ap.parse_args(argv)
+    row = json.dumps(run(args.ctas, args.tpc, args.iters, args.check))
+    print(row, flush=True)
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(row + "\n")
+
+
+if __name__ == "__main__":
+    main()
