@@ -7,6 +7,8 @@ kernel), the bytes it read and, for ``--check`` CTAs, the largest error of each 
 log-sum-exp against float64 over the same dequantized (bf16) keys::
 
     source benchmarks/h200_setup.sh; python3 -P benchmarks/v7_probe.py --json "$OUT/v7_probe.json"
+
+Offline (nvcc, cuobjdump, nvdisasm), ``python benchmarks/v7_probe.py --sass`` prints the tile loop's SASS histogram.
 """
 from __future__ import annotations
 
@@ -112,6 +114,14 @@ def run(ctas: int, tpc: int, iters: int, check: int, seed: int = 0) -> dict:
             "max_abs_err_lse2": err_lse, "nan_in_checked": bool(np.isnan(o).any()) if check else None}
 
 
+def tile_loop_histogram() -> dict[str, int]:
+    """Opcode counts of the probe's tile loop (its largest loop; static: the rescale branch counted once)."""
+    from quantmla_core.backends.cupy.sass_report import compile_sass_source, loops
+
+    sass, _ = compile_sass_source(SOURCE)
+    return loops(sass)[0].opcodes
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ctas", type=int, default=128)
@@ -119,7 +129,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--check", type=int, default=2, help="CTAs checked against float64 (0: none)")
     ap.add_argument("--json", default=None, help="also append the JSON line to this file")
+    ap.add_argument("--sass", action="store_true", help="print the tile loop's SASS opcode counts (offline) and stop")
     args = ap.parse_args(argv)
+    if args.sass:
+        hist = tile_loop_histogram()
+        top = ", ".join(f"{op} {n}" for op, n in sorted(hist.items(), key=lambda kv: -kv[1])[:16])
+        print(f"v7 probe tile loop (32 tokens, a warp): {sum(hist.values())} instructions; {top}")
+        return
     row = json.dumps(run(args.ctas, args.tpc, args.iters, args.check))
     print(row, flush=True)
     if args.json:

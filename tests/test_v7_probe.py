@@ -9,7 +9,7 @@ import pytest
 
 from benchmarks.v7_probe import SOURCE, TEAMS, TILE, dequantized_keys, layout_bytes, make_inputs, reference_team
 from quantmla_core.backends.cupy import KERNEL_DIR
-from quantmla_core.backends.cupy.sass_report import find_tool
+from quantmla_core.backends.cupy.sass_report import find_tool, missing_tools
 
 NVCC = find_tool("nvcc")
 
@@ -22,6 +22,19 @@ def test_probe_builds_for_sm90a_without_spills():
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "0 bytes spill stores" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.skipif(bool(missing_tools()), reason=f"SASS tools missing: {missing_tools()}")
+def test_tile_loop_keeps_pv_in_registers():
+    """A warp's 32-token tile: 4 x 9 QK and 2 x 16 PV mma.sync, PV's 64 B registers transposed by movmatrix, and
+    no shared-memory traffic but the partial scores (4 stores, 12 loads of 16 bytes)."""
+    from benchmarks.v7_probe import tile_loop_histogram
+
+    hist = tile_loop_histogram()
+    assert hist.get("HMMA") == 4 * 9 + 2 * 16
+    assert hist.get("MOVM") == 2 * 16 * 2
+    assert hist.get("STS", 0) == 4 and hist.get("LDS", 0) == 12
+    assert not any(op.startswith(("STSM", "LDSM", "HGMMA")) for op in hist)
 
 
 def _f32(bits) -> float:

@@ -148,6 +148,13 @@ def compile_sass_v6(fmt: PackFormat) -> tuple[str, str]:
     return _build_sass("attention_v6.cu", v6_defines(fmt), V4_WGMMA_ARCH)
 
 
+def compile_sass_source(path: Path, defines: dict[str, int] | None = None,
+                        arch: str = V4_WGMMA_ARCH) -> tuple[str, str]:
+    """(SASS text, ptxas -v output) of any CUDA source built with the kernels' headers on the include path (the
+    probes in benchmarks/, e.g. v7_probe.cu)."""
+    return _build_sass(str(Path(path).resolve()), defines or {}, arch)
+
+
 def _build_sass(source: str, defines: dict[str, int], arch: str = "sm_90") -> tuple[str, str]:
     missing = missing_tools()
     if missing:
