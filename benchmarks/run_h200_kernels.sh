@@ -127,7 +127,7 @@
 #       (FlashInfer BF16 in the process); $OUT/s62b.tgz
 #   bash benchmarks/run_h200_kernels.sh stop70   # what bounds kernel v5 at H16 (any card): v7_probe.py (PV's operand
 #       in registers, checked against float64), wgmma_rates.py (v5's matmuls alone, mma.sync's rate), CUDA graphs of
-#       both backends' defaults over S70_SHAPES (FlashInfer BF16 in the process), Nsight Compute of the probe and of v5
+#       both backends' defaults (S70_BACKENDS) over S70_SHAPES (FlashInfer BF16 in the process), Nsight Compute of the probe and of v5
 #       at H16 B32 L32K C4R4 and C2R4 (memory tables, pipes, warp states), v5's GPU tests, while S70_LIMIT seconds
 #       (default 560) are not spent; $OUT/s70.tgz
 #   bash benchmarks/run_h200_kernels.sh stop64a  # Triton kernel v5 (few rows, tokens as wgmma M): its GPU tests
@@ -926,7 +926,7 @@ elif [ "$MODE" = stop70 ]; then
   echo "=== wgmma_rates (v5's matmuls alone: mode 3; mma.sync: mode 4; $(left) s left)"
   timeout 120 python3 -P benchmarks/wgmma_rates.py --json /tmp/s70/wgmma_rates.jsonl 2>&1 | tail -16
   echo "=== CUDA graphs, defaults ($(left) s left)"
-  timeout -k 5 100 python3 -P benchmarks/graph_probe.py --backends triton,cupy --formats C4R4,C2R4 \
+  timeout -k 5 100 python3 -P benchmarks/graph_probe.py --backends ${S70_BACKENDS:-triton,cupy} --formats C4R4,C2R4 \
     --shapes ${S70_SHAPES:-16x32x32768} --json /tmp/s70/graph.json 2>&1 | grep -v "^{" | tail -12
   NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
   SECS="--section SpeedOfLight --section MemoryWorkloadAnalysis_Tables --section ComputeWorkloadAnalysis \
