@@ -3,7 +3,6 @@
     python -m benchmarks.report --memory M.json --attention A.json --serving S.json
     python -m benchmarks.report --merge-grid NEW.json --into results/h200_bench_grid.json  # then --attention
 
-
 Each table is written between ``<!-- report:NAME -->`` and ``<!-- /report:NAME -->`` markers
 in RESULTS.md (added at the end when absent), so hand-written text around them survives.
 Plots go to ``results/*.png`` beside RESULTS.md. Attention results are pytest-benchmark JSON whose
