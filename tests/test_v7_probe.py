@@ -1,5 +1,6 @@
-"""benchmarks/v7_probe: the probe kernel builds for sm_90a without spills (CPU, with nvcc), and its float64 reference
-(the check the GPU run prints) is a real attention over the dequantized keys."""
+"""benchmarks/v7_probe: the probe kernel builds for sm_90a without spills (CPU, with nvcc), its tile loop keeps PV's
+operand in registers, a NumPy model of its fragments reproduces Q K^T and P V, and its float64 reference (the check
+the GPU run prints) is a real attention over the dequantized keys."""
 import os
 import subprocess
 import tempfile
@@ -61,3 +62,95 @@ def test_reference_team_is_softmax_attention_over_its_tiles():
     np.testing.assert_allclose(out, p @ k[:, :512] / p.sum(axis=1, keepdims=True), rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(lse2 / np.log2(np.e), np.log(np.exp(s).sum(axis=1)), rtol=1e-12)
     assert layout_bytes(tpc) == tpc * (256 + 32 + 8 * 3 + 3)
+
+
+# ------------------------------------------------------------------ a NumPy model of the probe's fragments
+# Ports of v7_probe.cu's channel map and of its register pairing (the bit operations on the packed bytes), run through
+# mma.sync m16n8k16's and movmatrix's fragment layouts: QK must give Q K^T and PV (through the transpose) P V.
+
+def _channel(w: int, ks: int, kk: int) -> int:  # v7_channel
+    q, el, hi = (kk & 7) >> 1, kk & 1, kk >> 3
+    if ks < 8:
+        r = 2 * (ks & 1) + hi
+        return 128 * w + 32 * q + 8 * (ks >> 1) + (r & 1) * 4 + (r >> 1) + 2 * el
+    return 512 + 16 * w + 4 * q + hi + 2 * el
+
+
+def _code2(x: int, hi: int) -> tuple[int, int]:  # qmla_code2<HI>: bytes 0, 1 or 2, 3 of x
+    return (x >> (16 * hi)) & 0xFF, (x >> (16 * hi + 8)) & 0xFF
+
+
+def _lane_b(content: np.ndarray, rope: np.ndarray, w: int, q: int) -> list[list[tuple[int, int]]]:
+    """b[ks][r] (code pairs) of lane quad q of warp w for one token (v7_dequantize's bit operations)."""
+    b = [[None, None] for _ in range(9)]
+    raw = content[64 * w + 16 * q: 64 * w + 16 * q + 16]
+    for e in range(4):
+        word = int.from_bytes(bytes(raw[4 * e: 4 * e + 4]), "little")
+        lo, hi = word & 0x0F0F0F0F, (word >> 4) & 0x0F0F0F0F
+        b[2 * e] = [_code2(lo, 0), _code2(lo, 1)]
+        b[2 * e + 1] = [_code2(hi, 0), _code2(hi, 1)]
+    r16 = int.from_bytes(bytes(rope[8 * w + 2 * q: 8 * w + 2 * q + 2]), "little")
+    b[8] = [_code2(r16 & 0x0F0F, 0), _code2((r16 >> 4) & 0x0F0F, 0)]
+    return b
+
+
+def _mma(a_frags, b_frags) -> np.ndarray:
+    """m16n8k16 from per-lane fragments: a[lane] = 4 pairs, b[lane] = 2 pairs; returns C[lane][4]."""
+    A, B = np.zeros((16, 16)), np.zeros((16, 8))
+    for lane in range(32):
+        g, q = lane >> 2, lane & 3
+        for i, (row, col) in enumerate([(g, 2 * q), (g + 8, 2 * q), (g, 2 * q + 8), (g + 8, 2 * q + 8)]):
+            A[row, col: col + 2] = a_frags[lane][i]
+        for i in range(2):
+            B[2 * q + 8 * i: 2 * q + 8 * i + 2, g] = b_frags[lane][i]
+    D = A @ B
+    return np.array([[D[lane >> 2, 2 * (lane & 3)], D[lane >> 2, 2 * (lane & 3) + 1],
+                      D[(lane >> 2) + 8, 2 * (lane & 3)], D[(lane >> 2) + 8, 2 * (lane & 3) + 1]] for lane in range(32)])
+
+
+def _movmatrix(pairs) -> list[tuple[float, float]]:
+    M = np.zeros((8, 8))
+    for lane in range(32):
+        M[lane >> 2, 2 * (lane & 3): 2 * (lane & 3) + 2] = pairs[lane]
+    return [(M[2 * (lane & 3), lane >> 2], M[2 * (lane & 3) + 1, lane >> 2]) for lane in range(32)]
+
+
+def test_fragment_model_reproduces_qk_and_pv():
+    rng = np.random.default_rng(3)
+    content = rng.integers(0, 256, (32, 256), dtype=np.uint8)
+    rope = rng.integers(0, 256, (32, 32), dtype=np.uint8)
+    keys = np.concatenate([np.stack([content & 15, content >> 4], -1).reshape(32, 512),
+                           np.stack([rope & 15, rope >> 4], -1).reshape(32, 64)], axis=1).astype(np.float64)
+    qry = rng.standard_normal((16, 576))
+    p = rng.standard_normal((16, 32))
+    s_total = np.zeros((16, 32))
+    out = np.full((16, 512), np.nan)
+    for w in range(4):
+        b = [[_lane_b(content[8 * j + (lane >> 2)], rope[8 * j + (lane >> 2)], w, lane & 3) for lane in range(32)]
+             for j in range(4)]  # b[j][lane][ks][r]
+        qa = [[[(qry[row, _channel(w, ks, kk)], qry[row, _channel(w, ks, kk + 1)])
+                for row, kk in [(lane >> 2, 2 * (lane & 3)), ((lane >> 2) + 8, 2 * (lane & 3)),
+                                (lane >> 2, 2 * (lane & 3) + 8), ((lane >> 2) + 8, 2 * (lane & 3) + 8)]]
+               for lane in range(32)] for ks in range(9)]
+        for j in range(4):
+            c = sum(_mma(qa[ks], [b[j][lane][ks] for lane in range(32)]) for ks in range(9))
+            for lane in range(32):
+                g, q = lane >> 2, lane & 3
+                s_total[[g, g, g + 8, g + 8], [8 * j + 2 * q, 8 * j + 2 * q + 1] * 2] += c[lane]
+        for kk in range(2):  # PV k-step: blocks 2 kk, 2 kk + 1
+            pa = [[(p[r, 16 * kk + 8 * blk + 2 * (lane & 3)], p[r, 16 * kk + 8 * blk + 2 * (lane & 3) + 1])
+                   for blk, r in [(0, lane >> 2), (0, (lane >> 2) + 8), (1, lane >> 2), (1, (lane >> 2) + 8)]]
+                  for lane in range(32)]
+            for ks in range(8):
+                for r in range(2):
+                    t0 = _movmatrix([b[2 * kk][lane][ks][r] for lane in range(32)])
+                    t1 = _movmatrix([b[2 * kk + 1][lane][ks][r] for lane in range(32)])
+                    c = _mma(pa, [(t0[lane], t1[lane]) for lane in range(32)])
+                    for lane in range(32):
+                        g, q = lane >> 2, lane & 3
+                        for e in range(2):
+                            ch = _channel(w, ks, 2 * q + e + 8 * r)
+                            out[g, ch] = (0 if kk == 0 else out[g, ch]) + c[lane][e]
+                            out[g + 8, ch] = (0 if kk == 0 else out[g + 8, ch]) + c[lane][2 + e]
+    np.testing.assert_allclose(s_total, qry @ keys.T, rtol=1e-12, atol=1e-9)
+    np.testing.assert_allclose(out, p @ keys[:, :512], rtol=1e-12, atol=1e-9)
