@@ -104,8 +104,8 @@ def _mma(a_frags, b_frags) -> np.ndarray:
         for i in range(2):
             B[2 * q + 8 * i: 2 * q + 8 * i + 2, g] = b_frags[lane][i]
     D = A @ B
-    return np.array([[D[lane >> 2, 2 * (lane & 3)], D[lane >> 2, 2 * (lane & 3) + 1],
-                      D[(lane >> 2) + 8, 2 * (lane & 3)], D[(lane >> 2) + 8, 2 * (lane & 3) + 1]] for lane in range(32)])
+    return np.array([[D[g, 2 * q], D[g, 2 * q + 1], D[g + 8, 2 * q], D[g + 8, 2 * q + 1]]
+                     for g, q in ((lane >> 2, lane & 3) for lane in range(32))])
 
 
 def _movmatrix(pairs) -> list[tuple[float, float]]:
