@@ -176,13 +176,7 @@ extern "C" __global__ void __launch_bounds__(128 * TEAMS, 1)
             m1 = n1;
             l0 *= a0;
             l1 *= a1;
-#pragma unroll
-            for (int n = 0; n < NCB; ++n) {
-                o[n][0] *= a0;
-                o[n][1] *= a0;
-                o[n][2] *= a1;
-                o[n][3] *= a1;
-            }
+            qmla_rescale_rows<false>(o, a0, a1);
         }
         u32 pa[NJ][2];  // P as bf16 pairs: pa[j][0] row g, pa[j][1] row g + 8 (tokens 8 j + 2 q, + 1)
 #pragma unroll

@@ -152,7 +152,7 @@ def compile_sass_source(path: Path, defines: dict[str, int] | None = None,
                         arch: str = V4_WGMMA_ARCH) -> tuple[str, str]:
     """(SASS text, ptxas -v output) of any CUDA source built with the kernels' headers on the include path (the
     probes in benchmarks/, e.g. v7_probe.cu)."""
-    return _build_sass(str(Path(path).resolve()), defines or {}, arch)
+    return _build_sass(str(Path(path).resolve()), defines or {}, arch)  # an absolute path: KERNEL_DIR / it is it
 
 
 def _build_sass(source: str, defines: dict[str, int], arch: str = "sm_90") -> tuple[str, str]:
