@@ -126,7 +126,8 @@
 #       (S62B_K: pytest's -k), memcheck, CUDA graphs of S62B_SETTINGS (merge 0 against auto) over S62B_SHAPES
 #       (FlashInfer BF16 in the process); $OUT/s62b.tgz
 #   bash benchmarks/run_h200_kernels.sh stop70   # what bounds kernel v5 at H16 (any card): v7_probe.py (PV's operand
-#       in registers, checked against float64), wgmma_rates.py (v5's matmuls alone, mma.sync's rate), CUDA graphs of
+#       in registers, checked against float64; then its builds without PV and without the partial-score exchange),
+#       wgmma_rates.py (v5's matmuls alone, mma.sync's rate), CUDA graphs of
 #       the defaults of S70_BACKENDS (default triton,cupy) over S70_SHAPES (FlashInfer BF16 in the process), Nsight
 #       Compute of the probe and of v5 at H16 B32 L32K C4R4 and C2R4 (memory tables, pipes, warp states), v5's GPU
 #       tests, while S70_LIMIT seconds (default 560) are not spent; $OUT/s70.tgz
@@ -923,6 +924,9 @@ elif [ "$MODE" = stop70 ]; then
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee /tmp/s70/gpu.txt
   echo "=== v7 probe (PV's operand in registers; B32 L32K's tokens, checked against float64)"
   timeout 120 python3 -P benchmarks/v7_probe.py --json /tmp/s70/v7_probe.jsonl 2>&1 | tail -4
+  for k in 1 2; do  # builds that leave out PV (1) or the partial-score exchange (2): what each stage costs
+    timeout 60 python3 -P benchmarks/v7_probe.py --skip $k --check 0 --json /tmp/s70/v7_probe.jsonl 2>&1 | tail -2
+  done
   echo "=== wgmma_rates (v5's matmuls alone: mode 3; mma.sync: mode 4; $(left) s left)"
   timeout 120 python3 -P benchmarks/wgmma_rates.py --json /tmp/s70/wgmma_rates.jsonl 2>&1 | tail -16
   echo "=== CUDA graphs, defaults ($(left) s left)"

@@ -31,6 +31,11 @@
 #define NCB 16    // 8-channel output blocks a warp
 #define TEAMS 2
 #define SLACK 8.0f  // log2 units a score may pass the row's reference maximum
+// Stage-skip builds (timing only: their outputs are wrong): 1 skips PV (its mma.sync and movmatrix), 2 skips the
+// partial-score exchange (each warp's softmax runs on its own partial scores, no shared memory, no barrier).
+#ifndef V7_SKIP
+#define V7_SKIP 0
+#endif
 
 __device__ __forceinline__ u32 movmatrix_t(u32 x) {
     u32 d;
@@ -140,11 +145,11 @@ extern "C" __global__ void __launch_bounds__(128 * TEAMS, 1)
             s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
 #pragma unroll
             for (int ks = 0; ks < KS; ++ks) mma_bf16(s[j], qa[ks], b[j][ks][0], b[j][ks][1]);
-            xs[team][buf][w][j][lane] = make_float4(s[j][0], s[j][1], s[j][2], s[j][3]);
+            if (V7_SKIP != 2) xs[team][buf][w][j][lane] = make_float4(s[j][0], s[j][1], s[j][2], s[j][3]);
         }
-        asm volatile("bar.sync %0, 128;" ::"r"(team + 1) : "memory");
+        if (V7_SKIP != 2) asm volatile("bar.sync %0, 128;" ::"r"(team + 1) : "memory");
 #pragma unroll
-        for (int ww = 1; ww < 4; ++ww) {
+        for (int ww = 1; ww < (V7_SKIP == 2 ? 1 : 4); ++ww) {
 #pragma unroll
             for (int j = 0; j < NJ; ++j) {
                 const float4 v = xs[team][buf][(w + ww) & 3][j][lane];
@@ -190,7 +195,7 @@ extern "C" __global__ void __launch_bounds__(128 * TEAMS, 1)
         }
         // PV: k-step kk covers blocks 2 kk, 2 kk + 1; output block n = 2 ks + r holds QK's register r of k-step ks
 #pragma unroll
-        for (int kk = 0; kk < NJ / 2; ++kk) {
+        for (int kk = 0; kk < (V7_SKIP == 1 ? 0 : NJ / 2); ++kk) {
             const u32 a[4] = {pa[2 * kk][0], pa[2 * kk][1], pa[2 * kk + 1][0], pa[2 * kk + 1][1]};
 #pragma unroll
             for (int ks = 0; ks < 8; ++ks) {

@@ -8,7 +8,9 @@ log-sum-exp against float64 over the same dequantized (bf16) keys::
 
     source benchmarks/h200_setup.sh; python3 -P benchmarks/v7_probe.py --json "$OUT/v7_probe.json"
 
-Offline (nvcc, cuobjdump, nvdisasm), ``python benchmarks/v7_probe.py --sass`` prints the tile loop's SASS histogram.
+``--skip 1`` (no PV) and ``--skip 2`` (no partial-score exchange) time builds that each leave out one stage; their
+outputs are wrong, so they are not checked. Offline (nvcc, cuobjdump, nvdisasm), ``python benchmarks/v7_probe.py
+--sass [--skip N]`` prints the tile loop's SASS histogram.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 SOURCE = Path(__file__).with_name("v7_probe.cu")
+SKIPS = {0: "none", 1: "PV", 2: "the partial-score exchange"}  # v7_probe.cu's V7_SKIP
 H, DC, DR, CROW, RROW, NGC, TEAMS, TILE = 16, 512, 64, 256, 32, 8, 2, 32
 
 
@@ -72,19 +75,23 @@ def reference_team(inp: dict[str, np.ndarray], cta: int, team: int, tpc: int, sm
     return p @ k[:, :DC] / p.sum(axis=1, keepdims=True), (m[:, 0] + np.log2(p.sum(axis=1)))
 
 
-def run(ctas: int, tpc: int, iters: int, check: int, seed: int = 0) -> dict:
+def run(ctas: int, tpc: int, iters: int, check: int, seed: int = 0, skip: int = 0) -> dict:
+    if skip not in SKIPS:
+        raise ValueError(f"--skip must be one of {sorted(SKIPS)}, got {skip}")
+    if skip and check:
+        raise ValueError(f"--skip {skip} leaves out {SKIPS[skip]}: its output is wrong, pass --check 0")
+    if tpc % (TILE * TEAMS):
+        raise ValueError(f"--tpc must be a multiple of {TILE * TEAMS}, got {tpc}")
     import cupy
 
     from quantmla_core.backends.cupy import KERNEL_DIR, compile_cubin
 
-    if tpc % (TILE * TEAMS):
-        raise ValueError(f"--tpc must be a multiple of {TILE * TEAMS}, got {tpc}")
     tokens = ctas * tpc
     inp = make_inputs(np.random.default_rng(seed), tokens)
     dev = {k: cupy.asarray(v) for k, v in inp.items()}
     out = cupy.full((ctas, TEAMS, H, DC), np.nan, dtype=cupy.float32)
     ml = cupy.full((ctas, TEAMS, H, 2), np.nan, dtype=cupy.float32)
-    opts = ("--std=c++17", f"-I{KERNEL_DIR}")
+    opts = ("--std=c++17", f"-I{KERNEL_DIR}", f"-DV7_SKIP={skip}")
     fn = cupy.RawModule(path=str(compile_cubin(SOURCE.read_text(), opts, "sm_90a"))).get_function("v7_probe")
     sm_scale = 1.0 / np.sqrt(DC + DR)
     args = (dev["cc"], dev["rc"], dev["csc"], dev["cze"], dev["rsc"], dev["rze"], dev["q"], out, ml,
@@ -109,16 +116,16 @@ def run(ctas: int, tpc: int, iters: int, check: int, seed: int = 0) -> dict:
             got_lse = st[cta, team, :, 0] + np.log2(st[cta, team, :, 1])
             err_o = max(err_o, float(np.abs(got_o - ref_o).max() / np.abs(ref_o).max()))
             err_lse = max(err_lse, float(np.abs(got_lse - ref_lse).max()))
-    return {"ctas": ctas, "tokens_per_cta": tpc, "tokens": tokens, "us": us, "bytes": layout_bytes(tokens),
+    return {"skip": SKIPS[skip], "ctas": ctas, "tokens_per_cta": tpc, "tokens": tokens, "us": us, "bytes": layout_bytes(tokens),
             "gbps": layout_bytes(tokens) / us / 1e3, "checked_ctas": check, "max_rel_err_out": err_o,
             "max_abs_err_lse2": err_lse, "nan_in_output": bool(np.isnan(o).any())}
 
 
-def tile_loop_histogram() -> dict[str, int]:
+def tile_loop_histogram(skip: int = 0) -> dict[str, int]:
     """Opcode counts of the probe's tile loop (its largest loop; static: the rescale branch counted once)."""
     from quantmla_core.backends.cupy.sass_report import compile_sass_source, loops
 
-    sass, _ = compile_sass_source(SOURCE)
+    sass, _ = compile_sass_source(SOURCE, {"V7_SKIP": skip})
     return loops(sass)[0].opcodes
 
 
@@ -128,15 +135,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tpc", type=int, default=8192, help="tokens a CTA (a multiple of 64)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--check", type=int, default=2, help="CTAs checked against float64 (0: none)")
+    ap.add_argument("--skip", type=int, default=0, choices=sorted(SKIPS),
+                    help="leave out one stage (timing only): " + ", ".join(f"{k} {v}" for k, v in SKIPS.items()))
     ap.add_argument("--json", default=None, help="also append the JSON line to this file")
     ap.add_argument("--sass", action="store_true", help="print the tile loop's SASS opcode counts (offline) and stop")
     args = ap.parse_args(argv)
     if args.sass:
-        hist = tile_loop_histogram()
+        hist = tile_loop_histogram(args.skip)
         top = ", ".join(f"{op} {n}" for op, n in sorted(hist.items(), key=lambda kv: -kv[1])[:16])
-        print(f"v7 probe tile loop (32 tokens, a warp): {sum(hist.values())} instructions; {top}")
+        print(f"v7 probe tile loop (32 tokens, a warp; skipped: {SKIPS[args.skip]}): {sum(hist.values())} instructions; "
+              f"{top}")
         return
-    row = json.dumps(run(args.ctas, args.tpc, args.iters, args.check))
+    row = json.dumps(run(args.ctas, args.tpc, args.iters, args.check, skip=args.skip))
     print(row, flush=True)
     if args.json:
         with open(args.json, "a") as f:

@@ -38,6 +38,28 @@ def test_tile_loop_keeps_pv_in_registers():
     assert not any(op.startswith(("STSM", "LDSM", "HGMMA")) for op in hist)
 
 
+@pytest.mark.skipif(bool(missing_tools()), reason=f"SASS tools missing: {missing_tools()}")
+@pytest.mark.parametrize("skip", [1, 2])
+def test_stage_skip_builds_leave_out_their_stage(skip: int):
+    """Build 1 has QK's 36 mma.sync and no PV (no movmatrix); build 2 keeps both matmuls but no shared memory."""
+    from benchmarks.v7_probe import tile_loop_histogram
+
+    hist = tile_loop_histogram(skip)
+    assert hist.get("HMMA") == (4 * 9 if skip == 1 else 4 * 9 + 2 * 16)
+    assert hist.get("MOVM", 0) == (0 if skip == 1 else 2 * 16 * 2)
+    assert (hist.get("STS", 0), hist.get("LDS", 0)) == ((4, 12) if skip == 1 else (0, 0))
+
+
+@pytest.mark.parametrize("kw, message", [({"skip": 3, "check": 0}, "--skip must be one of"),
+                                         ({"skip": 1, "check": 2}, "its output is wrong"),
+                                         ({"skip": 0, "check": 0, "tpc": 96}, "--tpc must be a multiple of 64")])
+def test_run_rejects_bad_options_before_touching_a_gpu(kw: dict, message: str):
+    from benchmarks.v7_probe import run
+
+    with pytest.raises(ValueError, match=message):
+        run(ctas=1, tpc=kw.pop("tpc", 64), iters=1, **kw)
+
+
 def _f32(bits) -> float:
     return float((np.array([bits], dtype=np.uint32) << 16).view(np.float32)[0])
 
