@@ -35,8 +35,8 @@ static_assert(WR_N == 64 || WR_N == 128 || WR_N == 256 || (WR_MODE == 3 && WR_N 
               "WR_N: 64, 128 or 256 (mode 3: 16, mode 4: 8)");
 static_assert(WR_MODE != 1 || (WR_WGS == 2 && WR_N == 64), "mode 1 is v6's two warpgroups with QK at N = 64");
 static_assert(WR_MODE != 2 || (WR_WGS == 1 && WR_N == 64), "mode 2 is one warpgroup at N = 64");
-static_assert(WR_MODE != 3 || (WR_N == 16 && WR_WGS <= 2 && WR_STORES <= 32),
-              "mode 3: v5's N = 16, one or two workers");
+static_assert(WR_MODE != 3 || (WR_N == 16 && WR_WGS <= 4 && WR_STORES <= 32),
+              "mode 3: v5's N = 16, one to four workers");
 static_assert(WR_MODE != 4 || (WR_N == 8 && WR_STORES == 0), "mode 4: mma.sync's N = 8, no stores");
 #define V5_PV_BLOCKS 8               // mode 3: d_c 512 / 64 rows
 #define SYNC_MMAS 136                // mode 4: m16n8k16 a warp and iteration

@@ -24,10 +24,10 @@ SYNC_MMAS = 136              # mode 4: m16n8k16 a warp and iteration (a quarter 
 SMEM_BYTES = (16 + 64 + 80) * 1024 + 1024  # the kernel's layout plus the 1 KB alignment slack
 #: (mode, N, warpgroups, stores: mode 1 16-byte stores a thread per PV, mode 3 stmatrix.x4 a warp per tile): QK shapes
 #: alone, two warpgroups of them, v6's mix with and without the dequantized tile's stores, QK with A from registers,
-#: kernel v5's matmuls (one and two workers, with and without its key-tile stores), mma.sync (4, 8, 16 warps an SM)
+#: kernel v5's matmuls (one, two and four workers, with and without its key-tile stores), mma.sync (4, 8, 16 warps an SM)
 CASES = [(0, 64, 1, 0), (0, 128, 1, 0), (0, 256, 1, 0), (0, 64, 2, 0), (0, 128, 2, 0), (0, 256, 2, 0),
          (2, 64, 1, 0), (1, 64, 2, 0), (1, 64, 2, 36), (1, 64, 2, 72),
-         (3, 16, 1, 0), (3, 16, 2, 0), (3, 16, 2, 32), (4, 8, 1, 0), (4, 8, 2, 0), (4, 8, 4, 0)]
+         (3, 16, 1, 0), (3, 16, 2, 0), (3, 16, 2, 32), (3, 16, 4, 0), (3, 16, 4, 32), (4, 8, 1, 0), (4, 8, 2, 0), (4, 8, 4, 0)]
 
 
 SOURCE = Path(__file__).with_name("wgmma_rates.cu")

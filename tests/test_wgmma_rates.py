@@ -30,7 +30,7 @@ def test_case_builds_for_sm90a(case):
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
 @pytest.mark.parametrize("case", [(1, 64, 1, 0), (2, 128, 1, 0), (0, 32, 1, 0), (0, 16, 1, 0), (3, 64, 1, 0),
-                                  (3, 16, 4, 0), (4, 16, 1, 0), (4, 8, 1, 4)], ids=str)
+                                  (3, 16, 5, 0), (4, 16, 1, 0), (4, 8, 1, 4)], ids=str)
 def test_guards_reject_builds_outside_the_modes(case):
     r = _build(*case)
     assert r.returncode != 0
