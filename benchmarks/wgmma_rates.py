@@ -3,7 +3,8 @@
 Measures how close a warpgroup MMA shape, or v6's mix of them, runs to the tensor cores' dense bf16 rate
 (2,048 multiply-adds a clock per SM on the H200), one CTA per SM, each warpgroup timing its own loop with
 ``clock64``. Used in stop 34 (benchmarks/RESULTS.md) to tell the MMA shapes' own rates from v6's schedule, and in
-stop 70 to time kernel v5's matmuls alone (mode 3) and mma.sync's rate (mode 4)::
+stop 70 to time kernel v5's matmuls alone (mode 3) and mma.sync's rate (mode 4; mode 5 with its B operands loaded from
+shared memory by ldmatrix, as a kernel shaped like v5 would feed it)::
 
     source benchmarks/h200_setup.sh; python3 -P benchmarks/wgmma_rates.py --json "$OUT/wgmma_rates.jsonl"
 
@@ -24,10 +25,12 @@ SYNC_MMAS = 136              # mode 4: m16n8k16 a warp and iteration (a quarter 
 SMEM_BYTES = (16 + 64 + 80) * 1024 + 1024  # the kernel's layout plus the 1 KB alignment slack
 #: (mode, N, warpgroups, stores: mode 1 16-byte stores a thread per PV, mode 3 stmatrix.x4 a warp per tile): QK shapes
 #: alone, two warpgroups of them, v6's mix with and without the dequantized tile's stores, QK with A from registers,
-#: kernel v5's matmuls (one, two and four workers, with and without its key-tile stores), mma.sync (4, 8, 16 warps an SM)
+#: kernel v5's matmuls (one, two and four workers, with and without its key-tile stores), mma.sync (4, 8, 16 warps an
+#: SM), the same fed by ldmatrix
 CASES = [(0, 64, 1, 0), (0, 128, 1, 0), (0, 256, 1, 0), (0, 64, 2, 0), (0, 128, 2, 0), (0, 256, 2, 0),
          (2, 64, 1, 0), (1, 64, 2, 0), (1, 64, 2, 36), (1, 64, 2, 72),
-         (3, 16, 1, 0), (3, 16, 2, 0), (3, 16, 2, 32), (3, 16, 4, 0), (3, 16, 4, 32), (4, 8, 1, 0), (4, 8, 2, 0), (4, 8, 4, 0)]
+         (3, 16, 1, 0), (3, 16, 2, 0), (3, 16, 2, 32), (3, 16, 4, 0), (3, 16, 4, 32),
+         (4, 8, 1, 0), (4, 8, 2, 0), (4, 8, 4, 0), (5, 8, 1, 0), (5, 8, 2, 0), (5, 8, 4, 0)]
 
 
 SOURCE = Path(__file__).with_name("wgmma_rates.cu")
@@ -41,10 +44,10 @@ def build_options(mode: int, n: int, wgs: int, stores: int) -> tuple[str, ...]:
 
 
 def macs_per_iter(mode: int, n: int) -> int:
-    """Warpgroup 0's multiply-adds per iteration (modes 0, 3, 4: each warpgroup's)."""
+    """Warpgroup 0's multiply-adds per iteration (modes 0, 3, 4, 5: each warpgroup's)."""
     if mode == 3:
         return V5_MMAS * 64 * n * 16
-    if mode == 4:
+    if mode in (4, 5):
         return 4 * SYNC_MMAS * 16 * n * 16
     qk = QK_STEPS * 64 * n * 16
     return qk + PV_MACS if mode == 1 else qk
@@ -69,7 +72,7 @@ def run_case(mode: int, n: int, wgs: int, stores: int, iters: int) -> dict:
     cycles = float(c[: sms * wgs].reshape(sms, wgs)[:, 0].mean())
     wg1 = float(c[sms * wgs:].mean()) / iters if mode == 1 else None
     macs = macs_per_iter(mode, n)
-    total = macs * (wgs if mode in (0, 3, 4) else 1) + (wg1 * PV_MACS if mode == 1 else 0)
+    total = macs * (wgs if mode in (0, 3, 4, 5) else 1) + (wg1 * PV_MACS if mode == 1 else 0)
     return {"mode": mode, "N": n, "warpgroups": wgs, "stores": stores, "cycles_per_iter": cycles,
             "ideal_cycles": macs / PEAK_MAC_PER_CLK, "sm_mac_per_clk": total / cycles,
             "fraction_of_peak": total / cycles / PEAK_MAC_PER_CLK, "wg1_iters_per_iter": wg1}

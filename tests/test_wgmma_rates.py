@@ -6,9 +6,9 @@ import tempfile
 
 import pytest
 
-from benchmarks.wgmma_rates import CASES, PEAK_MAC_PER_CLK, PV_MACS, SOURCE, build_options, macs_per_iter
+from benchmarks.wgmma_rates import CASES, PEAK_MAC_PER_CLK, PV_MACS, SOURCE, SYNC_MMAS, build_options, macs_per_iter
 from quantmla_core.backends.cupy import KERNEL_DIR
-from quantmla_core.backends.cupy.sass_report import find_tool
+from quantmla_core.backends.cupy.sass_report import find_tool, missing_tools
 
 NVCC = find_tool("nvcc")
 
@@ -30,7 +30,8 @@ def test_case_builds_for_sm90a(case):
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
 @pytest.mark.parametrize("case", [(1, 64, 1, 0), (2, 128, 1, 0), (0, 32, 1, 0), (0, 16, 1, 0), (3, 64, 1, 0),
-                                  (3, 16, 5, 0), (4, 16, 1, 0), (4, 8, 1, 4)], ids=str)
+                                  (3, 16, 5, 0), (4, 16, 1, 0), (4, 8, 1, 4), (5, 16, 1, 0),
+                                  (5, 8, 1, 4)], ids=str)
 def test_guards_reject_builds_outside_the_modes(case):
     r = _build(*case)
     assert r.returncode != 0
@@ -48,3 +49,13 @@ def test_multiply_adds_per_iteration():
     assert macs_per_iter(3, 16) == (576 * 64 + 512 * 64) * 16
     # mma.sync: a warpgroup's four warps, each a quarter of the same tile's multiply-adds
     assert macs_per_iter(4, 8) == macs_per_iter(3, 16)
+    assert macs_per_iter(5, 8) == macs_per_iter(4, 8)  # the same mma.sync, fed from shared memory
+
+
+@pytest.mark.skipif(bool(missing_tools()), reason=f"SASS tools missing: {missing_tools()}")
+def test_mode5_feeds_every_pair_of_mma_sync_from_one_ldmatrix():
+    from quantmla_core.backends.cupy.sass_report import compile_sass_source, loops
+
+    sass, _ = compile_sass_source(SOURCE, {"WR_MODE": 5, "WR_N": 8, "WR_WGS": 1, "WR_STORES": 0})
+    hist = loops(sass)[0].opcodes
+    assert hist.get("HMMA") == SYNC_MMAS and hist.get("LDSM") == SYNC_MMAS // 2
