@@ -41,13 +41,14 @@ def test_tile_loop_keeps_pv_in_registers():
 @pytest.mark.skipif(bool(missing_tools()), reason=f"SASS tools missing: {missing_tools()}")
 @pytest.mark.parametrize("skip", [1, 2])
 def test_stage_skip_builds_leave_out_their_stage(skip: int):
-    """Build 1 has QK's 36 mma.sync and no PV (no movmatrix); build 2 keeps both matmuls but no shared memory."""
+    """Build 1 has QK's 36 mma.sync and no PV (no movmatrix); build 2 keeps both matmuls but no shared memory and no
+    barrier."""
     from benchmarks.v7_probe import tile_loop_histogram
 
     hist = tile_loop_histogram(skip)
     assert hist.get("HMMA") == (4 * 9 if skip == 1 else 4 * 9 + 2 * 16)
     assert hist.get("MOVM", 0) == (0 if skip == 1 else 2 * 16 * 2)
-    assert (hist.get("STS", 0), hist.get("LDS", 0)) == ((4, 12) if skip == 1 else (0, 0))
+    assert (hist.get("STS", 0), hist.get("LDS", 0), hist.get("BAR", 0)) == ((4, 12, 1) if skip == 1 else (0, 0, 0))
 
 
 @pytest.mark.parametrize("kw, message", [({"skip": 3, "check": 0}, "--skip must be one of"),
