@@ -116,7 +116,8 @@ def run(ctas: int, tpc: int, iters: int, check: int, seed: int = 0, skip: int = 
             got_lse = st[cta, team, :, 0] + np.log2(st[cta, team, :, 1])
             err_o = max(err_o, float(np.abs(got_o - ref_o).max() / np.abs(ref_o).max()))
             err_lse = max(err_lse, float(np.abs(got_lse - ref_lse).max()))
-    return {"skip": SKIPS[skip], "ctas": ctas, "tokens_per_cta": tpc, "tokens": tokens, "us": us, "bytes": layout_bytes(tokens),
+    return {"skip": SKIPS[skip], "ctas": ctas, "tokens_per_cta": tpc, "tokens": tokens, "us": us,
+            "bytes": layout_bytes(tokens),
             "gbps": layout_bytes(tokens) / us / 1e3, "checked_ctas": check, "max_rel_err_out": err_o,
             "max_abs_err_lse2": err_lse, "nan_in_output": bool(np.isnan(o).any())}
 
@@ -143,8 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.sass:
         hist = tile_loop_histogram(args.skip)
         top = ", ".join(f"{op} {n}" for op, n in sorted(hist.items(), key=lambda kv: -kv[1])[:16])
-        print(f"v7 probe tile loop (32 tokens, a warp; skipped: {SKIPS[args.skip]}): {sum(hist.values())} instructions; "
-              f"{top}")
+        print(f"v7 probe tile loop (32 tokens, a warp; skipped: {SKIPS[args.skip]}): "
+              f"{sum(hist.values())} instructions; {top}")
         return
     row = json.dumps(run(args.ctas, args.tpc, args.iters, args.check, skip=args.skip))
     print(row, flush=True)
