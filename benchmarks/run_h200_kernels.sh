@@ -127,10 +127,10 @@
 #       (FlashInfer BF16 in the process); $OUT/s62b.tgz
 #   bash benchmarks/run_h200_kernels.sh stop70   # what bounds kernel v5 at H16 (any card): v7_probe.py (PV's operand
 #       in registers, checked against float64; then its builds without PV and without the partial-score exchange),
-#       wgmma_rates.py (v5's matmuls alone, mma.sync's rate), CUDA graphs of
-#       the defaults of S70_BACKENDS (default triton,cupy) over S70_SHAPES (FlashInfer BF16 in the process), Nsight
-#       Compute of the probe and of v5 at H16 B32 L32K C4R4 and C2R4 (memory tables, pipes, warp states), v5's GPU
-#       tests, while S70_LIMIT seconds (default 560) are not spent; $OUT/s70.tgz
+#       wgmma_rates.py (v5's matmuls alone, mma.sync's rate), CUDA graphs of the defaults of S70_BACKENDS (default
+#       triton,cupy) over S70_SHAPES (FlashInfer BF16 in the process), Nsight Compute of the probe and of v5 at H16
+#       B32 L32K C4R4 and C2R4 (memory tables, pipes, warp states), v5's GPU tests, while S70_LIMIT seconds (default
+#       560) are not spent; $OUT/s70.tgz
 #   bash benchmarks/run_h200_kernels.sh stop64a  # Triton kernel v5 (few rows, tokens as wgmma M): its GPU tests
 #       (S64A_K: pytest's -k; against the reference and kernel v4), memcheck, then CUDA graphs of S64A_SETTINGS (v2,
 #       v4, v5, v5 two pages ahead) over S64A_SHAPES (CuPy's defaults and FlashInfer BF16 in the process), then

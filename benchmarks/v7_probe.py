@@ -116,9 +116,9 @@ def run(ctas: int, tpc: int, iters: int, check: int, seed: int = 0, skip: int = 
             got_lse = st[cta, team, :, 0] + np.log2(st[cta, team, :, 1])
             err_o = max(err_o, float(np.abs(got_o - ref_o).max() / np.abs(ref_o).max()))
             err_lse = max(err_lse, float(np.abs(got_lse - ref_lse).max()))
-    return {"skip": SKIPS[skip], "ctas": ctas, "tokens_per_cta": tpc, "tokens": tokens, "us": us,
-            "bytes": layout_bytes(tokens),
-            "gbps": layout_bytes(tokens) / us / 1e3, "checked_ctas": check, "max_rel_err_out": err_o,
+    nbytes = layout_bytes(tokens)
+    return {"skip": SKIPS[skip], "ctas": ctas, "tokens_per_cta": tpc, "tokens": tokens, "us": us, "bytes": nbytes,
+            "gbps": nbytes / us / 1e3, "checked_ctas": check, "max_rel_err_out": err_o,
             "max_abs_err_lse2": err_lse, "nan_in_output": bool(np.isnan(o).any())}
 
 

@@ -38,8 +38,8 @@ static_assert(WR_MODE != 1 || (WR_WGS == 2 && WR_N == 64), "mode 1 is v6's two w
 static_assert(WR_MODE != 2 || (WR_WGS == 1 && WR_N == 64), "mode 2 is one warpgroup at N = 64");
 static_assert(WR_MODE != 3 || (WR_N == 16 && WR_WGS <= 4 && WR_STORES <= 32),
               "mode 3: v5's N = 16, one to four workers");
-static_assert(WR_MODE != 4 || (WR_N == 8 && WR_STORES == 0), "mode 4: mma.sync's N = 8, no stores");
-static_assert(WR_MODE != 5 || (WR_N == 8 && WR_STORES == 0), "mode 5: mma.sync's N = 8 from ldmatrix, no stores");
+static_assert((WR_MODE != 4 && WR_MODE != 5) || (WR_N == 8 && WR_STORES == 0),
+              "modes 4, 5: mma.sync's N = 8, no stores");
 #define V5_PV_BLOCKS 8               // mode 3: d_c 512 / 64 rows
 #define SYNC_MMAS 136                // mode 4: m16n8k16 a warp and iteration
 
@@ -181,24 +181,21 @@ extern "C" __global__ void __launch_bounds__(WR_WGS * 128, 1) wgmma_rates(float*
     }
     r = s[0] + s[7];
     for (int mb = 0; mb < V5_PV_BLOCKS; ++mb) r += o[mb][0] + o[mb][7];
-#elif WR_MODE == 4
+#elif WR_MODE == 4 || WR_MODE == 5
     float o[16][4];
     wr_zero(o);
     const u32 a[4] = {0x3c803c80u, 0x3c803c80u, 0x3c803c80u, 0x3c803c80u};
-    for (int it = 0; it < iters; ++it) {
-#pragma unroll
-        for (int i = 0; i < SYNC_MMAS; ++i) mma_bf16(o[i % 16], a, 0x3c803c80u, 0x3c803c80u);
-    }
-    r = wr_sum(o);
-#elif WR_MODE == 5
-    // as mode 4, each pair of mma.sync fed by one ldmatrix.x4 (16-byte rows, 128 contiguous bytes a matrix: no bank
-    // conflicts), plain for the first half of a warp's iteration (QK's key rows) and transposed for the second (PV)
-    float o[16][4];
-    wr_zero(o);
-    const u32 a[4] = {0x3c803c80u, 0x3c803c80u, 0x3c803c80u, 0x3c803c80u};
+#if WR_MODE == 5
     const u32 rows = base + B_OFF + (threadIdx.x % 32) * 16;
     const u32 warp_off = (threadIdx.x / 32) * 4096;
+#endif
     for (int it = 0; it < iters; ++it) {
+#if WR_MODE == 4
+#pragma unroll
+        for (int i = 0; i < SYNC_MMAS; ++i) mma_bf16(o[i % 16], a, 0x3c803c80u, 0x3c803c80u);
+#else
+        // each pair of mma.sync fed by one ldmatrix.x4 (16-byte rows, 128 contiguous bytes a matrix: no bank
+        // conflicts), plain for the first half of a warp's iteration (QK's key rows), transposed for the second (PV)
 #pragma unroll
         for (int i = 0; i < SYNC_MMAS; i += 2) {
             u32 b0, b1, b2, b3;
@@ -208,6 +205,7 @@ extern "C" __global__ void __launch_bounds__(WR_WGS * 128, 1) wgmma_rates(float*
             mma_bf16(o[i % 16], a, b0, b1);
             mma_bf16(o[(i + 1) % 16], a, b2, b3);
         }
+#endif
     }
     r = wr_sum(o);
 #else
