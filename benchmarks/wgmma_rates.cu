@@ -15,6 +15,11 @@
 //     dequantization, softmax and loads.
 //   WR_MODE 4 (mma.sync, WR_N 8): every warp of WGS warpgroups issues 136 m16n8k16 an iteration (72 + 64: a 64-token
 //     tile's QK and PV for a warp that owns a quarter of the channels at H 16) into 16 accumulators in turn.
+//   WR_MODE 5 (mode 4 fed from shared memory): each pair of mma.sync takes its B operands from one ldmatrix.x4.
+//   WR_MODE 6 (8-bit mma.sync, WR_N 8): every warp issues 104 m16n8k32 u8 x s8 -> s32 an iteration (72 + 32: the
+//     same warp's QK with the queries split in two 8-bit halves as 32 columns, and its PV) into 16 accumulators.
+//   WR_MODE 7 (8-bit wgmma, WR_N 16 or 32): each of WGS warpgroups issues 18 m64nWR_Nk32 u8 x s8 -> s32 an iteration
+//     (a 64-token tile's QK over 576 channels, A = the codes from registers, B = the queries K-major) and waits.
 #define QMLA_DC 512  // common.cuh wants a layout; nothing here reads it
 #include "common.cuh"
 #include "wgmma.cuh"
@@ -32,16 +37,22 @@
 #define WR_STORES 0
 #endif
 static_assert(WR_N == 64 || WR_N == 128 || WR_N == 256 || (WR_MODE == 3 && WR_N == 16) ||
-                  ((WR_MODE == 4 || WR_MODE == 5) && WR_N == 8),
-              "WR_N: 64, 128 or 256 (mode 3: 16, modes 4, 5: 8)");
+                  ((WR_MODE == 4 || WR_MODE == 5 || WR_MODE == 6) && WR_N == 8) ||
+                  (WR_MODE == 7 && (WR_N == 16 || WR_N == 32)),
+              "WR_N: 64, 128 or 256 (mode 3: 16, modes 4 to 6: 8, mode 7: 16 or 32)");
 static_assert(WR_MODE != 1 || (WR_WGS == 2 && WR_N == 64), "mode 1 is v6's two warpgroups with QK at N = 64");
 static_assert(WR_MODE != 2 || (WR_WGS == 1 && WR_N == 64), "mode 2 is one warpgroup at N = 64");
 static_assert(WR_MODE != 3 || (WR_N == 16 && WR_WGS <= 4 && WR_STORES <= 32),
               "mode 3: v5's N = 16, one to four workers");
-static_assert((WR_MODE != 4 && WR_MODE != 5) || (WR_N == 8 && WR_STORES == 0),
-              "modes 4, 5: mma.sync's N = 8, no stores");
+static_assert((WR_MODE != 4 && WR_MODE != 5 && WR_MODE != 6) || (WR_N == 8 && WR_STORES == 0),
+              "modes 4 to 6: mma.sync's N = 8, no stores");
+static_assert(WR_MODE != 7 || ((WR_N == 16 || WR_N == 32) && WR_WGS <= 2 && WR_STORES == 0),
+              "mode 7: N = 16 or 32, one or two warpgroups, no stores");
+static_assert(WR_MODE >= 0 && WR_MODE <= 7, "WR_MODE: 0 to 7");
 #define V5_PV_BLOCKS 8               // mode 3: d_c 512 / 64 rows
 #define SYNC_MMAS 136                // mode 4: m16n8k16 a warp and iteration
+#define SYNC_MMAS8 104               // mode 6: m16n8k32 a warp and iteration
+#define QK_STEPS8 18                 // mode 7: 576 channels in k-steps of 32
 
 #define QK_STEPS 36
 #define A_OFF 0                      // A (queries / P): 16 KB
@@ -65,6 +76,39 @@ __device__ __forceinline__ void wr_m64n64k16_rs(float (&d)[8][4], const u32 (&a)
           "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
           "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+
+// D[16 x 8] += A[16 x 32] B[32 x 8], u8 x s8 -> s32 (mma.sync's integer fragments: 4 and 2 registers of 4 bytes)
+__device__ __forceinline__ void wr_mma_u8s8(int (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};"
+                 : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// D[64 x N] += A[64 x 32] B[32 x N], u8 x s8 -> s32, A from registers (4 of 4 bytes), B K-major from shared memory
+template <int N>
+__device__ __forceinline__ void wr_wgmma_u8s8(int (&d)[N / 2], const u32 (&a)[4], u64 db) {
+    if constexpr (N == 16) {
+        asm volatile("wgmma.mma_async.sync.aligned.m64n16k32.s32.u8.s8 {%0, %1, %2, %3, %4, %5, %6, %7}, "
+                     "{%8, %9, %10, %11}, %12, 1;\n"
+                     : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+    } else {
+        asm volatile("wgmma.mma_async.sync.aligned.m64n32k32.s32.u8.s8 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, "
+                     "%10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, 1;\n"
+                     : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]),
+                       "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]),
+                       "+r"(d[15])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+    }
+}
+
+// keeps the compiler from moving integer accumulators across the wgmma fence and wait (wgmma.cuh's float version)
+template <int N>
+__device__ __forceinline__ void wr_fence_int(int (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(d[i])::"memory");
 }
 
 template <int N>
@@ -208,6 +252,27 @@ extern "C" __global__ void __launch_bounds__(WR_WGS * 128, 1) wgmma_rates(float*
 #endif
     }
     r = wr_sum(o);
+#elif WR_MODE == 6
+    int o[16][4] = {};
+    const u32 a[4] = {0x0f0f0f0fu, 0x0f0f0f0fu, 0x0f0f0f0fu, 0x0f0f0f0fu};
+    for (int it = 0; it < iters; ++it) {
+#pragma unroll
+        for (int i = 0; i < SYNC_MMAS8; ++i) wr_mma_u8s8(o[i % 16], a, 0x01010101u, 0x01010101u);
+    }
+    for (int n = 0; n < 16; ++n) r += (float)(o[n][0] + o[n][1] + o[n][2] + o[n][3]);
+#elif WR_MODE == 7
+    int s[WR_N / 2] = {};
+    const u32 a[4] = {0x0f0f0f0fu, 0x0f0f0f0fu, 0x0f0f0f0fu, 0x0f0f0f0fu};
+    for (int it = 0; it < iters; ++it) {
+        wr_fence_int(s);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < QK_STEPS8; ++ks) wr_wgmma_u8s8<WR_N>(s, a, desc_advance(db, 32 * (ks & 3)));
+        wgmma_commit();
+        wgmma_wait<0>();
+        wr_fence_int(s);
+    }
+    for (int i = 0; i < WR_N / 2; ++i) r += (float)s[i];
 #else
     float o[32][4];
     wr_zero(o);

@@ -4,13 +4,15 @@ Measures how close a warpgroup MMA shape, or v6's mix of them, runs to the tenso
 (2,048 multiply-adds a clock per SM on the H200), one CTA per SM, each warpgroup timing its own loop with
 ``clock64``. Used in stop 34 (benchmarks/RESULTS.md) to tell the MMA shapes' own rates from v6's schedule, and in
 stop 70 to time kernel v5's matmuls alone (mode 3) and mma.sync's rate (mode 4; mode 5 with its B operands loaded from
-shared memory by ldmatrix, as a kernel shaped like v5 would feed it)::
+shared memory by ldmatrix, as a kernel shaped like v5 would feed it), and in stop 72 the 8-bit integer rates at the
+decode shapes (mode 6: mma.sync m16n8k32; mode 7: wgmma m64n16k32 and m64n32k32 with A from registers)::
 
     source benchmarks/h200_setup.sh; python3 -P benchmarks/wgmma_rates.py --json "$OUT/wgmma_rates.jsonl"
 
 Each case prints one JSON line: ``cycles_per_iter`` (warpgroup 0's loop), ``ideal_cycles`` (its
-multiply-adds at 2,048 a clock), ``sm_mac_per_clk`` (every warpgroup's multiply-adds in warpgroup 0's
-window) and, in mode 1, ``wg1_iters_per_iter`` (the other warpgroup's PV iterations in that window)."""
+multiply-adds at the dense rate of its type: 2,048 a clock for bf16, 4,096 for 8-bit integers), ``sm_mac_per_clk``
+(every warpgroup's multiply-adds in warpgroup 0's window), ``fraction_of_peak`` (of that dense rate) and, in mode 1,
+``wg1_iters_per_iter`` (the other warpgroup's PV iterations in that window)."""
 from __future__ import annotations
 
 import argparse
@@ -18,19 +20,26 @@ import json
 from pathlib import Path
 
 PEAK_MAC_PER_CLK = 2048  # dense bf16 multiply-adds a clock per SM (H100/H200: 4 tensor cores x 512)
+INT8_PEAK_MAC_PER_CLK = 2 * PEAK_MAC_PER_CLK  # dense u8/s8 multiply-adds a clock per SM
+INT8_MODES = (6, 7)
 QK_STEPS = 36            # v6's QK: 576 channels in k-steps of 16
 PV_MACS = 4 * 64 * 256 * 16  # one PV half: 4 m64n256k16
 V5_MMAS = QK_STEPS + 8 * 4   # mode 3: kernel v5's m64n16k16 a tile (QK, then PV's 8 m-blocks x 4 k-steps)
 SYNC_MMAS = 136              # mode 4: m16n8k16 a warp and iteration (a quarter of the channels of a 64-token tile)
+#: mode 6: m16n8k32 a warp and iteration: QK of the same quarter tile (64 tokens x 32 columns, the 16 queries split in
+#: two 8-bit halves, 144 channels in 4.5 k-steps of 32: 72) and its PV (16 rows x 128 channels x 64 tokens: 32)
+SYNC_MMAS8 = 72 + 32
+QK_STEPS8 = 18               # mode 7: 576 channels in k-steps of 32
 SMEM_BYTES = (16 + 64 + 80) * 1024 + 1024  # the kernel's layout plus the 1 KB alignment slack
 #: (mode, N, warpgroups, stores: mode 1 16-byte stores a thread per PV, mode 3 stmatrix.x4 a warp per tile): QK shapes
 #: alone, two warpgroups of them, v6's mix with and without the dequantized tile's stores, QK with A from registers,
 #: kernel v5's matmuls (one, two and four workers, with and without its key-tile stores), mma.sync (4, 8, 16 warps an
-#: SM), the same fed by ldmatrix
+#: SM), the same fed by ldmatrix, 8-bit mma.sync (4, 8, 16 warps), 8-bit wgmma at N 16 and 32 (one and two warpgroups)
 CASES = [(0, 64, 1, 0), (0, 128, 1, 0), (0, 256, 1, 0), (0, 64, 2, 0), (0, 128, 2, 0), (0, 256, 2, 0),
          (2, 64, 1, 0), (1, 64, 2, 0), (1, 64, 2, 36), (1, 64, 2, 72),
          (3, 16, 1, 0), (3, 16, 2, 0), (3, 16, 2, 32), (3, 16, 4, 0), (3, 16, 4, 32),
-         (4, 8, 1, 0), (4, 8, 2, 0), (4, 8, 4, 0), (5, 8, 1, 0), (5, 8, 2, 0), (5, 8, 4, 0)]
+         (4, 8, 1, 0), (4, 8, 2, 0), (4, 8, 4, 0), (5, 8, 1, 0), (5, 8, 2, 0), (5, 8, 4, 0),
+         (6, 8, 1, 0), (6, 8, 2, 0), (6, 8, 4, 0), (7, 16, 1, 0), (7, 32, 1, 0), (7, 32, 2, 0)]
 
 
 SOURCE = Path(__file__).with_name("wgmma_rates.cu")
@@ -44,7 +53,11 @@ def build_options(mode: int, n: int, wgs: int, stores: int) -> tuple[str, ...]:
 
 
 def macs_per_iter(mode: int, n: int) -> int:
-    """Warpgroup 0's multiply-adds per iteration (modes 0, 3, 4, 5: each warpgroup's)."""
+    """Warpgroup 0's multiply-adds per iteration (modes 0 and 3 to 7: each warpgroup's)."""
+    if mode == 6:
+        return 4 * SYNC_MMAS8 * 16 * n * 32
+    if mode == 7:
+        return QK_STEPS8 * 64 * n * 32
     if mode == 3:
         return V5_MMAS * 64 * n * 16
     if mode in (4, 5):
@@ -72,10 +85,11 @@ def run_case(mode: int, n: int, wgs: int, stores: int, iters: int) -> dict:
     cycles = float(c[: sms * wgs].reshape(sms, wgs)[:, 0].mean())
     wg1 = float(c[sms * wgs:].mean()) / iters if mode == 1 else None
     macs = macs_per_iter(mode, n)
-    total = macs * (wgs if mode in (0, 3, 4, 5) else 1) + (wg1 * PV_MACS if mode == 1 else 0)
+    total = macs * (1 if mode in (1, 2) else wgs) + (wg1 * PV_MACS if mode == 1 else 0)
+    peak = INT8_PEAK_MAC_PER_CLK if mode in INT8_MODES else PEAK_MAC_PER_CLK
     return {"mode": mode, "N": n, "warpgroups": wgs, "stores": stores, "cycles_per_iter": cycles,
-            "ideal_cycles": macs / PEAK_MAC_PER_CLK, "sm_mac_per_clk": total / cycles,
-            "fraction_of_peak": total / cycles / PEAK_MAC_PER_CLK, "wg1_iters_per_iter": wg1}
+            "ideal_cycles": macs / peak, "sm_mac_per_clk": total / cycles, "peak_mac_per_clk": peak,
+            "fraction_of_peak": total / cycles / peak, "wg1_iters_per_iter": wg1}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,7 +6,8 @@ import tempfile
 
 import pytest
 
-from benchmarks.wgmma_rates import CASES, PEAK_MAC_PER_CLK, PV_MACS, SOURCE, SYNC_MMAS, build_options, macs_per_iter
+from benchmarks.wgmma_rates import (CASES, PEAK_MAC_PER_CLK, PV_MACS, QK_STEPS8, SOURCE, SYNC_MMAS, SYNC_MMAS8,
+                                    build_options, macs_per_iter)
 from quantmla_core.backends.cupy import KERNEL_DIR
 from quantmla_core.backends.cupy.sass_report import find_tool, missing_tools
 
@@ -31,7 +32,8 @@ def test_case_builds_for_sm90a(case):
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA sources cannot be compiled on this machine")
 @pytest.mark.parametrize("case", [(1, 64, 1, 0), (2, 128, 1, 0), (0, 32, 1, 0), (0, 16, 1, 0), (3, 64, 1, 0),
                                   (3, 16, 5, 0), (4, 16, 1, 0), (4, 8, 1, 4), (5, 16, 1, 0),
-                                  (5, 8, 1, 4)], ids=str)
+                                  (5, 8, 1, 4), (6, 16, 1, 0), (6, 8, 1, 4), (7, 64, 1, 0), (7, 8, 1, 0),
+                                  (7, 32, 4, 0), (7, 32, 1, 4), (8, 8, 1, 0)], ids=str)
 def test_guards_reject_builds_outside_the_modes(case):
     r = _build(*case)
     assert r.returncode != 0
@@ -50,6 +52,10 @@ def test_multiply_adds_per_iteration():
     # mma.sync: a warpgroup's four warps, each a quarter of the same tile's multiply-adds
     assert macs_per_iter(4, 8) == macs_per_iter(3, 16)
     assert macs_per_iter(5, 8) == macs_per_iter(4, 8)  # the same mma.sync, fed from shared memory
+    # 8-bit QK with the queries in two halves (32 columns) over the same quarter tile, then its PV
+    assert macs_per_iter(6, 8) == (64 * 32 * 576 + 16 * 512 * 64)
+    assert macs_per_iter(7, 32) == 64 * 32 * 576  # one 64-token tile's QK, both halves
+    assert macs_per_iter(7, 16) == 64 * 16 * 576
 
 
 @pytest.mark.skipif(bool(missing_tools()), reason=f"SASS tools missing: {missing_tools()}")
@@ -59,3 +65,24 @@ def test_mode5_feeds_every_pair_of_mma_sync_from_one_ldmatrix():
     sass, _ = compile_sass_source(SOURCE, {"WR_MODE": 5, "WR_N": 8, "WR_WGS": 1, "WR_STORES": 0})
     hist = loops(sass)[0].opcodes
     assert hist.get("HMMA") == SYNC_MMAS and hist.get("LDSM") == SYNC_MMAS // 2
+
+
+@pytest.mark.skipif(bool(missing_tools()), reason=f"SASS tools missing: {missing_tools()}")
+@pytest.mark.parametrize("n", [16, 32])
+def test_mode7_issues_whole_k32_integer_wgmmas(n):
+    from quantmla_core.backends.cupy.sass_report import compile_sass_source, loops
+
+    sass, _ = compile_sass_source(SOURCE, {"WR_MODE": 7, "WR_N": n, "WR_WGS": 1, "WR_STORES": 0})
+    assert f"IGMMA.64x{n}x32.U8.S8" in sass
+    hist = loops(sass)[0].opcodes
+    assert hist.get("IGMMA", 0) % QK_STEPS8 == 0 and hist.get("IGMMA", 0) > 0 and "HGMMA" not in hist
+
+
+@pytest.mark.skipif(bool(missing_tools()), reason=f"SASS tools missing: {missing_tools()}")
+def test_mode6_issues_only_integer_mma_sync():
+    from quantmla_core.backends.cupy.sass_report import compile_sass_source, loops
+
+    sass, _ = compile_sass_source(SOURCE, {"WR_MODE": 6, "WR_N": 8, "WR_WGS": 1, "WR_STORES": 0})
+    assert "IMMA.16832.U8.S8" in sass
+    hist = loops(sass)[0].opcodes
+    assert hist.get("IMMA") == SYNC_MMAS8 and "HMMA" not in hist
