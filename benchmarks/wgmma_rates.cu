@@ -20,6 +20,10 @@
 //     same warp's QK with the queries split in two 8-bit halves as 32 columns, and its PV) into 16 accumulators.
 //   WR_MODE 7 (8-bit wgmma, WR_N 16 or 32): each of WGS warpgroups issues 18 m64nWR_Nk32 u8 x s8 -> s32 an iteration
 //     (a 64-token tile's QK over 576 channels, A = the codes from registers, B = the queries K-major) and waits.
+//   WR_MODE 8 (the matmuls of an 8-bit design at H 16, WR_N 32): each of WGS warpgroups (workers) runs a tile's QK (18
+//     m64n32k32, A = the 4-bit codes as u8 from registers, B = the queries split in two s8 halves), WR_STORES
+//     stmatrix.x4 a warp (16: a 36 KB u8 key tile), then PV (8 content groups x 2 k-steps of m64n16k32 u8 x u8, A =
+//     the tile's channels x tokens K-major, B = the group's probabilities times its scales as u8), waiting for each.
 #define QMLA_DC 512  // common.cuh wants a layout; nothing here reads it
 #include "common.cuh"
 #include "wgmma.cuh"
@@ -38,8 +42,8 @@
 #endif
 static_assert(WR_N == 64 || WR_N == 128 || WR_N == 256 || (WR_MODE == 3 && WR_N == 16) ||
                   ((WR_MODE == 4 || WR_MODE == 5 || WR_MODE == 6) && WR_N == 8) ||
-                  (WR_MODE == 7 && (WR_N == 16 || WR_N == 32)),
-              "WR_N: 64, 128 or 256 (mode 3: 16, modes 4 to 6: 8, mode 7: 16 or 32)");
+                  (WR_MODE == 7 && (WR_N == 16 || WR_N == 32)) || (WR_MODE == 8 && WR_N == 32),
+              "WR_N: 64, 128 or 256 (mode 3: 16, modes 4 to 6: 8, mode 7: 16 or 32, mode 8: 32)");
 static_assert(WR_MODE != 1 || (WR_WGS == 2 && WR_N == 64), "mode 1 is v6's two warpgroups with QK at N = 64");
 static_assert(WR_MODE != 2 || (WR_WGS == 1 && WR_N == 64), "mode 2 is one warpgroup at N = 64");
 static_assert(WR_MODE != 3 || (WR_N == 16 && WR_WGS <= 4 && WR_STORES <= 32),
@@ -48,11 +52,14 @@ static_assert((WR_MODE != 4 && WR_MODE != 5 && WR_MODE != 6) || (WR_N == 8 && WR
               "modes 4 to 6: mma.sync's N = 8, no stores");
 static_assert(WR_MODE != 7 || ((WR_N == 16 || WR_N == 32) && WR_WGS <= 2 && WR_STORES == 0),
               "mode 7: N = 16 or 32, one or two warpgroups, no stores");
-static_assert(WR_MODE >= 0 && WR_MODE <= 7, "WR_MODE: 0 to 7");
+static_assert(WR_MODE != 8 || (WR_N == 32 && WR_WGS <= 4 && WR_STORES <= 16),
+              "mode 8: N = 32, one to four workers, at most 16 stores");
+static_assert(WR_MODE >= 0 && WR_MODE <= 8, "WR_MODE: 0 to 8");
 #define V5_PV_BLOCKS 8               // mode 3: d_c 512 / 64 rows
 #define SYNC_MMAS 136                // mode 4: m16n8k16 a warp and iteration
 #define SYNC_MMAS8 104               // mode 6: m16n8k32 a warp and iteration
-#define QK_STEPS8 18                 // mode 7: 576 channels in k-steps of 32
+#define QK_STEPS8 18                 // modes 7, 8: 576 channels in k-steps of 32
+#define PV_GROUPS8 8                 // mode 8: content groups of 64 channels (PV's m-blocks)
 
 #define QK_STEPS 36
 #define A_OFF 0                      // A (queries / P): 16 KB
@@ -102,6 +109,13 @@ __device__ __forceinline__ void wr_wgmma_u8s8(int (&d)[N / 2], const u32 (&a)[4]
                        "+r"(d[15])
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
     }
+}
+
+// D[64 x 16] += A[64 x 32] B[32 x 16], u8 x u8 -> s32, both K-major from shared memory
+__device__ __forceinline__ void wr_wgmma_u8u8_ss(int (&d)[8], u64 da, u64 db) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n16k32.s32.u8.u8 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, 1;\n"
+                 : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7])
+                 : "l"(da), "l"(db));
 }
 
 // keeps the compiler from moving integer accumulators across the wgmma fence and wait (wgmma.cuh's float version)
@@ -273,6 +287,42 @@ extern "C" __global__ void __launch_bounds__(WR_WGS * 128, 1) wgmma_rates(float*
         wr_fence_int(s);
     }
     for (int i = 0; i < WR_N / 2; ++i) r += (float)s[i];
+#elif WR_MODE == 8
+    int s[16] = {}, o[PV_GROUPS8][8] = {};
+    const u32 a[4] = {0x0f0f0f0fu, 0x0f0f0f0fu, 0x0f0f0f0fu, 0x0f0f0f0fu};
+    const u32 st = base + S_OFF + (threadIdx.x % 32) * 16;
+    for (int it = 0; it < iters; ++it) {
+        wr_fence_int(s);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < QK_STEPS8; ++ks) wr_wgmma_u8s8<32>(s, a, desc_advance(db, 32 * (ks & 3)));
+        wgmma_commit();
+        wgmma_wait<0>();
+        wr_fence_int(s);
+#pragma unroll
+        for (int k = 0; k < WR_STORES; ++k) {
+            const int chunk = ((threadIdx.x / 32) * WR_STORES + k) % (S_CHUNKS / 32);
+            stsm_x4(st + chunk * 512, (u32)s[0], (u32)s[1], (u32)s[2], it);
+        }
+        fence_proxy_async();
+        asm volatile("bar.sync %0, 128;" ::"r"(wg + 1) : "memory");
+#pragma unroll
+        for (int g = 0; g < PV_GROUPS8; ++g) wr_fence_int(o[g]);
+        wgmma_fence();
+#pragma unroll
+        for (int g = 0; g < PV_GROUPS8; ++g) {
+#pragma unroll
+            for (int kk = 0; kk < 2; ++kk) {
+                wr_wgmma_u8u8_ss(o[g], desc_advance(db, g * 8192 + 32 * kk), desc_advance(da, g * 1024 + 32 * kk));
+            }
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+#pragma unroll
+        for (int g = 0; g < PV_GROUPS8; ++g) wr_fence_int(o[g]);
+    }
+    r = (float)(s[0] + s[15]);
+    for (int g = 0; g < PV_GROUPS8; ++g) r += (float)(o[g][0] + o[g][7]);
 #else
     float o[32][4];
     wr_zero(o);

@@ -33,7 +33,8 @@ def test_case_builds_for_sm90a(case):
 @pytest.mark.parametrize("case", [(1, 64, 1, 0), (2, 128, 1, 0), (0, 32, 1, 0), (0, 16, 1, 0), (3, 64, 1, 0),
                                   (3, 16, 5, 0), (4, 16, 1, 0), (4, 8, 1, 4), (5, 16, 1, 0),
                                   (5, 8, 1, 4), (6, 16, 1, 0), (6, 8, 1, 4), (7, 64, 1, 0), (7, 8, 1, 0),
-                                  (7, 32, 4, 0), (7, 32, 1, 4), (8, 8, 1, 0)], ids=str)
+                                  (7, 32, 4, 0), (7, 32, 1, 4), (8, 16, 1, 0), (8, 32, 5, 0), (8, 32, 1, 17),
+                                  (9, 32, 1, 0)], ids=str)
 def test_guards_reject_builds_outside_the_modes(case):
     r = _build(*case)
     assert r.returncode != 0
@@ -56,6 +57,8 @@ def test_multiply_adds_per_iteration():
     assert macs_per_iter(6, 8) == (64 * 32 * 576 + 16 * 512 * 64)
     assert macs_per_iter(7, 32) == 64 * 32 * 576  # one 64-token tile's QK, both halves
     assert macs_per_iter(7, 16) == 64 * 16 * 576
+    # the 8-bit design's tile: QK's two query halves over 576 channels, PV's 512 channels x 64 tokens at 16 rows
+    assert macs_per_iter(8, 32) == 64 * 32 * 576 + 512 * 64 * 16
 
 
 @pytest.mark.skipif(bool(missing_tools()), reason=f"SASS tools missing: {missing_tools()}")
@@ -86,3 +89,14 @@ def test_mode6_issues_only_integer_mma_sync():
     assert "IMMA.16832.U8.S8" in sass
     hist = loops(sass)[0].opcodes
     assert hist.get("IMMA") == SYNC_MMAS8 and "HMMA" not in hist
+
+
+@pytest.mark.skipif(bool(missing_tools()), reason=f"SASS tools missing: {missing_tools()}")
+def test_mode8_issues_qk_and_pv_integer_wgmmas():
+    from benchmarks.wgmma_rates import PV8_MMAS
+    from quantmla_core.backends.cupy.sass_report import compile_sass_source
+
+    sass, _ = compile_sass_source(SOURCE, {"WR_MODE": 8, "WR_N": 32, "WR_WGS": 2, "WR_STORES": 16})
+    qk, pv = sass.count("IGMMA.64x32x32.U8.S8"), sass.count("IGMMA.64x16x32.U8.U8")
+    assert qk > 0 and pv > 0 and qk * PV8_MMAS == pv * QK_STEPS8, (qk, pv)
+    assert sass.count("STSM") * QK_STEPS8 == 16 * qk and "HGMMA" not in sass
