@@ -975,8 +975,8 @@ elif [ "$MODE" = stop72 ]; then
       --section MemoryWorkloadAnalysis_Tables --section ComputeWorkloadAnalysis --section InstructionStats \
       --section WarpStateStats --section SchedulerStats python3 -P benchmarks/v8_probe.py --iters 1 --check 0 \
       > /tmp/s72/ncu_v8.txt 2>&1
-    grep -v "^==PROF==" /tmp/s72/ncu_v8.txt | grep -E "Duration|L1/TEX|Issued Warp|Warp Cycles Per Issued|Executed Ipc" \
-      | head -8
+    grep -v "^==PROF==" /tmp/s72/ncu_v8.txt \
+      | grep -E "Duration|L1/TEX|Issued Warp|Warp Cycles Per Issued|Executed Ipc" | head -8
   fi
   tar czf "$OUT/s72.tgz" -C /tmp s72
 elif [ "$MODE" = stop64a ] || [ "$MODE" = stop63a ]; then

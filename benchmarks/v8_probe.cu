@@ -81,7 +81,9 @@ __device__ __forceinline__ void v8_load(V8Token& x, const u8* __restrict__ cc, c
     x.rz = rze[t];
 }
 
-__device__ __forceinline__ u32 v8_word(const uint4& v, int e) { return e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w; }
+__device__ __forceinline__ u32 v8_word(const uint4& v, int e) {
+    return e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w;
+}
 // float of content scale g (bf16 bits in cs)
 __device__ __forceinline__ float v8_scale(const uint4& cs, int g) {
     const u32 w = v8_word(cs, g >> 1);

@@ -1,4 +1,4 @@
-"""Time (and check) ``benchmarks/v8_probe.cu``: decode attention at H 16 on mma.sync with the scales kept off the values.
+"""Time (and check) ``benchmarks/v8_probe.cu``: H16 decode attention on mma.sync, the scales kept off the values.
 
 The probe reads v7_probe's synthetic token-major C4R4 layout (``layout_bytes`` says how big): one 16-row request
 spread over ``--ctas`` CTAs of ``--tpc`` tokens each (the defaults are B32 L32K's 1,048,576 tokens), two workers a
