@@ -1,6 +1,7 @@
-"""benchmarks/v8_probe: its channel maps agree with the CUDA source, a NumPy emulation of its QK (the lanes' code
-pairs, the mma.sync fragments, the per-group scales and the zero-point MMAs) matches float64, its options are checked
-before CuPy is imported, and its tile loop holds the instructions the design counts on."""
+"""benchmarks/v8_probe: its channel maps agree with the CUDA source; NumPy emulations of its QK (the lanes' code
+pairs, the mma.sync fragments, the per-group scales and the zero-point MMAs) and of a tile's PV (every stmatrix and
+ldmatrix at the kernel's swizzled addresses) match float64; its options are checked before CuPy is imported; and its
+tile loop holds the instructions the design counts on."""
 import re
 
 import numpy as np
@@ -126,3 +127,131 @@ def test_tile_loop_holds_the_designed_instructions(skip):
     else:
         assert hist["LDSM"] == 4 * (2 + 8) + 2  # per k-step: P' of 2 groups, 8 key-tile pairs; 128 + z twice
         assert sum(hist.values()) < 1100  # stop 72's count (v5: 1,307 a warp and tile)
+
+
+class _Smem:
+    """Shared memory as bf16 values at byte addresses, with the warp-wide ldmatrix / stmatrix of v8_probe.cu.
+    A register is a pair (low, high) of floats; ``regs[lane][i]`` is register i of a lane."""
+
+    def __init__(self):
+        self.mem = {}
+
+    def stsm(self, addrs, regs, trans=False):
+        for i in range(4):
+            for r in range(8):
+                for c in range(8):
+                    # matrix i's element (row g, column c) sits in register i of lane 4 g + c // 2
+                    src_row, src_col = (c, r) if trans else (r, c)
+                    self.mem[addrs[8 * i + r] + 2 * c] = regs[4 * src_row + src_col // 2][i][src_col % 2]
+
+    def ldsm(self, addrs, trans=False):
+        out = [[None] * 4 for _ in range(32)]
+        for i in range(4):
+            m = [[self.mem[addrs[8 * i + r] + 2 * c] for c in range(8)] for r in range(8)]
+            for lane in range(32):
+                g, q = lane >> 2, lane & 3
+                out[lane][i] = (m[2 * q][g], m[2 * q + 1][g]) if trans else (m[g][2 * q], m[g][2 * q + 1])
+        return out
+
+
+def _mma(c, a, b0, b1):
+    """mma.sync m16n8k16 on lists of lanes: c [32][4] floats += A (a [32][4] pairs) B (b0, b1 [32] pairs)."""
+    A, B = np.zeros((16, 16)), np.zeros((16, 8))
+    for lane in range(32):
+        g, q = lane >> 2, lane & 3
+        for e in range(2):
+            A[g, 2 * q + e], A[g + 8, 2 * q + e] = a[lane][0][e], a[lane][1][e]
+            A[g, 2 * q + 8 + e], A[g + 8, 2 * q + 8 + e] = a[lane][2][e], a[lane][3][e]
+            B[2 * q + e, g], B[2 * q + 8 + e, g] = b0[lane][e], b1[lane][e]
+    C = A @ B
+    for lane in range(32):
+        g, q = lane >> 2, lane & 3
+        for e in range(2):
+            c[lane][e] += C[g, 2 * q + e]
+            c[lane][2 + e] += C[g + 8, 2 * q + e]
+
+
+def test_emulated_pv_matches_float64():
+    """One 64-token tile of a worker through v8_probe.cu's shared-memory traffic, transcribed: the key tile stored by
+    stmatrix from QK's A fragments, P'_g = bf16(bf16(p) s_g) by stmatrix.trans, the 128 + z rows; PV and its zero-point
+    MMAs read them back by ldmatrix (the same swizzled addresses), and the output lands at v8_channel."""
+    rng = np.random.default_rng(5)
+    inp = make_inputs(rng, 64)
+    codes = np.concatenate([inp["cc"] & 15, inp["cc"] >> 4], axis=1).astype(np.float64)  # [64, 512]
+    scales = _bf16_to_f64(inp["csc"])
+    zeros = inp["cze"].astype(np.float64)
+    p = rng.uniform(0.0, 1.0, (16, 64))  # weights of (head, token)
+    channel = _cuda_channel()
+    vt, pt = 0, 64 * DC * 2
+    zt = pt + NGC * 16 * 64 * 2
+    sm = _Smem()
+    lanes = range(32)
+    for w in range(4):
+        # the key tile: content k-step (gp, half, e) stored from QK's A fragment
+        stok = [16 * w + (l & 7) + 8 * ((l >> 3) & 1) for l in lanes]
+        for ks in range(32):
+            gp, half, e = ks // 8, (ks // 4) % 2, ks % 4
+            val = lambda t, slot: 128.0 + codes[t, kslot_channel(ks, slot)]  # noqa: E731
+            regs = []
+            for l in lanes:
+                g, q = l >> 2, l & 3
+                t0, t1 = 16 * w + g, 16 * w + 8 + g
+                regs.append([(val(t0, 2 * q), val(t0, 2 * q + 1)), (val(t1, 2 * q), val(t1, 2 * q + 1)),
+                             (val(t0, 2 * q + 8), val(t0, 2 * q + 9)), (val(t1, 2 * q + 8), val(t1, 2 * q + 9))])
+            sm.stsm([vt + stok[l] * DC * 2 + (32 * half + 8 * gp) * 16 + (((2 * e + (l >> 4)) ^ (l & 7)) * 16)
+                     for l in lanes], regs)
+        # P' of the warp's 16 tokens, every group, stored transposed
+        for grp in range(NGC):
+            pq = lambda h, t: float(_bf16_round(_bf16_round(p[h, t]) * scales[t, grp]))  # noqa: E731
+            regs = []
+            for l in lanes:
+                g, q = l >> 2, l & 3
+                t0, t1 = 16 * w + g, 16 * w + 8 + g
+                regs.append([(pq(2 * q, t0), pq(2 * q + 1, t0)), (pq(2 * q, t1), pq(2 * q + 1, t1)),
+                             (pq(8 + 2 * q, t0), pq(9 + 2 * q, t0)), (pq(8 + 2 * q, t1), pq(9 + 2 * q, t1))])
+            addrs = []
+            for l in lanes:
+                mi = l >> 3
+                hrow = (l & 7) + 8 * (mi >> 1)
+                addrs.append(pt + grp * 16 * 64 * 2 + hrow * 64 * 2 + (((2 * w + (mi & 1)) ^ (hrow & 7)) * 16))
+            sm.stsm(addrs, regs, trans=True)
+        for t in range(16 * w, 16 * w + 16):  # the 128 + z rows
+            for grp in range(NGC):
+                sm.mem[zt + t * 16 + 2 * grp] = 128.0 + zeros[t, grp]
+    out = np.full((16, DC), np.nan)
+    for w in range(4):
+        r16 = [(l & 7) + 8 * ((l >> 3) & 1) for l in lanes]
+        hi16 = [l >> 4 for l in lanes]
+        o = [[[0.0] * 4 for _ in lanes] for _ in range(16)]
+        za = [[[0.0] * 4 for _ in lanes] for _ in range(2)]
+        zb = None
+        for kk in range(4):
+            a = [sm.ldsm([pt + r16[l] * 64 * 2 + (2 * w + j) * 16 * 64 * 2 + (((2 * kk + hi16[l]) ^ (r16[l] & 7)) * 16)
+                          for l in lanes]) for j in range(2)]
+            for n in range(0, 16, 2):
+                b = sm.ldsm([vt + r16[l] * DC * 2 + 16 * kk * DC * 2
+                             + (16 * w + 8 * (n // 8) + (((n % 8) + hi16[l]) ^ (r16[l] & 7))) * 16 for l in lanes],
+                            trans=True)
+                _mma(o[n], a[n // 8], [x[0] for x in b], [x[1] for x in b])
+                _mma(o[n + 1], a[n // 8], [x[2] for x in b], [x[3] for x in b])
+            if kk % 2 == 0:
+                z = sm.ldsm([zt + (r16[l] + 16 * hi16[l]) * 16 + 16 * kk * 16 for l in lanes], trans=True)
+                zk, zb = ([x[0] for x in z], [x[1] for x in z]), ([x[2] for x in z], [x[3] for x in z])
+            else:
+                zk = zb
+            for j in range(2):
+                _mma(za[j], a[j], *zk)
+        for l in lanes:
+            g, q = l >> 2, l & 3
+            src = (l & ~3) | w
+            for n in range(16):
+                j = n // 8
+                for e in range(2):
+                    ch = channel(16 * w + n, 2 * q + e)
+                    out[g, ch] = o[n][l][e] - za[j][src][j]
+                    out[g + 8, ch] = o[n][l][2 + e] - za[j][src][2 + j]
+    pq_all = np.stack([_bf16_round(_bf16_round(p) * scales[:, grp][None, :]) for grp in range(NGC)])  # [8, 16, 64]
+    x = codes - np.repeat(zeros, 64, axis=1)
+    want = np.stack([pq_all[c // 64] @ x[:, c] for c in range(DC)], axis=1)  # [16, 512]
+    assert not np.isnan(out).any()
+    assert np.abs(out - want).max() < 1e-9 * np.abs(want).max()
