@@ -14,11 +14,11 @@ outputs are wrong, so they are not checked. Offline (nvcc, cuobjdump, nvdisasm),
 """
 from __future__ import annotations
 
-import argparse
-import json
 from pathlib import Path
 
 import numpy as np
+
+from benchmarks.probe_cli import median_launch_us, partial_errors, probe_main
 
 SOURCE = Path(__file__).with_name("v7_probe.cu")
 SKIPS = {0: "none", 1: "PV", 2: "the partial-score exchange"}  # v7_probe.cu's V7_SKIP
@@ -96,26 +96,9 @@ def run(ctas: int, tpc: int, iters: int, check: int, seed: int = 0, skip: int = 
     sm_scale = 1.0 / np.sqrt(DC + DR)
     args = (dev["cc"], dev["rc"], dev["csc"], dev["cze"], dev["rsc"], dev["rze"], dev["q"], out, ml,
             np.int32(tpc), np.float32(sm_scale * np.log2(np.e)))
-    fn((ctas,), (128 * TEAMS,), args)
-    cupy.cuda.runtime.deviceSynchronize()
-    times = []
-    for _ in range(iters):
-        a, b = cupy.cuda.Event(), cupy.cuda.Event()
-        a.record()
-        fn((ctas,), (128 * TEAMS,), args)
-        b.record()
-        b.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(a, b) * 1e3)
-    us = float(np.median(times))
+    us = median_launch_us(lambda: fn((ctas,), (128 * TEAMS,), args), iters)
     o, st = out.get().astype(np.float64), ml.get().astype(np.float64)
-    err_o = err_lse = 0.0
-    for cta in np.linspace(0, ctas - 1, max(check, 0)).astype(int) if check else []:
-        for team in range(TEAMS):
-            ref_o, ref_lse = reference_team(inp, int(cta), team, tpc, sm_scale)
-            got_o = o[cta, team] / st[cta, team, :, 1:2]
-            got_lse = st[cta, team, :, 0] + np.log2(st[cta, team, :, 1])
-            err_o = max(err_o, float(np.abs(got_o - ref_o).max() / np.abs(ref_o).max()))
-            err_lse = max(err_lse, float(np.abs(got_lse - ref_lse).max()))
+    err_o, err_lse = partial_errors(o, st, check, lambda cta, team: reference_team(inp, cta, team, tpc, sm_scale))
     nbytes = layout_bytes(tokens)
     return {"skip": SKIPS[skip], "ctas": ctas, "tokens_per_cta": tpc, "tokens": tokens, "us": us, "bytes": nbytes,
             "gbps": nbytes / us / 1e3, "checked_ctas": check, "max_rel_err_out": err_o,
@@ -131,27 +114,8 @@ def tile_loop_histogram(skip: int = 0) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ctas", type=int, default=128)
-    ap.add_argument("--tpc", type=int, default=8192, help="tokens a CTA (a multiple of 64)")
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--check", type=int, default=2, help="CTAs checked against float64 (0: none)")
-    ap.add_argument("--skip", type=int, default=0, choices=sorted(SKIPS),
-                    help="leave out one stage (timing only): " + ", ".join(f"{k} {v}" for k, v in SKIPS.items()))
-    ap.add_argument("--json", default=None, help="also append the JSON line to this file")
-    ap.add_argument("--sass", action="store_true", help="print the tile loop's SASS opcode counts (offline) and stop")
-    args = ap.parse_args(argv)
-    if args.sass:
-        hist = tile_loop_histogram(args.skip)
-        top = ", ".join(f"{op} {n}" for op, n in sorted(hist.items(), key=lambda kv: -kv[1])[:16])
-        print(f"v7 probe tile loop (32 tokens, a warp; skipped: {SKIPS[args.skip]}): "
-              f"{sum(hist.values())} instructions; {top}")
-        return
-    row = json.dumps(run(args.ctas, args.tpc, args.iters, args.check, skip=args.skip))
-    print(row, flush=True)
-    if args.json:
-        with open(args.json, "a") as f:
-            f.write(row + "\n")
+    probe_main(argv, __doc__.splitlines()[0], run, tile_loop_histogram, SKIPS, "v7 probe tile loop (32 tokens, a warp)",
+               TILE * TEAMS)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,9 @@ multiply-adds at the dense rate of its type: 2,048 a clock for bf16, 4,096 for 8
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
+
+from benchmarks.probe_cli import emit_json_row
 
 PEAK_MAC_PER_CLK = 2048  # dense bf16 multiply-adds a clock per SM (H100/H200: 4 tensor cores x 512)
 INT8_PEAK_MAC_PER_CLK = 2 * PEAK_MAC_PER_CLK  # dense u8/s8 multiply-adds a clock per SM
@@ -104,11 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", default=None, help="also append the JSON lines to this file")
     args = ap.parse_args(argv)
     for case in CASES:
-        row = json.dumps(run_case(*case, args.iters))
-        print(row, flush=True)
-        if args.json:
-            with open(args.json, "a") as f:
-                f.write(row + "\n")
+        emit_json_row(run_case(*case, args.iters), args.json)
 
 
 if __name__ == "__main__":
