@@ -26,6 +26,26 @@ def median_launch_us(launch: Callable[[], None], iters: int) -> float:
     return float(np.median(times))
 
 
+def check_probe_options(skip: int, skips: dict[int, str], check: int, tpc: int, multiple: int) -> None:
+    """Refuse, before any GPU work, a stage-skip build that is not one, a checked skip build (its output is wrong),
+    and a CTA's token count that is not a positive multiple of ``multiple``."""
+    if skip not in skips:
+        raise ValueError(f"--skip must be one of {sorted(skips)}, got {skip}")
+    if skip and check:
+        raise ValueError(f"--skip {skip} leaves out {skips[skip]}: its output is wrong, pass --check 0")
+    if tpc <= 0 or tpc % multiple:
+        raise ValueError(f"--tpc must be a multiple of {multiple} (and positive), got {tpc}")
+
+
+def softmax_reference(q: np.ndarray, keys: np.ndarray, sm_scale: float, dc: int) -> tuple[np.ndarray, np.ndarray]:
+    """float64 attention of q [16, d] over keys [n, d]: the normalized output [16, dc] (the keys' first dc channels
+    are the values) and the log2-sum-exp [16] of the scaled scores."""
+    s = q @ keys.T * sm_scale * np.log2(np.e)
+    m = s.max(axis=1, keepdims=True)
+    p = np.exp2(s - m)
+    return p @ keys[:, :dc] / p.sum(axis=1, keepdims=True), (m[:, 0] + np.log2(p.sum(axis=1)))
+
+
 def partial_errors(out: np.ndarray, stats: np.ndarray, check: int,
                    reference: Callable[[int, int], tuple[np.ndarray, np.ndarray]]) -> tuple[float, float]:
     """Largest relative output error and largest log2-sum-exp error of ``check`` CTAs' partial outputs.

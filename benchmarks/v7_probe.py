@@ -18,7 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.probe_cli import median_launch_us, partial_errors, probe_main
+from benchmarks.probe_cli import (check_probe_options, median_launch_us, partial_errors, probe_main,
+                                  softmax_reference)
 
 SOURCE = Path(__file__).with_name("v7_probe.cu")
 SKIPS = {0: "none", 1: "PV", 2: "the partial-score exchange"}  # v7_probe.cu's V7_SKIP
@@ -69,19 +70,11 @@ def reference_team(inp: dict[str, np.ndarray], cta: int, team: int, tpc: int, sm
     """Normalized output [16, 512] and log2-sum-exp [16] of one team's tiles (float64)."""
     tiles = range(team, tpc // TILE, TEAMS)
     k = np.concatenate([dequantized_keys(inp, cta * tpc + TILE * t, cta * tpc + TILE * (t + 1)) for t in tiles])
-    s = _bf16_to_f64(inp["q"]) @ k.T * sm_scale * np.log2(np.e)
-    m = s.max(axis=1, keepdims=True)
-    p = np.exp2(s - m)
-    return p @ k[:, :DC] / p.sum(axis=1, keepdims=True), (m[:, 0] + np.log2(p.sum(axis=1)))
+    return softmax_reference(_bf16_to_f64(inp["q"]), k, sm_scale, DC)
 
 
 def run(ctas: int, tpc: int, iters: int, check: int, seed: int = 0, skip: int = 0) -> dict:
-    if skip not in SKIPS:
-        raise ValueError(f"--skip must be one of {sorted(SKIPS)}, got {skip}")
-    if skip and check:
-        raise ValueError(f"--skip {skip} leaves out {SKIPS[skip]}: its output is wrong, pass --check 0")
-    if tpc % (TILE * TEAMS):
-        raise ValueError(f"--tpc must be a multiple of {TILE * TEAMS}, got {tpc}")
+    check_probe_options(skip, SKIPS, check, tpc, TILE * TEAMS)
     import cupy
 
     from quantmla_core.backends.cupy import KERNEL_DIR, compile_cubin

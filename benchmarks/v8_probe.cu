@@ -115,6 +115,16 @@ __device__ __forceinline__ u32 v8_mul_bf16x2(u32 a, u32 b) { return fma_bf16x2(a
 __device__ __forceinline__ void v8_sts128(u32 addr, u32 a, u32 b, u32 c, u32 d) {
     asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
 }
+// scores += a group's accumulators times its scale: sa for token g (elements 0, 1), sb for token g + 8 (2, 3)
+__device__ __forceinline__ void v8_add_group(float (&s)[2][4], const float (&acc)[2][4], float sa, float sb) {
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb) {
+        s[nb][0] = fmaf(sa, acc[nb][0], s[nb][0]);
+        s[nb][1] = fmaf(sa, acc[nb][1], s[nb][1]);
+        s[nb][2] = fmaf(sb, acc[nb][2], s[nb][2]);
+        s[nb][3] = fmaf(sb, acc[nb][3], s[nb][3]);
+    }
+}
 __device__ __forceinline__ float v8_max4(float4 v) { return fmaxf(fmaxf(v.x, v.y), fmaxf(v.z, v.w)); }
 // the content channel at value i (0..7) of key-tile chunk c (0..63): chunk 32 half + 8 gp + 2 e + odd holds QK's
 // k-slots 8 odd .. 8 odd + 7 of k-step (gp, half, e), k-slot 2 q + el being channel 256 half + 64 gp + 16 q + 4 e +
@@ -227,13 +237,7 @@ extern "C" __global__ void __launch_bounds__(128 * WORKERS, 1)
                 }
                 const int grp = gp + 4 * half;
                 const float sa = v8_scale(c0.cs, grp), sb = v8_scale(c1.cs, grp);
-#pragma unroll
-                for (int nb = 0; nb < 2; ++nb) {
-                    s[nb][0] = fmaf(sa, acc[nb][0], s[nb][0]);
-                    s[nb][1] = fmaf(sa, acc[nb][1], s[nb][1]);
-                    s[nb][2] = fmaf(sb, acc[nb][2], s[nb][2]);
-                    s[nb][3] = fmaf(sb, acc[nb][3], s[nb][3]);
-                }
+                v8_add_group(s, acc, sa, sb);
             }
         }
         {  // the RoPE group: 4 k-steps (low nibbles of words 0, 1, then high)
@@ -249,13 +253,7 @@ extern "C" __global__ void __launch_bounds__(128 * WORKERS, 1)
                 mma_bf16(acc[1], a, b.z, b.w);
             }
             const float sa = __uint_as_float(c0.rs << 16), sb = __uint_as_float(c1.rs << 16);
-#pragma unroll
-            for (int nb = 0; nb < 2; ++nb) {
-                s[nb][0] = fmaf(sa, acc[nb][0], s[nb][0]);
-                s[nb][1] = fmaf(sa, acc[nb][1], s[nb][1]);
-                s[nb][2] = fmaf(sb, acc[nb][2], s[nb][2]);
-                s[nb][3] = fmaf(sb, acc[nb][3], s[nb][3]);
-            }
+            v8_add_group(s, acc, sa, sb);
         }
         // ---- the tokens' 128 + z rows (PV's zero points), by lane q 0 of each token
         if (q == 0) {

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.probe_cli import median_launch_us, partial_errors, probe_main
+from benchmarks.probe_cli import (check_probe_options, median_launch_us, partial_errors, probe_main,
+                                  softmax_reference)
 from benchmarks.v7_probe import _bf16_to_f64, layout_bytes, make_inputs
 
 SOURCE = Path(__file__).with_name("v8_probe.cu")
@@ -103,19 +104,11 @@ def reference_worker(inp: dict[str, np.ndarray], cta: int, worker: int, tpc: int
     """Normalized output [16, 512] and log2-sum-exp [16] of one worker's tiles (float64)."""
     tiles = range(worker, tpc // TILE, WORKERS)
     k = np.concatenate([exact_keys(inp, cta * tpc + TILE * t, cta * tpc + TILE * (t + 1)) for t in tiles])
-    s = _bf16_to_f64(inp["q"]) @ k.T * sm_scale * np.log2(np.e)
-    m = s.max(axis=1, keepdims=True)
-    p = np.exp2(s - m)
-    return p @ k[:, :DC] / p.sum(axis=1, keepdims=True), (m[:, 0] + np.log2(p.sum(axis=1)))
+    return softmax_reference(_bf16_to_f64(inp["q"]), k, sm_scale, DC)
 
 
 def run(ctas: int, tpc: int, iters: int, check: int, seed: int = 0, skip: int = 0) -> dict:
-    if skip not in SKIPS:
-        raise ValueError(f"--skip must be one of {sorted(SKIPS)}, got {skip}")
-    if skip and check:
-        raise ValueError(f"--skip {skip} leaves out {SKIPS[skip]}: its output is wrong, pass --check 0")
-    if tpc <= 0 or tpc % (TILE * WORKERS):
-        raise ValueError(f"--tpc must be a positive multiple of {TILE * WORKERS}, got {tpc}")
+    check_probe_options(skip, SKIPS, check, tpc, TILE * WORKERS)
     import cupy
 
     from quantmla_core.backends.cupy import KERNEL_DIR, compile_cubin
