@@ -24,6 +24,7 @@ from benchmarks.probe_cli import (check_probe_options, median_launch_us, partial
 from benchmarks.v7_probe import _bf16_to_f64, layout_bytes, make_inputs
 
 SOURCE = Path(__file__).with_name("v8_probe.cu")
+PARTS = Path(__file__).with_name("v8_parts.cuh")  # what v8_probe.cu and v9_probe.cu share
 SKIPS = {0: "none", 1: "PV"}  # v8_probe.cu's V8_SKIP
 H, DC, DR, NGC, TILE, WORKERS, KSTEPS = 16, 512, 64, 8, 64, 2, 36
 #: v8_probe.cu's shared memory: the queries' fragments (36 k-steps and 3 for the zero points), then per worker its
@@ -119,7 +120,7 @@ def run(ctas: int, tpc: int, iters: int, check: int, seed: int = 0, skip: int = 
     qb = cupy.asarray(query_fragments(inp["q"]))
     out = cupy.full((ctas, WORKERS, H, DC), np.nan, dtype=cupy.float32)
     ml = cupy.full((ctas, WORKERS, H, 2), np.nan, dtype=cupy.float32)
-    opts = ("--std=c++17", f"-I{KERNEL_DIR}", f"-DV8_SKIP={skip}")
+    opts = ("--std=c++17", f"-I{KERNEL_DIR}", f"-I{SOURCE.parent}", f"-DV8_SKIP={skip}")  # v8_parts.cuh
     fn = cupy.RawModule(path=str(compile_cubin(SOURCE.read_text(), opts, "sm_90a"))).get_function("v8_probe")
     fn.max_dynamic_shared_size_bytes = SMEM_BYTES
     sm_scale = 1.0 / np.sqrt(DC + DR)

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 
 from benchmarks.v7_probe import _bf16_to_f64, make_inputs
-from benchmarks.v8_probe import (DC, HMMA_PER_TILE, KSTEPS, NGC, SOURCE, exact_keys, kslot_channel, kstep_group,
+from benchmarks.v8_probe import (DC, HMMA_PER_TILE, KSTEPS, NGC, PARTS, exact_keys, kslot_channel, kstep_group,
                                  query_fragments, run, tile_loop_histogram)
 from quantmla_core.backends.cupy.sass_report import missing_tools
 
 
 def _cuda_channel():
-    """v8_probe.cu's v8_channel(c, i), evaluated as written (its body is a C integer expression Python reads alike)."""
-    body = re.search(r"int v8_channel\(int c, int i\) \{\s*return (.*?);\s*\}", SOURCE.read_text(), re.S).group(1)
+    """v8_parts.cuh's v8_channel(c, i), evaluated as written (its body is a C integer expression Python reads alike)."""
+    body = re.search(r"int v8_channel\(int c, int i\) \{\s*return (.*?);\s*\}", PARTS.read_text(), re.S).group(1)
     return lambda c, i: eval(body, {}, {"c": c, "i": i})
 
 
@@ -172,7 +172,7 @@ def _mma(c, a, b0, b1):
 
 
 def test_emulated_pv_matches_float64():
-    """One 64-token tile of a worker through v8_probe.cu's shared-memory traffic, transcribed: the key tile stored by
+    """One 64-token tile of a worker through v8_parts.cuh's shared-memory traffic, transcribed: the key tile stored by
     stmatrix from QK's A fragments, P'_g = bf16(bf16(p) s_g) by stmatrix.trans, the 128 + z rows; PV and its zero-point
     MMAs read them back by ldmatrix (the same swizzled addresses), and the output lands at v8_channel."""
     rng = np.random.default_rng(5)
