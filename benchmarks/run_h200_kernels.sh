@@ -131,10 +131,11 @@
 #       triton,cupy) over S70_SHAPES (FlashInfer BF16 in the process), Nsight Compute of the probe and of v5 at H16
 #       B32 L32K C4R4 and C2R4 (memory tables, pipes, warp states), v5's GPU tests, while S70_LIMIT seconds (default
 #       560) are not spent; $OUT/s70.tgz
-#   bash benchmarks/run_h200_kernels.sh stop72   # the v8 probe (any card): v8_probe.py (mma.sync, scales kept off the
-#       values; checked against float64; then its build without PV), CUDA graphs of CuPy's defaults over S72_SHAPES
-#       (default 16x32x32768; FlashInfer BF16 in the process), wgmma_rates.py (modes 3 to 8), Nsight Compute of the
-#       probe (memory tables, pipes, warp states), while S72_LIMIT seconds (default 560) are not spent; $OUT/s72.tgz
+#   bash benchmarks/run_h200_kernels.sh stop72   # the v8 and v9 probes (any card): v8_probe.py (mma.sync, scales kept
+#       off the values; checked against float64; then its build without PV), v9_probe.py (the same with warp roles,
+#       the queries in registers; the same two runs), CUDA graphs of CuPy's defaults over S72_SHAPES (default
+#       16x32x32768; FlashInfer BF16 in the process), wgmma_rates.py (modes 3 to 8), Nsight Compute of both probes
+#       (memory tables, pipes, warp states), while S72_LIMIT seconds (default 560) are not spent; $OUT/s72.tgz
 #   bash benchmarks/run_h200_kernels.sh stop64a  # Triton kernel v5 (few rows, tokens as wgmma M): its GPU tests
 #       (S64A_K: pytest's -k; against the reference and kernel v4), memcheck, then CUDA graphs of S64A_SETTINGS (v2,
 #       v4, v5, v5 two pages ahead) over S64A_SHAPES (CuPy's defaults and FlashInfer BF16 in the process), then
@@ -962,6 +963,9 @@ elif [ "$MODE" = stop72 ]; then
   echo "=== v8 probe (mma.sync, unscaled key tile; B32 L32K's tokens, checked against float64)"
   timeout 120 python3 -P benchmarks/v8_probe.py --json /tmp/s72/v8_probe.jsonl 2>&1 | tail -4
   timeout 60 python3 -P benchmarks/v8_probe.py --skip 1 --check 0 --json /tmp/s72/v8_probe.jsonl 2>&1 | tail -2
+  echo "=== v9 probe (warp roles, the queries in registers; checked against float64)"
+  timeout 120 python3 -P benchmarks/v9_probe.py --json /tmp/s72/v9_probe.jsonl 2>&1 | tail -4
+  timeout 60 python3 -P benchmarks/v9_probe.py --skip 1 --check 0 --json /tmp/s72/v9_probe.jsonl 2>&1 | tail -2
   echo "=== CUDA graphs, CuPy's defaults ($(left) s left)"
   timeout -k 5 100 python3 -P benchmarks/graph_probe.py --backends cupy --formats C4R4,C2R4 \
     --shapes ${S72_SHAPES:-16x32x32768} --json /tmp/s72/graph.json 2>&1 | grep -v "^{" | tail -8
@@ -969,15 +973,16 @@ elif [ "$MODE" = stop72 ]; then
   timeout $(( $(left) > 200 ? 150 : $(left) / 2 )) python3 -P benchmarks/wgmma_rates.py \
     --json /tmp/s72/wgmma_rates.jsonl 2>&1 | tail -34
   NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
-  if [ $(left) -gt 80 ]; then
-    echo "=== ncu v8 probe ($(left) s left)"
-    timeout $(( $(left) - 10 )) $NCU -k regex:v8_probe -s 1 -c 1 --clock-control none --section SpeedOfLight \
-      --section MemoryWorkloadAnalysis_Tables --section ComputeWorkloadAnalysis --section InstructionStats \
-      --section WarpStateStats --section SchedulerStats python3 -P benchmarks/v8_probe.py --iters 1 --check 0 \
-      > /tmp/s72/ncu_v8.txt 2>&1
-    grep -v "^==PROF==" /tmp/s72/ncu_v8.txt \
+  for v in v8 v9; do
+    [ $(left) -gt 80 ] || break
+    echo "=== ncu $v probe ($(left) s left)"
+    timeout $(( $(left) > 150 ? 90 : $(left) - 10 )) $NCU -k regex:${v}_probe -s 1 -c 1 --clock-control none \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis_Tables --section ComputeWorkloadAnalysis \
+      --section InstructionStats --section WarpStateStats --section SchedulerStats \
+      python3 -P benchmarks/${v}_probe.py --iters 1 --check 0 > /tmp/s72/ncu_$v.txt 2>&1
+    grep -v "^==PROF==" /tmp/s72/ncu_$v.txt \
       | grep -E "Duration|L1/TEX|Issued Warp|Warp Cycles Per Issued|Executed Ipc" | head -8
-  fi
+  done
   tar czf "$OUT/s72.tgz" -C /tmp s72
 elif [ "$MODE" = stop64a ] || [ "$MODE" = stop63a ]; then
   mkdir -p /tmp/s64a; t0=$(date +%s); left() { echo $(( ${S64A_LIMIT:-${S63A_LIMIT:-560}} - $(date +%s) + t0 )); }

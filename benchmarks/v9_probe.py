@@ -1,0 +1,90 @@
+"""Time (and check) ``benchmarks/v9_probe.cu``: the v8 probe with warp roles, the queries' fragments in registers.
+
+Four scorer warps convert the codes, run QK and the softmax and fill one of two tile buffers (key tile, P', 128 + z
+rows); four summer warps run PV from them. Same synthetic layout, defaults, output and checks as ``v8_probe.py``, with
+one partial output a CTA (its tiles in order)::
+
+    source benchmarks/h200_setup.sh; python3 -P benchmarks/v9_probe.py --json "$OUT/v9_probe.json"
+
+``--skip 1`` (the summers skip PV) times the scorers alone; its output is wrong, so it is not checked. Offline,
+``python benchmarks/v9_probe.py --sass [--skip N]`` prints the scorers' and the summers' tile loops' SASS histograms.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.probe_cli import check_probe_options, median_launch_us, partial_errors, probe_main, softmax_reference
+from benchmarks.v7_probe import _bf16_to_f64, layout_bytes, make_inputs
+from benchmarks.v8_probe import DC, DR, H, NGC, TILE, exact_keys, query_fragments
+
+SOURCE = Path(__file__).with_name("v9_probe.cu")
+SKIPS = {0: "none", 1: "PV"}  # v9_probe.cu's V9_SKIP
+#: v9_probe.cu's shared memory: the RoPE k-steps' and zero-point sums' fragments, two tile buffers (key tile, P',
+#: 128 + z rows, the summers' factors), the scorers' tile maxima by parity
+SMEM_BYTES = 7 * 32 * 16 + 2 * (TILE * DC * 2 + NGC * H * TILE * 2 + TILE * 16 + H * 4) + 2 * H * 4 * 4
+
+
+def reference_cta(inp: dict[str, np.ndarray], cta: int, tpc: int, sm_scale: float):
+    """Normalized output [16, 512] and log2-sum-exp [16] of one CTA's tokens (float64, exact keys)."""
+    k = exact_keys(inp, cta * tpc, (cta + 1) * tpc)
+    return softmax_reference(_bf16_to_f64(inp["q"]), k, sm_scale, DC)
+
+
+def run(ctas: int, tpc: int, iters: int, check: int, seed: int = 0, skip: int = 0) -> dict:
+    check_probe_options(skip, SKIPS, check, tpc, TILE)
+    import cupy
+
+    from quantmla_core.backends.cupy import KERNEL_DIR, compile_cubin
+
+    tokens = ctas * tpc
+    inp = make_inputs(np.random.default_rng(seed), tokens)
+    dev = {k: cupy.asarray(v) for k, v in inp.items()}
+    qb = cupy.asarray(query_fragments(inp["q"]))
+    out = cupy.full((ctas, 1, H, DC), np.nan, dtype=cupy.float32)
+    ml = cupy.full((ctas, 1, H, 2), np.nan, dtype=cupy.float32)
+    opts = ("--std=c++17", f"-I{KERNEL_DIR}", f"-I{SOURCE.parent}", f"-DV9_SKIP={skip}")  # v8_parts.cuh
+    fn = cupy.RawModule(path=str(compile_cubin(SOURCE.read_text(), opts, "sm_90a"))).get_function("v9_probe")
+    fn.max_dynamic_shared_size_bytes = SMEM_BYTES
+    sm_scale = 1.0 / np.sqrt(DC + DR)
+    args = (dev["cc"], dev["rc"], dev["csc"], dev["cze"], dev["rsc"], dev["rze"], qb, out, ml, np.int32(tpc),
+            np.float32(sm_scale * np.log2(np.e)))
+    us = median_launch_us(lambda: fn((ctas,), (256,), args, shared_mem=SMEM_BYTES), iters)
+    o, st = out.get().astype(np.float64), ml.get().astype(np.float64)
+    err_o, err_lse = partial_errors(o, st, check, lambda cta, _: reference_cta(inp, cta, tpc, sm_scale))
+    nbytes = layout_bytes(tokens)
+    return {"skip": SKIPS[skip], "ctas": ctas, "tokens_per_cta": tpc, "tokens": tokens, "us": us, "bytes": nbytes,
+            "gbps": nbytes / us / 1e3, "checked_ctas": check, "max_rel_err_out": err_o,
+            "max_abs_err_lse2": err_lse, "nan_in_output": bool(np.isnan(o).any())}
+
+
+def role_loop_histograms(skip: int = 0) -> dict[str, dict[str, int]]:
+    """Opcode counts a tile of the scorers' loop (the smallest loop with QK's 72 MMAs and the zero points' 12) and of
+    the summers' loop (the one with a barrier that neither stores P' nor writes the output), static: the rare branches
+    counted once."""
+    from quantmla_core.backends.cupy.sass_report import compile_sass_source, loops
+
+    sass, _ = compile_sass_source(SOURCE, {"V9_SKIP": skip})
+    found = loops(sass)
+    scorer = min((lp for lp in found if lp.opcodes.get("HMMA") == 84), key=lambda lp: lp.total)
+    summers = (lp for lp in found
+               if lp.opcodes.get("BAR") and not lp.opcodes.get("STSM") and not lp.opcodes.get("STG"))
+    summer = min(summers, key=lambda lp: lp.total)
+    return {"scorer": scorer.opcodes, "summer": summer.opcodes}
+
+
+def _sass_histogram(skip: int) -> dict[str, float]:
+    hists = role_loop_histograms(skip)
+    print("v9 summers' tile loop: " + ", ".join(f"{op} {n}" for op, n in sorted(hists["summer"].items(),
+                                                                           key=lambda kv: -kv[1])[:10]))
+    return hists["scorer"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    probe_main(argv, __doc__.splitlines()[0], run, _sass_histogram, SKIPS, "v9 scorers' tile loop (64 tokens, a warp)",
+               TILE)
+
+
+if __name__ == "__main__":
+    main()
