@@ -202,6 +202,53 @@ __device__ __forceinline__ void v8_store_zero_rows(u32 zt, const V8Token& c0, co
     }
 }
 
+// Scale the warp's scores to log2 units and write its per-head maxima over its 16 tokens to mx[head][warp] (lanes
+// with g 0). mx: [16][4] floats.
+__device__ __forceinline__ void v8_tile_maxima(float (&s)[2][4], float scale_log2, float* mx, int w, int g, int q) {
+    float tm[4];  // heads 2q, 2q + 1, 8 + 2q, 9 + 2q
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            s[nb][e] *= scale_log2;
+            s[nb][2 + e] *= scale_log2;
+            tm[2 * nb + e] = fmaxf(s[nb][e], s[nb][2 + e]);
+        }
+    }
+#pragma unroll
+    for (int d = 4; d < 32; d <<= 1) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) tm[i] = fmaxf(tm[i], __shfl_xor_sync(0xffffffffu, tm[i], d));
+    }
+    if (g == 0) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) mx[4 * (2 * q + (i & 1) + 8 * (i >> 1)) + w] = tm[i];
+    }
+}
+
+// The 4 warps' maxima (mx[head][warp]) of heads 2q (+1) (+8) (m4), g and g + 8 (m2), lane % 16 (m1)
+__device__ __forceinline__ void v8_read_maxima(const float* mx, int lane, float (&m4)[4], float (&m2)[2], float& m1) {
+    const int g = lane >> 2, q = lane & 3;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) m4[i] = v8_max4(((const float4*)mx)[2 * q + (i & 1) + 8 * (i >> 1)]);
+    m2[0] = v8_max4(((const float4*)mx)[g]);
+    m2[1] = v8_max4(((const float4*)mx)[g + 8]);
+    m1 = v8_max4(((const float4*)mx)[lane & 15]);
+}
+
+// The row sums of heads 2q, 2q + 1, 8 + 2q, 9 + 2q summed over the warp's lanes and written to ls[head][warp]
+__device__ __forceinline__ void v8_write_row_sums(float (&l)[4], float* ls, int w, int g, int q) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int d = 4; d < 32; d <<= 1) l[i] += __shfl_xor_sync(0xffffffffu, l[i], d);
+    }
+    if (g == 0) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) ls[4 * (2 * q + (i & 1) + 8 * (i >> 1)) + w] = l[i];
+    }
+}
+
 // p = 2^(x - mref) of tokens g, g + 8 (x: the scaled scores, log2 units), added to the row sums l (heads 2q, 2q + 1,
 // 8 + 2q, 9 + 2q), and P'_grp = bf16(bf16(p) s_grp) stored transposed: [grp][head][token]
 __device__ __forceinline__ void v8_store_weights(const float (&x)[2][4], const float (&mref)[4], float (&l)[4],

@@ -72,14 +72,6 @@ extern "C" __global__ void __launch_bounds__(128 * WORKERS, 1)
         v8_load(xa[0], cc, rc, csc, cze, rsc, rze, base + T * wk + 16 * w + g, q);
         v8_load(xa[1], cc, rc, csc, cze, rsc, rze, base + T * wk + 16 * w + 8 + g, q);
     }
-    // the reference maxima of heads 2q (+1) (+8), g and g + 8, lane % 16 from the 4 warps' tile maxima
-    auto read_maxima = [&](float (&m4)[4], float (&m2)[2], float& m1) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) m4[i] = v8_max4(((const float4*)mx)[2 * q + (i & 1) + 8 * (i >> 1)]);
-        m2[0] = v8_max4(((const float4*)mx)[g]);
-        m2[1] = v8_max4(((const float4*)mx)[g + 8]);
-        m1 = v8_max4(((const float4*)mx)[lane & 15]);
-    };
     auto tile = [&](int it, const V8Token (&cur)[2], V8Token (&next)[2], auto first) {
         const V8Token &c0 = cur[0], &c1 = cur[1];
         if (it + WORKERS < ntiles) {
@@ -90,29 +82,10 @@ extern "C" __global__ void __launch_bounds__(128 * WORKERS, 1)
         float s[2][4];
         v8_scores(s, c0, c1, q, ad, [&](int ks) { return qb[ks * 32 + lane]; }, [](int) {});
         v8_store_zero_rows(zt, c0, c1, w, g, q);
-        // ---- softmax over the warp's 16 tokens; the tile's per-head maxima go to shared memory
-        float tm[4];  // heads 2q, 2q + 1, 8 + 2q, 9 + 2q
-#pragma unroll
-        for (int nb = 0; nb < 2; ++nb) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                s[nb][e] *= scale_log2;
-                s[nb][2 + e] *= scale_log2;
-                tm[2 * nb + e] = fmaxf(s[nb][e], s[nb][2 + e]);
-            }
-        }
-#pragma unroll
-        for (int d = 4; d < 32; d <<= 1) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) tm[i] = fmaxf(tm[i], __shfl_xor_sync(0xffffffffu, tm[i], d));
-        }
-        if (g == 0) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) mx[4 * (2 * q + (i & 1) + 8 * (i >> 1)) + w] = tm[i];
-        }
+        v8_tile_maxima(s, scale_log2, mx, w, g, q);  // the softmax's maxima over the warp's 16 tokens
         if constexpr (decltype(first)::value) {  // a worker's first tile: its maxima set the reference first
             asm volatile("bar.sync %0, 128;" ::"r"(bar_ready) : "memory");
-            read_maxima(mref, mrow, mlane);
+            v8_read_maxima(mx, lane, mref, mrow, mlane);
             asm volatile("bar.sync %0, 128;" ::"r"(bar_read) : "memory");  // the exchange below reads them again
         }
         v8_store_weights(s, mref, l, c0, c1, ad.pst);
@@ -121,7 +94,7 @@ extern "C" __global__ void __launch_bounds__(128 * WORKERS, 1)
         const float mnew = v8_max4(((const float4*)mx)[lane & 15]);
         const bool move = __any_sync(0xffffffffu, mnew > mlane + SLACK);
         float nm[4], nrow[2], n1;
-        if (move) read_maxima(nm, nrow, n1);
+        if (move) v8_read_maxima(mx, lane, nm, nrow, n1);
 #if V8_SKIP != 1
         v8_pv(o, za, ad, w);
 #endif
@@ -148,17 +121,9 @@ extern "C" __global__ void __launch_bounds__(128 * WORKERS, 1)
         if (it + WORKERS < ntiles) tile(it + WORKERS, xa, xb, V8Flag<false>{});
     }
     // ---- the row sums over the worker's 4 warps, then the outputs
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-#pragma unroll
-        for (int d = 4; d < 32; d <<= 1) l[i] += __shfl_xor_sync(0xffffffffu, l[i], d);
-    }
     const long long slot = (long long)blockIdx.x * WORKERS + wk;
     if (wk < ntiles) {
-        if (g == 0) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) mx[4 * (2 * q + (i & 1) + 8 * (i >> 1)) + w] = l[i];
-        }
+        v8_write_row_sums(l, mx, w, g, q);
         asm volatile("bar.sync %0, 128;" ::"r"(bar_ready) : "memory");
         if (w == 0 && q == 0) {
 #pragma unroll

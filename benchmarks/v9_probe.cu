@@ -78,13 +78,6 @@ extern "C" __global__ void __launch_bounds__(256, 1)
         float mrow[2] = {-QMLA_INF, -QMLA_INF};                          // heads g, g + 8 (for ml)
         float mlane = -QMLA_INF, alpha = 1.0f;                           // head lane % 16: the move test, factor
         float l[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        auto read_maxima = [&](const float* mx, float (&m4)[4], float (&m2)[2], float& m1) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) m4[i] = v8_max4(((const float4*)mx)[2 * q + (i & 1) + 8 * (i >> 1)]);
-            m2[0] = v8_max4(((const float4*)mx)[g]);
-            m2[1] = v8_max4(((const float4*)mx)[g + 8]);
-            m1 = v8_max4(((const float4*)mx)[lane & 15]);
-        };
         V8Token x[2];  // tokens 16 w + g, + 8: this tile's codes, refilled with the next tile's as they are used
         V9Scales nx[2];
         v8_load(x[0], cc, rc, csc, cze, rsc, rze, base + 16 * w + g, q);
@@ -121,28 +114,10 @@ extern "C" __global__ void __launch_bounds__(256, 1)
                 });
             v8_store_zero_rows(zt, x[0], x[1], w, g, q);
             float* mx = mxs + b * H * 4;
-            float tm[4];  // heads 2q, 2q + 1, 8 + 2q, 9 + 2q
-#pragma unroll
-            for (int nb = 0; nb < 2; ++nb) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    s[nb][e] *= scale_log2;
-                    s[nb][2 + e] *= scale_log2;
-                    tm[2 * nb + e] = fmaxf(s[nb][e], s[nb][2 + e]);
-                }
-            }
-#pragma unroll
-            for (int d = 4; d < 32; d <<= 1) {
-#pragma unroll
-                for (int i = 0; i < 4; ++i) tm[i] = fmaxf(tm[i], __shfl_xor_sync(0xffffffffu, tm[i], d));
-            }
-            if (g == 0) {
-#pragma unroll
-                for (int i = 0; i < 4; ++i) mx[4 * (2 * q + (i & 1) + 8 * (i >> 1)) + w] = tm[i];
-            }
+            v8_tile_maxima(s, scale_log2, mx, w, g, q);  // the softmax's maxima over the warp's 16 tokens
             if (it == 0) {  // the first tile's maxima set the reference before any p is made
                 v9_sync(5, 128);
-                read_maxima(mx, mref, mrow, mlane);
+                v8_read_maxima(mx, lane, mref, mrow, mlane);
             }
             v8_store_weights(s, mref, l, x[0], x[1], ad.pst);
             if (w == 0 && lane < 16) factors(b)[lane] = alpha;  // the summers rescale by it before this tile
@@ -162,7 +137,7 @@ extern "C" __global__ void __launch_bounds__(256, 1)
             alpha = 1.0f;
             if (move) {
                 float nm[4], nrow[2], n1;
-                read_maxima(mx, nm, nrow, n1);
+                v8_read_maxima(mx, lane, nm, nrow, n1);
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     const float m = fmaxf(mref[i], nm[i]);
@@ -177,16 +152,8 @@ extern "C" __global__ void __launch_bounds__(256, 1)
             }
         }
         // the row sums over the 4 scorers (in the maxima of the parity no scorer still reads), then ml
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-#pragma unroll
-            for (int d = 4; d < 32; d <<= 1) l[i] += __shfl_xor_sync(0xffffffffu, l[i], d);
-        }
         float* ls = mxs + (ntiles & 1) * H * 4;
-        if (g == 0) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) ls[4 * (2 * q + (i & 1) + 8 * (i >> 1)) + w] = l[i];
-        }
+        v8_write_row_sums(l, ls, w, g, q);
         v9_sync(5, 128);
         if (w == 0 && q == 0) {
 #pragma unroll
