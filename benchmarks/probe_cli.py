@@ -64,6 +64,15 @@ def partial_errors(out: np.ndarray, stats: np.ndarray, check: int,
     return err_o, err_lse
 
 
+def probe_row(skip: str, ctas: int, tpc: int, us: float, nbytes: int, check: int, errors: tuple[float, float],
+              out: np.ndarray) -> dict:
+    """A probe's JSON row: what it skipped, its grid, its median time and bytes read (and GB/s), the CTAs checked,
+    their errors (``partial_errors``) and whether any output stayed NaN (the outputs are poisoned first)."""
+    return {"skip": skip, "ctas": ctas, "tokens_per_cta": tpc, "tokens": ctas * tpc, "us": us, "bytes": nbytes,
+            "gbps": nbytes / us / 1e3, "checked_ctas": check, "max_rel_err_out": errors[0],
+            "max_abs_err_lse2": errors[1], "nan_in_output": bool(np.isnan(out).any())}
+
+
 def emit_json_row(row: dict, path: str | None) -> None:
     """Print ``row`` as one JSON line and, given ``path``, append the line to that file."""
     line = json.dumps(row)

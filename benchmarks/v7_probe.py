@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.probe_cli import (check_probe_options, median_launch_us, partial_errors, probe_main,
+from benchmarks.probe_cli import (check_probe_options, median_launch_us, partial_errors, probe_main, probe_row,
                                   softmax_reference)
 
 SOURCE = Path(__file__).with_name("v7_probe.cu")
@@ -92,10 +92,7 @@ def run(ctas: int, tpc: int, iters: int, check: int, seed: int = 0, skip: int = 
     us = median_launch_us(lambda: fn((ctas,), (128 * TEAMS,), args), iters)
     o, st = out.get().astype(np.float64), ml.get().astype(np.float64)
     err_o, err_lse = partial_errors(o, st, check, lambda cta, team: reference_team(inp, cta, team, tpc, sm_scale))
-    nbytes = layout_bytes(tokens)
-    return {"skip": SKIPS[skip], "ctas": ctas, "tokens_per_cta": tpc, "tokens": tokens, "us": us, "bytes": nbytes,
-            "gbps": nbytes / us / 1e3, "checked_ctas": check, "max_rel_err_out": err_o,
-            "max_abs_err_lse2": err_lse, "nan_in_output": bool(np.isnan(o).any())}
+    return probe_row(SKIPS[skip], ctas, tpc, us, layout_bytes(tokens), check, (err_o, err_lse), o)
 
 
 def tile_loop_histogram(skip: int = 0) -> dict[str, int]:

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.probe_cli import (check_probe_options, median_launch_us, partial_errors, probe_main,
+from benchmarks.probe_cli import (check_probe_options, median_launch_us, partial_errors, probe_main, probe_row,
                                   softmax_reference)
 from benchmarks.v7_probe import _bf16_to_f64, layout_bytes, make_inputs
+from quantmla_core.reference.quantize import bf16_round, bf16_to_bits
 
 SOURCE = Path(__file__).with_name("v8_probe.cu")
 PARTS = Path(__file__).with_name("v8_parts.cuh")  # what v8_probe.cu and v9_probe.cu share
@@ -56,11 +57,6 @@ def _pack(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     return lo.astype(np.uint32) | (hi.astype(np.uint32) << 16)
 
 
-def _bf16_bits(x: np.ndarray) -> np.ndarray:
-    b = np.asarray(x, np.float32).view(np.uint32)
-    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
-
-
 def query_fragments(q_bits: np.ndarray) -> np.ndarray:
     """[39, 32, 4] uint32: QK's B fragments a k-step and lane (heads g and 8 + g; k-slots 2q, 2q + 1 and 2q + 8,
     2q + 9), then those of minus the heads' per-group query sums in three bf16 parts, largest first (slots 2q, 2q + 1
@@ -78,7 +74,7 @@ def query_fragments(q_bits: np.ndarray) -> np.ndarray:
     sums = np.concatenate([qf[:, :DC].reshape(H, NGC, DC // NGC).sum(-1), qf[:, DC:].sum(-1, keepdims=True)], axis=1)
     parts, rest = [], -sums
     for _ in range(3):
-        parts.append(_bf16_bits(rest))
+        parts.append(bf16_to_bits(bf16_round(rest)))
         rest = rest - _bf16_to_f64(parts[-1])
     for kind, bits in enumerate(parts):
         padded = np.concatenate([bits, np.zeros((H, 16 - NGC - 1), np.uint16)], axis=1)  # slots 9..15 hold 0
@@ -129,10 +125,7 @@ def run(ctas: int, tpc: int, iters: int, check: int, seed: int = 0, skip: int = 
     us = median_launch_us(lambda: fn((ctas,), (128 * WORKERS,), args, shared_mem=SMEM_BYTES), iters)
     o, st = out.get().astype(np.float64), ml.get().astype(np.float64)
     err_o, err_lse = partial_errors(o, st, check, lambda cta, wk: reference_worker(inp, cta, wk, tpc, sm_scale))
-    nbytes = layout_bytes(tokens)
-    return {"skip": SKIPS[skip], "ctas": ctas, "tokens_per_cta": tpc, "tokens": tokens, "us": us, "bytes": nbytes,
-            "gbps": nbytes / us / 1e3, "checked_ctas": check, "max_rel_err_out": err_o,
-            "max_abs_err_lse2": err_lse, "nan_in_output": bool(np.isnan(o).any())}
+    return probe_row(SKIPS[skip], ctas, tpc, us, layout_bytes(tokens), check, (err_o, err_lse), o)
 
 
 def tile_loop_histogram(skip: int = 0) -> dict[str, float]:

@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from benchmarks.probe_cli import emit_json_row, partial_errors, probe_main
+from benchmarks.probe_cli import emit_json_row, partial_errors, probe_main, probe_row
 
 
 def _parts(rng):
@@ -53,3 +53,12 @@ def test_probe_main_runs_or_prints_the_histogram(tmp_path, capsys):
     assert calls == [(3, 256, 20, 0, 0)] and json.loads((tmp_path / "r.jsonl").read_text()) == {"us": 1.5}
     with pytest.raises(SystemExit):
         probe_main(["--skip", "2"], **kw)
+
+
+def test_probe_row_reports_rate_errors_and_untouched_outputs():
+    out = np.zeros((2, 1, 16, 512))
+    row = probe_row("PV", 2, 128, 4.0, 8000, 1, (1e-3, 2e-4), out)
+    assert row["tokens"] == 256 and row["gbps"] == 2.0 and row["max_rel_err_out"] == 1e-3
+    assert row["max_abs_err_lse2"] == 2e-4 and row["skip"] == "PV" and row["nan_in_output"] is False
+    out[1, 0, 5, 7] = np.nan
+    assert probe_row("none", 2, 128, 4.0, 8000, 0, (0.0, 0.0), out)["nan_in_output"] is True

@@ -11,6 +11,7 @@ from benchmarks.v7_probe import _bf16_to_f64, make_inputs
 from benchmarks.v8_probe import (DC, HMMA_PER_TILE, KSTEPS, NGC, PARTS, exact_keys, kslot_channel, kstep_group,
                                  query_fragments, run, tile_loop_histogram)
 from quantmla_core.backends.cupy.sass_report import missing_tools
+from quantmla_core.reference.quantize import bf16_round
 
 
 def _cuda_channel():
@@ -65,10 +66,9 @@ def _b_matrix(frag: np.ndarray) -> np.ndarray:
     return b
 
 
-def _bf16_round(x: np.ndarray) -> np.ndarray:
-    from benchmarks.v8_probe import _bf16_bits
-
-    return _bf16_to_f64(_bf16_bits(x))
+def _bf16_round(x) -> np.ndarray:
+    """bf16 rounding (the reference's) of x as float64, in x's shape (a scalar stays 0-dimensional)."""
+    return bf16_round(x).astype(np.float64).reshape(np.shape(x))
 
 
 def test_emulated_qk_matches_float64():
