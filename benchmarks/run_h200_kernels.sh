@@ -132,10 +132,11 @@
 #       B32 L32K C4R4 and C2R4 (memory tables, pipes, warp states), v5's GPU tests, while S70_LIMIT seconds (default
 #       560) are not spent; $OUT/s70.tgz
 #   bash benchmarks/run_h200_kernels.sh stop72   # the v8 and v9 probes (any card): v8_probe.py (mma.sync, scales kept
-#       off the values; checked against float64; then its build without PV), v9_probe.py (the same with warp roles,
-#       the queries in registers; the same two runs), CUDA graphs of CuPy's defaults over S72_SHAPES (default
-#       16x32x32768; FlashInfer BF16 in the process), wgmma_rates.py (modes 3 to 8), Nsight Compute of both probes
-#       (memory tables, pipes, warp states), while S72_LIMIT seconds (default 560) are not spent; $OUT/s72.tgz
+#       off the values; checked against float64; then its builds without PV and without the tile loop's query reads),
+#       v9_probe.py (the same with warp roles, the queries in registers; checked, then its build without PV), CUDA
+#       graphs of CuPy's defaults over S72_SHAPES (default 16x32x32768; FlashInfer BF16 in the process),
+#       wgmma_rates.py (modes 3 to 8), Nsight Compute of both probes (memory tables, pipes, warp states), while
+#       S72_LIMIT seconds (default 560) are not spent; $OUT/s72.tgz
 #   bash benchmarks/run_h200_kernels.sh stop64a  # Triton kernel v5 (few rows, tokens as wgmma M): its GPU tests
 #       (S64A_K: pytest's -k; against the reference and kernel v4), memcheck, then CUDA graphs of S64A_SETTINGS (v2,
 #       v4, v5, v5 two pages ahead) over S64A_SHAPES (CuPy's defaults and FlashInfer BF16 in the process), then
@@ -962,7 +963,9 @@ elif [ "$MODE" = stop72 ]; then
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee /tmp/s72/gpu.txt
   echo "=== v8 probe (mma.sync, unscaled key tile; B32 L32K's tokens, checked against float64)"
   timeout 120 python3 -P benchmarks/v8_probe.py --json /tmp/s72/v8_probe.jsonl 2>&1 | tail -4
-  timeout 60 python3 -P benchmarks/v8_probe.py --skip 1 --check 0 --json /tmp/s72/v8_probe.jsonl 2>&1 | tail -2
+  for k in 1 2; do  # without PV; without the tile loop's query reads
+    timeout 60 python3 -P benchmarks/v8_probe.py --skip $k --check 0 --json /tmp/s72/v8_probe.jsonl 2>&1 | tail -2
+  done
   echo "=== v9 probe (warp roles, the queries in registers; checked against float64)"
   timeout 120 python3 -P benchmarks/v9_probe.py --json /tmp/s72/v9_probe.jsonl 2>&1 | tail -4
   timeout 60 python3 -P benchmarks/v9_probe.py --skip 1 --check 0 --json /tmp/s72/v9_probe.jsonl 2>&1 | tail -2

@@ -24,7 +24,9 @@
 #include "v8_parts.cuh"
 
 #define WORKERS 2
-// Stage-skip builds (timing only: their outputs are wrong): 1 skips PV (its ldmatrix and mma.sync).
+// Stage-skip builds (timing only: their outputs are wrong): 1 skips PV (its ldmatrix and mma.sync); 2 reads no query
+// fragment from shared memory in the tile loop (every k-step's MMAs take one fragment held in registers), which
+// measures what those reads (624 of ~1,970 wavefronts a tile) cost.
 #ifndef V8_SKIP
 #define V8_SKIP 0
 #endif
@@ -58,6 +60,9 @@ extern "C" __global__ void __launch_bounds__(128 * WORKERS, 1)
     const long long base = (long long)blockIdx.x * tpc;
     const int ntiles = tpc / T;
     const V8Addr ad = v8_addresses(vt, pt, zt, w, lane);
+#if V8_SKIP == 2
+    const uint4 qreg = qb[lane];
+#endif
 
     float o[NB][4], za[2][4];  // PV: rows (heads) g, g + 8; the warp's positions 128 w + 8 n + 2 q (+ 1)
 #pragma unroll
@@ -80,7 +85,11 @@ extern "C" __global__ void __launch_bounds__(128 * WORKERS, 1)
             v8_load(next[1], cc, rc, csc, cze, rsc, rze, t + 8, q);
         }
         float s[2][4];
+#if V8_SKIP == 2
+        v8_scores(s, c0, c1, q, ad, [&](int) { return qreg; }, [](int) {});
+#else
         v8_scores(s, c0, c1, q, ad, [&](int ks) { return qb[ks * 32 + lane]; }, [](int) {});
+#endif
         v8_store_zero_rows(zt, c0, c1, w, g, q);
         v8_tile_maxima(s, scale_log2, mx, w, g, q);  // the softmax's maxima over the warp's 16 tokens
         if constexpr (decltype(first)::value) {  // a worker's first tile: its maxima set the reference first

@@ -9,7 +9,9 @@ keys (the probe's keys are exact; its weights ``p s`` are rounded to bf16)::
 
     source benchmarks/h200_setup.sh; python3 -P benchmarks/v8_probe.py --json "$OUT/v8_probe.json"
 
-``--skip 1`` (no PV) times a build without PV's ldmatrix and MMAs; its output is wrong, so it is not checked.
+``--skip 1`` (no PV) times a build without PV's ldmatrix and MMAs; ``--skip 2`` one whose QK MMAs all take a single
+query fragment held in registers (no shared-memory query reads in the tile loop). Their outputs are wrong, so they
+are not checked.
 Offline (nvcc, cuobjdump, nvdisasm), ``python benchmarks/v8_probe.py --sass [--skip N]`` prints the tile loop's SASS
 histogram, a tile at a time.
 """
@@ -26,12 +28,13 @@ from quantmla_core.reference.quantize import bf16_round, bf16_to_bits
 
 SOURCE = Path(__file__).with_name("v8_probe.cu")
 PARTS = Path(__file__).with_name("v8_parts.cuh")  # what v8_probe.cu and v9_probe.cu share
-SKIPS = {0: "none", 1: "PV"}  # v8_probe.cu's V8_SKIP
+SKIPS = {0: "none", 1: "PV", 2: "query loads"}  # v8_probe.cu's V8_SKIP
 H, DC, DR, NGC, TILE, WORKERS, KSTEPS = 16, 512, 64, 8, 64, 2, 36
 #: v8_probe.cu's shared memory: the queries' fragments (36 k-steps and 3 for the zero points), then per worker its
 #: key tile, P' tiles, 128 + z rows and tile maxima
 SMEM_BYTES = (KSTEPS + 3) * 32 * 16 + WORKERS * (TILE * DC * 2 + NGC * H * TILE * 2 + TILE * 16 + H * 4 * 4)
-HMMA_PER_TILE = {0: 12 + 72 + 64 + 8, 1: 12 + 72}  # zero-point MMAs, QK, PV, PV's zero points (per warp)
+#: a warp's MMAs a tile: zero-point MMAs, QK, PV, PV's zero points
+HMMA_PER_TILE = {0: 12 + 72 + 64 + 8, 1: 12 + 72, 2: 12 + 72 + 64 + 8}
 
 
 def kslot_channel(ks: int, k: int) -> int:

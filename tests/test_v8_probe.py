@@ -107,7 +107,8 @@ def test_emulated_qk_matches_float64():
     assert np.abs(np.einsum("tg,gth->th", scales, acc) - want).max() > 10 * np.abs(want).max()
 
 
-@pytest.mark.parametrize("kwargs, match", [({"skip": 2}, "--skip must be one of"), ({"skip": 1}, "pass --check 0"),
+@pytest.mark.parametrize("kwargs, match", [({"skip": 3}, "--skip must be one of"), ({"skip": 1}, "pass --check 0"),
+                                           ({"skip": 2}, "pass --check 0"),
                                            ({"tpc": 192}, "multiple of 128"), ({"tpc": 0}, "multiple of 128")])
 def test_run_checks_its_options_before_cupy(kwargs, match):
     args = {"ctas": 1, "tpc": 128, "iters": 1, "check": 1, "skip": 0} | kwargs
@@ -116,17 +117,19 @@ def test_run_checks_its_options_before_cupy(kwargs, match):
 
 
 @pytest.mark.skipif(bool(missing_tools()), reason=f"SASS tools missing: {missing_tools()}")
-@pytest.mark.parametrize("skip", [0, 1])
+@pytest.mark.parametrize("skip", [0, 1, 2])
 def test_tile_loop_holds_the_designed_instructions(skip):
     hist = tile_loop_histogram(skip)
     assert hist["HMMA"] == HMMA_PER_TILE[skip]
     assert hist["STSM"] == 32 + NGC  # the key tile (one stmatrix a content k-step) and the P' tiles
     assert hist.get("HADD2", 0) == 0 and hist.get("HFMA2", 0) == 0  # no value is scaled or offset
-    if skip:
+    if skip == 1:
         assert "LDSM" not in hist
     else:
         assert hist["LDSM"] == 4 * (2 + 8) + 2  # per k-step: P' of 2 groups, 8 key-tile pairs; 128 + z twice
         assert sum(hist.values()) < 1100  # stop 72's count (v5: 1,307 a warp and tile)
+    # the 39 query fragments (36 k-steps, 3 zero-point parts) are one 16-byte load each, then the 7 maxima reads
+    assert hist["LDS"] == (7 if skip == 2 else 39 + 7)
 
 
 class _Smem:
