@@ -88,7 +88,7 @@ def reference(case: Case) -> tuple[np.ndarray, np.ndarray]:
     return out[0], lse[0]
 
 
-def _online_softmax(x2: np.ndarray, pv_tile) -> tuple[np.ndarray, np.ndarray]:
+def online_softmax(x2: np.ndarray, pv_tile) -> tuple[np.ndarray, np.ndarray]:
     """Tile loop shared by both models: x2 [16, L] float32 scores in log2 units; ``pv_tile(t, p, tile_max, m_ref)``
     returns the tile's float32 contribution [16, 512] given p [16, 64] = 2 ** (x2 - m_ref). Returns out, lse (ln)."""
     m_ref = np.full(H, -np.inf, np.float32)
@@ -122,7 +122,7 @@ def v5_numerics(case: Case) -> tuple[np.ndarray, np.ndarray]:
         pb = bf16_round(p).astype(np.float64)
         return (pb @ k[TILE * t:TILE * (t + 1), :DC]).astype(np.float32)
 
-    return _online_softmax(x2, pv)
+    return online_softmax(x2, pv)
 
 
 def int8_numerics(case: Case, q_bits: int = 15, p_bits: int = 8,
@@ -165,7 +165,7 @@ def int8_numerics(case: Case, q_bits: int = 15, p_bits: int = 8,
             out[:, sl] = scale[:, None] * acc.astype(np.float32)
         return out
 
-    return _online_softmax(x2, pv)
+    return online_softmax(x2, pv)
 
 
 def errors(got: tuple[np.ndarray, np.ndarray], want: tuple[np.ndarray, np.ndarray]) -> dict[str, float]:
