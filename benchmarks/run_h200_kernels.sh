@@ -133,7 +133,8 @@
 #       560) are not spent; $OUT/s70.tgz
 #   bash benchmarks/run_h200_kernels.sh stop72   # the v8 and v9 probes (any card): v8_probe.py (mma.sync, scales kept
 #       off the values; checked against float64; then its builds without PV and without the tile loop's query reads),
-#       v9_probe.py (the same with warp roles, the queries in registers; checked, then its build without PV), CUDA
+#       v9_probe.py (the same with warp roles, the queries in registers; checked, its build without PV, then with
+#       all 32 content k-steps' queries in registers (--qregs 32, stop 72's build, which spills)), CUDA
 #       graphs of CuPy's defaults over S72_SHAPES (default 16x32x32768; FlashInfer BF16 in the process),
 #       wgmma_rates.py (modes 3 to 8), Nsight Compute of both probes (memory tables, pipes, warp states), while
 #       S72_LIMIT seconds (default 560) are not spent; $OUT/s72.tgz
@@ -969,6 +970,7 @@ elif [ "$MODE" = stop72 ]; then
   echo "=== v9 probe (warp roles, the queries in registers; checked against float64)"
   timeout 120 python3 -P benchmarks/v9_probe.py --json /tmp/s72/v9_probe.jsonl 2>&1 | tail -4
   timeout 60 python3 -P benchmarks/v9_probe.py --skip 1 --check 0 --json /tmp/s72/v9_probe.jsonl 2>&1 | tail -2
+  timeout 60 python3 -P benchmarks/v9_probe.py --qregs 32 --check 1 --json /tmp/s72/v9_probe.jsonl 2>&1 | tail -2
   echo "=== CUDA graphs, CuPy's defaults ($(left) s left)"
   timeout -k 5 100 python3 -P benchmarks/graph_probe.py --backends cupy --formats C4R4,C2R4 \
     --shapes ${S72_SHAPES:-16x32x32768} --json /tmp/s72/graph.json 2>&1 | grep -v "^{" | tail -8

@@ -1,8 +1,8 @@
 // The v8 probe with warp roles (benchmarks/v9_probe.py; stop 72 of benchmarks/RESULTS.md), so that the queries' QK
 // fragments live in registers instead of being read from shared memory by every warp (624 of the v8 probe's ~1,970
 // shared-memory wavefronts a tile). Same synthetic layout, arithmetic and checks as v8_probe.cu (v8_parts.cuh):
-//   * warps 0-3, the scorers: each holds the 32 content k-steps' B fragments (128 registers a lane; the RoPE's and
-//     the zero points' come from shared memory) and, for 16 tokens of a 64-token tile, converts the codes, runs QK,
+//   * warps 0-3, the scorers: each holds the first V9_QREGS content k-steps' B fragments (4 registers a k-step and
+//     lane; the others come from shared memory) and, for 16 tokens of a 64-token tile, converts the codes, runs QK,
 //     stores the key tile, the 128 + z rows and P' into one of two buffers, and moves the reference maximum
 //     (exchanged among the 4 scorers a tile). The next tile's codes are
 //     loaded group pair by group pair as this tile's are used (one set of registers), its scales and zero points
@@ -23,7 +23,11 @@
 
 // shared memory (bytes): the zero-point sums' fragments, two tile buffers (key tile, P', 128 + z rows, the summers'
 // factors), the scorers' tile maxima by tile parity
-#define QZ_BYTES (7 * 32 * 16)  // the RoPE k-steps' fragments and the zero-point sums'
+// the scorers hold content k-steps 0 .. V9_QREGS - 1 in registers (4 a k-step and lane)
+#ifndef V9_QREGS
+#define V9_QREGS 26  // v9_probe.py's QREGS says why
+#endif
+#define QZ_BYTES ((39 - V9_QREGS) * 32 * 16)  // the other k-steps' fragments and the zero-point sums'
 #define AL_BYTES (H * 4)
 #define BUF_BYTES (VT_BYTES + PT_BYTES + ZT_BYTES + AL_BYTES)
 #define MX_BYTES (2 * H * 4 * 4)  // [tile parity][head][warp]
@@ -52,7 +56,7 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     const int role = threadIdx.x / 128, w = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane >> 2,
               q = lane & 3;
     const uint4* qz = (const uint4*)smem;
-    for (int i = threadIdx.x; i < 7 * 32; i += blockDim.x) ((uint4*)smem)[i] = qb_g[32 * 32 + i];
+    for (int i = threadIdx.x; i < (39 - V9_QREGS) * 32; i += blockDim.x) ((uint4*)smem)[i] = qb_g[V9_QREGS * 32 + i];
     __syncthreads();
     const long long base = (long long)blockIdx.x * tpc;
     const int ntiles = tpc / T;
@@ -64,9 +68,9 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     };
     if (role == 0) {
         // ---------------------------------------------------------------- the scorers
-        u32 qf[32][4];  // the content k-steps' fragments (the RoPE's and the zero points' come from shared memory)
+        u32 qf[V9_QREGS][4];  // the first content k-steps' fragments (the rest come from shared memory)
 #pragma unroll
-        for (int ks = 0; ks < 32; ++ks) {
+        for (int ks = 0; ks < V9_QREGS; ++ks) {
             const uint4 v = qb_g[ks * 32 + lane];
             qf[ks][0] = v.x;
             qf[ks][1] = v.y;
@@ -102,7 +106,8 @@ extern "C" __global__ void __launch_bounds__(256, 1)
             v8_scores(
                 s, x[0], x[1], q, ad,
                 [&](int ks) {
-                    return ks < 32 ? make_uint4(qf[ks][0], qf[ks][1], qf[ks][2], qf[ks][3]) : qz[(ks - 32) * 32 + lane];
+                    return ks < V9_QREGS ? make_uint4(qf[ks][0], qf[ks][1], qf[ks][2], qf[ks][3])
+                                         : qz[(ks - V9_QREGS) * 32 + lane];
                 },
                 [&](int step) {
                     if (!more) return;
