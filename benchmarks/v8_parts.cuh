@@ -39,16 +39,41 @@ struct V8Token {
     u32 rs, rz;   // RoPE scale bits, zero point
 };
 
-__device__ __forceinline__ void v8_load(V8Token& x, const u8* __restrict__ cc, const u8* __restrict__ rc,
-                                        const u16* __restrict__ csc, const u8* __restrict__ cze,
-                                        const u16* __restrict__ rsc, const u8* __restrict__ rze, long long t, int q) {
-#pragma unroll
-    for (int gp = 0; gp < 4; ++gp) x.c[gp] = *(const uint4*)(cc + t * CROW + 64 * gp + 16 * q);
-    x.r = *(const uint2*)(rc + t * RROW + 8 * q);
+// a token's scales and zero points (the rest of V8Token), loaded ahead of its codes
+struct V8Scales {
+    uint4 cs;
+    uint2 cz;
+    u32 rs, rz;
+};
+__device__ __forceinline__ void v8_load_scales(V8Scales& x, const u16* __restrict__ csc, const u8* __restrict__ cze,
+                                               const u16* __restrict__ rsc, const u8* __restrict__ rze, long long t) {
     x.cs = *(const uint4*)(csc + t * NGC);
     x.cz = *(const uint2*)(cze + t * NGC);
     x.rs = rsc[t];
     x.rz = rze[t];
+}
+__device__ __forceinline__ void v8_set_scales(V8Token& x, const V8Scales& n) {
+    x.cs = n.cs;
+    x.cz = n.cz;
+    x.rs = n.rs;
+    x.rz = n.rz;
+}
+// group pair step's content codes (step 0..3) or the RoPE codes (step 4) of token t
+__device__ __forceinline__ void v8_load_codes(V8Token& x, const u8* __restrict__ cc, const u8* __restrict__ rc,
+                                              long long t, int step, int q) {
+    if (step < 4) x.c[step] = *(const uint4*)(cc + t * CROW + 64 * step + 16 * q);
+    else x.r = *(const uint2*)(rc + t * RROW + 8 * q);
+}
+
+// all of token t's codes, scales and zero points (lane q's share of the codes)
+__device__ __forceinline__ void v8_load(V8Token& x, const u8* __restrict__ cc, const u8* __restrict__ rc,
+                                        const u16* __restrict__ csc, const u8* __restrict__ cze,
+                                        const u16* __restrict__ rsc, const u8* __restrict__ rze, long long t, int q) {
+#pragma unroll
+    for (int step = 0; step < 5; ++step) v8_load_codes(x, cc, rc, t, step, q);
+    V8Scales sc;
+    v8_load_scales(sc, csc, cze, rsc, rze, t);
+    v8_set_scales(x, sc);
 }
 
 __device__ __forceinline__ u32 v8_word(const uint4& v, int e) {

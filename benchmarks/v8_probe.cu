@@ -14,7 +14,9 @@
 //   * PV (heads as M, the warp's 128 channels as N, tokens as K): A = P'_g = p s_g for each content group g, made by
 //     the lane that made p, stored transposed by stmatrix; B = the unscaled key tile by ldmatrix.trans; the zero
 //     point and the 128 come off once at the end, from an MMA of the same P'_g against the tokens' 128 + z.
-// Two workers of 4 warps a CTA take alternate tiles; two named barriers a tile and worker (tile ready, tile read).
+// Two workers of 4 warps a CTA take alternate tiles; two named barriers a tile and worker (tile ready, tile read). A
+// lane's codes are refilled with its worker's next tile's group pair by group pair as QK uses them (one set of code
+// registers: stop 72's two sets spilled), the scales and zero points a tile ahead.
 // The reference maximum (log2 units) is exchanged on a worker's first tile and then moves lazily, as kernel v5's:
 // p may exceed 1 by up to 2^SLACK, so a score that passes the maximum by more than ~120 would overflow (a probe's
 // limit, not checked).
@@ -72,32 +74,44 @@ extern "C" __global__ void __launch_bounds__(128 * WORKERS, 1)
     float mrow[2] = {-QMLA_INF, -QMLA_INF};                          // heads g, g + 8 (PV's rows)
     float mlane = -QMLA_INF;                                         // head lane % 16 (the move test)
     float l[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    V8Token xa[2], xb[2];  // tokens g, g + 8 of this tile and of the worker's next (two sets, used in turn)
+    // tokens g, g + 8 of this tile: the codes are refilled with the worker's next tile's as they are used (v9's
+    // rolling prefetch), its scales and zero points at the tile's start into nx, swapped in once P' is stored
+    V8Token x[2];
+    V8Scales nx[2];
     if (wk < ntiles) {
-        v8_load(xa[0], cc, rc, csc, cze, rsc, rze, base + T * wk + 16 * w + g, q);
-        v8_load(xa[1], cc, rc, csc, cze, rsc, rze, base + T * wk + 16 * w + 8 + g, q);
+        v8_load(x[0], cc, rc, csc, cze, rsc, rze, base + T * wk + 16 * w + g, q);
+        v8_load(x[1], cc, rc, csc, cze, rsc, rze, base + T * wk + 16 * w + 8 + g, q);
     }
-    auto tile = [&](int it, const V8Token (&cur)[2], V8Token (&next)[2], auto first) {
-        const V8Token &c0 = cur[0], &c1 = cur[1];
-        if (it + WORKERS < ntiles) {
-            const long long t = base + (long long)T * (it + WORKERS) + 16 * w + g;
-            v8_load(next[0], cc, rc, csc, cze, rsc, rze, t, q);
-            v8_load(next[1], cc, rc, csc, cze, rsc, rze, t + 8, q);
+    auto tile = [&](int it, auto first) {
+        const bool more = it + WORKERS < ntiles;
+        const long long tn = base + (long long)T * (it + WORKERS) + 16 * w + g;  // the next tile's tokens
+        if (more) {
+#pragma unroll
+            for (int t = 0; t < 2; ++t) v8_load_scales(nx[t], csc, cze, rsc, rze, tn + 8 * t);
         }
         float s[2][4];
+        auto refill = [&](int step) {
+            if (!more) return;
+#pragma unroll
+            for (int t = 0; t < 2; ++t) v8_load_codes(x[t], cc, rc, tn + 8 * t, step, q);
+        };
 #if V8_SKIP == 2
-        v8_scores(s, c0, c1, q, ad, [&](int) { return qreg; }, [](int) {});
+        v8_scores(s, x[0], x[1], q, ad, [&](int) { return qreg; }, refill);
 #else
-        v8_scores(s, c0, c1, q, ad, [&](int ks) { return qb[ks * 32 + lane]; }, [](int) {});
+        v8_scores(s, x[0], x[1], q, ad, [&](int ks) { return qb[ks * 32 + lane]; }, refill);
 #endif
-        v8_store_zero_rows(zt, c0, c1, w, g, q);
+        v8_store_zero_rows(zt, x[0], x[1], w, g, q);
         v8_tile_maxima(s, scale_log2, mx, w, g, q);  // the softmax's maxima over the warp's 16 tokens
         if constexpr (decltype(first)::value) {  // a worker's first tile: its maxima set the reference first
             asm volatile("bar.sync %0, 128;" ::"r"(bar_ready) : "memory");
             v8_read_maxima(mx, lane, mref, mrow, mlane);
             asm volatile("bar.sync %0, 128;" ::"r"(bar_read) : "memory");  // the exchange below reads them again
         }
-        v8_store_weights(s, mref, l, c0, c1, ad.pst);
+        v8_store_weights(s, mref, l, x[0], x[1], ad.pst);
+        if (more) {
+#pragma unroll
+            for (int t = 0; t < 2; ++t) v8_set_scales(x[t], nx[t]);
+        }
         asm volatile("bar.sync %0, 128;" ::"r"(bar_ready) : "memory");
         // ---- does the reference maximum move (for the next tile)? one head a lane, the same answer in every warp
         const float mnew = v8_max4(((const float4*)mx)[lane & 15]);
@@ -124,11 +138,8 @@ extern "C" __global__ void __launch_bounds__(128 * WORKERS, 1)
             qmla_rescale_rows<false>(za, a0, a1);
         }
     };
-    if (wk < ntiles) tile(wk, xa, xb, V8Flag<true>{});
-    for (int it = wk + WORKERS; it < ntiles; it += 2 * WORKERS) {
-        tile(it, xb, xa, V8Flag<false>{});
-        if (it + WORKERS < ntiles) tile(it + WORKERS, xa, xb, V8Flag<false>{});
-    }
+    if (wk < ntiles) tile(wk, V8Flag<true>{});
+    for (int it = wk + WORKERS; it < ntiles; it += WORKERS) tile(it, V8Flag<false>{});
     // ---- the row sums over the worker's 4 warps, then the outputs
     const long long slot = (long long)blockIdx.x * WORKERS + wk;
     if (wk < ntiles) {

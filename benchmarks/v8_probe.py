@@ -132,8 +132,8 @@ def run(ctas: int, tpc: int, iters: int, check: int, seed: int = 0, skip: int = 
 
 
 def tile_loop_histogram(skip: int = 0) -> dict[str, float]:
-    """Opcode counts a tile of the probe's tile loop (its largest loop, two tiles unrolled, two barriers a tile;
-    static: the rescale branch, taken when the reference maximum moves, counted once a tile)."""
+    """Opcode counts a tile of the probe's tile loop (its largest loop: the tiles after a worker's first, two barriers
+    a tile; static: the rescale branch, taken when the reference maximum moves, counted once a tile)."""
     from quantmla_core.backends.cupy.sass_report import compile_sass_source, loops
 
     sass, _ = compile_sass_source(SOURCE, {"V8_SKIP": skip})

@@ -38,12 +38,6 @@ __device__ __forceinline__ void v9_sync(int id, int n) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
 }
 
-struct V9Scales {
-    uint4 cs;
-    uint2 cz;
-    u32 rs, rz;
-};
-
 // grid (CTAs), block 256, dynamic shared memory SMEM_BYTES. CTA c owns tokens [c tpc, (c + 1) tpc), tpc a multiple
 // of 64. qb [39][32] uint4 as v8_probe's; out [CTAs][1][16][512] float32 unnormalized, ml [CTAs][1][16][2]
 // (reference maximum in log2 units of the scaled scores, row sum)
@@ -83,7 +77,7 @@ extern "C" __global__ void __launch_bounds__(256, 1)
         float mlane = -QMLA_INF, alpha = 1.0f;                           // head lane % 16: the move test, factor
         float l[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         V8Token x[2];  // tokens 16 w + g, + 8: this tile's codes, refilled with the next tile's as they are used
-        V9Scales nx[2];
+        V8Scales nx[2];
         v8_load(x[0], cc, rc, csc, cze, rsc, rze, base + 16 * w + g, q);
         v8_load(x[1], cc, rc, csc, cze, rsc, rze, base + 16 * w + 8 + g, q);
         for (int it = 0; it < ntiles; ++it) {
@@ -92,12 +86,7 @@ extern "C" __global__ void __launch_bounds__(256, 1)
             const long long tn = base + (long long)T * (it + 1) + 16 * w + g;  // the next tile's tokens
             if (more) {
 #pragma unroll
-                for (int t = 0; t < 2; ++t) {
-                    nx[t].cs = *(const uint4*)(csc + (tn + 8 * t) * NGC);
-                    nx[t].cz = *(const uint2*)(cze + (tn + 8 * t) * NGC);
-                    nx[t].rs = rsc[tn + 8 * t];
-                    nx[t].rz = rze[tn + 8 * t];
-                }
+                for (int t = 0; t < 2; ++t) v8_load_scales(nx[t], csc, cze, rsc, rze, tn + 8 * t);
             }
             if (it >= 2) v9_sync(3 + b, 256);  // the summers have read this buffer's tile it - 2
             const V8Addr ad = addresses(b);
@@ -112,10 +101,7 @@ extern "C" __global__ void __launch_bounds__(256, 1)
                 [&](int step) {
                     if (!more) return;
 #pragma unroll
-                    for (int t = 0; t < 2; ++t) {
-                        if (step < 4) x[t].c[step] = *(const uint4*)(cc + (tn + 8 * t) * CROW + 64 * step + 16 * q);
-                        else x[t].r = *(const uint2*)(rc + (tn + 8 * t) * RROW + 8 * q);
-                    }
+                    for (int t = 0; t < 2; ++t) v8_load_codes(x[t], cc, rc, tn + 8 * t, step, q);
                 });
             v8_store_zero_rows(zt, x[0], x[1], w, g, q);
             float* mx = mxs + b * H * 4;
@@ -126,14 +112,9 @@ extern "C" __global__ void __launch_bounds__(256, 1)
             }
             v8_store_weights(s, mref, l, x[0], x[1], ad.pst);
             if (w == 0 && lane < 16) factors(b)[lane] = alpha;  // the summers rescale by it before this tile
+            if (more) {  // this tile's scales are spent: the next tile's take their place
 #pragma unroll
-            for (int t = 0; t < 2; ++t) {  // this tile's scales are spent: the next tile's take their place
-                if (more) {
-                    x[t].cs = nx[t].cs;
-                    x[t].cz = nx[t].cz;
-                    x[t].rs = nx[t].rs;
-                    x[t].rz = nx[t].rz;
-                }
+                for (int t = 0; t < 2; ++t) v8_set_scales(x[t], nx[t]);
             }
             v9_arrive(1 + b);
             // does the reference maximum move (for the next tile)? one head a lane, the same answer in every warp
