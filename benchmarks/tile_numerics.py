@@ -75,14 +75,14 @@ def tile_numerics(case: Case, tile: str = "bf16", shift: bool = True) -> tuple[n
         q = f16(q * 2.0 ** q_log2)
     codes = case.codes.astype(np.float64)
     scales, zeros = case.scales.astype(np.float64), case.zeros.astype(np.float64)
-    group = np.minimum(np.arange(DC + 64) // G, NG - 1)
+    group = np.arange(DC + 64) // G  # 8 content groups, then the RoPE group
     sums = np.stack([q[:, group == g].sum(axis=1) for g in range(NG)], axis=1)  # [16, 9]
     # the zero-point MMAs' sum_ch q s (off + z), exact (W in two parts, the sums in three): the z part by group, the
     # offset part by channel (fp16's RoPE group carries two offsets)
     score = f32(-(sums @ (scales * zeros).T) - (q * off) @ np.repeat(scales, np.bincount(group), axis=1).T)
     for g in range(NG):
         acc = np.zeros((q.shape[0], codes.shape[0]), np.float32)
-        for k0 in range(G * g, min(G * (g + 1), DC + 64), KSTEP):
+        for k0 in range(G * g, G * (g + 1), KSTEP):
             ch = slice(k0, k0 + KSTEP)
             acc = f32(acc + q[:, ch] @ (off[ch] + codes[:, ch]).T)
         score = f32(score + scales[:, g][None, :] * acc)
